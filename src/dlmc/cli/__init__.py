@@ -1,0 +1,20 @@
+"""`dlmc` command line: `generate`, `bench`, `serve`."""
+
+from __future__ import annotations
+
+import click
+
+from dlmc import __version__
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="dlmc")
+def main() -> None:
+    """dlmc: an inference engine for diffusion language models."""
+
+
+def _register() -> None:
+    """Subcommands live in their own modules (generate.py, bench.py, serve.py)."""
+
+
+_register()
