@@ -14,7 +14,7 @@ except Exception:  # pragma: no cover - torch is a hard dependency
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -24,3 +24,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny llada2_moe checkpoint (sharded, with tokenizer) written by dlmc's generator."""
+    from dlmc.loading.tiny import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llada2"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_dir):
+    """The tiny checkpoint loaded in fp32 on the CPU."""
+    from dlmc import LLM
+
+    return LLM(tiny_dir, device="cpu", dtype="fp32")

@@ -50,14 +50,25 @@ class LLaDA2Config:
 
     def __post_init__(self) -> None:
         positive = (
-            "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size",
-            "num_experts", "num_experts_per_tok", "n_group", "topk_group",
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "intermediate_size",
+            "moe_intermediate_size",
+            "num_experts",
+            "num_experts_per_tok",
+            "n_group",
+            "topk_group",
         )
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise CheckpointError(f"config.json: `{name}` must be a positive integer, got {value!r}")
+                raise CheckpointError(
+                    f"config.json: `{name}` must be a positive integer, got {value!r}"
+                )
         if self.num_attention_heads % self.num_key_value_heads:
             raise CheckpointError(
                 "config.json: `num_attention_heads` must be a multiple of `num_key_value_heads`, "
@@ -70,12 +81,14 @@ class LLaDA2Config:
             )
         if not 1 <= self.topk_group <= self.n_group:
             raise CheckpointError(
-                f"config.json: `topk_group` must be in 1..n_group={self.n_group}, got {self.topk_group}"
+                f"config.json: `topk_group` must be in 1..n_group={self.n_group}, "
+                f"got {self.topk_group}"
             )
         if self.num_experts_per_tok > self.topk_group * (self.num_experts // self.n_group):
             raise CheckpointError(
-                f"config.json: `num_experts_per_tok` ({self.num_experts_per_tok}) exceeds the experts "
-                f"in the kept groups ({self.topk_group} x {self.num_experts // self.n_group})"
+                f"config.json: `num_experts_per_tok` ({self.num_experts_per_tok}) exceeds the "
+                f"experts in the kept groups ({self.topk_group} x "
+                f"{self.num_experts // self.n_group})"
             )
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
             raise CheckpointError(
@@ -117,7 +130,9 @@ class LLaDA2Config:
         if raw.get("head_dim") is None and "hidden_size" in raw and "num_attention_heads" in raw:
             raw["head_dim"] = raw["hidden_size"] // raw["num_attention_heads"]
         if raw.get("rope_scaling"):
-            raise CheckpointError(f"{source}: `rope_scaling` {raw['rope_scaling']!r} is not supported")
+            raise CheckpointError(
+                f"{source}: `rope_scaling` {raw['rope_scaling']!r} is not supported"
+            )
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in raw.items() if k in known}
         required = [f.name for f in fields(cls) if _is_required(f) and f.name not in kwargs]

@@ -1,0 +1,260 @@
+"""`from dlmc import LLM`: load a checkpoint once, then generate from prompts or messages."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dlmc.engine.attention import MaskedAttention, block_causal_mask
+from dlmc.engine.block_decoder import BlockDecoder
+from dlmc.engine.decode_config import DecodeConfig, resolve_decode_config, role_defaults
+from dlmc.engine.events import BlockEvent, DecodeOutput, RoundEvent
+from dlmc.errors import ConfigError, DlmcError
+from dlmc.loading.hub import resolve_model
+from dlmc.loading.loader import load_model, parse_dtype
+from dlmc.loading.special_ids import resolve_special_ids
+from dlmc.results import BlockChunk, Done, GenerateResult
+
+log = logging.getLogger(__name__)
+_UNSET: Any = object()
+StreamEvent = RoundEvent | BlockChunk | Done
+
+
+class LLM:
+    """A loaded diffusion LM and its decoder.
+
+    `model`: local checkpoint directory, Hugging Face repo id, or `tiny-llada2` (built-in tiny
+    random-weight model). `role`: "orl" (threshold 0.85, edit 0.5, 16 refine steps, from the
+    checkpoint's paper_decoding.json), "llada2.1" or "llada2.0". `precision`: "auto", "bf16"
+    or "nvfp4". `device`: default CUDA if available. `dtype`: default bf16 on CUDA, fp32 on CPU.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        role: str = "orl",
+        precision: str = "auto",
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        max_context: int | None = None,
+        show_progress: bool = False,
+    ) -> None:
+        role_defaults(role)  # validates the role
+        self.model_id = os.fspath(model)
+        self.model_dir: Path = resolve_model(model)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = parse_dtype(dtype, self.device)
+        self.role = role
+        loaded = load_model(self.model_dir, self.device, self.dtype, precision, show_progress)
+        self.config, self.model, self.precision = loaded.config, loaded.model, loaded.precision
+        self._has_self_conditioning = any("self_conditioning" in n for n in loaded.index.tensors)
+        self._tokenizer: Any = None
+        self.special_ids = resolve_special_ids(self.model_dir, self._tokenizer_special_ids)
+        self.max_context = max_context or self.config.max_position_embeddings
+        self._decoder = BlockDecoder(
+            self.model,
+            self.special_ids.mask_token_id,
+            self.special_ids.eos_token_id,
+            self.max_context,
+            self.device,
+            self.dtype,
+        )
+
+    # -- tokenizer -------------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        """The checkpoint's transformers tokenizer (loaded on first use)."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+            from transformers.utils import logging as hf_logging
+
+            if not any(
+                (self.model_dir / f).is_file()
+                for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+            ):
+                raise DlmcError(
+                    f"{self.model_dir}: no usable tokenizer (no tokenizer.json or "
+                    "tokenizer_config.json); pass prompt_token_ids instead of text"
+                )
+            verbosity = hf_logging.get_verbosity()
+            hf_logging.set_verbosity_error()  # it warns that it does not know llada2_moe
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+            except Exception as exc:
+                reason = " ".join(str(exc).split())
+                raise DlmcError(
+                    f"{self.model_dir}: no usable tokenizer ({type(exc).__name__}: {reason}); "
+                    "pass prompt_token_ids instead of text"
+                ) from None
+            finally:
+                hf_logging.set_verbosity(verbosity)
+        return self._tokenizer
+
+    def _tokenizer_special_ids(self) -> dict[str, int | None]:
+        tok = self.tokenizer
+        return {"mask_token_id": tok.mask_token_id, "eos_token_id": tok.eos_token_id}
+
+    def encode_prompt(
+        self,
+        prompt: str | None = None,
+        messages: list[dict[str, str]] | None = None,
+        prompt_token_ids: list[int] | None = None,
+    ) -> list[int]:
+        """Exactly one of: raw text, chat messages (rendered with the checkpoint's template),
+        or token ids."""
+        given = [x is not None for x in (prompt, messages, prompt_token_ids)]
+        if sum(given) != 1:
+            raise ConfigError("give exactly one of prompt, messages or prompt_token_ids")
+        if prompt_token_ids is not None:
+            ids = [int(t) for t in prompt_token_ids]
+            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise ConfigError(
+                    f"prompt_token_ids: id {bad[0]} is outside the vocabulary "
+                    f"0..{self.config.vocab_size - 1}"
+                )
+            return ids
+        if messages is not None:
+            if not messages or not all(
+                isinstance(m, dict) and "role" in m and "content" in m for m in messages
+            ):
+                raise ConfigError("messages: expected a non-empty list of {role, content} dicts")
+            prompt = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True
+            )
+        return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+    def decode_text(self, token_ids: list[int] | tuple[int, ...]) -> str:
+        try:
+            tok = self.tokenizer
+        except DlmcError:
+            return ""
+        return tok.decode(list(token_ids), skip_special_tokens=True)
+
+    # -- decoding --------------------------------------------------------------------------
+    def decode_settings(self, **overrides: Any) -> DecodeConfig:
+        """Effective settings: role defaults < paper_decoding.json < explicit overrides."""
+        given = {k: v for k, v in overrides.items() if v is not _UNSET}
+        return resolve_decode_config(self.role, self.model_dir, given)
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        prompt_token_ids: list[int] | None = None,
+        max_new_tokens: int | None = None,
+        threshold: float | None = None,
+        edit_threshold: Any = _UNSET,
+        max_refine_steps: int | None = None,
+        block_length: int | None = None,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        rounds: bool = False,
+        use_cache: bool = True,
+        cancel: Callable[[], bool] | None = None,
+    ) -> Iterator[StreamEvent]:
+        """Yield a BlockChunk per finished block (and a RoundEvent per round if `rounds`),
+        then Done(result). `cancel()` is polled every round."""
+        ids = self.encode_prompt(prompt, messages, prompt_token_ids)
+        named = dict(
+            max_new_tokens=max_new_tokens,
+            threshold=threshold,
+            max_refine_steps=max_refine_steps,
+            block_length=block_length,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+        )
+        overrides = {k: v for k, v in named.items() if v is not None}
+        overrides["temperature"] = float(temperature)
+        if edit_threshold is not _UNSET:
+            overrides["edit_threshold"] = edit_threshold
+        cfg = self.decode_settings(**overrides)
+        settings = self._record(cfg)
+        started = time.perf_counter()
+        steps = self._decoder.decode(ids, cfg, use_cache=use_cache, rounds=rounds, cancel=cancel)
+        answer: list[int] = []
+        text = ""
+        while True:
+            try:
+                event = next(steps)
+            except StopIteration as stop:
+                out: DecodeOutput = stop.value
+                break
+            if isinstance(event, BlockEvent):
+                answer.extend(event.answer_ids)
+                full = self.decode_text(answer)
+                stable = full.rstrip("\ufffd")  # hold back an incomplete UTF-8 sequence
+                yield BlockChunk(event.block_index, event.answer_ids, stable[len(text) :])
+                text = stable
+            else:
+                yield event
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - started
+        n = len(out.answer_ids)
+        yield Done(
+            GenerateResult(
+                text=self.decode_text(out.answer_ids),
+                token_ids=list(out.answer_ids),
+                prompt_token_ids=ids,
+                num_forwards=out.num_forwards,
+                total_forwards=out.total_forwards,
+                tokens_per_forward=n / out.num_forwards if out.num_forwards else 0.0,
+                request_tps=n / elapsed if elapsed > 0 else 0.0,
+                elapsed_s=elapsed,
+                finish_reason=out.finish_reason,
+                blocks=out.blocks,
+                settings=settings,
+            )
+        )
+
+    def generate(self, prompt: str | None = None, **kwargs: Any) -> GenerateResult:
+        """Decode one request to the end; same arguments as `stream` (without `rounds`)."""
+        for event in self.stream(prompt, **kwargs):
+            if isinstance(event, Done):
+                return event.result
+        raise AssertionError("stream ended without a result")  # pragma: no cover
+
+    def _record(self, cfg: DecodeConfig) -> dict[str, Any]:
+        active = cfg.self_conditioning and self._has_self_conditioning
+        if cfg.self_conditioning and not self._has_self_conditioning:
+            log.info(
+                "%s has no self-conditioning weights: decoding without self-conditioning",
+                self.model_dir,
+            )
+        elif active:
+            log.warning(
+                "%s carries self-conditioning weights, which dlmc does not apply yet",
+                self.model_dir,
+            )
+        return {
+            **cfg.to_dict(),
+            "role": self.role,
+            "precision": self.precision,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "self_conditioning_active": False,
+            "mask_token_id": self.special_ids.mask_token_id,
+            "eos_token_id": self.special_ids.eos_token_id,
+        }
+
+    @torch.inference_mode()
+    def logits(
+        self, token_ids: list[int] | torch.Tensor, block_length: int | None = None
+    ) -> torch.Tensor:
+        """fp32 logits `[len, vocab]` of a whole sequence under the block-causal mask."""
+        bl = block_length or self.decode_settings().block_length
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(-1)
+        pos = torch.arange(ids.shape[0], device=self.device)
+        mask = block_causal_mask(pos, pos, bl, self.dtype)
+        return self.model(ids, pos, MaskedAttention(mask))

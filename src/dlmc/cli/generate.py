@@ -1,0 +1,103 @@
+"""`dlmc generate`: decode one prompt with a live view of the block being denoised."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from dlmc.cli.options import decode_kwargs, decode_options, model_options, user_errors
+
+
+@click.command()
+@click.argument("prompt", required=False)
+@model_options
+@decode_options
+@click.option("--system", default=None, help="System message for the chat template.")
+@click.option("--raw", is_flag=True, help="Use the prompt as is (no chat template).")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
+@click.option("--no-live", is_flag=True, help="No live view; print the text when done.")
+@user_errors
+def generate(
+    prompt: str | None,
+    model: str,
+    role: str,
+    precision: str,
+    device: str | None,
+    dtype: str | None,
+    system: str | None,
+    raw: bool,
+    as_json: bool,
+    no_live: bool,
+    **decode: Any,
+) -> None:
+    """Generate an answer to PROMPT (read from stdin if omitted or `-`)."""
+    from rich.console import Console
+
+    if prompt in (None, "-"):
+        if sys.stdin is None or sys.stdin.isatty():
+            raise click.UsageError("give a PROMPT argument or pipe one on stdin")
+        prompt = sys.stdin.read()
+    if not prompt.strip():
+        raise click.UsageError("PROMPT is empty")
+    err = Console(stderr=True)
+    with err.status(f"loading {model}…", spinner="dots"):
+        from dlmc import LLM
+
+        llm = LLM(
+            model, role=role, precision=precision, device=device, dtype=dtype, show_progress=True
+        )
+    if raw and system:
+        raise click.UsageError("--system needs the chat template: drop --raw")
+    request: dict[str, Any] = (
+        {"prompt": prompt}
+        if raw
+        else {
+            "messages": ([{"role": "system", "content": system}] if system else [])
+            + [{"role": "user", "content": prompt}]
+        }
+    )
+    kwargs = decode_kwargs(decode)
+    out = Console()
+    live = out.is_terminal and not no_live and not as_json
+    result = _run_live(llm, request, kwargs, out) if live else llm.generate(**request, **kwargs)
+    from dlmc.cli.live import stats_line
+
+    if as_json:
+        click.echo(json.dumps(result.to_dict(), indent=2))
+    elif live:
+        out.print(stats_line(result), style="bold")
+    else:
+        click.echo(result.text)
+        click.echo(stats_line(result), err=True)
+
+
+def _run_live(llm: Any, request: dict[str, Any], kwargs: dict[str, Any], console: Any) -> Any:
+    from rich.live import Live
+
+    from dlmc.cli.live import render_block
+    from dlmc.results import BlockChunk, Done, RoundEvent
+
+    text, result = "", None
+    piece_cache: dict[int, str] = {}
+
+    def token_text(tok: int) -> str:
+        if tok not in piece_cache:
+            piece_cache[tok] = llm.decode_text([tok])
+        return piece_cache[tok]
+
+    with Live(
+        render_block("", None, token_text), console=console, refresh_per_second=20, transient=False
+    ) as view:
+        for event in llm.stream(**request, **kwargs, rounds=True):
+            if isinstance(event, RoundEvent):
+                view.update(render_block(text, event, token_text))
+            elif isinstance(event, BlockChunk):
+                text += event.text
+                view.update(render_block(text, None, token_text))
+            elif isinstance(event, Done):
+                result = event.result
+                view.update(render_block(result.text, None, token_text))
+    return result

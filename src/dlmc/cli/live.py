@@ -1,0 +1,54 @@
+"""Rich live view of a block being denoised: masks as placeholders, commits and edits marked."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from rich.text import Text
+
+from dlmc.engine.events import RoundEvent
+from dlmc.results import GenerateResult
+
+MASK_GLYPH = "░"
+
+
+def render_block(
+    text_so_far: str, event: RoundEvent | None, token_text: Callable[[int], str]
+) -> Text:
+    """Finished text, then the current block: prompt dim, masks as ░, new commits green,
+    edits yellow underlined, older tokens plain; a status line below."""
+    out = Text(text_so_far)
+    if event is None:
+        return out
+    for tok, prompt, masked, committed, edited in zip(
+        event.tokens, event.is_prompt, event.is_masked, event.committed, event.edited, strict=True
+    ):
+        if prompt:
+            continue
+        if masked:
+            out.append(MASK_GLYPH, style="grey50")
+        elif edited:
+            out.append(_visible(token_text(tok)), style="bold yellow underline")
+        elif committed:
+            out.append(_visible(token_text(tok)), style="bold green")
+        else:
+            out.append(_visible(token_text(tok)), style="cyan")
+    remaining = sum(event.is_masked)
+    out.append(
+        f"\n[block {event.block_index} · round {event.round_index} · {remaining} masked · "
+        f"+{sum(event.committed)} committed · {sum(event.edited)} edited]",
+        style="dim",
+    )
+    return out
+
+
+def _visible(piece: str) -> str:
+    return piece.replace("\n", "↵") if piece.strip() or not piece else piece
+
+
+def stats_line(result: GenerateResult) -> str:
+    return (
+        f"{len(result.token_ids)} tokens · {result.num_forwards} forwards · "
+        f"TPF {result.tokens_per_forward:.2f} · {result.request_tps:.1f} tokens/s · "
+        f"{result.elapsed_s:.2f} s · finish: {result.finish_reason}"
+    )

@@ -1,0 +1,133 @@
+"""Options shared by `generate`, `bench` and `serve`, and error handling for commands."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from dlmc.errors import DlmcError
+
+
+class EditThreshold(click.ParamType):
+    """A number in [0, 1], or `none` to disable token-to-token edits."""
+
+    name = "FLOAT|none"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Any:
+        if value is None or isinstance(value, float) or value == "default":
+            return value
+        if str(value).strip().lower() in ("none", "off", "null", "false"):
+            return None
+        try:
+            return float(value)
+        except ValueError:
+            self.fail(f"expected a number or 'none', got {value!r}", param, ctx)
+
+
+def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """--model --role --precision --device --dtype."""
+    decorators = [
+        click.option(
+            "--model",
+            required=True,
+            metavar="DIR|REPO|tiny-llada2",
+            help="Checkpoint directory, Hugging Face repo id, or the built-in "
+            "`tiny-llada2` (random weights: gibberish output).",
+        ),
+        click.option(
+            "--role",
+            type=click.Choice(["orl", "llada2.1", "llada2.0"]),
+            default="orl",
+            show_default=True,
+            help="Decoder: ORL paper settings, LLaDA2.1 joint threshold, or LLaDA2.0 threshold.",
+        ),
+        click.option(
+            "--precision",
+            type=click.Choice(["auto", "bf16", "nvfp4"]),
+            default="auto",
+            show_default=True,
+            help="Routed-expert precision (auto: nvfp4 for NVFP4 checkpoints on GPU).",
+        ),
+        click.option("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if any)."),
+        click.option(
+            "--dtype",
+            type=click.Choice(["bf16", "fp16", "fp32"]),
+            default=None,
+            help="Activation dtype (default: bf16 on CUDA, fp32 on CPU).",
+        ),
+    ]
+    for decorator in reversed(decorators):
+        fn = decorator(fn)
+    return fn
+
+
+def decode_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """--threshold --edit-threshold --max-refine-steps --max-new-tokens --block-length ..."""
+    decorators = [
+        click.option(
+            "--threshold",
+            type=float,
+            default=None,
+            help="Mask-to-token commit threshold (role default: orl 0.85).",
+        ),
+        click.option(
+            "--edit-threshold",
+            type=EditThreshold(),
+            default="default",
+            help="Token-to-token edit threshold, or `none` (role default: orl 0.5).",
+        ),
+        click.option(
+            "--max-refine-steps",
+            type=int,
+            default=None,
+            help="Post-fill edit rounds per block (role default: 16).",
+        ),
+        click.option(
+            "--max-new-tokens",
+            type=int,
+            default=None,
+            help="Answer length limit (default: the checkpoint's paper_decoding.json).",
+        ),
+        click.option("--block-length", type=int, default=None, help="Block size (default 32)."),
+        click.option("--temperature", type=float, default=0.0, show_default=True),
+        click.option("--top-k", type=int, default=None),
+        click.option("--top-p", type=float, default=None),
+        click.option("--seed", type=int, default=None, help="Seed for sampling."),
+    ]
+    for decorator in reversed(decorators):
+        fn = decorator(fn)
+    return fn
+
+
+def decode_kwargs(params: dict[str, Any]) -> dict[str, Any]:
+    """The LLM.generate keyword arguments among a command's parameters."""
+    keys = (
+        "threshold",
+        "max_refine_steps",
+        "max_new_tokens",
+        "block_length",
+        "temperature",
+        "top_k",
+        "top_p",
+        "seed",
+    )
+    kwargs = {k: params[k] for k in keys if k in params}
+    if params.get("edit_threshold") != "default":
+        kwargs["edit_threshold"] = params.get("edit_threshold")
+    return kwargs
+
+
+def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Show dlmc's input errors as one clean line instead of a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except DlmcError as exc:
+            raise click.ClickException(str(exc)) from None
+
+    return wrapper

@@ -1,0 +1,102 @@
+"""Commit/edit rules of the block decoders as pure tensor functions (no host syncs).
+
+Shapes: one block of `bl` positions. `active` marks positions that still hold the mask and
+may be decoded; `editable` marks decoded (non-prompt) positions that T2T may rewrite.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def propose(
+    logits: torch.Tensor,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Proposal per position from fp32 `logits [bl, V]`: `(x0 [bl] int64, p [bl] fp32)`.
+
+    Temperature 0: x0 = argmax and p its probability (under the top-k/top-p filtered
+    distribution when those are set). Otherwise logits / temperature, top-k then top-p, sample
+    x0; p is x0's probability under that filtered distribution.
+    """
+    logits = logits.float()
+    if temperature > 0.0:
+        logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # [bl, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= top_p  # keep the first past p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = logits.softmax(-1)  # [bl, V]
+    if temperature > 0.0:
+        x0 = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [bl]
+        return x0, probs.gather(-1, x0[:, None]).squeeze(-1)
+    p, x0 = probs.max(dim=-1)
+    return x0, p
+
+
+def _top_active(conf: torch.Tensor, active: torch.Tensor, count: int) -> torch.Tensor:
+    """Mask of the `count` active positions with the highest confidence `conf [bl]`."""
+    idx = conf.topk(min(count, conf.shape[0])).indices
+    return torch.zeros_like(active).scatter(0, idx, True) & active
+
+
+def joint_threshold_step(
+    block: torch.Tensor,
+    x0: torch.Tensor,
+    p: torch.Tensor,
+    active: torch.Tensor,
+    editable: torch.Tensor,
+    threshold: float,
+    edit_threshold: float | None,
+    num_to_transfer: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LLaDA2.1 round (llada2.md §5.4): `(new_block, committed [bl], edited [bl])`.
+
+    M2T: commit every active position with p > threshold, or if fewer than `num_to_transfer`
+    pass, the `num_to_transfer` most confident active positions. T2T (every round, also while
+    masks remain): rewrite non-active editable positions whose p > edit_threshold and whose
+    proposal differs.
+    """
+    conf = torch.where(active, p, torch.full_like(p, float("-inf")))  # [bl]
+    high = active & (p > threshold)
+    fallback = _top_active(conf, active, num_to_transfer)
+    committed = torch.where(high.sum() >= num_to_transfer, high, fallback)
+    if edit_threshold is None:
+        edited = torch.zeros_like(active)
+    else:
+        edited = ~active & editable & (p > edit_threshold) & (x0 != block)
+    new_block = torch.where(committed | edited, x0, block)
+    return new_block, committed, edited
+
+
+def threshold_step(
+    block: torch.Tensor,
+    x0: torch.Tensor,
+    p: torch.Tensor,
+    active: torch.Tensor,
+    threshold: float,
+    quota: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """LLaDA2.0 round (llada2.md §5.3): `(new_block, committed [bl])`.
+
+    Commit every active position with p > threshold if at least `quota` pass, else the
+    `quota` most confident active positions.
+    """
+    conf = torch.where(active, p, torch.full_like(p, float("-inf")))
+    high = active & (conf > threshold)
+    committed = torch.where(high.sum() >= quota, high, _top_active(conf, active, quota))
+    return torch.where(committed, x0, block), committed
+
+
+def step_quotas(block_length: int, steps: int) -> list[int]:
+    """Tokens to commit at each of `steps` steps: bl // steps, +1 for the first bl % steps."""
+    base, extra = divmod(block_length, steps)
+    return [base + (1 if s < extra else 0) for s in range(steps)]

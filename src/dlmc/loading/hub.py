@@ -1,0 +1,70 @@
+"""Resolve `--model` to a local checkpoint directory: built-in id, local path or Hub repo id."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from dlmc.errors import ModelNotFoundError
+
+# Files dlmc reads from a checkpoint; anything else in a repo (e.g. .pth copies) is not fetched.
+ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt", "*.py"]
+
+
+def dlmc_cache_dir() -> Path:
+    """dlmc's cache directory: `$DLMC_CACHE`, else `$XDG_CACHE_HOME/dlmc` or `~/.cache/dlmc`."""
+    if os.environ.get("DLMC_CACHE"):
+        return Path(os.environ["DLMC_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "dlmc"
+
+
+def resolve_model(model: str | os.PathLike[str]) -> Path:
+    """A local directory, a built-in id (`tiny-llada2`, `tiny-llada2-nvfp4`) or a Hub repo id.
+
+    Hub repos are downloaded with a progress bar into the Hugging Face cache (reused after);
+    offline (`HF_HUB_OFFLINE=1` or no network) an uncached repo is a clear error.
+    """
+    from dlmc.loading.tiny import BUILTIN_MODELS, ensure_builtin
+
+    name = os.fspath(model)
+    if name in BUILTIN_MODELS:
+        return ensure_builtin(name)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ModelNotFoundError(f"--model {name}: expected a checkpoint directory, got a file")
+    if name.count("/") != 1 or name.startswith((".", "/")):
+        raise ModelNotFoundError(
+            f"--model {name}: no such directory, and not a Hugging Face repo id (owner/name) or a "
+            f"built-in model ({', '.join(BUILTIN_MODELS)})"
+        )
+    return _download(name)
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+    advice = (
+        f"download it where there is network with `hf download {repo_id}` (it lands in the "
+        "Hugging Face cache, which dlmc reads), or pass a local checkpoint directory"
+    )
+    try:
+        return Path(
+            snapshot_download(repo_id, allow_patterns=ALLOW_PATTERNS, local_files_only=offline)
+        )
+    except (RepositoryNotFoundError, HFValidationError) as exc:
+        raise ModelNotFoundError(
+            f"--model {repo_id}: not found on the Hugging Face Hub ({exc})"
+        ) from None
+    except (
+        Exception
+    ) as exc:  # offline, no network, cache miss: huggingface_hub raises several types
+        where = "HF_HUB_OFFLINE=1 is set" if offline else "the Hub could not be reached"
+        raise ModelNotFoundError(
+            f"--model {repo_id}: not in the local Hugging Face cache and {where} "
+            f"({type(exc).__name__}); {advice}"
+        ) from None

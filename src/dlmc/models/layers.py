@@ -1,0 +1,58 @@
+"""Building blocks shared by dlmc's models: RMSNorm, partial RoPE, SwiGLU MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """`w * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)`; the weight is used as is (not 1 + w)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables `[T, rotary_dim]` for absolute `positions [T]`, computed in fp32.
+
+    `inv_freq[i] = theta^(-2i/rotary_dim)`; the table is `cat(angles, angles)`.
+    """
+    exponent = torch.arange(0, rotary_dim, 2, device=positions.device, dtype=torch.float32)
+    inv_freq = 1.0 / (theta ** (exponent / rotary_dim))  # [rotary_dim/2]
+    angles = positions.float()[:, None] * inv_freq[None, :]  # [T, rotary_dim/2]
+    table = torch.cat([angles, angles], dim=-1)  # [T, rotary_dim]
+    return table.cos().to(dtype), table.sin().to(dtype)
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first `rotary_dim` dims of every head of `x [T, heads, D]`; the rest pass."""
+    rotary_dim = cos.shape[-1]
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, rotary_dim]
+    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+
+
+class SwiGLUMLP(nn.Module):
+    """`down(silu(gate(x)) * up(x))` with HF names gate_proj / up_proj / down_proj."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,115 @@
+"""LLaDA2 (`llada2_moe`) as plain nn.Modules with Hugging Face parameter names.
+
+Attention goes through one seam: the attention module computes q, k, v of the tokens it is
+given and calls `ctx.attend(layer_idx, q, k, v)`; the engine's context object decides which
+keys they see (the block-causal mask, a KV cache, a paged FP8 cache). The MoE seam is the
+`experts` module inside `MoEBlock` (see moe.py).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from dlmc.models.config import LLaDA2Config
+from dlmc.models.layers import RMSNorm, SwiGLUMLP, apply_partial_rope, rope_cos_sin
+from dlmc.models.moe import MoEBlock
+
+
+class AttentionContext(Protocol):
+    """What the model needs from the engine: attention of new tokens over whatever keys apply."""
+
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """q `[T, Hq, D]`, k/v `[T, Hkv, D]` of the T new tokens -> output `[T, Hq, D]`."""
+        ...
+
+
+class Attention(nn.Module):
+    """HF `attention`: fused `query_key_value`, per-head qk-norm, partial RoPE, `dense`."""
+
+    def __init__(self, config: LLaDA2Config, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        self.query_key_value = nn.Linear(config.hidden_size, qkv_rows, bias=False)
+        self.query_layernorm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.key_layernorm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.dense = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        qkv = self.query_key_value(x).view(tokens, -1, self.head_dim)  # [T, Hq+2Hkv, D]
+        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        q = apply_partial_rope(self.query_layernorm(q), cos, sin)  # [T, Hq, D]
+        k = apply_partial_rope(self.key_layernorm(k), cos, sin)  # [T, Hkv, D]
+        out = ctx.attend(self.layer_idx, q, k, v.contiguous())  # [T, Hq, D]
+        return self.dense(out.reshape(tokens, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: LLaDA2Config, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention = Attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp: nn.Module = (
+            MoEBlock(config)
+            if config.is_moe_layer(layer_idx)
+            else SwiGLUMLP(config.hidden_size, config.intermediate_size)
+        )
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        h = h + self.attention(self.input_layernorm(h), cos, sin, ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LLaDA2Model(nn.Module):
+    """HF `model`: `word_embeddings`, `layers`, `norm`."""
+
+    def __init__(self, config: LLaDA2Config) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LLaDA2ForDiffusion(nn.Module):
+    """The full network: token ids of some positions -> fp32 logits `[T, vocab]` of the same.
+
+    The model is a mask predictor: logits at position i predict the token at i (no shift).
+    """
+
+    def __init__(self, config: LLaDA2Config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LLaDA2Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: AttentionContext,
+        compute_logits: bool = True,
+    ) -> torch.Tensor | None:
+        """input_ids `[T]` int64, positions `[T]` (absolute canvas indices) -> `[T, V]` fp32."""
+        h = self.model.word_embeddings(input_ids)  # [T, H]
+        cos, sin = rope_cos_sin(positions, self.config.rotary_dim, self.config.rope_theta, h.dtype)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, ctx)
+        if not compute_logits:
+            return None
+        return self.lm_head(self.model.norm(h)).float()

@@ -1,0 +1,130 @@
+"""LLaDA2 MoE block: sigmoid group-limited router with expert bias, routed experts, shared expert.
+
+The routed experts are the MoE seam: any module with
+`forward(x [T, H], topk_ids [T, K] int64, topk_weights [T, K] fp32) -> [T, H]` can stand in
+(`BF16Experts` here, the NVFP4 experts chosen at load time for NVFP4 checkpoints).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dlmc.models.config import LLaDA2Config
+from dlmc.models.layers import SwiGLUMLP
+
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+class Router(nn.Module):
+    """HF `mlp.gate`: `weight [E, H]` and the selection-only `expert_bias [E]` (fp32)."""
+
+    def __init__(self, config: LLaDA2Config) -> None:
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Route `x [T, H]` to `(topk_ids [T, K] int64, topk_weights [T, K] fp32)`."""
+        cfg = self.config
+        scores = torch.sigmoid(x.float() @ self.weight.float().t())  # [T, E]
+        biased = scores + self.expert_bias.float()  # [T, E], selection only
+        tokens = x.shape[0]
+        grouped = biased.view(tokens, cfg.n_group, -1)  # [T, G, E/G]
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)  # [T, G]
+        kept = group_scores.topk(cfg.topk_group, dim=-1).indices  # [T, topk_group]
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+        expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(tokens, -1)  # [T, E]
+        masked = biased.masked_fill(~expert_mask, float("-inf"))
+        topk_ids = masked.topk(cfg.num_experts_per_tok, dim=-1).indices  # [T, K]
+        topk_weights = scores.gather(1, topk_ids)  # [T, K], unbiased sigmoid
+        if cfg.norm_topk_prob:
+            topk_weights = topk_weights / (topk_weights.sum(-1, keepdim=True) + 1e-20)
+        return topk_ids, topk_weights * cfg.routed_scaling_factor
+
+
+class BF16Experts(nn.Module):
+    """Routed experts stacked per projection: `<proj>_weight [E, out, in]` (HF rows = expert E).
+
+    The loader stacks `mlp.experts.E.<proj>.weight` into slot E of `<proj>_weight`.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_proj_weight = nn.Parameter(
+            torch.empty(num_experts, intermediate_size, hidden_size)
+        )
+        self.up_proj_weight = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size))
+        self.down_proj_weight = nn.Parameter(
+            torch.empty(num_experts, hidden_size, intermediate_size)
+        )
+
+    def forward(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        return bf16_moe_reference(
+            x,
+            topk_ids,
+            topk_weights,
+            self.gate_proj_weight,
+            self.up_proj_weight,
+            self.down_proj_weight,
+        )
+
+
+def bf16_moe_reference(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_proj: torch.Tensor,
+    up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+) -> torch.Tensor:
+    """Plain-PyTorch routed MoE: `y_t = sum_k w_tk * down(silu(gate(x_t)) * up(x_t))`.
+
+    x `[T, H]`, topk_ids `[T, K]`, topk_weights `[T, K]` fp32, gate/up `[E, I, H]`,
+    down `[E, H, I]`. Expert outputs are in x's dtype, weighted and summed in fp32, cast back.
+    Loops over the experts that received tokens (eager; reads the counts on the host).
+    """
+    tokens, top_k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1)  # [T*K]
+    order = torch.argsort(flat_ids, stable=True)  # [T*K]
+    counts = torch.bincount(flat_ids, minlength=gate_proj.shape[0]).tolist()
+    flat_weights = topk_weights.reshape(-1).float()  # [T*K]
+    out = torch.zeros(tokens, x.shape[1], dtype=torch.float32, device=x.device)  # [T, H]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        slots = order[start : start + count]  # [n]
+        start += count
+        token_idx = slots // top_k  # [n]
+        xe = x[token_idx]  # [n, H]
+        hidden = F.silu(xe @ gate_proj[expert].t()) * (xe @ up_proj[expert].t())  # [n, I]
+        ye = hidden @ down_proj[expert].t()  # [n, H]
+        out.index_add_(0, token_idx, ye.float() * flat_weights[slots, None])
+    return out.to(x.dtype)
+
+
+class MoEBlock(nn.Module):
+    """HF `mlp` of layers >= first_k_dense_replace: `gate`, `experts`, `shared_experts`."""
+
+    def __init__(self, config: LLaDA2Config, experts: nn.Module | None = None) -> None:
+        super().__init__()
+        self.gate = Router(config)
+        self.experts = experts or BF16Experts(
+            config.num_experts, config.hidden_size, config.moe_intermediate_size
+        )
+        self.shared_experts = (
+            SwiGLUMLP(config.hidden_size, config.moe_intermediate_size * config.num_shared_experts)
+            if config.num_shared_experts > 0
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_ids, topk_weights = self.gate(x)
+        routed = self.experts(x, topk_ids, topk_weights)
+        return routed if self.shared_experts is None else routed + self.shared_experts(x)

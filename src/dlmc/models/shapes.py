@@ -1,0 +1,54 @@
+"""Full-size model shapes for benchmarks (random weights, no checkpoint needed)."""
+
+from __future__ import annotations
+
+import torch
+
+from dlmc.models.config import LLaDA2Config
+from dlmc.models.llada2 import LLaDA2ForDiffusion
+
+# LLaDA2.1-mini config.json values (llada2.md §1).
+LLADA21_MINI = LLaDA2Config(
+    vocab_size=157184,
+    hidden_size=2048,
+    num_hidden_layers=20,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=128,
+    intermediate_size=5120,
+    moe_intermediate_size=512,
+    num_experts=256,
+    num_experts_per_tok=8,
+    num_shared_experts=1,
+    n_group=8,
+    topk_group=4,
+    routed_scaling_factor=2.5,
+    first_k_dense_replace=1,
+    partial_rotary_factor=0.5,
+    rope_theta=600000.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=32768,
+)
+SHAPES = {"llada2.1-mini": LLADA21_MINI}
+
+
+@torch.no_grad()
+def build_random_model(
+    config: LLaDA2Config, device: torch.device, dtype: torch.dtype, seed: int = 0
+) -> LLaDA2ForDiffusion:
+    """The model with seeded random weights made directly on `device` (never zeros)."""
+    with torch.device("meta"):
+        model = LLaDA2ForDiffusion(config)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            fan_in = param.shape[-1]
+            value = torch.empty(param.shape, device=device, dtype=dtype)
+            if name == "weight" and param.dim() == 1:  # norms
+                value.normal_(1.0, 0.05, generator=gen)
+            else:
+                value.normal_(0.0, fan_in**-0.5, generator=gen)
+            module._parameters[name] = torch.nn.Parameter(value, requires_grad=False)
+        for name, buf in list(module.named_buffers(recurse=False)):
+            module._buffers[name] = torch.randn(buf.shape, device=device, generator=gen) * 0.01
+    return model.eval()

@@ -1,0 +1,46 @@
+"""What `LLM.generate` returns and what `LLM.stream` yields."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dlmc.engine.events import RoundEvent
+
+__all__ = ["BlockChunk", "Done", "GenerateResult", "RoundEvent"]
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """One finished request."""
+
+    text: str  # the answer, special tokens (EOS) removed
+    token_ids: list[int]  # answer ids, including the EOS if one was produced
+    prompt_token_ids: list[int]
+    num_forwards: int  # denoising forwards (prefill and cache refresh not counted)
+    total_forwards: int  # all forwards, prefill chunks and cache refreshes included
+    tokens_per_forward: float  # len(token_ids) / num_forwards
+    request_tps: float  # len(token_ids) / elapsed_s
+    elapsed_s: float
+    finish_reason: str  # "stop" (EOS), "length" (max_new_tokens) or "cancelled"
+    blocks: int
+    settings: dict[str, Any] = field(default_factory=dict)  # effective decode settings
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class BlockChunk:
+    """A block became final: its answer ids and the text they add."""
+
+    block_index: int
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True)
+class Done:
+    """The last event of a stream."""
+
+    result: GenerateResult

@@ -1,0 +1,76 @@
+import json
+
+from click.testing import CliRunner
+
+from dlmc.cli import main
+
+
+def test_generate_plain_text_and_stats(tiny_dir):
+    result = CliRunner().invoke(
+        main, ["generate", "--model", str(tiny_dir), "Hello", "--max-new-tokens", "20"]
+    )
+    assert result.exit_code == 0, result.output
+    lines = result.output.strip().splitlines()
+    assert "20 tokens" in lines[-1] and "forwards" in lines[-1] and "TPF" in lines[-1]
+
+
+def test_generate_json_matches_the_api(tiny_dir, tiny_llm):
+    args = [
+        "generate",
+        "--model",
+        str(tiny_dir),
+        "--dtype",
+        "fp32",
+        "--device",
+        "cpu",
+        "Hello",
+        "--max-new-tokens",
+        "24",
+        "--json",
+    ]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    want = tiny_llm.generate(messages=[{"role": "user", "content": "Hello"}], max_new_tokens=24)
+    assert data["token_ids"] == want.token_ids and data["finish_reason"] == "length"
+
+
+def test_generate_options_and_errors(tiny_dir, tmp_path):
+    runner = CliRunner()
+    res = runner.invoke(main, ["generate", "--model", str(tmp_path / "nope"), "hi"])
+    assert res.exit_code == 1 and "no such directory" in res.output
+    assert "Traceback" not in res.output
+    res = runner.invoke(main, ["generate", "--model", str(tiny_dir), "--threshold", "2", "hi"])
+    assert res.exit_code == 1 and "`threshold`" in res.output
+    res = runner.invoke(main, ["generate", "--model", str(tiny_dir), "--edit-threshold", "x", "hi"])
+    assert res.exit_code == 2 and "expected a number or 'none'" in res.output
+    res = runner.invoke(
+        main,
+        [
+            "generate",
+            "--model",
+            str(tiny_dir),
+            "--json",
+            "--raw",
+            "--edit-threshold",
+            "none",
+            "--max-new-tokens",
+            "8",
+            "hi",
+        ],
+    )
+    assert res.exit_code == 0 and json.loads(res.output)["settings"]["edit_threshold"] is None
+    res = runner.invoke(
+        main, ["generate", "--model", str(tiny_dir), "--max-new-tokens", "4"], input="from stdin"
+    )
+    assert res.exit_code == 0, res.output
+
+
+def test_python_dash_m_help():
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "dlmc", "--help"], capture_output=True, text=True, check=True
+    )
+    assert "generate" in out.stdout

@@ -1,0 +1,167 @@
+import pytest
+import torch
+
+from dlmc.engine.block_decoder import BlockDecoder
+from dlmc.engine.decode_config import DecodeConfig
+from dlmc.engine.events import BlockEvent, RoundEvent
+
+from .scripted import EOS, MASK, ScriptedModel, logits_for
+
+
+def run(model, prompt, cfg, use_cache=True):
+    dec = BlockDecoder(model, MASK, EOS, 4096, torch.device("cpu"), torch.float32)
+    events = []
+    gen = dec.decode(prompt, cfg, use_cache=use_cache, rounds=True)
+    while True:
+        try:
+            events.append(next(gen))
+        except StopIteration as stop:
+            return stop.value, events
+
+
+def joint(**kw):
+    return DecodeConfig(
+        **{
+            "algorithm": "joint",
+            "threshold": 0.85,
+            "edit_threshold": 0.5,
+            "max_refine_steps": 3,
+            "block_length": 4,
+            "max_new_tokens": 8,
+            **kw,
+        }
+    )
+
+
+def test_fallback_commits_one_per_round_then_early_exit():
+    # Always propose token 1 with p = 0.3: nothing passes, top-1 fallback each round.
+    model = ScriptedModel(lambda i, t: logits_for([1] * 4, [0.3, 0.31, 0.32, 0.33]))
+    out, events = run(model, [2, 3, 4, 5], joint(max_new_tokens=4))
+    rounds = [e for e in events if isinstance(e, RoundEvent)]
+    # Highest p first: positions 3, 2, 1, 0; then one post-fill round that changes nothing.
+    assert [r.committed.index(True) for r in rounds[:4]] == [3, 2, 1, 0]
+    assert len(rounds) == 5 and not any(rounds[4].committed) and not any(rounds[4].edited)
+    assert out.num_forwards == 5 and out.answer_ids == (1, 1, 1, 1)
+    assert model.other_calls == 1  # prefill of the prompt block; converged: no refresh forward
+
+
+def test_edits_while_masks_remain_and_prompt_never_edited():
+    # Block 0 holds 1 prompt token and 3 answer positions.
+    script = {
+        0: logits_for([6, 1, 0, 0], [0.99, 0.9, 0.2, 0.1]),  # commit pos 1 -> 1
+        1: logits_for([6, 2, 0, 0], [0.99, 0.6, 0.2, 0.1]),  # edit pos 1 -> 2, fallback pos 2
+    }
+    model = ScriptedModel(lambda i, t: script.get(i, logits_for([6, 2, 3, 3], [0.99] * 4)))
+    out, events = run(model, [4], joint(max_new_tokens=3))
+    rounds = [e for e in events if isinstance(e, RoundEvent)]
+    assert rounds[1].edited == (False, True, False, False)
+    assert rounds[1].committed == (False, False, True, False) and rounds[1].is_masked[3]
+    assert all(r.tokens[0] == 4 for r in rounds)  # prompt untouched at p = 0.99
+    assert out.answer_ids == (2, 3, 3)
+
+
+def test_refine_limit_caps_post_fill_rounds():
+    flip = [0]
+
+    def script(i, tokens):
+        flip[0] ^= 1
+        tok = 1 + flip[0]
+        return logits_for([tok] * 4, [0.95] * 4)  # keeps editing every filled position
+
+    model = ScriptedModel(script)
+    out, _ = run(model, [7, 7, 7, 7], joint(max_new_tokens=4, max_refine_steps=3))
+    assert out.num_forwards == 1 + 3  # one fill round, then 3 refine rounds
+    assert model.other_calls == 2  # prefill + refresh (the last round edited)
+
+
+def test_no_post_fill_round_with_zero_refine_steps():
+    model = ScriptedModel(lambda i, t: logits_for([1] * 4, [0.95] * 4))
+    out, _ = run(model, [7, 7, 7, 7], joint(max_new_tokens=4, max_refine_steps=0))
+    assert out.num_forwards == 1
+
+
+def test_stops_after_block_holding_first_eos_and_cuts_the_answer():
+    def script(i, tokens):
+        return logits_for([1, EOS, 1, 1], [0.95] * 4) if i >= 2 else logits_for([3] * 4, [0.95] * 4)
+
+    model = ScriptedModel(script)
+    out, events = run(model, [7, 7, 7, 7], joint(max_new_tokens=32))
+    blocks = [e for e in events if isinstance(e, BlockEvent)]
+    assert [b.block_index for b in blocks] == [1, 2]
+    assert out.answer_ids == (3, 3, 3, 3, 1, EOS) and out.finish_reason == "stop"
+    assert blocks[-1].answer_ids == (1, EOS)
+
+
+def test_whole_block_canvas_with_unaligned_prompt_and_truncation():
+    seen = []
+
+    def script(i, tokens):
+        seen.append(tokens.tolist())
+        return logits_for([2] * 4, [0.95] * 4)
+
+    model = ScriptedModel(script)
+    out, events = run(model, [5, 5, 5, 5, 5, 6], joint(max_new_tokens=5))
+    # Prompt of 6 with bl 4: first decoded block is block 1 = positions 4..7 (two prompt tokens).
+    assert seen[0] == [5, 6, MASK, MASK]
+    blocks = [e.block_index for e in events if isinstance(e, BlockEvent)]
+    assert blocks == [1, 2]  # 6 + 5 = 11 tokens -> 3 blocks (0 is prefilled)
+    assert out.answer_ids == (2, 2, 2, 2, 2) and out.finish_reason == "length"
+
+
+def test_threshold_decoder_quota_per_step():
+    model = ScriptedModel(lambda i, t: logits_for([1, 2, 3, 4], [0.5, 0.6, 0.7, 0.96]))
+    cfg = DecodeConfig(
+        algorithm="threshold",
+        threshold=0.95,
+        edit_threshold=None,
+        steps=2,
+        block_length=4,
+        max_new_tokens=4,
+    )
+    out, events = run(model, [7, 7, 7, 7], cfg)
+    rounds = [e for e in events if isinstance(e, RoundEvent)]
+    assert [sum(r.committed) for r in rounds] == [2, 2]  # quota 2: top-2 by p, then the rest
+    assert rounds[0].committed == (False, False, True, True)
+    assert out.answer_ids == (1, 2, 3, 4) and out.num_forwards == 2
+
+
+def test_cancel_stops_at_the_next_round():
+    model = ScriptedModel(lambda i, t: logits_for([1] * 4, [0.3] * 4))
+    dec = BlockDecoder(model, MASK, EOS, 4096, torch.device("cpu"), torch.float32)
+    gen = dec.decode([7] * 4, joint(max_new_tokens=64), cancel=lambda: model.calls >= 6)
+    events = []
+    with pytest.raises(StopIteration) as stop:
+        while True:
+            events.append(next(gen))
+    out = stop.value.value
+    assert out.finish_reason == "cancelled" and model.calls == 6
+    assert out.answer_ids == (1, 1, 1, 1)  # only the block that finished
+
+
+@pytest.mark.parametrize(
+    "role_cfg",
+    [
+        dict(algorithm="joint", threshold=0.85, edit_threshold=0.5, max_refine_steps=16),
+        dict(algorithm="joint", threshold=0.95, edit_threshold=0.0, max_refine_steps=4),
+        dict(algorithm="threshold", threshold=0.9, edit_threshold=None, steps=8),
+        dict(
+            algorithm="joint", threshold=0.7, edit_threshold=0.5, temperature=0.8, seed=5, top_p=0.9
+        ),
+    ],
+)
+def test_cached_decoding_equals_uncached(tiny_llm, role_cfg):
+    cfg = DecodeConfig(block_length=16, max_new_tokens=40, **role_cfg)
+    prompt = list(range(40, 77))  # 37 tokens: not block aligned, two full prompt blocks cached
+    dec = tiny_llm._decoder
+    outs = []
+    for use_cache in (True, False):
+        gen = dec.decode(prompt, cfg, use_cache=use_cache)
+        while True:
+            try:
+                next(gen)
+            except StopIteration as stop:
+                outs.append(stop.value)
+                break
+    assert outs[0].answer_ids == outs[1].answer_ids
+    assert outs[0].num_forwards == outs[1].num_forwards
+    assert len(outs[0].answer_ids) > 0

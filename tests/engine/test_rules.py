@@ -1,0 +1,60 @@
+import torch
+
+from dlmc.engine.rules import joint_threshold_step, propose, step_quotas, threshold_step
+
+
+def test_propose_greedy_and_filtered():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
+    x0, p = propose(logits)
+    assert x0.tolist() == [1, 0]
+    torch.testing.assert_close(p, logits.softmax(-1).max(-1).values)
+    x0k, pk = propose(logits, top_k=2)
+    assert x0k.tolist() == [1, 0]
+    torch.testing.assert_close(pk[0], torch.tensor([2.0, 1.0]).softmax(-1)[0])
+
+
+def test_propose_sampling_is_seeded_and_p_is_under_the_filtered_distribution():
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(0))
+    a = propose(logits, 0.7, 5, 0.9, torch.Generator().manual_seed(3))
+    b = propose(logits, 0.7, 5, 0.9, torch.Generator().manual_seed(3))
+    assert torch.equal(a[0], b[0])
+    top5 = (logits / 0.7).topk(5, -1).indices
+    assert all(int(x) in top5[i].tolist() for i, x in enumerate(a[0]))
+    assert bool((a[1] > 0).all())
+
+
+def test_joint_commit_falls_back_to_most_confident_and_never_touches_prompt():
+    block = torch.tensor([5, 9, 9, 9, 3])  # pos 0 prompt, pos 4 decoded earlier
+    active = torch.tensor([False, True, True, True, False])
+    editable = torch.tensor([False, True, True, True, True])
+    x0 = torch.tensor([1, 2, 2, 2, 4])
+    p = torch.tensor([0.99, 0.3, 0.6, 0.4, 0.7])
+    new, committed, edited = joint_threshold_step(block, x0, p, active, editable, 0.85, 0.5)
+    assert committed.tolist() == [False, False, True, False, False]  # fallback: top-1
+    assert edited.tolist() == [False, False, False, False, True]  # T2T while masks remain
+    assert new.tolist() == [5, 9, 2, 9, 4]  # prompt position 0 untouched despite p = 0.99
+
+
+def test_joint_threshold_commits_all_above_and_edit_is_strict():
+    block = torch.tensor([9, 9, 7])
+    active = torch.tensor([True, True, False])
+    editable = torch.ones(3, dtype=torch.bool)
+    x0 = torch.tensor([1, 2, 3])
+    p = torch.tensor([0.9, 0.86, 0.5])
+    new, committed, edited = joint_threshold_step(block, x0, p, active, editable, 0.85, 0.5)
+    assert committed.tolist() == [True, True, False] and not edited.any()  # 0.5 is not > 0.5
+    new, _, edited = joint_threshold_step(block, x0, p, active, editable, 0.85, None)
+    assert not edited.any()
+
+
+def test_threshold_step_quota():
+    block = torch.tensor([9, 9, 9, 9])
+    active = torch.ones(4, dtype=torch.bool)
+    x0 = torch.tensor([1, 2, 3, 4])
+    p = torch.tensor([0.96, 0.5, 0.7, 0.2])
+    new, committed = threshold_step(block, x0, p, active, 0.95, quota=2)
+    assert committed.tolist() == [True, False, True, False]
+    new, committed = threshold_step(block, x0, p, active, 0.4, quota=2)
+    assert committed.tolist() == [True, True, True, False]
+    assert new.tolist() == [1, 2, 3, 9]
+    assert step_quotas(32, 32) == [1] * 32 and step_quotas(10, 4) == [3, 3, 2, 2]

@@ -1,0 +1,31 @@
+import torch
+
+from dlmc.models.layers import RMSNorm, apply_partial_rope, rope_cos_sin
+
+
+def test_rmsnorm_uses_weight_as_is():
+    norm = RMSNorm(4, eps=1e-6)
+    norm.weight.data = torch.tensor([1.0, 2.0, 0.5, -1.0])
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    rms = (x.pow(2).mean() + 1e-6).sqrt()
+    torch.testing.assert_close(norm(x), x / rms * norm.weight)
+
+
+def test_partial_rope_pairs_i_and_i_plus_half_and_leaves_the_rest():
+    head_dim, rotary_dim, theta = 16, 8, 600000.0
+    pos = torch.tensor([0, 3, 17])
+    cos, sin = rope_cos_sin(pos, rotary_dim, theta, torch.float64)
+    x = torch.randn(3, 2, head_dim, dtype=torch.float64)
+    y = apply_partial_rope(x, cos, sin)
+    assert torch.equal(y[..., rotary_dim:], x[..., rotary_dim:])
+    half = rotary_dim // 2
+    for t, p in enumerate(pos.tolist()):
+        for i in range(half):
+            angle = p * theta ** (-2 * i / rotary_dim)
+            c, s = torch.tensor(angle).cos(), torch.tensor(angle).sin()
+            a, b = x[t, :, i], x[t, :, i + half]
+            torch.testing.assert_close(y[t, :, i], a * c - b * s)
+            torch.testing.assert_close(y[t, :, i + half], b * c + a * s)
+    torch.testing.assert_close(
+        apply_partial_rope(x[:1], *rope_cos_sin(pos[:1], 8, theta, torch.float64)), x[:1]
+    )

@@ -1,0 +1,59 @@
+import pytest
+
+from dlmc.errors import ConfigError
+from dlmc.results import BlockChunk, Done, RoundEvent
+
+
+def test_generate_result_fields(tiny_llm):
+    res = tiny_llm.generate(messages=[{"role": "user", "content": "Hi!"}], max_new_tokens=40)
+    assert len(res.token_ids) == 40 and res.finish_reason == "length"
+    assert res.num_forwards >= 1 and res.total_forwards > res.num_forwards
+    assert res.tokens_per_forward == pytest.approx(40 / res.num_forwards)
+    assert res.request_tps == pytest.approx(40 / res.elapsed_s)
+    assert res.text == tiny_llm.tokenizer.decode(res.token_ids, skip_special_tokens=True)
+    assert res.settings["threshold"] == 0.85 and res.settings["self_conditioning_active"] is False
+    assert res.prompt_token_ids[-1] == tiny_llm.tokenizer.convert_tokens_to_ids("</role>")
+
+
+def test_stream_yields_blocks_rounds_and_the_same_result(tiny_llm):
+    kwargs = dict(prompt_token_ids=list(range(65, 90)), max_new_tokens=50)
+    events = list(tiny_llm.stream(**kwargs, rounds=True))
+    chunks = [e for e in events if isinstance(e, BlockChunk)]
+    rounds = [e for e in events if isinstance(e, RoundEvent)]
+    done = events[-1]
+    assert isinstance(done, Done) and len(rounds) == done.result.num_forwards
+    assert [c.block_index for c in chunks] == [0, 1, 2]
+    assert sum((list(c.token_ids) for c in chunks), []) == done.result.token_ids
+    assert "".join(c.text for c in chunks) == done.result.text
+    assert tiny_llm.generate(**kwargs).token_ids == done.result.token_ids
+
+
+def test_eos_id_and_settings_come_from_the_checkpoint(tiny_llm):
+    assert (tiny_llm.special_ids.mask_token_id, tiny_llm.special_ids.eos_token_id) == (257, 256)
+    res = tiny_llm.generate(prompt="x", max_new_tokens=8, threshold=0.99, edit_threshold=None)
+    assert res.settings["threshold"] == 0.99 and res.settings["edit_threshold"] is None
+
+
+def test_bad_requests_are_named(tiny_llm):
+    with pytest.raises(ConfigError, match="exactly one of"):
+        tiny_llm.generate(prompt="a", prompt_token_ids=[1])
+    with pytest.raises(ConfigError, match="prompt_token_ids: id 99999"):
+        tiny_llm.generate(prompt_token_ids=[1, 99999])
+    with pytest.raises(ConfigError, match="messages"):
+        tiny_llm.generate(messages=[])
+    with pytest.raises(ConfigError, match="exceeds the model's context of 4096"):
+        tiny_llm.generate(prompt_token_ids=[1, 2], max_new_tokens=5000)
+    with pytest.raises(ConfigError, match="`max_new_tokens`"):
+        tiny_llm.generate(prompt="a", max_new_tokens=0)
+
+
+def test_checkpoint_without_tokenizer_works_from_ids(tmp_path):
+    from dlmc import LLM
+    from dlmc.errors import DlmcError
+    from dlmc.loading.tiny import write_tiny_checkpoint
+
+    llm = LLM(write_tiny_checkpoint(tmp_path / "m", seed=2, tokenizer=False), device="cpu")
+    res = llm.generate(prompt_token_ids=[10, 11, 12], max_new_tokens=8)
+    assert len(res.token_ids) == 8 and res.text == ""
+    with pytest.raises(DlmcError, match="no usable tokenizer.*prompt_token_ids"):
+        llm.generate(prompt="hello")
