@@ -42,10 +42,17 @@ def propose(
     return x0, p
 
 
-def _top_active(conf: torch.Tensor, active: torch.Tensor, count: int) -> torch.Tensor:
-    """Mask of the `count` active positions with the highest confidence `conf [bl]`."""
-    idx = conf.topk(min(count, conf.shape[0])).indices
-    return torch.zeros_like(active).scatter(0, idx, True) & active
+def _top_active(
+    conf: torch.Tensor, active: torch.Tensor, count: int | torch.Tensor
+) -> torch.Tensor:
+    """Mask of the `count` active positions with the highest confidence `conf [bl]`.
+
+    Rank-based (ties go to the lower position), so `count` may be a device tensor: no sync.
+    """
+    order = conf.argsort(descending=True, stable=True)  # [bl]
+    ranks = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(),
+                                                                    device=order.device))
+    return (ranks < count) & active
 
 
 def joint_threshold_step(
@@ -54,8 +61,8 @@ def joint_threshold_step(
     p: torch.Tensor,
     active: torch.Tensor,
     editable: torch.Tensor,
-    threshold: float,
-    edit_threshold: float | None,
+    threshold: float | torch.Tensor,
+    edit_threshold: float | torch.Tensor | None,
     num_to_transfer: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """LLaDA2.1 round (llada2.md §5.4): `(new_block, committed [bl], edited [bl])`.
@@ -63,7 +70,7 @@ def joint_threshold_step(
     M2T: commit every active position with p > threshold, or if fewer than `num_to_transfer`
     pass, the `num_to_transfer` most confident active positions. T2T (every round, also while
     masks remain): rewrite non-active editable positions whose p > edit_threshold and whose
-    proposal differs.
+    proposal differs. Thresholds may be 0-d device tensors (graph-captured rounds).
     """
     conf = torch.where(active, p, torch.full_like(p, float("-inf")))  # [bl]
     high = active & (p > threshold)
@@ -82,8 +89,8 @@ def threshold_step(
     x0: torch.Tensor,
     p: torch.Tensor,
     active: torch.Tensor,
-    threshold: float,
-    quota: int,
+    threshold: float | torch.Tensor,
+    quota: int | torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """LLaDA2.0 round (llada2.md §5.3): `(new_block, committed [bl])`.
 
