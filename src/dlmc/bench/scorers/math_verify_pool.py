@@ -1,24 +1,31 @@
 """math-verify in worker processes with a per-item timeout.
 
 math-verify's own timeouts use ``signal.alarm``, which works only in a process's main thread, and a
-pathological expression can still hang sympy. So every check runs in the main thread of a spawned
-worker process; the parent waits on a pipe with a timeout and kills (then restarts) a worker that
-does not answer. Threads in the parent only wait on pipes; no verification runs in them.
+pathological expression can still hang sympy. So every check runs in the main thread of a worker
+process (`dlmc.bench.scorers._math_worker`, started with ``python -m`` so that the caller's
+``__main__`` is never re-imported); the parent waits on its stdout with a timeout and kills (then
+restarts) a worker that does not answer. Threads in the parent only wait on pipes; no
+verification runs in them.
 """
 
 from __future__ import annotations
 
 import atexit
-import multiprocessing as mp
+import json
+import os
 import queue
+import select
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
-from typing import Any, Self
+from typing import Self
 
 DEFAULT_TIMEOUT_S = 10.0
+_STARTUP_TIMEOUT_S = 120.0  # importing sympy + math-verify in a fresh process
 
 
 @dataclass(frozen=True)
@@ -29,68 +36,69 @@ class VerifyResult:
     reason: str = ""
 
 
-def _serve(conn: Connection) -> None:
-    """Worker loop: receive ``(gold, candidate)``, answer ``(equivalent, error)``."""
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-
-    config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
-    while True:
-        try:
-            gold, candidate = conn.recv()
-        except EOFError:
-            return
-        try:
-            gold_parsed = parse("$" + gold + "$")
-            if not gold_parsed:
-                conn.send((False, f"math-verify could not parse the gold answer {gold!r}"))
-                continue
-            answer = parse(candidate, extraction_config=config)
-            if not answer:
-                conn.send((False, "math-verify could not parse the extracted answer"))
-                continue
-            conn.send((bool(verify(gold_parsed, answer)), ""))
-        except Exception as exc:  # noqa: BLE001 - any failure of the checker scores wrong
-            conn.send((False, f"math-verify raised {type(exc).__name__}: {exc}"))
-
-
 class _Worker:
-    """One spawned worker process and the parent's end of its pipe (started on first use)."""
+    """One worker process (``python -m dlmc.bench.scorers._math_worker``), started on first use."""
 
     def __init__(self) -> None:
-        self._proc: Any = None
-        self._conn: Connection | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
 
     def ask(self, gold: str, candidate: str, timeout_s: float) -> VerifyResult:
-        if self._proc is None or not self._proc.is_alive():
+        if self._proc is None or self._proc.poll() is not None:
             self._start()
-        assert self._conn is not None
-        self._conn.send((gold, candidate))
-        if not self._conn.poll(timeout_s):
-            self.stop()
-            return VerifyResult(False, f"math-verify timed out after {timeout_s:g} s")
+        proc = self._proc
+        assert proc is not None and proc.stdin is not None and proc.stdout is not None
         try:
-            equivalent, error = self._conn.recv()
-        except EOFError:
+            proc.stdin.write(json.dumps([gold, candidate]).encode() + b"\n")
+            proc.stdin.flush()
+        except OSError:
             self.stop()
             return VerifyResult(False, "math-verify worker died")
-        return VerifyResult(equivalent, error)
+        line = _read_line(proc.stdout.fileno(), time.monotonic() + timeout_s)
+        if line is None:
+            self.stop()
+            return VerifyResult(False, f"math-verify timed out after {timeout_s:g} s")
+        if not line:
+            self.stop()
+            return VerifyResult(False, "math-verify worker died")
+        equivalent, error = json.loads(line)
+        return VerifyResult(bool(equivalent), str(error))
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
-        parent, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child,), daemon=True)
-        self._proc.start()
-        child.close()
-        self._conn = parent
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "dlmc.bench.scorers._math_worker"], env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0,
+        )
+        assert self._proc.stdout is not None
+        ready = _read_line(self._proc.stdout.fileno(), time.monotonic() + _STARTUP_TIMEOUT_S)
+        if not ready:
+            self.stop()
+            raise RuntimeError("the math-verify worker did not start: is math-verify installed?")
 
     def stop(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
         if self._proc is not None:
             self._proc.kill()
-            self._proc.join()
+            self._proc.wait()
+            for stream in (self._proc.stdin, self._proc.stdout):
+                if stream is not None:
+                    stream.close()
             self._proc = None
+
+
+def _read_line(fd: int, deadline: float) -> bytes | None:
+    """Read one line from ``fd`` by ``deadline``: the line, ``b""`` at EOF, ``None`` on timeout."""
+    chunks: list[bytes] = []
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+            return None
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            return b""
+        chunks.append(chunk)
+        if chunk.endswith(b"\n"):
+            return b"".join(chunks)
 
 
 class MathVerifier:
