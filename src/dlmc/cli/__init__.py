@@ -15,6 +15,9 @@ def main() -> None:
 
 def _register() -> None:
     """Subcommands live in their own modules (generate.py, bench.py, serve.py)."""
+    from dlmc.cli.bench import bench
+
+    main.add_command(bench)
 
 
 _register()
