@@ -9,6 +9,7 @@ import click
 
 from dlmc.errors import DlmcError
 
+
 @click.group("bench", context_settings={"help_option_names": ["-h", "--help"]})
 def bench() -> None:
     """Benchmarks: model accuracy and speed. Each subcommand has its own --help."""
