@@ -48,11 +48,11 @@ def settings_text(
     decode = engine_settings or {k: run.get(k) for k in ("threshold", "edit_threshold",
                                                           "block_length", "max_new_tokens")}
     lines = [
-        f"model {run.get('model')}  role {run.get('role')}  precision {run.get('precision')}  "
-        f"device {device}",
+        (f"model {run.get('model')}  role {run.get('role')}  "
+         f"precision {run.get('precision')}  device {device}"),
         "decode (greedy): " + "  ".join(f"{k}={v}" for k, v in decode.items()),
-        f"max_new_tokens={run.get('max_new_tokens')}  seed={run.get('seed')}  "
-        f"code timeout {run.get('code_timeout_s')} s, memory {run.get('code_memory_mb')} MiB",
+        (f"max_new_tokens={run.get('max_new_tokens')}  seed={run.get('seed')}  "
+         f"code timeout {run.get('code_timeout_s')} s, memory {run.get('code_memory_mb')} MiB"),
     ]
     return Text("\n".join(lines), style="dim")
 

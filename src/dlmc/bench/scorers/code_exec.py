@@ -138,12 +138,13 @@ def run_programs(
     memory_mb: int = DEFAULT_MEMORY_MB,
     workers: int | None = None,
 ) -> list[ExecResult]:
-    """Run many programs, each in its own sandboxed subprocess, ``workers`` at a time.
+    """Run many programs, each in its own sandboxed subprocess, ``workers`` at a time (default:
+    twice the CPU count, since much of a short run is process start-up).
 
     Threads here only wait on the subprocesses; nothing generated runs in this process.
     """
     programs = list(programs)
-    workers = workers or max(1, os.cpu_count() or 1)
+    workers = workers or 2 * max(1, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(lambda p: run_program(p, timeout_s=timeout_s, memory_mb=memory_mb),
                              programs))
