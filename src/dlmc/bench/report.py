@@ -64,7 +64,7 @@ def render_report(
     """The table followed by the settings and each benchmark's prompt and checker."""
     details = [
         f"{s.name}: {s.file}; {s.plan.shots}-shot ({s.plan.exemplars}), {s.plan.style}; "
-        f"extractor: {s.plan.extractor}; checker: {s.checker}"
+        f"extractor: {s.plan.extractor}; checker: {s.checker} (instruction in summary.json)"
         for s in summaries
     ]
     return Group(summary_table(summaries), settings_text(run, device, engine_settings),
