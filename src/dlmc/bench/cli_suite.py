@@ -80,8 +80,8 @@ def run_suite(options: dict[str, Any], load_llm: Callable[..., Any]) -> list[Ben
                 llm, problems, plan, shots, settings, out_dir, verifier=verifier,
                 on_record=on_record, on_settings=keep_settings,
             ))
-    write_summary(out_dir, run, device, engine_settings, summaries)
-    console.print(render_report(summaries, run, device, engine_settings))
+    written = write_summary(out_dir, run, device, engine_settings, summaries)
+    console.print(render_report(summaries, run, device, written["engine_settings"]))
     console.print(f"[dim]per-problem records and summary.json in {out_dir}[/dim]")
     return summaries
 

@@ -25,34 +25,35 @@ def describe_device(llm: Any) -> str:
 
 
 def summary_table(summaries: Sequence[BenchmarkSummary]) -> Table:
-    """One row per benchmark: problems, correct, accuracy %, TPF, tokens/s, prompt and extractor."""
+    """One row per benchmark: problems, correct, accuracy %, TPF, tokens/s (fits 80 columns)."""
     table = Table(title="dlmc bench suite", title_justify="left")
-    for column in ("benchmark", "subset", "problems", "correct", "accuracy %", "TPF",
-                   "tokens/s", "shots", "prompt", "extracted by"):
-        numeric = column in ("problems", "correct", "accuracy %", "TPF", "tokens/s", "shots")
-        table.add_column(column, justify="right" if numeric else "left")
+    table.add_column("benchmark", no_wrap=True)
+    for column in ("problems", "correct", "accuracy %", "TPF", "tokens/s"):
+        table.add_column(column, justify="right", no_wrap=True)
     for s in summaries:
-        counts = ", ".join(f"{k} {v}" for k, v in sorted(s.extractor_counts.items()))
         table.add_row(
-            s.name, s.subset, str(s.problems), str(s.correct), f"{s.accuracy:.1f}",
-            f"{s.tokens_per_forward:.2f}", f"{s.tokens_per_s:.1f}", str(s.plan.shots),
-            s.plan.style, counts,
+            s.name, str(s.problems), str(s.correct), f"{s.accuracy:.1f}",
+            f"{s.tokens_per_forward:.2f}", f"{s.tokens_per_s:.1f}",
         )
     return table
+
+
+_DECODE_KEYS = ("algorithm", "threshold", "edit_threshold", "max_refine_steps", "steps",
+                "block_length", "max_new_tokens", "temperature", "precision", "dtype")
 
 
 def settings_text(
     run: dict[str, Any], device: str, engine_settings: dict[str, Any] | None
 ) -> Text:
     """The engine and suite settings under the table."""
-    decode = engine_settings or {k: run.get(k) for k in ("threshold", "edit_threshold",
-                                                          "block_length", "max_new_tokens")}
+    source = engine_settings or run
+    decode = {k: source[k] for k in _DECODE_KEYS if k in source}
     lines = [
-        (f"model {run.get('model')}  role {run.get('role')}  "
-         f"precision {run.get('precision')}  device {device}"),
-        "decode (greedy): " + "  ".join(f"{k}={v}" for k, v in decode.items()),
-        (f"max_new_tokens={run.get('max_new_tokens')}  seed={run.get('seed')}  "
-         f"code timeout {run.get('code_timeout_s')} s, memory {run.get('code_memory_mb')} MiB"),
+        (f"model {run.get('model')}  role {run.get('role')}  device {device}  "
+         f"seed {run.get('seed')}"),
+        "decode: " + "  ".join(f"{k}={v}" for k, v in decode.items()),
+        (f"code: timeout {run.get('code_timeout_s')} s, memory {run.get('code_memory_mb')} MiB;  "
+         f"math-verify timeout {run.get('math_timeout_s')} s"),
     ]
     return Text("\n".join(lines), style="dim")
 
@@ -61,11 +62,14 @@ def render_report(
     summaries: Sequence[BenchmarkSummary], run: dict[str, Any], device: str,
     engine_settings: dict[str, Any] | None,
 ) -> Group:
-    """The table followed by the settings and each benchmark's prompt and checker."""
-    details = [
-        f"{s.name}: {s.file}; {s.plan.shots}-shot ({s.plan.exemplars}), {s.plan.style}; "
-        f"extractor: {s.plan.extractor}; checker: {s.checker} (instruction in summary.json)"
-        for s in summaries
-    ]
+    """The table, then the settings, then each benchmark's subset, prompt, extractor, checker."""
+    details = []
+    for s in summaries:
+        counts = ", ".join(f"{k} {v}" for k, v in sorted(s.extractor_counts.items()))
+        details.append(
+            f"{s.name}: {s.file} ({s.subset}); {s.plan.shots}-shot ({s.plan.exemplars}), "
+            f"{s.plan.style}; extractor: {s.plan.extractor} [{counts}]; checker: {s.checker}"
+        )
+    details.append("exact instructions: summary.json, benchmarks[].plan.instruction")
     return Group(summary_table(summaries), settings_text(run, device, engine_settings),
                  Text("\n".join(details), style="dim"))

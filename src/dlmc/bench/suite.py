@@ -182,8 +182,9 @@ def run_info(model: str, role: str, precision: str, settings: SuiteSettings) -> 
 def write_summary(
     out_dir: Path, run: dict[str, Any], device: str, engine_settings: dict[str, Any] | None,
     summaries: Sequence[BenchmarkSummary],
-) -> Path:
-    """Write ``out_dir/summary.json``; keeps the engine settings of an earlier run if none new."""
+) -> dict[str, Any]:
+    """Write ``out_dir/summary.json`` and return its data; keeps the engine settings of an
+    earlier run when this one generated nothing (everything resumed)."""
     path = out_dir / "summary.json"
     if engine_settings is None and path.is_file():
         engine_settings = json.loads(path.read_text(encoding="utf-8")).get("engine_settings")
@@ -194,7 +195,7 @@ def write_summary(
         "benchmarks": [s.to_dict() for s in summaries],
     }
     path.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
-    return path
+    return data
 
 
 def _version(package: str) -> str:
