@@ -35,10 +35,12 @@ def gold_response(row: dict[str, Any]) -> str:
 
 @dataclass
 class FakeLLM:
-    """Answers the problems of ``rows`` correctly, except those whose key is in ``wrong_keys``."""
+    """Answers the problems of ``rows`` correctly, except those whose key is in ``wrong_keys``
+    (a wrong number) or ``overrides`` (the given text)."""
 
     rows: list[dict[str, Any]]
     wrong_keys: set[str] = field(default_factory=set)
+    overrides: dict[str, str] = field(default_factory=dict)
     calls: list[dict[str, Any]] = field(default_factory=list)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     model_id: str = "fake"
@@ -55,6 +57,7 @@ class FakeLLM:
                            "edit_threshold": edit_threshold, "seed": seed})
         row = next(r for r in self.rows if key_of(r) in text)
         answer = "I am not sure: 1234567." if key_of(row) in self.wrong_keys else gold_response(row)
+        answer = self.overrides.get(key_of(row), answer)
         tokens = list(range(len(answer.split()) + 3))
         return FakeResult(answer, tokens, num_forwards=2, tokens_per_forward=len(tokens) / 2,
                           request_tps=len(tokens) / 0.5, elapsed_s=0.5, finish_reason="stop",

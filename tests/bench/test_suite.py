@@ -110,3 +110,39 @@ def test_cli_reports_an_unknown_file_format(tmp_path: Path) -> None:
 def test_bench_help_lists_suite() -> None:
     result = CliRunner().invoke(main, ["bench", "--help"])
     assert result.exit_code == 0 and "suite" in result.output
+
+
+def test_a_looping_or_allocating_solution_does_not_harm_the_run(
+    data_dir: Path, tmp_path: Path, humaneval_rows: list[dict[str, Any]]
+) -> None:
+    rows = humaneval_rows[:4]
+    loop = "```python\n" + rows[1]["prompt"] + "    while True:\n        pass\n```"
+    bomb = "```python\nx = []\nwhile True:\n    x.append(bytearray(2**26))\n```"
+    llm = FakeLLM(rows, overrides={key_of(rows[1]): loop, key_of(rows[2]): bomb})
+    problems = load_problem_set(str(data_dir / "humaneval.jsonl"), limit=4)
+    plan, shots = plan_prompts(problems, "chat", False)
+    settings = SuiteSettings(max_new_tokens=64, code_timeout_s=1.0, code_memory_mb=512)
+    summary = run_benchmark(llm, problems, plan, shots, settings, tmp_path)
+    records = [json.loads(line) for line in (tmp_path / "humaneval.jsonl").read_text().splitlines()]
+    assert [r["correct"] for r in records] == [True, False, False, True]
+    assert "timed out" in records[1]["reason"] and "MemoryError" in records[2]["reason"]
+    assert (summary.problems, summary.correct) == (4, 2)
+
+
+def test_report_table_shows_the_numbers() -> None:
+    from rich.console import Console
+
+    from dlmc.bench.prompts import PromptPlan
+    from dlmc.bench.records import BenchmarkSummary
+    from dlmc.bench.report import render_report
+
+    plan = PromptPlan(0, "none", "chat", "{question}", "last number")
+    summary = BenchmarkSummary("gsm8k", "g.jsonl", "all 3 rows", problems=3, correct=2,
+                               forwards=40, tokens=100, seconds=4.0, plan=plan, checker="numeric",
+                               extractor_counts={"last_number": 3})
+    console = Console(width=80, record=True)
+    console.print(render_report([summary], {"model": "m", "role": "orl"}, "cuda:0 (H200)",
+                                {"threshold": 0.85, "block_length": 32}))
+    text = console.export_text()
+    assert "66.7" in text and "2.50" in text and "25.0" in text  # accuracy %, TPF, tokens/s
+    assert "threshold=0.85" in text and "cuda:0 (H200)" in text and "last_number 3" in text
