@@ -15,9 +15,11 @@ def main() -> None:
 
 def _register() -> None:
     """Subcommands live in their own modules (generate.py, bench.py, serve.py)."""
+    from dlmc.cli.bench import bench
     from dlmc.cli.generate import generate
 
     main.add_command(generate)
+    main.add_command(bench)
 
 
 _register()

@@ -1,0 +1,71 @@
+"""`dlmc bench`: benchmark commands (`suite`; `round` joins it from the compiled-rounds work)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from dlmc.errors import DlmcError
+
+
+@click.group("bench", context_settings={"help_option_names": ["-h", "--help"]})
+def bench() -> None:
+    """Benchmarks: model accuracy and speed. Each subcommand has its own --help."""
+
+
+# `round` (compiled-rounds timing) is registered here as `@bench.command("round")` in its module.
+
+
+@bench.command(
+    "suite", short_help="Accuracy + speed on GSM8K, MATH-500, HumanEval, MBPP (papers' scorers)."
+)
+@click.option("--model", "-m", required=True, help="Model id or local checkpoint directory.")
+@click.option("--role", default="orl", show_default=True, help="Model role (see `dlmc generate`).")
+@click.option("--precision", default="auto", show_default=True, help="Weight/KV precision.")
+@click.option("--device", default=None, help="torch device (default: the engine's choice).")
+@click.option("--threshold", type=float, default=None, help="Commit confidence threshold.")
+@click.option("--edit-threshold", type=float, default=None, help="Edit (remask) threshold.")
+@click.option("--block-length", type=int, default=None, help="Diffusion block length.")
+@click.option("--max-refine-steps", type=int, default=None, help="Refinement steps cap.")
+@click.option("--max-new-tokens", type=int, default=4096, show_default=True)
+@click.option("--problems", "-p", "problem_specs", multiple=True, metavar="FILE|NAME=FILE",
+              help="Problem JSONL files (more may follow as arguments); the benchmark is "
+                   "recognised from the fields, or named: gsm8k=, math500=, humaneval=, mbpp=.")
+@click.argument("more_problems", nargs=-1, metavar="[FILE|NAME=FILE]...")
+@click.option("--out", "-o", "out_dir", required=True, type=click.Path(path_type=Path),
+              help="Output directory; rerunning with the same one resumes.")
+@click.option("--limit", type=int, default=None, help="Only the first N problems of each file.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--prompt-style", type=click.Choice(["chat", "raw"]), default="chat",
+              show_default=True, help="chat template (instruct models) or raw text (base).")
+@click.option("--few-shot", is_flag=True, help="The papers' few-shot prompts (docs/eval.md).")
+@click.option("--exemplars", multiple=True, metavar="NAME=FILE",
+              help="Few-shot exemplars for gsm8k/math500 (JSONL in the problem file's format).")
+@click.option("--code-timeout", type=float, default=3.0, show_default=True,
+              help="Seconds per HumanEval/MBPP program.")
+@click.option("--code-memory-mb", type=int, default=2048, show_default=True,
+              help="Address-space cap per program.")
+@click.option("--math-timeout", type=float, default=10.0, show_default=True,
+              help="Seconds per math-verify check.")
+def suite(**options: Any) -> None:
+    """Score a model on benchmark files: per-problem JSONL, summary.json and a table in --out.
+
+    \b
+    dlmc bench suite --model M --threshold 0.85 --edit-threshold 0.5 \\
+        --problems gsm8k.jsonl math500.jsonl humaneval.jsonl mbpp.jsonl --out runs/m
+    """
+    from dlmc.bench.cli_suite import run_suite
+
+    try:
+        run_suite(options, load_llm=_load_llm)
+    except DlmcError as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def _load_llm(model: str, role: str, precision: str, device: str | None) -> Any:
+    """Load the engine (tests replace this with a fake)."""
+    from dlmc import LLM
+
+    return LLM(model, role=role, precision=precision, device=device)

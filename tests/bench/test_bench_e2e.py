@@ -1,0 +1,43 @@
+"""End to end: `dlmc bench suite` on the real tiny-llada2 engine, then a resumed rerun."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from dlmc.cli import main
+
+pytest.importorskip("dlmc.api", reason="the engine API (dlmc.api, issue: LLM) is not merged yet")
+
+FILES = ("gsm8k.jsonl", "math500.jsonl", "humaneval.jsonl", "mbpp.jsonl")
+
+
+@pytest.mark.slow
+def test_tiny_llada2_suite_completes_writes_files_and_resumes(
+    data_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    args = ["bench", "suite", "--model", "tiny-llada2", "--role", "orl", "--precision", "auto",
+            "--threshold", "0.85", "--edit-threshold", "0.5", "--max-new-tokens", "32",
+            "--limit", "2", "--problems", *(str(data_dir / f) for f in FILES), "--out", str(out)]
+    first = CliRunner().invoke(main, args)
+    assert first.exit_code == 0, first.output
+    assert "dlmc bench suite" in first.output and "accuracy %" in first.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert [b["problems"] for b in summary["benchmarks"]] == [2, 2, 2, 2]
+    assert summary["engine_settings"]
+    for name in ("gsm8k", "math500", "humaneval", "mbpp"):
+        records = [json.loads(line) for line in (out / f"{name}.jsonl").read_text().splitlines()]
+        assert len(records) == 2
+        assert all(r["tokens"] > 0 and r["forwards"] > 0 and r["seconds"] > 0 for r in records)
+    before = {f: (out / f"{f}.jsonl").read_text() for f in ("gsm8k", "math500", "mbpp")}
+
+    second = CliRunner().invoke(main, args)
+    assert second.exit_code == 0, second.output
+    resumed = json.loads((out / "summary.json").read_text())
+    assert resumed["benchmarks"] == summary["benchmarks"]
+    # Finished problems were skipped: the records (outputs, timings) are the first run's.
+    assert {f: (out / f"{f}.jsonl").read_text() for f in before} == before

@@ -1,0 +1,80 @@
+"""HumanEval and MBPP scorers on the gold data: reference code passes, wrong code fails."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dlmc.bench import score_humaneval, score_mbpp
+from dlmc.bench.problems import MBPP_TEST_IDS
+from dlmc.bench.scorers.code import extract_code, humaneval_program, mbpp_program
+from dlmc.bench.scorers.code_exec import run_programs
+
+# Reference solutions that fail the shipped tests under the eval.md program layout
+# (test_setup_code, then the code): the setup builds `Node` objects before the code defines it.
+MBPP_SETUP_BEFORE_CLASS = {367, 927}
+
+
+def test_every_humaneval_canonical_solution_passes(humaneval_rows: list[dict[str, Any]]) -> None:
+    programs = [humaneval_program(r["canonical_solution"], r) for r in humaneval_rows]
+    results = run_programs(programs)
+    failed = [(r["task_id"], x.reason) for r, x in zip(humaneval_rows, results, strict=True)
+              if not x.passed]
+    assert (len(humaneval_rows) - len(failed), failed) == (164, [])
+
+
+def test_humaneval_wrong_solutions_fail(humaneval_rows: list[dict[str, Any]]) -> None:
+    stub = "    return None\n"
+    results = run_programs([humaneval_program(stub, r) for r in humaneval_rows])
+    passed = [r["task_id"] for r, x in zip(humaneval_rows, results, strict=True) if x.passed]
+    assert passed == []
+
+
+def test_mbpp_reference_code_passes_its_tests(mbpp_rows: list[dict[str, Any]]) -> None:
+    # 10 s: OpenCompass's MBPP timeout; task 123's reference needs ~3 s on a loaded 2-core box.
+    results = run_programs([mbpp_program(r["code"], r) for r in mbpp_rows], timeout_s=10.0)
+    failed = {r["task_id"]: x.reason for r, x in zip(mbpp_rows, results, strict=True)
+              if not x.passed}
+    assert set(failed) == MBPP_SETUP_BEFORE_CLASS, failed
+    assert all("NameError" in reason and "Node" in reason for reason in failed.values())
+    assert sum(r["task_id"] in MBPP_TEST_IDS for r in mbpp_rows if r["task_id"] in failed) == 1
+
+
+def test_chat_style_responses_through_the_public_scorers(
+    humaneval_rows: list[dict[str, Any]], mbpp_rows: list[dict[str, Any]]
+) -> None:
+    row = humaneval_rows[0]
+    fenced = "Here you go:\n```python\n" + row["prompt"] + row["canonical_solution"] + "```\nDone."
+    result = score_humaneval(fenced, row)
+    assert result.correct and result.extractor == "fenced_python_block"
+    body_only = score_humaneval(row["canonical_solution"], row)
+    assert body_only.correct and body_only.extractor == "raw"
+    raw = score_humaneval(row["canonical_solution"], row, raw_completion=True)
+    assert raw.correct and raw.extractor == "raw_completion"
+    mbpp = next(r for r in mbpp_rows if r["task_id"] == 11)
+    assert score_mbpp("```python\n" + mbpp["code"] + "\n```", mbpp).correct
+    assert score_mbpp("[BEGIN]\n" + mbpp["code"] + "\n[DONE]", mbpp).correct
+    wrong = score_mbpp("```python\ndef remove_Occ(s, ch):\n    return s\n```", mbpp)
+    assert not wrong.correct and "AssertionError" in wrong.reason
+
+
+def test_a_looping_solution_is_stopped_and_scored_wrong(humaneval_rows: list[dict[str, Any]]):
+    row = humaneval_rows[0]
+    result = score_humaneval("    while True:\n        pass\n", row, timeout_s=1.0)
+    assert not result.correct and "timed out" in result.reason
+    bomb = "    x = []\n    while True:\n        x.append(bytearray(50 * 2**20))\n"
+    result = score_humaneval(bomb, row, memory_mb=256, timeout_s=10.0)
+    assert not result.correct and "MemoryError" in result.reason
+
+
+@pytest.mark.parametrize(("text", "code", "extractor"), [
+    ("```python\nA\n```\n```python\nB\n```", "A\n", "fenced_python_block"),
+    ("```\nA\n```", "A\n", "fenced_block"),
+    ("```text\nT\n```\n```py\nP\n```", "P\n", "fenced_python_block"),
+    ("```python\ncut off by max tokens", "cut off by max tokens", "fenced_python_block"),
+    ("[BEGIN]\nX\n[DONE] trailing", "X\n", "begin_done"),
+    ("def f():\n    return 1", "def f():\n    return 1", "raw"),
+])
+def test_extract_code(text: str, code: str, extractor: str) -> None:
+    assert extract_code(text) == (code, extractor)
