@@ -33,6 +33,8 @@ class LLM:
     random-weight model). `role`: "orl" (threshold 0.85, edit 0.5, 16 refine steps, from the
     checkpoint's paper_decoding.json), "llada2.1" or "llada2.0". `precision`: "auto", "bf16"
     or "nvfp4". `device`: default CUDA if available. `dtype`: default bf16 on CUDA, fp32 on CPU.
+    `mode`: how rounds run: "graph" (compiled + CUDA graphs, the default on CUDA), "compile",
+    "eager" (the default on CPU) or "reference" (plain PyTorch, exact-length attention).
     """
 
     def __init__(

@@ -58,3 +58,19 @@ def test_bf16_experts_match_per_token_loop():
             h = h * (experts.up_proj_weight[e] @ x[t])
             want += w[t, k] * (experts.down_proj_weight[e] @ h)
         torch.testing.assert_close(out[t], want, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_moe_equals_reference_loop_including_empty_experts():
+    from dlmc.models.moe import bf16_moe_reference, grouped_moe
+
+    gen = torch.Generator().manual_seed(1)
+    num_experts, hidden, inter = 12, 16, 8
+    weights = [torch.randn(num_experts, inter, hidden, generator=gen) for _ in range(2)]
+    down = torch.randn(num_experts, hidden, inter, generator=gen)
+    for tokens in (1, 3, 17):
+        x = torch.randn(tokens, hidden, generator=gen)
+        ids = torch.randint(0, 5, (tokens, 2), generator=gen)  # experts 5..11 get no tokens
+        ids[:, 1] = (ids[:, 0] + 1) % 5
+        w = torch.rand(tokens, 2, generator=gen)
+        want = bf16_moe_reference(x, ids, w, *weights, down)
+        torch.testing.assert_close(grouped_moe(x, ids, w, *weights, down), want)

@@ -69,3 +69,6 @@ def _load_llm(model: str, role: str, precision: str, device: str | None) -> Any:
     from dlmc import LLM
 
     return LLM(model, role=role, precision=precision, device=device)
+
+
+from dlmc.cli import bench_round  # noqa: E402,F401  (registers `dlmc bench round`)

@@ -1,13 +1,17 @@
 """The block decoder: whole-block canvas, KV cache of finished blocks, LLaDA2.0/2.1 rules.
 
+Two ways to run a round, same rules (`dlmc.graphs.round.decide`):
+- "static" (default): the pure round function over static buffers, eager, compiled or as a
+  CUDA graph (`dlmc.graphs.runner`); greedy decoding.
+- "reference": plain PyTorch with exact-length attention, cached or uncached; also used for
+  sampling (temperature > 0).
 Cached decoding equals uncached decoding: a finished block's K/V are those of its final
-tokens (the last denoising forward's when it changed nothing, else one refresh forward).
+tokens (the last round's when it changed nothing, else one refresh forward).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
 
 import torch
 
@@ -15,59 +19,49 @@ from dlmc.engine.attention import CachedAttention, MaskedAttention, block_causal
 from dlmc.engine.decode_config import DecodeConfig
 from dlmc.engine.events import BlockEvent, DecodeOutput, RoundEvent
 from dlmc.engine.kv_cache import DenseKVCache
-from dlmc.engine.rules import joint_threshold_step, propose, step_quotas, threshold_step
+from dlmc.engine.rules import step_quotas
 from dlmc.errors import ConfigError
-from dlmc.models.llada2 import LLaDA2ForDiffusion
+from dlmc.graphs.round import EDITS_OFF, RoundBuffers, decide
+from dlmc.graphs.runner import RoundRunner
 
 Event = RoundEvent | BlockEvent
 PREFILL_CHUNK = 512
 
 
-@dataclass
-class _Block:
-    index: int
-    start: int
-    tokens: torch.Tensor  # [bl]
-    is_prompt: torch.Tensor  # [bl] bool
-
-
 class BlockDecoder:
-    """Runs one request at a time on `model`, reusing one static KV cache."""
+    """Runs one request at a time on `model`, reusing one static KV cache and round buffers.
+
+    `mode`: "eager", "compile" or "graph" for the static round, or "reference".
+    """
 
     def __init__(
-        self,
-        model: LLaDA2ForDiffusion,
-        mask_id: int,
-        eos_id: int,
-        max_context: int,
-        device: torch.device,
-        dtype: torch.dtype,
+        self, model: torch.nn.Module, mask_id: int, eos_id: int, max_context: int,
+        device: torch.device, dtype: torch.dtype, mode: str = "eager",
     ) -> None:
         self.model, self.mask_id, self.eos_id = model, mask_id, eos_id
-        self.max_context, self.device, self.dtype = max_context, device, dtype
+        self.max_context, self.device, self.dtype, self.mode = (
+            max_context, device, dtype, mode)
         self._cache: DenseKVCache | None = None
+        self._runners: dict[int, RoundRunner] = {}
 
     @property
     def cache(self) -> DenseKVCache:
         if self._cache is None:
             cfg = self.model.config
-            self._cache = DenseKVCache(
-                cfg.num_hidden_layers,
-                self.max_context,
-                cfg.num_key_value_heads,
-                cfg.head_dim,
-                self.dtype,
-                self.device,
-            )
+            self._cache = DenseKVCache(cfg.num_hidden_layers, self.max_context,
+                                       cfg.num_key_value_heads, cfg.head_dim, self.dtype,
+                                       self.device)
         return self._cache
 
+    def runner(self, block_length: int) -> RoundRunner:
+        if block_length not in self._runners:
+            self._runners[block_length] = RoundRunner(self.model, self.cache, block_length,
+                                                      self.mask_id, self.mode)
+        return self._runners[block_length]
+
     def decode(
-        self,
-        prompt_ids: list[int],
-        cfg: DecodeConfig,
-        use_cache: bool = True,
-        rounds: bool = False,
-        cancel: Callable[[], bool] | None = None,
+        self, prompt_ids: list[int], cfg: DecodeConfig, use_cache: bool = True,
+        rounds: bool = False, cancel: Callable[[], bool] | None = None,
     ) -> Generator[Event, None, DecodeOutput]:
         """Yield RoundEvents (if `rounds`) and BlockEvents; return the DecodeOutput."""
         bl, plen, gen_len = cfg.block_length, len(prompt_ids), cfg.max_new_tokens
@@ -80,50 +74,59 @@ class BlockDecoder:
                 f"of {bl} = {num_blocks * bl} tokens exceeds the model's context of "
                 f"{self.max_context}"
             )
+        static = use_cache and cfg.greedy and self.mode != "reference"
+        runner = self.runner(bl) if static else None
+        buf = runner.buf if runner else RoundBuffers.allocate(bl, 1, self.device)
         canvas = torch.full((num_blocks * bl,), self.mask_id, dtype=torch.long, device=self.device)
         canvas[:plen] = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
-        first = plen // bl
-        generator = None
-        if cfg.temperature > 0.0 and cfg.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
         positions = torch.arange(num_blocks * bl, device=self.device)
-        total = self._prefill(canvas[: first * bl], bl) if use_cache else 0
-        forwards, finish, answer_end = 0, "length", plen + gen_len
+        first = plen // bl
+        sampling = None
+        if not cfg.greedy:
+            gen = None
+            if cfg.seed is not None:
+                gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
+            sampling = (cfg.temperature, cfg.top_k, cfg.top_p, gen)
+        total = self._prefill(canvas[: first * bl], bl, runner) if use_cache else 0
+        forwards, finish, answer_end, b = 0, "length", plen + gen_len, first
         with torch.inference_mode():
             for b in range(first, num_blocks):
                 start = b * bl
-                block = _Block(
-                    b,
-                    start,
-                    canvas[start : start + bl].clone(),
-                    positions[start : start + bl] < plen,
-                )
-
-                def forward(tokens: torch.Tensor, start: int = start) -> torch.Tensor:
-                    return self._denoise_forward(tokens, start, bl, canvas, positions, use_cache)
-
-                steps = self._block_rounds(block, cfg, forward, generator, rounds, cancel)
-                n_rounds, converged, cancelled = yield from steps
-                forwards += n_rounds
-                total += n_rounds
+                self._start_block(buf, canvas[start : start + bl], positions[start : start + bl],
+                                  plen, cfg)
+                n, cancelled = 0, False
+                while True:
+                    if cancel is not None and cancel():
+                        cancelled = True
+                        break
+                    if runner is not None:
+                        done = runner.step(cfg.algorithm, runner.key_len(start + bl))
+                    else:
+                        logits = self._reference_logits(buf.tokens, start, bl, canvas, positions,
+                                                        use_cache)
+                        decide(logits, buf, self.mask_id, cfg.algorithm, cfg.num_to_transfer,
+                               sampling)
+                        done = bool(buf.done)
+                    n += 1
+                    if rounds:
+                        yield self._round_event(buf, b, n)
+                    if done:
+                        break
+                forwards += n
+                total += n
                 if cancelled:
                     finish = "cancelled"
                     break
-                canvas[start : start + bl] = block.tokens
-                if use_cache and not converged and not cancelled:
-                    self.model(
-                        block.tokens,
-                        positions[start : start + bl],
-                        CachedAttention(self.cache, start, store=True),
-                        compute_logits=False,
-                    )
+                canvas[start : start + bl] = buf.tokens
+                if use_cache and bool(buf.changed):  # stale K/V: refresh from the final tokens
+                    self._fill(canvas[start : start + bl], positions[start : start + bl], bl,
+                               runner)
                     total += 1
-                lo, hi = max(start, plen), min(start + bl, answer_end)
-                new_ids = canvas[lo:hi].tolist()
+                new_ids = canvas[max(start, plen) : min(start + bl, answer_end)].tolist()
                 if self.eos_id in new_ids:
                     new_ids = new_ids[: new_ids.index(self.eos_id) + 1]
                     finish = "stop"
-                yield BlockEvent(b, tuple(new_ids), n_rounds)
+                yield BlockEvent(b, tuple(new_ids), n)
                 if finish != "length":
                     break
         answer = canvas[plen:answer_end].tolist()
@@ -133,17 +136,34 @@ class BlockDecoder:
             answer = answer[: max(0, b * bl - plen)]
         return DecodeOutput(tuple(answer), finish, forwards, total, b - first + 1)
 
-    def _denoise_forward(
-        self,
-        tokens: torch.Tensor,
-        start: int,
-        bl: int,
-        canvas: torch.Tensor,
-        positions: torch.Tensor,
-        use_cache: bool,
-    ) -> torch.Tensor:
-        """Logits `[bl, V]` of the block at `start`: over the KV cache (storing the block's
-        K/V in its slots), or uncached over the whole canvas prefix with the block-causal mask."""
+    def _start_block(self, buf: RoundBuffers, tokens: torch.Tensor, positions: torch.Tensor,
+                     plen: int, cfg: DecodeConfig) -> None:
+        buf.tokens.copy_(tokens)
+        buf.positions.copy_(positions)
+        buf.editable.copy_(positions >= plen)
+        buf.threshold.fill_(cfg.threshold)
+        buf.edit_threshold.fill_(EDITS_OFF if cfg.edit_threshold is None else cfg.edit_threshold)
+        buf.max_post.fill_(cfg.max_refine_steps)
+        steps = min(cfg.steps, cfg.max_new_tokens)
+        quotas = step_quotas(cfg.block_length, steps)
+        buf.quotas[: len(quotas)].copy_(torch.tensor(quotas[: buf.quotas.numel()]))
+        buf.steps.fill_(steps)
+        for counter in (buf.post, buf.step):
+            counter.zero_()
+        buf.changed.fill_(True)
+
+    def _round_event(self, buf: RoundBuffers, block: int, n: int) -> RoundEvent:
+        tokens = buf.tokens.tolist()
+        editable = buf.editable.tolist()
+        return RoundEvent(block, n, tuple(tokens), tuple(not e for e in editable),
+                          tuple(e and t == self.mask_id for e, t in zip(editable, tokens,
+                                                                        strict=True)),
+                          tuple(buf.committed.tolist()), tuple(buf.edited.tolist()))
+
+    def _reference_logits(self, tokens: torch.Tensor, start: int, bl: int, canvas: torch.Tensor,
+                          positions: torch.Tensor, use_cache: bool) -> torch.Tensor:
+        """Logits `[bl, V]` of the block: over the KV cache (storing the block's K/V in its
+        slots), or uncached over the whole canvas prefix with the block-causal mask."""
         if use_cache:
             ctx = CachedAttention(self.cache, start, store=True)
             return self.model(tokens, positions[start : start + bl], ctx)
@@ -152,69 +172,29 @@ class BlockDecoder:
         mask = block_causal_mask(positions[:upto], positions[:upto], bl, self.dtype)
         return self.model(canvas[:upto], positions[:upto], MaskedAttention(mask))[-bl:]
 
-    def _prefill(self, prefix: torch.Tensor, bl: int) -> int:
-        """K/V of the prompt's full blocks, block-causal, in chunks; returns forwards run."""
+    def _fill(self, tokens: torch.Tensor, positions: torch.Tensor, bl: int,
+              runner: RoundRunner | None) -> None:
+        end = int(positions[-1]) + 1
+        if runner is not None:
+            runner.fill(tokens, positions, runner.key_len(end))
+            return
+        mask = block_causal_mask(positions, positions, bl, self.dtype)
+        ctx = CachedAttention(self.cache, int(positions[0]), store=True, mask=mask)
+        self.model(tokens, positions, ctx, compute_logits=False)
+
+    def _prefill(self, prefix: torch.Tensor, bl: int, runner: RoundRunner | None) -> int:
+        """K/V of the prompt's full blocks, block-causal, in fixed-size chunks (the last one
+        padded with masks when the chunk size is static); returns the forwards run."""
         chunk = max(bl, PREFILL_CHUNK // bl * bl)
         count = 0
         with torch.inference_mode():
             for start in range(0, prefix.shape[0], chunk):
                 ids = prefix[start : start + chunk]
+                fits = start + chunk <= self.cache.max_tokens
+                if runner is not None and ids.shape[0] < chunk and fits:
+                    pad = torch.full((chunk - ids.shape[0],), self.mask_id, device=self.device)
+                    ids = torch.cat([ids, pad])
                 pos = torch.arange(start, start + ids.shape[0], device=self.device)
-                mask = block_causal_mask(pos, pos, bl, self.dtype)
-                ctx = CachedAttention(self.cache, start, store=True, mask=mask)
-                self.model(ids, pos, ctx, compute_logits=False)
+                self._fill(ids, pos, bl, runner)
                 count += 1
         return count
-
-    def _block_rounds(self, block, cfg, forward, generator, rounds, cancel):
-        """Denoise one block; yields RoundEvents; returns (rounds, converged, cancelled)."""
-        editable = ~block.is_prompt
-        quotas = step_quotas(cfg.block_length, min(cfg.steps, cfg.max_new_tokens))
-        n, post, converged = 0, 0, False
-        while True:
-            if cancel is not None and cancel():
-                return n, False, True
-            active = editable & (block.tokens == self.mask_id)
-            any_active = bool(active.any())
-            if cfg.algorithm == "threshold":
-                if not any_active or n >= len(quotas):
-                    break
-            else:
-                post += 0 if any_active else 1
-                if post > cfg.max_refine_steps:
-                    break
-            logits = forward(block.tokens)
-            logits[:, self.mask_id] = float("-inf")  # never propose the mask itself
-            x0, p = propose(logits, cfg.temperature, cfg.top_k, cfg.top_p, generator)
-            if cfg.algorithm == "threshold":
-                new, committed = threshold_step(
-                    block.tokens, x0, p, active, cfg.threshold, quotas[n]
-                )
-                edited = torch.zeros_like(committed)
-            else:
-                new, committed, edited = joint_threshold_step(
-                    block.tokens,
-                    x0,
-                    p,
-                    active,
-                    editable,
-                    cfg.threshold,
-                    cfg.edit_threshold,
-                    cfg.num_to_transfer,
-                )
-            n += 1
-            converged = not bool((new != block.tokens).any())
-            block.tokens = new
-            if rounds:
-                yield RoundEvent(
-                    block.index,
-                    n,
-                    tuple(new.tolist()),
-                    tuple(block.is_prompt.tolist()),
-                    tuple((editable & (new == self.mask_id)).tolist()),
-                    tuple(committed.tolist()),
-                    tuple(edited.tolist()),
-                )
-            if cfg.algorithm == "joint" and not any_active and not bool(edited.any()):
-                break
-        return n, converged, False

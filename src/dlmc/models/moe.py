@@ -65,14 +65,47 @@ class BF16Experts(nn.Module):
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
-        return bf16_moe_reference(
-            x,
-            topk_ids,
-            topk_weights,
-            self.gate_proj_weight,
-            self.up_proj_weight,
-            self.down_proj_weight,
+        return grouped_moe(
+            x, topk_ids, topk_weights,
+            self.gate_proj_weight, self.up_proj_weight, self.down_proj_weight,
         )
+
+
+def grouped_moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    gate_proj: torch.Tensor,
+    up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+) -> torch.Tensor:
+    """Same maths as `bf16_moe_reference`, sync-free: (token, k) pairs sorted by expert and run
+    through `torch._grouped_mm` with device-side offsets, so it compiles with fullgraph and
+    captures in a CUDA graph. Shapes as in `bf16_moe_reference`. Other dtypes (fp32 on CPU,
+    tests) gather each (token, k) pair's expert weights instead."""
+    tokens, top_k = topk_ids.shape
+    num_experts = gate_proj.shape[0]
+    flat_ids = topk_ids.reshape(-1)  # [T*K]
+    order = torch.argsort(flat_ids, stable=True)  # [T*K]
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids, dtype=torch.int32))
+    offsets = counts.cumsum(0, dtype=torch.int32)  # [E]
+    token_idx = order // top_k  # [T*K]
+    xs = x[token_idx]  # [T*K, H]
+    if x.dtype == torch.bfloat16:
+        gate = torch._grouped_mm(xs, gate_proj.transpose(1, 2), offs=offsets)  # [T*K, I]
+        up = torch._grouped_mm(xs, up_proj.transpose(1, 2), offs=offsets)
+        hidden = F.silu(gate) * up
+        ys = torch._grouped_mm(hidden, down_proj.transpose(1, 2), offs=offsets)  # [T*K, H]
+    else:  # _grouped_mm is bf16-only when traced: gather each pair's expert (small models)
+        expert_of = flat_ids[order]  # [T*K]
+        gate = torch.bmm(gate_proj[expert_of], xs[:, :, None])[..., 0]  # [T*K, I]
+        up = torch.bmm(up_proj[expert_of], xs[:, :, None])[..., 0]
+        hidden = F.silu(gate) * up
+        ys = torch.bmm(down_proj[expert_of], hidden[:, :, None])[..., 0]  # [T*K, H]
+    weighted = ys.float() * topk_weights.reshape(-1)[order, None].float()
+    out = torch.zeros(tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    return out.index_add_(0, token_idx, weighted).to(x.dtype)
 
 
 def bf16_moe_reference(

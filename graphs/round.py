@@ -1,0 +1,119 @@
+"""The denoising round as a pure function over static buffers.
+
+`denoise_round` = forward of the block over the static KV cache -> proposal -> commit/edit
+decision -> updated block tokens and a device-side "block done" flag. Buffers are mutated in
+place; nothing is allocated per round outside the function and nothing syncs with the host,
+so the same function runs eager, compiled (Inductor, fullgraph) or replayed as a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dlmc.engine.kv_cache import DenseKVCache
+from dlmc.engine.rules import joint_threshold_step, propose, threshold_step
+from dlmc.graphs.static_attention import StaticCacheAttention
+
+EDITS_OFF = 2.0  # an edit threshold no probability exceeds
+
+
+@dataclass
+class RoundBuffers:
+    """Static device state of the block being decoded (allocated once per engine)."""
+
+    tokens: torch.Tensor  # [bl] int64, the block (updated every round)
+    positions: torch.Tensor  # [bl] int64, absolute positions of the block
+    editable: torch.Tensor  # [bl] bool, not prompt
+    threshold: torch.Tensor  # [] fp32
+    edit_threshold: torch.Tensor  # [] fp32 (EDITS_OFF disables edits)
+    max_post: torch.Tensor  # [] int32, post-fill rounds allowed (joint)
+    quotas: torch.Tensor  # [max_steps] int32, commits per step (threshold decoding)
+    steps: torch.Tensor  # [] int32, steps allowed (threshold decoding)
+    post: torch.Tensor  # [] int32, post-fill rounds counted so far (joint)
+    step: torch.Tensor  # [] int32, rounds run in this block
+    done: torch.Tensor  # [] bool: no further round should run
+    changed: torch.Tensor  # [] bool: the last round changed a token
+    committed: torch.Tensor  # [bl] bool, mask -> token in the last round
+    edited: torch.Tensor  # [bl] bool, token -> token in the last round
+
+    @classmethod
+    def allocate(cls, block_length: int, max_steps: int, device: torch.device) -> RoundBuffers:
+        def z(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        i32, b = torch.int32, torch.bool
+        return cls(z(block_length, dtype=torch.long), z(block_length, dtype=torch.long),
+                   z(block_length, dtype=b), z(dtype=torch.float32), z(dtype=torch.float32),
+                   z(dtype=i32), z(max_steps, dtype=i32), z(dtype=i32), z(dtype=i32),
+                   z(dtype=i32), z(dtype=b), z(dtype=b), z(block_length, dtype=b),
+                   z(block_length, dtype=b))
+
+
+def decide(
+    logits: torch.Tensor,
+    buf: RoundBuffers,
+    mask_id: int,
+    algorithm: str,
+    num_to_transfer: int = 1,
+    sampling: tuple[float, int | None, float | None, torch.Generator | None] | None = None,
+) -> None:
+    """Commit/edit decision for `logits [bl, V]` of `buf.tokens`; updates `buf` in place."""
+    tokens = buf.tokens
+    active = buf.editable & (tokens == mask_id)  # [bl]
+    any_active = active.any()
+    logits[:, mask_id] = float("-inf")  # never propose the mask itself
+    x0, p = propose(logits, *sampling) if sampling is not None else propose(logits)
+    if algorithm == "threshold":
+        index = buf.step.clamp(max=buf.quotas.numel() - 1).reshape(1).long()
+        quota = buf.quotas.index_select(0, index)[0]  # [], device-side lookup
+        new, committed = threshold_step(tokens, x0, p, active, buf.threshold, quota)
+        edited = torch.zeros_like(committed)
+        step = buf.step + 1
+        done = ~(buf.editable & (new == mask_id)).any() | (step >= buf.steps)
+    else:
+        new, committed, edited = joint_threshold_step(
+            tokens, x0, p, active, buf.editable, buf.threshold, buf.edit_threshold,
+            num_to_transfer,
+        )
+        step = buf.step + 1
+        # llada2.md §5.4: a round with no masks left counts as a post-fill round; the next
+        # round runs only while post <= max_post; a mask-free round that edits nothing ends it.
+        post = buf.post + (~(buf.editable & (new == mask_id)).any()).to(torch.int32)
+        done = (~any_active & ~edited.any()) | (post > buf.max_post)
+        buf.post.copy_(post)
+    buf.changed.copy_((new != tokens).any())
+    buf.tokens.copy_(new)
+    buf.step.copy_(step)
+    buf.done.copy_(done)
+    buf.committed.copy_(committed)
+    buf.edited.copy_(edited)
+
+
+def denoise_round(
+    model: torch.nn.Module,
+    buf: RoundBuffers,
+    cache: DenseKVCache,
+    key_len: int,
+    block_length: int,
+    mask_id: int,
+    algorithm: str,
+) -> None:
+    """One greedy round of the block in `buf` over `cache` (keys `[0, key_len)`)."""
+    ctx = StaticCacheAttention(cache, buf.positions, key_len, block_length)
+    logits = model(buf.tokens, buf.positions, ctx)  # [bl, V] fp32
+    decide(logits, buf, mask_id, algorithm)
+
+
+def fill_kv(
+    model: torch.nn.Module,
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    cache: DenseKVCache,
+    key_len: int,
+    block_length: int,
+) -> None:
+    """Write the K/V of `tokens [T]` at `positions [T]` (prompt prefill chunk or block refresh)."""
+    ctx = StaticCacheAttention(cache, positions, key_len, block_length)
+    model(tokens, positions, ctx, compute_logits=False)

@@ -1,0 +1,139 @@
+"""The one compile site and the one capture site: runs `denoise_round` / `fill_kv` eager,
+compiled (Inductor, fullgraph) or as CUDA graphs captured per key-length bucket.
+
+Buckets: the key length (cache slots a round may attend to) is rounded up to a power of two
+(at least 256, at most the cache size); each (algorithm, bucket) is compiled and captured once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import fields
+from typing import Any
+
+import torch
+import torch._inductor.config
+
+from dlmc.engine.kv_cache import DenseKVCache
+from dlmc.errors import ConfigError
+from dlmc.graphs.round import RoundBuffers, denoise_round, fill_kv
+
+log = logging.getLogger(__name__)
+MODES = ("eager", "compile", "graph")
+MIN_BUCKET = 256
+MAX_STEPS = 4096
+
+_compiled: dict[str, Callable[..., Any]] = {}
+
+
+def inductor_cache_dir() -> str:
+    """Inductor's FX-graph and autotune caches persist in dlmc's cache directory (unless
+    TORCHINDUCTOR_CACHE_DIR is set), so a second start of the same model and shapes is fast."""
+    from dlmc.loading.hub import dlmc_cache_dir
+
+    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(dlmc_cache_dir() / "inductor"))
+
+
+def _compile(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The single torch.compile site (specialises per key length and algorithm)."""
+    if name not in _compiled:
+        inductor_cache_dir()
+        torch._inductor.config.fx_graph_cache = True
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        _compiled[name] = torch.compile(fn, fullgraph=True, dynamic=False)
+    return _compiled[name]
+
+
+class RoundRunner:
+    """Static buffers + compiled/captured rounds for one model and block length."""
+
+    def __init__(
+        self, model: torch.nn.Module, cache: DenseKVCache, block_length: int, mask_id: int,
+        mode: str,
+    ) -> None:
+        if mode not in MODES:
+            raise ConfigError(f"round mode {mode!r}: expected one of {', '.join(MODES)}")
+        device = cache.k.device
+        if mode == "graph" and device.type != "cuda":
+            raise ConfigError("round mode 'graph' needs a CUDA device (use 'compile' or 'eager')")
+        self.model, self.cache, self.bl, self.mask_id, self.mode = (
+            model, cache, block_length, mask_id, mode)
+        self.buf = RoundBuffers.allocate(block_length, MAX_STEPS, device)
+        self._graphs: dict[tuple[Any, ...], torch.cuda.CUDAGraph] = {}
+        self._fill_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pool: Any = None
+        self.compile_s = 0.0  # time spent in first calls (compile / autotune / capture)
+
+    def key_len(self, end: int) -> int:
+        bucket = MIN_BUCKET
+        while bucket < end:
+            bucket *= 2
+        return min(bucket, self.cache.max_tokens)
+
+    # -- denoising rounds ------------------------------------------------------------------
+    def step(self, algorithm: str, key_len: int) -> bool:
+        """Run one round of the block in `self.buf`; returns the device's "done" flag."""
+        key = ("round", algorithm, key_len)
+        self._run(key, lambda: self._round_fn()(self.model, self.buf, self.cache, key_len,
+                                                   self.bl, self.mask_id, algorithm))
+        return bool(self.buf.done)  # the one host sync per round
+
+    def fill(self, tokens: torch.Tensor, positions: torch.Tensor, key_len: int) -> None:
+        """K/V of `tokens` at `positions` (a prefill chunk or a finished block's refresh)."""
+        n = tokens.shape[0]
+        if self.mode != "graph":
+            fn = _compile("fill", fill_kv) if self.mode == "compile" else fill_kv
+            fn(self.model, tokens, positions, self.cache, key_len, self.bl)
+            return
+        if n not in self._fill_inputs:
+            device = tokens.device
+            self._fill_inputs[n] = (torch.zeros(n, dtype=torch.long, device=device),
+                                    torch.zeros(n, dtype=torch.long, device=device))
+        ids, pos = self._fill_inputs[n]
+        ids.copy_(tokens)
+        pos.copy_(positions)
+        self._run(("fill", n, key_len), lambda: _compile("fill", fill_kv)(
+            self.model, ids, pos, self.cache, key_len, self.bl))
+
+    def _round_fn(self) -> Callable[..., Any]:
+        return denoise_round if self.mode == "eager" else _compile("round", denoise_round)
+
+    def _run(self, key: tuple[Any, ...], fn: Callable[[], None]) -> None:
+        if self.mode != "graph":
+            first = key not in self._graphs
+            started = time.perf_counter()
+            fn()
+            if first and self.mode == "compile":
+                self._graphs[key] = None  # type: ignore[assignment]
+                self.compile_s += time.perf_counter() - started
+            return
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._capture(fn)
+            self._graphs[key] = graph
+        graph.replay()
+
+    def _capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        """Warm up (compile, autotune) and capture `fn`, leaving the round state unchanged."""
+        started = time.perf_counter()
+        saved = {f.name: getattr(self.buf, f.name).clone() for f in fields(self.buf)}
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            fn()
+        for name, value in saved.items():
+            getattr(self.buf, name).copy_(value)
+        torch.cuda.synchronize()
+        self.compile_s += time.perf_counter() - started
+        log.info("captured a round graph in %.1f s", time.perf_counter() - started)
+        return graph

@@ -1,0 +1,184 @@
+"""`dlmc bench round`: time one denoising round eager, compiled and graph-replayed, with the
+bytes the actual routing touched, the achieved GB/s and the copy bandwidth of the same run."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dlmc.engine.decode_config import DecodeConfig
+from dlmc.engine.kv_cache import DenseKVCache
+from dlmc.graphs.runner import RoundRunner
+from dlmc.models.moe import MoEBlock
+
+
+@dataclass(frozen=True)
+class RoundBenchConfig:
+    block_length: int = 32
+    prefix: int = 1024
+    routing: str = "uniform"  # "uniform" | "model"
+    rounds: int = 100
+    modes: tuple[str, ...] = ("eager", "compile", "graph")
+    seed: int = 0
+
+
+class FixedRouter(nn.Module):
+    """Uniform routing: each token draws top-k distinct experts uniformly (seeded, fixed)."""
+
+    def __init__(self, num_experts: int, top_k: int, max_tokens: int, scale: float,
+                 device: torch.device, gen: torch.Generator) -> None:
+        super().__init__()
+        keys = torch.rand(max_tokens, num_experts, device=device, generator=gen)
+        self.register_buffer("ids", keys.topk(top_k, dim=-1).indices)  # [T, K]
+        weights = torch.rand(max_tokens, top_k, device=device, generator=gen)
+        self.register_buffer("weights", weights / weights.sum(-1, keepdim=True) * scale)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ids[: x.shape[0]], self.weights[: x.shape[0]]
+
+
+def use_uniform_routing(model: nn.Module, max_tokens: int, seed: int) -> None:
+    cfg = model.config
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for module in model.modules():
+        if isinstance(module, MoEBlock):
+            device = module.gate.weight.device
+            module.gate = FixedRouter(cfg.num_experts, cfg.num_experts_per_tok, max_tokens,
+                                      cfg.routed_scaling_factor, device, gen)
+
+
+def touched_bytes(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
+                  prefix: int) -> tuple[int, float]:
+    """Bytes one round reads (weights used, touched experts, embedding rows, KV) and the mean
+    number of distinct experts per MoE layer, from one forward's actual routing."""
+    cfg = model.config
+    counts: list[int] = []
+    hooks = [m.gate.register_forward_hook(lambda _m, _i, out: counts.append(
+        int(out[0].unique().numel()))) for m in model.modules() if isinstance(m, MoEBlock)]
+    from dlmc.engine.attention import CachedAttention
+
+    scratch = DenseKVCache(cfg.num_hidden_layers, prefix + tokens.numel(),
+                           cfg.num_key_value_heads, cfg.head_dim, torch.bfloat16, tokens.device)
+    with torch.inference_mode():
+        model(tokens, positions, CachedAttention(scratch, prefix, store=False))
+    for hook in hooks:
+        hook.remove()
+    total = 0
+    for name, param in model.named_parameters():
+        size = param.numel() * param.element_size()
+        if ".experts." in name:
+            continue
+        if name.endswith("word_embeddings.weight"):
+            size = tokens.numel() * param.shape[1] * param.element_size()
+        total += size
+    mean_experts = statistics.mean(counts) if counts else 0.0
+    moe_blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
+    for module, count in zip(moe_blocks, counts, strict=True):
+        per_expert = sum(p[0].numel() * p.element_size() for p in module.experts.parameters())
+        total += per_expert * count
+    kv = cfg.num_hidden_layers * 2 * (prefix + tokens.numel()) * cfg.num_key_value_heads
+    total += kv * cfg.head_dim * 2
+    return total, mean_experts
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s (bytes read + written), median of 20."""
+    src = torch.randn(nbytes // 2, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(25):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 5:
+            times.append(start.elapsed_time(end) / 1e3)
+    return 2 * nbytes / statistics.median(times) / 1e9
+
+
+def time_rounds(model: nn.Module, cache: DenseKVCache, bench: RoundBenchConfig, mode: str,
+                mask_id: int) -> dict[str, Any]:
+    """Median / min / max ms of `bench.rounds` rounds in `mode`, after warm-up."""
+    device = cache.k.device
+    bl, start = bench.block_length, bench.prefix
+    runner = RoundRunner(model, cache, bl, mask_id, mode)
+    gen = torch.Generator(device=device).manual_seed(bench.seed)
+    cfg = DecodeConfig(block_length=bl, max_new_tokens=bl)
+    buf = runner.buf
+    buf.tokens.copy_(torch.randint(0, model.config.vocab_size - 1, (bl,), device=device,
+                                   generator=gen))
+    buf.positions.copy_(torch.arange(start, start + bl, device=device))
+    buf.editable.fill_(True)
+    buf.threshold.fill_(cfg.threshold)
+    buf.edit_threshold.fill_(cfg.edit_threshold)
+    buf.max_post.fill_(1 << 20)
+    key_len = runner.key_len(start + bl)
+    started = time.perf_counter()
+    for _ in range(3):
+        runner.step("joint", key_len)
+    torch.cuda.synchronize()
+    warmup_s = time.perf_counter() - started
+    times = []
+    for _ in range(bench.rounds):
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        runner.step("joint", key_len)
+        t1.record()
+        torch.cuda.synchronize()
+        times.append(t0.elapsed_time(t1))
+    return {"mode": mode, "median_ms": statistics.median(times), "min_ms": min(times),
+            "max_ms": max(times), "warmup_s": warmup_s, "compile_capture_s": runner.compile_s,
+            "key_len": key_len, "rounds": bench.rounds}
+
+
+def loop_overhead(model: nn.Module, bench: RoundBenchConfig, mask_id: int, round_ms: float,
+                  blocks: int = 4) -> dict[str, Any]:
+    """Wall time of a whole graph-mode decode (prefill + `blocks` blocks) against the sum of
+    its rounds (at the measured median) and its fill forwards (timed here)."""
+    from dlmc.engine.block_decoder import BlockDecoder
+
+    device = next(model.parameters()).device
+    bl = bench.block_length
+    decoder = BlockDecoder(model, mask_id, -1, bench.prefix + (blocks + 1) * bl + 1024, device,
+                           torch.bfloat16, mode="graph")
+    gen = torch.Generator(device="cpu").manual_seed(bench.seed)
+    prompt = torch.randint(0, model.config.vocab_size - 1, (bench.prefix,), generator=gen)
+    cfg = DecodeConfig(block_length=bl, max_new_tokens=blocks * bl)
+
+    def run() -> Any:
+        steps = decoder.decode(prompt.tolist(), cfg)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as stop:
+                return stop.value
+
+    run()  # captures prefill / refresh / round graphs
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    out = run()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - started) * 1e3
+    runner = decoder.runner(bl)
+    fill_times = []
+    tokens = torch.randint(0, 100, (bl,), device=device)
+    positions = torch.arange(bench.prefix, bench.prefix + bl, device=device)
+    for _ in range(20):
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        runner.fill(tokens, positions, runner.key_len(bench.prefix + bl))
+        t1.record()
+        torch.cuda.synchronize()
+        fill_times.append(t0.elapsed_time(t1))
+    fill_ms = statistics.median(fill_times)
+    fills = out.total_forwards - out.num_forwards
+    busy_ms = out.num_forwards * round_ms + fills * fill_ms
+    return {"wall_ms": wall_ms, "rounds": out.num_forwards, "fill_forwards": fills,
+            "fill_ms_median": fill_ms, "sum_of_forwards_ms": busy_ms,
+            "overhead_ratio": wall_ms / busy_ms - 1.0, "blocks": blocks}

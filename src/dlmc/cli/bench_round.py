@@ -1,0 +1,116 @@
+"""`dlmc bench round`: eager vs compiled vs CUDA-graph rounds at full model shapes."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+import click
+
+from dlmc.cli.bench import bench
+from dlmc.cli.options import user_errors
+
+
+@bench.command("round", short_help="Time one denoising round: eager, compiled, CUDA graph.")
+@click.option("--model", default=None, help="Checkpoint (else --shape with random weights).")
+@click.option("--shape", default="llada2.1-mini", show_default=True,
+              help="Full-size shape built on the GPU with random seeded weights.")
+@click.option("--precision", type=click.Choice(["bf16", "nvfp4"]), default="bf16",
+              show_default=True)
+@click.option("--block-length", type=int, default=32, show_default=True)
+@click.option("--prefix", type=int, default=1024, show_default=True,
+              help="Tokens already in the KV cache.")
+@click.option("--routing", type=click.Choice(["uniform", "model"]), default="uniform",
+              show_default=True, help="uniform: top-k distinct experts drawn uniformly.")
+@click.option("--rounds", type=int, default=100, show_default=True)
+@click.option("--modes", default="eager,compile,graph", show_default=True)
+@click.option("--loop/--no-loop", default=True, help="Also measure a whole decode's overhead.")
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="Write JSON here.")
+@user_errors
+def round_cmd(model: str | None, shape: str, precision: str, block_length: int, prefix: int,
+              routing: str, rounds: int, modes: str, loop: bool, out: Path | None) -> None:
+    """Median ms per round with bytes touched, GB/s and the copy bandwidth of the same run."""
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from dlmc.bench.round_bench import (RoundBenchConfig, copy_bandwidth, loop_overhead,
+                                        time_rounds, touched_bytes, use_uniform_routing)
+    from dlmc.engine.kv_cache import DenseKVCache
+    from dlmc.errors import ConfigError
+
+    if not torch.cuda.is_available():
+        raise ConfigError("dlmc bench round needs a CUDA GPU")
+    if precision != "bf16":
+        raise ConfigError("--precision nvfp4: the NVFP4 expert path is not in this build yet")
+    device = torch.device("cuda")
+    cfg = RoundBenchConfig(block_length, prefix, routing, rounds, tuple(modes.split(",")))
+    net = _build(model, shape, device)
+    mask_id = net.config.vocab_size - 1
+    if routing == "uniform":
+        use_uniform_routing(net, max_tokens=512, seed=cfg.seed)
+    gen = torch.Generator(device=device).manual_seed(1)
+    tokens = torch.randint(0, mask_id, (block_length,), device=device, generator=gen)
+    positions = torch.arange(prefix, prefix + block_length, device=device)
+    nbytes, experts = touched_bytes(net, tokens, positions, prefix)
+    bandwidth = copy_bandwidth(device)
+    c = net.config
+    cache = DenseKVCache(c.num_hidden_layers, prefix + block_length + 1024, c.num_key_value_heads,
+                         c.head_dim, torch.bfloat16, device)
+    cache.k.normal_(generator=gen)
+    cache.v.normal_(generator=gen)
+    results = [time_rounds(net, cache, cfg, mode, mask_id) for mode in cfg.modes]
+    for r in results:
+        r["gb_per_s"] = nbytes / (r["median_ms"] / 1e3) / 1e9
+        r["fraction_of_copy_bw"] = r["gb_per_s"] / bandwidth
+    graph = [r for r in results if r["mode"] == "graph"]
+    overhead = loop_overhead(net, cfg, mask_id, graph[0]["median_ms"]) if loop and graph else None
+    report = {"shape": model or shape, "precision": precision, "block_length": block_length,
+              "prefix": prefix, "routing": routing, "bytes_per_round": nbytes,
+              "distinct_experts_per_moe_layer": experts, "copy_gb_per_s": bandwidth,
+              "floor_ms": nbytes / (bandwidth * 1e9) * 1e3, "results": results,
+              "loop": overhead, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "triton": _triton_version(), "python": platform.python_version()}
+    table = Table(title=f"{report['shape']} round · {precision} · block {block_length} · "
+                  f"prefix {prefix} · {routing} routing · {experts:.0f} experts/layer")
+    for col in ("mode", "median ms", "min–max ms", "GB touched", "GB/s", "copy GB/s", "ratio"):
+        table.add_column(col, justify="right")
+    for r in results:
+        table.add_row(r["mode"], f"{r['median_ms']:.3f}", f"{r['min_ms']:.3f}–{r['max_ms']:.3f}",
+                      f"{nbytes / 1e9:.2f}", f"{r['gb_per_s']:.0f}", f"{bandwidth:.0f}",
+                      f"{r['fraction_of_copy_bw']:.1%}")
+    console = Console()
+    console.print(table)
+    if overhead:
+        console.print(f"loop: wall {overhead['wall_ms']:.1f} ms for {overhead['rounds']} rounds "
+                      f"+ {overhead['fill_forwards']} fills; overhead "
+                      f"{overhead['overhead_ratio']:.1%}")
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2))
+
+
+def _build(model: str | None, shape: str, device: Any) -> Any:
+    import torch
+
+    from dlmc.errors import ConfigError
+    from dlmc.models.shapes import SHAPES, build_random_model
+
+    if model:
+        from dlmc import LLM
+
+        return LLM(model, device=device, dtype="bf16", mode="eager").model
+    if shape not in SHAPES:
+        raise ConfigError(f"--shape {shape!r}: expected one of {', '.join(SHAPES)}")
+    return build_random_model(SHAPES[shape], device, torch.bfloat16, seed=0)
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+
+        return triton.__version__
+    except ImportError:
+        return "not installed"

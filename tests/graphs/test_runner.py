@@ -1,0 +1,78 @@
+"""The round function: eager and compiled give identical tokens; compiled with fullgraph=True
+(which fails on any host sync or graph break inside the round)."""
+
+import pytest
+import torch
+
+from dlmc.engine.block_decoder import BlockDecoder
+from dlmc.engine.decode_config import DecodeConfig
+from dlmc.errors import ConfigError
+from dlmc.graphs.runner import RoundRunner
+
+
+def _decode(llm, mode, prompt, cfg):
+    dec = BlockDecoder(llm.model, llm.special_ids.mask_token_id, llm.special_ids.eos_token_id,
+                       1024, torch.device("cpu"), torch.float32, mode=mode)
+    gen = dec.decode(prompt, cfg, rounds=True)
+    events = []
+    while True:
+        try:
+            events.append(next(gen))
+        except StopIteration as stop:
+            return stop.value, events, dec
+
+
+@pytest.mark.parametrize("algorithm", ["joint", "threshold"])
+def test_eager_compiled_and_reference_rounds_agree(tiny_llm, algorithm):
+    cfg = DecodeConfig(algorithm=algorithm, threshold=0.8, edit_threshold=0.5,
+                       max_refine_steps=4, steps=8, block_length=16, max_new_tokens=40)
+    prompt = list(range(60, 97))
+    ref, ref_events, _ = _decode(tiny_llm, "reference", prompt, cfg)
+    eager, eager_events, _ = _decode(tiny_llm, "eager", prompt, cfg)
+    compiled, compiled_events, dec = _decode(tiny_llm, "compile", prompt, cfg)
+    assert eager.answer_ids == ref.answer_ids == compiled.answer_ids
+    assert eager.num_forwards == ref.num_forwards == compiled.num_forwards
+    assert eager_events == compiled_events == ref_events
+    assert dec.runner(16).compile_s > 0
+
+
+def test_graph_mode_needs_cuda(tiny_llm):
+    with pytest.raises(ConfigError, match="round mode 'graph' needs a CUDA device"):
+        RoundRunner(tiny_llm.model, tiny_llm._decoder.cache, 32, 0, "graph")
+    with pytest.raises(ConfigError, match="round mode 'fast'"):
+        RoundRunner(tiny_llm.model, tiny_llm._decoder.cache, 32, 0, "fast")
+
+
+def test_key_length_buckets(tiny_llm):
+    runner = RoundRunner(tiny_llm.model, tiny_llm._decoder.cache, 32, 0, "eager")
+    assert [runner.key_len(n) for n in (1, 256, 257, 1000, 5000)] == [256, 256, 512, 1024, 4096]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_graph_replay_matches_eager_on_cuda(tiny_dir, dtype):
+    from dlmc import LLM
+
+    kwargs = {"prompt_token_ids": list(range(50, 111)), "max_new_tokens": 70}
+    results = {}
+    for mode in ("eager", "compile", "graph"):
+        llm = LLM(tiny_dir, device="cuda", dtype=dtype, mode=mode)
+        results[mode] = llm.generate(**kwargs)
+    assert results["graph"].token_ids == results["eager"].token_ids
+    assert results["compile"].token_ids == results["eager"].token_ids
+    assert results["graph"].num_forwards == results["eager"].num_forwards
+
+
+@pytest.mark.gpu
+def test_round_has_no_host_sync_on_cuda(tiny_dir):
+    from dlmc import LLM
+
+    llm = LLM(tiny_dir, device="cuda", dtype="bf16", mode="graph")
+    llm.generate(prompt_token_ids=list(range(40)), max_new_tokens=32)  # capture
+    runner = llm._decoder.runner(32)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            runner._run(("round", "joint", runner.key_len(64)), lambda: None)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
