@@ -66,13 +66,16 @@ def test_graph_replay_matches_eager_on_cuda(tiny_dir, dtype):
 @pytest.mark.gpu
 def test_round_has_no_host_sync_on_cuda(tiny_dir):
     from dlmc import LLM
+    from dlmc.graphs.round import denoise_round
 
-    llm = LLM(tiny_dir, device="cuda", dtype="bf16", mode="graph")
-    llm.generate(prompt_token_ids=list(range(40)), max_new_tokens=32)  # capture
+    llm = LLM(tiny_dir, device="cuda", dtype="bf16", mode="eager")
+    llm.generate(prompt_token_ids=list(range(40)), max_new_tokens=32)
     runner = llm._decoder.runner(32)
-    torch.cuda.set_sync_debug_mode("error")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host sync inside the round raises
     try:
         for _ in range(3):
-            runner._run(("round", "joint", runner.key_len(64)), lambda: None)
+            denoise_round(llm.model, runner.buf, runner.cache, runner.key_len(64), 32,
+                          llm.special_ids.mask_token_id, "joint")
     finally:
         torch.cuda.set_sync_debug_mode(0)
