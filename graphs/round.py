@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from dlmc.graphs.static_attention import StaticCacheAttention
 
 from dlmc.engine.kv_cache import DenseKVCache
 from dlmc.engine.rules import joint_threshold_step, propose, threshold_step
-from dlmc.graphs.static_attention import StaticCacheAttention
 
 EDITS_OFF = 2.0  # an edit threshold no probability exceeds
 

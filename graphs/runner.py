@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 import torch._inductor.config
+from dlmc.graphs.round import RoundBuffers, denoise_round, fill_kv
 
 from dlmc.engine.kv_cache import DenseKVCache
 from dlmc.errors import ConfigError
-from dlmc.graphs.round import RoundBuffers, denoise_round, fill_kv
 
 log = logging.getLogger(__name__)
 MODES = ("eager", "compile", "graph")

@@ -182,3 +182,26 @@ def loop_overhead(model: nn.Module, bench: RoundBenchConfig, mask_id: int, round
     return {"wall_ms": wall_ms, "rounds": out.num_forwards, "fill_forwards": fills,
             "fill_ms_median": fill_ms, "sum_of_forwards_ms": busy_ms,
             "overhead_ratio": wall_ms / busy_ms - 1.0, "blocks": blocks}
+
+
+def profile_rounds(model: nn.Module, cache: DenseKVCache, bench: RoundBenchConfig,
+                   mask_id: int, rounds: int = 10) -> str:
+    """Per-kernel CUDA time of compiled (not graph-captured) rounds, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = RoundRunner(model, cache, bench.block_length, mask_id, "compile")
+    buf = runner.buf
+    buf.positions.copy_(torch.arange(bench.prefix, bench.prefix + bench.block_length,
+                                     device=cache.k.device))
+    buf.editable.fill_(True)
+    buf.max_post.fill_(1 << 20)
+    key_len = runner.key_len(bench.prefix + bench.block_length)
+    for _ in range(3):
+        runner.step("joint", key_len)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(rounds):
+            runner.step("joint", key_len)
+        torch.cuda.synchronize()
+    return str(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25,
+                                         max_name_column_width=70))

@@ -27,17 +27,26 @@ from dlmc.cli.options import user_errors
 @click.option("--rounds", type=int, default=100, show_default=True)
 @click.option("--modes", default="eager,compile,graph", show_default=True)
 @click.option("--loop/--no-loop", default=True, help="Also measure a whole decode's overhead.")
+@click.option("--profile", is_flag=True, help="Per-kernel breakdown (torch.profiler).")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Write JSON here.")
 @user_errors
 def round_cmd(model: str | None, shape: str, precision: str, block_length: int, prefix: int,
-              routing: str, rounds: int, modes: str, loop: bool, out: Path | None) -> None:
+              routing: str, rounds: int, modes: str, loop: bool, profile: bool,
+              out: Path | None) -> None:
     """Median ms per round with bytes touched, GB/s and the copy bandwidth of the same run."""
     import torch
     from rich.console import Console
     from rich.table import Table
 
-    from dlmc.bench.round_bench import (RoundBenchConfig, copy_bandwidth, loop_overhead,
-                                        time_rounds, touched_bytes, use_uniform_routing)
+    from dlmc.bench.round_bench import (
+        RoundBenchConfig,
+        copy_bandwidth,
+        loop_overhead,
+        profile_rounds,
+        time_rounds,
+        touched_bytes,
+        use_uniform_routing,
+    )
     from dlmc.engine.kv_cache import DenseKVCache
     from dlmc.errors import ConfigError
 
@@ -87,6 +96,9 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
         console.print(f"loop: wall {overhead['wall_ms']:.1f} ms for {overhead['rounds']} rounds "
                       f"+ {overhead['fill_forwards']} fills; overhead "
                       f"{overhead['overhead_ratio']:.1%}")
+    if profile:
+        report["profile"] = profile_rounds(net, cache, cfg, mask_id)
+        console.print(report["profile"], markup=False, highlight=False)
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2))

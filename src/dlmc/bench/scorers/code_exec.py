@@ -11,6 +11,7 @@ end: the prelude then prints a random token, so an early ``sys.exit(0)`` does no
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -152,10 +153,8 @@ def run_programs(
 
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     """Kill the child's whole process group (it leads its own session) and reap the child."""
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
     proc.wait()
 
 
