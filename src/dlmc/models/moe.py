@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dlmc.custom_ops.bf16_moe import bf16_moe_reference  # noqa: F401 (re-export)
 from dlmc.models.config import LLaDA2Config
 from dlmc.models.layers import SwiGLUMLP
 
@@ -106,40 +107,6 @@ def grouped_moe(
     weighted = ys.float() * topk_weights.reshape(-1)[order, None].float()
     out = torch.zeros(tokens, x.shape[1], dtype=torch.float32, device=x.device)
     return out.index_add_(0, token_idx, weighted).to(x.dtype)
-
-
-def bf16_moe_reference(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    gate_proj: torch.Tensor,
-    up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-) -> torch.Tensor:
-    """Plain-PyTorch routed MoE: `y_t = sum_k w_tk * down(silu(gate(x_t)) * up(x_t))`.
-
-    x `[T, H]`, topk_ids `[T, K]`, topk_weights `[T, K]` fp32, gate/up `[E, I, H]`,
-    down `[E, H, I]`. Expert outputs are in x's dtype, weighted and summed in fp32, cast back.
-    Loops over the experts that received tokens (eager; reads the counts on the host).
-    """
-    tokens, top_k = topk_ids.shape
-    flat_ids = topk_ids.reshape(-1)  # [T*K]
-    order = torch.argsort(flat_ids, stable=True)  # [T*K]
-    counts = torch.bincount(flat_ids, minlength=gate_proj.shape[0]).tolist()
-    flat_weights = topk_weights.reshape(-1).float()  # [T*K]
-    out = torch.zeros(tokens, x.shape[1], dtype=torch.float32, device=x.device)  # [T, H]
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        slots = order[start : start + count]  # [n]
-        start += count
-        token_idx = slots // top_k  # [n]
-        xe = x[token_idx]  # [n, H]
-        hidden = F.silu(xe @ gate_proj[expert].t()) * (xe @ up_proj[expert].t())  # [n, I]
-        ye = hidden @ down_proj[expert].t()  # [n, H]
-        out.index_add_(0, token_idx, ye.float() * flat_weights[slots, None])
-    return out.to(x.dtype)
 
 
 class MoEBlock(nn.Module):

@@ -1,0 +1,183 @@
+"""`dlmc::bf16_moe`: routed-expert MoE over BF16 expert weights (Triton grouped GEMM).
+
+Same structure as `dlmc::nvfp4_moe` (docs/nvfp4.md §3.2) with plain BF16 weight tiles: (token, k)
+pairs are grouped per expert into M-blocks (`moe_align`), one kernel computes
+`h = silu(x @ gate^T) * (x @ up^T)` per M-block and N-tile of the expert width, a second computes
+`y = h @ down^T`; the bf16 pair outputs are weighted and combined in fp32. Each touched expert's
+weights are streamed once per round. The maths is `bf16_moe_reference`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from dlmc.custom_ops.moe_align import align_pairs_to_blocks, moe_block_size
+from dlmc.custom_ops.nvfp4_tiles import round_bf16
+
+__all__ = ["bf16_moe", "bf16_moe_reference"]
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Tile sizes (N, K) of the two kernels; DLMC_BF16_MOE_TILES="64,128,64,128" overrides (tuning).
+_TILES = tuple(int(v) for v in os.environ.get("DLMC_BF16_MOE_TILES", "64,128,64,128").split(","))
+
+
+@triton.jit
+def _bf16_tile_dot(acc, a_ptr, a_rows, row_mask, stride_a, w_ptr, n_offs, n_mask,
+                   K: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    """acc[BM, BN] += A[rows, :K] @ W[n, :K]^T with W bf16 row-major `[N, K]`."""
+    k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + k
+        kmask = kk < K
+        a = tl.load(a_ptr + a_rows[:, None] * stride_a + kk[None, :],
+                    mask=row_mask[:, None] & kmask[None, :], other=0.0)  # [BM, BK]
+        w = tl.load(w_ptr + n_offs[None, :] * K + kk[:, None],
+                    mask=kmask[:, None] & n_mask[None, :], other=0.0)  # [BK, BN]
+        if INTERPRETED:  # the interpreter multiplies bf16 as raw integers: dot in fp32
+            acc += tl.dot(a.to(tl.float32), w.to(tl.float32))
+        else:
+            acc += tl.dot(a, w)
+    return acc
+
+
+@triton.jit
+def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, up_w, h_ptr, num_pairs,
+                    a_row_div, H: tl.constexpr, I: tl.constexpr, stride_a, stride_h,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    INTERPRETED: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(expert_of_block_ptr + pid_m)
+    if expert >= 0:
+        slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pairs = tl.load(sorted_pair_ptr + slots)  # [BM]
+        row_mask = pairs < num_pairs
+        a_rows = tl.where(row_mask, pairs // a_row_div, 0)
+        n_offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = n_offs < I
+        offset = expert.to(tl.int64) * I * H
+        acc_g = _bf16_tile_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a_ptr, a_rows,
+                               row_mask, stride_a, gate_w + offset, n_offs, n_mask, H, BLOCK_K,
+                               INTERPRETED)
+        acc_u = _bf16_tile_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a_ptr, a_rows,
+                               row_mask, stride_a, up_w + offset, n_offs, n_mask, H, BLOCK_K,
+                               INTERPRETED)
+        g = round_bf16(acc_g, INTERPRETED).to(tl.float32)
+        u = round_bf16(acc_u, INTERPRETED).to(tl.float32)
+        h = round_bf16(g * tl.sigmoid(g), INTERPRETED).to(tl.float32) * u
+        tl.store(h_ptr + slots[:, None] * stride_h + n_offs[None, :], round_bf16(h, INTERPRETED),
+                 mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, y_ptr, num_pairs,
+                 H: tl.constexpr, I: tl.constexpr, stride_h, stride_y, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(expert_of_block_ptr + pid_m)
+    if expert >= 0:
+        slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pairs = tl.load(sorted_pair_ptr + slots)
+        row_mask = pairs < num_pairs
+        n_offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = n_offs < H
+        acc = _bf16_tile_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), h_ptr, slots,
+                             row_mask, stride_h, down_w + expert.to(tl.int64) * H * I, n_offs,
+                             n_mask, I, BLOCK_K, INTERPRETED)
+        tl.store(y_ptr + pairs[:, None].to(tl.int64) * stride_y + n_offs[None, :],
+                 round_bf16(acc, INTERPRETED), mask=row_mask[:, None] & n_mask[None, :])
+
+
+def _bf16_moe_impl(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                   gate_proj: torch.Tensor, up_proj: torch.Tensor,
+                   down_proj: torch.Tensor) -> torch.Tensor:
+    tokens, hidden = x.shape
+    top_k = topk_ids.shape[1]
+    num_experts, inter = gate_proj.shape[0], gate_proj.shape[1]
+    out = torch.empty((tokens, hidden), dtype=torch.bfloat16, device=x.device)
+    if tokens == 0:
+        return out
+    num_pairs = tokens * top_k
+    block_m = moe_block_size(num_pairs, num_experts)
+    sorted_pair, expert_of_block = align_pairs_to_blocks(topk_ids, num_experts, block_m)
+    num_blocks = expert_of_block.shape[0]
+    n1, k1, n2, k2 = _TILES
+    h = torch.empty((num_blocks * block_m, inter), dtype=torch.bfloat16, device=x.device)
+    wrap_triton(_gate_up_kernel)[(num_blocks, triton.cdiv(inter, n1))](
+        x, sorted_pair, expert_of_block, gate_proj, up_proj, h, num_pairs, top_k, hidden, inter,
+        x.stride(0), h.stride(0), BLOCK_M=block_m, BLOCK_N=n1, BLOCK_K=k1,
+        INTERPRETED=_INTERPRETED)
+    y = torch.empty((num_pairs, hidden), dtype=torch.bfloat16, device=x.device)
+    wrap_triton(_down_kernel)[(num_blocks, triton.cdiv(hidden, n2))](
+        h, sorted_pair, expert_of_block, down_proj, y, num_pairs, hidden, inter, h.stride(0),
+        y.stride(0), BLOCK_M=block_m, BLOCK_N=n2, BLOCK_K=k2, INTERPRETED=_INTERPRETED)
+    combined = (y.view(tokens, top_k, hidden).float() * topk_weights.float()[..., None]).sum(1)
+    out.copy_(combined)
+    return out
+
+
+if _INTERPRETED:  # interpreted kernels cannot be traced: an opaque op with the same body
+    _bf16_moe_op = torch.library.custom_op("dlmc::bf16_moe", mutates_args=())(_bf16_moe_impl)
+
+    @_bf16_moe_op.register_fake
+    def _bf16_moe_fake(x: torch.Tensor, *args: object) -> torch.Tensor:
+        return x.new_empty(x.shape, dtype=torch.bfloat16)
+else:
+    _bf16_moe_op = triton_op("dlmc::bf16_moe", mutates_args=())(_bf16_moe_impl)
+
+
+def bf16_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+             gate_proj: torch.Tensor, up_proj: torch.Tensor,
+             down_proj: torch.Tensor) -> torch.Tensor:
+    """Routed-expert MoE with BF16 experts (Triton, `dlmc::bf16_moe`).
+
+    x bf16 `[T, H]`; topk_ids int32/int64 `[T, K]` in `[0, E)`; topk_weights fp32 `[T, K]`;
+    gate_proj, up_proj bf16 `[E, I, H]`, down_proj bf16 `[E, H, I]`, contiguous.
+    Returns bf16 `[T, H]` = `sum_k w[t, k] * bf16(down(bf16(silu(g)) * u))` summed in fp32, with
+    `g`, `u` the bf16-rounded gate and up projections. No host sync (graph-capturable).
+    """
+    if x.dtype != torch.bfloat16 or x.dim() != 2:
+        raise ValueError(f"bf16_moe: x must be bf16 [T, H], got {x.dtype} {tuple(x.shape)}")
+    for name, w in (("gate_proj", gate_proj), ("up_proj", up_proj), ("down_proj", down_proj)):
+        if w.dtype != torch.bfloat16 or not w.is_contiguous():
+            raise ValueError(f"bf16_moe: {name} must be contiguous bf16, got {w.dtype}")
+    if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"bf16_moe: topk_ids/topk_weights must be [T={x.shape[0]}, K], got "
+                         f"{tuple(topk_ids.shape)} / {tuple(topk_weights.shape)}")
+    return _bf16_moe_op(x, topk_ids, topk_weights.float(), gate_proj, up_proj, down_proj)
+
+
+def bf16_moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                       gate_proj: torch.Tensor, up_proj: torch.Tensor,
+                       down_proj: torch.Tensor) -> torch.Tensor:
+    """Plain-PyTorch routed MoE: `y_t = sum_k w_tk * down(silu(gate(x_t)) * up(x_t))`.
+
+    x `[T, H]`, topk_ids `[T, K]`, topk_weights `[T, K]` fp32, gate/up `[E, I, H]`,
+    down `[E, H, I]`. Expert outputs are in x's dtype, weighted and summed in fp32, cast back.
+    Loops over the experts that received tokens (eager; reads the counts on the host).
+    """
+    tokens, top_k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1)  # [T*K]
+    order = torch.argsort(flat_ids, stable=True)  # [T*K]
+    counts = torch.bincount(flat_ids, minlength=gate_proj.shape[0]).tolist()
+    flat_weights = topk_weights.reshape(-1).float()  # [T*K]
+    out = torch.zeros(tokens, x.shape[1], dtype=torch.float32, device=x.device)  # [T, H]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        slots = order[start : start + count]  # [n]
+        start += count
+        token_idx = slots // top_k  # [n]
+        xe = x[token_idx]  # [n, H]
+        hidden = F.silu(xe @ gate_proj[expert].t()) * (xe @ up_proj[expert].t())  # [n, I]
+        ye = hidden @ down_proj[expert].t()  # [n, H]
+        out.index_add_(0, token_idx, ye.float() * flat_weights[slots, None])
+    return out.to(x.dtype)
