@@ -1,0 +1,344 @@
+"""`dlmc::nvfp4_moe`: routed-expert MoE over NVFP4 (ModelOpt) expert weights, W4A16 on Hopper.
+
+Each (token, k) pair is sent to expert `topk_ids[t, k]`; the expert computes
+`down(silu(gate(x)) * up(x))` with weights dequantized exactly in registers (E2M1 x FP8 block scale
+-> BF16, BF16 MMA, fp32 accumulation, the global scales applied per output row in the epilogue), and
+the bf16 expert outputs are combined in fp32: `out[t] = sum_k topk_weights[t, k] * y[t, k]`.
+Design in docs/nvfp4.md §3.2; the maths is defined by `nvfp4_moe_reference`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+from dlmc.quant.nvfp4_format import dequantize_blocks, fake_quantize_activation
+
+__all__ = ["nvfp4_moe", "nvfp4_moe_reference"]
+
+# Read at import. Triton 3.6's CPU interpreter multiplies bf16 as raw uint16 and truncates
+# fp32 -> bf16; under TRITON_INTERPRET=1 the kernels dot in fp32 (exact for these operands) and round
+# to bf16 by hand (`_round_bf16`). Compiled kernels take the plain bf16 paths.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _decode_tile(packed, scale_bytes):
+    """uint8 codes/nibble tile + uint8 E4M3 scale tile (same shape) -> exact bf16 e2m1 * scale."""
+    c = packed.to(tl.int16)
+    # E2M1 s|ee|m placed in fp16 bits: exponent field ee, mantissa top bit m; x 2^14 restores it.
+    w16 = (((c & 0x7) << 9) | ((c & 0x8) << 12)).to(tl.float16, bitcast=True)
+    b = scale_bytes.to(tl.int16)
+    # E4M3 s|eeee|mmm placed in fp16 bits; x 2^8 restores it (subnormals included).
+    s16 = (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True)
+    return (w16.to(tl.float32) * (s16.to(tl.float32) * 4194304.0)).to(tl.bfloat16)  # 2^22
+
+
+@triton.jit
+def _round_bf16(x, INTERPRETED: tl.constexpr):
+    """fp32 -> bf16, round to nearest even (by hand under the interpreter, which truncates)."""
+    if INTERPRETED:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _nvfp4_tile_dot(acc, a_ptr, a_rows, row_mask, stride_a, w_ptr, s_ptr, n_offs, n_mask,
+                    K: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    """acc[BM, BN] += A[rows, :K] @ W[n, :K]^T with W packed `[N, K/2]`, scales `[N, K/16]`."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    j = tl.arange(0, HALF)
+    for k0 in range(0, K, BLOCK_K):
+        kbyte = k0 // 2 + j  # [HALF] byte index along K/2
+        kmask = kbyte < K // 2
+        a_base = a_ptr + a_rows[:, None] * stride_a + 2 * kbyte[None, :]
+        amask = row_mask[:, None] & kmask[None, :]
+        a_even = tl.load(a_base, mask=amask, other=0.0)  # [BM, HALF]
+        a_odd = tl.load(a_base + 1, mask=amask, other=0.0)  # [BM, HALF]
+        wmask = kmask[:, None] & n_mask[None, :]
+        packed = tl.load(w_ptr + n_offs[None, :] * (K // 2) + kbyte[:, None], mask=wmask,
+                         other=0)  # [HALF, BN]
+        sbytes = tl.load(s_ptr + n_offs[None, :] * (K // 16) + (kbyte // 8)[:, None], mask=wmask,
+                         other=0)  # [HALF, BN]
+        w_lo = _decode_tile(packed & 0xF, sbytes)
+        w_hi = _decode_tile(packed >> 4, sbytes)
+        if INTERPRETED:  # see _INTERPRETED
+            a_even, a_odd = a_even.to(tl.float32), a_odd.to(tl.float32)
+            w_lo, w_hi = w_lo.to(tl.float32), w_hi.to(tl.float32)
+        acc = tl.dot(a_even, w_lo, acc)
+        acc = tl.dot(a_odd, w_hi, acc)
+    return acc
+
+
+@triton.jit
+def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s, up_w, up_s,
+                    gate_alpha_ptr, up_alpha_ptr, h_ptr, num_pairs, a_row_div, H: tl.constexpr,
+                    I: tl.constexpr, stride_a, stride_h, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    """h[slot, n] = silu(gate) * up for the slots of one M-block and one N-tile of I."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(expert_of_block_ptr + pid_m)
+    if expert >= 0:
+        slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pairs = tl.load(sorted_pair_ptr + slots)  # [BM]
+        row_mask = pairs < num_pairs
+        a_rows = tl.where(row_mask, pairs // a_row_div, 0)
+        n_offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = n_offs < I
+        e64 = expert.to(tl.int64)
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_g = _nvfp4_tile_dot(acc_g, a_ptr, a_rows, row_mask, stride_a,
+                                gate_w + e64 * I * (H // 2), gate_s + e64 * I * (H // 16),
+                                n_offs, n_mask, H, BLOCK_K, INTERPRETED)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = _nvfp4_tile_dot(acc_u, a_ptr, a_rows, row_mask, stride_a,
+                                up_w + e64 * I * (H // 2), up_s + e64 * I * (H // 16),
+                                n_offs, n_mask, H, BLOCK_K, INTERPRETED)
+        g = acc_g * tl.load(gate_alpha_ptr + expert)
+        u = acc_u * tl.load(up_alpha_ptr + expert)
+        h = g * tl.sigmoid(g) * u
+        h_ptrs = h_ptr + slots[:, None] * stride_h + n_offs[None, :]
+        tl.store(h_ptrs, _round_bf16(h, INTERPRETED), mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, down_alpha_ptr,
+                 y_ptr, num_pairs, H: tl.constexpr, I: tl.constexpr, stride_h, stride_y, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    """y[pair, n] = bf16(alpha * h[slot] @ down[n]^T) for one M-block and one N-tile of H."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(expert_of_block_ptr + pid_m)
+    if expert >= 0:
+        slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pairs = tl.load(sorted_pair_ptr + slots)  # [BM]
+        row_mask = pairs < num_pairs
+        n_offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = n_offs < H
+        e64 = expert.to(tl.int64)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = _nvfp4_tile_dot(acc, h_ptr, slots, row_mask, stride_h,
+                              down_w + e64 * H * (I // 2), down_s + e64 * H * (I // 16),
+                              n_offs, n_mask, I, BLOCK_K, INTERPRETED)
+        y = acc * tl.load(down_alpha_ptr + expert)
+        y_ptrs = y_ptr + pairs[:, None].to(tl.int64) * stride_y + n_offs[None, :]
+        tl.store(y_ptrs, _round_bf16(y, INTERPRETED), mask=row_mask[:, None] & n_mask[None, :])
+
+
+def _block_m(num_pairs: int, num_experts: int) -> int:
+    per_expert = num_pairs // max(num_experts, 1)
+    return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
+
+
+def _route(topk_ids: torch.Tensor, num_experts: int, block_m: int
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group (token, k) pairs per expert, each expert's segment padded to `block_m` slots.
+
+    Returns `sorted_pair` int32 `[max_blocks * block_m]` (pair id `t*K + k`, or `T*K` for padding)
+    and `expert_of_block` int32 `[max_blocks]` (-1 for unused blocks). Torch ops only, static
+    shapes, no host sync (CUDA-graph capturable).
+    """
+    flat = topk_ids.reshape(-1).long()  # [P]
+    num_pairs = flat.numel()
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E]
+    order = torch.argsort(flat, stable=True)  # [P] pair ids grouped by expert
+    blocks = (counts + block_m - 1) // block_m  # [E]
+    block_end = torch.cumsum(blocks, 0)  # [E]
+    block_start = block_end - blocks
+    seg_start = torch.cumsum(counts, 0) - counts  # [E]
+    max_blocks = -(-num_pairs // block_m) + min(num_experts, num_pairs)
+    block = torch.arange(max_blocks, device=flat.device)  # [B]
+    expert = torch.searchsorted(block_end, block, right=True)  # [B], E when unused
+    used = expert < num_experts
+    expert_c = expert.clamp(max=num_experts - 1)
+    row = (block - block_start[expert_c])[:, None] * block_m + torch.arange(
+        block_m, device=flat.device)  # [B, BM] position inside the expert's segment
+    valid = used[:, None] & (row < counts[expert_c][:, None])  # [B, BM]
+    src = (seg_start[expert_c][:, None] + row).clamp(max=num_pairs - 1)  # [B, BM]
+    sorted_pair = torch.where(valid, order[src], num_pairs).to(torch.int32).reshape(-1)
+    expert_of_block = torch.where(used, expert, -1).to(torch.int32)  # [B]
+    return sorted_pair, expert_of_block
+
+
+def _alphas(scale_2: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
+    alpha = scale_2.float().reshape(-1)  # [E]
+    return alpha if input_scale is None else alpha * input_scale.float().reshape(-1)
+
+
+@triton_op("dlmc::nvfp4_moe", mutates_args=())
+def _nvfp4_moe_op(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+    gate_weight: torch.Tensor, gate_weight_scale: torch.Tensor, gate_weight_scale_2: torch.Tensor,
+    up_weight: torch.Tensor, up_weight_scale: torch.Tensor, up_weight_scale_2: torch.Tensor,
+    down_weight: torch.Tensor, down_weight_scale: torch.Tensor, down_weight_scale_2: torch.Tensor,
+    gate_up_input_scale: torch.Tensor | None = None,
+    down_input_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    E, I = gate_weight.shape[0], gate_weight.shape[1]
+    out = torch.empty((T, H), dtype=torch.bfloat16, device=x.device)
+    if T == 0:
+        return out
+    num_pairs = T * K
+    block_m = _block_m(num_pairs, E)
+    sorted_pair, expert_of_block = _route(topk_ids, E, block_m)
+    num_blocks = expert_of_block.shape[0]
+    a, a_row_div = x.contiguous(), K
+    if gate_up_input_scale is not None:  # W4A4 emulation: quantize each pair's row
+        pair_expert = topk_ids.reshape(-1).long()  # [P]
+        a = fake_quantize_activation(x.repeat_interleave(K, dim=0),
+                                     gate_up_input_scale.float()[pair_expert])  # [P, H]
+        a_row_div = 1
+    h = torch.empty((num_blocks * block_m, I), dtype=torch.bfloat16, device=x.device)
+    block_n1 = 64 if I >= 64 else 32 if I >= 32 else 16
+    wrap_triton(_gate_up_kernel)[(num_blocks, triton.cdiv(I, block_n1))](
+        a, sorted_pair, expert_of_block, gate_weight, gate_weight_scale.view(torch.uint8),
+        up_weight, up_weight_scale.view(torch.uint8),
+        _alphas(gate_weight_scale_2, gate_up_input_scale),
+        _alphas(up_weight_scale_2, gate_up_input_scale), h, num_pairs, a_row_div, H, I,
+        a.stride(0), h.stride(0), BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=128 if H >= 128 else 32,
+        INTERPRETED=_INTERPRETED,
+    )
+    if down_input_scale is not None:
+        slot_expert = expert_of_block.long().clamp(min=0).repeat_interleave(block_m)  # [S]
+        h = fake_quantize_activation(h, down_input_scale.float()[slot_expert])
+    y = torch.empty((num_pairs, H), dtype=torch.bfloat16, device=x.device)
+    block_n2 = 64 if H >= 64 else 32 if H >= 32 else 16
+    wrap_triton(_down_kernel)[(num_blocks, triton.cdiv(H, block_n2))](
+        h, sorted_pair, expert_of_block, down_weight, down_weight_scale.view(torch.uint8),
+        _alphas(down_weight_scale_2, down_input_scale), y, num_pairs, H, I, h.stride(0),
+        y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=128 if I >= 128 else 32,
+        INTERPRETED=_INTERPRETED,
+    )
+    combined = (y.view(T, K, H).float() * topk_weights.float()[..., None]).sum(dim=1)  # [T, H]
+    out.copy_(combined)
+    return out
+
+
+def _check(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+           weights: dict[str, torch.Tensor]) -> None:
+    if x.dim() != 2 or x.dtype != torch.bfloat16:
+        raise ValueError(f"nvfp4_moe: x must be bf16 [T, H], got {x.dtype} {tuple(x.shape)}")
+    T, H = x.shape
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_ids.dtype not in (
+            torch.int32, torch.int64):
+        raise ValueError(f"nvfp4_moe: topk_ids must be int32/int64 [T={T}, K], got "
+                         f"{topk_ids.dtype} {tuple(topk_ids.shape)}")
+    if topk_weights.shape != topk_ids.shape or topk_weights.dtype != torch.float32:
+        raise ValueError(f"nvfp4_moe: topk_weights must be fp32 {tuple(topk_ids.shape)}, got "
+                         f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
+    E, I = weights["gate_weight"].shape[:2]
+    expected = {
+        "gate_weight": ((E, I, H // 2), torch.uint8), "up_weight": ((E, I, H // 2), torch.uint8),
+        "down_weight": ((E, H, I // 2), torch.uint8),
+        "gate_weight_scale": ((E, I, H // 16), torch.float8_e4m3fn),
+        "up_weight_scale": ((E, I, H // 16), torch.float8_e4m3fn),
+        "down_weight_scale": ((E, H, I // 16), torch.float8_e4m3fn),
+        "gate_weight_scale_2": ((E,), torch.float32), "up_weight_scale_2": ((E,), torch.float32),
+        "down_weight_scale_2": ((E,), torch.float32),
+        "gate_input_scale": ((E,), torch.float32), "up_input_scale": ((E,), torch.float32),
+        "down_input_scale": ((E,), torch.float32),
+    }
+    if H % 16 or I % 16:
+        raise ValueError(f"nvfp4_moe: H={H} and I={I} must be multiples of 16")
+    for name, tensor in weights.items():
+        shape, dtype = expected[name]
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise ValueError(f"nvfp4_moe: {name} must be {dtype} {shape}, got "
+                             f"{tensor.dtype} {tuple(tensor.shape)}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"nvfp4_moe: {name} must be contiguous")
+
+
+def _input_scales(gate: torch.Tensor | None, up: torch.Tensor | None, down: torch.Tensor | None,
+                  emulate_w4a4: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    if not emulate_w4a4:
+        return None, None
+    if gate is None or up is None or down is None:
+        raise ValueError("nvfp4_moe: emulate_w4a4=True needs gate_input_scale, up_input_scale "
+                         "and down_input_scale")
+    # One activation scale per expert for the shared gate/up input: the max of the two (vLLM).
+    return torch.maximum(gate, up), down
+
+
+def nvfp4_moe(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+    gate_weight: torch.Tensor, gate_weight_scale: torch.Tensor, gate_weight_scale_2: torch.Tensor,
+    up_weight: torch.Tensor, up_weight_scale: torch.Tensor, up_weight_scale_2: torch.Tensor,
+    down_weight: torch.Tensor, down_weight_scale: torch.Tensor, down_weight_scale_2: torch.Tensor,
+    *, gate_input_scale: torch.Tensor | None = None, up_input_scale: torch.Tensor | None = None,
+    down_input_scale: torch.Tensor | None = None, emulate_w4a4: bool = False,
+) -> torch.Tensor:
+    """Routed-expert MoE with NVFP4 experts (Triton, `dlmc::nvfp4_moe`).
+
+    Shapes (E experts, H hidden, I expert width, T tokens, K experts per token; H, I % 16 == 0):
+    - x bf16 `[T, H]`; topk_ids int32/int64 `[T, K]` in `[0, E)`; topk_weights fp32 `[T, K]`
+      (routed scaling already folded in).
+    - `{gate,up}_weight` uint8 `[E, I, H/2]`, `down_weight` uint8 `[E, H, I/2]`: E2M1 codes, low
+      nibble = even element; `*_weight_scale` float8_e4m3fn `[E, out, in/16]` (row-major, not
+      swizzled); `*_weight_scale_2` fp32 `[E]` global scales (gate and up kept separate).
+    - `*_input_scale` fp32 `[E]`: used only with `emulate_w4a4=True`, which fake-quantizes the
+      activations as W4A4 kernels do (gate/up input: per-expert max of the two scales, as vLLM).
+    Returns bf16 `[T, H]`: `sum_k topk_weights[t, k] * bf16(expert_k(x[t]))`, summed in fp32.
+    All tensors on one device, contiguous. No host sync: capturable in a CUDA graph.
+    """
+    weights = dict(gate_weight=gate_weight, gate_weight_scale=gate_weight_scale,
+                   gate_weight_scale_2=gate_weight_scale_2, up_weight=up_weight,
+                   up_weight_scale=up_weight_scale, up_weight_scale_2=up_weight_scale_2,
+                   down_weight=down_weight, down_weight_scale=down_weight_scale,
+                   down_weight_scale_2=down_weight_scale_2)
+    scales = {"gate_input_scale": gate_input_scale, "up_input_scale": up_input_scale,
+              "down_input_scale": down_input_scale}
+    _check(x, topk_ids, topk_weights, weights | {k: v for k, v in scales.items() if v is not None})
+    a1, a2 = _input_scales(gate_input_scale, up_input_scale, down_input_scale, emulate_w4a4)
+    return _nvfp4_moe_op(x, topk_ids, topk_weights, *weights.values(), a1, a2)
+
+
+def nvfp4_moe_reference(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+    gate_weight: torch.Tensor, gate_weight_scale: torch.Tensor, gate_weight_scale_2: torch.Tensor,
+    up_weight: torch.Tensor, up_weight_scale: torch.Tensor, up_weight_scale_2: torch.Tensor,
+    down_weight: torch.Tensor, down_weight_scale: torch.Tensor, down_weight_scale_2: torch.Tensor,
+    *, gate_input_scale: torch.Tensor | None = None, up_input_scale: torch.Tensor | None = None,
+    down_input_scale: torch.Tensor | None = None, emulate_w4a4: bool = False,
+) -> torch.Tensor:
+    """Plain-PyTorch definition of `nvfp4_moe` (same arguments and result).
+
+    Per pair: `g = (a @ Wg^T) * s2_g`, `u = (a @ Wu^T) * s2_u` in fp32 with `W = e2m1 * block_scale`
+    (exact), `h = bf16(silu(g) * u)`, `y = bf16((h @ Wd^T) * s2_d)`; then
+    `out = bf16(sum_k w_k * float(y_k))`. With W4A4 emulation `a`/`h` are `fake_quantize_activation`
+    outputs and each `s2` is multiplied by the activation's input scale.
+    """
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    a1, a2 = _input_scales(gate_input_scale, up_input_scale, down_input_scale, emulate_w4a4)
+    y = torch.zeros((T * K, H), dtype=torch.bfloat16, device=x.device)
+    pair_expert = topk_ids.reshape(-1).long()  # [P]
+    for e in range(gate_weight.shape[0]):
+        pairs = torch.nonzero(pair_expert == e).flatten()  # [n]
+        if pairs.numel() == 0:
+            continue
+        a = x[pairs // K]  # [n, H] bf16
+        alpha_g, alpha_u, alpha_d = (gate_weight_scale_2[e].float(), up_weight_scale_2[e].float(),
+                                     down_weight_scale_2[e].float())
+        if a1 is not None and a2 is not None:
+            a = fake_quantize_activation(a, a1[e].reshape(1))
+            alpha_g, alpha_u, alpha_d = alpha_g * a1[e], alpha_u * a1[e], alpha_d * a2[e]
+        g = a.float() @ dequantize_blocks(gate_weight[e], gate_weight_scale[e]).T * alpha_g
+        u = a.float() @ dequantize_blocks(up_weight[e], up_weight_scale[e]).T * alpha_u
+        h = (torch.nn.functional.silu(g) * u).to(torch.bfloat16)  # [n, I]
+        if a2 is not None:
+            h = fake_quantize_activation(h, a2[e].reshape(1))
+        wd = dequantize_blocks(down_weight[e], down_weight_scale[e])  # [H, I]
+        y[pairs] = (h.float() @ wd.T * alpha_d).to(torch.bfloat16)
+    combined = (y.view(T, K, H).float() * topk_weights.float()[..., None]).sum(dim=1)
+    return combined.to(torch.bfloat16)
