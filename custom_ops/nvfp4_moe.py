@@ -173,8 +173,7 @@ def _alphas(scale_2: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Te
     return alpha if input_scale is None else alpha * input_scale.float().reshape(-1)
 
 
-@triton_op("dlmc::nvfp4_moe", mutates_args=())
-def _nvfp4_moe_op(
+def _nvfp4_moe_impl(
     x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     gate_weight: torch.Tensor, gate_weight_scale: torch.Tensor, gate_weight_scale_2: torch.Tensor,
     up_weight: torch.Tensor, up_weight_scale: torch.Tensor, up_weight_scale_2: torch.Tensor,
@@ -201,8 +200,8 @@ def _nvfp4_moe_op(
     h = torch.empty((num_blocks * block_m, I), dtype=torch.bfloat16, device=x.device)
     block_n1 = 64 if I >= 64 else 32 if I >= 32 else 16
     wrap_triton(_gate_up_kernel)[(num_blocks, triton.cdiv(I, block_n1))](
-        a, sorted_pair, expert_of_block, gate_weight, gate_weight_scale.view(torch.uint8),
-        up_weight, up_weight_scale.view(torch.uint8),
+        a, sorted_pair, expert_of_block, gate_weight, gate_weight_scale,
+        up_weight, up_weight_scale,
         _alphas(gate_weight_scale_2, gate_up_input_scale),
         _alphas(up_weight_scale_2, gate_up_input_scale), h, num_pairs, a_row_div, H, I,
         a.stride(0), h.stride(0), BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=128 if H >= 128 else 32,
@@ -214,7 +213,7 @@ def _nvfp4_moe_op(
     y = torch.empty((num_pairs, H), dtype=torch.bfloat16, device=x.device)
     block_n2 = 64 if H >= 64 else 32 if H >= 32 else 16
     wrap_triton(_down_kernel)[(num_blocks, triton.cdiv(H, block_n2))](
-        h, sorted_pair, expert_of_block, down_weight, down_weight_scale.view(torch.uint8),
+        h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
         _alphas(down_weight_scale_2, down_input_scale), y, num_pairs, H, I, h.stride(0),
         y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=128 if I >= 128 else 32,
         INTERPRETED=_INTERPRETED,
@@ -222,6 +221,19 @@ def _nvfp4_moe_op(
     combined = (y.view(T, K, H).float() * topk_weights.float()[..., None]).sum(dim=1)  # [T, H]
     out.copy_(combined)
     return out
+
+
+if _INTERPRETED:
+    # An interpreted kernel cannot be traced into a graph, so register an opaque op instead
+    # (same body, same schema); torch.compile on CPU then calls the interpreted kernels eagerly.
+    _nvfp4_moe_op = torch.library.custom_op("dlmc::nvfp4_moe", mutates_args=())(_nvfp4_moe_impl)
+
+    @_nvfp4_moe_op.register_fake
+    def _nvfp4_moe_fake(x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        return x.new_empty(x.shape, dtype=torch.bfloat16)
+else:
+    # Inductor traces through the body (routing torch ops + the two Triton kernels).
+    _nvfp4_moe_op = triton_op("dlmc::nvfp4_moe", mutates_args=())(_nvfp4_moe_impl)
 
 
 def _check(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -291,16 +303,20 @@ def nvfp4_moe(
     Returns bf16 `[T, H]`: `sum_k topk_weights[t, k] * bf16(expert_k(x[t]))`, summed in fp32.
     All tensors on one device, contiguous. No host sync: capturable in a CUDA graph.
     """
-    weights = dict(gate_weight=gate_weight, gate_weight_scale=gate_weight_scale,
-                   gate_weight_scale_2=gate_weight_scale_2, up_weight=up_weight,
-                   up_weight_scale=up_weight_scale, up_weight_scale_2=up_weight_scale_2,
-                   down_weight=down_weight, down_weight_scale=down_weight_scale,
-                   down_weight_scale_2=down_weight_scale_2)
+    weights = {"gate_weight": gate_weight, "gate_weight_scale": gate_weight_scale,
+                   "gate_weight_scale_2": gate_weight_scale_2, "up_weight": up_weight,
+                   "up_weight_scale": up_weight_scale, "up_weight_scale_2": up_weight_scale_2,
+                   "down_weight": down_weight, "down_weight_scale": down_weight_scale,
+                   "down_weight_scale_2": down_weight_scale_2}
     scales = {"gate_input_scale": gate_input_scale, "up_input_scale": up_input_scale,
               "down_input_scale": down_input_scale}
     _check(x, topk_ids, topk_weights, weights | {k: v for k, v in scales.items() if v is not None})
     a1, a2 = _input_scales(gate_input_scale, up_input_scale, down_input_scale, emulate_w4a4)
-    return _nvfp4_moe_op(x, topk_ids, topk_weights, *weights.values(), a1, a2)
+    # The op takes the FP8 block scales as their uint8 bit patterns (a free view): the kernel
+    # decodes E4M3 itself, and opcheck's schema test cannot compare fp8 tensors on CPU.
+    op_args = [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+               for t in weights.values()]
+    return _nvfp4_moe_op(x, topk_ids, topk_weights, *op_args, a1, a2)
 
 
 def nvfp4_moe_reference(
