@@ -152,7 +152,7 @@ def test_opcheck() -> None:
 
 
 @pytest.mark.gpu
-@settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     seed=st.integers(0, 2**31 - 1), tokens=st.integers(1, 300), num_experts=st.integers(1, 64),
     top_k=st.integers(1, 8), hidden=st.sampled_from([16, 48, 128, 272, 512]),
