@@ -24,18 +24,29 @@ __all__ = ["nvfp4_moe", "nvfp4_moe_reference"]
 # fp32 -> bf16; under TRITON_INTERPRET=1 the kernels dot in fp32 (exact for these operands) and round
 # to bf16 by hand (`_round_bf16`). Compiled kernels take the plain bf16 paths.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Experimental, not yet measured on a GPU: decode each FP8 block scale once per 16 weights from a
+# `[BK/16, BN]` tile (3-D weight loads + reshape) instead of once per weight. Opt in with
+# DLMC_NVFP4_SCALE_TILE=1; tested against the reference under the interpreter.
+_SCALE_TILE = os.environ.get("DLMC_NVFP4_SCALE_TILE") == "1"
 
 
 @triton.jit
-def _decode_tile(packed, scale_bytes):
-    """uint8 codes/nibble tile + uint8 E4M3 scale tile (same shape) -> exact bf16 e2m1 * scale."""
-    c = packed.to(tl.int16)
-    # E2M1 s|ee|m placed in fp16 bits: exponent field ee, mantissa top bit m; x 2^14 restores it.
-    w16 = (((c & 0x7) << 9) | ((c & 0x8) << 12)).to(tl.float16, bitcast=True)
+def _e2m1_scaled_down(codes):
+    """E2M1 codes (low 4 bits) -> fp32 `e2m1 * 2^-14`, exact.
+
+    s|ee|m is placed in fp16 bits (exponent field ee, mantissa top bit m): the fp16 value is the
+    E2M1 value times 2^-14, subnormal (code 1 -> 0.5) included.
+    """
+    c = codes.to(tl.int16)
+    return (((c & 0x7) << 9) | ((c & 0x8) << 12)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _e4m3_scaled_up(scale_bytes):
+    """E4M3 bit patterns (uint8) -> fp32 `scale * 2^14`, exact (placed in fp16 bits: x 2^22)."""
     b = scale_bytes.to(tl.int16)
-    # E4M3 s|eeee|mmm placed in fp16 bits; x 2^8 restores it (subnormals included).
     s16 = (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True)
-    return (w16.to(tl.float32) * (s16.to(tl.float32) * 4194304.0)).to(tl.bfloat16)  # 2^22
+    return s16.to(tl.float32) * 4194304.0
 
 
 @triton.jit
@@ -50,7 +61,8 @@ def _round_bf16(x, INTERPRETED: tl.constexpr):
 
 @triton.jit
 def _nvfp4_tile_dot(acc, a_ptr, a_rows, row_mask, stride_a, w_ptr, s_ptr, n_offs, n_mask,
-                    K: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
+                    K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    INTERPRETED: tl.constexpr, SCALE_TILE: tl.constexpr):
     """acc[BM, BN] += A[rows, :K] @ W[n, :K]^T with W packed `[N, K/2]`, scales `[N, K/16]`."""
     HALF: tl.constexpr = BLOCK_K // 2
     j = tl.arange(0, HALF)
@@ -61,13 +73,28 @@ def _nvfp4_tile_dot(acc, a_ptr, a_rows, row_mask, stride_a, w_ptr, s_ptr, n_offs
         amask = row_mask[:, None] & kmask[None, :]
         a_even = tl.load(a_base, mask=amask, other=0.0)  # [BM, HALF]
         a_odd = tl.load(a_base + 1, mask=amask, other=0.0)  # [BM, HALF]
-        wmask = kmask[:, None] & n_mask[None, :]
-        packed = tl.load(w_ptr + n_offs[None, :] * (K // 2) + kbyte[:, None], mask=wmask,
-                         other=0)  # [HALF, BN]
-        sbytes = tl.load(s_ptr + n_offs[None, :] * (K // 16) + (kbyte // 8)[:, None], mask=wmask,
-                         other=0)  # [HALF, BN]
-        w_lo = _decode_tile(packed & 0xF, sbytes)
-        w_hi = _decode_tile(packed >> 4, sbytes)
+        if SCALE_TILE:  # one E4M3 decode per 16 weights, broadcast over the block
+            kb = k0 // 16 + tl.arange(0, BLOCK_K // 16)  # [BKB] block index along K/16
+            kbyte3 = kb[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BKB, 8]
+            wmask3 = (kbyte3 < K // 2)[:, :, None] & n_mask[None, None, :]
+            packed3 = tl.load(w_ptr + n_offs[None, None, :] * (K // 2) + kbyte3[:, :, None],
+                              mask=wmask3, other=0)  # [BKB, 8, BN]
+            smask = (kb < K // 16)[:, None] & n_mask[None, :]
+            scale = _e4m3_scaled_up(tl.load(s_ptr + n_offs[None, :] * (K // 16) + kb[:, None],
+                                            mask=smask, other=0))[:, None, :]  # [BKB, 1, BN]
+            w_lo = tl.reshape((_e2m1_scaled_down(packed3 & 0xF) * scale).to(tl.bfloat16),
+                              (HALF, BLOCK_N))
+            w_hi = tl.reshape((_e2m1_scaled_down(packed3 >> 4) * scale).to(tl.bfloat16),
+                              (HALF, BLOCK_N))
+        else:  # scale byte gathered per weight (measured path, see perf/results)
+            wmask = kmask[:, None] & n_mask[None, :]
+            packed = tl.load(w_ptr + n_offs[None, :] * (K // 2) + kbyte[:, None], mask=wmask,
+                             other=0)  # [HALF, BN]
+            scale = _e4m3_scaled_up(tl.load(
+                s_ptr + n_offs[None, :] * (K // 16) + (kbyte // 8)[:, None], mask=wmask,
+                other=0))  # [HALF, BN]
+            w_lo = (_e2m1_scaled_down(packed & 0xF) * scale).to(tl.bfloat16)
+            w_hi = (_e2m1_scaled_down(packed >> 4) * scale).to(tl.bfloat16)
         if INTERPRETED:  # see _INTERPRETED
             a_even, a_odd = a_even.to(tl.float32), a_odd.to(tl.float32)
             w_lo, w_hi = w_lo.to(tl.float32), w_hi.to(tl.float32)
@@ -80,7 +107,8 @@ def _nvfp4_tile_dot(acc, a_ptr, a_rows, row_mask, stride_a, w_ptr, s_ptr, n_offs
 def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s, up_w, up_s,
                     gate_alpha_ptr, up_alpha_ptr, h_ptr, num_pairs, a_row_div, H: tl.constexpr,
                     I: tl.constexpr, stride_a, stride_h, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
+                    BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+                    SCALE_TILE: tl.constexpr):
     """h[slot, n] = silu(gate) * up for the slots of one M-block and one N-tile of I."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -96,11 +124,13 @@ def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s,
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_g = _nvfp4_tile_dot(acc_g, a_ptr, a_rows, row_mask, stride_a,
                                 gate_w + e64 * I * (H // 2), gate_s + e64 * I * (H // 16),
-                                n_offs, n_mask, H, BLOCK_K, INTERPRETED)
+                                n_offs, n_mask, H, BLOCK_N, BLOCK_K, INTERPRETED,
+                                SCALE_TILE)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = _nvfp4_tile_dot(acc_u, a_ptr, a_rows, row_mask, stride_a,
                                 up_w + e64 * I * (H // 2), up_s + e64 * I * (H // 16),
-                                n_offs, n_mask, H, BLOCK_K, INTERPRETED)
+                                n_offs, n_mask, H, BLOCK_N, BLOCK_K, INTERPRETED,
+                                SCALE_TILE)
         g = acc_g * tl.load(gate_alpha_ptr + expert)
         u = acc_u * tl.load(up_alpha_ptr + expert)
         h = g * tl.sigmoid(g) * u
@@ -111,7 +141,8 @@ def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s,
 @triton.jit
 def _down_kernel(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, down_alpha_ptr,
                  y_ptr, num_pairs, H: tl.constexpr, I: tl.constexpr, stride_h, stride_y, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+                 SCALE_TILE: tl.constexpr):
     """y[pair, n] = bf16(alpha * h[slot] @ down[n]^T) for one M-block and one N-tile of H."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -126,7 +157,8 @@ def _down_kernel(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, do
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc = _nvfp4_tile_dot(acc, h_ptr, slots, row_mask, stride_h,
                               down_w + e64 * H * (I // 2), down_s + e64 * H * (I // 16),
-                              n_offs, n_mask, I, BLOCK_K, INTERPRETED)
+                              n_offs, n_mask, I, BLOCK_N, BLOCK_K, INTERPRETED,
+                              SCALE_TILE)
         y = acc * tl.load(down_alpha_ptr + expert)
         y_ptrs = y_ptr + pairs[:, None].to(tl.int64) * stride_y + n_offs[None, :]
         tl.store(y_ptrs, _round_bf16(y, INTERPRETED), mask=row_mask[:, None] & n_mask[None, :])
@@ -205,7 +237,7 @@ def _nvfp4_moe_impl(
         _alphas(gate_weight_scale_2, gate_up_input_scale),
         _alphas(up_weight_scale_2, gate_up_input_scale), h, num_pairs, a_row_div, H, I,
         a.stride(0), h.stride(0), BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=128 if H >= 128 else 32,
-        INTERPRETED=_INTERPRETED,
+        INTERPRETED=_INTERPRETED, SCALE_TILE=_SCALE_TILE,
     )
     if down_input_scale is not None:
         slot_expert = expert_of_block.long().clamp(min=0).repeat_interleave(block_m)  # [S]
@@ -216,7 +248,7 @@ def _nvfp4_moe_impl(
         h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
         _alphas(down_weight_scale_2, down_input_scale), y, num_pairs, H, I, h.stride(0),
         y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=128 if I >= 128 else 32,
-        INTERPRETED=_INTERPRETED,
+        INTERPRETED=_INTERPRETED, SCALE_TILE=_SCALE_TILE,
     )
     combined = (y.view(T, K, H).float() * topk_weights.float()[..., None]).sum(dim=1)  # [T, H]
     out.copy_(combined)
