@@ -191,3 +191,13 @@ def test_compile_and_cuda_graph_replay() -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert_matches_reference(static_out, nvfp4_moe_reference(*args))
+
+
+@pytest.mark.parametrize(("tokens", "hidden", "inter"), [(3, 48, 32), (17, 64, 48), (1, 16, 16)])
+def test_scale_tile_variant_matches_reference(monkeypatch: pytest.MonkeyPatch, tokens: int,
+                                              hidden: int, inter: int) -> None:
+    """The opt-in DLMC_NVFP4_SCALE_TILE kernel variant (read at import; patched here)."""
+    import dlmc.custom_ops.nvfp4_moe as module
+
+    monkeypatch.setattr(module, "_SCALE_TILE", True)
+    run_case(7, tokens, 5, 2, hidden, inter, skew=False)
