@@ -14,6 +14,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+from dlmc.custom_ops.moe_align import align_pairs_to_blocks, moe_block_size
+from dlmc.custom_ops.nvfp4_tiles import nvfp4_tile_dot, round_bf16
 from torch.library import triton_op, wrap_triton
 
 from dlmc.quant.nvfp4_format import dequantize_blocks, fake_quantize_activation
@@ -22,85 +24,12 @@ __all__ = ["nvfp4_moe", "nvfp4_moe_reference"]
 
 # Read at import. Triton 3.6's CPU interpreter multiplies bf16 as raw uint16 and truncates
 # fp32 -> bf16; under TRITON_INTERPRET=1 the kernels dot in fp32 (exact for these operands) and round
-# to bf16 by hand (`_round_bf16`). Compiled kernels take the plain bf16 paths.
+# to bf16 by hand (`nvfp4_tiles.round_bf16`). Compiled kernels take the plain bf16 paths.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Experimental, not yet measured on a GPU: decode each FP8 block scale once per 16 weights from a
 # `[BK/16, BN]` tile (3-D weight loads + reshape) instead of once per weight. Opt in with
 # DLMC_NVFP4_SCALE_TILE=1; tested against the reference under the interpreter.
 _SCALE_TILE = os.environ.get("DLMC_NVFP4_SCALE_TILE") == "1"
-
-
-@triton.jit
-def _e2m1_scaled_down(codes):
-    """E2M1 codes (low 4 bits) -> fp32 `e2m1 * 2^-14`, exact.
-
-    s|ee|m is placed in fp16 bits (exponent field ee, mantissa top bit m): the fp16 value is the
-    E2M1 value times 2^-14, subnormal (code 1 -> 0.5) included.
-    """
-    c = codes.to(tl.int16)
-    return (((c & 0x7) << 9) | ((c & 0x8) << 12)).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _e4m3_scaled_up(scale_bytes):
-    """E4M3 bit patterns (uint8) -> fp32 `scale * 2^14`, exact (placed in fp16 bits: x 2^22)."""
-    b = scale_bytes.to(tl.int16)
-    s16 = (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True)
-    return s16.to(tl.float32) * 4194304.0
-
-
-@triton.jit
-def _round_bf16(x, INTERPRETED: tl.constexpr):
-    """fp32 -> bf16, round to nearest even (by hand under the interpreter, which truncates)."""
-    if INTERPRETED:
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        x = bits.to(tl.float32, bitcast=True)
-    return x.to(tl.bfloat16)
-
-
-@triton.jit
-def _nvfp4_tile_dot(acc, a_ptr, a_rows, row_mask, stride_a, w_ptr, s_ptr, n_offs, n_mask,
-                    K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    INTERPRETED: tl.constexpr, SCALE_TILE: tl.constexpr):
-    """acc[BM, BN] += A[rows, :K] @ W[n, :K]^T with W packed `[N, K/2]`, scales `[N, K/16]`."""
-    HALF: tl.constexpr = BLOCK_K // 2
-    j = tl.arange(0, HALF)
-    for k0 in range(0, K, BLOCK_K):
-        kbyte = k0 // 2 + j  # [HALF] byte index along K/2
-        kmask = kbyte < K // 2
-        a_base = a_ptr + a_rows[:, None] * stride_a + 2 * kbyte[None, :]
-        amask = row_mask[:, None] & kmask[None, :]
-        a_even = tl.load(a_base, mask=amask, other=0.0)  # [BM, HALF]
-        a_odd = tl.load(a_base + 1, mask=amask, other=0.0)  # [BM, HALF]
-        if SCALE_TILE:  # one E4M3 decode per 16 weights, broadcast over the block
-            kb = k0 // 16 + tl.arange(0, BLOCK_K // 16)  # [BKB] block index along K/16
-            kbyte3 = kb[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BKB, 8]
-            wmask3 = (kbyte3 < K // 2)[:, :, None] & n_mask[None, None, :]
-            packed3 = tl.load(w_ptr + n_offs[None, None, :] * (K // 2) + kbyte3[:, :, None],
-                              mask=wmask3, other=0)  # [BKB, 8, BN]
-            smask = (kb < K // 16)[:, None] & n_mask[None, :]
-            scale = _e4m3_scaled_up(tl.load(s_ptr + n_offs[None, :] * (K // 16) + kb[:, None],
-                                            mask=smask, other=0))[:, None, :]  # [BKB, 1, BN]
-            w_lo = tl.reshape((_e2m1_scaled_down(packed3 & 0xF) * scale).to(tl.bfloat16),
-                              (HALF, BLOCK_N))
-            w_hi = tl.reshape((_e2m1_scaled_down(packed3 >> 4) * scale).to(tl.bfloat16),
-                              (HALF, BLOCK_N))
-        else:  # scale byte gathered per weight (measured path, see perf/results)
-            wmask = kmask[:, None] & n_mask[None, :]
-            packed = tl.load(w_ptr + n_offs[None, :] * (K // 2) + kbyte[:, None], mask=wmask,
-                             other=0)  # [HALF, BN]
-            scale = _e4m3_scaled_up(tl.load(
-                s_ptr + n_offs[None, :] * (K // 16) + (kbyte // 8)[:, None], mask=wmask,
-                other=0))  # [HALF, BN]
-            w_lo = (_e2m1_scaled_down(packed & 0xF) * scale).to(tl.bfloat16)
-            w_hi = (_e2m1_scaled_down(packed >> 4) * scale).to(tl.bfloat16)
-        if INTERPRETED:  # see _INTERPRETED
-            a_even, a_odd = a_even.to(tl.float32), a_odd.to(tl.float32)
-            w_lo, w_hi = w_lo.to(tl.float32), w_hi.to(tl.float32)
-        acc = tl.dot(a_even, w_lo, acc)
-        acc = tl.dot(a_odd, w_hi, acc)
-    return acc
 
 
 @triton.jit
@@ -122,12 +51,12 @@ def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s,
         n_mask = n_offs < I
         e64 = expert.to(tl.int64)
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_g = _nvfp4_tile_dot(acc_g, a_ptr, a_rows, row_mask, stride_a,
+        acc_g = nvfp4_tile_dot(acc_g, a_ptr, a_rows, row_mask, stride_a,
                                 gate_w + e64 * I * (H // 2), gate_s + e64 * I * (H // 16),
                                 n_offs, n_mask, H, BLOCK_N, BLOCK_K, INTERPRETED,
                                 SCALE_TILE)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = _nvfp4_tile_dot(acc_u, a_ptr, a_rows, row_mask, stride_a,
+        acc_u = nvfp4_tile_dot(acc_u, a_ptr, a_rows, row_mask, stride_a,
                                 up_w + e64 * I * (H // 2), up_s + e64 * I * (H // 16),
                                 n_offs, n_mask, H, BLOCK_N, BLOCK_K, INTERPRETED,
                                 SCALE_TILE)
@@ -135,7 +64,7 @@ def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s,
         u = acc_u * tl.load(up_alpha_ptr + expert)
         h = g * tl.sigmoid(g) * u
         h_ptrs = h_ptr + slots[:, None] * stride_h + n_offs[None, :]
-        tl.store(h_ptrs, _round_bf16(h, INTERPRETED), mask=row_mask[:, None] & n_mask[None, :])
+        tl.store(h_ptrs, round_bf16(h, INTERPRETED), mask=row_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
@@ -155,49 +84,13 @@ def _down_kernel(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, do
         n_mask = n_offs < H
         e64 = expert.to(tl.int64)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc = _nvfp4_tile_dot(acc, h_ptr, slots, row_mask, stride_h,
+        acc = nvfp4_tile_dot(acc, h_ptr, slots, row_mask, stride_h,
                               down_w + e64 * H * (I // 2), down_s + e64 * H * (I // 16),
                               n_offs, n_mask, I, BLOCK_N, BLOCK_K, INTERPRETED,
                               SCALE_TILE)
         y = acc * tl.load(down_alpha_ptr + expert)
         y_ptrs = y_ptr + pairs[:, None].to(tl.int64) * stride_y + n_offs[None, :]
-        tl.store(y_ptrs, _round_bf16(y, INTERPRETED), mask=row_mask[:, None] & n_mask[None, :])
-
-
-def _block_m(num_pairs: int, num_experts: int) -> int:
-    per_expert = num_pairs // max(num_experts, 1)
-    return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
-
-
-def _route(topk_ids: torch.Tensor, num_experts: int, block_m: int
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group (token, k) pairs per expert, each expert's segment padded to `block_m` slots.
-
-    Returns `sorted_pair` int32 `[max_blocks * block_m]` (pair id `t*K + k`, or `T*K` for padding)
-    and `expert_of_block` int32 `[max_blocks]` (-1 for unused blocks). Torch ops only, static
-    shapes, no host sync (CUDA-graph capturable).
-    """
-    flat = topk_ids.reshape(-1).long()  # [P]
-    num_pairs = flat.numel()
-    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # [E]
-    order = torch.argsort(flat, stable=True)  # [P] pair ids grouped by expert
-    blocks = (counts + block_m - 1) // block_m  # [E]
-    block_end = torch.cumsum(blocks, 0)  # [E]
-    block_start = block_end - blocks
-    seg_start = torch.cumsum(counts, 0) - counts  # [E]
-    max_blocks = -(-num_pairs // block_m) + min(num_experts, num_pairs)
-    block = torch.arange(max_blocks, device=flat.device)  # [B]
-    expert = torch.searchsorted(block_end, block, right=True)  # [B], E when unused
-    used = expert < num_experts
-    expert_c = expert.clamp(max=num_experts - 1)
-    row = (block - block_start[expert_c])[:, None] * block_m + torch.arange(
-        block_m, device=flat.device)  # [B, BM] position inside the expert's segment
-    valid = used[:, None] & (row < counts[expert_c][:, None])  # [B, BM]
-    src = (seg_start[expert_c][:, None] + row).clamp(max=num_pairs - 1)  # [B, BM]
-    sorted_pair = torch.where(valid, order[src], num_pairs).to(torch.int32).reshape(-1)
-    expert_of_block = torch.where(used, expert, -1).to(torch.int32)  # [B]
-    return sorted_pair, expert_of_block
+        tl.store(y_ptrs, round_bf16(y, INTERPRETED), mask=row_mask[:, None] & n_mask[None, :])
 
 
 def _alphas(scale_2: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
@@ -220,8 +113,8 @@ def _nvfp4_moe_impl(
     if T == 0:
         return out
     num_pairs = T * K
-    block_m = _block_m(num_pairs, E)
-    sorted_pair, expert_of_block = _route(topk_ids, E, block_m)
+    block_m = moe_block_size(num_pairs, E)
+    sorted_pair, expert_of_block = align_pairs_to_blocks(topk_ids, E, block_m)
     num_blocks = expert_of_block.shape[0]
     a, a_row_div = x.contiguous(), K
     if gate_up_input_scale is not None:  # W4A4 emulation: quantize each pair's row
