@@ -201,3 +201,15 @@ def test_scale_tile_variant_matches_reference(monkeypatch: pytest.MonkeyPatch, t
 
     monkeypatch.setattr(module, "_SCALE_TILE", True)
     run_case(7, tokens, 5, 2, hidden, inter, skew=False)
+
+
+def test_compile_aot_eager_fullgraph() -> None:
+    """The fake impl lets dynamo/AOT trace the op without graph breaks (any device)."""
+    gen = torch.Generator().manual_seed(8)
+    experts = random_experts(gen, 3, 32, 16)
+    x = torch.randn(5, 32, generator=gen).bfloat16().to(DEVICE)
+    ids, w = random_routing(gen, 5, 3, 2, skew=False)
+    args = op_args(x, ids, w, experts)
+    torch._dynamo.reset()
+    compiled = torch.compile(nvfp4_moe, backend="aot_eager", fullgraph=True)
+    assert_matches_reference(compiled(*args), nvfp4_moe_reference(*args))

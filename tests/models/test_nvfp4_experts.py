@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dlmc.models.nvfp4_experts import NVFP4Experts
+from dlmc.models.nvfp4_experts import NVFP4Experts, expert_buffer_target
 from dlmc.quant.nvfp4_format import dequantize_nvfp4, quantize_nvfp4
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -78,3 +78,14 @@ def test_dequantize_to_bf16_is_exact() -> None:
         for e in range(E):
             expected = dequantize_nvfp4(*quantize_nvfp4(original[e]))
             assert torch.equal(deq[proj][e], expected)
+
+
+def test_expert_buffer_target() -> None:
+    name = "model.layers.3.mlp.experts.17.gate_proj.weight_scale_2"
+    assert expert_buffer_target(name) == (3, 17, "gate_proj_weight_scale_2")
+    assert expert_buffer_target("model.layers.3.mlp.experts.1.down_proj.weight") == (
+        3, 1, "down_proj_weight")
+    assert expert_buffer_target("model.layers.3.mlp.shared_experts.gate_proj.weight") is None
+    assert expert_buffer_target("model.layers.3.mlp.experts.1.down_proj.weight_bf16") is None
+    assert all(expert_buffer_target(f"model.layers.0.mlp.experts.0.{n.replace('proj_', 'proj.')}")
+               for n, _ in NVFP4Experts(E, H, I).named_buffers())

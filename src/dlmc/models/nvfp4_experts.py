@@ -8,6 +8,8 @@ topk_weights [T, K]) -> [T, H]`. The loader stacks checkpoint tensor
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -15,6 +17,23 @@ from dlmc.quant.nvfp4_format import GROUP_SIZE, dequantize_nvfp4
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale")
+_EXPERT_TENSOR = re.compile(
+    r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\."
+    r"(gate_proj|up_proj|down_proj)\.(weight|weight_scale|weight_scale_2|input_scale)$"
+)
+
+
+def expert_buffer_target(tensor_name: str) -> tuple[int, int, str] | None:
+    """`model.layers.L.mlp.experts.E.<proj>.<suffix>` -> `(L, E, "<proj>_<suffix>")`, else None.
+
+    The loader copies the tensor into `layers[L].mlp.experts.<proj>_<suffix>[E]` (scalars of shape
+    `[]` or `[1]` into one element of the `[E]` buffer).
+    """
+    match = _EXPERT_TENSOR.match(tensor_name)
+    if match is None:
+        return None
+    layer, expert, proj, suffix = match.groups()
+    return int(layer), int(expert), f"{proj}_{suffix}"
 
 
 class NVFP4Experts(nn.Module):
