@@ -14,7 +14,7 @@ except Exception:  # pragma: no cover - torch is a hard dependency
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest
+import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
