@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 from dlmc.custom_ops.moe_align import align_pairs_to_blocks, moe_block_size
-from dlmc.custom_ops.nvfp4_tiles import nvfp4_tile_dot, round_bf16
+from dlmc.custom_ops.nvfp4_tiles import nvfp4_tile_dot, nvfp4_tile_dot_v2, round_bf16
 from torch.library import triton_op, wrap_triton
 
 from dlmc.quant.nvfp4_format import dequantize_blocks, fake_quantize_activation
@@ -26,18 +26,17 @@ __all__ = ["nvfp4_moe", "nvfp4_moe_reference"]
 # fp32 -> bf16; under TRITON_INTERPRET=1 the kernels dot in fp32 (exact for these operands) and round
 # to bf16 by hand (`nvfp4_tiles.round_bf16`). Compiled kernels take the plain bf16 paths.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# Experimental, not yet measured on a GPU: decode each FP8 block scale once per 16 weights from a
-# `[BK/16, BN]` tile (3-D weight loads + reshape) instead of once per weight. Opt in with
-# DLMC_NVFP4_SCALE_TILE=1; tested against the reference under the interpreter.
-_SCALE_TILE = os.environ.get("DLMC_NVFP4_SCALE_TILE") == "1"
+# Kernel variant: "v1" (default; timed and fuzzed on the H200, perf/results) or "v2" (vectorized
+# N-major weight loads, one E4M3 decode per 16 weights, shared gate/up A loads; compiled for sm_90
+# and tested under the interpreter, not yet timed). Opt in with DLMC_NVFP4_KERNEL=v2.
+_V2 = os.environ.get("DLMC_NVFP4_KERNEL", "v1") == "v2"
 
 
 @triton.jit
 def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s, up_w, up_s,
                     gate_alpha_ptr, up_alpha_ptr, h_ptr, num_pairs, a_row_div, H: tl.constexpr,
                     I: tl.constexpr, stride_a, stride_h, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
-                    SCALE_TILE: tl.constexpr):
+                    BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, V2: tl.constexpr):
     """h[slot, n] = silu(gate) * up for the slots of one M-block and one N-tile of I."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -50,16 +49,21 @@ def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s,
         n_offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = n_offs < I
         e64 = expert.to(tl.int64)
+        gate_w += e64 * I * (H // 2)
+        gate_s += e64 * I * (H // 16)
+        up_w += e64 * I * (H // 2)
+        up_s += e64 * I * (H // 16)
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_g = nvfp4_tile_dot(acc_g, a_ptr, a_rows, row_mask, stride_a,
-                                gate_w + e64 * I * (H // 2), gate_s + e64 * I * (H // 16),
-                                n_offs, n_mask, H, BLOCK_N, BLOCK_K, INTERPRETED,
-                                SCALE_TILE)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = nvfp4_tile_dot(acc_u, a_ptr, a_rows, row_mask, stride_a,
-                                up_w + e64 * I * (H // 2), up_s + e64 * I * (H // 16),
-                                n_offs, n_mask, H, BLOCK_N, BLOCK_K, INTERPRETED,
-                                SCALE_TILE)
+        if V2:
+            acc_g, acc_u = nvfp4_tile_dot_v2(acc_g, acc_u, a_ptr, a_rows, row_mask, stride_a,
+                                             gate_w, gate_s, up_w, up_s, n_offs, n_mask, H,
+                                             BLOCK_N, BLOCK_K, INTERPRETED, True)
+        else:
+            acc_g = nvfp4_tile_dot(acc_g, a_ptr, a_rows, row_mask, stride_a, gate_w, gate_s,
+                                   n_offs, n_mask, H, BLOCK_K, INTERPRETED)
+            acc_u = nvfp4_tile_dot(acc_u, a_ptr, a_rows, row_mask, stride_a, up_w, up_s,
+                                   n_offs, n_mask, H, BLOCK_K, INTERPRETED)
         g = acc_g * tl.load(gate_alpha_ptr + expert)
         u = acc_u * tl.load(up_alpha_ptr + expert)
         h = g * tl.sigmoid(g) * u
@@ -69,9 +73,9 @@ def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s,
 
 @triton.jit
 def _down_kernel(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, down_alpha_ptr,
-                 y_ptr, num_pairs, H: tl.constexpr, I: tl.constexpr, stride_h, stride_y, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
-                 SCALE_TILE: tl.constexpr):
+                 y_ptr, num_pairs, H: tl.constexpr, I: tl.constexpr, stride_h, stride_y,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 INTERPRETED: tl.constexpr, V2: tl.constexpr):
     """y[pair, n] = bf16(alpha * h[slot] @ down[n]^T) for one M-block and one N-tile of H."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -83,11 +87,16 @@ def _down_kernel(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, do
         n_offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = n_offs < H
         e64 = expert.to(tl.int64)
+        down_w += e64 * H * (I // 2)
+        down_s += e64 * H * (I // 16)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc = nvfp4_tile_dot(acc, h_ptr, slots, row_mask, stride_h,
-                              down_w + e64 * H * (I // 2), down_s + e64 * H * (I // 16),
-                              n_offs, n_mask, I, BLOCK_N, BLOCK_K, INTERPRETED,
-                              SCALE_TILE)
+        if V2:
+            acc, _ = nvfp4_tile_dot_v2(acc, acc, h_ptr, slots, row_mask, stride_h, down_w,
+                                       down_s, down_w, down_s, n_offs, n_mask, I, BLOCK_N,
+                                       BLOCK_K, INTERPRETED, False)
+        else:
+            acc = nvfp4_tile_dot(acc, h_ptr, slots, row_mask, stride_h, down_w, down_s,
+                                 n_offs, n_mask, I, BLOCK_K, INTERPRETED)
         y = acc * tl.load(down_alpha_ptr + expert)
         y_ptrs = y_ptr + pairs[:, None].to(tl.int64) * stride_y + n_offs[None, :]
         tl.store(y_ptrs, round_bf16(y, INTERPRETED), mask=row_mask[:, None] & n_mask[None, :])
@@ -130,7 +139,7 @@ def _nvfp4_moe_impl(
         _alphas(gate_weight_scale_2, gate_up_input_scale),
         _alphas(up_weight_scale_2, gate_up_input_scale), h, num_pairs, a_row_div, H, I,
         a.stride(0), h.stride(0), BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=128 if H >= 128 else 32,
-        INTERPRETED=_INTERPRETED, SCALE_TILE=_SCALE_TILE,
+        INTERPRETED=_INTERPRETED, V2=_V2,
     )
     if down_input_scale is not None:
         slot_expert = expert_of_block.long().clamp(min=0).repeat_interleave(block_m)  # [S]
@@ -141,7 +150,7 @@ def _nvfp4_moe_impl(
         h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
         _alphas(down_weight_scale_2, down_input_scale), y, num_pairs, H, I, h.stride(0),
         y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=128 if I >= 128 else 32,
-        INTERPRETED=_INTERPRETED, SCALE_TILE=_SCALE_TILE,
+        INTERPRETED=_INTERPRETED, V2=_V2,
     )
     combined = (y.view(T, K, H).float() * topk_weights.float()[..., None]).sum(dim=1)  # [T, H]
     out.copy_(combined)

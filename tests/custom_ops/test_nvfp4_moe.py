@@ -194,13 +194,14 @@ def test_compile_and_cuda_graph_replay() -> None:
 
 
 @pytest.mark.parametrize(("tokens", "hidden", "inter"), [(3, 48, 32), (17, 64, 48), (1, 16, 16)])
-def test_scale_tile_variant_matches_reference(monkeypatch: pytest.MonkeyPatch, tokens: int,
-                                              hidden: int, inter: int) -> None:
-    """The opt-in DLMC_NVFP4_SCALE_TILE kernel variant (read at import; patched here)."""
+def test_v2_kernel_matches_reference(monkeypatch: pytest.MonkeyPatch, tokens: int, hidden: int,
+                                     inter: int) -> None:
+    """The opt-in DLMC_NVFP4_KERNEL=v2 variant (read at import; patched here)."""
     import dlmc.custom_ops.nvfp4_moe as module
 
-    monkeypatch.setattr(module, "_SCALE_TILE", True)
-    run_case(7, tokens, 5, 2, hidden, inter, skew=False)
+    monkeypatch.setattr(module, "_V2", True)
+    for seed in range(3):
+        run_case(seed, tokens, 5, 2, hidden, inter, skew=seed == 1)
 
 
 def test_compile_aot_eager_fullgraph() -> None:
