@@ -92,10 +92,13 @@ def _load_w_split(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl
     kb = k0 // 16 + tl.arange(0, BLOCKS)
     scale = e4m3_scaled_up(tl.load(s_ptr + n_offs[:, None] * (K // 16) + kb[None, :],
                                    mask=n_mask[:, None] & (kb < K // 16)[None, :], other=0))
-    packed3 = tl.reshape(packed, (BLOCK_N, BLOCKS, 8))
+    byte = tl.reshape(packed, (BLOCK_N, BLOCKS, 8)).to(tl.int32)
     scale3 = scale[:, :, None]  # [BN, BLOCKS, 1]
-    w_lo = (e2m1_scaled_down(packed3 & 0xF) * scale3).to(tl.bfloat16)
-    w_hi = (e2m1_scaled_down(packed3 >> 4) * scale3).to(tl.bfloat16)
+    # fp16 bit patterns (as in e2m1_scaled_down) built straight from the byte for both nibbles.
+    lo16 = (((byte << 9) & 0x0E00) | ((byte << 12) & 0x8000)).to(tl.int16)
+    hi16 = (((byte << 5) & 0x0E00) | ((byte << 8) & 0x8000)).to(tl.int16)
+    w_lo = (lo16.to(tl.float16, bitcast=True).to(tl.float32) * scale3).to(tl.bfloat16)
+    w_hi = (hi16.to(tl.float16, bitcast=True).to(tl.float32) * scale3).to(tl.bfloat16)
     return (tl.trans(tl.reshape(w_lo, (BLOCK_N, HALF))),
             tl.trans(tl.reshape(w_hi, (BLOCK_N, HALF))))
 
