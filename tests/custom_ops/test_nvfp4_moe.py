@@ -93,6 +93,10 @@ def test_matches_reference_cpu(seed: int, tokens: int, num_experts: int, top_k: 
 def test_zero_token_experts_and_int32_ids() -> None:
     gen = torch.Generator().manual_seed(1)
     experts = random_experts(gen, 8, 32, 32)
+    empty = op_args(torch.zeros(0, 32, dtype=torch.bfloat16, device=DEVICE),
+                    torch.zeros(0, 2, dtype=torch.int32, device=DEVICE),
+                    torch.zeros(0, 2, device=DEVICE), experts)
+    assert nvfp4_moe(*empty).shape == (0, 32)
     x = torch.randn(3, 32, generator=gen).bfloat16().to(DEVICE)
     ids = torch.tensor([[5, 2], [2, 5], [5, 7]], dtype=torch.int32, device=DEVICE)
     w = torch.rand(3, 2, generator=gen).to(DEVICE)

@@ -89,3 +89,13 @@ def test_expert_buffer_target() -> None:
     assert expert_buffer_target("model.layers.3.mlp.experts.1.down_proj.weight_bf16") is None
     assert all(expert_buffer_target(f"model.layers.0.mlp.experts.0.{n.replace('proj_', 'proj.')}")
                for n, _ in NVFP4Experts(E, H, I).named_buffers())
+
+
+def test_compiles_fullgraph() -> None:
+    experts, _ = filled_experts()
+    x = torch.randn(3, H).bfloat16()
+    ids = torch.tensor([[0, 1], [2, 3], [1, 0]])
+    weights = torch.rand(3, 2)
+    torch._dynamo.reset()
+    compiled = torch.compile(experts, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x, ids, weights), experts(x, ids, weights), rtol=0, atol=0)

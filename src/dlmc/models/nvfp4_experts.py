@@ -13,6 +13,7 @@ import re
 import torch
 from torch import nn
 
+from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
 from dlmc.quant.nvfp4_format import GROUP_SIZE, dequantize_nvfp4
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -101,10 +102,7 @@ class NVFP4Experts(nn.Module):
         `out[t] = sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])`, summed in fp32 over
         bf16 expert outputs (routed scaling belongs in `topk_weights`).
         """
-        if self.use_reference:
-            from dlmc.custom_ops.nvfp4_moe import nvfp4_moe_reference as moe
-        else:
-            from dlmc.custom_ops.nvfp4_moe import nvfp4_moe as moe
+        moe = nvfp4_moe_reference if self.use_reference else nvfp4_moe
         scales = {}
         if self.emulate_w4a4:
             scales = {
