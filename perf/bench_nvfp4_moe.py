@@ -8,7 +8,7 @@ BF16 grouped-GEMM baseline (`torch._grouped_mm` on dequantized experts) and the 
 reference, and a device-to-device copy in the same run (the ceiling).
 
     python perf/bench_nvfp4_moe.py --out perf/results/nvfp4_moe_h200.json
-    DLMC_NVFP4_SCALE_TILE=1 python perf/bench_nvfp4_moe.py   # experimental kernel variant
+    DLMC_NVFP4_KERNEL=v2 python perf/bench_nvfp4_moe.py   # the untimed v2 kernel
     python perf/bench_nvfp4_moe.py --smoke   # tiny shapes, any device: checks the script runs
 """
 
@@ -121,7 +121,7 @@ def main() -> None:
     expert_bytes = 3 * (I * H // 2 + I * H // 16)  # packed + block scales, one expert
     report: dict[str, object] = {
         "command": " ".join(sys.argv), "settings": vars(args) | {"out": str(args.out)},
-        "scale_tile": os.environ.get("DLMC_NVFP4_SCALE_TILE") == "1",
+        "kernel": os.environ.get("DLMC_NVFP4_KERNEL", "v1"),
         "torch": torch.__version__, "python": platform.python_version(), "results": [],
     }
     if device == "cuda":

@@ -170,6 +170,25 @@ def test_matches_reference_gpu(seed: int, tokens: int, num_experts: int, top_k: 
 
 
 @pytest.mark.gpu
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    seed=st.integers(0, 2**31 - 1), tokens=st.integers(1, 300), num_experts=st.integers(1, 64),
+    top_k=st.integers(1, 8), hidden=st.sampled_from([16, 48, 128, 272, 2048]),
+    inter=st.sampled_from([16, 80, 512]), skew=st.booleans(),
+)
+def test_v2_kernel_matches_reference_gpu(seed: int, tokens: int, num_experts: int, top_k: int,
+                                         hidden: int, inter: int, skew: bool) -> None:
+    """The opt-in DLMC_NVFP4_KERNEL=v2 variant, patched in for this test."""
+    import dlmc.custom_ops.nvfp4_moe as module
+
+    previous, module._V2 = module._V2, True
+    try:
+        run_case(seed, tokens, num_experts, min(top_k, num_experts), hidden, inter, skew)
+    finally:
+        module._V2 = previous
+
+
+@pytest.mark.gpu
 def test_compile_and_cuda_graph_replay() -> None:
     gen = torch.Generator().manual_seed(6)
     experts = random_experts(gen, 16, 256, 128)
