@@ -23,8 +23,8 @@ from dlmc.quant.nvfp4_format import dequantize_blocks, fake_quantize_activation
 __all__ = ["nvfp4_moe", "nvfp4_moe_reference"]
 
 # Read at import. Triton 3.6's CPU interpreter multiplies bf16 as raw uint16 and truncates
-# fp32 -> bf16; under TRITON_INTERPRET=1 the kernels dot in fp32 (exact for these operands) and round
-# to bf16 by hand (`nvfp4_tiles.round_bf16`). Compiled kernels take the plain bf16 paths.
+# fp32 -> bf16; under TRITON_INTERPRET=1 the kernels dot in fp32 (exact for these operands) and
+# round to bf16 by hand (`nvfp4_tiles.round_bf16`). Compiled kernels take the plain bf16 paths.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Kernel variant: "v1" (default; timed and fuzzed on the H200, perf/results) or "v2" (vectorized
 # N-major weight loads, one E4M3 decode per 16 weights, shared gate/up A loads; compiled for sm_90
@@ -35,7 +35,8 @@ _V2 = os.environ.get("DLMC_NVFP4_KERNEL", "v1") == "v2"
 @triton.jit
 def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s, up_w, up_s,
                     gate_alpha_ptr, up_alpha_ptr, h_ptr, num_pairs, a_row_div, H: tl.constexpr,
-                    I: tl.constexpr, stride_a, stride_h, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    I: tl.constexpr, stride_a, stride_h, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, V2: tl.constexpr):
     """h[slot, n] = silu(gate) * up for the slots of one M-block and one N-tile of I."""
     pid_m = tl.program_id(0)
@@ -115,6 +116,9 @@ def _nvfp4_moe_impl(
     gate_up_input_scale: torch.Tensor | None = None,
     down_input_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """Body of `dlmc::nvfp4_moe`. Same tensors as `nvfp4_moe`, except that the block scales are
+    their uint8 bit patterns and the W4A4 activation scales come pre-combined: `gate_up_input_scale`
+    fp32 `[E]` (shared by gate and up) and `down_input_scale` fp32 `[E]` (None: no emulation)."""
     T, H = x.shape
     K = topk_ids.shape[1]
     E, I = gate_weight.shape[0], gate_weight.shape[1]
@@ -138,7 +142,8 @@ def _nvfp4_moe_impl(
         up_weight, up_weight_scale,
         _alphas(gate_weight_scale_2, gate_up_input_scale),
         _alphas(up_weight_scale_2, gate_up_input_scale), h, num_pairs, a_row_div, H, I,
-        a.stride(0), h.stride(0), BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=128 if H >= 128 else 32,
+        a.stride(0), h.stride(0), BLOCK_M=block_m, BLOCK_N=block_n1,
+        BLOCK_K=128 if H >= 128 else 32,
         INTERPRETED=_INTERPRETED, V2=_V2,
     )
     if down_input_scale is not None:

@@ -32,7 +32,7 @@ def e2m1_table(device: torch.device | str | None = None) -> torch.Tensor:
 
 
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
-    """Pack codes uint8 `[..., n]` (values 0..15, n even) into uint8 `[..., n/2]`, low nibble first."""
+    """Pack codes uint8 `[..., n]` (0..15, n even) into uint8 `[..., n/2]`, low nibble first."""
     if codes.shape[-1] % 2:
         raise ValueError(f"pack_e2m1: last dimension must be even, got shape {tuple(codes.shape)}")
     codes = codes.to(torch.uint8)
