@@ -1,0 +1,299 @@
+"""`dlmc::nvfp4_moe`: routed-expert MoE over NVFP4 (ModelOpt) expert weights, W4A16 on Hopper.
+
+Each (token, k) pair is sent to expert `topk_ids[t, k]`; the expert computes
+`down(silu(gate(x)) * up(x))` with weights dequantized exactly in registers (E2M1 x FP8 block scale
+-> BF16, BF16 MMA, fp32 accumulation, the global scales applied per output row in the epilogue), and
+the bf16 expert outputs are combined in fp32: `out[t] = sum_k topk_weights[t, k] * y[t, k]`.
+Design in docs/nvfp4.md §3.2; the maths is defined by `nvfp4_moe_reference`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from dlmc.custom_ops.moe_align import align_pairs_to_blocks, moe_block_size
+from dlmc.custom_ops.nvfp4_tiles import nvfp4_tile_dot, nvfp4_tile_dot_v2, round_bf16
+from torch.library import triton_op, wrap_triton
+
+from dlmc.quant.nvfp4_format import dequantize_blocks, fake_quantize_activation
+
+__all__ = ["nvfp4_moe", "nvfp4_moe_reference"]
+
+# Read at import. Triton 3.6's CPU interpreter multiplies bf16 as raw uint16 and truncates
+# fp32 -> bf16; under TRITON_INTERPRET=1 the kernels dot in fp32 (exact for these operands) and
+# round to bf16 by hand (`nvfp4_tiles.round_bf16`). Compiled kernels take the plain bf16 paths.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Kernel variant: "v1" (default; timed and fuzzed on the H200, perf/results) or "v2" (vectorized
+# N-major weight loads, one E4M3 decode per 16 weights, shared gate/up A loads; compiled for sm_90
+# and tested under the interpreter, not yet timed). Opt in with DLMC_NVFP4_KERNEL=v2.
+_V2 = os.environ.get("DLMC_NVFP4_KERNEL", "v1") == "v2"
+
+
+@triton.jit
+def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s, up_w, up_s,
+                    gate_alpha_ptr, up_alpha_ptr, h_ptr, num_pairs, a_row_div, H: tl.constexpr,
+                    I: tl.constexpr, stride_a, stride_h, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, V2: tl.constexpr):
+    """h[slot, n] = silu(gate) * up for the slots of one M-block and one N-tile of I."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(expert_of_block_ptr + pid_m)
+    if expert >= 0:
+        slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pairs = tl.load(sorted_pair_ptr + slots)  # [BM]
+        row_mask = pairs < num_pairs
+        a_rows = tl.where(row_mask, pairs // a_row_div, 0)
+        n_offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = n_offs < I
+        e64 = expert.to(tl.int64)
+        gate_w += e64 * I * (H // 2)
+        gate_s += e64 * I * (H // 16)
+        up_w += e64 * I * (H // 2)
+        up_s += e64 * I * (H // 16)
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if V2:
+            acc_g, acc_u = nvfp4_tile_dot_v2(acc_g, acc_u, a_ptr, a_rows, row_mask, stride_a,
+                                             gate_w, gate_s, up_w, up_s, n_offs, n_mask, H,
+                                             BLOCK_N, BLOCK_K, INTERPRETED, True)
+        else:
+            acc_g = nvfp4_tile_dot(acc_g, a_ptr, a_rows, row_mask, stride_a, gate_w, gate_s,
+                                   n_offs, n_mask, H, BLOCK_K, INTERPRETED)
+            acc_u = nvfp4_tile_dot(acc_u, a_ptr, a_rows, row_mask, stride_a, up_w, up_s,
+                                   n_offs, n_mask, H, BLOCK_K, INTERPRETED)
+        g = acc_g * tl.load(gate_alpha_ptr + expert)
+        u = acc_u * tl.load(up_alpha_ptr + expert)
+        h = g * tl.sigmoid(g) * u
+        h_ptrs = h_ptr + slots[:, None] * stride_h + n_offs[None, :]
+        tl.store(h_ptrs, round_bf16(h, INTERPRETED), mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, down_alpha_ptr,
+                 y_ptr, num_pairs, H: tl.constexpr, I: tl.constexpr, stride_h, stride_y,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 INTERPRETED: tl.constexpr, V2: tl.constexpr):
+    """y[pair, n] = bf16(alpha * h[slot] @ down[n]^T) for one M-block and one N-tile of H."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(expert_of_block_ptr + pid_m)
+    if expert >= 0:
+        slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pairs = tl.load(sorted_pair_ptr + slots)  # [BM]
+        row_mask = pairs < num_pairs
+        n_offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = n_offs < H
+        e64 = expert.to(tl.int64)
+        down_w += e64 * H * (I // 2)
+        down_s += e64 * H * (I // 16)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if V2:
+            acc, _ = nvfp4_tile_dot_v2(acc, acc, h_ptr, slots, row_mask, stride_h, down_w,
+                                       down_s, down_w, down_s, n_offs, n_mask, I, BLOCK_N,
+                                       BLOCK_K, INTERPRETED, False)
+        else:
+            acc = nvfp4_tile_dot(acc, h_ptr, slots, row_mask, stride_h, down_w, down_s,
+                                 n_offs, n_mask, I, BLOCK_K, INTERPRETED)
+        y = acc * tl.load(down_alpha_ptr + expert)
+        y_ptrs = y_ptr + pairs[:, None].to(tl.int64) * stride_y + n_offs[None, :]
+        tl.store(y_ptrs, round_bf16(y, INTERPRETED), mask=row_mask[:, None] & n_mask[None, :])
+
+
+def _alphas(scale_2: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
+    alpha = scale_2.float().reshape(-1)  # [E]
+    return alpha if input_scale is None else alpha * input_scale.float().reshape(-1)
+
+
+def _nvfp4_moe_impl(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+    gate_weight: torch.Tensor, gate_weight_scale: torch.Tensor, gate_weight_scale_2: torch.Tensor,
+    up_weight: torch.Tensor, up_weight_scale: torch.Tensor, up_weight_scale_2: torch.Tensor,
+    down_weight: torch.Tensor, down_weight_scale: torch.Tensor, down_weight_scale_2: torch.Tensor,
+    gate_up_input_scale: torch.Tensor | None = None,
+    down_input_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Body of `dlmc::nvfp4_moe`. Same tensors as `nvfp4_moe`, except that the block scales are
+    their uint8 bit patterns and the W4A4 activation scales come pre-combined: `gate_up_input_scale`
+    fp32 `[E]` (shared by gate and up) and `down_input_scale` fp32 `[E]` (None: no emulation)."""
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    E, I = gate_weight.shape[0], gate_weight.shape[1]
+    out = torch.empty((T, H), dtype=torch.bfloat16, device=x.device)
+    if T == 0:
+        return out
+    num_pairs = T * K
+    block_m = moe_block_size(num_pairs, E)
+    sorted_pair, expert_of_block = align_pairs_to_blocks(topk_ids, E, block_m)
+    num_blocks = expert_of_block.shape[0]
+    a, a_row_div = x.contiguous(), K
+    if gate_up_input_scale is not None:  # W4A4 emulation: quantize each pair's row
+        pair_expert = topk_ids.reshape(-1).long()  # [P]
+        a = fake_quantize_activation(x.repeat_interleave(K, dim=0),
+                                     gate_up_input_scale.float()[pair_expert])  # [P, H]
+        a_row_div = 1
+    h = torch.empty((num_blocks * block_m, I), dtype=torch.bfloat16, device=x.device)
+    block_n1 = 64 if I >= 64 else 32 if I >= 32 else 16
+    wrap_triton(_gate_up_kernel)[(num_blocks, triton.cdiv(I, block_n1))](
+        a, sorted_pair, expert_of_block, gate_weight, gate_weight_scale,
+        up_weight, up_weight_scale,
+        _alphas(gate_weight_scale_2, gate_up_input_scale),
+        _alphas(up_weight_scale_2, gate_up_input_scale), h, num_pairs, a_row_div, H, I,
+        a.stride(0), h.stride(0), BLOCK_M=block_m, BLOCK_N=block_n1,
+        BLOCK_K=128 if H >= 128 else 32,
+        INTERPRETED=_INTERPRETED, V2=_V2,
+    )
+    if down_input_scale is not None:
+        slot_expert = expert_of_block.long().clamp(min=0).repeat_interleave(block_m)  # [S]
+        h = fake_quantize_activation(h, down_input_scale.float()[slot_expert])
+    y = torch.empty((num_pairs, H), dtype=torch.bfloat16, device=x.device)
+    block_n2 = 64 if H >= 64 else 32 if H >= 32 else 16
+    wrap_triton(_down_kernel)[(num_blocks, triton.cdiv(H, block_n2))](
+        h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
+        _alphas(down_weight_scale_2, down_input_scale), y, num_pairs, H, I, h.stride(0),
+        y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=128 if I >= 128 else 32,
+        INTERPRETED=_INTERPRETED, V2=_V2,
+    )
+    combined = (y.view(T, K, H).float() * topk_weights.float()[..., None]).sum(dim=1)  # [T, H]
+    out.copy_(combined)
+    return out
+
+
+if _INTERPRETED:
+    # An interpreted kernel cannot be traced into a graph, so register an opaque op instead
+    # (same body, same schema); torch.compile on CPU then calls the interpreted kernels eagerly.
+    _nvfp4_moe_op = torch.library.custom_op("dlmc::nvfp4_moe", mutates_args=())(_nvfp4_moe_impl)
+
+    @_nvfp4_moe_op.register_fake
+    def _nvfp4_moe_fake(x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        return x.new_empty(x.shape, dtype=torch.bfloat16)
+else:
+    # Inductor traces through the body (routing torch ops + the two Triton kernels).
+    _nvfp4_moe_op = triton_op("dlmc::nvfp4_moe", mutates_args=())(_nvfp4_moe_impl)
+
+
+def _check(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+           weights: dict[str, torch.Tensor]) -> None:
+    if x.dim() != 2 or x.dtype != torch.bfloat16:
+        raise ValueError(f"nvfp4_moe: x must be bf16 [T, H], got {x.dtype} {tuple(x.shape)}")
+    T, H = x.shape
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_ids.dtype not in (
+            torch.int32, torch.int64):
+        raise ValueError(f"nvfp4_moe: topk_ids must be int32/int64 [T={T}, K], got "
+                         f"{topk_ids.dtype} {tuple(topk_ids.shape)}")
+    if topk_weights.shape != topk_ids.shape or topk_weights.dtype != torch.float32:
+        raise ValueError(f"nvfp4_moe: topk_weights must be fp32 {tuple(topk_ids.shape)}, got "
+                         f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
+    E, I = weights["gate_weight"].shape[:2]
+    expected = {
+        "gate_weight": ((E, I, H // 2), torch.uint8), "up_weight": ((E, I, H // 2), torch.uint8),
+        "down_weight": ((E, H, I // 2), torch.uint8),
+        "gate_weight_scale": ((E, I, H // 16), torch.float8_e4m3fn),
+        "up_weight_scale": ((E, I, H // 16), torch.float8_e4m3fn),
+        "down_weight_scale": ((E, H, I // 16), torch.float8_e4m3fn),
+        "gate_weight_scale_2": ((E,), torch.float32), "up_weight_scale_2": ((E,), torch.float32),
+        "down_weight_scale_2": ((E,), torch.float32),
+        "gate_input_scale": ((E,), torch.float32), "up_input_scale": ((E,), torch.float32),
+        "down_input_scale": ((E,), torch.float32),
+    }
+    if H % 16 or I % 16:
+        raise ValueError(f"nvfp4_moe: H={H} and I={I} must be multiples of 16")
+    for name, tensor in weights.items():
+        shape, dtype = expected[name]
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+            raise ValueError(f"nvfp4_moe: {name} must be {dtype} {shape}, got "
+                             f"{tensor.dtype} {tuple(tensor.shape)}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"nvfp4_moe: {name} must be contiguous")
+
+
+def _input_scales(gate: torch.Tensor | None, up: torch.Tensor | None, down: torch.Tensor | None,
+                  emulate_w4a4: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    if not emulate_w4a4:
+        return None, None
+    if gate is None or up is None or down is None:
+        raise ValueError("nvfp4_moe: emulate_w4a4=True needs gate_input_scale, up_input_scale "
+                         "and down_input_scale")
+    # One activation scale per expert for the shared gate/up input: the max of the two (vLLM).
+    return torch.maximum(gate, up), down
+
+
+def nvfp4_moe(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+    gate_weight: torch.Tensor, gate_weight_scale: torch.Tensor, gate_weight_scale_2: torch.Tensor,
+    up_weight: torch.Tensor, up_weight_scale: torch.Tensor, up_weight_scale_2: torch.Tensor,
+    down_weight: torch.Tensor, down_weight_scale: torch.Tensor, down_weight_scale_2: torch.Tensor,
+    *, gate_input_scale: torch.Tensor | None = None, up_input_scale: torch.Tensor | None = None,
+    down_input_scale: torch.Tensor | None = None, emulate_w4a4: bool = False,
+) -> torch.Tensor:
+    """Routed-expert MoE with NVFP4 experts (Triton, `dlmc::nvfp4_moe`).
+
+    Shapes (E experts, H hidden, I expert width, T tokens, K experts per token; H, I % 16 == 0):
+    - x bf16 `[T, H]`; topk_ids int32/int64 `[T, K]` in `[0, E)`; topk_weights fp32 `[T, K]`
+      (routed scaling already folded in).
+    - `{gate,up}_weight` uint8 `[E, I, H/2]`, `down_weight` uint8 `[E, H, I/2]`: E2M1 codes, low
+      nibble = even element; `*_weight_scale` float8_e4m3fn `[E, out, in/16]` (row-major, not
+      swizzled); `*_weight_scale_2` fp32 `[E]` global scales (gate and up kept separate).
+    - `*_input_scale` fp32 `[E]`: used only with `emulate_w4a4=True`, which fake-quantizes the
+      activations as W4A4 kernels do (gate/up input: per-expert max of the two scales, as vLLM).
+    Returns bf16 `[T, H]`: `sum_k topk_weights[t, k] * bf16(expert_k(x[t]))`, summed in fp32.
+    All tensors on one device, contiguous. No host sync: capturable in a CUDA graph.
+    """
+    weights = {"gate_weight": gate_weight, "gate_weight_scale": gate_weight_scale,
+                   "gate_weight_scale_2": gate_weight_scale_2, "up_weight": up_weight,
+                   "up_weight_scale": up_weight_scale, "up_weight_scale_2": up_weight_scale_2,
+                   "down_weight": down_weight, "down_weight_scale": down_weight_scale,
+                   "down_weight_scale_2": down_weight_scale_2}
+    scales = {"gate_input_scale": gate_input_scale, "up_input_scale": up_input_scale,
+              "down_input_scale": down_input_scale}
+    _check(x, topk_ids, topk_weights, weights | {k: v for k, v in scales.items() if v is not None})
+    a1, a2 = _input_scales(gate_input_scale, up_input_scale, down_input_scale, emulate_w4a4)
+    # The op takes the FP8 block scales as their uint8 bit patterns (a free view): the kernel
+    # decodes E4M3 itself, and opcheck's schema test cannot compare fp8 tensors on CPU.
+    op_args = [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+               for t in weights.values()]
+    return _nvfp4_moe_op(x, topk_ids, topk_weights, *op_args, a1, a2)
+
+
+def nvfp4_moe_reference(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+    gate_weight: torch.Tensor, gate_weight_scale: torch.Tensor, gate_weight_scale_2: torch.Tensor,
+    up_weight: torch.Tensor, up_weight_scale: torch.Tensor, up_weight_scale_2: torch.Tensor,
+    down_weight: torch.Tensor, down_weight_scale: torch.Tensor, down_weight_scale_2: torch.Tensor,
+    *, gate_input_scale: torch.Tensor | None = None, up_input_scale: torch.Tensor | None = None,
+    down_input_scale: torch.Tensor | None = None, emulate_w4a4: bool = False,
+) -> torch.Tensor:
+    """Plain-PyTorch definition of `nvfp4_moe` (same arguments and result).
+
+    Per pair: `g = (a @ Wg^T) * s2_g`, `u = (a @ Wu^T) * s2_u` in fp32 with `W = e2m1 * block_scale`
+    (exact), `h = bf16(silu(g) * u)`, `y = bf16((h @ Wd^T) * s2_d)`; then
+    `out = bf16(sum_k w_k * float(y_k))`. With W4A4 emulation `a`/`h` are `fake_quantize_activation`
+    outputs and each `s2` is multiplied by the activation's input scale.
+    """
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    a1, a2 = _input_scales(gate_input_scale, up_input_scale, down_input_scale, emulate_w4a4)
+    y = torch.zeros((T * K, H), dtype=torch.bfloat16, device=x.device)
+    pair_expert = topk_ids.reshape(-1).long()  # [P]
+    for e in range(gate_weight.shape[0]):
+        pairs = torch.nonzero(pair_expert == e).flatten()  # [n]
+        if pairs.numel() == 0:
+            continue
+        a = x[pairs // K]  # [n, H] bf16
+        alpha_g, alpha_u, alpha_d = (gate_weight_scale_2[e].float(), up_weight_scale_2[e].float(),
+                                     down_weight_scale_2[e].float())
+        if a1 is not None and a2 is not None:
+            a = fake_quantize_activation(a, a1[e].reshape(1))
+            alpha_g, alpha_u, alpha_d = alpha_g * a1[e], alpha_u * a1[e], alpha_d * a2[e]
+        g = a.float() @ dequantize_blocks(gate_weight[e], gate_weight_scale[e]).T * alpha_g
+        u = a.float() @ dequantize_blocks(up_weight[e], up_weight_scale[e]).T * alpha_u
+        h = (torch.nn.functional.silu(g) * u).to(torch.bfloat16)  # [n, I]
+        if a2 is not None:
+            h = fake_quantize_activation(h, a2[e].reshape(1))
+        wd = dequantize_blocks(down_weight[e], down_weight_scale[e])  # [H, I]
+        y[pairs] = (h.float() @ wd.T * alpha_d).to(torch.bfloat16)
+    combined = (y.view(T, K, H).float() * topk_weights.float()[..., None]).sum(dim=1)
+    return combined.to(torch.bfloat16)

@@ -1,0 +1,181 @@
+"""Benchmark `dlmc::nvfp4_moe` at LLaDA2.1-mini expert shapes against the device copy bandwidth.
+
+Default: H=2048, I=512, E=256, top-8, 32 tokens (one diffusion block), uniform random routing with
+distinct experts per token, 19 layers of distinct random weights (more than L2 holds) run back to
+back inside one CUDA graph; median over >= 50 replays. Bytes counted per layer from the actual
+routing: packed weights + block scales of the touched experts + x read + out written. Also times a
+BF16 grouped-GEMM baseline (`torch._grouped_mm` on dequantized experts) and the plain-PyTorch
+reference, and a device-to-device copy in the same run (the ceiling).
+
+    python perf/bench_nvfp4_moe.py --out perf/results/nvfp4_moe_h200.json
+    DLMC_NVFP4_KERNEL=v2 python perf/bench_nvfp4_moe.py   # the untimed v2 kernel
+    python perf/bench_nvfp4_moe.py --smoke   # tiny shapes, any device: checks the script runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():  # --smoke on a CPU machine: Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
+
+from dlmc.quant.nvfp4_format import dequantize_nvfp4
+
+PROJ_SHAPES = {"gate": ("I", "H"), "up": ("I", "H"), "down": ("H", "I")}
+
+
+def make_layer(E: int, H: int, I: int, device: str, gen: torch.Generator) -> list[torch.Tensor]:
+    """Random packed experts in op-argument order (never zeros: random codes and scales)."""
+    dims = {"H": H, "I": I}
+    args = []
+    for out_name, in_name in PROJ_SHAPES.values():
+        out_f, in_f = dims[out_name], dims[in_name]
+        packed = torch.randint(0, 256, (E, out_f, in_f // 2), dtype=torch.uint8, device=device,
+                               generator=gen)
+        scale_bytes = torch.randint(0x30, 0x48, (E, out_f, in_f // 16), dtype=torch.uint8,
+                                    device=device, generator=gen)  # E4M3 in [0.5, 4)
+        scale_2 = torch.rand(E, device=device, generator=gen) * 1e-3 + 1e-3
+        args += [packed, scale_bytes.view(torch.float8_e4m3fn), scale_2]
+    return args
+
+
+def make_routing(T: int, E: int, K: int, device: str, gen: torch.Generator
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.rand(T, E, device=device, generator=gen).argsort(dim=1)[:, :K]  # distinct
+    weights = torch.rand(T, K, device=device, generator=gen)
+    return ids.to(torch.int32), weights / weights.sum(dim=1, keepdim=True)
+
+
+def time_cuda(fn: Callable[[], object], iters: int) -> list[float]:
+    """Per-call milliseconds measured with CUDA events."""
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def copy_bandwidth(nbytes: int, iters: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    time_cuda(lambda: dst.copy_(src), 5)
+    ms = statistics.median(time_cuda(lambda: dst.copy_(src), iters))
+    return 2 * nbytes / (ms * 1e-3) / 1e9  # read + write
+
+
+def grouped_bf16(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
+                 weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    """BF16 baseline: sorted pairs, torch._grouped_mm per projection, fp32 combine."""
+    T, K = ids.shape
+    E = weights["gate"].shape[0]
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    a = x[order // K]  # [P, H]
+    g = torch._grouped_mm(a, weights["gate"].transpose(1, 2), offs=offs)
+    u = torch._grouped_mm(a, weights["up"].transpose(1, 2), offs=offs)
+    y = torch._grouped_mm(torch.nn.functional.silu(g) * u, weights["down"].transpose(1, 2),
+                          offs=offs)  # [P, H]
+    out = torch.empty_like(y)
+    out[order] = y
+    return (out.view(T, K, -1).float() * w[..., None]).sum(1).to(torch.bfloat16)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[32, 128])
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--inter", type=int, default=512)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=19)
+    parser.add_argument("--iters", type=int, default=60)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, no timing")
+    args = parser.parse_args()
+    if args.smoke:
+        args.tokens, args.hidden, args.inter, args.experts, args.layers = [5], 32, 32, 8, 2
+        args.top_k = 2
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    E, H, I, K, L = args.experts, args.hidden, args.inter, args.top_k, args.layers
+    layers = [make_layer(E, H, I, device, gen) for _ in range(L)]
+    expert_bytes = 3 * (I * H // 2 + I * H // 16)  # packed + block scales, one expert
+    report: dict[str, object] = {
+        "command": " ".join(sys.argv), "settings": vars(args) | {"out": str(args.out)},
+        "kernel": os.environ.get("DLMC_NVFP4_KERNEL", "v1"),
+        "torch": torch.__version__, "python": platform.python_version(), "results": [],
+    }
+    if device == "cuda":
+        import triton
+
+        report |= {"gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda,
+                   "triton": triton.__version__}
+        report["copy_GBps"] = copy_bandwidth(1 << 30, 30)
+    for T in args.tokens:
+        routing = [make_routing(T, E, K, device, gen) for _ in range(L)]
+        x = torch.randn(T, H, device=device, generator=gen).bfloat16()
+        touched = [int(ids.unique().numel()) for ids, _ in routing]
+        nbytes = [t * expert_bytes + 2 * T * H * 2 for t in touched]
+
+        def run_all(x: torch.Tensor = x, routing: list = routing) -> list[torch.Tensor]:
+            return [nvfp4_moe(x, ids, w, *layer) for (ids, w), layer in zip(routing, layers,
+                                                                             strict=True)]
+
+        outs = run_all()
+        ref = nvfp4_moe_reference(x, *routing[0], *layers[0])
+        err = ((outs[0].float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        row: dict[str, object] = {"tokens": T, "touched_experts_mean": sum(touched) / L,
+                                  "bytes_per_layer": sum(nbytes) / L, "max_rel_err_vs_ref": err}
+        if device == "cuda":
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run_all()
+            ms = statistics.median(time_cuda(graph.replay, args.iters)) / L
+            row |= {"nvfp4_ms_per_layer": ms, "nvfp4_GBps": row["bytes_per_layer"] / ms / 1e6}
+            row["fraction_of_copy"] = row["nvfp4_GBps"] / report["copy_GBps"]
+            row["eager_ms_per_layer"] = statistics.median(time_cuda(run_all, 10)) / L
+            ids0, w0 = routing[0]
+            bf16 = dict(zip(("gate", "up", "down"), (
+                dequantize_nvfp4(*layers[0][3 * p: 3 * p + 3]) for p in range(3)), strict=True))
+            try:
+                bms = statistics.median(time_cuda(partial(grouped_bf16, x, ids0, w0, bf16), 20))
+                row |= {"bf16_grouped_mm_ms": bms,
+                        "bf16_grouped_mm_GBps": (touched[0] * 3 * I * H * 2) / bms / 1e6}
+            except (RuntimeError, AttributeError) as error:
+                row["bf16_grouped_mm_error"] = str(error).splitlines()[0]
+            row["reference_ms"] = statistics.median(
+                time_cuda(partial(nvfp4_moe_reference, x, ids0, w0, *layers[0]), 3))
+        else:
+            start = time.perf_counter()
+            run_all()
+            row["smoke_seconds"] = time.perf_counter() - start
+        report["results"].append(row)
+        print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                         for k, v in row.items()))
+    print(json.dumps(report, indent=2))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Static SASS analysis of the `dlmc::nvfp4_moe` kernels, on a machine without a GPU.
+
+Compiles both kernels ahead of time for sm_90 (Triton's bundled ptxas), disassembles them with the
+bundled cuobjdump and reports, for each main loop, SASS instructions per weight element per thread
+and the opcode mix. The dequantization is ALU-bound (perf/results/nvfp4_moe_h200.md): at H200
+bandwidth an SM has room for about 3.5 instructions per weight, so this count is the figure of
+merit between GPU runs. Pointer and stride arguments are marked 16-divisible, as Triton's launcher
+specializes them at run time.
+
+    python perf/sass_nvfp4_moe.py [--block-n 64 --block-k 128 --num-warps 4 --num-stages 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+from dlmc.custom_ops import nvfp4_moe as op
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")
+BACK_BRANCH = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+0x([0-9a-f]+)")
+GATE_UP = {"a_ptr": "*bf16", "sorted_pair_ptr": "*i32", "expert_of_block_ptr": "*i32",
+           "gate_w": "*u8", "gate_s": "*u8", "up_w": "*u8", "up_s": "*u8",
+           "gate_alpha_ptr": "*fp32", "up_alpha_ptr": "*fp32", "h_ptr": "*bf16",
+           "num_pairs": "i32", "a_row_div": "i32", "H": "constexpr", "I": "constexpr",
+           "stride_a": "i32", "stride_h": "i32"}
+DOWN = {"h_ptr": "*bf16", "sorted_pair_ptr": "*i32", "expert_of_block_ptr": "*i32",
+        "down_w": "*u8", "down_s": "*u8", "down_alpha_ptr": "*fp32", "y_ptr": "*bf16",
+        "num_pairs": "i32", "H": "constexpr", "I": "constexpr", "stride_h": "i32",
+        "stride_y": "i32"}
+META = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "INTERPRETED", "V2")
+DIVISIBLE = ("num_pairs", "stride_a", "stride_h", "stride_y")
+
+
+def sass(kernel: object, signature: dict[str, str], constants: dict[str, object],
+         options: dict[str, int]) -> str:
+    signature = signature | dict.fromkeys(META, "constexpr")
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
+             for name, kind in signature.items() if kind.startswith("*") or name in DIVISIBLE}
+    compiled = triton.compile(ASTSource(kernel, signature, constants, attrs),
+                              target=GPUTarget("cuda", 90, 32), options=options)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        return subprocess.run([str(BIN / "cuobjdump"), "-sass", cubin.name], check=True,
+                              capture_output=True, text=True).stdout
+
+
+def loop_mix(text: str) -> tuple[int, collections.Counter[str]]:
+    """Instructions and opcode counts inside the backward-branch loops."""
+    lines = text.splitlines()
+    loops = []
+    for line in lines:
+        match = BACK_BRANCH.match(line)
+        if match and int(match.group(2), 16) < int(match.group(1), 16):
+            loops.append((int(match.group(2), 16), int(match.group(1), 16)))
+    mix: collections.Counter[str] = collections.Counter()
+    for line in lines:
+        match = INSTRUCTION.match(line)
+        if match and any(lo <= int(match.group(1), 16) <= hi for lo, hi in loops):
+            mix[match.group(2).split(".")[0]] += 1
+    return sum(mix.values()), mix
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--inter", type=int, default=512)
+    parser.add_argument("--block-m", type=int, default=16)
+    parser.add_argument("--block-n", type=int, default=64)
+    parser.add_argument("--block-k", type=int, default=128)
+    parser.add_argument("--num-warps", type=int, default=4)
+    parser.add_argument("--num-stages", type=int, default=3)
+    args = parser.parse_args()
+    options = {"num_warps": args.num_warps, "num_stages": args.num_stages}
+    threads = 32 * args.num_warps
+    for v2 in (False, True):
+        for name, kernel, signature, matrices in (("gate_up", op._gate_up_kernel, GATE_UP, 2),
+                                                  ("down", op._down_kernel, DOWN, 1)):
+            constants = {"H": args.hidden, "I": args.inter, "BLOCK_M": args.block_m,
+                         "BLOCK_N": args.block_n, "BLOCK_K": args.block_k,
+                         "INTERPRETED": False, "V2": v2}
+            count, mix = loop_mix(sass(kernel, signature, constants, options))
+            # v1 has one loop per matrix, v2 one loop over both: either way the loops together
+            # cover one K-step of every matrix.
+            weights = matrices * args.block_n * args.block_k / threads
+            top = ", ".join(f"{k} {v / weights:.2f}" for k, v in mix.most_common(8))
+            print(f"{'v2' if v2 else 'v1'} {name:8s} loop instructions per weight per thread: "
+                  f"{count / weights:5.2f}   ({top})")
+
+
+if __name__ == "__main__":
+    main()

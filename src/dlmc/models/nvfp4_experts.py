@@ -1,0 +1,142 @@
+"""Routed experts kept in NVFP4 (ModelOpt layout), run by the `dlmc::nvfp4_moe` op.
+
+Same forward signature as the BF16 experts module: `forward(x [T, H], topk_ids [T, K],
+topk_weights [T, K]) -> [T, H]`. The loader stacks checkpoint tensor
+`model.layers.L.mlp.experts.E.<proj>.<suffix>` into buffer `<proj>_<suffix>[E]`, e.g.
+`...experts.3.gate_proj.weight_scale_2` -> `gate_proj_weight_scale_2[3]`.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
+from dlmc.quant.nvfp4_format import GROUP_SIZE, dequantize_nvfp4
+
+PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+SUFFIXES = ("weight", "weight_scale", "weight_scale_2", "input_scale")
+_EXPERT_TENSOR = re.compile(
+    r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\."
+    r"(gate_proj|up_proj|down_proj)\.(weight|weight_scale|weight_scale_2|input_scale)$"
+)
+
+
+def expert_buffer_target(tensor_name: str) -> tuple[int, int, str] | None:
+    """`model.layers.L.mlp.experts.E.<proj>.<suffix>` -> `(L, E, "<proj>_<suffix>")`, else None.
+
+    The loader copies the tensor into `layers[L].mlp.experts.<proj>_<suffix>[E]` (scalars of shape
+    `[]` or `[1]` into one element of the `[E]` buffer).
+    """
+    match = _EXPERT_TENSOR.match(tensor_name)
+    if match is None:
+        return None
+    layer, expert, proj, suffix = match.groups()
+    return int(layer), int(expert), f"{proj}_{suffix}"
+
+
+class NVFP4Experts(nn.Module):
+    """`num_experts` SwiGLU experts `down(silu(gate(x)) * up(x))` with NVFP4 weights.
+
+    Buffers (E = num_experts, H = hidden_size, I = intermediate_size):
+    - `gate_proj_weight`, `up_proj_weight`: uint8 `[E, I, H/2]`; `down_proj_weight`: uint8
+      `[E, H, I/2]` (E2M1 codes, low nibble = even element).
+    - `<proj>_weight_scale`: float8_e4m3fn `[E, out, in/16]` (row-major, unswizzled).
+    - `<proj>_weight_scale_2`: fp32 `[E]` global scales; `<proj>_input_scale`: fp32 `[E]`
+      activation scales (only used with `emulate_w4a4`; 1.0 until loaded).
+
+    `use_reference=True` runs `nvfp4_moe_reference` (plain PyTorch, any device) instead of the
+    Triton op; `emulate_w4a4=True` fake-quantizes activations with the input scales (Blackwell-like
+    numerics).
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        use_reference: bool = False,
+        emulate_w4a4: bool = False,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        for name, size in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+            if size % GROUP_SIZE:
+                raise ValueError(f"NVFP4Experts: {name}={size} must be a multiple of {GROUP_SIZE}")
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.use_reference = use_reference
+        self.emulate_w4a4 = emulate_w4a4
+        E, H, I = num_experts, hidden_size, intermediate_size
+        for proj, (out_f, in_f) in zip(PROJECTIONS, ((I, H), (I, H), (H, I)), strict=True):
+            self.register_buffer(
+                f"{proj}_weight", torch.zeros(E, out_f, in_f // 2, dtype=torch.uint8, device=device)
+            )
+            self.register_buffer(
+                f"{proj}_weight_scale",
+                torch.zeros(E, out_f, in_f // GROUP_SIZE, dtype=torch.float8_e4m3fn, device=device),
+            )
+            self.register_buffer(
+                f"{proj}_weight_scale_2", torch.ones(E, dtype=torch.float32, device=device)
+            )
+            self.register_buffer(
+                f"{proj}_input_scale", torch.ones(E, dtype=torch.float32, device=device)
+            )
+
+    def _op_args(self) -> list[torch.Tensor]:
+        return [
+            getattr(self, f"{proj}_{suffix}")
+            for proj in PROJECTIONS
+            for suffix in ("weight", "weight_scale", "weight_scale_2")
+        ]
+
+    def forward(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """x bf16 `[T, H]`, topk_ids int `[T, K]`, topk_weights fp32 `[T, K]` -> bf16 `[T, H]`.
+
+        `out[t] = sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])`, summed in fp32 over
+        bf16 expert outputs (routed scaling belongs in `topk_weights`).
+        """
+        moe = nvfp4_moe_reference if self.use_reference else nvfp4_moe
+        scales = {}
+        if self.emulate_w4a4:
+            scales = {
+                "gate_input_scale": self.gate_proj_input_scale,
+                "up_input_scale": self.up_proj_input_scale,
+                "down_input_scale": self.down_proj_input_scale,
+            }
+        return moe(
+            x, topk_ids, topk_weights, *self._op_args(), emulate_w4a4=self.emulate_w4a4, **scales
+        )
+
+    @torch.no_grad()
+    def dequantize_to_bf16(self) -> dict[str, torch.Tensor]:
+        """Exact dequantization for `precision="bf16"`: `{proj: bf16 [E, out, in]}`.
+
+        Each value is `e2m1 * block_scale * weight_scale_2` formed in fp32 and rounded once to bf16.
+        """
+        result = {}
+        for proj in PROJECTIONS:
+            packed = getattr(self, f"{proj}_weight")  # [E, out, in/2]
+            scale = getattr(self, f"{proj}_weight_scale")  # [E, out, in/16]
+            scale_2 = getattr(self, f"{proj}_weight_scale_2")  # [E]
+            out = torch.empty(
+                (*packed.shape[:-1], packed.shape[-1] * 2), dtype=torch.bfloat16,
+                device=packed.device,
+            )  # [E, out, in]
+            for e in range(self.num_experts):  # one expert at a time bounds the fp32 temporaries
+                out[e] = dequantize_nvfp4(packed[e], scale[e], scale_2[e])
+            result[proj] = out
+        return result
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+            f"intermediate_size={self.intermediate_size}, use_reference={self.use_reference}, "
+            f"emulate_w4a4={self.emulate_w4a4}"
+        )

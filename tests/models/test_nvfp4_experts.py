@@ -1,0 +1,101 @@
+"""NVFP4Experts: buffers named after the HF tensors, op vs reference, exact BF16 dequantization."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dlmc.models.nvfp4_experts import NVFP4Experts, expert_buffer_target
+from dlmc.quant.nvfp4_format import dequantize_nvfp4, quantize_nvfp4
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+E, H, I = 4, 32, 48
+
+
+def filled_experts() -> tuple[NVFP4Experts, dict[str, torch.Tensor]]:
+    """Quantize random BF16 experts and stack them as the loader does."""
+    gen = torch.Generator().manual_seed(0)
+    experts = NVFP4Experts(E, H, I)
+    bf16 = {}
+    for proj, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+        weights = torch.randn(E, *shape, generator=gen).bfloat16() * 0.1
+        bf16[proj] = weights
+        for e in range(E):
+            packed, block_scale, scale_2 = quantize_nvfp4(weights[e])
+            getattr(experts, f"{proj}_weight")[e] = packed
+            getattr(experts, f"{proj}_weight_scale")[e] = block_scale
+            getattr(experts, f"{proj}_weight_scale_2")[e] = scale_2
+        getattr(experts, f"{proj}_input_scale").fill_(0.002)
+    return experts, bf16
+
+
+def test_buffer_names_and_shapes() -> None:
+    buffers = {n: (tuple(b.shape), b.dtype) for n, b in NVFP4Experts(E, H, I).named_buffers()}
+    assert buffers["gate_proj_weight"] == ((E, I, H // 2), torch.uint8)
+    assert buffers["down_proj_weight"] == ((E, H, I // 2), torch.uint8)
+    assert buffers["up_proj_weight_scale"] == ((E, I, H // 16), torch.float8_e4m3fn)
+    assert buffers["down_proj_weight_scale_2"] == ((E,), torch.float32)
+    assert buffers["gate_proj_input_scale"] == ((E,), torch.float32)
+    assert len(buffers) == 12
+    with pytest.raises(ValueError, match="intermediate_size=40"):
+        NVFP4Experts(E, H, 40)
+
+
+def test_forward_op_matches_reference_and_bf16_maths() -> None:
+    experts, _ = filled_experts()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(6, H, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(6)])
+    weights = torch.rand(6, 2, generator=gen)
+    out = experts(x, ids, weights)
+    experts.use_reference = True
+    ref = experts(x, ids, weights)
+    scale = ref.float().abs().max()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-6, atol=2**-6 * float(scale))
+    # Independent BF16 SwiGLU over the dequantized weights (bf16 rounding of W differs slightly).
+    deq = experts.dequantize_to_bf16()
+    naive = torch.zeros(6, H)
+    for t in range(6):
+        for k in range(2):
+            e = int(ids[t, k])
+            xt = x[t].float()
+            g = deq["gate_proj"][e].float() @ xt
+            u = deq["up_proj"][e].float() @ xt
+            y = deq["down_proj"][e].float() @ (torch.nn.functional.silu(g) * u).bfloat16().float()
+            naive[t] += weights[t, k] * y.bfloat16().float()
+    torch.testing.assert_close(ref.float(), naive, rtol=0.02, atol=0.02 * float(scale))
+    experts.emulate_w4a4 = True
+    w4a4 = experts(x, ids, weights)
+    assert not torch.equal(w4a4, ref)
+    torch.testing.assert_close(w4a4.float(), ref.float(), rtol=0.3, atol=0.3 * float(scale))
+
+
+def test_dequantize_to_bf16_is_exact() -> None:
+    experts, bf16 = filled_experts()
+    deq = experts.dequantize_to_bf16()
+    for proj, original in bf16.items():
+        assert deq[proj].dtype == torch.bfloat16 and deq[proj].shape == original.shape
+        for e in range(E):
+            expected = dequantize_nvfp4(*quantize_nvfp4(original[e]))
+            assert torch.equal(deq[proj][e], expected)
+
+
+def test_expert_buffer_target() -> None:
+    name = "model.layers.3.mlp.experts.17.gate_proj.weight_scale_2"
+    assert expert_buffer_target(name) == (3, 17, "gate_proj_weight_scale_2")
+    assert expert_buffer_target("model.layers.3.mlp.experts.1.down_proj.weight") == (
+        3, 1, "down_proj_weight")
+    assert expert_buffer_target("model.layers.3.mlp.shared_experts.gate_proj.weight") is None
+    assert expert_buffer_target("model.layers.3.mlp.experts.1.down_proj.weight_bf16") is None
+    assert all(expert_buffer_target(f"model.layers.0.mlp.experts.0.{n.replace('proj_', 'proj.')}")
+               for n, _ in NVFP4Experts(E, H, I).named_buffers())
+
+
+def test_compiles_fullgraph() -> None:
+    experts, _ = filled_experts()
+    x = torch.randn(3, H).bfloat16()
+    ids = torch.tensor([[0, 1], [2, 3], [1, 0]])
+    weights = torch.rand(3, 2)
+    torch._dynamo.reset()
+    compiled = torch.compile(experts, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x, ids, weights), experts(x, ids, weights), rtol=0, atol=0)
