@@ -55,6 +55,7 @@ class LLM:
         self.role = role
         loaded = load_model(self.model_dir, self.device, self.dtype, precision, show_progress)
         self.config, self.model, self.precision = loaded.config, loaded.model, loaded.precision
+        self.kv_scales = loaded.kv_scales
         self._has_self_conditioning = any("self_conditioning" in n for n in loaded.index.tensors)
         self._tokenizer: Any = None
         self.special_ids = resolve_special_ids(self.model_dir, self._tokenizer_special_ids)

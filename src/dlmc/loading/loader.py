@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from dlmc.errors import CheckpointError, ConfigError
+from dlmc.errors import ConfigError
 from dlmc.loading.safetensors_index import SafetensorsIndex
 from dlmc.loading.weights import load_weights
 from dlmc.models.config import LLaDA2Config
@@ -32,6 +31,7 @@ class LoadedModel:
     index: SafetensorsIndex
     precision: str  # what the experts run in: "bf16" (dense experts) or "nvfp4"
     quantized_checkpoint: bool
+    kv_scales: dict[int, tuple[float, float]]  # layer -> (k_scale, v_scale) of an FP8 KV export
 
 
 def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -46,16 +46,6 @@ def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.
     raise ConfigError(f"dtype {dtype!r}: expected one of bf16, fp16, fp32")
 
 
-def is_quantized_checkpoint(directory: Path) -> bool:
-    if (directory / "hf_quant_config.json").is_file():
-        return True
-    try:
-        raw = json.loads((directory / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    return isinstance(raw, dict) and bool(raw.get("quantization_config"))
-
-
 def load_model(
     directory: Path,
     device: torch.device,
@@ -67,12 +57,10 @@ def load_model(
     if precision not in PRECISIONS:
         raise ConfigError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
     config = LLaDA2Config.from_file(directory / "config.json")
-    quantized = is_quantized_checkpoint(directory)
-    if quantized:
-        raise CheckpointError(
-            f"{directory}: NVFP4 (ModelOpt) checkpoints are not supported by this build of dlmc"
-        )
-    if precision == "nvfp4":
+    from dlmc.quant.modelopt_config import load_quant_config
+
+    quant = load_quant_config(directory)
+    if quant is None and precision == "nvfp4":
         raise ConfigError(
             f"precision 'nvfp4': {directory} is a BF16 checkpoint (no hf_quant_config.json); "
             "use precision 'bf16' or 'auto'"
@@ -80,8 +68,19 @@ def load_model(
     index = SafetensorsIndex(directory)
     with torch.device("meta"):
         model = LLaDA2ForDiffusion(config)
-    load_weights(
-        model, index, device, dtype, config.num_experts, config.tie_word_embeddings, show_progress
-    )
+    effective = "bf16"
+    kv_scales: dict[int, tuple[float, float]] = {}
+    if quant is not None:
+        from dlmc.loading import nvfp4_loading as nv
+
+        nv.validate_quantized_experts(index, config, quant)
+        nv.use_nvfp4_experts(model, config, on_gpu=device.type == "cuda")
+        kv_scales = nv.find_kv_scales(index, config.num_hidden_layers)
+        effective = "nvfp4" if precision == "nvfp4" or (
+            precision == "auto" and device.type == "cuda") else "bf16"
+    load_weights(model, index, device, dtype, config.num_experts,
+                 config.tie_word_embeddings, show_progress)
+    if quant is not None and effective == "bf16":
+        nv.dequantize_experts(model, config, dtype)
     model.eval()
-    return LoadedModel(config, model, index, "bf16", quantized)
+    return LoadedModel(config, model, index, effective, quant is not None, kv_scales)

@@ -22,7 +22,8 @@ from dlmc.models.config import LLaDA2Config
 
 TINY_VERSION = "v1"
 LM_HEAD_STD = 1.0
-BUILTIN_MODELS = ("tiny-llada2",)
+BUILTIN_MODELS = ("tiny-llada2", "tiny-llada2-nvfp4")
+TINY_KV_SCALE = 0.01  # FP8 KV scales written into the NVFP4 variant (amax / 448 of its K, V)
 
 TINY_CONFIG: dict[str, Any] = dict(
     model_type="llada2_moe",
@@ -181,7 +182,15 @@ def ensure_builtin(name: str) -> Path:
         shutil.rmtree(target, ignore_errors=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
-        write_tiny_checkpoint(staging, seed=0)
+        if name.endswith("-nvfp4"):  # ModelOpt-format NVFP4 export of the BF16 tiny model
+            from dlmc.quant.export import export_nvfp4
+
+            source = ensure_builtin(name.removesuffix("-nvfp4"))
+            layers = TINY_CONFIG["num_hidden_layers"]
+            export_nvfp4(source, staging,
+                         kv_scales={i: (TINY_KV_SCALE, TINY_KV_SCALE) for i in range(layers)})
+        else:
+            write_tiny_checkpoint(staging, seed=0)
         (staging / ".complete").write_text(f"{name} {TINY_VERSION}\n")
         try:
             os.replace(staging, target)

@@ -22,12 +22,15 @@ from dlmc.loading.safetensors_index import SafetensorsIndex
 log = logging.getLogger(__name__)
 
 FLOAT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+# Buffers of quantized modules keep their declared dtype and accept only the matching one.
+EXACT_DTYPES = {torch.uint8: {"U8": torch.uint8},
+                torch.float8_e4m3fn: {"F8_E4M3": torch.float8_e4m3fn}}
 STACKED_RE = re.compile(
     r"^(?P<prefix>.*\.mlp\.experts)\.(?P<proj>[a-z_]+_proj)_(?P<suffix>[a-z_0-9]+)$"
 )
-IGNORED_RE = re.compile(r"rotary_emb\.inv_freq$")
+# Read elsewhere (FP8 KV scales) or not needed (rotary tables are recomputed).
+IGNORED_RE = re.compile(r"rotary_emb\.inv_freq$|\.attention\.(?:[\w.]*\.)?[kv]_scale$")
 OPTIONAL_ZERO = re.compile(r"\.mlp\.gate\.expert_bias$")
-KEEP_FP32 = re.compile(r"\.expert_bias$")
 
 
 def _iter_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -47,12 +50,16 @@ def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
 def fetch(
     index: SafetensorsIndex, name: str, shape: tuple[int, ...], allowed: dict[str, torch.dtype]
 ) -> torch.Tensor:
-    """Read tensor `name`, checking it exists with `shape` and a dtype in `allowed`."""
+    """Read tensor `name`, checking it exists with `shape` and a dtype in `allowed`.
+
+    A scalar slot (shape `[]`) also accepts a `[1]` tensor, as exports write both."""
     info = index.tensors.get(name)
     if info is None:
         raise CheckpointError(
             f"{index.directory}: tensor {name} is missing (expected shape {list(shape)})"
         )
+    if tuple(shape) == () and info.shape == (1,):
+        return index.get(name).reshape(())
     if info.shape != tuple(shape):
         raise CheckpointError(
             f"{info.file.name}: tensor {name} has shape {list(info.shape)}, expected {list(shape)}"
@@ -80,14 +87,20 @@ def load_weights(
     progress = _progress(show_progress, len(targets))
     with progress as bar:
         task = bar.add_task("loading weights", total=len(targets)) if bar else None
+        buffers = {name for name, _ in model.named_buffers()}
         for name, meta in targets:
-            target_dtype = torch.float32 if KEEP_FP32.search(name) else dtype
+            # Parameters take the model dtype; buffers (expert bias, quantized experts) their own.
+            target_dtype = meta.dtype if name in buffers else dtype
+            allowed = EXACT_DTYPES.get(meta.dtype, FLOAT_DTYPES)
             stacked = STACKED_RE.match(name)
             if stacked:
                 tensor = torch.empty(meta.shape, dtype=target_dtype, device=device)
                 for expert in range(num_experts):
                     src = f"{stacked['prefix']}.{expert}.{stacked['proj']}.{stacked['suffix']}"
-                    tensor[expert].copy_(fetch(index, src, tuple(meta.shape[1:]), FLOAT_DTYPES))
+                    if src not in index and name.endswith("_input_scale"):
+                        tensor[expert] = 1.0  # W4A4 activation scale absent: unused in W4A16
+                        continue
+                    tensor[expert].copy_(fetch(index, src, tuple(meta.shape[1:]), allowed))
                     used.add(src)
             elif name not in index and OPTIONAL_ZERO.search(name):
                 tensor = torch.zeros(meta.shape, dtype=target_dtype, device=device)

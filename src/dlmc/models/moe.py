@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dlmc.custom_ops.bf16_moe import bf16_moe_reference  # noqa: F401 (re-export)
+from dlmc.custom_ops.bf16_moe import bf16_moe, bf16_moe_reference  # noqa: F401 (re-export)
 from dlmc.models.config import LLaDA2Config
 from dlmc.models.layers import SwiGLUMLP
 
@@ -66,6 +66,11 @@ class BF16Experts(nn.Module):
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
+        if x.is_cuda and x.dtype == torch.bfloat16:  # Triton grouped GEMM (dlmc::bf16_moe)
+            return bf16_moe(
+                x, topk_ids, topk_weights,
+                self.gate_proj_weight, self.up_proj_weight, self.down_proj_weight,
+            )
         return grouped_moe(
             x, topk_ids, topk_weights,
             self.gate_proj_weight, self.up_proj_weight, self.down_proj_weight,

@@ -1,0 +1,79 @@
+"""A tiny NVFP4 (ModelOpt format) checkpoint loads, equals its dequantized BF16 self, and every
+malformed case is an error naming the tensor."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dlmc import LLM
+from dlmc.errors import CheckpointError, ConfigError
+from dlmc.loading.tiny import write_tiny_checkpoint
+from dlmc.quant.export import export_nvfp4
+
+
+@pytest.fixture(scope="module")
+def nvfp4_dir(tmp_path_factory):
+    src = write_tiny_checkpoint(tmp_path_factory.mktemp("bf16"), seed=4, shards=1)
+    out = tmp_path_factory.mktemp("nvfp4")
+    export_nvfp4(src, out, kv_scales={layer: (0.5, 0.25) for layer in range(3)})
+    return out
+
+
+def test_nvfp4_logits_equal_dequantized_bf16(nvfp4_dir):
+    ids = list(range(60, 110))
+    as_nvfp4 = LLM(nvfp4_dir, device="cpu", dtype="fp32", precision="nvfp4")
+    as_bf16 = LLM(nvfp4_dir, device="cpu", dtype="fp32", precision="bf16")
+    assert as_nvfp4.precision == "nvfp4" and as_bf16.precision == "bf16"
+    assert LLM(nvfp4_dir, device="cpu").precision == "bf16"  # auto on CPU
+    a, b = as_nvfp4.logits(ids), as_bf16.logits(ids)
+    # Same weights; the NVFP4 path rounds expert intermediates to bf16 like the kernel does and
+    # keeps the global scale in fp32, the dequantized path rounds weights x global scale to bf16.
+    assert (a - b).norm() / b.norm() < 1e-2
+    assert bool((a.argmax(-1) == b.argmax(-1)).all())
+    assert as_nvfp4.kv_scales == {0: (0.5, 0.25), 1: (0.5, 0.25), 2: (0.5, 0.25)}
+    a = as_nvfp4.generate(prompt_token_ids=ids, max_new_tokens=32)
+    assert len(a.token_ids) == 32
+
+
+def _rewrite(directory, fn):
+    file = directory / "model.safetensors"
+    sd = load_file(str(file))
+    fn(sd)
+    save_file(sd, str(file))
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda sd: sd.pop("model.layers.1.mlp.experts.3.up_proj.weight_scale"),
+     r"experts\.3\.up_proj\.weight_scale: missing"),
+    (lambda sd: sd.__setitem__("model.layers.2.mlp.experts.0.down_proj.weight_scale",
+                               torch.zeros(128, 4).to(torch.float8_e4m3fn)),
+     r"down_proj.weight_scale: shape \(128, 4\) is a padded/128x4-swizzled"),
+    (lambda sd: sd.__setitem__("model.layers.1.mlp.experts.1.gate_proj.weight_scale_2",
+                               torch.ones(2)),
+     r"gate_proj.weight_scale_2: expected fp32 scalar"),
+    (lambda sd: sd.pop("model.layers.0.attention.v_scale"), r"layer 0 has \['k'\] KV scale"),
+])
+def test_malformed_exports_are_named(tmp_path, nvfp4_dir, edit, message):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(nvfp4_dir, broken)
+    _rewrite(broken, edit)
+    with pytest.raises(CheckpointError, match=message):
+        LLM(broken, device="cpu")
+
+
+def test_unsupported_algo_and_precision_errors(tmp_path, nvfp4_dir):
+    import shutil
+
+    bad = tmp_path / "algo"
+    shutil.copytree(nvfp4_dir, bad)
+    cfg = json.loads((bad / "hf_quant_config.json").read_text())
+    cfg["quantization"]["quant_algo"] = "W4A8_AWQ"
+    (bad / "hf_quant_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="quant_algo.*W4A8_AWQ"):
+        LLM(bad, device="cpu")
+    with pytest.raises(ConfigError, match="is a BF16 checkpoint"):
+        LLM(write_tiny_checkpoint(tmp_path / "plain", shards=1), device="cpu", precision="nvfp4")
