@@ -16,8 +16,10 @@ def main() -> None:
 def _register() -> None:
     """Subcommands live in their own modules (generate.py, bench.py, serve.py)."""
     from dlmc.cli.generate import generate
+    from dlmc.cli.serve import serve
 
     main.add_command(generate)
+    main.add_command(serve)
 
 
 _register()
