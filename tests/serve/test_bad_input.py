@@ -89,7 +89,8 @@ def test_an_internal_error_is_a_500_and_the_server_goes_on(
     response = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 8})
     assert response.status_code == 500
     error = response.json()["error"]
-    assert error["type"] == "internal_error" and "RuntimeError: injected failure" in error["message"]
+    assert error["type"] == "internal_error"
+    assert "RuntimeError: injected failure" in error["message"]
 
     flaky_llm.fail_next = True  # after the stream started: an error event ends it
     with client.stream("POST", "/generate", json={"prompt": "a", "max_new_tokens": 8}) as r:
