@@ -27,6 +27,7 @@ from dlmc.server.handling import (
     RequestPreparer,
     api_error,
     error_response,
+    read_body,
     run_to_end,
     sse,
 )
@@ -146,7 +147,7 @@ def _add_dlmc_routes(app: FastAPI, ctx: ServerContext) -> None:
         With `"stream": false` the answer is the `done` object alone.
         """
         try:
-            body = parse_body(GenerateRequest, await request.body())
+            body = parse_body(GenerateRequest, await read_body(request))
             if (body.messages is None) == (body.prompt is None):
                 message = "messages: give exactly one of messages or prompt"
                 raise ApiError(400, message, param="messages")

@@ -29,6 +29,22 @@ from dlmc.server.engine_worker import (
 from dlmc.server.schemas import ApiError
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+MAX_BODY_BYTES = 32 * 1024 * 1024  # far beyond any prompt that fits a context
+
+
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The request body, refused with a 413 past `limit` bytes (without reading it all)."""
+    too_big = ApiError(413, f"body: larger than the server's limit of {limit} bytes", param="body")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 @dataclass(frozen=True)

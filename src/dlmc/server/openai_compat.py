@@ -20,7 +20,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from dlmc.results import BlockChunk, GenerateResult
-from dlmc.server.handling import EventStream, api_error, error_response, run_to_end, sse
+from dlmc.server.handling import (
+    EventStream,
+    api_error,
+    error_response,
+    read_body,
+    run_to_end,
+    sse,
+)
 from dlmc.server.schemas import ChatCompletionRequest, CompletionRequest, parse_body
 
 if TYPE_CHECKING:
@@ -49,7 +56,7 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
 
 async def _complete(ctx: ServerContext, request: Request, chat: bool) -> Response:
     try:
-        raw = await request.body()
+        raw = await read_body(request)
         body: ChatCompletionRequest | CompletionRequest
         if chat:
             body = parse_body(ChatCompletionRequest, raw)
