@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import queue
 import threading
 import time
@@ -23,10 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from dlmc.errors import DlmcError
 from dlmc.results import BlockChunk, Done
-
-log = logging.getLogger(__name__)
 
 
 class QueueFull(Exception):
@@ -198,10 +194,8 @@ class EngineWorker:
                     cancelled = event.result.finish_reason == "cancelled"
                     self._count("cancelled" if cancelled else "completed")
                 job.emit(event)
-        except Exception as exc:  # one bad request must not take the server down
-            if not isinstance(exc, DlmcError):
-                log.exception("request failed in the engine")
-            self._count("failed")
+        except Exception as exc:  # one bad request must not take the server down;
+            self._count("failed")  # the handler reports it (a DlmcError 400, else 500)
             job.emit(_Failure(exc))
 
     def _count(self, outcome: str) -> None:

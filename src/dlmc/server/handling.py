@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import threading
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -28,6 +29,7 @@ from dlmc.server.engine_worker import (
 )
 from dlmc.server.schemas import ApiError
 
+log = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 MAX_BODY_BYTES = 32 * 1024 * 1024  # far beyond any prompt that fits a context
 
@@ -138,6 +140,7 @@ def api_error(exc: BaseException) -> ApiError:
         return ApiError(503, str(exc), kind="unavailable_error")
     if isinstance(exc, DlmcError):
         return _input_error(exc)
+    log.error("internal error", exc_info=exc)
     return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", kind="internal_error")
 
 

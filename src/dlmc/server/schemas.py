@@ -147,10 +147,10 @@ def parse_body(model: type[Request], raw: bytes) -> Request:
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
-        raise _as_api_error(exc) from None
+        raise _as_api_error(exc, model) from None
 
 
-def _as_api_error(exc: ValidationError) -> ApiError:
+def _as_api_error(exc: ValidationError, model: type[BaseModel]) -> ApiError:
     first = exc.errors(include_url=False)[0]
     kind, loc, msg = first["type"], first["loc"], first["msg"]
     if kind == "json_invalid":
@@ -160,7 +160,8 @@ def _as_api_error(exc: ValidationError) -> ApiError:
     if kind == "model_type" and not loc:
         return ApiError(400, "body: expected a JSON object", param="body")
     if kind == "extra_forbidden":
-        return ApiError(400, f"{param}: unknown field", param=param)
+        known = f" (known fields: {', '.join(model.model_fields)})" if len(loc) == 1 else ""
+        return ApiError(400, f"{param}: unknown field{known}", param=param)
     if kind == "missing":
         return ApiError(400, f"{param}: required field is missing", param=param)
     if kind in ("too_short", "string_too_short") and first.get("ctx", {}).get("min_length") == 1:
