@@ -57,8 +57,19 @@ def test_serve_command_runs_the_readme_example(tmp_path: Path) -> None:
         assert done["type"] == "done" and 0 < done["tokens"] <= 512
         assert done["finish_reason"] in ("length", "stop") and done["tokens_per_second"] > 0
         assert httpx.get(f"{url}/health").json()["requests"]["completed"] == 1
+
+        # Ctrl-C with a stream open: the stream ends at once with an error event
+        long_body = {"prompt": "x", "max_new_tokens": 4000}
+        with httpx.stream("POST", f"{url}/generate", json=long_body, timeout=60) as response:
+            events = sse_data(response)
+            assert next(events)["type"] == "block"
+            proc.send_signal(signal.SIGINT)
+            rest = list(events)
+        assert rest[-1]["type"] == "error" and "shutting down" in rest[-1]["error"]["message"]
+        proc.wait(30)
     finally:
-        proc.send_signal(signal.SIGINT)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:

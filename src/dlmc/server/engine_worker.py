@@ -97,13 +97,18 @@ class EngineWorker:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """Cancel the running and waiting jobs and wait for the thread to end."""
+    def cancel_all(self) -> None:
+        """Refuse new jobs and cancel the running and waiting ones (their handlers answer
+        "the server is shutting down"); does not wait."""
         with self._lock, self._jobs.mutex:
             self._stopping = True
             for job in [self._running, *self._jobs.queue]:
                 if job is not None:
                     job.cancel()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Cancel the running and waiting jobs and wait for the thread to end."""
+        self.cancel_all()
         self._jobs.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout_s)
