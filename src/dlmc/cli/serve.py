@@ -7,7 +7,6 @@ import contextlib
 from typing import Any
 
 import click
-import uvicorn
 
 from dlmc.cli.options import decode_kwargs, decode_options, model_options, user_errors
 
@@ -76,30 +75,33 @@ def serve(
     with err.status("warming up…", spinner="dots"):
         warm_up(llm, app.state.dlmc.preparer.defaults)
     err.print(f"dlmc serving {model} on http://{host}:{port} (Ctrl-C to stop)", style="bold")
+    run_server(app, host, port, log_level)
+
+
+def run_server(app: Any, host: str, port: int, log_level: str) -> None:
+    """Run uvicorn until Ctrl-C or SIGTERM, which cancel the running and waiting requests at
+    once (open streams end with an error event instead of holding the shutdown)."""
+    import uvicorn
+
+    worker = app.state.dlmc.worker
+
+    class Server(uvicorn.Server):
+        loop: asyncio.AbstractEventLoop | None = None
+
+        async def serve(self, sockets: Any = None) -> None:
+            self.loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if self.loop is not None:  # a signal handler must not take the worker's lock
+                self.loop.call_soon_threadsafe(worker.cancel_all)
+            super().handle_exit(sig, frame)
+
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5
     )
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the Ctrl-C it handled
-        _Server(config, app.state.dlmc.worker).run()
-
-
-class _Server(uvicorn.Server):
-    """uvicorn's server, except that Ctrl-C (or SIGTERM) cancels the running and waiting
-    requests at once, so open streams end with an error event instead of holding the
-    shutdown until the graceful timeout."""
-
-    def __init__(self, config: uvicorn.Config, worker: Any) -> None:
-        super().__init__(config)
-        self._worker, self._loop = worker, None
-
-    async def serve(self, sockets: Any = None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        if self._loop is not None:  # a signal handler must not take the worker's lock itself
-            self._loop.call_soon_threadsafe(self._worker.cancel_all)
-        super().handle_exit(sig, frame)
+        Server(config).run()
 
 
 def warm_up(llm: Any, defaults: dict[str, Any]) -> None:
