@@ -17,9 +17,11 @@ def _register() -> None:
     """Subcommands live in their own modules (generate.py, bench.py, serve.py)."""
     from dlmc.cli.bench import bench
     from dlmc.cli.generate import generate
+    from dlmc.cli.serve import serve
 
     main.add_command(generate)
     main.add_command(bench)
+    main.add_command(serve)
 
 
 _register()

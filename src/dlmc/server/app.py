@@ -1,0 +1,205 @@
+"""The HTTP server: `create_app(llm, settings)` builds the FastAPI app.
+
+Endpoints: `POST /generate` (dlmc's own, streaming by default), the OpenAI-compatible
+`POST /v1/chat/completions`, `POST /v1/completions` and `GET /v1/models`, and `GET /health`.
+Requests decode one at a time on one engine thread (see engine_worker.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dlmc.errors import ConfigError
+from dlmc.results import BlockChunk, GenerateResult
+from dlmc.server.engine_worker import EngineWorker
+from dlmc.server.handling import (
+    EventStream,
+    RequestPreparer,
+    api_error,
+    error_response,
+    read_body,
+    run_to_end,
+    sse,
+)
+from dlmc.server.schemas import ApiError, GenerateRequest, parse_body
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """How the server runs. `decode_defaults`: `LLM.stream` decoding arguments applied to
+    every request unless it gives its own (`edit_threshold: None` disables edits)."""
+
+    model_name: str | None = None  # the id /v1/models reports (default: the LLM's model id)
+    queue_size: int = 16  # requests that may wait while one decodes
+    request_timeout_s: float = 600.0  # per request, waiting in the queue included
+    decode_defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.queue_size, int) or self.queue_size < 0:
+            raise ConfigError(f"queue_size: expected an integer >= 0, got {self.queue_size!r}")
+        if not self.request_timeout_s > 0:
+            raise ConfigError(
+                f"request_timeout_s: expected a number > 0, got {self.request_timeout_s!r}"
+            )
+
+
+@dataclass(frozen=True)
+class ServerContext:
+    """What the endpoints share."""
+
+    llm: Any
+    worker: EngineWorker
+    preparer: RequestPreparer
+    model_name: str
+    created: int  # unix time the server started (OpenAI `created` of the model)
+
+
+def create_app(llm: Any, settings: ServerSettings | None = None) -> FastAPI:
+    """The app serving `llm` (an `LLM`, already loaded). The engine thread starts and stops
+    with the app's lifespan."""
+    settings = settings or ServerSettings()
+    preparer = RequestPreparer(llm, settings.decode_defaults)
+    llm.decode_settings(**preparer.defaults)  # bad defaults fail here, not per request
+    ctx = ServerContext(
+        llm=llm,
+        worker=EngineWorker(llm, settings.queue_size, settings.request_timeout_s),
+        preparer=preparer,
+        model_name=settings.model_name or str(llm.model_id),
+        created=int(time.time()),
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        ctx.worker.start()
+        try:
+            yield
+        finally:
+            ctx.worker.stop()
+
+    app = FastAPI(title="dlmc", summary="diffusion LM server", lifespan=lifespan)
+    app.state.dlmc = ctx
+    _add_error_handlers(app)
+    _add_dlmc_routes(app, ctx)
+    from dlmc.server.openai_compat import add_openai_routes
+
+    add_openai_routes(app, ctx)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return error_response(ApiError(exc.status_code, message, param=None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(ApiError(400, f"invalid request: {exc.errors()[0]['msg']}"))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return error_response(exc)
+
+
+def _add_dlmc_routes(app: FastAPI, ctx: ServerContext) -> None:
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        """`{"status": "ok", "model", "max_context", "queue": {running, waiting, queue_size},
+        "requests": {completed, cancelled, failed, timed_out, rejected}}`."""
+        snap = ctx.worker.snapshot()
+        queue = {k: snap.pop(k) for k in ("running", "waiting", "queue_size")}
+        return {
+            "status": "ok",
+            "model": ctx.model_name,
+            "max_context": ctx.llm.max_context,
+            "queue": queue,
+            "requests": snap,
+        }
+
+    @app.post("/generate", response_model=None)
+    async def generate(request: Request) -> Response:
+        """Generate from `{"messages": [...]}` or `{"prompt": "..."}`; optional
+        `max_new_tokens`, `threshold`, `edit_threshold` (null: no edits), `temperature`,
+        `top_k`, `top_p`, `seed`, `stream` (default true).
+
+        Streamed as server-sent events (`text/event-stream`), one `data: <json>` line and a
+        blank line per event, in order:
+        `{"type": "block", "block_index": n, "text": "...", "token_ids": [...]}` each time
+        a block is final (text is what that block adds), then
+        `{"type": "done", "text": full, "tokens": n, "prompt_tokens": n, "forwards": n,
+        "total_forwards": n, "tokens_per_forward": x, "tokens_per_second": y,
+        "elapsed_s": s, "blocks": n, "finish_reason": "stop"|"length"}`.
+        A failure after the stream has started (e.g. the request timeout) ends it with
+        `{"type": "error", "error": {"message", "type", "param", "code"}}`.
+        With `"stream": false` the answer is the `done` object alone.
+        """
+        try:
+            body = parse_body(GenerateRequest, await read_body(request))
+            if (body.messages is None) == (body.prompt is None):
+                message = "messages: give exactly one of messages or prompt"
+                raise ApiError(400, message, param="messages")
+            prompt_field = "messages" if body.messages is not None else "prompt"
+            messages = [m.as_engine_message() for m in body.messages or []] or None
+            prepared = await ctx.preparer.prepare(
+                prompt=body.prompt,
+                messages=messages,
+                max_new_tokens=body.max_new_tokens,
+                overrides=body.decode_overrides(),
+                prompt_field=prompt_field,
+            )
+            job = ctx.worker.submit(prepared.kwargs)
+            if not body.stream:
+                done = await run_to_end(ctx.worker, job, request)
+                return JSONResponse(done_event(done.result))
+        except Exception as exc:
+            return error_response(exc)
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                async for event in ctx.worker.events(job):
+                    if isinstance(event, BlockChunk):
+                        yield sse(block_event(event))
+                    else:
+                        yield sse(done_event(event.result))
+            except Exception as exc:
+                yield sse({"type": "error", **api_error(exc).body()})
+
+        return EventStream(events(), on_close=job.cancel)
+
+
+def block_event(chunk: BlockChunk) -> dict[str, Any]:
+    return {
+        "type": "block",
+        "block_index": chunk.block_index,
+        "text": chunk.text,
+        "token_ids": list(chunk.token_ids),
+    }
+
+
+def done_event(result: GenerateResult) -> dict[str, Any]:
+    return {
+        "type": "done",
+        "text": result.text,
+        "tokens": len(result.token_ids),
+        "prompt_tokens": len(result.prompt_token_ids),
+        "forwards": result.num_forwards,
+        "total_forwards": result.total_forwards,
+        "tokens_per_forward": result.tokens_per_forward,
+        "tokens_per_second": result.request_tps,
+        "elapsed_s": result.elapsed_s,
+        "blocks": result.blocks,
+        "finish_reason": result.finish_reason,
+    }

@@ -1,0 +1,208 @@
+"""One engine, one decoding thread.
+
+The engine is not thread-safe, so every request decodes on a single worker thread, one at a
+time. Requests are admitted while fewer than `queue_size` wait (plus the one decoding);
+beyond that `submit` raises `QueueFull`. Each request's events (a `BlockChunk` per finished
+block, then `Done`) travel back to the asyncio handler that submitted it through that
+handler's own `asyncio.Queue` (`loop.call_soon_threadsafe`).
+
+Cancellation: `Job.cancel()` sets a flag that the engine polls before every round, so a
+client that disconnects (or times out) frees the engine within one round; a cancelled job
+still waiting in the queue is skipped without decoding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from dlmc.results import BlockChunk, Done
+
+
+class QueueFull(Exception):
+    """The waiting queue is full."""
+
+
+class RequestTimeout(Exception):
+    """The request ran past the server's request timeout (queueing included)."""
+
+
+class RequestCancelled(Exception):
+    """The request was cancelled by the server (it is shutting down)."""
+
+
+@dataclass(frozen=True)
+class _Failure:
+    error: BaseException
+
+
+_END = object()  # the worker is finished with a job
+
+
+@dataclass(eq=False)
+class Job:
+    """One request: the `LLM.stream` arguments, its deadline and its event channel."""
+
+    kwargs: dict[str, Any]
+    loop: asyncio.AbstractEventLoop
+    deadline: float  # time.monotonic() after which the request has timed out
+    events: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        """Stop at the engine's next round (or skip the job if it has not started)."""
+        self.cancelled.set()
+
+    def should_stop(self) -> bool:
+        """Polled by the engine before every round."""
+        return self.cancelled.is_set() or time.monotonic() >= self.deadline
+
+    def emit(self, item: Any) -> None:
+        """Hand an event to the submitting handler (called from the worker thread)."""
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody listens any more
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+
+
+@dataclass
+class WorkerCounts:
+    """Requests by outcome since the server started."""
+
+    completed: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    timed_out: int = 0
+    rejected: int = 0
+
+
+class EngineWorker:
+    """Runs `llm.stream` for submitted jobs on one thread, one job at a time."""
+
+    def __init__(self, llm: Any, queue_size: int, request_timeout_s: float) -> None:
+        self.llm, self.queue_size, self.request_timeout_s = llm, queue_size, request_timeout_s
+        self.counts = WorkerCounts()
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._admitted = 0  # waiting + decoding
+        self._running: Job | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="dlmc-engine", daemon=True)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def cancel_all(self) -> None:
+        """Refuse new jobs and cancel the running and waiting ones (their handlers answer
+        "the server is shutting down"); does not wait."""
+        with self._lock, self._jobs.mutex:
+            self._stopping = True
+            for job in [self._running, *self._jobs.queue]:
+                if job is not None:
+                    job.cancel()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Cancel the running and waiting jobs and wait for the thread to end."""
+        self.cancel_all()
+        self._jobs.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Queue state and outcome counts (for /health)."""
+        with self._lock:
+            running = int(self._running is not None)
+            return {
+                "running": running,
+                "waiting": self._admitted - running,
+                "queue_size": self.queue_size,
+                **vars(self.counts),
+            }
+
+    # -- handler side (event loop thread) --------------------------------------------------
+    def submit(self, kwargs: dict[str, Any]) -> Job:
+        """Queue a request; raises QueueFull when `queue_size` requests already wait."""
+        job = Job(kwargs, asyncio.get_running_loop(), time.monotonic() + self.request_timeout_s)
+        with self._lock:
+            if self._stopping:
+                raise RequestCancelled("the server is shutting down")
+            if self._admitted >= self.queue_size + 1:
+                self.counts.rejected += 1
+                raise QueueFull(
+                    f"the server is busy: {self.queue_size} requests are already waiting; "
+                    "retry later"
+                )
+            self._admitted += 1
+            self._jobs.put(job)
+        return job
+
+    async def events(self, job: Job) -> AsyncIterator[BlockChunk | Done]:
+        """Yield the job's BlockChunks and its Done; raise RequestTimeout past the deadline,
+        the engine's exception if it failed. Leaving early cancels the job."""
+        try:
+            while True:
+                remaining = job.deadline - time.monotonic()
+                try:
+                    item = await asyncio.wait_for(job.events.get(), timeout=max(remaining, 0.0))
+                except TimeoutError:
+                    raise self._timeout(job) from None
+                if item is _END:
+                    raise RequestCancelled("the server is shutting down")
+                if isinstance(item, _Failure):
+                    raise item.error
+                if isinstance(item, Done) and item.result.finish_reason == "cancelled":
+                    if time.monotonic() >= job.deadline:
+                        raise self._timeout(job)
+                    raise RequestCancelled("the server is shutting down")
+                yield item
+                if isinstance(item, Done):
+                    return
+        finally:
+            job.cancel()  # no-op once finished; frees the engine if the handler gave up
+
+    def _timeout(self, job: Job) -> RequestTimeout:
+        job.cancel()
+        with self._lock:
+            self.counts.timed_out += 1
+        return RequestTimeout(
+            f"the request ran past the server's request timeout of {self.request_timeout_s:g} s"
+        )
+
+    # -- worker side (the engine thread) ---------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            with self._lock:
+                self._running = job
+            try:
+                self._decode(job)
+            finally:
+                with self._lock:
+                    self._running = None
+                    self._admitted -= 1
+                job.emit(_END)
+
+    def _decode(self, job: Job) -> None:
+        if job.should_stop():  # the client left (or timed out) while it waited
+            self._count("cancelled")
+            return
+        try:
+            for event in self.llm.stream(**job.kwargs, cancel=job.should_stop):
+                if isinstance(event, Done):
+                    cancelled = event.result.finish_reason == "cancelled"
+                    self._count("cancelled" if cancelled else "completed")
+                job.emit(event)
+        except Exception as exc:  # one bad request must not take the server down;
+            self._count("failed")  # the handler reports it (a DlmcError 400, else 500)
+            job.emit(_Failure(exc))
+
+    def _count(self, outcome: str) -> None:
+        with self._lock:
+            setattr(self.counts, outcome, getattr(self.counts, outcome) + 1)

@@ -1,0 +1,188 @@
+"""Request bodies of the server (pydantic, strict, unknown fields refused) and the error they
+turn into: `ApiError`, sent as `{"error": {"message", "type", "param", "code"}}` like OpenAI.
+
+Bodies are parsed from the raw bytes whatever the Content-Type, so `curl -d '{...}'` (which
+sends `application/x-www-form-urlencoded`) works as well as a JSON client.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ApiError(Exception):
+    """An HTTP error with an OpenAI-style body; `param` names the request field at fault."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}
+        }
+
+
+class _Strict(BaseModel):
+    """Strict types (no "5" for 5), unknown fields refused, no NaN or infinity."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+
+
+class TextPart(_Strict):
+    """One part of an OpenAI message content list (only text is supported)."""
+
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    """A chat turn; `developer` is treated as `system`."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def as_engine_message(self) -> dict[str, str]:
+        text = (
+            self.content
+            if isinstance(self.content, str)
+            else "".join(part.text for part in self.content)
+        )
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class DecodeFields(_Strict):
+    """Decoding fields every endpoint accepts (absent = the server's default)."""
+
+    threshold: float | None = Field(default=None, ge=0.0, le=1.0)
+    # an explicit null disables token-to-token edits
+    edit_threshold: float | None = Field(default=None, ge=0.0, le=1.0)
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
+    top_k: int | None = Field(default=None, ge=1)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+
+    def decode_overrides(self) -> dict[str, Any]:
+        """The decoding fields the request gave (`edit_threshold: null` kept: no edits)."""
+        given = {
+            k: getattr(self, k)
+            for k in ("threshold", "temperature", "top_k", "top_p", "seed")
+            if getattr(self, k) is not None
+        }
+        if "edit_threshold" in self.model_fields_set:
+            given["edit_threshold"] = self.edit_threshold
+        return given
+
+
+class GenerateRequest(DecodeFields):
+    """`POST /generate`: exactly one of `messages` or `prompt`."""
+
+    messages: list[Message] | None = Field(default=None, min_length=1)
+    prompt: str | None = Field(default=None, min_length=1)
+    max_new_tokens: int | None = Field(default=None, ge=1)
+    stream: bool = True
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _OpenAIFields(DecodeFields):
+    """Fields shared by the OpenAI endpoints. `model` is accepted and ignored (the server
+    serves one model; responses name it); `n` must be 1; `stop` sequences are not supported."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Literal[1] = 1
+    stop: None = None
+    user: str | None = None
+
+    def max_new_tokens(self) -> tuple[int | None, str]:
+        """The answer length limit and the name of the field that gave it."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+
+class ChatCompletionRequest(_OpenAIFields):
+    """`POST /v1/chat/completions`."""
+
+    messages: list[Message] = Field(min_length=1)
+
+
+class CompletionRequest(_OpenAIFields):
+    """`POST /v1/completions`: one prompt (a string, or a list holding one string)."""
+
+    prompt: str | list[str] = Field(min_length=1)
+
+    def prompt_text(self) -> str:
+        if isinstance(self.prompt, str):
+            return self.prompt
+        if len(self.prompt) != 1:
+            raise ApiError(
+                400, "prompt: give one prompt (batches are not supported)", param="prompt"
+            )
+        return self.prompt[0]
+
+
+Request = TypeVar("Request", bound=BaseModel)
+
+
+def parse_body(model: type[Request], raw: bytes) -> Request:
+    """Validate a raw request body; any problem becomes a 400 ApiError naming the field."""
+    if not raw.strip():
+        raise ApiError(400, "body: expected a JSON object, got an empty body", param="body")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise _as_api_error(exc, model) from None
+
+
+def _as_api_error(exc: ValidationError, model: type[BaseModel]) -> ApiError:
+    first = exc.errors(include_url=False)[0]
+    kind, loc, msg = first["type"], first["loc"], first["msg"]
+    if kind == "json_invalid":
+        reason = first.get("ctx", {}).get("error", msg)
+        return ApiError(400, f"body: invalid JSON ({reason})", param="body")
+    param = _param_name(loc)
+    if kind == "model_type" and not loc:
+        return ApiError(400, "body: expected a JSON object", param="body")
+    if kind == "extra_forbidden":
+        known = f" (known fields: {', '.join(model.model_fields)})" if len(loc) == 1 else ""
+        return ApiError(400, f"{param}: unknown field{known}", param=param)
+    if kind == "missing":
+        return ApiError(400, f"{param}: required field is missing", param=param)
+    if kind in ("too_short", "string_too_short") and first.get("ctx", {}).get("min_length") == 1:
+        return ApiError(400, f"{param}: must not be empty", param=param)
+    if param == "stop":
+        return ApiError(400, "stop: stop sequences are not supported", param=param)
+    got = first.get("input")
+    shown = repr(got) if isinstance(got, str | int | float | bool) or got is None else type(got)
+    if isinstance(shown, type):
+        shown = {dict: "an object", list: "a list"}.get(shown, shown.__name__)
+    return ApiError(400, f"{param}: {msg[0].lower()}{msg[1:]} (got {shown})", param=param)
+
+
+def _param_name(loc: tuple[int | str, ...]) -> str:
+    """`("messages", 0, "content")` -> `messages[0].content`; union branch names dropped."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("str", "float", "int", "bool", "none") or "[" in part:
+            continue  # pydantic names the union member it tried; the user did not write it
+        else:
+            out += f".{part}" if out else part
+    return out or "body"

@@ -1,0 +1,76 @@
+"""The OpenAI-compatible endpoints: chat and text completions (streamed and not), models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from tests.serve.conftest import CHAT, sse_data
+
+
+def test_chat_completion(client: httpx.Client, tiny_llm: Any) -> None:
+    body = {"model": "tiny-llada2", "messages": CHAT, "max_tokens": 40}
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200
+    data = response.json()
+    want = tiny_llm.generate(messages=CHAT, max_new_tokens=40)
+    assert data["object"] == "chat.completion" and data["id"].startswith("chatcmpl-")
+    assert data["model"] == "tiny-llada2" and isinstance(data["created"], int)
+    (choice,) = data["choices"]
+    assert choice["message"] == {"role": "assistant", "content": want.text}
+    assert choice["finish_reason"] == "length" and choice["index"] == 0
+    n_prompt = len(want.prompt_token_ids)
+    assert data["usage"] == {
+        "prompt_tokens": n_prompt,
+        "completion_tokens": 40,
+        "total_tokens": n_prompt + 40,
+    }
+
+
+def test_chat_completion_stream(client: httpx.Client, tiny_llm: Any) -> None:
+    body = {
+        "messages": [{"role": "system", "content": "Be brief."}, *CHAT],
+        "max_completion_tokens": 70,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = list(sse_data(response))
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    finish = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(finish) == 1 and finish[0]["choices"][0]["finish_reason"] == "length"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    want = tiny_llm.generate(messages=body["messages"], max_new_tokens=70)
+    assert text == want.text
+    usage_only = chunks[-1]
+    assert usage_only["choices"] == [] and usage_only["usage"]["completion_tokens"] == 70
+    assert finish[0]["usage"] == usage_only["usage"]
+
+
+def test_text_completion_and_its_stream(client: httpx.Client, tiny_llm: Any) -> None:
+    want = tiny_llm.generate(prompt="Once upon a time", max_new_tokens=30)
+    body = {"prompt": "Once upon a time", "max_tokens": 30}
+    data = client.post("/v1/completions", json=body).json()
+    assert data["object"] == "text_completion" and data["choices"][0]["text"] == want.text
+    assert data["usage"]["completion_tokens"] == 30
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        events = list(sse_data(response))
+    assert events[-1] == "[DONE]"
+    assert "".join(c["choices"][0]["text"] for c in events[:-1]) == want.text
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert events[-2]["usage"]["total_tokens"] == len(want.prompt_token_ids) + 30
+
+
+def test_models_lists_the_served_model(client: httpx.Client) -> None:
+    data = client.get("/v1/models").json()
+    assert data["object"] == "list"
+    assert [(m["id"], m["object"], m["owned_by"]) for m in data["data"]] == [
+        ("tiny-llada2", "model", "dlmc")
+    ]
