@@ -18,15 +18,16 @@ import os
 
 import torch
 import triton
-from dlmc.custom_ops._paged_attention_kernels import (
+from torch.library import triton_op, wrap_triton
+
+from dlmc.errors import ConfigError
+
+from ._paged_attention_kernels import (
     merge_block_m,
     paged_attention_merge_kernel,
     paged_attention_split_kernel,
     split_launch_config,
 )
-from torch.library import triton_op, wrap_triton
-
-from dlmc.errors import ConfigError
 
 CACHE_DTYPES = (torch.float8_e4m3fn, torch.bfloat16)
 BACKENDS = ("triton", "reference")
