@@ -115,7 +115,8 @@ def paged_attention_split_kernel(
             v = tl.load(v_new_ptr + kv_ptrs, mask=key_valid[:, None], other=0.0)
             key_mask = key_valid[None, :] & (rows[:, None] >= 0)  # [BM, BN]
             if CAUSAL_BLOCK > 0:
-                key_mask = key_mask & ((keys[None, :] // CAUSAL_BLOCK) <= (pos[:, None] // CAUSAL_BLOCK))
+                visible = (keys[None, :] // CAUSAL_BLOCK) <= (pos[:, None] // CAUSAL_BLOCK)
+                key_mask = key_mask & visible
             m_i, l_i, acc = _attend_tile(
                 q, k.to(tl.bfloat16), v.to(tl.bfloat16), key_mask, scale_log2, m_i, l_i, acc,
                 DOT_FP32,

@@ -123,7 +123,8 @@ def kv_append(
            and v_cache.stride() == k_cache.stride(), "v_cache must match k_cache")
     _check(k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride(-1) == 1,
            "k, v and the caches must be contiguous in the head dim")
-    _check(page_table.dim() == 1 and page_table.dtype == torch.int32, "page_table must be 1-D int32")
+    _check(page_table.dim() == 1 and page_table.dtype == torch.int32,
+           f"page_table must be 1-D int32, got {tuple(page_table.shape)} {page_table.dtype}")
     _check(offset.numel() == 1 and offset.dtype == torch.int32,
            f"offset must be a 1-element int32 tensor, got {tuple(offset.shape)} {offset.dtype}")
     for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):

@@ -106,7 +106,13 @@ def _paged_attention_op(
                                   num_splits)
 
 
-def paged_attention_fake(q: torch.Tensor, *args: object) -> torch.Tensor:
+@_paged_attention_op.register_fake
+def paged_attention_fake(
+    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, page_table: torch.Tensor, prefix_len: torch.Tensor,
+    k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float, window: int,
+    causal_block: int, num_splits: int,
+) -> torch.Tensor:
     """Fake (meta) function: the output has q's shape, dtype and strides; reads no data."""
     return torch.empty_like(q)
 
