@@ -91,6 +91,14 @@ def _kv_append_op(
     )
 
 
+@_kv_append_op.register_fake
+def kv_append_fake(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    page_table: torch.Tensor, offset: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+) -> None:
+    """Fake function: the op only mutates the caches (nothing to allocate, no data read)."""
+
+
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(f"kv_append: {message}")
