@@ -53,9 +53,9 @@ def paged_attention_split_kernel(
     k_scale_ptr, v_scale_ptr, o_part_ptr, lse_part_ptr,
     stride_qt, stride_qh, stride_nt, stride_nh,
     stride_cp, stride_cs, stride_ch,
-    num_queries, num_rows, scale_log2,
+    num_queries, num_rows, scale_log2, max_tokens, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    MAX_TOKENS: tl.constexpr, WINDOW: tl.constexpr, CAUSAL_BLOCK: tl.constexpr,
+    CAUSAL_BLOCK: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
@@ -77,10 +77,8 @@ def paged_attention_split_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     if split < NUM_SPLITS:
         # Cached keys [lo, hi) of this split; the range is computed from the device prefix.
-        prefix = tl.minimum(tl.load(prefix_len_ptr), MAX_TOKENS)
-        start = 0
-        if WINDOW > 0:
-            start = tl.maximum(prefix - (WINDOW - 1), 0)
+        prefix = tl.minimum(tl.load(prefix_len_ptr), max_tokens)
+        start = tl.where(window > 0, tl.maximum(prefix - (window - 1), 0), 0)
         per_split = tl.cdiv(tl.cdiv(prefix - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
         per_split = tl.maximum(per_split, MIN_SPLIT_KEYS)
         lo = start + split * per_split

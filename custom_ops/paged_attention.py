@@ -35,37 +35,41 @@ BACKENDS = ("triton", "reference")
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def default_num_splits(num_rows: int, num_kv_heads: int, head_dim: int, capacity: int,
+def default_num_splits(num_rows: int, num_kv_heads: int, head_dim: int,
                        device: torch.device) -> int:
     """Key splits of the cached prefix: about two waves of programs on the GPU, 4 on CPU.
 
-    Depends only on shapes and the cache capacity, never on the prefix length (graph safety).
+    Depends only on shapes and the device, never on the prefix length (graph safety); splits
+    that find no keys exit at once.
     """
-    block_m, block_n, _ = split_launch_config(head_dim)
     if device.type != "cuda":
-        target = 4
-    else:
-        programs = math.ceil(num_rows / block_m) * num_kv_heads
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        target = math.ceil(2 * sms / programs)
-    return max(1, min(target, 64, math.ceil(capacity / block_n)))
+        return 4
+    block_m = split_launch_config(head_dim)[0]
+    programs = math.ceil(num_rows / block_m) * num_kv_heads
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(math.ceil(2 * sms / programs), 64))
 
 
 def launch_paged_attention(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, page_table: torch.Tensor, prefix_len: torch.Tensor,
     k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float, window: int,
-    causal_block: int, num_splits: int, min_split_keys: int = 0,
+    causal_block: int, num_splits: int, *, min_split_keys: int = 0,
+    tile: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
-    """Launch the split and merge kernels (arguments as in `paged_attention`; 0 = unset)."""
+    """Launch the split and merge kernels (arguments as in `paged_attention`; 0 = unset).
+
+    `min_split_keys` (fewest cached keys per split) and `tile` (BLOCK_M, BLOCK_N, num_warps)
+    override the defaults; perf/bench_paged_attention.py sweeps them.
+    """
     num_queries, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     num_rows = num_queries * group
     capacity = min(num_pages, page_table.numel()) * page_size
-    block_m, block_n, num_warps = split_launch_config(head_dim)
+    block_m, block_n, num_warps = tile or split_launch_config(head_dim)
     if num_splits <= 0:
-        num_splits = default_num_splits(num_rows, num_kv_heads, head_dim, capacity, q.device)
+        num_splits = default_num_splits(num_rows, num_kv_heads, head_dim, q.device)
     min_split_keys = max(block_n, math.ceil(min_split_keys / block_n) * block_n)
     parts = num_splits + 1
     o_part = torch.empty((parts, num_kv_heads, num_rows, head_dim), device=q.device,
@@ -79,11 +83,10 @@ def launch_paged_attention(
         o_part, lse_part,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        num_queries, num_rows, softmax_scale * math.log2(math.e),
-        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, MAX_TOKENS=capacity,
-        WINDOW=window, CAUSAL_BLOCK=causal_block, NUM_SPLITS=num_splits,
-        MIN_SPLIT_KEYS=min_split_keys, BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_FP32=INTERPRETED, num_warps=num_warps,
+        num_queries, num_rows, softmax_scale * math.log2(math.e), capacity, window,
+        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, CAUSAL_BLOCK=causal_block,
+        NUM_SPLITS=num_splits, MIN_SPLIT_KEYS=min_split_keys, BLOCK_M=block_m,
+        BLOCK_N=block_n, DOT_FP32=INTERPRETED, num_warps=num_warps,
     )
     merge_m = merge_block_m(head_dim)
     wrap_triton(paged_attention_merge_kernel)[(triton.cdiv(num_rows, merge_m), num_kv_heads)](
