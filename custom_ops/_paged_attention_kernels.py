@@ -34,6 +34,14 @@ def _dot(a, b, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
+def _to_bf16(x):
+    """Cache values to BF16 (exact for E4M3; FP8 goes through fp32, supported on every arch)."""
+    if x.dtype.is_fp8():
+        return x.to(tl.float32).to(tl.bfloat16)
+    return x.to(tl.bfloat16)
+
+
+@triton.jit
 def _attend_tile(
     q, k, v, key_mask, scale_log2, m_i, l_i, acc, DOT_FP32: tl.constexpr
 ):  # q [BM, D] bf16, k/v [BN, D] bf16, key_mask [BM, BN]
@@ -96,7 +104,7 @@ def paged_attention_split_kernel(
             k = tl.load(k_cache_ptr + kv_ptrs, mask=key_valid[:, None], other=0.0)
             v = tl.load(v_cache_ptr + kv_ptrs, mask=key_valid[:, None], other=0.0)
             m_i, l_i, acc = _attend_tile(
-                q, k.to(tl.bfloat16), v.to(tl.bfloat16), key_valid[None, :], scale_log2_k,
+                q, _to_bf16(k), _to_bf16(v), key_valid[None, :], scale_log2_k,
                 m_i, l_i, acc, DOT_FP32,
             )
             j += BLOCK_N
@@ -104,7 +112,7 @@ def paged_attention_split_kernel(
     else:
         # The block's own keys (BF16, not in the cache): bidirectional, or block-causal.
         nonempty = num_queries > 0
-        j = 0
+        j = tl.full([], 0, tl.int32)
         while j < num_queries:
             keys = j + tl.arange(0, BLOCK_N)  # [BN]
             key_valid = keys < num_queries
