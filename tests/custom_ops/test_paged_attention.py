@@ -168,7 +168,7 @@ def test_unknown_backend_names_the_option() -> None:
 @given(
     head_dim=st.sampled_from([128, 256, 512]), group=st.sampled_from([1, 2, 4, 8]),
     num_kv_heads=st.sampled_from([1, 2, 4]), num_queries=st.sampled_from([1, 17, 32, 256]),
-    page_size=st.sampled_from([1, 16, 64]), prefix=st.integers(0, 6000),
+    page_size=st.sampled_from([16, 64]), prefix=st.integers(0, 6000),
     log_scales=st.tuples(st.floats(-7, 7), st.floats(-7, 7)),
     window=st.one_of(st.none(), st.integers(1, 2048)), fp8=st.booleans(),
     seed=st.integers(0, 2**16),
@@ -177,12 +177,14 @@ def test_fuzz_against_reference_gpu(
     head_dim: int, group: int, num_kv_heads: int, num_queries: int, page_size: int, prefix: int,
     log_scales: tuple[float, float], window: int | None, fp8: bool, seed: int,
 ) -> None:
+    # Page size 1 and the default split count run in the CPU tests; fixing them here keeps
+    # the number of compiled kernel variants (and the GPU time) small.
     case = make_case(num_queries=num_queries, num_q_heads=group * num_kv_heads,
                      num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
                      prefix=prefix, k_scale=math.exp(log_scales[0]),
                      v_scale=math.exp(log_scales[1]), dtype=FP8 if fp8 else torch.bfloat16,
                      seed=seed)
-    assert_matches_reference(case, softmax_scale=head_dim**-0.5, window=window)
+    assert_matches_reference(case, softmax_scale=head_dim**-0.5, window=window, num_splits=32)
 
 
 @pytest.mark.gpu
