@@ -56,6 +56,56 @@ def _attend_tile(
 
 
 @triton.jit
+def _split_range(prefix_len_ptr, max_tokens, window, NUM_SPLITS: tl.constexpr,
+                 MIN_SPLIT_KEYS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(start, prefix, keys per split, live splits) of the visible cached range, on device."""
+    prefix = tl.minimum(tl.load(prefix_len_ptr), max_tokens)
+    start = tl.where(window > 0, tl.maximum(prefix - (window - 1), 0), 0)
+    per_split = tl.cdiv(tl.cdiv(prefix - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.maximum(per_split, MIN_SPLIT_KEYS)
+    return start, prefix, per_split, tl.cdiv(prefix - start, per_split)
+
+
+@triton.jit
+def _cache_tile(
+    q, j, hi, kv_head, page_table_ptr, k_cache_ptr, v_cache_ptr, stride_cp, stride_cs,
+    stride_ch, scale_log2_k, m_i, l_i, acc, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """Attend cached keys `j .. j+BLOCK_N-1` (those below `hi`) through the page table."""
+    keys = j + tl.arange(0, BLOCK_N)  # [BN]
+    key_valid = keys < hi
+    page = tl.load(page_table_ptr + keys // PAGE_SIZE, mask=key_valid, other=0)
+    kv_off = (page.to(tl.int64) * stride_cp + (keys % PAGE_SIZE) * stride_cs
+              + kv_head * stride_ch)  # [BN]
+    kv_ptrs = kv_off[:, None] + tl.arange(0, HEAD_DIM)[None, :]  # [BN, D]
+    k = tl.load(k_cache_ptr + kv_ptrs, mask=key_valid[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + kv_ptrs, mask=key_valid[:, None], other=0.0)
+    return _attend_tile(q, _to_bf16(k), _to_bf16(v), key_valid[None, :], scale_log2_k,
+                        m_i, l_i, acc, DOT_FP32)
+
+
+@triton.jit
+def _new_tile(
+    q, j, rows, pos, kv_head, k_new_ptr, v_new_ptr, stride_nt, stride_nh, num_queries,
+    scale_log2, m_i, l_i, acc, HEAD_DIM: tl.constexpr, CAUSAL_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """Attend the block's own keys `j .. j+BLOCK_N-1` (BF16; block-causal if CAUSAL_BLOCK)."""
+    keys = j + tl.arange(0, BLOCK_N)  # [BN]
+    key_valid = keys < num_queries
+    kv_ptrs = keys[:, None] * stride_nt + kv_head * stride_nh + tl.arange(0, HEAD_DIM)[None, :]
+    k = tl.load(k_new_ptr + kv_ptrs, mask=key_valid[:, None], other=0.0)
+    v = tl.load(v_new_ptr + kv_ptrs, mask=key_valid[:, None], other=0.0)
+    key_mask = key_valid[None, :] & (rows[:, None] >= 0)  # [BM, BN]
+    if CAUSAL_BLOCK > 0:
+        visible = (keys[None, :] // CAUSAL_BLOCK) <= (pos[:, None] // CAUSAL_BLOCK)
+        key_mask = key_mask & visible
+    return _attend_tile(q, k.to(tl.bfloat16), v.to(tl.bfloat16), key_mask, scale_log2,
+                        m_i, l_i, acc, DOT_FP32)
+
+
+@triton.jit
 def paged_attention_split_kernel(
     q_ptr, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, prefix_len_ptr,
     k_scale_ptr, v_scale_ptr, o_part_ptr, lse_part_ptr,
@@ -66,6 +116,7 @@ def paged_attention_split_kernel(
     CAUSAL_BLOCK: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_SPLIT_KEYS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+    LOOP_WHILE: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -77,71 +128,86 @@ def paged_attention_split_kernel(
     pos = rows // GROUP  # block position of each row
     head = kv_head * GROUP + rows % GROUP  # query head of each row
     dims = tl.arange(0, HEAD_DIM)
-    q_off = pos[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
-    q = tl.load(q_ptr + q_off, mask=row_mask[:, None], other=0.0)  # [BM, D] bf16
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     if split < NUM_SPLITS:
         # Cached keys [lo, hi) of this split; the range is computed from the device prefix.
-        prefix = tl.minimum(tl.load(prefix_len_ptr), max_tokens)
-        start = tl.where(window > 0, tl.maximum(prefix - (window - 1), 0), 0)
-        per_split = tl.cdiv(tl.cdiv(prefix - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        per_split = tl.maximum(per_split, MIN_SPLIT_KEYS)
+        start, prefix, per_split, _ = _split_range(prefix_len_ptr, max_tokens, window,
+                                                   NUM_SPLITS, MIN_SPLIT_KEYS, BLOCK_N)
         lo = start + split * per_split
         hi = tl.minimum(lo + per_split, prefix)
         nonempty = lo < hi
-        scale_log2_k = scale_log2 * tl.load(k_scale_ptr)
-        j = lo
-        while j < hi:
-            keys = j + tl.arange(0, BLOCK_N)  # [BN]
-            key_valid = keys < hi
-            page = tl.load(page_table_ptr + keys // PAGE_SIZE, mask=key_valid, other=0)
-            kv_off = (page.to(tl.int64) * stride_cp + (keys % PAGE_SIZE) * stride_cs
-                      + kv_head * stride_ch)  # [BN]
-            kv_ptrs = kv_off[:, None] + dims[None, :]  # [BN, D]
-            k = tl.load(k_cache_ptr + kv_ptrs, mask=key_valid[:, None], other=0.0)
-            v = tl.load(v_cache_ptr + kv_ptrs, mask=key_valid[:, None], other=0.0)
-            m_i, l_i, acc = _attend_tile(
-                q, _to_bf16(k), _to_bf16(v), key_valid[None, :], scale_log2_k,
-                m_i, l_i, acc, DOT_FP32,
-            )
-            j += BLOCK_N
-        acc = acc * tl.load(v_scale_ptr)
+        if nonempty:
+            q_off = pos[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
+            q = tl.load(q_ptr + q_off, mask=row_mask[:, None], other=0.0)  # [BM, D] bf16
+            scale_log2_k = scale_log2 * tl.load(k_scale_ptr)
+            if LOOP_WHILE:  # the interpreter cannot range over loaded scalars
+                j = lo
+                while j < hi:
+                    m_i, l_i, acc = _cache_tile(
+                        q, j, hi, kv_head, page_table_ptr, k_cache_ptr, v_cache_ptr,
+                        stride_cp, stride_cs, stride_ch, scale_log2_k, m_i, l_i, acc,
+                        HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_FP32)
+                    j += BLOCK_N
+            else:
+                for j in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
+                    m_i, l_i, acc = _cache_tile(
+                        q, j, hi, kv_head, page_table_ptr, k_cache_ptr, v_cache_ptr,
+                        stride_cp, stride_cs, stride_ch, scale_log2_k, m_i, l_i, acc,
+                        HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_FP32)
+            acc = acc * tl.load(v_scale_ptr)
     else:
         # The block's own keys (BF16, not in the cache): bidirectional, or block-causal.
         nonempty = num_queries > 0
-        j = tl.full([], 0, tl.int32)
-        while j < num_queries:
-            keys = j + tl.arange(0, BLOCK_N)  # [BN]
-            key_valid = keys < num_queries
-            kv_ptrs = keys[:, None] * stride_nt + kv_head * stride_nh + dims[None, :]
-            k = tl.load(k_new_ptr + kv_ptrs, mask=key_valid[:, None], other=0.0)
-            v = tl.load(v_new_ptr + kv_ptrs, mask=key_valid[:, None], other=0.0)
-            key_mask = key_valid[None, :] & (rows[:, None] >= 0)  # [BM, BN]
-            if CAUSAL_BLOCK > 0:
-                visible = (keys[None, :] // CAUSAL_BLOCK) <= (pos[:, None] // CAUSAL_BLOCK)
-                key_mask = key_mask & visible
-            m_i, l_i, acc = _attend_tile(
-                q, k.to(tl.bfloat16), v.to(tl.bfloat16), key_mask, scale_log2, m_i, l_i, acc,
-                DOT_FP32,
-            )
-            j += BLOCK_N
+        q_off = pos[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
+        q = tl.load(q_ptr + q_off, mask=row_mask[:, None], other=0.0)  # [BM, D] bf16
+        if LOOP_WHILE:
+            j = tl.full([], 0, tl.int32)
+            while j < num_queries:
+                m_i, l_i, acc = _new_tile(
+                    q, j, rows, pos, kv_head, k_new_ptr, v_new_ptr, stride_nt, stride_nh,
+                    num_queries, scale_log2, m_i, l_i, acc, HEAD_DIM, CAUSAL_BLOCK, BLOCK_N,
+                    DOT_FP32)
+                j += BLOCK_N
+        else:
+            for j in tl.range(0, num_queries, BLOCK_N):
+                m_i, l_i, acc = _new_tile(
+                    q, j, rows, pos, kv_head, k_new_ptr, v_new_ptr, stride_nt, stride_nh,
+                    num_queries, scale_log2, m_i, l_i, acc, HEAD_DIM, CAUSAL_BLOCK, BLOCK_N,
+                    DOT_FP32)
 
-    safe_l = tl.where(l_i > 0.0, l_i, 1.0)
-    lse = tl.where(l_i > 0.0, m_i + tl.log2(safe_l), float("-inf"))  # [BM]
-    part = split * num_kv_heads + kv_head
-    tl.store(lse_part_ptr + part * num_rows + rows, lse, mask=row_mask)
+    if nonempty:  # empty splits write nothing: the merge reads only the live ones
+        safe_l = tl.where(l_i > 0.0, l_i, 1.0)
+        lse = m_i + tl.log2(safe_l)  # [BM]
+        part = split * num_kv_heads + kv_head
+        tl.store(lse_part_ptr + part * num_rows + rows, lse, mask=row_mask)
+        o_ptrs = o_part_ptr + (part * num_rows + rows[:, None]) * HEAD_DIM + dims[None, :]
+        tl.store(o_ptrs, acc / safe_l[:, None], mask=row_mask[:, None])
+
+
+@triton.jit
+def _merge_part(o_part_ptr, lse_part_ptr, part, rows, row_mask, dims, m_i, l_i, acc,
+                num_rows, HEAD_DIM: tl.constexpr):
+    lse = tl.load(lse_part_ptr + part * num_rows + rows, mask=row_mask, other=0.0)  # [BM]
     o_ptrs = o_part_ptr + (part * num_rows + rows[:, None]) * HEAD_DIM + dims[None, :]
-    tl.store(o_ptrs, acc / safe_l[:, None], mask=row_mask[:, None] & nonempty)
+    o = tl.load(o_ptrs, mask=row_mask[:, None], other=0.0)  # [BM, D] fp32
+    m_new = tl.maximum(m_i, lse)
+    alpha = tl.exp2(m_i - m_new)
+    w = tl.exp2(lse - m_new)
+    return m_new, l_i * alpha + w, acc * alpha[:, None] + w[:, None] * o
 
 
 @triton.jit
 def paged_attention_merge_kernel(
-    o_part_ptr, lse_part_ptr, out_ptr, stride_ot, stride_oh, num_rows,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_PARTS: tl.constexpr, BLOCK_M: tl.constexpr,
+    o_part_ptr, lse_part_ptr, out_ptr, prefix_len_ptr, stride_ot, stride_oh, num_rows,
+    max_tokens, window,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    MIN_SPLIT_KEYS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+    LOOP_WHILE: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
+    """Combine the block's own part with the live cache splits (their count from the prefix)."""
     pid_m = tl.program_id(0)
     kv_head = tl.program_id(1)
     num_kv_heads = tl.num_programs(1)
@@ -151,19 +217,21 @@ def paged_attention_merge_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for split in tl.static_range(NUM_PARTS):
-        part = split * num_kv_heads + kv_head
-        lse = tl.load(lse_part_ptr + part * num_rows + rows, mask=row_mask, other=float("-inf"))
-        live = lse > float("-inf")  # [BM]
-        o_ptrs = o_part_ptr + (part * num_rows + rows[:, None]) * HEAD_DIM + dims[None, :]
-        o = tl.load(o_ptrs, mask=live[:, None], other=0.0)  # [BM, D] fp32
-        m_new = tl.maximum(m_i, lse)
-        alpha = tl.exp2(m_i - m_new)
-        w = tl.where(live, tl.exp2(lse - m_new), 0.0)
-        l_i = l_i * alpha + w
-        acc = acc * alpha[:, None] + w[:, None] * o
-        m_i = m_new
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    m_i, l_i, acc = _merge_part(o_part_ptr, lse_part_ptr, NUM_SPLITS * num_kv_heads + kv_head,
+                                rows, row_mask, dims, m_i, l_i, acc, num_rows, HEAD_DIM)
+    _, _, _, live = _split_range(prefix_len_ptr, max_tokens, window, NUM_SPLITS,
+                                 MIN_SPLIT_KEYS, BLOCK_N)
+    if LOOP_WHILE:
+        split = 0
+        while split < live:
+            m_i, l_i, acc = _merge_part(o_part_ptr, lse_part_ptr, split * num_kv_heads + kv_head,
+                                        rows, row_mask, dims, m_i, l_i, acc, num_rows, HEAD_DIM)
+            split += 1
+    else:
+        for split in tl.range(0, live, num_stages=NUM_STAGES):
+            m_i, l_i, acc = _merge_part(o_part_ptr, lse_part_ptr, split * num_kv_heads + kv_head,
+                                        rows, row_mask, dims, m_i, l_i, acc, num_rows, HEAD_DIM)
+    out = acc / l_i[:, None]
     pos = rows // GROUP
     head = kv_head * GROUP + rows % GROUP
     out_off = pos[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
@@ -180,5 +248,5 @@ def split_launch_config(head_dim: int) -> tuple[int, int, int]:
 
 
 def merge_block_m(head_dim: int) -> int:
-    """Rows per program of the merge kernel (keeps the fp32 accumulator in registers)."""
-    return max(16, 8192 // head_dim)
+    """Rows per program of the merge kernel: small, so that many programs share the merge."""
+    return 16 if head_dim <= 256 else 8

@@ -33,6 +33,8 @@ CACHE_DTYPES = (torch.float8_e4m3fn, torch.bfloat16)
 BACKENDS = ("triton", "reference")
 # Triton's CPU interpreter (tests): BF16 dots are widened to fp32 there (see _dot).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Fewest cached keys one split attends: fewer, longer splits when the prefix is short.
+DEFAULT_MIN_SPLIT_KEYS = 128
 
 
 def default_num_splits(num_rows: int, num_kv_heads: int, head_dim: int,
@@ -70,7 +72,9 @@ def launch_paged_attention(
     block_m, block_n, num_warps = tile or split_launch_config(head_dim)
     if num_splits <= 0:
         num_splits = default_num_splits(num_rows, num_kv_heads, head_dim, q.device)
-    min_split_keys = max(block_n, math.ceil(min_split_keys / block_n) * block_n)
+    min_split_keys = max(block_n, math.ceil((min_split_keys or DEFAULT_MIN_SPLIT_KEYS)
+                                            / block_n) * block_n)
+    num_stages = 3 if head_dim <= 128 else 2
     parts = num_splits + 1
     o_part = torch.empty((parts, num_kv_heads, num_rows, head_dim), device=q.device,
                          dtype=torch.float32)  # [S+1, Hkv, M, D]
@@ -86,12 +90,15 @@ def launch_paged_attention(
         num_queries, num_rows, softmax_scale * math.log2(math.e), capacity, window,
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, CAUSAL_BLOCK=causal_block,
         NUM_SPLITS=num_splits, MIN_SPLIT_KEYS=min_split_keys, BLOCK_M=block_m,
-        BLOCK_N=block_n, DOT_FP32=INTERPRETED, num_warps=num_warps,
+        BLOCK_N=block_n, DOT_FP32=INTERPRETED, LOOP_WHILE=INTERPRETED,
+        NUM_STAGES=num_stages, num_warps=num_warps,
     )
     merge_m = merge_block_m(head_dim)
     wrap_triton(paged_attention_merge_kernel)[(triton.cdiv(num_rows, merge_m), num_kv_heads)](
-        o_part, lse_part, out, out.stride(0), out.stride(1), num_rows,
-        GROUP=group, HEAD_DIM=head_dim, NUM_PARTS=parts, BLOCK_M=merge_m, num_warps=4,
+        o_part, lse_part, out, prefix_len, out.stride(0), out.stride(1), num_rows, capacity,
+        window, GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        MIN_SPLIT_KEYS=min_split_keys, BLOCK_N=block_n, BLOCK_M=merge_m,
+        LOOP_WHILE=INTERPRETED, NUM_STAGES=2, num_warps=4,
     )
     return out
 
