@@ -12,7 +12,6 @@ length, so it is timed eagerly. Random data, seeded.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import statistics
@@ -33,9 +32,9 @@ from dlmc.custom_ops.paged_attention_flashinfer import (
     flashinfer_available,
 )
 
-SWEEP_SPLITS = (16, 32, 64)
-SWEEP_MIN_KEYS = (64, 256)
-SWEEP_TILES = ((64, 64, 4), (128, 64, 8), (64, 32, 4), (32, 32, 4))
+# (num_splits, min_split_keys, (BLOCK_M, BLOCK_N, num_warps)) timed by --sweep.
+SWEEP = ((33, 64, (64, 64, 4)), (33, 256, (64, 64, 4)), (16, 128, (64, 64, 4)),
+         (64, 128, (64, 64, 4)), (33, 128, (128, 64, 8)))
 
 
 def parse_args() -> argparse.Namespace:
@@ -51,6 +50,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--round-ms", type=float, default=1.9, help="NVFP4 round target (ms)")
     p.add_argument("--sweep", action="store_true", help="also time Triton split/tile configs")
+    p.add_argument("--no-flashinfer", action="store_true", help="skip FlashInfer (JIT ~18 s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON output path")
     return p.parse_args()
@@ -140,8 +140,7 @@ def bench_prefix(args: argparse.Namespace, prefix: int, env: dict[str, object],
     record("triton", "default eager", prefix,
            time_events(lambda: [c() for c in calls], args.iters, args.layers), err)
     if args.sweep:
-        for splits, min_keys, tile in itertools.product(SWEEP_SPLITS, SWEEP_MIN_KEYS,
-                                                         SWEEP_TILES):
+        for splits, min_keys, tile in SWEEP:
             def launch(i: int, s: int = splits, m: int = min_keys,
                        tl_: tuple[int, int, int] = tile) -> torch.Tensor:
                 a = layer_args(t, i)
@@ -153,7 +152,7 @@ def bench_prefix(args: argparse.Namespace, prefix: int, env: dict[str, object],
             err = rel_err(launch(0))
             calls = [lambda i=i, f=launch: f(i) for i in range(args.layers)]
             record("triton", name, prefix, time_graph(calls, args.iters), err)
-    if flashinfer_available() and args.head_dim in (64, 128, 256):
+    if not args.no_flashinfer and flashinfer_available() and args.head_dim in (64, 128, 256):
         fi = FlashInferPagedAttention(
             num_q_heads=args.q_heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
             page_size=args.page_size, max_pages=t["page_table"].numel(),
@@ -219,6 +218,9 @@ def main() -> None:
     for prefix in args.prefixes:
         bench_prefix(args, prefix, env, record)
         torch.cuda.empty_cache()
+        if args.out:  # after every prefix, so that a time limit keeps what was measured
+            with open(args.out, "w") as f:
+                json.dump({"env": env, "results": rows}, f, indent=1)
 
     at_4k = [r for r in rows if r["prefix"] == 4096 and r["config"] != "default eager"]
     if at_4k:
