@@ -188,15 +188,19 @@ def paged_attention_split_kernel(
 
 
 @triton.jit
-def _merge_part(o_part_ptr, lse_part_ptr, part, rows, row_mask, dims, m_i, l_i, acc,
-                num_rows, HEAD_DIM: tl.constexpr):
-    lse = tl.load(lse_part_ptr + part * num_rows + rows, mask=row_mask, other=0.0)  # [BM]
-    o_ptrs = o_part_ptr + (part * num_rows + rows[:, None]) * HEAD_DIM + dims[None, :]
-    o = tl.load(o_ptrs, mask=row_mask[:, None], other=0.0)  # [BM, D] fp32
-    m_new = tl.maximum(m_i, lse)
+def _merge_chunk(o_part_ptr, lse_part_ptr, first, count, row, kv_head, num_kv_heads, dims,
+                 m_i, l_i, acc, num_rows, HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr):
+    """Fold parts `first .. first+count-1` (at most CHUNK, loaded at once) into (m, l, acc)."""
+    parts = first + tl.arange(0, CHUNK)  # [C]
+    live = parts < first + count
+    index = (parts * num_kv_heads + kv_head) * num_rows + row  # [C]
+    lse = tl.load(lse_part_ptr + index, mask=live, other=float("-inf"))  # [C]
+    o = tl.load(o_part_ptr + index[:, None] * HEAD_DIM + dims[None, :], mask=live[:, None],
+                other=0.0)  # [C, D] fp32
+    m_new = tl.maximum(m_i, tl.max(lse, axis=0))
+    w = tl.exp2(lse - m_new)  # [C], 0 for dead parts
     alpha = tl.exp2(m_i - m_new)
-    w = tl.exp2(lse - m_new)
-    return m_new, l_i * alpha + w, acc * alpha[:, None] + w[:, None] * o
+    return m_new, l_i * alpha + tl.sum(w, axis=0), acc * alpha + tl.sum(w[:, None] * o, axis=0)
 
 
 @triton.jit
@@ -204,38 +208,41 @@ def paged_attention_merge_kernel(
     o_part_ptr, lse_part_ptr, out_ptr, prefix_len_ptr, stride_ot, stride_oh, num_rows,
     max_tokens, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    MIN_SPLIT_KEYS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-    LOOP_WHILE: tl.constexpr, NUM_STAGES: tl.constexpr,
+    MIN_SPLIT_KEYS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+    LOOP_WHILE: tl.constexpr,
 ):
-    """Combine the block's own part with the live cache splits (their count from the prefix)."""
-    pid_m = tl.program_id(0)
+    """One program per (row, KV head): the block's own part plus the live cache splits.
+
+    The live count comes from the prefix on the device; up to CHUNK parts are loaded at once,
+    so a prefix needs one or two dependent memory round trips.
+    """
+    row = tl.program_id(0)
     kv_head = tl.program_id(1)
     num_kv_heads = tl.num_programs(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
-    row_mask = rows < num_rows
     dims = tl.arange(0, HEAD_DIM)
-    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    m_i, l_i, acc = _merge_part(o_part_ptr, lse_part_ptr, NUM_SPLITS * num_kv_heads + kv_head,
-                                rows, row_mask, dims, m_i, l_i, acc, num_rows, HEAD_DIM)
+    m_i = tl.full([], -1.0e30, tl.float32)
+    l_i = tl.zeros([], tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    m_i, l_i, acc = _merge_chunk(o_part_ptr, lse_part_ptr, NUM_SPLITS, 1, row, kv_head,
+                                 num_kv_heads, dims, m_i, l_i, acc, num_rows, HEAD_DIM, 2)
     _, _, _, live = _split_range(prefix_len_ptr, max_tokens, window, NUM_SPLITS,
                                  MIN_SPLIT_KEYS, BLOCK_N)
     if LOOP_WHILE:
-        split = 0
-        while split < live:
-            m_i, l_i, acc = _merge_part(o_part_ptr, lse_part_ptr, split * num_kv_heads + kv_head,
-                                        rows, row_mask, dims, m_i, l_i, acc, num_rows, HEAD_DIM)
-            split += 1
+        first = 0
+        while first < live:
+            m_i, l_i, acc = _merge_chunk(
+                o_part_ptr, lse_part_ptr, first, tl.minimum(live - first, CHUNK), row, kv_head,
+                num_kv_heads, dims, m_i, l_i, acc, num_rows, HEAD_DIM, CHUNK)
+            first += CHUNK
     else:
-        for split in tl.range(0, live, num_stages=NUM_STAGES):
-            m_i, l_i, acc = _merge_part(o_part_ptr, lse_part_ptr, split * num_kv_heads + kv_head,
-                                        rows, row_mask, dims, m_i, l_i, acc, num_rows, HEAD_DIM)
-    out = acc / l_i[:, None]
-    pos = rows // GROUP
-    head = kv_head * GROUP + rows % GROUP
-    out_off = pos[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
-    tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+        for first in tl.range(0, live, CHUNK):
+            m_i, l_i, acc = _merge_chunk(
+                o_part_ptr, lse_part_ptr, first, tl.minimum(live - first, CHUNK), row, kv_head,
+                num_kv_heads, dims, m_i, l_i, acc, num_rows, HEAD_DIM, CHUNK)
+    pos = row // GROUP
+    head = kv_head * GROUP + row % GROUP
+    out = (acc / l_i).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + pos * stride_ot + head * stride_oh + dims, out)
 
 
 def split_launch_config(head_dim: int) -> tuple[int, int, int]:
@@ -247,6 +254,6 @@ def split_launch_config(head_dim: int) -> tuple[int, int, int]:
     return 32, 32, 8
 
 
-def merge_block_m(head_dim: int) -> int:
-    """Rows per program of the merge kernel: small, so that many programs share the merge."""
-    return 16 if head_dim <= 256 else 8
+def merge_chunk(num_splits: int) -> int:
+    """Cache parts the merge loads at once (all of them, up to 32)."""
+    return min(triton.next_power_of_2(max(num_splits, 2)), 32)

@@ -23,7 +23,7 @@ from torch.library import triton_op, wrap_triton
 from dlmc.errors import ConfigError
 
 from ._paged_attention_kernels import (
-    merge_block_m,
+    merge_chunk,
     paged_attention_merge_kernel,
     paged_attention_split_kernel,
     split_launch_config,
@@ -93,12 +93,11 @@ def launch_paged_attention(
         BLOCK_N=block_n, DOT_FP32=INTERPRETED, LOOP_WHILE=INTERPRETED,
         NUM_STAGES=num_stages, num_warps=num_warps,
     )
-    merge_m = merge_block_m(head_dim)
-    wrap_triton(paged_attention_merge_kernel)[(triton.cdiv(num_rows, merge_m), num_kv_heads)](
+    wrap_triton(paged_attention_merge_kernel)[(num_rows, num_kv_heads)](
         o_part, lse_part, out, prefix_len, out.stride(0), out.stride(1), num_rows, capacity,
         window, GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-        MIN_SPLIT_KEYS=min_split_keys, BLOCK_N=block_n, BLOCK_M=merge_m,
-        LOOP_WHILE=INTERPRETED, NUM_STAGES=2, num_warps=4,
+        MIN_SPLIT_KEYS=min_split_keys, BLOCK_N=block_n, CHUNK=merge_chunk(num_splits),
+        LOOP_WHILE=INTERPRETED, num_warps=4 if head_dim <= 256 else 8,
     )
     return out
 
