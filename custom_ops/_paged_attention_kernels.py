@@ -122,6 +122,7 @@ def paged_attention_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_kv_heads = tl.num_programs(1)
+    scale_log2 = tl.cast(scale_log2, tl.float32)  # Inductor passes Python floats as fp64
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     row_mask = rows < num_rows
