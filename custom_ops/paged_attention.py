@@ -13,6 +13,7 @@ FlashInfer needs host-side planning and lives in `paged_attention_flashinfer.py`
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -48,8 +49,12 @@ def default_num_splits(num_rows: int, num_kv_heads: int, head_dim: int,
         return 4
     block_m = split_launch_config(head_dim)[0]
     programs = math.ceil(num_rows / block_m) * num_kv_heads
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(math.ceil(2 * sms / programs), 64))
+    return max(1, min(math.ceil(2 * _sm_count(device.index) / programs), 64))
+
+
+@functools.cache
+def _sm_count(device_index: int | None) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def launch_paged_attention(
