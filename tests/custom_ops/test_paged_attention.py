@@ -77,6 +77,14 @@ def test_matches_reference_llada2_shape() -> None:
     assert_matches_reference(case, softmax_scale=128**-0.5)
 
 
+def test_matches_reference_diffusiongemma_sliding_shape() -> None:
+    """A 256-token canvas, 2 q heads per KV head, D=256, scale 1.0, window anchored at the start."""
+    case = make_case(num_queries=256, num_q_heads=2, num_kv_heads=1, head_dim=256, page_size=16,
+                     prefix=90, k_scale=0.05, v_scale=0.05)
+    case["q"] = case["q"] / 16  # RMS-normed q·k at scale 1.0: keep the logits moderate
+    assert_matches_reference(case, softmax_scale=1.0, window=40)
+
+
 @pytest.mark.parametrize("prefix", [0, 1, 15, 16, 17, 31, 32, 33, 64])
 def test_page_boundaries(prefix: int) -> None:
     case = make_case(num_queries=3, num_q_heads=4, num_kv_heads=1, head_dim=64, page_size=16,
