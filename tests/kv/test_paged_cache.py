@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pytest
 import torch
 from dlmc.custom_ops.paged_attention_flashinfer import flashinfer_available
@@ -45,9 +47,10 @@ def decode_blocks(cache: PagedKVCache, num_blocks: int, seed: int = 0) -> list[t
     return errors
 
 
-def make_cache(dtype: str, backend: str, max_tokens: int = 40) -> PagedKVCache:
+def make_cache(dtype: Literal["bf16", "fp8"], backend: str, max_tokens: int = 40
+               ) -> PagedKVCache:
     config = KVCacheConfig(num_layers=LAYERS, num_kv_heads=HKV, head_dim=D,
-                           max_tokens=max_tokens, page_size=4, dtype=dtype)  # type: ignore[arg-type]
+                           max_tokens=max_tokens, page_size=4, dtype=dtype)
     scales = [0.02, 0.01] if dtype == "fp8" else None
     return PagedKVCache(config, DEVICE, k_scales=scales, v_scales=scales, backend=backend,
                         num_q_heads=HQ)
