@@ -1,0 +1,260 @@
+"""`dlmc::paged_attention`: a block of queries attends a paged (FP8 or BF16) KV cache + itself.
+
+Design: the block's own K/V are passed separately in BF16 and are NOT read from the cache. The op
+is pure (it never writes the cache), so a denoising forward, whose K/V are provisional, can run
+it inside a CUDA graph with a fixed block length while the prefix length lives in a device
+tensor; storing the final K/V is a separate op (`dlmc::kv_append`). Keeping the block in BF16
+also keeps the FP8 error to the cached prefix.
+
+Backends: `"triton"` (the op; portable, graph-capturable, runs under `TRITON_INTERPRET=1` on
+CPU) and `"reference"` (plain PyTorch, syncs on `prefix_len`; CPU tests and debugging).
+FlashInfer needs host-side planning and lives in `paged_attention_flashinfer.py`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import torch
+import triton
+from torch.library import triton_op, wrap_triton
+
+from dlmc.errors import ConfigError
+
+from ._paged_attention_kernels import (
+    merge_chunk,
+    paged_attention_merge_kernel,
+    paged_attention_split_kernel,
+    split_launch_config,
+)
+
+CACHE_DTYPES = (torch.float8_e4m3fn, torch.bfloat16)
+BACKENDS = ("triton", "reference")
+# Triton's CPU interpreter (tests): BF16 dots are widened to fp32 there (see _dot).
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Fewest cached keys one split attends: fewer, longer splits when the prefix is short.
+DEFAULT_MIN_SPLIT_KEYS = 128
+
+
+def default_num_splits(num_rows: int, num_kv_heads: int, head_dim: int,
+                       device: torch.device) -> int:
+    """Key splits of the cached prefix: about two waves of programs on the GPU, 4 on CPU.
+
+    Depends only on shapes and the device, never on the prefix length (graph safety); splits
+    that find no keys exit at once.
+    """
+    if device.type != "cuda":
+        return 4
+    block_m = split_launch_config(head_dim)[0]
+    programs = math.ceil(num_rows / block_m) * num_kv_heads
+    return max(1, min(math.ceil(2 * _sm_count(device.index) / programs), 64))
+
+
+@functools.cache
+def _sm_count(device_index: int | None) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def launch_paged_attention(
+    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, page_table: torch.Tensor, prefix_len: torch.Tensor,
+    k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float, window: int,
+    causal_block: int, num_splits: int, *, min_split_keys: int = 0,
+    tile: tuple[int, int, int] | None = None,
+) -> torch.Tensor:
+    """Launch the split and merge kernels (arguments as in `paged_attention`; 0 = unset).
+
+    `min_split_keys` (fewest cached keys per split) and `tile` (BLOCK_M, BLOCK_N, num_warps)
+    override the defaults; perf/bench_paged_attention.py sweeps them.
+    """
+    num_queries, num_q_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    num_rows = num_queries * group
+    capacity = min(num_pages, page_table.numel()) * page_size
+    block_m, block_n, num_warps = tile or split_launch_config(head_dim)
+    if num_splits <= 0:
+        num_splits = default_num_splits(num_rows, num_kv_heads, head_dim, q.device)
+    min_split_keys = max(block_n, math.ceil((min_split_keys or DEFAULT_MIN_SPLIT_KEYS)
+                                            / block_n) * block_n)
+    num_stages = 3 if head_dim <= 128 else 2
+    parts = num_splits + 1
+    o_part = torch.empty((parts, num_kv_heads, num_rows, head_dim), device=q.device,
+                         dtype=torch.float32)  # [S+1, Hkv, M, D]
+    lse_part = torch.empty((parts, num_kv_heads, num_rows), device=q.device,
+                           dtype=torch.float32)  # [S+1, Hkv, M]
+    out = torch.empty_like(q)  # [Tq, Hq, D]
+    grid = (triton.cdiv(num_rows, block_m), num_kv_heads, parts)
+    wrap_triton(paged_attention_split_kernel)[grid](
+        q, k_new, v_new, k_cache, v_cache, page_table, prefix_len, k_scale, v_scale,
+        o_part, lse_part,
+        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        num_queries, num_rows, softmax_scale * math.log2(math.e), capacity, window,
+        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, CAUSAL_BLOCK=causal_block,
+        NUM_SPLITS=num_splits, MIN_SPLIT_KEYS=min_split_keys, BLOCK_M=block_m,
+        BLOCK_N=block_n, DOT_FP32=INTERPRETED, LOOP_WHILE=INTERPRETED,
+        NUM_STAGES=num_stages, num_warps=num_warps,
+    )
+    wrap_triton(paged_attention_merge_kernel)[(num_rows, num_kv_heads)](
+        o_part, lse_part, out, prefix_len, out.stride(0), out.stride(1), num_rows, capacity,
+        window, GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        MIN_SPLIT_KEYS=min_split_keys, BLOCK_N=block_n, CHUNK=merge_chunk(num_splits),
+        LOOP_WHILE=INTERPRETED, num_warps=4 if head_dim <= 256 else 8,
+    )
+    return out
+
+
+
+@triton_op("dlmc::paged_attention", mutates_args=())
+def _paged_attention_op(
+    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, page_table: torch.Tensor, prefix_len: torch.Tensor,
+    k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float, window: int,
+    causal_block: int, num_splits: int,
+) -> torch.Tensor:
+    return launch_paged_attention(q, k_new, v_new, k_cache, v_cache, page_table, prefix_len,
+                                  k_scale, v_scale, softmax_scale, window, causal_block,
+                                  num_splits)
+
+
+@_paged_attention_op.register_fake
+def paged_attention_fake(
+    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, page_table: torch.Tensor, prefix_len: torch.Tensor,
+    k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float, window: int,
+    causal_block: int, num_splits: int,
+) -> torch.Tensor:
+    """Fake (meta) function: the output has q's shape, dtype and strides; reads no data."""
+    return torch.empty_like(q)
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"paged_attention: {message}")
+
+
+def validate_paged_attention_args(
+    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, page_table: torch.Tensor, prefix_len: torch.Tensor,
+    k_scale: torch.Tensor, v_scale: torch.Tensor,
+) -> None:
+    """Raise `ConfigError` naming the tensor when a shape, dtype or device is not supported."""
+    _check(q.dim() == 3 and q.dtype == torch.bfloat16,
+           f"q must be [Tq, Hq, D] bfloat16, got {tuple(q.shape)} {q.dtype}")
+    num_queries, num_q_heads, head_dim = q.shape
+    _check(head_dim in (16, 32, 64, 128, 256, 512),
+           f"head dim {head_dim} unsupported (expected a power of two from 16 to 512)")
+    _check(k_cache.dim() == 4 and k_cache.dtype in CACHE_DTYPES,
+           f"k_cache must be [num_pages, page_size, Hkv, D] float8_e4m3fn or bfloat16, got "
+           f"{tuple(k_cache.shape)} {k_cache.dtype}")
+    _check(v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype
+           and v_cache.stride() == k_cache.stride(),
+           f"v_cache must match k_cache {tuple(k_cache.shape)} {k_cache.dtype} (same strides)")
+    num_kv_heads = k_cache.shape[2]
+    _check(k_cache.shape[3] == head_dim, f"k_cache head dim {k_cache.shape[3]} != q's {head_dim}")
+    _check(num_q_heads % num_kv_heads == 0,
+           f"Hq={num_q_heads} is not a multiple of the cache's Hkv={num_kv_heads}")
+    for name, t in (("k_new", k_new), ("v_new", v_new)):
+        _check(t.shape == (num_queries, num_kv_heads, head_dim) and t.dtype == torch.bfloat16,
+               f"{name} must be [{num_queries}, {num_kv_heads}, {head_dim}] bfloat16, got "
+               f"{tuple(t.shape)} {t.dtype}")
+    _check(k_new.stride() == v_new.stride(), "k_new and v_new must have the same strides")
+    for name, t in (("q", q), ("k_new", k_new), ("k_cache", k_cache)):
+        _check(t.stride(-1) == 1, f"{name} must be contiguous in its last (head) dim")
+    _check(page_table.dim() == 1 and page_table.dtype == torch.int32,
+           f"page_table must be 1-D int32, got {tuple(page_table.shape)} {page_table.dtype}")
+    _check(prefix_len.numel() == 1 and prefix_len.dtype == torch.int32,
+           f"prefix_len must be a 1-element int32 tensor, got {tuple(prefix_len.shape)} "
+           f"{prefix_len.dtype}")
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        _check(t.numel() == 1 and t.dtype == torch.float32,
+               f"{name} must be a 1-element float32 tensor, got {tuple(t.shape)} {t.dtype}")
+    tensors = (k_new, v_new, k_cache, v_cache, page_table, prefix_len, k_scale, v_scale)
+    _check(all(t.device == q.device for t in tensors),
+           f"every tensor must be on q's device {q.device}")
+
+
+def paged_attention(
+    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, page_table: torch.Tensor, prefix_len: torch.Tensor, *,
+    k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float,
+    window: int | None = None, causal_block: int | None = None, num_splits: int | None = None,
+    backend: str = "triton",
+) -> torch.Tensor:
+    """Attention of a block of `Tq` queries over the cached prefix plus the block itself.
+
+    Args:
+        q: `[Tq, Hq, D]` bfloat16 queries (after qk-norm and RoPE). D in 16..512, power of two.
+        k_new, v_new: `[Tq, Hkv, D]` bfloat16 K/V of the same block; not read from the cache.
+        k_cache, v_cache: `[num_pages, page_size, Hkv, D]` float8_e4m3fn or bfloat16 pools.
+        page_table: `[max_pages]` int32; cached token `j` is at
+            `cache[page_table[j // page_size], j % page_size]`.
+        prefix_len: 1-element int32 tensor on the device: cached tokens `0 .. prefix_len-1` are
+            visible (clamped to the table's capacity). Read on the device only (no host sync).
+        k_scale, v_scale: 1-element float32 tensors; cached values are `fp8 * scale`. Pass ones
+            for a BF16 cache.
+        softmax_scale: multiplies `q·k` (LLaDA2: `D**-0.5`; DiffusionGemma: 1.0).
+        window: sliding-window size as in the model config (DiffusionGemma: 1024), anchored at
+            the block start: the block sees cached tokens `j >= prefix_len - (window - 1)`.
+        causal_block: None = the block's queries see all its keys (bidirectional); `b` = query
+            `t` sees block key `s` iff `s // b <= t // b` (block-causal prefill; 1 = causal).
+        num_splits: key splits of the prefix (None: a fixed heuristic from shapes and capacity).
+        backend: `"triton"` (default) or `"reference"`.
+
+    GQA: query head `h` reads KV head `h // (Hq // Hkv)`. Softmax in fp32 over
+    `q·kᵀ·softmax_scale`. Returns `[Tq, Hq, D]` bfloat16.
+    """
+    validate_paged_attention_args(q, k_new, v_new, k_cache, v_cache, page_table, prefix_len,
+                                  k_scale, v_scale)
+    _check(window is None or window >= 1, f"window must be None or >= 1, got {window}")
+    _check(causal_block is None or causal_block >= 1,
+           f"causal_block must be None or >= 1, got {causal_block}")
+    if backend == "reference":
+        return paged_attention_reference(
+            q, k_new, v_new, k_cache, v_cache, page_table, prefix_len, k_scale=k_scale,
+            v_scale=v_scale, softmax_scale=softmax_scale, window=window,
+            causal_block=causal_block)
+    _check(backend == "triton", f"backend={backend!r} is not one of {BACKENDS} (FlashInfer: "
+           "use PagedKVCache(backend='flashinfer'), which plans on the host)")
+    return torch.ops.dlmc.paged_attention(
+        q, k_new, v_new, k_cache, v_cache, page_table, prefix_len.reshape(1), k_scale.reshape(1),
+        v_scale.reshape(1), float(softmax_scale), window or 0, causal_block or 0, num_splits or 0)
+
+
+def gather_prefix(cache: torch.Tensor, page_table: torch.Tensor, start: int, end: int,
+                  scale: torch.Tensor) -> torch.Tensor:
+    """Dequantized cached tokens `start .. end-1` of one pool as fp32 `[end-start, Hkv, D]`."""
+    page_size = cache.shape[1]
+    positions = torch.arange(start, end, device=cache.device)
+    pages = page_table.reshape(-1)[positions // page_size].long()
+    return cache[pages, positions % page_size].float() * scale.float().reshape(())
+
+
+def paged_attention_reference(
+    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+    v_cache: torch.Tensor, page_table: torch.Tensor, prefix_len: torch.Tensor, *,
+    k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float,
+    window: int | None = None, causal_block: int | None = None,
+) -> torch.Tensor:
+    """The maths of `paged_attention` in plain PyTorch (fp32 throughout; syncs on prefix_len)."""
+    capacity = min(k_cache.shape[0], page_table.numel()) * k_cache.shape[1]
+    prefix = min(int(prefix_len.reshape(-1)[0]), capacity)
+    start = max(prefix - (window - 1), 0) if window else 0
+    keys = torch.cat([gather_prefix(k_cache, page_table, start, prefix, k_scale),
+                      k_new.float()])  # [S, Hkv, D]
+    values = torch.cat([gather_prefix(v_cache, page_table, start, prefix, v_scale),
+                        v_new.float()])  # [S, Hkv, D]
+    group = q.shape[1] // k_new.shape[1]
+    keys = keys.repeat_interleave(group, dim=1)  # [S, Hq, D]
+    values = values.repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,shd->hts", q.float(), keys) * softmax_scale  # [Hq, Tq, S]
+    if causal_block:
+        t = torch.arange(q.shape[0], device=q.device)
+        hidden = (t[None, :] // causal_block) > (t[:, None] // causal_block)  # [Tq, Tq]
+        scores[:, :, prefix - start:] = scores[:, :, prefix - start:].masked_fill(
+            hidden, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)  # [Hq, Tq, S]
+    return torch.einsum("hts,shd->thd", probs, values).to(q.dtype)

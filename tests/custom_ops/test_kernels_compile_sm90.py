@@ -1,0 +1,83 @@
+"""The GPU variants of the kernels compile for sm_90 (H200) on any machine, GPU or not.
+
+The CPU tests run the kernels under Triton's interpreter, which takes other code paths (while
+loops, fp32 dots, emulated FP8 rounding); this compiles the real ones ahead of time with Triton's
+bundled ptxas, including the fp64 scalar that Inductor passes for Python floats. It runs in a
+subprocess without `TRITON_INTERPRET` (under the interpreter `triton.jit` makes no JITFunction).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import triton
+from dlmc.custom_ops._paged_attention_kernels import (
+    paged_attention_merge_kernel,
+    paged_attention_split_kernel,
+    split_launch_config,
+)
+from dlmc.custom_ops.kv_append import kv_append_kernel
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+SM90 = GPUTarget("cuda", 90, 32)
+
+
+def compile_sm90(kernel: triton.JITFunction, types: dict[str, str], constexprs: dict[str, object],
+                 num_warps: int) -> triton.compiler.CompiledKernel:
+    names = kernel.arg_names
+    signature = {name: "constexpr" if name in constexprs else types[name] for name in names}
+    source = ASTSource(fn=kernel, signature=signature,
+                       constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(source, target=SM90, options={"num_warps": num_warps})
+
+
+def check_split_and_merge(float_type: str, head_dim: int, kv_type: str,
+                          causal_block: int) -> None:
+    block_m, block_n, num_warps = split_launch_config(head_dim)
+    pointers = {"q_ptr": "*bf16", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16",
+                "k_cache_ptr": kv_type, "v_cache_ptr": kv_type, "page_table_ptr": "*i32",
+                "prefix_len_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
+                "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "scale_log2": float_type}
+    types = {name: pointers.get(name, "i32") for name in paged_attention_split_kernel.arg_names}
+    compiled = compile_sm90(paged_attention_split_kernel, types, {
+        "GROUP": 4, "HEAD_DIM": head_dim, "PAGE_SIZE": 16, "CAUSAL_BLOCK": causal_block,
+        "NUM_SPLITS": 33, "MIN_SPLIT_KEYS": 128, "BLOCK_M": block_m, "BLOCK_N": block_n,
+        "DOT_FP32": False, "LOOP_WHILE": False, "NUM_STAGES": 3 if head_dim <= 128 else 2,
+    }, num_warps)
+    assert "cp.async" in compiled.asm["ptx"]  # the key loop is software-pipelined
+    merge_types = {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "out_ptr": "*bf16",
+                   "prefix_len_ptr": "*i32"}
+    types = {name: merge_types.get(name, "i32")
+             for name in paged_attention_merge_kernel.arg_names}
+    compile_sm90(paged_attention_merge_kernel, types, {
+        "GROUP": 4, "HEAD_DIM": head_dim, "NUM_SPLITS": 33, "MIN_SPLIT_KEYS": 128,
+        "BLOCK_N": block_n, "CHUNK": 32, "LOOP_WHILE": False}, 4)
+
+
+def check_kv_append() -> None:
+    pointers = {"k_ptr": "*bf16", "v_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv",
+                "v_cache_ptr": "*fp8e4nv", "page_table_ptr": "*i32", "offset_ptr": "*i32",
+                "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+    types = {name: pointers.get(name, "i32") for name in kv_append_kernel.arg_names}
+    compiled = compile_sm90(kv_append_kernel, types, {
+        "HEAD_DIM": 128, "PAGE_SIZE": 16, "MAX_TOKENS": 4096, "QUANTIZE": True,
+        "EMULATE_FP8": False, "BLOCK_T": 16}, 4)
+    ptx = compiled.asm["ptx"]
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx
+
+
+def test_kernels_compile_for_sm90() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
+                            timeout=600, check=False)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+
+
+if __name__ == "__main__":
+    check_split_and_merge("fp64", 128, "*fp8e4nv", 0)  # as Inductor calls it
+    check_split_and_merge("fp32", 256, "*fp8e4nv", 0)  # as an eager call does
+    check_split_and_merge("fp32", 512, "*bf16", 4)
+    check_kv_append()
