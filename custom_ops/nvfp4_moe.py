@@ -14,10 +14,10 @@ import os
 import torch
 import triton
 import triton.language as tl
-from dlmc.custom_ops.moe_align import align_pairs_to_blocks, moe_block_size
-from dlmc.custom_ops.nvfp4_tiles import nvfp4_tile_dot, nvfp4_tile_dot_v2, round_bf16
 from torch.library import triton_op, wrap_triton
 
+from dlmc.custom_ops.moe_align import align_pairs_to_blocks, moe_block_size
+from dlmc.custom_ops.nvfp4_tiles import nvfp4_tile_dot, nvfp4_tile_dot_v2, round_bf16
 from dlmc.quant.nvfp4_format import dequantize_blocks, fake_quantize_activation
 
 __all__ = ["nvfp4_moe", "nvfp4_moe_reference"]

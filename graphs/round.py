@@ -11,10 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from dlmc.graphs.static_attention import StaticCacheAttention
 
 from dlmc.engine.kv_cache import DenseKVCache
 from dlmc.engine.rules import joint_threshold_step, propose, threshold_step
+from dlmc.graphs.paged_round_attention import PagedRoundAttention
+from dlmc.graphs.static_attention import StaticCacheAttention
+from dlmc.kv.paged_cache import PagedKVCache
 
 EDITS_OFF = 2.0  # an edit threshold no probability exceeds
 
@@ -91,29 +93,39 @@ def decide(
     buf.edited.copy_(edited)
 
 
+def _attention(cache: DenseKVCache | PagedKVCache, positions: torch.Tensor, key_len: int,
+               block_length: int, causal: bool) -> StaticCacheAttention | PagedRoundAttention:
+    if isinstance(cache, PagedKVCache):
+        return PagedRoundAttention(cache, block_length if causal else None)
+    return StaticCacheAttention(cache, positions, key_len, block_length)
+
+
 def denoise_round(
     model: torch.nn.Module,
     buf: RoundBuffers,
-    cache: DenseKVCache,
+    cache: DenseKVCache | PagedKVCache,
     key_len: int,
     block_length: int,
     mask_id: int,
     algorithm: str,
+    sampling: tuple[float, int | None, float | None, torch.Generator | None] | None = None,
 ) -> None:
-    """One greedy round of the block in `buf` over `cache` (keys `[0, key_len)`)."""
-    ctx = StaticCacheAttention(cache, buf.positions, key_len, block_length)
+    """One round of the block in `buf` over `cache` (dense: keys `[0, key_len)`; paged: the
+    cached prefix). Greedy unless `sampling` = (temperature, top_k, top_p, generator)."""
+    ctx = _attention(cache, buf.positions, key_len, block_length, causal=False)
     logits = model(buf.tokens, buf.positions, ctx)  # [bl, V] fp32
-    decide(logits, buf, mask_id, algorithm)
+    decide(logits, buf, mask_id, algorithm, sampling=sampling)
 
 
 def fill_kv(
     model: torch.nn.Module,
     tokens: torch.Tensor,
     positions: torch.Tensor,
-    cache: DenseKVCache,
+    cache: DenseKVCache | PagedKVCache,
     key_len: int,
     block_length: int,
 ) -> None:
-    """Write the K/V of `tokens [T]` at `positions [T]` (prompt prefill chunk or block refresh)."""
-    ctx = StaticCacheAttention(cache, positions, key_len, block_length)
+    """Write the K/V of `tokens [T]` at `positions [T]` (prompt prefill chunk or block refresh;
+    block-causal inside the chunk)."""
+    ctx = _attention(cache, positions, key_len, block_length, causal=True)
     model(tokens, positions, ctx, compute_logits=False)

@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 import torch._inductor.config
-from dlmc.graphs.round import RoundBuffers, denoise_round, fill_kv
 
 from dlmc.engine.kv_cache import DenseKVCache
 from dlmc.errors import ConfigError
+from dlmc.graphs.round import RoundBuffers, denoise_round, fill_kv
+from dlmc.kv.paged_cache import PagedKVCache
 
 log = logging.getLogger(__name__)
 MODES = ("eager", "compile", "graph")
@@ -51,12 +52,13 @@ class RoundRunner:
     """Static buffers + compiled/captured rounds for one model and block length."""
 
     def __init__(
-        self, model: torch.nn.Module, cache: DenseKVCache, block_length: int, mask_id: int,
-        mode: str,
+        self, model: torch.nn.Module, cache: DenseKVCache | PagedKVCache, block_length: int,
+        mask_id: int, mode: str,
     ) -> None:
         if mode not in MODES:
             raise ConfigError(f"round mode {mode!r}: expected one of {', '.join(MODES)}")
         device = cache.k.device
+        self.max_tokens = getattr(cache, "max_tokens", None) or cache.capacity
         if mode == "graph" and device.type != "cuda":
             raise ConfigError("round mode 'graph' needs a CUDA device (use 'compile' or 'eager')")
         self.model, self.cache, self.bl, self.mask_id, self.mode = (
@@ -71,14 +73,20 @@ class RoundRunner:
         bucket = MIN_BUCKET
         while bucket < end:
             bucket *= 2
-        return min(bucket, self.cache.max_tokens)
+        return min(bucket, self.max_tokens)
 
     # -- denoising rounds ------------------------------------------------------------------
-    def step(self, algorithm: str, key_len: int) -> bool:
-        """Run one round of the block in `self.buf`; returns the device's "done" flag."""
-        key = ("round", algorithm, key_len)
-        self._run(key, lambda: self._round_fn()(self.model, self.buf, self.cache, key_len,
-                                                   self.bl, self.mask_id, algorithm))
+    def step(self, algorithm: str, key_len: int, sampling: Any = None) -> bool:
+        """Run one round of the block in `self.buf`; returns the device's "done" flag.
+
+        `sampling` (temperature, top_k, top_p, generator) runs the round eagerly."""
+        if sampling is not None:
+            denoise_round(self.model, self.buf, self.cache, key_len, self.bl, self.mask_id,
+                          algorithm, sampling)
+        else:
+            key = ("round", algorithm, key_len)
+            self._run(key, lambda: self._round_fn()(self.model, self.buf, self.cache, key_len,
+                                                       self.bl, self.mask_id, algorithm))
         return bool(self.buf.done)  # the one host sync per round
 
     def fill(self, tokens: torch.Tensor, positions: torch.Tensor, key_len: int) -> None:

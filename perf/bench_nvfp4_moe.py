@@ -31,7 +31,6 @@ if not torch.cuda.is_available():  # --smoke on a CPU machine: Triton's interpre
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
-
 from dlmc.quant.nvfp4_format import dequantize_nvfp4
 
 PROJ_SHAPES = {"gate": ("I", "H"), "up": ("I", "H"), "down": ("H", "I")}

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 import triton
+
 from dlmc.custom_ops.kv_append import kv_append
 from dlmc.custom_ops.paged_attention import (
     launch_paged_attention,

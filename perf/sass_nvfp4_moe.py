@@ -20,9 +20,10 @@ import tempfile
 from pathlib import Path
 
 import triton
-from dlmc.custom_ops import nvfp4_moe as op
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+
+from dlmc.custom_ops import nvfp4_moe as op
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")

@@ -16,6 +16,7 @@ from dlmc.engine.block_decoder import BlockDecoder
 from dlmc.engine.decode_config import DecodeConfig, resolve_decode_config, role_defaults
 from dlmc.engine.events import BlockEvent, DecodeOutput, RoundEvent
 from dlmc.errors import ConfigError, DlmcError
+from dlmc.kv.scales import resolve_kv_cache_dtype
 from dlmc.loading.hub import resolve_model
 from dlmc.loading.loader import load_model, parse_dtype
 from dlmc.loading.special_ids import resolve_special_ids
@@ -35,6 +36,8 @@ class LLM:
     or "nvfp4". `device`: default CUDA if available. `dtype`: default bf16 on CUDA, fp32 on CPU.
     `mode`: how rounds run: "graph" (compiled + CUDA graphs, the default on CUDA), "compile",
     "eager" (the default on CPU) or "reference" (plain PyTorch, exact-length attention).
+    `kv_cache_dtype`: "auto" (FP8 when the checkpoint declares an FP8 KV cache and activations
+    are bf16), "bf16" or "fp8" (paged cache, K/V quantized with the checkpoint's scales).
     """
 
     def __init__(
@@ -46,6 +49,8 @@ class LLM:
         dtype: str | torch.dtype | None = None,
         max_context: int | None = None,
         show_progress: bool = False,
+        mode: str | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         role_defaults(role)  # validates the role
         self.model_id = os.fspath(model)
@@ -56,17 +61,21 @@ class LLM:
         loaded = load_model(self.model_dir, self.device, self.dtype, precision, show_progress)
         self.config, self.model, self.precision = loaded.config, loaded.model, loaded.precision
         self.kv_scales = loaded.kv_scales
+        self.kv_cache_dtype = resolve_kv_cache_dtype(
+            kv_cache_dtype, loaded.declares_fp8_kv and self.dtype == torch.bfloat16)
         self._has_self_conditioning = any("self_conditioning" in n for n in loaded.index.tensors)
         self._tokenizer: Any = None
         self.special_ids = resolve_special_ids(self.model_dir, self._tokenizer_special_ids)
         self.max_context = max_context or self.config.max_position_embeddings
+        self.mode = mode or ("graph" if self.device.type == "cuda" else "eager")
+        if self.mode not in ("graph", "compile", "eager", "reference"):
+            raise ConfigError(
+                f"mode {self.mode!r}: expected one of graph, compile, eager, reference"
+            )
         self._decoder = BlockDecoder(
-            self.model,
-            self.special_ids.mask_token_id,
-            self.special_ids.eos_token_id,
-            self.max_context,
-            self.device,
-            self.dtype,
+            self.model, self.special_ids.mask_token_id, self.special_ids.eos_token_id,
+            self.max_context, self.device, self.dtype, mode=self.mode,
+            kv_cache_dtype=self.kv_cache_dtype, kv_scales=self.kv_scales,
         )
 
     # -- tokenizer -------------------------------------------------------------------------
@@ -246,6 +255,8 @@ class LLM:
             "precision": self.precision,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),
+            "mode": self.mode if cfg.greedy or self.kv_cache_dtype == "fp8" else "reference",
+            "kv_cache_dtype": self.kv_cache_dtype,
             "self_conditioning_active": False,
             "mask_token_id": self.special_ids.mask_token_id,
             "eos_token_id": self.special_ids.eos_token_id,

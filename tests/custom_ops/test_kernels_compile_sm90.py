@@ -13,14 +13,15 @@ import subprocess
 import sys
 
 import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
 from dlmc.custom_ops._paged_attention_kernels import (
     paged_attention_merge_kernel,
     paged_attention_split_kernel,
     split_launch_config,
 )
 from dlmc.custom_ops.kv_append import kv_append_kernel
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 SM90 = GPUTarget("cuda", 90, 32)
 

@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
-from dlmc.custom_ops.kv_append import kv_append, kv_append_reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dlmc.custom_ops.kv_append import kv_append, kv_append_reference
 from dlmc.errors import ConfigError
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import torch
-from dlmc.custom_ops.moe_align import align_pairs_to_blocks, moe_block_size
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from dlmc.custom_ops.moe_align import align_pairs_to_blocks, moe_block_size
 
 
 @settings(max_examples=40, deadline=None)

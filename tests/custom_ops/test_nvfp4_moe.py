@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"

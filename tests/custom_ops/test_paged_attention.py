@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
-from dlmc.custom_ops.kv_append import quantize_kv_reference
-from dlmc.custom_ops.paged_attention import paged_attention, paged_attention_reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dlmc.custom_ops.kv_append import quantize_kv_reference
+from dlmc.custom_ops.paged_attention import paged_attention, paged_attention_reference
 from dlmc.errors import ConfigError
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -3,11 +3,11 @@
 
 import pytest
 import torch
-from dlmc.graphs.runner import RoundRunner
 
 from dlmc.engine.block_decoder import BlockDecoder
 from dlmc.engine.decode_config import DecodeConfig
 from dlmc.errors import ConfigError
+from dlmc.graphs.runner import RoundRunner
 
 
 def _decode(llm, mode, prompt, cfg):
@@ -65,9 +65,8 @@ def test_graph_replay_matches_eager_on_cuda(tiny_dir, dtype):
 
 @pytest.mark.gpu
 def test_round_has_no_host_sync_on_cuda(tiny_dir):
-    from dlmc.graphs.round import denoise_round
-
     from dlmc import LLM
+    from dlmc.graphs.round import denoise_round
 
     llm = LLM(tiny_dir, device="cuda", dtype="bf16", mode="eager")
     llm.generate(prompt_token_ids=list(range(40)), max_new_tokens=32)

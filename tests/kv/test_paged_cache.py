@@ -6,8 +6,8 @@ from typing import Literal
 
 import pytest
 import torch
-from dlmc.custom_ops.paged_attention_flashinfer import flashinfer_available
 
+from dlmc.custom_ops.paged_attention_flashinfer import flashinfer_available
 from dlmc.errors import ConfigError
 from dlmc.kv import KVCacheConfig, PagedKVCache
 

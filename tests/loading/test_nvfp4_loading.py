@@ -32,7 +32,7 @@ def test_nvfp4_logits_equal_dequantized_bf16(nvfp4_dir):
     # keeps the global scale in fp32, the dequantized path rounds weights x global scale to bf16.
     assert (a - b).norm() / b.norm() < 1e-2
     assert bool((a.argmax(-1) == b.argmax(-1)).all())
-    assert as_nvfp4.kv_scales == {0: (0.5, 0.25), 1: (0.5, 0.25), 2: (0.5, 0.25)}
+    assert as_nvfp4.kv_scales.k == (0.5,) * 3 and as_nvfp4.kv_scales.v == (0.25,) * 3
     a = as_nvfp4.generate(prompt_token_ids=ids, max_new_tokens=32)
     assert len(a.token_ids) == 32
 
@@ -53,7 +53,8 @@ def _rewrite(directory, fn):
     (lambda sd: sd.__setitem__("model.layers.1.mlp.experts.1.gate_proj.weight_scale_2",
                                torch.ones(2)),
      r"gate_proj.weight_scale_2: expected fp32 scalar"),
-    (lambda sd: sd.pop("model.layers.0.attention.v_scale"), r"layer 0 has \['k'\] KV scale"),
+    (lambda sd: sd.__setitem__("model.layers.0.attention.v_scale", torch.tensor(-1.0)),
+     r"KV scale model.layers.0.attention.v_scale .* is -1.0; expected a positive"),
 ])
 def test_malformed_exports_are_named(tmp_path, nvfp4_dir, edit, message):
     import shutil
@@ -77,3 +78,14 @@ def test_unsupported_algo_and_precision_errors(tmp_path, nvfp4_dir):
         LLM(bad, device="cpu")
     with pytest.raises(ConfigError, match="is a BF16 checkpoint"):
         LLM(write_tiny_checkpoint(tmp_path / "plain", shards=1), device="cpu", precision="nvfp4")
+
+
+def test_declared_fp8_kv_without_scales_warns_and_uses_one(tmp_path, nvfp4_dir, caplog):
+    import shutil
+
+    bare = tmp_path / "noscales"
+    shutil.copytree(nvfp4_dir, bare)
+    _rewrite(bare, lambda sd: [sd.pop(n) for n in list(sd) if n.endswith(("k_scale", "v_scale"))])
+    llm = LLM(bare, device="cpu", dtype="bf16")
+    assert llm.kv_scales.k == (1.0,) * 3 and llm.kv_cache_dtype == "fp8"
+    assert "declares an FP8 KV cache but has no scale" in caplog.text

@@ -53,7 +53,7 @@ def use_uniform_routing(model: nn.Module, max_tokens: int, seed: int) -> None:
 
 
 def touched_bytes(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
-                  prefix: int) -> tuple[int, float]:
+                  prefix: int, kv_bytes: int = 2) -> tuple[int, float]:
     """Bytes one round reads (weights used, touched experts, embedding rows, KV) and the mean
     number of distinct experts per MoE layer, from one forward's actual routing."""
     cfg = model.config
@@ -79,10 +79,11 @@ def touched_bytes(model: nn.Module, tokens: torch.Tensor, positions: torch.Tenso
     mean_experts = statistics.mean(counts) if counts else 0.0
     moe_blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
     for module, count in zip(moe_blocks, counts, strict=True):
-        per_expert = sum(p[0].numel() * p.element_size() for p in module.experts.parameters())
+        tensors = [*module.experts.parameters(), *module.experts.buffers()]
+        per_expert = sum(t[0].numel() * t.element_size() for t in tensors)
         total += per_expert * count
     kv = cfg.num_hidden_layers * 2 * (prefix + tokens.numel()) * cfg.num_key_value_heads
-    total += kv * cfg.head_dim * 2
+    total += kv * cfg.head_dim * kv_bytes
     return total, mean_experts
 
 
@@ -102,7 +103,7 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / statistics.median(times) / 1e9
 
 
-def time_rounds(model: nn.Module, cache: DenseKVCache, bench: RoundBenchConfig, mode: str,
+def time_rounds(model: nn.Module, cache: Any, bench: RoundBenchConfig, mode: str,
                 mask_id: int) -> dict[str, Any]:
     """Median / min / max ms of `bench.rounds` rounds in `mode`, after warm-up."""
     device = cache.k.device
@@ -138,7 +139,7 @@ def time_rounds(model: nn.Module, cache: DenseKVCache, bench: RoundBenchConfig, 
 
 
 def loop_overhead(model: nn.Module, bench: RoundBenchConfig, mask_id: int, round_ms: float,
-                  blocks: int = 4) -> dict[str, Any]:
+                  blocks: int = 4, kv_cache_dtype: str = "bf16") -> dict[str, Any]:
     """Wall time of a whole graph-mode decode (prefill + `blocks` blocks) against the sum of
     its rounds (at the measured median) and its fill forwards (timed here)."""
     from dlmc.engine.block_decoder import BlockDecoder
@@ -146,7 +147,7 @@ def loop_overhead(model: nn.Module, bench: RoundBenchConfig, mask_id: int, round
     device = next(model.parameters()).device
     bl = bench.block_length
     decoder = BlockDecoder(model, mask_id, -1, bench.prefix + (blocks + 1) * bl + 1024, device,
-                           torch.bfloat16, mode="graph")
+                           torch.bfloat16, mode="graph", kv_cache_dtype=kv_cache_dtype)
     gen = torch.Generator(device="cpu").manual_seed(bench.seed)
     prompt = torch.randint(0, model.config.vocab_size - 1, (bench.prefix,), generator=gen)
     cfg = DecodeConfig(block_length=bl, max_new_tokens=blocks * bl)
@@ -169,6 +170,9 @@ def loop_overhead(model: nn.Module, bench: RoundBenchConfig, mask_id: int, round
     fill_times = []
     tokens = torch.randint(0, 100, (bl,), device=device)
     positions = torch.arange(bench.prefix, bench.prefix + bl, device=device)
+    if kv_cache_dtype == "fp8":  # fills append at the committed length: put it at the prefix
+        decoder.cache.reset()
+        decoder.cache.advance(bench.prefix)
     for _ in range(20):
         t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0.record()
@@ -184,7 +188,7 @@ def loop_overhead(model: nn.Module, bench: RoundBenchConfig, mask_id: int, round
             "overhead_ratio": wall_ms / busy_ms - 1.0, "blocks": blocks}
 
 
-def profile_rounds(model: nn.Module, cache: DenseKVCache, bench: RoundBenchConfig,
+def profile_rounds(model: nn.Module, cache: Any, bench: RoundBenchConfig,
                    mask_id: int, rounds: int = 10) -> str:
     """Per-kernel CUDA time of compiled (not graph-captured) rounds, from torch.profiler."""
     from torch.profiler import ProfilerActivity, profile

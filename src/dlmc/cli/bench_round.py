@@ -27,12 +27,14 @@ from dlmc.cli.options import user_errors
 @click.option("--rounds", type=int, default=100, show_default=True)
 @click.option("--modes", default="eager,compile,graph", show_default=True)
 @click.option("--loop/--no-loop", default=True, help="Also measure a whole decode's overhead.")
+@click.option("--kv-cache-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16",
+              show_default=True, help="bf16: dense static cache; fp8: paged FP8 cache.")
 @click.option("--profile", is_flag=True, help="Per-kernel breakdown (torch.profiler).")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Write JSON here.")
 @user_errors
 def round_cmd(model: str | None, shape: str, precision: str, block_length: int, prefix: int,
-              routing: str, rounds: int, modes: str, loop: bool, profile: bool,
-              out: Path | None) -> None:
+              routing: str, rounds: int, modes: str, loop: bool, kv_cache_dtype: str,
+              profile: bool, out: Path | None) -> None:
     """Median ms per round with bytes touched, GB/s and the copy bandwidth of the same run."""
     import torch
     from rich.console import Console
@@ -47,36 +49,33 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
         touched_bytes,
         use_uniform_routing,
     )
-    from dlmc.engine.kv_cache import DenseKVCache
     from dlmc.errors import ConfigError
 
     if not torch.cuda.is_available():
         raise ConfigError("dlmc bench round needs a CUDA GPU")
-    if precision != "bf16":
-        raise ConfigError("--precision nvfp4: the NVFP4 expert path is not in this build yet")
     device = torch.device("cuda")
     cfg = RoundBenchConfig(block_length, prefix, routing, rounds, tuple(modes.split(",")))
-    net = _build(model, shape, device)
+    net = _build(model, shape, device, precision)
     mask_id = net.config.vocab_size - 1
     if routing == "uniform":
         use_uniform_routing(net, max_tokens=512, seed=cfg.seed)
     gen = torch.Generator(device=device).manual_seed(1)
     tokens = torch.randint(0, mask_id, (block_length,), device=device, generator=gen)
     positions = torch.arange(prefix, prefix + block_length, device=device)
-    nbytes, experts = touched_bytes(net, tokens, positions, prefix)
+    nbytes, experts = touched_bytes(net, tokens, positions, prefix,
+                                    kv_bytes=1 if kv_cache_dtype == "fp8" else 2)
     bandwidth = copy_bandwidth(device)
     c = net.config
-    cache = DenseKVCache(c.num_hidden_layers, prefix + block_length + 1024, c.num_key_value_heads,
-                         c.head_dim, torch.bfloat16, device)
-    cache.k.normal_(generator=gen)
-    cache.v.normal_(generator=gen)
+    cache = _cache(c, prefix, block_length, kv_cache_dtype, device, gen)
     results = [time_rounds(net, cache, cfg, mode, mask_id) for mode in cfg.modes]
     for r in results:
         r["gb_per_s"] = nbytes / (r["median_ms"] / 1e3) / 1e9
         r["fraction_of_copy_bw"] = r["gb_per_s"] / bandwidth
     graph = [r for r in results if r["mode"] == "graph"]
-    overhead = loop_overhead(net, cfg, mask_id, graph[0]["median_ms"]) if loop and graph else None
-    report = {"shape": model or shape, "precision": precision, "block_length": block_length,
+    overhead = (loop_overhead(net, cfg, mask_id, graph[0]["median_ms"],
+                              kv_cache_dtype=kv_cache_dtype) if loop and graph else None)
+    report = {"shape": model or shape, "precision": precision, "kv_cache_dtype": kv_cache_dtype,
+              "block_length": block_length,
               "prefix": prefix, "routing": routing, "bytes_per_round": nbytes,
               "distinct_experts_per_moe_layer": experts, "copy_gb_per_s": bandwidth,
               "floor_ms": nbytes / (bandwidth * 1e9) * 1e3, "results": results,
@@ -104,19 +103,46 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
         out.write_text(json.dumps(report, indent=2))
 
 
-def _build(model: str | None, shape: str, device: Any) -> Any:
+def _build(model: str | None, shape: str, device: Any, precision: str) -> Any:
     import torch
 
     from dlmc.errors import ConfigError
-    from dlmc.models.shapes import SHAPES, build_random_model
+    from dlmc.models.shapes import SHAPES, build_random_model, use_random_nvfp4_experts
 
     if model:
         from dlmc import LLM
 
-        return LLM(model, device=device, dtype="bf16", mode="eager").model
+        return LLM(model, device=device, dtype="bf16", mode="eager", precision=precision).model
     if shape not in SHAPES:
         raise ConfigError(f"--shape {shape!r}: expected one of {', '.join(SHAPES)}")
-    return build_random_model(SHAPES[shape], device, torch.bfloat16, seed=0)
+    net = build_random_model(SHAPES[shape], device, torch.bfloat16, seed=0)
+    if precision == "nvfp4":
+        use_random_nvfp4_experts(net, seed=0)
+        torch.cuda.empty_cache()
+    return net
+
+
+def _cache(c: Any, prefix: int, block_length: int, kv_cache_dtype: str, device: Any,
+           gen: Any) -> Any:
+    """A KV cache holding `prefix` random (never zero) tokens."""
+    import torch
+
+    from dlmc.engine.kv_cache import DenseKVCache
+    from dlmc.kv.paged_cache import KVCacheConfig, PagedKVCache
+
+    size = prefix + block_length + 1024
+    if kv_cache_dtype == "fp8":
+        cache = PagedKVCache(KVCacheConfig(c.num_hidden_layers, c.num_key_value_heads,
+                                           c.head_dim, size, dtype="fp8"), device)
+        for pool in (cache.k, cache.v):
+            pool.copy_(torch.randn(pool.shape, device=device, generator=gen).to(pool.dtype))
+        cache.advance(prefix)
+        return cache
+    cache = DenseKVCache(c.num_hidden_layers, size, c.num_key_value_heads, c.head_dim,
+                         torch.bfloat16, device)
+    cache.k.normal_(generator=gen)
+    cache.v.normal_(generator=gen)
+    return cache
 
 
 def _triton_version() -> str:

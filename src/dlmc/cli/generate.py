@@ -8,7 +8,13 @@ from typing import Any
 
 import click
 
-from dlmc.cli.options import decode_kwargs, decode_options, model_options, user_errors
+from dlmc.cli.options import (
+    decode_kwargs,
+    decode_options,
+    engine_kwargs,
+    model_options,
+    user_errors,
+)
 
 
 @click.command()
@@ -47,7 +53,8 @@ def generate(
         from dlmc import LLM
 
         llm = LLM(
-            model, role=role, precision=precision, device=device, dtype=dtype, show_progress=True
+            model, role=role, precision=precision, device=device, dtype=dtype, show_progress=True,
+            **engine_kwargs(decode),
         )
     if raw and system:
         raise click.UsageError("--system needs the chat template: drop --raw")

@@ -28,7 +28,8 @@ class EditThreshold(click.ParamType):
 
 
 def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """--model --role --precision --device --dtype."""
+    """--model --role --precision --device --dtype --mode --kv-cache-dtype (the last two reach
+    the command in **kwargs; pass them on with `engine_kwargs`)."""
     decorators = [
         click.option(
             "--model",
@@ -57,6 +58,19 @@ def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             type=click.Choice(["bf16", "fp16", "fp32"]),
             default=None,
             help="Activation dtype (default: bf16 on CUDA, fp32 on CPU).",
+        ),
+        click.option(
+            "--mode",
+            type=click.Choice(["graph", "compile", "eager", "reference"]),
+            default=None,
+            help="How rounds run (default: graph = compiled + CUDA graphs on CUDA, eager on CPU).",
+        ),
+        click.option(
+            "--kv-cache-dtype",
+            type=click.Choice(["auto", "bf16", "fp8"]),
+            default="auto",
+            show_default=True,
+            help="KV cache storage (auto: FP8 when the checkpoint declares an FP8 KV cache).",
         ),
     ]
     for decorator in reversed(decorators):
@@ -100,6 +114,11 @@ def decode_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     for decorator in reversed(decorators):
         fn = decorator(fn)
     return fn
+
+
+def engine_kwargs(params: dict[str, Any]) -> dict[str, Any]:
+    """The LLM constructor's --mode / --kv-cache-dtype among a command's parameters."""
+    return {"mode": params.get("mode"), "kv_cache_dtype": params.get("kv_cache_dtype") or "auto"}
 
 
 def decode_kwargs(params: dict[str, Any]) -> dict[str, Any]:

@@ -8,7 +8,13 @@ from typing import Any
 
 import click
 
-from dlmc.cli.options import decode_kwargs, decode_options, model_options, user_errors
+from dlmc.cli.options import (
+    decode_kwargs,
+    decode_options,
+    engine_kwargs,
+    model_options,
+    user_errors,
+)
 
 
 @click.command()
@@ -63,7 +69,8 @@ def serve(
         from dlmc import LLM
 
         llm = LLM(
-            model, role=role, precision=precision, device=device, dtype=dtype, show_progress=True
+            model, role=role, precision=precision, device=device, dtype=dtype, show_progress=True,
+            **engine_kwargs(decode),
         )
     settings = ServerSettings(
         model_name=model,

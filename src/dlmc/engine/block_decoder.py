@@ -23,6 +23,8 @@ from dlmc.engine.rules import step_quotas
 from dlmc.errors import ConfigError
 from dlmc.graphs.round import EDITS_OFF, RoundBuffers, decide
 from dlmc.graphs.runner import RoundRunner
+from dlmc.kv.paged_cache import KVCacheConfig, PagedKVCache
+from dlmc.kv.scales import KVScales
 
 Event = RoundEvent | BlockEvent
 PREFILL_CHUNK = 512
@@ -37,20 +39,35 @@ class BlockDecoder:
     def __init__(
         self, model: torch.nn.Module, mask_id: int, eos_id: int, max_context: int,
         device: torch.device, dtype: torch.dtype, mode: str = "eager",
+        kv_cache_dtype: str = "bf16", kv_scales: KVScales | None = None,
     ) -> None:
         self.model, self.mask_id, self.eos_id = model, mask_id, eos_id
         self.max_context, self.device, self.dtype, self.mode = (
             max_context, device, dtype, mode)
-        self._cache: DenseKVCache | None = None
+        if kv_cache_dtype == "fp8" and (dtype != torch.bfloat16 or mode == "reference"):
+            raise ConfigError(
+                f"kv_cache_dtype 'fp8' runs with bf16 activations and a static round mode "
+                f"(got dtype {dtype}, mode {mode!r}); use kv_cache_dtype 'bf16'"
+            )
+        self.kv_cache_dtype, self.kv_scales = kv_cache_dtype, kv_scales
+        self._cache: DenseKVCache | PagedKVCache | None = None
         self._runners: dict[int, RoundRunner] = {}
 
     @property
-    def cache(self) -> DenseKVCache:
+    def cache(self) -> DenseKVCache | PagedKVCache:
+        """BF16: dense static cache; FP8: paged cache with the checkpoint's K/V scales."""
         if self._cache is None:
             cfg = self.model.config
-            self._cache = DenseKVCache(cfg.num_hidden_layers, self.max_context,
-                                       cfg.num_key_value_heads, cfg.head_dim, self.dtype,
-                                       self.device)
+            if self.kv_cache_dtype == "fp8":
+                scales = self.kv_scales or KVScales.ones(cfg.num_hidden_layers)
+                config = KVCacheConfig(cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                       cfg.head_dim, self.max_context, dtype="fp8")
+                self._cache = PagedKVCache(config, self.device, k_scales=scales.k,
+                                           v_scales=scales.v)
+            else:
+                self._cache = DenseKVCache(cfg.num_hidden_layers, self.max_context,
+                                           cfg.num_key_value_heads, cfg.head_dim, self.dtype,
+                                           self.device)
         return self._cache
 
     def runner(self, block_length: int) -> RoundRunner:
@@ -74,8 +91,11 @@ class BlockDecoder:
                 f"of {bl} = {num_blocks * bl} tokens exceeds the model's context of "
                 f"{self.max_context}"
             )
-        static = use_cache and cfg.greedy and self.mode != "reference"
+        paged = use_cache and self.kv_cache_dtype == "fp8"
+        static = use_cache and (cfg.greedy or paged) and self.mode != "reference"
         runner = self.runner(bl) if static else None
+        if paged:
+            self.cache.reset()
         buf = runner.buf if runner else RoundBuffers.allocate(bl, 1, self.device)
         canvas = torch.full((num_blocks * bl,), self.mask_id, dtype=torch.long, device=self.device)
         canvas[:plen] = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
@@ -100,7 +120,7 @@ class BlockDecoder:
                         cancelled = True
                         break
                     if runner is not None:
-                        done = runner.step(cfg.algorithm, runner.key_len(start + bl))
+                        done = runner.step(cfg.algorithm, runner.key_len(start + bl), sampling)
                     else:
                         logits = self._reference_logits(buf.tokens, start, bl, canvas, positions,
                                                         use_cache)
@@ -122,6 +142,8 @@ class BlockDecoder:
                     self._fill(canvas[start : start + bl], positions[start : start + bl], bl,
                                runner)
                     total += 1
+                if paged:
+                    self.cache.advance(bl)
                 new_ids = canvas[max(start, plen) : min(start + bl, answer_end)].tolist()
                 if self.eos_id in new_ids:
                     new_ids = new_ids[: new_ids.index(self.eos_id) + 1]
@@ -190,11 +212,13 @@ class BlockDecoder:
         with torch.inference_mode():
             for start in range(0, prefix.shape[0], chunk):
                 ids = prefix[start : start + chunk]
-                fits = start + chunk <= self.cache.max_tokens
+                fits = start + chunk <= self.max_context
                 if runner is not None and ids.shape[0] < chunk and fits:
                     pad = torch.full((chunk - ids.shape[0],), self.mask_id, device=self.device)
                     ids = torch.cat([ids, pad])
                 pos = torch.arange(start, start + ids.shape[0], device=self.device)
                 self._fill(ids, pos, bl, runner)
+                if isinstance(self.cache, PagedKVCache):
+                    self.cache.advance(min(chunk, prefix.shape[0] - start))
                 count += 1
         return count

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from dlmc.errors import ConfigError
+from dlmc.kv.scales import KVScales, load_kv_scales
 from dlmc.loading.safetensors_index import SafetensorsIndex
 from dlmc.loading.weights import load_weights
 from dlmc.models.config import LLaDA2Config
@@ -31,7 +32,8 @@ class LoadedModel:
     index: SafetensorsIndex
     precision: str  # what the experts run in: "bf16" (dense experts) or "nvfp4"
     quantized_checkpoint: bool
-    kv_scales: dict[int, tuple[float, float]]  # layer -> (k_scale, v_scale) of an FP8 KV export
+    kv_scales: KVScales  # per-layer FP8 KV scales (1.0 where the checkpoint has none)
+    declares_fp8_kv: bool  # the export declares an FP8 KV cache
 
 
 def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -69,13 +71,14 @@ def load_model(
     with torch.device("meta"):
         model = LLaDA2ForDiffusion(config)
     effective = "bf16"
-    kv_scales: dict[int, tuple[float, float]] = {}
+    declares_fp8_kv = quant is not None and quant.kv_cache_fp8
+    weight_map = {name: info.file for name, info in index.tensors.items()}
+    kv_scales = load_kv_scales(weight_map, config.num_hidden_layers, declares_fp8=declares_fp8_kv)
     if quant is not None:
         from dlmc.loading import nvfp4_loading as nv
 
         nv.validate_quantized_experts(index, config, quant)
         nv.use_nvfp4_experts(model, config, on_gpu=device.type == "cuda")
-        kv_scales = nv.find_kv_scales(index, config.num_hidden_layers)
         effective = "nvfp4" if precision == "nvfp4" or (
             precision == "auto" and device.type == "cuda") else "bf16"
     load_weights(model, index, device, dtype, config.num_experts,
@@ -83,4 +86,5 @@ def load_model(
     if quant is not None and effective == "bf16":
         nv.dequantize_experts(model, config, dtype)
     model.eval()
-    return LoadedModel(config, model, index, effective, quant is not None, kv_scales)
+    return LoadedModel(config, model, index, effective, quant is not None, kv_scales,
+                       declares_fp8_kv)

@@ -1,10 +1,8 @@
 """ModelOpt NVFP4 checkpoints: validate the quantized experts from the safetensors headers,
-swap in NVFP4 experts before loading, dequantize them for `precision="bf16"`, and find the
-FP8 KV-cache scales."""
+swap in NVFP4 experts before loading, and dequantize them for `precision="bf16"`.
+(FP8 KV-cache scales: `dlmc.kv.scales`.)"""
 
 from __future__ import annotations
-
-import re
 
 import torch
 from torch import nn
@@ -14,12 +12,9 @@ from dlmc.loading.safetensors_index import SafetensorsIndex
 from dlmc.models.config import LLaDA2Config
 from dlmc.models.moe import BF16Experts, MoEBlock
 from dlmc.quant.modelopt_config import QuantConfig
-from dlmc.quant.validate import SAFETENSORS_DTYPES, TensorMeta, validate_kv_scale
+from dlmc.quant.validate import SAFETENSORS_DTYPES, TensorMeta
 
 PROJ_SHAPES = {"gate_proj": "IH", "up_proj": "IH", "down_proj": "HI"}
-# KV scale names of a fused query_key_value projection are not documented: accept any tensor
-# under the layer's attention module ending in k_scale / v_scale (llada2.md, nvfp4.md §2.7).
-KV_SCALE_RE = re.compile(r"^model\.layers\.(\d+)\.attention\.(?:[\w.]*\.)?(k|v)_scale$")
 
 
 def _meta(index: SafetensorsIndex, name: str) -> TensorMeta:
@@ -80,24 +75,3 @@ def dequantize_experts(model: nn.Module, config: LLaDA2Config, dtype: torch.dtyp
                 dense._parameters[f"{proj}_weight"] = nn.Parameter(value.to(dtype),
                                                                    requires_grad=False)
             module.experts = dense
-
-
-def find_kv_scales(index: SafetensorsIndex, num_layers: int) -> dict[int, tuple[float, float]]:
-    """Per-layer (k_scale, v_scale) from any `model.layers.L.attention.*{k,v}_scale` tensors."""
-    found: dict[int, dict[str, float]] = {}
-    for name in index.tensors:
-        match = KV_SCALE_RE.match(name)
-        if match is None:
-            continue
-        value = index.get(name)
-        validate_kv_scale(name, value)
-        found.setdefault(int(match[1]), {})[match[2]] = float(value.reshape(()))
-    scales = {}
-    for layer, pair in found.items():
-        if set(pair) != {"k", "v"} or layer >= num_layers:
-            raise CheckpointError(
-                f"{index.directory}: layer {layer} has {sorted(pair)} KV scale(s); expected "
-                "both k_scale and v_scale"
-            )
-        scales[layer] = (pair["k"], pair["v"])
-    return scales

@@ -52,3 +52,29 @@ def build_random_model(
         for name, buf in list(module.named_buffers(recurse=False)):
             module._buffers[name] = torch.randn(buf.shape, device=device, generator=gen) * 0.01
     return model.eval()
+
+
+@torch.no_grad()
+def use_random_nvfp4_experts(model: LLaDA2ForDiffusion, seed: int = 0) -> None:
+    """Replace every MoE layer's experts by NVFP4 experts with random codes and scales."""
+    from dlmc.models.moe import MoEBlock
+    from dlmc.models.nvfp4_experts import NVFP4Experts
+
+    cfg = model.config
+    device = model.lm_head.weight.device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for module in model.modules():
+        if not isinstance(module, MoEBlock):
+            continue
+        experts = NVFP4Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                               device=device)
+        for name, buf in experts.named_buffers():
+            if buf.dtype == torch.uint8:
+                buf.copy_(torch.randint(0, 256, buf.shape, device=device, generator=gen,
+                                        dtype=torch.uint8))
+            elif buf.dtype == torch.float8_e4m3fn:
+                scales = torch.rand(buf.shape, device=device, generator=gen) * 1.5 + 0.5
+                buf.copy_(scales.to(torch.float8_e4m3fn))
+            elif name.endswith("weight_scale_2"):
+                buf.fill_(0.02)
+        module.experts = experts

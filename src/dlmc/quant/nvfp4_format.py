@@ -115,10 +115,7 @@ def dequantize_nvfp4(
     """
     blocks = dequantize_blocks(packed, block_scale)  # [..., out, in] fp32, exact
     scale = torch.as_tensor(global_scale, dtype=torch.float32, device=blocks.device)
-    if scale.numel() == 1:
-        scale = scale.reshape(())
-    else:
-        scale = scale.reshape(*scale.shape, 1, 1)
+    scale = scale.reshape(()) if scale.numel() == 1 else scale.reshape(*scale.shape, 1, 1)
     return (blocks * scale).to(dtype)
 
 

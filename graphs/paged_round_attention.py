@@ -1,0 +1,25 @@
+"""Attention context over the paged (FP8 or BF16) KV cache for compiled, graph-captured rounds.
+
+Each call stores the new tokens' K/V at the cache's device-side `prefix_len` (quantized to FP8
+with the layer's scales; the length is advanced by the engine only once the tokens are final)
+and attends the block's queries to the cached prefix plus the block's own BF16 K/V
+(`dlmc::paged_attention`). `causal_block` makes a multi-block prefill chunk block-causal.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dlmc.kv.paged_cache import PagedKVCache
+
+
+class PagedRoundAttention:
+    def __init__(self, cache: PagedKVCache, causal_block: int | None = None) -> None:
+        self.cache, self.causal_block = cache, causal_block
+
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        self.cache.append(layer_idx, k, v)
+        return self.cache.attend(layer_idx, q, k, v, softmax_scale=q.shape[-1] ** -0.5,
+                                 causal_block=self.causal_block)
