@@ -26,10 +26,11 @@ __all__ = ["nvfp4_moe", "nvfp4_moe_reference"]
 # fp32 -> bf16; under TRITON_INTERPRET=1 the kernels dot in fp32 (exact for these operands) and
 # round to bf16 by hand (`nvfp4_tiles.round_bf16`). Compiled kernels take the plain bf16 paths.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# Kernel variant: "v1" (default; timed and fuzzed on the H200, perf/results) or "v2" (vectorized
-# N-major weight loads, one E4M3 decode per 16 weights, shared gate/up A loads; compiled for sm_90
-# and tested under the interpreter, not yet timed). Opt in with DLMC_NVFP4_KERNEL=v2.
-_V2 = os.environ.get("DLMC_NVFP4_KERNEL", "v1") == "v2"
+# Kernel variant: "v2" (default: vectorized N-major weight loads, one E4M3 decode per 16 weights,
+# shared gate/up A loads; 0.307 ms/layer = 22.6 % of copy bandwidth on the H200) or "v1"
+# (K-major tiles; 0.441 ms/layer, 15.7 %), perf/results/nvfp4_op_v{1,2}_h200.json. Opt out with
+# DLMC_NVFP4_KERNEL=v1.
+_V2 = os.environ.get("DLMC_NVFP4_KERNEL", "v2") == "v2"
 
 
 @triton.jit
