@@ -52,7 +52,8 @@ def run_suite(options: dict[str, Any], load_llm: Callable[..., Any]) -> list[Ben
     check_run_file(out_dir, run)
 
     console = Console()
-    llm = load_llm(options["model"], options["role"], options["precision"], options["device"])
+    llm = load_llm(options["model"], options["role"], options["precision"], options["device"],
+                   options.get("kv_cache_dtype") or "auto")
     device = describe_device(llm)
     engine_settings: dict[str, Any] | None = None
 

@@ -25,6 +25,8 @@ def bench() -> None:
 @click.option("--role", default="orl", show_default=True, help="Model role (see `dlmc generate`).")
 @click.option("--precision", default="auto", show_default=True, help="Weight/KV precision.")
 @click.option("--device", default=None, help="torch device (default: the engine's choice).")
+@click.option("--kv-cache-dtype", type=click.Choice(["auto", "bf16", "fp8"]), default="auto",
+              show_default=True, help="KV cache storage (auto: FP8 if the checkpoint says so).")
 @click.option("--threshold", type=float, default=None, help="Commit confidence threshold.")
 @click.option("--edit-threshold", type=float, default=None, help="Edit (remask) threshold.")
 @click.option("--block-length", type=int, default=None, help="Diffusion block length.")
@@ -64,11 +66,13 @@ def suite(**options: Any) -> None:
         raise click.ClickException(str(exc)) from exc
 
 
-def _load_llm(model: str, role: str, precision: str, device: str | None) -> Any:
+def _load_llm(model: str, role: str, precision: str, device: str | None,
+              kv_cache_dtype: str = "auto") -> Any:
     """Load the engine (tests replace this with a fake)."""
     from dlmc import LLM
 
-    return LLM(model, role=role, precision=precision, device=device)
+    return LLM(model, role=role, precision=precision, device=device,
+               kv_cache_dtype=kv_cache_dtype)
 
 
 from dlmc.cli import bench_round  # noqa: E402,F401  (registers `dlmc bench round`)
