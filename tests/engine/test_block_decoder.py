@@ -165,3 +165,18 @@ def test_cached_decoding_equals_uncached(tiny_llm, role_cfg):
     assert outs[0].answer_ids == outs[1].answer_ids
     assert outs[0].num_forwards == outs[1].num_forwards
     assert len(outs[0].answer_ids) > 0
+
+
+@pytest.mark.parametrize("mode", ["eager", "reference"])
+def test_threshold_decoder_uneven_quotas(mode):
+    # bl 5 over 4 steps: quotas 2, 1, 1, 1 (all below threshold: the quota decides each step).
+    model = ScriptedModel(lambda i, t: logits_for([1, 2, 3, 4, 5][: t.numel()], [0.1] * 5))
+    dec = BlockDecoder(model, MASK, EOS, 4096, torch.device("cpu"), torch.float32, mode=mode)
+    cfg = DecodeConfig(algorithm="threshold", threshold=0.95, edit_threshold=None, steps=4,
+                       block_length=5, max_new_tokens=5)
+    gen = dec.decode([7] * 5, cfg, rounds=True)
+    events = []
+    with pytest.raises(StopIteration):
+        while True:
+            events.append(next(gen))
+    assert [sum(e.committed) for e in events if isinstance(e, RoundEvent)] == [2, 1, 1, 1]

@@ -67,6 +67,9 @@ def generate(
         }
     )
     kwargs = decode_kwargs(decode)
+    if llm.mode in ("graph", "compile"):
+        err.print("[dim]first rounds compile (Inductor) and capture CUDA graphs: about a minute "
+                  "for a full-size model on a first start; cached for the next one[/dim]")
     out = Console()
     live = out.is_terminal and not no_live and not as_json
     result = _run_live(llm, request, kwargs, out) if live else llm.generate(**request, **kwargs)

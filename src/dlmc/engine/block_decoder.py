@@ -22,7 +22,7 @@ from dlmc.engine.kv_cache import DenseKVCache
 from dlmc.engine.rules import step_quotas
 from dlmc.errors import ConfigError
 from dlmc.graphs.round import EDITS_OFF, RoundBuffers, decide
-from dlmc.graphs.runner import RoundRunner
+from dlmc.graphs.runner import MAX_STEPS, RoundRunner
 from dlmc.kv.paged_cache import KVCacheConfig, PagedKVCache
 from dlmc.kv.scales import KVScales
 
@@ -96,7 +96,7 @@ class BlockDecoder:
         runner = self.runner(bl) if static else None
         if paged:
             self.cache.reset()
-        buf = runner.buf if runner else RoundBuffers.allocate(bl, 1, self.device)
+        buf = runner.buf if runner else RoundBuffers.allocate(bl, MAX_STEPS, self.device)
         canvas = torch.full((num_blocks * bl,), self.mask_id, dtype=torch.long, device=self.device)
         canvas[:plen] = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
         positions = torch.arange(num_blocks * bl, device=self.device)
@@ -166,9 +166,9 @@ class BlockDecoder:
         buf.threshold.fill_(cfg.threshold)
         buf.edit_threshold.fill_(EDITS_OFF if cfg.edit_threshold is None else cfg.edit_threshold)
         buf.max_post.fill_(cfg.max_refine_steps)
-        steps = min(cfg.steps, cfg.max_new_tokens)
+        steps = min(cfg.steps, cfg.max_new_tokens, buf.quotas.numel())
         quotas = step_quotas(cfg.block_length, steps)
-        buf.quotas[: len(quotas)].copy_(torch.tensor(quotas[: buf.quotas.numel()]))
+        buf.quotas[:steps].copy_(torch.tensor(quotas))
         buf.steps.fill_(steps)
         for counter in (buf.post, buf.step):
             counter.zero_()
