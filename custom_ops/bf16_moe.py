@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from dlmc.custom_ops.moe_align import align_pairs_to_blocks, moe_block_size
+from dlmc.custom_ops.moe_align import combine_pairs, route_pairs
 from dlmc.custom_ops.nvfp4_tiles import round_bf16
 
 __all__ = ["bf16_moe", "bf16_moe_reference"]
@@ -105,8 +105,7 @@ def _bf16_moe_impl(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     if tokens == 0:
         return out
     num_pairs = tokens * top_k
-    block_m = moe_block_size(num_pairs, num_experts)
-    sorted_pair, expert_of_block = align_pairs_to_blocks(topk_ids, num_experts, block_m)
+    block_m, sorted_pair, expert_of_block = route_pairs(topk_ids, num_experts)
     num_blocks = expert_of_block.shape[0]
     n1, k1, n2, k2 = _TILES
     h = torch.empty((num_blocks * block_m, inter), dtype=torch.bfloat16, device=x.device)
@@ -118,9 +117,7 @@ def _bf16_moe_impl(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     wrap_triton(_down_kernel)[(num_blocks, triton.cdiv(hidden, n2))](
         h, sorted_pair, expert_of_block, down_proj, y, num_pairs, hidden, inter, h.stride(0),
         y.stride(0), BLOCK_M=block_m, BLOCK_N=n2, BLOCK_K=k2, INTERPRETED=_INTERPRETED)
-    combined = (y.view(tokens, top_k, hidden).float() * topk_weights.float()[..., None]).sum(1)
-    out.copy_(combined)
-    return out
+    return combine_pairs(y, topk_weights, out)  # [T, H]
 
 
 if _INTERPRETED:  # interpreted kernels cannot be traced: an opaque op with the same body
@@ -151,7 +148,8 @@ def bf16_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"bf16_moe: topk_ids/topk_weights must be [T={x.shape[0]}, K], got "
                          f"{tuple(topk_ids.shape)} / {tuple(topk_weights.shape)}")
-    return _bf16_moe_op(x, topk_ids, topk_weights.float(), gate_proj, up_proj, down_proj)
+    return _bf16_moe_op(x.contiguous(), topk_ids, topk_weights.float(), gate_proj, up_proj,
+                        down_proj)
 
 
 def bf16_moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

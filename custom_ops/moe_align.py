@@ -45,3 +45,17 @@ def align_pairs_to_blocks(
     sorted_pair = torch.where(valid, order[src], num_pairs).to(torch.int32).reshape(-1)
     expert_of_block = torch.where(used, expert, -1).to(torch.int32)  # [B]
     return sorted_pair, expert_of_block
+
+
+def route_pairs(topk_ids: torch.Tensor, num_experts: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """`(block_m, sorted_pair, expert_of_block)` for the grouped MoE kernels (see above)."""
+    block_m = moe_block_size(topk_ids.numel(), num_experts)
+    sorted_pair, expert_of_block = align_pairs_to_blocks(topk_ids, num_experts, block_m)
+    return block_m, sorted_pair, expert_of_block
+
+
+def combine_pairs(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`out[t] = sum_k w[t, k] * y[t*K + k]` in fp32: y bf16 `[T*K, H]`, w `[T, K]` -> out."""
+    tokens, top_k = topk_weights.shape
+    combined = (y.view(tokens, top_k, -1).float() * topk_weights.float()[..., None]).sum(dim=1)
+    return out.copy_(combined)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
-from dlmc.custom_ops.moe_align import align_pairs_to_blocks, moe_block_size
+from dlmc.custom_ops.moe_align import combine_pairs, route_pairs
 from dlmc.custom_ops.nvfp4_tiles import nvfp4_tile_dot, nvfp4_tile_dot_v2, round_bf16
 from dlmc.quant.nvfp4_format import dequantize_blocks, fake_quantize_activation
 
@@ -127,8 +127,7 @@ def _nvfp4_moe_impl(
     if T == 0:
         return out
     num_pairs = T * K
-    block_m = moe_block_size(num_pairs, E)
-    sorted_pair, expert_of_block = align_pairs_to_blocks(topk_ids, E, block_m)
+    block_m, sorted_pair, expert_of_block = route_pairs(topk_ids, E)
     num_blocks = expert_of_block.shape[0]
     a, a_row_div = x.contiguous(), K
     if gate_up_input_scale is not None:  # W4A4 emulation: quantize each pair's row
@@ -158,9 +157,7 @@ def _nvfp4_moe_impl(
         y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=128 if I >= 128 else 32,
         INTERPRETED=_INTERPRETED, V2=_V2,
     )
-    combined = (y.view(T, K, H).float() * topk_weights.float()[..., None]).sum(dim=1)  # [T, H]
-    out.copy_(combined)
-    return out
+    return combine_pairs(y, topk_weights, out)  # [T, H]
 
 
 if _INTERPRETED:
