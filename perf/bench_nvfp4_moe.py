@@ -21,7 +21,6 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import torch
 if not torch.cuda.is_available():  # --smoke on a CPU machine: Triton's interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from dlmc.bench.timing import copy_bandwidth_gbps, cuda_times
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
 from dlmc.quant.nvfp4_format import dequantize_nvfp4
 
@@ -56,27 +56,6 @@ def make_routing(T: int, E: int, K: int, device: str, gen: torch.Generator
     ids = torch.rand(T, E, device=device, generator=gen).argsort(dim=1)[:, :K]  # distinct
     weights = torch.rand(T, K, device=device, generator=gen)
     return ids.to(torch.int32), weights / weights.sum(dim=1, keepdim=True)
-
-
-def time_cuda(fn: Callable[[], object], iters: int) -> list[float]:
-    """Per-call milliseconds measured with CUDA events."""
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
-
-
-def copy_bandwidth(nbytes: int, iters: int) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    time_cuda(lambda: dst.copy_(src), 5)
-    ms = statistics.median(time_cuda(lambda: dst.copy_(src), iters))
-    return 2 * nbytes / (ms * 1e-3) / 1e9  # read + write
 
 
 def grouped_bf16(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
@@ -128,7 +107,7 @@ def main() -> None:
 
         report |= {"gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda,
                    "triton": triton.__version__}
-        report["copy_GBps"] = copy_bandwidth(1 << 30, 30)
+        report["copy_GBps"] = copy_bandwidth_gbps(1 << 30, 30)
     for T in args.tokens:
         routing = [make_routing(T, E, K, device, gen) for _ in range(L)]
         x = torch.randn(T, H, device=device, generator=gen).bfloat16()
@@ -148,21 +127,21 @@ def main() -> None:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 run_all()
-            ms = statistics.median(time_cuda(graph.replay, args.iters)) / L
+            ms = statistics.median(cuda_times(graph.replay, args.iters)) / L
             row |= {"nvfp4_ms_per_layer": ms, "nvfp4_GBps": row["bytes_per_layer"] / ms / 1e6}
             row["fraction_of_copy"] = row["nvfp4_GBps"] / report["copy_GBps"]
-            row["eager_ms_per_layer"] = statistics.median(time_cuda(run_all, 10)) / L
+            row["eager_ms_per_layer"] = statistics.median(cuda_times(run_all, 10)) / L
             ids0, w0 = routing[0]
             bf16 = dict(zip(("gate", "up", "down"), (
                 dequantize_nvfp4(*layers[0][3 * p: 3 * p + 3]) for p in range(3)), strict=True))
             try:
-                bms = statistics.median(time_cuda(partial(grouped_bf16, x, ids0, w0, bf16), 20))
+                bms = statistics.median(cuda_times(partial(grouped_bf16, x, ids0, w0, bf16), 20))
                 row |= {"bf16_grouped_mm_ms": bms,
                         "bf16_grouped_mm_GBps": (touched[0] * 3 * I * H * 2) / bms / 1e6}
             except (RuntimeError, AttributeError) as error:
                 row["bf16_grouped_mm_error"] = str(error).splitlines()[0]
             row["reference_ms"] = statistics.median(
-                time_cuda(partial(nvfp4_moe_reference, x, ids0, w0, *layers[0]), 3))
+                cuda_times(partial(nvfp4_moe_reference, x, ids0, w0, *layers[0]), 3))
         else:
             start = time.perf_counter()
             run_all()

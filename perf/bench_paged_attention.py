@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 import triton
 
+from dlmc.bench.timing import copy_bandwidth_gbps, cuda_times
 from dlmc.custom_ops.kv_append import kv_append
 from dlmc.custom_ops.paged_attention import (
     launch_paged_attention,
@@ -74,25 +75,8 @@ def time_graph(calls: list[Callable[[], object]], iters: int) -> list[float]:
 
 
 def time_events(fn: Callable[[], object], iters: int, per: int, warmup: int = 3) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / per)
-    return times
-
-
-def copy_bandwidth_gbps() -> float:
-    """Device-to-device copy bandwidth (bytes read + written), measured in this run."""
-    src = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    times = time_events(lambda: dst.copy_(src), 20, 1)
-    return 2 * src.numel() / (statistics.median(times) * 1e-6) / 1e9
+    """Microseconds per call when one `fn()` makes `per` calls (CUDA events)."""
+    return [t * 1000.0 / per for t in cuda_times(fn, iters, warmup)]
 
 
 def build(args: argparse.Namespace, prefix: int) -> dict[str, torch.Tensor]:
@@ -198,7 +182,7 @@ def main() -> None:
         import flashinfer
 
         env["flashinfer"] = flashinfer.__version__
-    env["copy_GBps"] = copy_bandwidth_gbps()
+    env["copy_GBps"] = copy_bandwidth_gbps(512 * 2**20)
     print(json.dumps({k: v for k, v in env.items() if k != "settings"}), flush=True)
     rows = []
 

@@ -71,7 +71,12 @@ class LLM:
                         self.model_dir)
             declares_fp8 = False
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, declares_fp8)
-        self._has_self_conditioning = any("self_conditioning" in n for n in loaded.index.tensors)
+        if any("self_conditioning" in n for n in loaded.index.tensors):
+            log.warning("%s carries self-conditioning weights, which dlmc does not apply yet",
+                        self.model_dir)
+        elif role_defaults(role).self_conditioning:
+            log.info("%s has no self-conditioning weights: decoding without self-conditioning",
+                     self.model_dir)
         self._tokenizer: Any = None
         self.special_ids = resolve_special_ids(self.model_dir, self._tokenizer_special_ids)
         self.max_context = max_context or self.config.max_position_embeddings
@@ -245,17 +250,6 @@ class LLM:
         raise AssertionError("stream ended without a result")  # pragma: no cover
 
     def _record(self, cfg: DecodeConfig) -> dict[str, Any]:
-        active = cfg.self_conditioning and self._has_self_conditioning
-        if cfg.self_conditioning and not self._has_self_conditioning:
-            log.info(
-                "%s has no self-conditioning weights: decoding without self-conditioning",
-                self.model_dir,
-            )
-        elif active:
-            log.warning(
-                "%s carries self-conditioning weights, which dlmc does not apply yet",
-                self.model_dir,
-            )
         return {
             **cfg.to_dict(),
             "role": self.role,

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dlmc.bench.timing import cuda_times
 from dlmc.engine.decode_config import DecodeConfig
 from dlmc.engine.kv_cache import DenseKVCache
 from dlmc.graphs.runner import RoundRunner
@@ -87,22 +88,6 @@ def touched_bytes(model: nn.Module, tokens: torch.Tensor, positions: torch.Tenso
     return total, mean_experts
 
 
-def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth in GB/s (bytes read + written), median of 20."""
-    src = torch.randn(nbytes // 2, device=device, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(25):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        torch.cuda.synchronize()
-        if i >= 5:
-            times.append(start.elapsed_time(end) / 1e3)
-    return 2 * nbytes / statistics.median(times) / 1e9
-
-
 def time_rounds(model: nn.Module, cache: Any, bench: RoundBenchConfig, mode: str,
                 mask_id: int) -> dict[str, Any]:
     """Median / min / max ms of `bench.rounds` rounds in `mode`, after warm-up."""
@@ -125,14 +110,7 @@ def time_rounds(model: nn.Module, cache: Any, bench: RoundBenchConfig, mode: str
         runner.step("joint", key_len)
     torch.cuda.synchronize()
     warmup_s = time.perf_counter() - started
-    times = []
-    for _ in range(bench.rounds):
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0.record()
-        runner.step("joint", key_len)
-        t1.record()
-        torch.cuda.synchronize()
-        times.append(t0.elapsed_time(t1))
+    times = cuda_times(lambda: runner.step("joint", key_len), bench.rounds)
     return {"mode": mode, "median_ms": statistics.median(times), "min_ms": min(times),
             "max_ms": max(times), "warmup_s": warmup_s, "compile_capture_s": runner.compile_s,
             "key_len": key_len, "rounds": bench.rounds}
@@ -167,20 +145,13 @@ def loop_overhead(model: nn.Module, bench: RoundBenchConfig, mask_id: int, round
     torch.cuda.synchronize()
     wall_ms = (time.perf_counter() - started) * 1e3
     runner = decoder.runner(bl)
-    fill_times = []
     tokens = torch.randint(0, 100, (bl,), device=device)
     positions = torch.arange(bench.prefix, bench.prefix + bl, device=device)
     if kv_cache_dtype == "fp8":  # fills append at the committed length: put it at the prefix
         decoder.cache.reset()
         decoder.cache.advance(bench.prefix)
-    for _ in range(20):
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0.record()
-        runner.fill(tokens, positions, runner.key_len(bench.prefix + bl))
-        t1.record()
-        torch.cuda.synchronize()
-        fill_times.append(t0.elapsed_time(t1))
-    fill_ms = statistics.median(fill_times)
+    key_len = runner.key_len(bench.prefix + bl)
+    fill_ms = statistics.median(cuda_times(lambda: runner.fill(tokens, positions, key_len), 20))
     fills = out.total_forwards - out.num_forwards
     busy_ms = out.num_forwards * round_ms + fills * fill_ms
     return {"wall_ms": wall_ms, "rounds": out.num_forwards, "fill_forwards": fills,

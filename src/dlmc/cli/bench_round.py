@@ -42,7 +42,6 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
 
     from dlmc.bench.round_bench import (
         RoundBenchConfig,
-        copy_bandwidth,
         loop_overhead,
         profile_rounds,
         time_rounds,
@@ -64,7 +63,9 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
     positions = torch.arange(prefix, prefix + block_length, device=device)
     nbytes, experts = touched_bytes(net, tokens, positions, prefix,
                                     kv_bytes=1 if kv_cache_dtype == "fp8" else 2)
-    bandwidth = copy_bandwidth(device)
+    from dlmc.bench.timing import copy_bandwidth_gbps
+
+    bandwidth = copy_bandwidth_gbps()
     c = net.config
     cache = _cache(c, prefix, block_length, kv_cache_dtype, device, gen)
     results = [time_rounds(net, cache, cfg, mode, mask_id) for mode in cfg.modes]

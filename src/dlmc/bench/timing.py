@@ -1,0 +1,31 @@
+"""GPU timing helpers shared by `dlmc bench round` and the perf/ scripts."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+
+
+def cuda_times(fn: Callable[[], object], iters: int, warmup: int = 0) -> list[float]:
+    """Milliseconds of each of `iters` calls of `fn`, measured with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def copy_bandwidth_gbps(nbytes: int = 1 << 30, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth in GB/s (bytes read + written) on random data, median."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = statistics.median(cuda_times(lambda: dst.copy_(src), iters, warmup=5))
+    return 2 * nbytes / (ms * 1e-3) / 1e9
