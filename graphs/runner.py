@@ -57,7 +57,7 @@ class RoundRunner:
     ) -> None:
         if mode not in MODES:
             raise ConfigError(f"round mode {mode!r}: expected one of {', '.join(MODES)}")
-        device = cache.k.device
+        device = cache.device
         self.max_tokens = getattr(cache, "max_tokens", None) or cache.capacity
         if mode == "graph" and device.type != "cuda":
             raise ConfigError("round mode 'graph' needs a CUDA device (use 'compile' or 'eager')")

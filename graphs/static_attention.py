@@ -21,7 +21,7 @@ class StaticCacheAttention:
         self.cache, self.positions, self.key_len = cache, positions, key_len
         key_pos = torch.arange(key_len, device=positions.device)
         allowed = (key_pos[None, :] // block_length) <= (positions[:, None] // block_length)
-        zeros = torch.zeros(allowed.shape, dtype=cache.k.dtype, device=positions.device)
+        zeros = torch.zeros(allowed.shape, dtype=cache.dtype, device=positions.device)
         self.mask = zeros.masked_fill(~allowed, float("-inf"))  # [T, key_len]
 
     def attend(
@@ -29,6 +29,6 @@ class StaticCacheAttention:
     ) -> torch.Tensor:
         self.cache.k[layer_idx].index_copy_(0, self.positions, k)
         self.cache.v[layer_idx].index_copy_(0, self.positions, v)
-        keys = self.cache.k[layer_idx, : self.key_len]  # [key_len, Hkv, D]
-        values = self.cache.v[layer_idx, : self.key_len]
+        keys = self.cache.k[layer_idx][: self.key_len]  # [key_len, Hkv, D]
+        values = self.cache.v[layer_idx][: self.key_len]
         return attention_reference(q, keys, values, self.mask)

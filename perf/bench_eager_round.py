@@ -41,8 +41,8 @@ def main() -> None:
         dtype,
         device,
     )
-    cache.k.normal_()
-    cache.v.normal_()
+    for pool in (*cache.k, *cache.v):
+        pool.normal_()
     touched: list[int] = []
     original = Router.forward
 

@@ -74,7 +74,7 @@ def test_backends_agree() -> None:
     for backend in ("reference", "triton"):
         cache = make_cache("fp8", backend)
         decode_blocks(cache, num_blocks=2)
-        outs.append((cache.k.view(torch.uint8).clone(), cache.length))
+        outs.append((torch.stack(cache.k).view(torch.uint8).clone(), cache.length))
     assert torch.equal(outs[0][0], outs[1][0]) and outs[0][1] == outs[1][1] == 2 * BLOCK
 
 

@@ -91,7 +91,7 @@ def touched_bytes(model: nn.Module, tokens: torch.Tensor, positions: torch.Tenso
 def time_rounds(model: nn.Module, cache: Any, bench: RoundBenchConfig, mode: str,
                 mask_id: int) -> dict[str, Any]:
     """Median / min / max ms of `bench.rounds` rounds in `mode`, after warm-up."""
-    device = cache.k.device
+    device = cache.device
     bl, start = bench.block_length, bench.prefix
     runner = RoundRunner(model, cache, bl, mask_id, mode)
     gen = torch.Generator(device=device).manual_seed(bench.seed)
@@ -167,7 +167,7 @@ def profile_rounds(model: nn.Module, cache: Any, bench: RoundBenchConfig,
     runner = RoundRunner(model, cache, bench.block_length, mask_id, "compile")
     buf = runner.buf
     buf.positions.copy_(torch.arange(bench.prefix, bench.prefix + bench.block_length,
-                                     device=cache.k.device))
+                                     device=cache.device))
     buf.editable.fill_(True)
     buf.max_post.fill_(1 << 20)
     key_len = runner.key_len(bench.prefix + bench.block_length)

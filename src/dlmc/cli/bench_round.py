@@ -135,14 +135,14 @@ def _cache(c: Any, prefix: int, block_length: int, kv_cache_dtype: str, device: 
     if kv_cache_dtype == "fp8":
         cache = PagedKVCache(KVCacheConfig(c.num_hidden_layers, c.num_key_value_heads,
                                            c.head_dim, size, dtype="fp8"), device)
-        for pool in (cache.k, cache.v):
+        for pool in (*cache.k, *cache.v):
             pool.copy_(torch.randn(pool.shape, device=device, generator=gen).to(pool.dtype))
         cache.advance(prefix)
         return cache
     cache = DenseKVCache(c.num_hidden_layers, size, c.num_key_value_heads, c.head_dim,
                          torch.bfloat16, device)
-    cache.k.normal_(generator=gen)
-    cache.v.normal_(generator=gen)
+    for pool in (*cache.k, *cache.v):
+        pool.normal_(generator=gen)
     return cache
 
 

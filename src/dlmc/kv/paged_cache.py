@@ -64,7 +64,7 @@ def default_backend(device: torch.device) -> str:
 
 
 class PagedKVCache:
-    """K/V pools `[num_layers, num_pages, page_size, Hkv, D]`, one page table, scales per layer.
+    """K/V pools (per layer `[num_pages, page_size, Hkv, D]`), one page table, per-layer scales.
 
     Attributes:
         prefix_len: `[1]` int32 device tensor, the committed length (read by the kernels).
@@ -83,10 +83,15 @@ class PagedKVCache:
         if backend not in BACKENDS:
             raise ConfigError(f"attention backend={backend!r} is not one of {', '.join(BACKENDS)}")
         self.backend = default_backend(self.device) if backend == "auto" else backend
-        shape = (config.num_layers, config.num_pages, config.page_size, config.num_kv_heads,
-                 config.head_dim)
-        self.k = torch.zeros(shape, dtype=config.torch_dtype, device=self.device)
-        self.v = torch.zeros(shape, dtype=config.torch_dtype, device=self.device)
+        # One allocation per layer, not views of one 5-D pool: Inductor turns a kernel's write
+        # into a view of a graph input into a copy of the whole pool (and that path crashed
+        # with FP8 pools on the H200, perf/results/round_nvfp4_fp8_h200_crash.txt).
+        shape = (config.num_pages, config.page_size, config.num_kv_heads, config.head_dim)
+        self.dtype = config.torch_dtype
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                  for _ in range(config.num_layers)]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                  for _ in range(config.num_layers)]
         self.page_table = torch.arange(config.num_pages, dtype=torch.int32, device=self.device)
         self.prefix_len = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.length = 0
