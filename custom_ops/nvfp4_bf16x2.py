@@ -57,11 +57,11 @@ DECODE_ASM = tl.constexpr("{\n.reg .b32 t01, t23, m;\n"
 @triton.jit
 def e4m3_bf16x2_pair(scale_bytes):
     """E4M3 bit patterns (uint8) -> int32 holding `bf16(scale * 2^119)` in both halves, exact."""
-    b = scale_bytes.to(tl.int16)
-    s16 = (((b & 0x7F) << 7) | ((b & 0x80) << 8)).to(tl.float16, bitcast=True)  # scale * 2^-8
-    bf = (s16.to(tl.float32) * 1.7014118346046923e38).to(tl.bfloat16)  # x 2^127
-    half = bf.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-    return half | (half << 16)
+    b = scale_bytes.to(tl.int8, bitcast=True).to(tl.int32)  # sign-extended: bit 15 = sign below
+    s16 = ((b << 7) & 0xBF80).to(tl.int16).to(tl.float16, bitcast=True)  # scale * 2^-8
+    scaled = s16.to(tl.float32) * 1.7014118346046923e38  # x 2^127, exact
+    return tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $1, $1;", "=r,r", [scaled],
+                                     dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit
