@@ -17,6 +17,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from dlmc.custom_ops.moe_align import combine_pairs, route_pairs
+from dlmc.custom_ops.nvfp4_bf16x2 import ACC_SCALE, nvfp4_tile_dot_v3
 from dlmc.custom_ops.nvfp4_tiles import nvfp4_tile_dot, nvfp4_tile_dot_v2, round_bf16
 from dlmc.quant.nvfp4_format import dequantize_blocks, fake_quantize_activation
 
@@ -26,11 +27,15 @@ __all__ = ["nvfp4_moe", "nvfp4_moe_reference"]
 # fp32 -> bf16; under TRITON_INTERPRET=1 the kernels dot in fp32 (exact for these operands) and
 # round to bf16 by hand (`nvfp4_tiles.round_bf16`). Compiled kernels take the plain bf16 paths.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# Kernel variant: "v2" (default: vectorized N-major weight loads, one E4M3 decode per 16 weights,
-# shared gate/up A loads; 0.307 ms/layer = 22.6 % of copy bandwidth on the H200) or "v1"
-# (K-major tiles; 0.441 ms/layer, 15.7 %), perf/results/nvfp4_op_v{1,2}_h200.json. Opt out with
-# DLMC_NVFP4_KERNEL=v1.
-_V2 = os.environ.get("DLMC_NVFP4_KERNEL", "v2") == "v2"
+# Kernel variant, DLMC_NVFP4_KERNEL: "v2" (default: vectorized N-major weight loads, one E4M3
+# decode per 16 weights, shared gate/up A loads; 0.307 ms/layer = 22.6 % of copy bandwidth on the
+# H200), "v1" (K-major tiles; 0.441 ms/layer, 15.7 %), perf/results/nvfp4_op_v{1,2}_h200.json, or
+# "v3" (v2 with the bf16x2 inline-asm decode of `nvfp4_bf16x2`; not yet timed on a GPU).
+_KERNELS = {"v1": 1, "v2": 2, "v3": 3}
+_KERNEL_NAME = os.environ.get("DLMC_NVFP4_KERNEL", "v2")
+if _KERNEL_NAME not in _KERNELS:
+    raise ValueError(f"DLMC_NVFP4_KERNEL must be one of {sorted(_KERNELS)}, got {_KERNEL_NAME!r}")
+_VARIANT = _KERNELS[_KERNEL_NAME]
 
 
 @triton.jit
@@ -38,7 +43,7 @@ def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s,
                     gate_alpha_ptr, up_alpha_ptr, h_ptr, num_pairs, a_row_div, H: tl.constexpr,
                     I: tl.constexpr, stride_a, stride_h, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, V2: tl.constexpr):
+                    BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, VARIANT: tl.constexpr):
     """h[slot, n] = silu(gate) * up for the slots of one M-block and one N-tile of I."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -57,7 +62,13 @@ def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s,
         up_s += e64 * I * (H // 16)
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if V2:
+        # v3 accumulates w * 2^-7 when compiled (ACC_SCALE restores it with the global scale).
+        acc_scale = ACC_SCALE if VARIANT == 3 and not INTERPRETED else 1.0
+        if VARIANT == 3:
+            acc_g, acc_u = nvfp4_tile_dot_v3(acc_g, acc_u, a_ptr, a_rows, row_mask, stride_a,
+                                             gate_w, gate_s, up_w, up_s, n_offs, n_mask, H,
+                                             BLOCK_N, BLOCK_K, INTERPRETED, True)
+        elif VARIANT == 2:
             acc_g, acc_u = nvfp4_tile_dot_v2(acc_g, acc_u, a_ptr, a_rows, row_mask, stride_a,
                                              gate_w, gate_s, up_w, up_s, n_offs, n_mask, H,
                                              BLOCK_N, BLOCK_K, INTERPRETED, True)
@@ -66,8 +77,8 @@ def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s,
                                    n_offs, n_mask, H, BLOCK_K, INTERPRETED)
             acc_u = nvfp4_tile_dot(acc_u, a_ptr, a_rows, row_mask, stride_a, up_w, up_s,
                                    n_offs, n_mask, H, BLOCK_K, INTERPRETED)
-        g = acc_g * tl.load(gate_alpha_ptr + expert)
-        u = acc_u * tl.load(up_alpha_ptr + expert)
+        g = acc_g * (tl.load(gate_alpha_ptr + expert) * acc_scale)
+        u = acc_u * (tl.load(up_alpha_ptr + expert) * acc_scale)
         h = g * tl.sigmoid(g) * u
         h_ptrs = h_ptr + slots[:, None] * stride_h + n_offs[None, :]
         tl.store(h_ptrs, round_bf16(h, INTERPRETED), mask=row_mask[:, None] & n_mask[None, :])
@@ -77,7 +88,7 @@ def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s,
 def _down_kernel(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, down_alpha_ptr,
                  y_ptr, num_pairs, H: tl.constexpr, I: tl.constexpr, stride_h, stride_y,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 INTERPRETED: tl.constexpr, V2: tl.constexpr):
+                 INTERPRETED: tl.constexpr, VARIANT: tl.constexpr):
     """y[pair, n] = bf16(alpha * h[slot] @ down[n]^T) for one M-block and one N-tile of H."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -92,16 +103,28 @@ def _down_kernel(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, do
         down_w += e64 * H * (I // 2)
         down_s += e64 * H * (I // 16)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if V2:
+        acc_scale = ACC_SCALE if VARIANT == 3 and not INTERPRETED else 1.0
+        if VARIANT == 3:
+            acc, _ = nvfp4_tile_dot_v3(acc, acc, h_ptr, slots, row_mask, stride_h, down_w,
+                                       down_s, down_w, down_s, n_offs, n_mask, I, BLOCK_N,
+                                       BLOCK_K, INTERPRETED, False)
+        elif VARIANT == 2:
             acc, _ = nvfp4_tile_dot_v2(acc, acc, h_ptr, slots, row_mask, stride_h, down_w,
                                        down_s, down_w, down_s, n_offs, n_mask, I, BLOCK_N,
                                        BLOCK_K, INTERPRETED, False)
         else:
             acc = nvfp4_tile_dot(acc, h_ptr, slots, row_mask, stride_h, down_w, down_s,
                                  n_offs, n_mask, I, BLOCK_K, INTERPRETED)
-        y = acc * tl.load(down_alpha_ptr + expert)
+        y = acc * (tl.load(down_alpha_ptr + expert) * acc_scale)
         y_ptrs = y_ptr + pairs[:, None].to(tl.int64) * stride_y + n_offs[None, :]
         tl.store(y_ptrs, round_bf16(y, INTERPRETED), mask=row_mask[:, None] & n_mask[None, :])
+
+
+def _block_n(dim: int) -> int:
+    """N-tile width: 64 (v1/v2) or 128 (v3: fewer A-split shuffles per weight; static SASS count
+    3.8 vs 4.2 per weight, perf/results/nvfp4_moe_sass_sm90.txt); narrower for small dims."""
+    widths = (128, 64, 32) if _VARIANT == 3 else (64, 32)
+    return next((b for b in widths if dim >= b), 16)
 
 
 def _alphas(scale_2: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
@@ -136,7 +159,7 @@ def _nvfp4_moe_impl(
                                      gate_up_input_scale.float()[pair_expert])  # [P, H]
         a_row_div = 1
     h = torch.empty((num_blocks * block_m, I), dtype=torch.bfloat16, device=x.device)
-    block_n1 = 64 if I >= 64 else 32 if I >= 32 else 16
+    block_n1 = _block_n(I)
     wrap_triton(_gate_up_kernel)[(num_blocks, triton.cdiv(I, block_n1))](
         a, sorted_pair, expert_of_block, gate_weight, gate_weight_scale,
         up_weight, up_weight_scale,
@@ -144,18 +167,18 @@ def _nvfp4_moe_impl(
         _alphas(up_weight_scale_2, gate_up_input_scale), h, num_pairs, a_row_div, H, I,
         a.stride(0), h.stride(0), BLOCK_M=block_m, BLOCK_N=block_n1,
         BLOCK_K=128 if H >= 128 else 32,
-        INTERPRETED=_INTERPRETED, V2=_V2,
+        INTERPRETED=_INTERPRETED, VARIANT=_VARIANT,
     )
     if down_input_scale is not None:
         slot_expert = expert_of_block.long().clamp(min=0).repeat_interleave(block_m)  # [S]
         h = fake_quantize_activation(h, down_input_scale.float()[slot_expert])
     y = torch.empty((num_pairs, H), dtype=torch.bfloat16, device=x.device)
-    block_n2 = 64 if H >= 64 else 32 if H >= 32 else 16
+    block_n2 = _block_n(H)
     wrap_triton(_down_kernel)[(num_blocks, triton.cdiv(H, block_n2))](
         h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
         _alphas(down_weight_scale_2, down_input_scale), y, num_pairs, H, I, h.stride(0),
         y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=128 if I >= 128 else 32,
-        INTERPRETED=_INTERPRETED, V2=_V2,
+        INTERPRETED=_INTERPRETED, VARIANT=_VARIANT,
     )
     return combine_pairs(y, topk_weights, out)  # [T, H]
 

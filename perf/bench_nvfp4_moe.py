@@ -8,7 +8,7 @@ BF16 grouped-GEMM baseline (`torch._grouped_mm` on dequantized experts) and the 
 reference, and a device-to-device copy in the same run (the ceiling).
 
     python perf/bench_nvfp4_moe.py --out perf/results/nvfp4_moe_h200.json
-    DLMC_NVFP4_KERNEL=v2 python perf/bench_nvfp4_moe.py   # the untimed v2 kernel
+    DLMC_NVFP4_KERNEL=v3 python perf/bench_nvfp4_moe.py   # a kernel variant (v1, v2, v3)
     python perf/bench_nvfp4_moe.py --smoke   # tiny shapes, any device: checks the script runs
 """
 
@@ -30,7 +30,7 @@ if not torch.cuda.is_available():  # --smoke on a CPU machine: Triton's interpre
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from dlmc.bench.timing import copy_bandwidth_gbps, cuda_times
-from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
+from dlmc.custom_ops.nvfp4_moe import _KERNEL_NAME, nvfp4_moe, nvfp4_moe_reference
 from dlmc.quant.nvfp4_format import dequantize_nvfp4
 
 PROJ_SHAPES = {"gate": ("I", "H"), "up": ("I", "H"), "down": ("H", "I")}
@@ -99,7 +99,7 @@ def main() -> None:
     expert_bytes = 3 * (I * H // 2 + I * H // 16)  # packed + block scales, one expert
     report: dict[str, object] = {
         "command": " ".join(sys.argv), "settings": vars(args) | {"out": str(args.out)},
-        "kernel": os.environ.get("DLMC_NVFP4_KERNEL", "v1"),
+        "kernel": _KERNEL_NAME,
         "torch": torch.__version__, "python": platform.python_version(), "results": [],
     }
     if device == "cuda":

@@ -37,7 +37,7 @@ DOWN = {"h_ptr": "*bf16", "sorted_pair_ptr": "*i32", "expert_of_block_ptr": "*i3
         "down_w": "*u8", "down_s": "*u8", "down_alpha_ptr": "*fp32", "y_ptr": "*bf16",
         "num_pairs": "i32", "H": "constexpr", "I": "constexpr", "stride_h": "i32",
         "stride_y": "i32"}
-META = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "INTERPRETED", "V2")
+META = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "INTERPRETED", "VARIANT")
 DIVISIBLE = ("num_pairs", "stride_a", "stride_h", "stride_y")
 
 
@@ -80,21 +80,27 @@ def main() -> None:
     parser.add_argument("--block-k", type=int, default=128)
     parser.add_argument("--num-warps", type=int, default=4)
     parser.add_argument("--num-stages", type=int, default=3)
+    parser.add_argument("--variants", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--dump", type=Path, default=None, help="write each kernel's SASS here")
     args = parser.parse_args()
     options = {"num_warps": args.num_warps, "num_stages": args.num_stages}
     threads = 32 * args.num_warps
-    for v2 in (False, True):
+    for variant in args.variants:
         for name, kernel, signature, matrices in (("gate_up", op._gate_up_kernel, GATE_UP, 2),
                                                   ("down", op._down_kernel, DOWN, 1)):
             constants = {"H": args.hidden, "I": args.inter, "BLOCK_M": args.block_m,
                          "BLOCK_N": args.block_n, "BLOCK_K": args.block_k,
-                         "INTERPRETED": False, "V2": v2}
-            count, mix = loop_mix(sass(kernel, signature, constants, options))
-            # v1 has one loop per matrix, v2 one loop over both: either way the loops together
+                         "INTERPRETED": False, "VARIANT": variant}
+            text = sass(kernel, signature, constants, options)
+            if args.dump:
+                args.dump.mkdir(parents=True, exist_ok=True)
+                (args.dump / f"v{variant}_{name}.sass").write_text(text)
+            count, mix = loop_mix(text)
+            # v1 has one loop per matrix, v2/v3 one loop over both: either way the loops together
             # cover one K-step of every matrix.
             weights = matrices * args.block_n * args.block_k / threads
             top = ", ".join(f"{k} {v / weights:.2f}" for k, v in mix.most_common(8))
-            print(f"{'v2' if v2 else 'v1'} {name:8s} loop instructions per weight per thread: "
+            print(f"v{variant} {name:8s} loop instructions per weight per thread: "
                   f"{count / weights:5.2f}   ({top})")
 
 

@@ -22,6 +22,7 @@ from dlmc.custom_ops._paged_attention_kernels import (
     split_launch_config,
 )
 from dlmc.custom_ops.kv_append import kv_append_kernel
+from dlmc.custom_ops.nvfp4_moe import _down_kernel, _gate_up_kernel
 
 SM90 = GPUTarget("cuda", 90, 32)
 
@@ -70,6 +71,23 @@ def check_kv_append() -> None:
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx
 
 
+def check_nvfp4_moe_v3() -> None:
+    """The v3 kernels' inline asm (bf16x2 decode) assembles for sm_90; v2 compiles too."""
+    shared = {"sorted_pair_ptr": "*i32", "expert_of_block_ptr": "*i32"}
+    gate_up = shared | {"a_ptr": "*bf16", "gate_w": "*u8", "gate_s": "*u8", "up_w": "*u8",
+                        "up_s": "*u8", "gate_alpha_ptr": "*fp32", "up_alpha_ptr": "*fp32",
+                        "h_ptr": "*bf16"}
+    down = shared | {"h_ptr": "*bf16", "down_w": "*u8", "down_s": "*u8",
+                     "down_alpha_ptr": "*fp32", "y_ptr": "*bf16"}
+    for variant in (2, 3):
+        for kernel, pointers in ((_gate_up_kernel, gate_up), (_down_kernel, down)):
+            types = {name: pointers.get(name, "i32") for name in kernel.arg_names}
+            compiled = compile_sm90(kernel, types, {
+                "H": 272, "I": 80, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128,
+                "INTERPRETED": False, "VARIANT": variant}, 4)
+            assert ("mul.rn.bf16x2" in compiled.asm["ptx"]) == (variant == 3)
+
+
 def test_kernels_compile_for_sm90() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
@@ -82,3 +100,4 @@ if __name__ == "__main__":
     check_split_and_merge("fp32", 256, "*fp8e4nv", 0)  # as an eager call does
     check_split_and_merge("fp32", 512, "*bf16", 4)
     check_kv_append()
+    check_nvfp4_moe_v3()

@@ -170,23 +170,71 @@ def test_matches_reference_gpu(seed: int, tokens: int, num_experts: int, top_k: 
     run_case(seed, tokens, num_experts, top_k, hidden, inter, skew, scale_2_log2)
 
 
-@pytest.mark.gpu
-@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
-@given(
+V2_V3_FUZZ = given(
     seed=st.integers(0, 2**31 - 1), tokens=st.integers(1, 300), num_experts=st.integers(1, 64),
     top_k=st.integers(1, 8), hidden=st.sampled_from([16, 48, 128, 272, 2048]),
     inter=st.sampled_from([16, 80, 512]), skew=st.booleans(),
+    scale_2_log2=st.sampled_from([(-4.0, 1.0), (-24.0, -20.0), (6.0, 8.0)]),
 )
-def test_v2_kernel_matches_reference_gpu(seed: int, tokens: int, num_experts: int, top_k: int,
-                                         hidden: int, inter: int, skew: bool) -> None:
-    """The opt-in DLMC_NVFP4_KERNEL=v2 variant, patched in for this test."""
+
+
+def run_variant(variant: int, *case: object) -> None:
+    """`run_case` with kernel variant `variant` (DLMC_NVFP4_KERNEL, read at import) patched in."""
     import dlmc.custom_ops.nvfp4_moe as module
 
-    previous, module._V2 = module._V2, True
+    previous, module._VARIANT = module._VARIANT, variant
     try:
-        run_case(seed, tokens, num_experts, min(top_k, num_experts), hidden, inter, skew)
+        run_case(*case)
     finally:
-        module._V2 = previous
+        module._VARIANT = previous
+
+
+@pytest.mark.gpu
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@V2_V3_FUZZ
+def test_v2_kernel_matches_reference_gpu(seed: int, tokens: int, num_experts: int, top_k: int,
+                                         hidden: int, inter: int, skew: bool,
+                                         scale_2_log2: tuple[float, float]) -> None:
+    run_variant(2, seed, tokens, num_experts, min(top_k, num_experts), hidden, inter, skew,
+                scale_2_log2)
+
+
+@pytest.mark.gpu
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@V2_V3_FUZZ
+def test_v3_kernel_matches_reference_gpu(seed: int, tokens: int, num_experts: int, top_k: int,
+                                         hidden: int, inter: int, skew: bool,
+                                         scale_2_log2: tuple[float, float]) -> None:
+    """The bf16x2 inline-asm decode (DLMC_NVFP4_KERNEL=v3): every code, scales 2^-9..448."""
+    run_variant(3, seed, tokens, num_experts, min(top_k, num_experts), hidden, inter, skew,
+                scale_2_log2)
+
+
+@pytest.mark.gpu
+def test_v3_single_code_weights_are_exact_gpu() -> None:
+    """v3 and the reference agree bit for bit on power-of-two data (incl. subnormal scales)."""
+    for scale_byte in (0x01, 0x38, 0x7E):
+        experts = random_experts(torch.Generator().manual_seed(2), 2, 32, 16)
+        for proj in ("gate", "up", "down"):
+            weight = experts[f"{proj}_weight"]
+            weight.zero_()
+            weight[..., 0] = 0x91  # codes 1 (0.5) then 9 (-0.5): E=0, bf16 subnormal in v3
+            experts[f"{proj}_weight_scale"].view(torch.uint8).fill_(scale_byte)
+            experts[f"{proj}_weight_scale_2"].fill_(0.25)
+        x = torch.randn(4, 32).bfloat16().to(DEVICE)
+        ids = torch.tensor([[0], [1], [1], [0]], device=DEVICE)
+        w = torch.full((4, 1), 0.5, device=DEVICE)
+        args = op_args(x, ids, w, experts)
+        import dlmc.custom_ops.nvfp4_moe as module
+
+        previous, module._VARIANT = module._VARIANT, 3
+        try:
+            out = nvfp4_moe(*args)
+        finally:
+            module._VARIANT = previous
+        ref = nvfp4_moe_reference(*args)
+        assert ref.abs().amax() > 0
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
 
 
 @pytest.mark.gpu
@@ -217,15 +265,15 @@ def test_compile_and_cuda_graph_replay() -> None:
     assert_matches_reference(static_out, nvfp4_moe_reference(*args))
 
 
-@pytest.mark.parametrize(("tokens", "hidden", "inter"), [(3, 48, 32), (17, 64, 48), (1, 16, 16)])
-def test_v2_kernel_matches_reference(monkeypatch: pytest.MonkeyPatch, tokens: int, hidden: int,
-                                     inter: int) -> None:
-    """The opt-in DLMC_NVFP4_KERNEL=v2 variant (read at import; patched here)."""
-    import dlmc.custom_ops.nvfp4_moe as module
-
-    monkeypatch.setattr(module, "_V2", True)
+@pytest.mark.parametrize("variant", [1, 2, 3])
+@pytest.mark.parametrize(("tokens", "hidden", "inter"),
+                         [(3, 48, 32), (17, 64, 48), (1, 16, 16), (3, 128, 160)])
+def test_kernel_variants_match_reference(variant: int, tokens: int, hidden: int,
+                                         inter: int) -> None:
+    """Each DLMC_NVFP4_KERNEL variant (read at import; patched here). Interpreted, v3 runs its
+    own loop and epilogue with the v2 decode (no inline asm on the CPU)."""
     for seed in range(3):
-        run_case(seed, tokens, 5, 2, hidden, inter, skew=seed == 1)
+        run_variant(variant, seed, tokens, 5, 2, hidden, inter, seed == 1)
 
 
 def test_compile_aot_eager_fullgraph() -> None:
