@@ -38,20 +38,22 @@ ACC_SCALE = tl.constexpr(128.0)  # the epilogue's factor back: 2^(126 - 119)
 
 
 def _pair_asm(out: str, t: str, mask: int, mul: int) -> str:
-    return (f"and.b32 m, {t}, {mask:#010x};\n"
-            f"mul.lo.u32 m, m, {mul:#06x};\n"
-            f"and.b32 m, m, {BF16_MASK:#010x};\n"
-            f"mul.rn.bf16x2 {out}, m, $5;\n")
+    return (f"and.b32 m, {t}, {mask:#010x};"
+            f"mul.lo.u32 m, m, {mul:#06x};"
+            f"and.b32 m, m, {BF16_MASK:#010x};"
+            f"mul.rn.bf16x2 {out}, m, $5;")
 
 
+# One line (no newlines): Inductor copies this constant into its generated Python source, where
+# a newline inside the string literal is a syntax error.
 # pack=4: $0/$1 low-nibble bf16 pairs (bytes 0,1 / 2,3), $2/$3 high-nibble pairs, $4 the four
 # packed bytes, $5..$8 the bf16x2 scale pair (the same value four times; only $5 is read).
-DECODE_ASM = tl.constexpr("{\n.reg .b32 t01, t23, m;\n"
-              f"prmt.b32 t01, 0, $4, {PRMT_LOW:#06x};\n"
-              f"prmt.b32 t23, 0, $4, {PRMT_HIGH:#06x};\n"
+DECODE_ASM = tl.constexpr("{ .reg .b32 t01, t23, m;"
+              f"prmt.b32 t01, 0, $4, {PRMT_LOW:#06x};"
+              f"prmt.b32 t23, 0, $4, {PRMT_HIGH:#06x};"
               + _pair_asm("$0", "t01", LO_MASK, LO_MUL) + _pair_asm("$1", "t23", LO_MASK, LO_MUL)
               + _pair_asm("$2", "t01", HI_MASK, HI_MUL) + _pair_asm("$3", "t23", HI_MASK, HI_MUL)
-              + "}")
+              + " }")
 
 
 @triton.jit

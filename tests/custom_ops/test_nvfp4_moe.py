@@ -218,7 +218,9 @@ def test_v3_single_code_weights_are_exact_gpu() -> None:
         for proj in ("gate", "up", "down"):
             weight = experts[f"{proj}_weight"]
             weight.zero_()
-            weight[..., 0] = 0x91  # codes 1 (0.5) then 9 (-0.5): E=0, bf16 subnormal in v3
+            # gate/up: codes 1 (0.5) then 9 (-0.5), E=0 (a bf16 subnormal in v3); down: code 1
+            # only (with +-0.5 every h row is g*silu(g) twice and the output cancels to 0)
+            weight[..., 0] = 0x01 if proj == "down" else 0x91
             experts[f"{proj}_weight_scale"].view(torch.uint8).fill_(scale_byte)
             experts[f"{proj}_weight_scale_2"].fill_(0.25)
         x = torch.randn(4, 32).bfloat16().to(DEVICE)

@@ -58,9 +58,12 @@ def test_graph_replay_matches_eager_on_cuda(tiny_dir, dtype):
     for mode in ("eager", "compile", "graph"):
         llm = LLM(tiny_dir, device="cuda", dtype=dtype, mode=mode)
         results[mode] = llm.generate(**kwargs)
-    assert results["graph"].token_ids == results["eager"].token_ids
-    assert results["compile"].token_ids == results["eager"].token_ids
-    assert results["graph"].num_forwards == results["eager"].num_forwards
+    # Graph replay runs exactly the compiled kernels: identical tokens in every dtype.
+    assert results["graph"].token_ids == results["compile"].token_ids
+    assert results["graph"].num_forwards == results["compile"].num_forwards
+    if dtype == "fp32":  # in BF16 Inductor's fused kernels round less often than eager ops,
+        # and the random tiny model's greedy decoding flips on any rounding change
+        assert results["compile"].token_ids == results["eager"].token_ids
 
 
 @pytest.mark.gpu
