@@ -72,4 +72,3 @@ def test_fp8_cache_in_graph_rounds_matches_eager_on_cuda(tiny_dir):
     # Replay runs exactly the compiled kernels (and the FP8 pools are written in place, not
     # copied): identical tokens. Eager BF16 rounds differently (see test_runner.py).
     assert results["graph"].token_ids == results["compile"].token_ids
-    assert len(results["graph"].token_ids) == 64
