@@ -1,12 +1,30 @@
-"""Routing prep for grouped MoE kernels: (token, k) pairs grouped per expert, padded to blocks.
+"""`dlmc::moe_align`: routing prep for the grouped MoE kernels, one Triton program.
 
-The vLLM `moe_align_block_size` pattern in torch ops only: static shapes, no host sync, so it can
-be captured in a CUDA graph and traced by torch.compile.
+(token, k) pairs are grouped per expert and each expert's segment is padded to `block_m` slots
+(the vLLM `moe_align_block_size` pattern). One program sorts the pair keys `expert * P_PAD + pair`
+(stable by construction), counts the pairs per expert and scatters every pair, every padding slot
+and every block's expert exactly once: static shapes, no host sync, CUDA-graph capturable. The
+maths is `align_pairs_to_blocks_reference` (torch ops only), which also serves CPU runs without
+Triton's interpreter.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
+import triton
+import triton.language as tl
+from torch.library import triton_op, wrap_triton
+
+__all__ = ["align_pairs_to_blocks", "align_pairs_to_blocks_reference", "combine_pairs",
+           "moe_block_size", "route_pairs"]
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# One program holds all pair keys and per-expert counts in registers; larger routings take the
+# torch path.
+MAX_KERNEL_PAIRS = 8192
+MAX_KERNEL_EXPERTS = 512
 
 
 def moe_block_size(num_pairs: int, num_experts: int) -> int:
@@ -15,15 +33,131 @@ def moe_block_size(num_pairs: int, num_experts: int) -> int:
     return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
 
 
+def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Static block count: every expert may leave one partly filled block."""
+    return -(-num_pairs // block_m) + min(num_experts, num_pairs)
+
+
+@triton.jit
+def _axis_indicator(LOG_N: tl.constexpr, axis: tl.constexpr):
+    """0/1 along hypercube axis `axis` (counted from the innermost), shaped for `[2] * LOG_N`."""
+    return tl.reshape(tl.arange(0, 2), [1] * (LOG_N - axis - 1) + [2] + [1] * axis)
+
+
+@triton.jit
+def _sort_ascending(x, LOG_N: tl.constexpr):
+    """Bitonic sort of the distinct non-negative int32 keys `x [2**LOG_N]`.
+
+    `tl.sort` with the partner found by `tl.sum` (exact: keys below 2**22) rather than
+    `tl.xor_sum`, which Triton's interpreter runs element by element.
+    """
+    h = tl.reshape(x, [2] * LOG_N)
+    for stage in tl.static_range(1, LOG_N + 1):
+        flip = _axis_indicator(LOG_N, stage) if stage < LOG_N else 0
+        for i in tl.static_range(stage):
+            partner = tl.sum(h, LOG_N - stage + i, keep_dims=True) - h  # swap along one axis
+            is_right = _axis_indicator(LOG_N, stage - 1 - i)
+            h = tl.where((h > partner) != (flip ^ is_right), partner, h)
+    return tl.reshape(h, [2**LOG_N])
+
+
+@triton.jit
+def moe_align_kernel(ids_ptr, sorted_pair_ptr, expert_of_block_ptr, num_pairs,
+                     NUM_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, LOG_PAIRS_PAD: tl.constexpr,
+                     EXPERTS_PAD: tl.constexpr, FILL: tl.constexpr):
+    PAIRS_PAD: tl.constexpr = 2**LOG_PAIRS_PAD
+    pair = tl.arange(0, PAIRS_PAD)
+    is_pair = pair < num_pairs
+    expert = tl.load(ids_ptr + pair, mask=is_pair, other=0).to(tl.int32)  # [P]
+    counts = tl.histogram(expert, EXPERTS_PAD, mask=is_pair)  # [E]
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M  # [E]
+    block_end = tl.cumsum(blocks, 0)  # [E]
+    block_start = block_end - blocks
+    seg_start = tl.cumsum(counts, 0) - counts  # [E]
+    # Sorted keys: pairs grouped by expert, in pair order inside each expert; padding sorts last.
+    key = tl.where(is_pair, expert, EXPERTS_PAD) * PAIRS_PAD + pair
+    key = _sort_ascending(key, LOG_PAIRS_PAD)  # [P]
+    s_pair = key % PAIRS_PAD
+    s_expert = tl.minimum(key // PAIRS_PAD, EXPERTS_PAD - 1)
+    rank = pair - tl.gather(seg_start, s_expert, 0)  # [P] position inside the expert's segment
+    slot = tl.gather(block_start, s_expert, 0) * BLOCK_M + rank
+    tl.store(sorted_pair_ptr + slot, s_pair, mask=is_pair)
+    tl.store(expert_of_block_ptr + slot // BLOCK_M, s_expert,
+             mask=is_pair & (rank % BLOCK_M == 0))
+    # Padding at the end of each expert's last block.
+    row = tl.arange(0, BLOCK_M)
+    last_row = (blocks - 1)[:, None] * BLOCK_M + row[None, :]  # [E, BM] rank of each slot
+    pad = (blocks > 0)[:, None] & (last_row >= counts[:, None])
+    tl.store(sorted_pair_ptr + block_start[:, None] * BLOCK_M + last_row, num_pairs, mask=pad)
+    # Unused blocks after the last expert's.
+    used = tl.sum(blocks, 0)
+    fill = tl.arange(0, FILL)
+    for start in range(0, NUM_BLOCKS * BLOCK_M, FILL):
+        s = start + fill
+        tl.store(sorted_pair_ptr + s, num_pairs,
+                 mask=(s >= used * BLOCK_M) & (s < NUM_BLOCKS * BLOCK_M))
+    for start in range(0, NUM_BLOCKS, FILL):
+        b = start + fill
+        tl.store(expert_of_block_ptr + b, -1, mask=(b >= used) & (b < NUM_BLOCKS))
+
+
+def _moe_align_impl(topk_ids: torch.Tensor, num_experts: int,
+                    block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    num_pairs = topk_ids.numel()
+    num_blocks = max_blocks(num_pairs, num_experts, block_m)
+    sorted_pair = torch.empty(num_blocks * block_m, dtype=torch.int32, device=topk_ids.device)
+    expert_of_block = torch.empty(num_blocks, dtype=torch.int32, device=topk_ids.device)
+    if num_pairs == 0:
+        return sorted_pair, expert_of_block
+    pairs_pad = max(16, triton.next_power_of_2(num_pairs))
+    experts_pad = max(16, triton.next_power_of_2(num_experts))
+    work = max(pairs_pad, experts_pad * block_m // 8)  # register tiles [P] and [E, BM]
+    wrap_triton(moe_align_kernel)[(1,)](
+        topk_ids.reshape(-1), sorted_pair, expert_of_block, num_pairs, NUM_BLOCKS=num_blocks,
+        BLOCK_M=block_m, LOG_PAIRS_PAD=pairs_pad.bit_length() - 1, EXPERTS_PAD=experts_pad,
+        FILL=1024, num_warps=4 if work <= 512 else 8 if work <= 2048 else 16)
+    return sorted_pair, expert_of_block
+
+
+if _INTERPRETED:  # interpreted kernels cannot be traced: an opaque op with the same body
+    _moe_align_op = torch.library.custom_op("dlmc::moe_align", mutates_args=())(_moe_align_impl)
+
+    @_moe_align_op.register_fake
+    def _moe_align_fake(topk_ids: torch.Tensor, num_experts: int,
+                        block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        num_blocks = max_blocks(topk_ids.numel(), num_experts, block_m)
+        return (topk_ids.new_empty(num_blocks * block_m, dtype=torch.int32),
+                topk_ids.new_empty(num_blocks, dtype=torch.int32))
+else:  # Inductor traces through the body (two allocations + the kernel)
+    _moe_align_op = triton_op("dlmc::moe_align", mutates_args=())(_moe_align_impl)
+
+
+def _kernel_applies(topk_ids: torch.Tensor, num_experts: int) -> bool:
+    return ((topk_ids.is_cuda or _INTERPRETED) and topk_ids.numel() <= MAX_KERNEL_PAIRS
+            and num_experts <= MAX_KERNEL_EXPERTS)
+
+
 def align_pairs_to_blocks(
     topk_ids: torch.Tensor, num_experts: int, block_m: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group (token, k) pairs per expert, each expert's segment padded to `block_m` slots.
 
-    Returns `sorted_pair` int32 `[max_blocks * block_m]` (pair id `t*K + k`, or `T*K` for padding)
-    and `expert_of_block` int32 `[max_blocks]` (-1 for unused blocks). Torch ops only, static
-    shapes, no host sync (CUDA-graph capturable).
+    topk_ids int32/int64 `[T, K]` in `[0, num_experts)`; block_m a power of two. Returns
+    `sorted_pair` int32 `[B * block_m]` (pair id `t*K + k` in pair order inside each expert's
+    segment, experts ascending, `T*K` for padding) and `expert_of_block` int32 `[B]` (-1 for
+    unused blocks), with `B = max_blocks(T*K, num_experts, block_m)`. One Triton program
+    (`dlmc::moe_align`) on CUDA and under `TRITON_INTERPRET=1`, the torch reference otherwise.
     """
+    if _kernel_applies(topk_ids, num_experts):  # opaque op when interpreted, else traced body
+        align = _moe_align_op if _INTERPRETED else _moe_align_impl
+        return align(topk_ids.contiguous(), num_experts, block_m)
+    return align_pairs_to_blocks_reference(topk_ids, num_experts, block_m)
+
+
+def align_pairs_to_blocks_reference(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align_pairs_to_blocks` in torch ops only (static shapes, no host sync)."""
     flat = topk_ids.reshape(-1).long()  # [P]
     num_pairs = flat.numel()
     counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
@@ -33,8 +167,7 @@ def align_pairs_to_blocks(
     block_end = torch.cumsum(blocks, 0)  # [E]
     block_start = block_end - blocks
     seg_start = torch.cumsum(counts, 0) - counts  # [E]
-    max_blocks = -(-num_pairs // block_m) + min(num_experts, num_pairs)
-    block = torch.arange(max_blocks, device=flat.device)  # [B]
+    block = torch.arange(max_blocks(num_pairs, num_experts, block_m), device=flat.device)  # [B]
     expert = torch.searchsorted(block_end, block, right=True)  # [B], E when unused
     used = expert < num_experts
     expert_c = expert.clamp(max=num_experts - 1)

@@ -192,7 +192,8 @@ if _INTERPRETED:
     def _nvfp4_moe_fake(x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         return x.new_empty(x.shape, dtype=torch.bfloat16)
 else:
-    # Inductor traces through the body (routing torch ops + the two Triton kernels).
+    # Inductor traces through the body (the routing-prep kernel, the two grouped kernels and
+    # the combine).
     _nvfp4_moe_op = triton_op("dlmc::nvfp4_moe", mutates_args=())(_nvfp4_moe_impl)
 
 

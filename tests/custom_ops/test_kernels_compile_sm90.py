@@ -23,6 +23,7 @@ from dlmc.custom_ops._paged_attention_kernels import (
 )
 from dlmc.custom_ops.kv_append import kv_append_kernel
 from dlmc.custom_ops.nvfp4_moe import _down_kernel, _gate_up_kernel
+from dlmc.custom_ops.moe_align import max_blocks, moe_align_kernel
 
 SM90 = GPUTarget("cuda", 90, 32)
 
@@ -88,6 +89,17 @@ def check_nvfp4_moe_v3() -> None:
             assert ("mul.rn.bf16x2" in compiled.asm["ptx"]) == (variant == 3)
 
 
+def check_moe_align(num_pairs: int, num_experts: int, block_m: int, num_warps: int) -> None:
+    types = {"ids_ptr": "*i64", "sorted_pair_ptr": "*i32", "expert_of_block_ptr": "*i32",
+             "num_pairs": "i32"}
+    log_pairs_pad = max(4, (num_pairs - 1).bit_length())
+    compiled = compile_sm90(moe_align_kernel, types, {
+        "NUM_BLOCKS": max_blocks(num_pairs, num_experts, block_m), "BLOCK_M": block_m,
+        "LOG_PAIRS_PAD": log_pairs_pad, "EXPERTS_PAD": max(16, 1 << (num_experts - 1).bit_length()),
+        "FILL": 1024}, num_warps)
+    assert compiled.metadata.shared <= 48 * 1024  # one program, no opt-in shared memory needed
+
+
 def test_kernels_compile_for_sm90() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
@@ -101,3 +113,5 @@ if __name__ == "__main__":
     check_split_and_merge("fp32", 512, "*bf16", 4)
     check_kv_append()
     check_nvfp4_moe_v3()
+    check_moe_align(32 * 8, 256, 16, 4)  # a diffusion block
+    check_moe_align(512 * 8, 16, 64, 16)  # a prefill chunk

@@ -1,41 +1,148 @@
-"""Routing prep: every (token, k) pair lands in exactly one slot of a block of its expert."""
+"""dlmc::moe_align (routing prep): the Triton kernel against the torch reference, bit for bit.
+
+On CPU the kernel runs under Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py).
+"""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlmc.custom_ops.moe_align import align_pairs_to_blocks, moe_block_size
+from dlmc.custom_ops import moe_align
+from dlmc.custom_ops.moe_align import (
+    align_pairs_to_blocks,
+    align_pairs_to_blocks_reference,
+    max_blocks,
+    moe_block_size,
+    route_pairs,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@settings(max_examples=40, deadline=None)
-@given(tokens=st.integers(1, 200), num_experts=st.integers(1, 40), top_k=st.integers(1, 8),
-       block_m=st.sampled_from([16, 32, 64]), seed=st.integers(0, 2**16))
-def test_pairs_grouped_and_padded(tokens: int, num_experts: int, top_k: int, block_m: int,
-                                  seed: int) -> None:
+def _routing(tokens: int, top_k: int, num_experts: int, skew: float, seed: int) -> torch.Tensor:
+    """`[T, K]` expert ids, distinct per token when K <= E; skew > 0 piles pairs on low experts."""
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, num_experts, (tokens, top_k), generator=gen)
-    sorted_pair, expert_of_block = align_pairs_to_blocks(ids, num_experts, block_m)
-    num_pairs = tokens * top_k
+    popularity = torch.rand(num_experts, generator=gen) ** (1.0 + 20.0 * skew)  # [E]
+    if top_k <= num_experts:
+        ids = torch.multinomial(popularity.expand(tokens, -1) + 1e-12, top_k, generator=gen)
+    else:
+        ids = torch.randint(0, num_experts, (tokens, top_k), generator=gen)
+    return ids.to(DEVICE)
+
+
+def _check_invariants(ids: torch.Tensor, num_experts: int, block_m: int,
+                      sorted_pair: torch.Tensor, expert_of_block: torch.Tensor) -> None:
+    num_pairs = ids.numel()
+    sorted_pair, expert_of_block = sorted_pair.cpu(), expert_of_block.cpu()
+    assert expert_of_block.shape == (max_blocks(num_pairs, num_experts, block_m),)
     assert sorted_pair.shape == (expert_of_block.numel() * block_m,)
     slots = sorted_pair.view(-1, block_m)  # [B, BM]
     real = sorted_pair[sorted_pair < num_pairs]
     assert sorted(real.tolist()) == list(range(num_pairs))  # each pair exactly once
     assert (sorted_pair <= num_pairs).all()
-    flat = ids.reshape(-1)
+    flat = ids.reshape(-1).cpu()
     for block, expert in enumerate(expert_of_block.tolist()):
         pairs = slots[block][slots[block] < num_pairs]
         if expert < 0:
             assert pairs.numel() == 0
         else:
             assert pairs.numel() > 0 and (flat[pairs] == expert).all()
+            assert (pairs[1:] > pairs[:-1]).all()  # pair order kept inside the expert
     used = expert_of_block[expert_of_block >= 0]
     assert (used[1:] >= used[:-1]).all()  # experts in ascending order, unused blocks last
+    assert (expert_of_block[used.numel():] == -1).all()
     counts = torch.bincount(flat, minlength=num_experts)
     assert used.numel() == int(((counts + block_m - 1) // block_m).sum())
+
+
+@settings(max_examples=40, deadline=None)
+@given(tokens=st.integers(1, 200), num_experts=st.integers(1, 40), top_k=st.integers(1, 8),
+       block_m=st.sampled_from([16, 32, 64]), seed=st.integers(0, 2**16))
+def test_reference_groups_and_pads(tokens: int, num_experts: int, top_k: int, block_m: int,
+                                   seed: int) -> None:
+    ids = torch.randint(0, num_experts, (tokens, top_k),
+                        generator=torch.Generator().manual_seed(seed))
+    _check_invariants(ids, num_experts, block_m,
+                      *align_pairs_to_blocks_reference(ids, num_experts, block_m))
+
+
+@settings(max_examples=30 if DEVICE == "cpu" else 300, deadline=None)
+@given(tokens=st.integers(1, 512), top_k=st.integers(1, 8), num_experts=st.integers(1, 256),
+       block_m=st.sampled_from([16, 32, 64]), skew=st.sampled_from([0.0, 0.5, 1.0]),
+       seed=st.integers(0, 2**16))
+def test_kernel_matches_reference(tokens: int, top_k: int, num_experts: int, block_m: int,
+                                  skew: float, seed: int) -> None:
+    ids = _routing(tokens, top_k, num_experts, skew, seed)  # T*K in 1..4096
+    got = align_pairs_to_blocks(ids, num_experts, block_m)
+    want = align_pairs_to_blocks_reference(ids, num_experts, block_m)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    _check_invariants(ids, num_experts, block_m, *got)
+
+
+@pytest.mark.parametrize(("tokens", "top_k", "num_experts", "block_m"), [
+    (1, 1, 1, 16),  # one pair
+    (4096, 1, 1, 64),  # every pair on one expert, 64 full blocks
+    (512, 8, 256, 16),  # a full prefill chunk of the 256-expert model
+    (32, 8, 256, 16),  # a diffusion block
+    (17, 3, 250, 32),  # most experts empty
+    (127, 8, 9, 64),
+])
+def test_kernel_edge_cases(tokens: int, top_k: int, num_experts: int, block_m: int) -> None:
+    ids = _routing(tokens, top_k, num_experts, skew=1.0, seed=tokens)
+    got = align_pairs_to_blocks(ids.int(), num_experts, block_m)  # int32 ids as well
+    want = align_pairs_to_blocks_reference(ids, num_experts, block_m)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_worked_example() -> None:
+    ids = torch.tensor([[2, 0], [2, 1], [0, 2]], device=DEVICE)  # pairs 0..5
+    sorted_pair, expert_of_block = align_pairs_to_blocks(ids, 4, 16)  # 1 + min(4, 6) blocks
+    expert_0, expert_1, expert_2 = [1, 4] + [6] * 14, [3] + [6] * 15, [0, 2, 5] + [6] * 13
+    assert sorted_pair.tolist() == expert_0 + expert_1 + expert_2 + [6] * 32
+    assert expert_of_block.tolist() == [0, 1, 2, -1, -1]
+
+
+def test_large_routings_take_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    ids = _routing(40, 8, 64, skew=0.0, seed=1)
+    calls = []
+
+    def reference(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(args)
+        return align_pairs_to_blocks_reference(*args)
+
+    monkeypatch.setattr(moe_align, "align_pairs_to_blocks_reference", reference)
+    block_m, sorted_pair, expert_of_block = route_pairs(ids, 64)
+    assert block_m == moe_block_size(ids.numel(), 64) == 16 and not calls  # the kernel
+    monkeypatch.setattr(moe_align, "MAX_KERNEL_PAIRS", ids.numel() - 1)
+    assert torch.equal(route_pairs(ids, 64)[1], sorted_pair) and len(calls) == 1
+    monkeypatch.setattr(moe_align, "MAX_KERNEL_PAIRS", ids.numel())
+    monkeypatch.setattr(moe_align, "MAX_KERNEL_EXPERTS", 63)
+    assert torch.equal(route_pairs(ids, 64)[2], expert_of_block) and len(calls) == 2
+
+
+def test_opcheck() -> None:
+    ids = _routing(9, 4, 12, skew=0.5, seed=2)
+    torch.library.opcheck(torch.ops.dlmc.moe_align.default, (ids, 12, 16),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 def test_block_size() -> None:
     assert moe_block_size(32 * 8, 256) == 16
     assert moe_block_size(300 * 2, 4) == 64
+
+
+@pytest.mark.gpu
+def test_compile_and_graph_replay() -> None:
+    ids = _routing(512, 8, 256, skew=0.5, seed=3)
+    fn = torch.compile(lambda t: align_pairs_to_blocks(t, 256, 16), fullgraph=True)
+    fn(ids)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sorted_pair, expert_of_block = fn(ids)
+    ids.copy_(_routing(512, 8, 256, skew=1.0, seed=4))
+    graph.replay()
+    want = align_pairs_to_blocks_reference(ids, 256, 16)
+    assert torch.equal(sorted_pair, want[0]) and torch.equal(expert_of_block, want[1])
