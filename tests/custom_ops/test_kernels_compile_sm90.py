@@ -22,8 +22,8 @@ from dlmc.custom_ops._paged_attention_kernels import (
     split_launch_config,
 )
 from dlmc.custom_ops.kv_append import kv_append_kernel
-from dlmc.custom_ops.nvfp4_moe import _down_kernel, _gate_up_kernel
 from dlmc.custom_ops.moe_align import max_blocks, moe_align_kernel
+from dlmc.custom_ops.nvfp4_moe import _down_kernel, _gate_up_kernel
 
 SM90 = GPUTarget("cuda", 90, 32)
 
