@@ -36,6 +36,9 @@ _KERNEL_NAME = os.environ.get("DLMC_NVFP4_KERNEL", "v2")
 if _KERNEL_NAME not in _KERNELS:
     raise ValueError(f"DLMC_NVFP4_KERNEL must be one of {sorted(_KERNELS)}, got {_KERNEL_NAME!r}")
 _VARIANT = _KERNELS[_KERNEL_NAME]
+# Launch-config override for tuning sweeps (perf/bench_nvfp4_moe.py --tiles):
+# (BLOCK_N, BLOCK_K, num_warps, num_stages), or None for the defaults below.
+_TILE: tuple[int, int, int, int] | None = None
 
 
 @triton.jit
@@ -127,6 +130,18 @@ def _block_n(dim: int) -> int:
     return next((b for b in widths if dim >= b), 16)
 
 
+def _launch_config(n: int, k: int) -> tuple[int, int, dict[str, int]]:
+    """(BLOCK_N, BLOCK_K, launch kwargs) for an output width `n` and reduction length `k`."""
+    if _TILE is None or _INTERPRETED:
+        return _block_n(n), 128 if k >= 128 else 32, {}
+    block_n, block_k, num_warps, num_stages = _TILE
+    while block_n > 16 and block_n > n:
+        block_n //= 2
+    while block_k > 32 and block_k > k:
+        block_k //= 2
+    return block_n, block_k, {"num_warps": num_warps, "num_stages": num_stages}
+
+
 def _alphas(scale_2: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
     alpha = scale_2.float().reshape(-1)  # [E]
     return alpha if input_scale is None else alpha * input_scale.float().reshape(-1)
@@ -159,26 +174,25 @@ def _nvfp4_moe_impl(
                                      gate_up_input_scale.float()[pair_expert])  # [P, H]
         a_row_div = 1
     h = torch.empty((num_blocks * block_m, I), dtype=torch.bfloat16, device=x.device)
-    block_n1 = _block_n(I)
+    block_n1, block_k1, launch = _launch_config(I, H)
     wrap_triton(_gate_up_kernel)[(num_blocks, triton.cdiv(I, block_n1))](
         a, sorted_pair, expert_of_block, gate_weight, gate_weight_scale,
         up_weight, up_weight_scale,
         _alphas(gate_weight_scale_2, gate_up_input_scale),
         _alphas(up_weight_scale_2, gate_up_input_scale), h, num_pairs, a_row_div, H, I,
-        a.stride(0), h.stride(0), BLOCK_M=block_m, BLOCK_N=block_n1,
-        BLOCK_K=128 if H >= 128 else 32,
-        INTERPRETED=_INTERPRETED, VARIANT=_VARIANT,
+        a.stride(0), h.stride(0), BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=block_k1,
+        INTERPRETED=_INTERPRETED, VARIANT=_VARIANT, **launch,
     )
     if down_input_scale is not None:
         slot_expert = expert_of_block.long().clamp(min=0).repeat_interleave(block_m)  # [S]
         h = fake_quantize_activation(h, down_input_scale.float()[slot_expert])
     y = torch.empty((num_pairs, H), dtype=torch.bfloat16, device=x.device)
-    block_n2 = _block_n(H)
+    block_n2, block_k2, launch = _launch_config(H, I)
     wrap_triton(_down_kernel)[(num_blocks, triton.cdiv(H, block_n2))](
         h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
         _alphas(down_weight_scale_2, down_input_scale), y, num_pairs, H, I, h.stride(0),
-        y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=128 if I >= 128 else 32,
-        INTERPRETED=_INTERPRETED, VARIANT=_VARIANT,
+        y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=block_k2,
+        INTERPRETED=_INTERPRETED, VARIANT=_VARIANT, **launch,
     )
     return combine_pairs(y, topk_weights, out)  # [T, H]
 

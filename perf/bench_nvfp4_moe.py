@@ -29,6 +29,7 @@ import torch
 if not torch.cuda.is_available():  # --smoke on a CPU machine: Triton's interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import dlmc.custom_ops.nvfp4_moe as nvfp4_module
 from dlmc.bench.timing import copy_bandwidth_gbps, cuda_times
 from dlmc.custom_ops.nvfp4_moe import _KERNEL_NAME, nvfp4_moe, nvfp4_moe_reference
 from dlmc.quant.nvfp4_format import dequantize_nvfp4
@@ -88,6 +89,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, no timing")
+    parser.add_argument("--tiles", nargs="*", default=[],
+                        help="launch configs to sweep, each BLOCK_N,BLOCK_K,num_warps,num_stages "
+                             "(default: the op's own choice)")
     args = parser.parse_args()
     if args.smoke:
         args.tokens, args.hidden, args.inter, args.experts, args.layers = [5], 32, 32, 8, 2
@@ -108,7 +112,9 @@ def main() -> None:
         report |= {"gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda,
                    "triton": triton.__version__}
         report["copy_GBps"] = copy_bandwidth_gbps(1 << 30, 30)
-    for T in args.tokens:
+    tiles = [tuple(int(v) for v in t.split(",")) for t in args.tiles] or [None]
+    for T, tile in ((T, tile) for T in args.tokens for tile in tiles):
+        nvfp4_module._TILE = tile
         routing = [make_routing(T, E, K, device, gen) for _ in range(L)]
         x = torch.randn(T, H, device=device, generator=gen).bfloat16()
         touched = [int(ids.unique().numel()) for ids, _ in routing]
@@ -121,7 +127,8 @@ def main() -> None:
         outs = run_all()
         ref = nvfp4_moe_reference(x, *routing[0], *layers[0])
         err = ((outs[0].float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-        row: dict[str, object] = {"tokens": T, "touched_experts_mean": sum(touched) / L,
+        row: dict[str, object] = {"tokens": T, "tile": tile or "default",
+                                  "touched_experts_mean": sum(touched) / L,
                                   "bytes_per_layer": sum(nbytes) / L, "max_rel_err_vs_ref": err}
         if device == "cuda":
             graph = torch.cuda.CUDAGraph()
@@ -131,6 +138,11 @@ def main() -> None:
             row |= {"nvfp4_ms_per_layer": ms, "nvfp4_GBps": row["bytes_per_layer"] / ms / 1e6}
             row["fraction_of_copy"] = row["nvfp4_GBps"] / report["copy_GBps"]
             row["eager_ms_per_layer"] = statistics.median(cuda_times(run_all, 10)) / L
+            if len(tiles) > 1:  # a sweep: the op alone
+                report["results"].append(row)
+                print(f"tile={tile} ms/layer={ms:.4f} of_copy={row['fraction_of_copy']:.3f} "
+                      f"err={err:.2e}", flush=True)
+                continue
             ids0, w0 = routing[0]
             bf16 = dict(zip(("gate", "up", "down"), (
                 dequantize_nvfp4(*layers[0][3 * p: 3 * p + 3]) for p in range(3)), strict=True))
