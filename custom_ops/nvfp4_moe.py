@@ -27,12 +27,13 @@ __all__ = ["nvfp4_moe", "nvfp4_moe_reference"]
 # fp32 -> bf16; under TRITON_INTERPRET=1 the kernels dot in fp32 (exact for these operands) and
 # round to bf16 by hand (`nvfp4_tiles.round_bf16`). Compiled kernels take the plain bf16 paths.
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# Kernel variant, DLMC_NVFP4_KERNEL: "v2" (default: vectorized N-major weight loads, one E4M3
-# decode per 16 weights, shared gate/up A loads; 0.307 ms/layer = 22.6 % of copy bandwidth on the
-# H200), "v1" (K-major tiles; 0.441 ms/layer, 15.7 %), perf/results/nvfp4_op_v{1,2}_h200.json, or
-# "v3" (v2 with the bf16x2 inline-asm decode of `nvfp4_bf16x2`; not yet timed on a GPU).
+# Kernel variant, DLMC_NVFP4_KERNEL: "v3" (default: v2 with the bf16x2 inline-asm decode of
+# `nvfp4_bf16x2`, two weights per instruction; 0.156 ms/layer = 44 % of copy bandwidth on the
+# H200 with routing prep in `moe_align`, perf/results/nvfp4_op_v3_sweep_h200.json), "v2"
+# (vectorized N-major weight loads, one E4M3 decode per 16 weights; 0.307 ms/layer = 22.6 % with
+# the old torch routing prep) or "v1" (K-major tiles; 0.441 ms/layer, 15.7 %).
 _KERNELS = {"v1": 1, "v2": 2, "v3": 3}
-_KERNEL_NAME = os.environ.get("DLMC_NVFP4_KERNEL", "v2")
+_KERNEL_NAME = os.environ.get("DLMC_NVFP4_KERNEL", "v3")
 if _KERNEL_NAME not in _KERNELS:
     raise ValueError(f"DLMC_NVFP4_KERNEL must be one of {sorted(_KERNELS)}, got {_KERNEL_NAME!r}")
 _VARIANT = _KERNELS[_KERNEL_NAME]
@@ -124,10 +125,10 @@ def _down_kernel(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, do
 
 
 def _block_n(dim: int) -> int:
-    """N-tile width: 64 (v1/v2) or 128 (v3: fewer A-split shuffles per weight; static SASS count
-    3.8 vs 4.2 per weight, perf/results/nvfp4_moe_sass_sm90.txt); narrower for small dims."""
-    widths = (128, 64, 32) if _VARIANT == 3 else (64, 32)
-    return next((b for b in widths if dim >= b), 16)
+    """N-tile width: 64, narrower for small dims. For v3, 64 beat 128 on the H200 (0.156 vs
+    0.161 ms/layer, same run, perf/results/nvfp4_op_v3_sweep_h200.json) although 128 has the
+    lower static SASS count (3.8 vs 4.2 instructions per weight)."""
+    return next((b for b in (64, 32) if dim >= b), 16)
 
 
 def _launch_config(n: int, k: int) -> tuple[int, int, dict[str, int]]:
