@@ -29,48 +29,27 @@ from ._paged_attention_kernels import (
     paged_attention_split_kernel,
     split_launch_config,
 )
-from ._paged_attention_one_launch import (
-    merge_levels,
-    num_counters,
-    one_launch_config,
-    paged_attention_one_launch_kernel,
-)
 
 CACHE_DTYPES = (torch.float8_e4m3fn, torch.bfloat16)
 BACKENDS = ("triton", "reference")
-# "one_launch": split-K with the merge in the last program to finish (atomic tickets, default);
-# "two_launch": split kernel + merge kernel (kept for comparison in perf/bench_paged_attention.py).
-KERNELS = ("one_launch", "two_launch")
-DEFAULT_KERNEL = os.environ.get("DLMC_PAGED_ATTENTION_KERNEL", "one_launch")
 # Triton's CPU interpreter (tests): BF16 dots are widened to fp32 there (see _dot).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Fewest cached keys one split attends: fewer, longer splits when the prefix is short.
-DEFAULT_MIN_SPLIT_KEYS = {"one_launch": 256, "two_launch": 128}
-# Partials one program of the one-launch kernel merges per level of its merge tree.
-DEFAULT_FAN_IN = 4
-# Counters of the workspace that PagedKVCache keeps (enough for 2,048 groups of 8 nodes).
-DEFAULT_NUM_COUNTERS = 1 << 14
+DEFAULT_MIN_SPLIT_KEYS = 128
 
 
 def default_num_splits(num_rows: int, num_kv_heads: int, head_dim: int,
-                       device: torch.device, kernel: str = "one_launch") -> int:
-    """Key splits of the cached prefix (4 on CPU).
+                       device: torch.device) -> int:
+    """Key splits of the cached prefix: about two waves of programs on the GPU, 4 on CPU.
 
-    One launch: one wave of programs (the merge reads every live partial of a group, so fewer,
-    longer splits); two launches: about two waves. Depends only on shapes and the device,
-    never on the prefix length (graph safety); splits that find no keys exit at once.
+    Depends only on shapes and the device, never on the prefix length (graph safety); splits
+    that find no keys exit at once.
     """
     if device.type != "cuda":
         return 4
-    block_m = launch_config(head_dim, kernel)[0]
+    block_m = split_launch_config(head_dim)[0]
     programs = math.ceil(num_rows / block_m) * num_kv_heads
-    waves = 1 if kernel == "one_launch" else 2
-    return max(1, min(waves * _sm_count(device.index) // programs, 64))
-
-
-def launch_config(head_dim: int, kernel: str) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) of `kernel` for a head dim."""
-    return one_launch_config(head_dim) if kernel == "one_launch" else split_launch_config(head_dim)
+    return max(1, min(math.ceil(2 * _sm_count(device.index) / programs), 64))
 
 
 @functools.cache
@@ -78,96 +57,35 @@ def _sm_count(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def counters_needed(q: torch.Tensor, num_kv_heads: int, num_splits: int = 0, *,
-                    kernel: str = DEFAULT_KERNEL, tile: tuple[int, int, int] | None = None,
-                    fan_in: int = 0) -> int:
-    """Workspace counters a call with q `[Tq, Hq, D]` uses (0 for the two-launch kernel)."""
-    if kernel != "one_launch":
-        return 0
-    num_queries, num_q_heads, head_dim = q.shape
-    num_rows = num_queries * (num_q_heads // num_kv_heads)
-    block_m = (tile or launch_config(head_dim, kernel))[0]
-    if num_splits <= 0:
-        num_splits = default_num_splits(num_rows, num_kv_heads, head_dim, q.device, kernel)
-    return num_counters(num_rows, num_kv_heads, num_splits, block_m, fan_in or DEFAULT_FAN_IN)
-
-
 def launch_paged_attention(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, page_table: torch.Tensor, prefix_len: torch.Tensor,
-    k_scale: torch.Tensor, v_scale: torch.Tensor, counters: torch.Tensor, softmax_scale: float,
-    window: int, causal_block: int, num_splits: int, *, min_split_keys: int = 0,
-    tile: tuple[int, int, int] | None = None, fan_in: int = 0, kernel: str = DEFAULT_KERNEL,
-    reverse_splits: bool = False,
+    k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float, window: int,
+    causal_block: int, num_splits: int, *, min_split_keys: int = 0,
+    tile: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
-    """Launch the kernel(s) (arguments as in `paged_attention`; 0 = unset).
+    """Launch the split and merge kernels (arguments as in `paged_attention`; 0 = unset).
 
-    `min_split_keys` (fewest cached keys per split), `tile` (BLOCK_M, BLOCK_N, num_warps),
-    `fan_in` (partials merged per program and tree level) and `kernel` override the defaults;
-    perf/bench_paged_attention.py sweeps them. `reverse_splits` (tests) runs the splits in
-    reverse program order, so that under the interpreter another program merges.
+    `min_split_keys` (fewest cached keys per split) and `tile` (BLOCK_M, BLOCK_N, num_warps)
+    override the defaults; perf/bench_paged_attention.py sweeps them.
     """
-    _check(kernel in KERNELS, f"kernel={kernel!r} is not one of {KERNELS}")
     num_queries, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     num_rows = num_queries * group
     capacity = min(num_pages, page_table.numel()) * page_size
-    block_m, block_n, num_warps = tile or launch_config(head_dim, kernel)
+    block_m, block_n, num_warps = tile or split_launch_config(head_dim)
     if num_splits <= 0:
-        num_splits = default_num_splits(num_rows, num_kv_heads, head_dim, q.device, kernel)
-    min_split_keys = min_split_keys or DEFAULT_MIN_SPLIT_KEYS[kernel]
-    min_split_keys = max(block_n, math.ceil(min_split_keys / block_n) * block_n)
+        num_splits = default_num_splits(num_rows, num_kv_heads, head_dim, q.device)
+    min_split_keys = max(block_n, math.ceil((min_split_keys or DEFAULT_MIN_SPLIT_KEYS)
+                                            / block_n) * block_n)
     num_stages = 3 if head_dim <= 128 else 2
-    out = torch.empty_like(q)  # [Tq, Hq, D]
-    if kernel == "two_launch":
-        _launch_two(q, k_new, v_new, k_cache, v_cache, page_table, prefix_len, k_scale, v_scale,
-                    out, softmax_scale, capacity, window, causal_block, num_splits,
-                    min_split_keys, (block_m, block_n, num_warps), num_stages)
-        return out
-    fan_in = fan_in or DEFAULT_FAN_IN
-    needed = num_counters(num_rows, num_kv_heads, num_splits, block_m, fan_in)
-    _check(counters.dtype == torch.int32 and counters.numel() >= needed,
-           f"counters must be int32 with at least {needed} elements, got "
-           f"{tuple(counters.shape)} {counters.dtype}")
-    o_part = torch.empty((num_splits, num_kv_heads, num_rows, head_dim), device=q.device,
-                         dtype=torch.float32)  # [S, Hkv, M, D]
-    lse_part = torch.empty((num_splits, num_kv_heads, num_rows), device=q.device,
-                           dtype=torch.float32)  # [S, Hkv, M]
-    grid = (triton.cdiv(num_rows, block_m), num_kv_heads, num_splits)
-    wrap_triton(paged_attention_one_launch_kernel)[grid](
-        q, k_new, v_new, k_cache, v_cache, page_table, prefix_len, k_scale, v_scale,
-        o_part, lse_part, counters, out,
-        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
-        num_queries, num_rows, softmax_scale * math.log2(math.e), capacity, window,
-        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, CAUSAL_BLOCK=causal_block,
-        NUM_SPLITS=num_splits, MIN_SPLIT_KEYS=min_split_keys, BLOCK_M=block_m,
-        BLOCK_N=block_n, FAN_IN=fan_in, LEVELS=merge_levels(num_splits, fan_in),
-        REVERSE_SPLITS=reverse_splits, DOT_FP32=INTERPRETED, LOOP_WHILE=INTERPRETED,
-        NUM_STAGES=num_stages, num_warps=num_warps,
-    )
-    return out
-
-
-def _launch_two(
-    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
-    v_cache: torch.Tensor, page_table: torch.Tensor, prefix_len: torch.Tensor,
-    k_scale: torch.Tensor, v_scale: torch.Tensor, out: torch.Tensor, softmax_scale: float,
-    capacity: int, window: int, causal_block: int, num_splits: int, min_split_keys: int,
-    tile: tuple[int, int, int], num_stages: int,
-) -> None:
-    """The two-launch path: split kernel (plus a split for the block's keys), merge kernel."""
-    num_queries, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
-    num_rows = num_queries * group
-    block_m, block_n, num_warps = tile
     parts = num_splits + 1
     o_part = torch.empty((parts, num_kv_heads, num_rows, head_dim), device=q.device,
                          dtype=torch.float32)  # [S+1, Hkv, M, D]
     lse_part = torch.empty((parts, num_kv_heads, num_rows), device=q.device,
                            dtype=torch.float32)  # [S+1, Hkv, M]
+    out = torch.empty_like(q)  # [Tq, Hq, D]
     grid = (triton.cdiv(num_rows, block_m), num_kv_heads, parts)
     wrap_triton(paged_attention_split_kernel)[grid](
         q, k_new, v_new, k_cache, v_cache, page_table, prefix_len, k_scale, v_scale,
@@ -175,7 +93,7 @@ def _launch_two(
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         num_queries, num_rows, softmax_scale * math.log2(math.e), capacity, window,
-        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1], CAUSAL_BLOCK=causal_block,
+        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, CAUSAL_BLOCK=causal_block,
         NUM_SPLITS=num_splits, MIN_SPLIT_KEYS=min_split_keys, BLOCK_M=block_m,
         BLOCK_N=block_n, DOT_FP32=INTERPRETED, LOOP_WHILE=INTERPRETED,
         NUM_STAGES=num_stages, num_warps=num_warps,
@@ -186,26 +104,28 @@ def _launch_two(
         MIN_SPLIT_KEYS=min_split_keys, BLOCK_N=block_n, CHUNK=merge_chunk(num_splits),
         LOOP_WHILE=INTERPRETED, num_warps=4 if head_dim <= 256 else 8,
     )
+    return out
 
 
-@triton_op("dlmc::paged_attention", mutates_args={"counters"})
+
+@triton_op("dlmc::paged_attention", mutates_args=())
 def _paged_attention_op(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, page_table: torch.Tensor, prefix_len: torch.Tensor,
-    k_scale: torch.Tensor, v_scale: torch.Tensor, counters: torch.Tensor, softmax_scale: float,
-    window: int, causal_block: int, num_splits: int,
+    k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float, window: int,
+    causal_block: int, num_splits: int,
 ) -> torch.Tensor:
     return launch_paged_attention(q, k_new, v_new, k_cache, v_cache, page_table, prefix_len,
-                                  k_scale, v_scale, counters, softmax_scale, window,
-                                  causal_block, num_splits)
+                                  k_scale, v_scale, softmax_scale, window, causal_block,
+                                  num_splits)
 
 
 @_paged_attention_op.register_fake
 def paged_attention_fake(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, page_table: torch.Tensor, prefix_len: torch.Tensor,
-    k_scale: torch.Tensor, v_scale: torch.Tensor, counters: torch.Tensor, softmax_scale: float,
-    window: int, causal_block: int, num_splits: int,
+    k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float, window: int,
+    causal_block: int, num_splits: int,
 ) -> torch.Tensor:
     """Fake (meta) function: the output has q's shape, dtype and strides; reads no data."""
     return torch.empty_like(q)
@@ -262,7 +182,7 @@ def paged_attention(
     v_cache: torch.Tensor, page_table: torch.Tensor, prefix_len: torch.Tensor, *,
     k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float,
     window: int | None = None, causal_block: int | None = None, num_splits: int | None = None,
-    counters: torch.Tensor | None = None, backend: str = "triton",
+    backend: str = "triton",
 ) -> torch.Tensor:
     """Attention of a block of `Tq` queries over the cached prefix plus the block itself.
 
@@ -282,10 +202,6 @@ def paged_attention(
         causal_block: None = the block's queries see all its keys (bidirectional); `b` = query
             `t` sees block key `s` iff `s // b <= t // b` (block-causal prefill; 1 = causal).
         num_splits: key splits of the prefix (None: a fixed heuristic from shapes and capacity).
-        counters: int32 workspace of the one-launch kernel's merge (`counters_needed` elements,
-            all zero; every call leaves them zero). Keep one per stream and reuse it (as
-            `PagedKVCache` does): None allocates zeros per call, which costs a memset launch.
-            It is the op's only mutated argument, and only transiently.
         backend: `"triton"` (default) or `"reference"`.
 
     GQA: query head `h` reads KV head `h // (Hq // Hkv)`. Softmax in fp32 over
@@ -303,18 +219,9 @@ def paged_attention(
             causal_block=causal_block)
     _check(backend == "triton", f"backend={backend!r} is not one of {BACKENDS} (FlashInfer: "
            "use PagedKVCache(backend='flashinfer'), which plans on the host)")
-    if counters is None:
-        counters = torch.zeros(
-            max(counters_needed(q, k_cache.shape[2], num_splits or 0), 1), dtype=torch.int32,
-            device=q.device)
-    _check(counters.dtype == torch.int32 and counters.dim() == 1
-           and counters.device == q.device,
-           f"counters must be a 1-D int32 tensor on {q.device}, got {tuple(counters.shape)} "
-           f"{counters.dtype} on {counters.device}")
     return torch.ops.dlmc.paged_attention(
         q, k_new, v_new, k_cache, v_cache, page_table, prefix_len.reshape(1), k_scale.reshape(1),
-        v_scale.reshape(1), counters, float(softmax_scale), window or 0, causal_block or 0,
-        num_splits or 0)
+        v_scale.reshape(1), float(softmax_scale), window or 0, causal_block or 0, num_splits or 0)
 
 
 def gather_prefix(cache: torch.Tensor, page_table: torch.Tensor, start: int, end: int,

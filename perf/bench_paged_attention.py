@@ -4,8 +4,7 @@ LLaDA2.1-mini shapes by default: a 32-query block, 16 q heads over 4 KV heads, h
 page size 16, FP8 E4M3 KV, 20 layers. Every layer has its own cache (so the KV is not served
 from L2), one CUDA graph holds one call per layer, and a replay's time over the layer count is
 the per-call time (median of >= 50 replays, CUDA events). The reference syncs on the prefix
-length, so it is timed eagerly. Random data, seeded. `triton default` is the one-launch kernel
-(in-kernel merge, atomic tickets); `two_launch default` the earlier split + merge kernels.
+length, so it is timed eagerly. Random data, seeded.
 
     python perf/bench_paged_attention.py --sweep --out perf/results/paged_attention_h200.json
 """
@@ -26,7 +25,6 @@ import triton
 from dlmc.bench.timing import copy_bandwidth_gbps, cuda_times
 from dlmc.custom_ops.kv_append import kv_append
 from dlmc.custom_ops.paged_attention import (
-    DEFAULT_NUM_COUNTERS,
     launch_paged_attention,
     paged_attention,
     paged_attention_reference,
@@ -36,15 +34,9 @@ from dlmc.custom_ops.paged_attention_flashinfer import (
     flashinfer_available,
 )
 
-# (kernel, num_splits, min_split_keys, (BLOCK_M, BLOCK_N, num_warps), merge fan-in) timed by
-# --sweep. One launch: fan-in >= splits is a flat merge (one level).
-SWEEP = (
-    ("one_launch", 16, 512, (64, 64, 4), 4), ("one_launch", 16, 128, (64, 64, 4), 4),
-    ("one_launch", 8, 256, (64, 64, 4), 8), ("one_launch", 16, 256, (64, 64, 4), 16),
-    ("one_launch", 32, 128, (64, 64, 4), 4), ("one_launch", 16, 256, (32, 64, 4), 4),
-    ("one_launch", 16, 256, (64, 64, 8), 4), ("one_launch", 8, 512, (64, 64, 4), 2),
-    ("two_launch", 33, 64, (64, 64, 4), 0),
-)
+# (num_splits, min_split_keys, (BLOCK_M, BLOCK_N, num_warps)) timed by --sweep.
+SWEEP = ((33, 64, (64, 64, 4)), (33, 256, (64, 64, 4)), (16, 128, (64, 64, 4)),
+         (64, 128, (64, 64, 4)), (33, 128, (128, 64, 8)))
 
 
 def parse_args() -> argparse.Namespace:
@@ -126,26 +118,25 @@ def bench_prefix(args: argparse.Namespace, prefix: int, env: dict[str, object],
     def rel_err(out: torch.Tensor, ref: torch.Tensor = ref) -> float:
         return float((out.float() - ref).abs().max() / ref.abs().max())
 
-    # One workspace for all layers (as PagedKVCache keeps); every call leaves it zeroed.
-    counters = torch.zeros(DEFAULT_NUM_COUNTERS, dtype=torch.int32, device="cuda")
-    calls = [lambda i=i: paged_attention(**layer_args(t, i), **opts, counters=counters)
+    calls = [lambda i=i: paged_attention(**layer_args(t, i), **opts)
              for i in range(args.layers)]
     err = rel_err(calls[0]())
     record("triton", "default", prefix, time_graph(calls, args.iters), err)
     record("triton", "default eager", prefix,
            time_events(lambda: [c() for c in calls], args.iters, args.layers), err)
-    configs = [("two_launch", 0, 0, None, 0)] + list(SWEEP if args.sweep else ())
-    for kernel, splits, min_keys, tile, fan_in in configs:
-        def launch(i: int, k: str = kernel, s: int = splits, m: int = min_keys,
-                   tl_: tuple[int, int, int] | None = tile, f: int = fan_in) -> torch.Tensor:
-            return launch_paged_attention(*layer_args(t, i).values(), counters, scale, 0, 0, s,
-                                          min_split_keys=m, tile=tl_, fan_in=f, kernel=k)
-        name = (f"{kernel} default" if tile is None else
-                f"{kernel} s{splits} k{min_keys} m{tile[0]}n{tile[1]}w{tile[2]} f{fan_in}")
-        err = rel_err(launch(0))
-        calls = [lambda i=i, f=launch: f(i) for i in range(args.layers)]
-        record("triton", name, prefix, time_graph(calls, args.iters), err)
-    assert counters.eq(0).all(), "the one-launch kernel left a merge counter set"
+    if args.sweep:
+        for splits, min_keys, tile in SWEEP:
+            def launch(i: int, s: int = splits, m: int = min_keys,
+                       tl_: tuple[int, int, int] = tile) -> torch.Tensor:
+                a = layer_args(t, i)
+                return launch_paged_attention(
+                    a["q"], a["k_new"], a["v_new"], a["k_cache"], a["v_cache"],
+                    a["page_table"], a["prefix_len"], a["k_scale"], a["v_scale"], scale,
+                    0, 0, s, min_split_keys=m, tile=tl_)
+            name = f"s{splits} k{min_keys} m{tile[0]}n{tile[1]}w{tile[2]}"
+            err = rel_err(launch(0))
+            calls = [lambda i=i, f=launch: f(i) for i in range(args.layers)]
+            record("triton", name, prefix, time_graph(calls, args.iters), err)
     if not args.no_flashinfer and flashinfer_available() and args.head_dim in (64, 128, 256):
         fi = FlashInferPagedAttention(
             num_q_heads=args.q_heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
@@ -205,7 +196,7 @@ def main() -> None:
                      "bytes": kv_bytes + io_bytes,
                      "GBps": (kv_bytes + io_bytes) / (median * 1e-6) / 1e9, "rel_err": err})
         r = rows[-1]
-        print(f"{backend:10s} {config:34s} prefix={prefix:6d} median={median:8.2f}us "
+        print(f"{backend:10s} {config:28s} prefix={prefix:6d} median={median:8.2f}us "
               f"min={r['min_us']:7.2f} max={r['max_us']:8.2f} {r['GBps']:7.0f} GB/s "
               f"err={err:.2e}", flush=True)
 

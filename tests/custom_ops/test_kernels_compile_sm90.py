@@ -9,25 +9,17 @@ subprocess without `TRITON_INTERPRET` (under the interpreter `triton.jit` makes 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
-import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
 from dlmc.custom_ops._paged_attention_kernels import (
     paged_attention_merge_kernel,
     paged_attention_split_kernel,
     split_launch_config,
-)
-from dlmc.custom_ops._paged_attention_one_launch import (
-    merge_levels,
-    one_launch_config,
-    paged_attention_one_launch_kernel,
 )
 from dlmc.custom_ops.kv_append import kv_append_kernel
 from dlmc.custom_ops.moe_align import max_blocks, moe_align_kernel
@@ -38,59 +30,11 @@ SM90 = GPUTarget("cuda", 90, 32)
 
 def compile_sm90(kernel: triton.JITFunction, types: dict[str, str], constexprs: dict[str, object],
                  num_warps: int) -> triton.compiler.CompiledKernel:
-    """Compile as a launch would: pointers and `stride_*` arguments divisible by 16.
-
-    (At launch Triton marks every pointer and integer argument divisible by 16, as these are
-    for torch tensors and head dims >= 16; the marks enable vector loads.)
-    """
     names = kernel.arg_names
     signature = {name: "constexpr" if name in constexprs else types[name] for name in names}
-    aligned = {(names.index(name),): [["tt.divisibility", 16]] for name in names
-               if name not in constexprs and (types[name].startswith("*")
-                                               or name.startswith("stride_"))}
-    source = ASTSource(fn=kernel, signature=signature, attrs=aligned,
+    source = ASTSource(fn=kernel, signature=signature,
                        constexprs={(names.index(k),): v for k, v in constexprs.items()})
     return triton.compile(source, target=SM90, options={"num_warps": num_warps})
-
-
-def registers_and_spills(compiled: triton.compiler.CompiledKernel) -> tuple[int, int]:
-    """(registers per thread, spill store bytes) that ptxas reports for sm_90a."""
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = os.path.join(tmp, "kernel.ptx")
-        with open(ptx, "w") as f:
-            f.write(compiled.asm["ptx"])
-        report = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", ptx, "-o",
-                                 os.path.join(tmp, "kernel.cubin")], capture_output=True,
-                                text=True, check=True).stderr
-    registers = int(re.search(r"Used (\d+) registers", report).group(1))
-    spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
-    return registers, spills
-
-
-def check_one_launch(float_type: str, head_dim: int, kv_type: str, causal_block: int) -> None:
-    block_m, block_n, num_warps = one_launch_config(head_dim)
-    pointers = {"q_ptr": "*bf16", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16",
-                "k_cache_ptr": kv_type, "v_cache_ptr": kv_type, "page_table_ptr": "*i32",
-                "prefix_len_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
-                "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "counters_ptr": "*i32",
-                "out_ptr": "*bf16", "scale_log2": float_type}
-    kernel = paged_attention_one_launch_kernel
-    types = {name: pointers.get(name, "i32") for name in kernel.arg_names}
-    compiled = compile_sm90(kernel, types, {
-        "GROUP": 4, "HEAD_DIM": head_dim, "PAGE_SIZE": 16, "CAUSAL_BLOCK": causal_block,
-        "NUM_SPLITS": 16, "MIN_SPLIT_KEYS": 256, "BLOCK_M": block_m, "BLOCK_N": block_n,
-        "FAN_IN": 4, "LEVELS": merge_levels(16, 4), "REVERSE_SPLITS": False,
-        "DOT_FP32": False, "LOOP_WHILE": False, "NUM_STAGES": 3 if head_dim <= 128 else 2,
-    }, num_warps)
-    ptx = compiled.asm["ptx"]
-    assert "cp.async" in ptx  # the key loop is software-pipelined
-    # One ticket per merge level, taken by one thread after a CTA barrier; partials are read
-    # from L2 (.cg), never from a stale L1 line.
-    assert ptx.count("atom.global.gpu.acq_rel.add") == merge_levels(16, 4)
-    assert "ld.global.cg" in ptx and "bar.sync" in ptx
-    registers, spills = registers_and_spills(compiled)
-    print(f"one-launch D={head_dim} {kv_type}: {registers} registers, {spills} B spilled")
-    assert spills == 0
 
 
 def check_split_and_merge(float_type: str, head_dim: int, kv_type: str,
@@ -167,9 +111,6 @@ if __name__ == "__main__":
     check_split_and_merge("fp64", 128, "*fp8e4nv", 0)  # as Inductor calls it
     check_split_and_merge("fp32", 256, "*fp8e4nv", 0)  # as an eager call does
     check_split_and_merge("fp32", 512, "*bf16", 4)
-    check_one_launch("fp64", 128, "*fp8e4nv", 0)  # LLaDA2.1-mini, as Inductor calls it
-    check_one_launch("fp32", 256, "*fp8e4nv", 0)
-    check_one_launch("fp32", 512, "*bf16", 4)
     check_kv_append()
     check_nvfp4_moe_v3()
     check_moe_align(32 * 8, 256, 16, 4)  # a diffusion block

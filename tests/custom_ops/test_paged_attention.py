@@ -10,12 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlmc.custom_ops.kv_append import quantize_kv_reference
-from dlmc.custom_ops.paged_attention import (
-    counters_needed,
-    launch_paged_attention,
-    paged_attention,
-    paged_attention_reference,
-)
+from dlmc.custom_ops.paged_attention import paged_attention, paged_attention_reference
 from dlmc.errors import ConfigError
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -66,25 +61,14 @@ def make_case(
     return {name: t.to(device) for name, t in case.items()}
 
 
-def assert_close_to(out: torch.Tensor, ref: torch.Tensor) -> None:
+def assert_matches_reference(case: dict[str, torch.Tensor], **options: object) -> None:
+    split_options = {"num_splits": options.pop("num_splits", None)}
+    out = paged_attention(**case, **options, **split_options)
+    ref = paged_attention_reference(**case, **options)
     assert out.shape == ref.shape and out.dtype == torch.bfloat16
     assert torch.isfinite(out).all()
     bound = ref.float().abs().max().item()
     torch.testing.assert_close(out.float(), ref.float(), atol=0.02 * bound + 1e-6, rtol=0.02)
-
-
-def assert_matches_reference(case: dict[str, torch.Tensor], **options: object) -> None:
-    split_options = {"num_splits": options.pop("num_splits", None)}
-    out = paged_attention(**case, **options, **split_options)
-    assert_close_to(out, paged_attention_reference(**case, **options))
-
-
-def launch(case: dict[str, torch.Tensor], counters: torch.Tensor, softmax_scale: float,
-           num_splits: int, *, window: int = 0, causal_block: int = 0,
-           **options: object) -> torch.Tensor:
-    """`launch_paged_attention` with explicit split, tile and merge options."""
-    return launch_paged_attention(*case.values(), counters, softmax_scale, window, causal_block,
-                                  num_splits, **options)
 
 
 def test_matches_reference_llada2_shape() -> None:
@@ -152,75 +136,11 @@ def test_fuzz_against_reference(
                              num_splits=num_splits)
 
 
-@pytest.mark.parametrize("reverse_splits", [False, True])
-@pytest.mark.parametrize(("num_splits", "fan_in"), [(7, 2), (7, 4), (16, 4), (5, 8), (9, 3)])
-def test_merge_tree_twice_in_a_row(num_splits: int, fan_in: int, reverse_splits: bool) -> None:
-    """Splits of 16 keys over a 150-key prefix (10 live, the last one short): the tree merges
-    them whichever program finishes last (`reverse_splits` flips the interpreter's order, so
-    that split 0 merges), and the counters are zero again after each call."""
-    case = make_case(num_queries=5, num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=4,
-                     prefix=150, k_scale=0.05, v_scale=0.02, seed=num_splits)
-    counters = torch.zeros(64, dtype=torch.int32, device=DEVICE)
-    ref = paged_attention_reference(**case, softmax_scale=0.2)
-    options = {"min_split_keys": 16, "tile": (16, 16, 4), "fan_in": fan_in,
-               "reverse_splits": reverse_splits}
-    first = launch(case, counters, 0.2, num_splits, **options)
-    assert counters.eq(0).all()
-    assert_close_to(first, ref)
-    second = launch(case, counters, 0.2, num_splits, **options)
-    assert counters.eq(0).all()
-    assert torch.equal(first, second)
-
-
-@settings(max_examples=12 if DEVICE == "cpu" else 50, deadline=None)
-@given(
-    group=st.sampled_from([1, 4]), num_queries=st.sampled_from([1, 3, 17]),
-    prefix=st.integers(0, 700), min_split_keys=st.sampled_from([16, 32, 100]),
-    num_splits=st.integers(1, 20), fan_in=st.integers(2, 5), reverse_splits=st.booleans(),
-    window=st.one_of(st.none(), st.integers(1, 400)), causal_block=st.sampled_from([0, 1, 4]),
-    seed=st.integers(0, 2**16),
-)
-def test_fuzz_merge_tree(
-    group: int, num_queries: int, prefix: int, min_split_keys: int, num_splits: int,
-    fan_in: int, reverse_splits: bool, window: int | None, causal_block: int, seed: int,
-) -> None:
-    case = make_case(num_queries=num_queries, num_q_heads=2 * group, num_kv_heads=2,
-                     head_dim=32, page_size=16, prefix=prefix, k_scale=0.05, v_scale=0.02,
-                     seed=seed)
-    counters = torch.zeros(1024, dtype=torch.int32, device=DEVICE)
-    out = launch(case, counters, 0.2, num_splits, window=window or 0,
-                 causal_block=causal_block, min_split_keys=min_split_keys, tile=(16, 16, 4),
-                 fan_in=fan_in, reverse_splits=reverse_splits)
-    assert counters.eq(0).all()
-    assert_close_to(out, paged_attention_reference(**case, softmax_scale=0.2, window=window,
-                                                   causal_block=causal_block or None))
-
-
-@pytest.mark.parametrize("prefix", [0, 40, 300])
-def test_two_launch_kernel_matches_reference(prefix: int) -> None:
-    """The split + merge kernels, kept for comparison in perf/bench_paged_attention.py."""
-    case = make_case(num_queries=17, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
-                     prefix=prefix, k_scale=0.05, v_scale=0.02)
-    counters = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    out = launch(case, counters, 0.125, 3, causal_block=4, min_split_keys=64,
-                 kernel="two_launch")
-    assert_close_to(out, paged_attention_reference(**case, softmax_scale=0.125, causal_block=4))
-
-
-def test_counters_too_small_names_the_tensor() -> None:
-    case = make_case(num_queries=32, num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=4,
-                     prefix=3)
-    counters = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    with pytest.raises(ConfigError, match="counters must be int32 with at least"):
-        paged_attention(**case, softmax_scale=1.0, num_splits=8, counters=counters)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8])
 def test_opcheck(dtype: torch.dtype) -> None:
     case = make_case(num_queries=3, num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=4,
                      prefix=9, dtype=dtype)
-    counters = torch.zeros(counters_needed(case["q"], 2, 2), dtype=torch.int32, device=DEVICE)
-    args = (*case.values(), counters, 0.3, 0, 0, 2)
+    args = tuple(case.values()) + (0.3, 0, 0, 2)
     torch.library.opcheck(torch.ops.dlmc.paged_attention.default, args,
                           test_utils=opcheck_utils(dtype))
 
@@ -283,11 +203,10 @@ def test_compile_and_cuda_graph_replay(window: int | None) -> None:
                      prefix=3000, k_scale=0.03, v_scale=0.02, seed=1)
     options = {"softmax_scale": 128**-0.5, "window": window}
     inputs = {name: case.pop(name) for name in ("q", "k_new", "v_new")}
-    counters = torch.zeros(1024, dtype=torch.int32, device=DEVICE)  # a workspace kept zeroed
 
     @torch.compile(fullgraph=True)
     def block_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
-        return paged_attention(q, k_new, v_new, **case, **options, counters=counters)
+        return paged_attention(q, k_new, v_new, **case, **options)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -303,23 +222,6 @@ def test_compile_and_cuda_graph_replay(window: int | None) -> None:
         for t in inputs.values():
             t.copy_(torch.randn_like(t, dtype=torch.float32))
         graph.replay()
-        assert counters.eq(0).all()
         ref = paged_attention_reference(**inputs, **case, **options)
         bound = ref.float().abs().max().item()
         torch.testing.assert_close(out.float(), ref.float(), atol=0.02 * bound, rtol=0.02)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("fan_in", [2, 4, 32])
-def test_back_to_back_calls_share_counters(fan_in: int) -> None:
-    """Twenty calls queued without a sync reuse one workspace: each merge finds it zeroed."""
-    case = make_case(num_queries=32, num_q_heads=16, num_kv_heads=4, head_dim=128, page_size=16,
-                     prefix=4000, k_scale=0.03, v_scale=0.02, seed=2)
-    counters = torch.zeros(1024, dtype=torch.int32, device=DEVICE)
-    queries = [torch.randn_like(case["q"], dtype=torch.float32).bfloat16() for _ in range(20)]
-    outs = [launch({**case, "q": q}, counters, 128**-0.5, 32, min_split_keys=64, fan_in=fan_in)
-            for q in queries]
-    assert counters.eq(0).all()
-    for q, out in zip(queries, outs, strict=True):
-        assert_close_to(out, paged_attention_reference(**{**case, "q": q},
-                                                       softmax_scale=128**-0.5))

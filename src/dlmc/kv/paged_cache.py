@@ -20,7 +20,7 @@ from typing import Literal
 import torch
 
 from dlmc.custom_ops.kv_append import kv_append, kv_append_reference
-from dlmc.custom_ops.paged_attention import DEFAULT_NUM_COUNTERS, paged_attention
+from dlmc.custom_ops.paged_attention import paged_attention
 from dlmc.errors import ConfigError
 
 BACKENDS = ("auto", "triton", "flashinfer", "reference")
@@ -68,9 +68,6 @@ class PagedKVCache:
 
     Attributes:
         prefix_len: `[1]` int32 device tensor, the committed length (read by the kernels).
-        attention_counters: int32 workspace of the attention kernel's in-kernel merge: zero
-            between calls (every call leaves it zeroed), shared by the layers, which run one
-            after another on one stream.
         length: the same value on the host (capacity checks, FlashInfer planning).
         k_scale, v_scale: `[num_layers]` float32 device tensors (ones for BF16).
         page_table: `[num_pages]` int32; pages are handed out in order (one sequence).
@@ -97,8 +94,6 @@ class PagedKVCache:
                   for _ in range(config.num_layers)]
         self.page_table = torch.arange(config.num_pages, dtype=torch.int32, device=self.device)
         self.prefix_len = torch.zeros(1, dtype=torch.int32, device=self.device)
-        self.attention_counters = torch.zeros(DEFAULT_NUM_COUNTERS, dtype=torch.int32,
-                                              device=self.device)
         self.length = 0
         fp8 = config.dtype == "fp8"
         self.k_scales_host = self._scales("k_scales", k_scales if fp8 else None)
@@ -188,4 +183,4 @@ class PagedKVCache:
             q, k, v, self.k[layer], self.v[layer], self.page_table, self.prefix_len,
             k_scale=self.k_scale[layer], v_scale=self.v_scale[layer],
             softmax_scale=softmax_scale, window=window, causal_block=causal_block,
-            counters=self.attention_counters, backend=self.backend)
+            backend=self.backend)
