@@ -124,17 +124,22 @@ def _down_kernel(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, do
         tl.store(y_ptrs, round_bf16(y, INTERPRETED), mask=row_mask[:, None] & n_mask[None, :])
 
 
-def _block_n(dim: int) -> int:
-    """N-tile width: 64, narrower for small dims. For v3, 64 beat 128 on the H200 (0.156 vs
-    0.161 ms/layer, same run, perf/results/nvfp4_op_v3_sweep_h200.json) although 128 has the
-    lower static SASS count (3.8 vs 4.2 instructions per weight)."""
-    return next((b for b in (64, 32) if dim >= b), 16)
+def _block_n(dim: int, widest: int) -> int:
+    """N-tile width: `widest`, narrower for small dims."""
+    return next((b for b in (128, 64, 32) if b <= widest and dim >= b), 16)
 
 
-def _launch_config(n: int, k: int) -> tuple[int, int, dict[str, int]]:
+# Widest N-tile of each kernel. v3 on the H200 (profiles of two graph-replayed NVFP4 rounds,
+# perf/results/round_nvfp4_v3_fp8_h200*.json): gate/up 92.0 us/layer at 64 vs 101.5 at 128,
+# down 44.3 us at 128 vs 50.5 at 64. v1/v2 were tuned at 64.
+_GATE_UP_BLOCK_N = 64
+_DOWN_BLOCK_N = 128 if _VARIANT == 3 else 64
+
+
+def _launch_config(n: int, k: int, widest: int) -> tuple[int, int, dict[str, int]]:
     """(BLOCK_N, BLOCK_K, launch kwargs) for an output width `n` and reduction length `k`."""
     if _TILE is None or _INTERPRETED:
-        return _block_n(n), 128 if k >= 128 else 32, {}
+        return _block_n(n, widest), 128 if k >= 128 else 32, {}
     block_n, block_k, num_warps, num_stages = _TILE
     while block_n > 16 and block_n > n:
         block_n //= 2
@@ -175,7 +180,7 @@ def _nvfp4_moe_impl(
                                      gate_up_input_scale.float()[pair_expert])  # [P, H]
         a_row_div = 1
     h = torch.empty((num_blocks * block_m, I), dtype=torch.bfloat16, device=x.device)
-    block_n1, block_k1, launch = _launch_config(I, H)
+    block_n1, block_k1, launch = _launch_config(I, H, _GATE_UP_BLOCK_N)
     wrap_triton(_gate_up_kernel)[(num_blocks, triton.cdiv(I, block_n1))](
         a, sorted_pair, expert_of_block, gate_weight, gate_weight_scale,
         up_weight, up_weight_scale,
@@ -188,7 +193,7 @@ def _nvfp4_moe_impl(
         slot_expert = expert_of_block.long().clamp(min=0).repeat_interleave(block_m)  # [S]
         h = fake_quantize_activation(h, down_input_scale.float()[slot_expert])
     y = torch.empty((num_pairs, H), dtype=torch.bfloat16, device=x.device)
-    block_n2, block_k2, launch = _launch_config(H, I)
+    block_n2, block_k2, launch = _launch_config(H, I, _DOWN_BLOCK_N)
     wrap_triton(_down_kernel)[(num_blocks, triton.cdiv(H, block_n2))](
         h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
         _alphas(down_weight_scale_2, down_input_scale), y, num_pairs, H, I, h.stride(0),

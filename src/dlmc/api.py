@@ -63,13 +63,6 @@ class LLM:
         self.kv_scales = loaded.kv_scales
         self.mode = mode or ("graph" if self.device.type == "cuda" else "eager")
         declares_fp8 = loaded.declares_fp8_kv and self.dtype == torch.bfloat16
-        if declares_fp8 and kv_cache_dtype == "auto" and self.mode in ("graph", "compile"):
-            # The paged FP8 path crashed inside a compiled, graph-captured round on the H200
-            # (perf/results/round_nvfp4_fp8_h200_crash.txt): not chosen automatically there yet.
-            log.warning("%s declares an FP8 KV cache; compiled rounds use a BF16 cache until the "
-                        "FP8 path is validated on GPU (pass kv_cache_dtype='fp8' to force it)",
-                        self.model_dir)
-            declares_fp8 = False
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, declares_fp8)
         if any("self_conditioning" in n for n in loaded.index.tensors):
             log.warning("%s carries self-conditioning weights, which dlmc does not apply yet",

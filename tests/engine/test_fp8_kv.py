@@ -65,7 +65,7 @@ def test_fp8_needs_bf16_activations(tiny_dir):
 @pytest.mark.gpu
 def test_fp8_cache_in_graph_rounds_matches_eager_on_cuda(tiny_dir):
     # Reproduces the H200 crash of an FP8 paged cache inside compiled, captured rounds
-    # (perf/results/round_nvfp4_fp8_h200_crash.txt); must pass before "auto" picks FP8 there.
+    # (perf/results/round_nvfp4_fp8_h200_crash.txt), fixed by per-layer cache allocations.
     kwargs = {"prompt_token_ids": list(range(50, 120)), "max_new_tokens": 64}
     results = {mode: LLM(tiny_dir, device="cuda", kv_cache_dtype="fp8", mode=mode).generate(
         **kwargs) for mode in ("compile", "graph")}
