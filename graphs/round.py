@@ -117,6 +117,33 @@ def denoise_round(
     decide(logits, buf, mask_id, algorithm, sampling=sampling)
 
 
+def denoise_round_fused(
+    model: torch.nn.Module,
+    buf: RoundBuffers,
+    prev_tokens: torch.Tensor,
+    prev_positions: torch.Tensor,
+    cache: DenseKVCache | PagedKVCache,
+    key_len: int,
+    block_length: int,
+    mask_id: int,
+    algorithm: str,
+    sampling: tuple[float, int | None, float | None, torch.Generator | None] | None = None,
+) -> None:
+    """The first round of a block fused with the refresh of the block before it.
+
+    One forward over `[prev_tokens, buf.tokens]` (block-causal): the finished previous block
+    (`prev_tokens`/`prev_positions`, final tokens whose cached K/V are stale) writes its final
+    K/V, and the new block attends to it as if a separate refresh forward had run first. Only
+    the new block's logits are computed; the decision is `denoise_round`'s. A paged cache must
+    not have been advanced past the previous block yet (advance it after this round).
+    """
+    tokens = torch.cat([prev_tokens, buf.tokens])
+    positions = torch.cat([prev_positions, buf.positions])
+    ctx = _attention(cache, positions, key_len, block_length, causal=True)
+    logits = model(tokens, positions, ctx, logits_from=prev_tokens.shape[0])  # [bl, V]
+    decide(logits, buf, mask_id, algorithm, sampling=sampling)
+
+
 def fill_kv(
     model: torch.nn.Module,
     tokens: torch.Tensor,

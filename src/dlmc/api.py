@@ -38,6 +38,9 @@ class LLM:
     "eager" (the default on CPU) or "reference" (plain PyTorch, exact-length attention).
     `kv_cache_dtype`: "auto" (FP8 when the checkpoint declares an FP8 KV cache and activations
     are bf16), "bf16" or "fp8" (paged cache, K/V quantized with the checkpoint's scales).
+    `refresh`: how a finished block whose last round changed it gets its final K/V cached:
+    "fused" (default: inside the next block's first round, one 2-block forward) or "separate"
+    (a forward of its own; the reference mode always does this).
     """
 
     def __init__(
@@ -51,6 +54,7 @@ class LLM:
         show_progress: bool = False,
         mode: str | None = None,
         kv_cache_dtype: str = "auto",
+        refresh: str = "fused",
     ) -> None:
         role_defaults(role)  # validates the role
         self.model_id = os.fspath(model)
@@ -80,7 +84,7 @@ class LLM:
         self._decoder = BlockDecoder(
             self.model, self.special_ids.mask_token_id, self.special_ids.eos_token_id,
             self.max_context, self.device, self.dtype, mode=self.mode,
-            kv_cache_dtype=self.kv_cache_dtype, kv_scales=self.kv_scales,
+            kv_cache_dtype=self.kv_cache_dtype, kv_scales=self.kv_scales, refresh=refresh,
         )
 
     # -- tokenizer -------------------------------------------------------------------------
@@ -251,6 +255,7 @@ class LLM:
             "device": str(self.device),
             "mode": self.mode if cfg.greedy or self.kv_cache_dtype == "fp8" else "reference",
             "kv_cache_dtype": self.kv_cache_dtype,
+            "refresh": self._decoder.refresh,
             "self_conditioning_active": False,
             "mask_token_id": self.special_ids.mask_token_id,
             "eos_token_id": self.special_ids.eos_token_id,

@@ -27,13 +27,15 @@ class ScriptedModel:
     def __init__(self, script: Callable[[int, torch.Tensor], torch.Tensor]) -> None:
         self.script = script
         self.calls = 0
-        self.other_calls = 0
+        self.other_calls = 0  # forwards without logits (prefill, separate refresh)
+        self.fused_calls = 0  # rounds that also carried the previous block's refresh
         self.config = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=1, head_dim=2)
 
-    def __call__(self, ids, positions, ctx, compute_logits: bool = True):
+    def __call__(self, ids, positions, ctx, compute_logits: bool = True, logits_from: int = 0):
         if not compute_logits:
             self.other_calls += 1
             return None
-        logits = self.script(self.calls, ids.clone())
+        self.fused_calls += logits_from > 0
+        logits = self.script(self.calls, ids[logits_from:].clone())
         self.calls += 1
         return logits

@@ -4,12 +4,14 @@ import torch
 from dlmc.engine.block_decoder import BlockDecoder
 from dlmc.engine.decode_config import DecodeConfig
 from dlmc.engine.events import BlockEvent, RoundEvent
+from dlmc.errors import ConfigError
 
 from .scripted import EOS, MASK, ScriptedModel, logits_for
 
 
-def run(model, prompt, cfg, use_cache=True):
-    dec = BlockDecoder(model, MASK, EOS, 4096, torch.device("cpu"), torch.float32)
+def run(model, prompt, cfg, use_cache=True, refresh="fused"):
+    dec = BlockDecoder(model, MASK, EOS, 4096, torch.device("cpu"), torch.float32,
+                       refresh=refresh)
     events = []
     gen = dec.decode(prompt, cfg, use_cache=use_cache, rounds=True)
     while True:
@@ -71,7 +73,30 @@ def test_refine_limit_caps_post_fill_rounds():
     model = ScriptedModel(script)
     out, _ = run(model, [7, 7, 7, 7], joint(max_new_tokens=4, max_refine_steps=3))
     assert out.num_forwards == 1 + 3  # one fill round, then 3 refine rounds
-    assert model.other_calls == 2  # prefill + refresh (the last round edited)
+    assert model.other_calls == 1  # the prefill; the last block's K/V are never read again
+
+
+@pytest.mark.parametrize("refresh", ["fused", "separate"])
+def test_refresh_of_finished_blocks(refresh):
+    # No refine rounds: each block ends with the round that filled it, so the K/V that round
+    # cached came from masks and are stale.
+    model = ScriptedModel(lambda i, t: logits_for([3] * 4, [0.99] * 4))
+    out, events = run(model, [7, 7, 7, 7], joint(max_new_tokens=12, max_refine_steps=0),
+                      refresh=refresh)
+    assert out.answer_ids == (3,) * 12 and out.num_forwards == 3
+    # 3 answer blocks: the first two need a refresh, the last one's K/V are never read again.
+    if refresh == "fused":  # carried by the first round of blocks 2 and 3
+        assert (model.fused_calls, model.other_calls, out.fused_rounds) == (2, 1, 2)
+        assert out.total_forwards == 1 + 3
+    else:  # prefill + 2 refresh forwards of their own
+        assert (model.fused_calls, model.other_calls, out.fused_rounds) == (0, 3, 0)
+        assert out.total_forwards == 3 + 3
+
+
+def test_unknown_refresh_mode_names_the_option():
+    with pytest.raises(ConfigError, match="refresh='later'"):
+        BlockDecoder(ScriptedModel(lambda i, t: None), MASK, EOS, 64, torch.device("cpu"),
+                     torch.float32, refresh="later")
 
 
 def test_no_post_fill_round_with_zero_refine_steps():

@@ -55,6 +55,40 @@ def test_fp8_decoding_commits_every_finished_block_to_the_cache(pair):
     # tokens too), so the logits test above is the meaningful comparison.
 
 
+def test_fused_refresh_writes_the_same_fp8_cache_as_a_separate_refresh(pair):
+    """Block 1 (final tokens, stale K/V) refreshed by its own forward, or inside the forward of
+    block 2's first round: the same FP8 cache bytes and the same block 2 logits."""
+    fp8, _ = pair
+    dec, bl = fp8._decoder, 32
+    runner = dec.runner(bl)
+    ids = torch.tensor(list(range(40, 40 + 2 * bl)))
+    masks = torch.full((bl,), fp8.special_ids.mask_token_id)
+    pos = torch.arange(3 * bl)
+    results = []
+    for fused in (False, True):
+        dec.cache.reset()
+        dec._prefill(ids[:bl], bl, runner)  # block 0 cached (prefix_len = bl)
+        with torch.inference_mode():
+            fp8.model(masks, pos[bl:2 * bl], PagedRoundAttention(dec.cache),
+                      compute_logits=False)  # block 1's slots hold stale (mask) K/V
+            if fused:
+                logits = fp8.model(torch.cat([ids[bl:], masks]), pos[bl:],
+                                   PagedRoundAttention(dec.cache, bl), logits_from=bl)
+                dec.cache.advance(bl)
+            else:
+                fp8.model(ids[bl:], pos[bl:2 * bl], PagedRoundAttention(dec.cache, bl),
+                          compute_logits=False)
+                dec.cache.advance(bl)
+                logits = fp8.model(masks, pos[2 * bl:], PagedRoundAttention(dec.cache))
+        cached = torch.stack(dec.cache.k).view(torch.uint8)[:, : 2 * bl // 16]  # blocks 0-1
+        results.append((logits.float(), cached.clone()))
+    (sep_logits, sep_cache), (fused_logits, fused_cache) = results
+    assert fused_logits.shape == (bl, fp8.config.vocab_size)
+    assert (fused_cache != sep_cache).float().mean() < 0.01  # equal up to rare FP8 roundings
+    rel = ((fused_logits - sep_logits).norm() / sep_logits.norm()).item()
+    assert rel < 0.02
+
+
 def test_fp8_needs_bf16_activations(tiny_dir):
     with pytest.raises(ConfigError, match="kv_cache_dtype 'fp8' runs with bf16 activations"):
         LLM(tiny_dir, device="cpu", dtype="fp32", kv_cache_dtype="fp8")

@@ -117,15 +117,19 @@ def time_rounds(model: nn.Module, cache: Any, bench: RoundBenchConfig, mode: str
 
 
 def loop_overhead(model: nn.Module, bench: RoundBenchConfig, mask_id: int, round_ms: float,
-                  blocks: int = 4, kv_cache_dtype: str = "bf16") -> dict[str, Any]:
+                  blocks: int = 4, kv_cache_dtype: str = "bf16",
+                  refresh: str = "fused", mode: str = "graph") -> dict[str, Any]:
     """Wall time of a whole graph-mode decode (prefill + `blocks` blocks) against the sum of
-    its rounds (at the measured median) and its fill forwards (timed here)."""
+    its forwards: rounds at the measured median, fused rounds (a round + the previous block's
+    refresh, 2 blocks) and fill forwards (prefill chunks, separate refreshes) timed here."""
     from dlmc.engine.block_decoder import BlockDecoder
 
     device = next(model.parameters()).device
     bl = bench.block_length
     decoder = BlockDecoder(model, mask_id, -1, bench.prefix + (blocks + 1) * bl + 1024, device,
-                           torch.bfloat16, mode="graph", kv_cache_dtype=kv_cache_dtype)
+                           torch.bfloat16, mode=mode, kv_cache_dtype=kv_cache_dtype,
+                           refresh=refresh)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     gen = torch.Generator(device="cpu").manual_seed(bench.seed)
     prompt = torch.randint(0, model.config.vocab_size - 1, (bench.prefix,), generator=gen)
     cfg = DecodeConfig(block_length=bl, max_new_tokens=blocks * bl)
@@ -139,10 +143,10 @@ def loop_overhead(model: nn.Module, bench: RoundBenchConfig, mask_id: int, round
                 return stop.value
 
     run()  # captures prefill / refresh / round graphs
-    torch.cuda.synchronize()
+    sync()
     started = time.perf_counter()
     out = run()
-    torch.cuda.synchronize()
+    sync()
     wall_ms = (time.perf_counter() - started) * 1e3
     runner = decoder.runner(bl)
     tokens = torch.randint(0, 100, (bl,), device=device)
@@ -150,12 +154,22 @@ def loop_overhead(model: nn.Module, bench: RoundBenchConfig, mask_id: int, round
     if kv_cache_dtype == "fp8":  # fills append at the committed length: put it at the prefix
         decoder.cache.reset()
         decoder.cache.advance(bench.prefix)
-    key_len = runner.key_len(bench.prefix + bl)
-    fill_ms = statistics.median(cuda_times(lambda: runner.fill(tokens, positions, key_len), 20))
+    fill_key = runner.key_len(bench.prefix + bl)
+    fill_ms = statistics.median(cuda_times(lambda: runner.fill(tokens, positions, fill_key), 20))
+    fused_ms = 0.0
+    if out.fused_rounds:  # block at prefix + bl, carrying the refresh of the block at prefix
+        fused_key = runner.key_len(bench.prefix + 2 * bl)
+        runner.prev_tokens.copy_(tokens)
+        runner.prev_positions.copy_(positions)
+        runner.buf.positions.copy_(positions + bl)
+        fused_ms = statistics.median(
+            cuda_times(lambda: runner.step_fused(cfg.algorithm, fused_key), 20))
     fills = out.total_forwards - out.num_forwards
-    busy_ms = out.num_forwards * round_ms + fills * fill_ms
-    return {"wall_ms": wall_ms, "rounds": out.num_forwards, "fill_forwards": fills,
-            "fill_ms_median": fill_ms, "sum_of_forwards_ms": busy_ms,
+    plain = out.num_forwards - out.fused_rounds
+    busy_ms = plain * round_ms + out.fused_rounds * fused_ms + fills * fill_ms
+    return {"refresh": refresh, "wall_ms": wall_ms, "rounds": out.num_forwards,
+            "fused_rounds": out.fused_rounds, "fused_round_ms_median": fused_ms,
+            "fill_forwards": fills, "fill_ms_median": fill_ms, "sum_of_forwards_ms": busy_ms,
             "overhead_ratio": wall_ms / busy_ms - 1.0, "blocks": blocks}
 
 

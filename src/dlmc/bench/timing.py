@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
 
 
 def cuda_times(fn: Callable[[], object], iters: int, warmup: int = 0) -> list[float]:
-    """Milliseconds of each of `iters` calls of `fn`, measured with CUDA events."""
+    """Milliseconds of each of `iters` calls of `fn`, measured with CUDA events (wall clock
+    where there is no GPU: CPU smoke tests of the benchmarks)."""
     for _ in range(warmup):
         fn()
+    if not torch.cuda.is_available():
+        times = []
+        for _ in range(iters):
+            started = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - started) * 1e3)
+        return times
     times = []
     for _ in range(iters):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -28,6 +28,10 @@ from dlmc.kv.scales import KVScales
 
 Event = RoundEvent | BlockEvent
 PREFILL_CHUNK = 512
+# How a finished block's stale K/V are rewritten from its final tokens (static rounds):
+# "fused" into the next block's first round (one forward of 2 blocks), or "separate" (a
+# refresh forward of its own). The refresh of the last block is skipped in both.
+REFRESH_MODES = ("fused", "separate")
 
 
 class BlockDecoder:
@@ -40,6 +44,7 @@ class BlockDecoder:
         self, model: torch.nn.Module, mask_id: int, eos_id: int, max_context: int,
         device: torch.device, dtype: torch.dtype, mode: str = "eager",
         kv_cache_dtype: str = "bf16", kv_scales: KVScales | None = None,
+        refresh: str = "fused",
     ) -> None:
         self.model, self.mask_id, self.eos_id = model, mask_id, eos_id
         self.max_context, self.device, self.dtype, self.mode = (
@@ -49,7 +54,9 @@ class BlockDecoder:
                 f"kv_cache_dtype 'fp8' runs with bf16 activations and a static round mode "
                 f"(got dtype {dtype}, mode {mode!r}); use kv_cache_dtype 'bf16'"
             )
-        self.kv_cache_dtype, self.kv_scales = kv_cache_dtype, kv_scales
+        if refresh not in REFRESH_MODES:
+            raise ConfigError(f"refresh={refresh!r}: expected one of {', '.join(REFRESH_MODES)}")
+        self.kv_cache_dtype, self.kv_scales, self.refresh = kv_cache_dtype, kv_scales, refresh
         self._cache: DenseKVCache | PagedKVCache | None = None
         self._runners: dict[int, RoundRunner] = {}
 
@@ -109,6 +116,8 @@ class BlockDecoder:
             sampling = (cfg.temperature, cfg.top_k, cfg.top_p, gen)
         total = self._prefill(canvas[: first * bl], bl, runner) if use_cache else 0
         forwards, finish, answer_end, b = 0, "length", plen + gen_len, first
+        pending = False  # the previous block's refresh waits for this block's first round
+        fused = 0
         with torch.inference_mode():
             for b in range(first, num_blocks):
                 start = b * bl
@@ -119,7 +128,13 @@ class BlockDecoder:
                     if cancel is not None and cancel():
                         cancelled = True
                         break
-                    if runner is not None:
+                    if runner is not None and pending:  # carries the last block's refresh
+                        done = runner.step_fused(cfg.algorithm, runner.key_len(start + bl),
+                                                 sampling)
+                        pending, fused = False, fused + 1
+                        if paged:
+                            self.cache.advance(bl)
+                    elif runner is not None:
                         done = runner.step(cfg.algorithm, runner.key_len(start + bl), sampling)
                     else:
                         logits = self._reference_logits(buf.tokens, start, bl, canvas, positions,
@@ -138,16 +153,22 @@ class BlockDecoder:
                     finish = "cancelled"
                     break
                 canvas[start : start + bl] = buf.tokens
-                if use_cache and bool(buf.changed):  # stale K/V: refresh from the final tokens
-                    self._fill(canvas[start : start + bl], positions[start : start + bl], bl,
-                               runner)
-                    total += 1
-                if paged:
-                    self.cache.advance(bl)
                 new_ids = canvas[max(start, plen) : min(start + bl, answer_end)].tolist()
                 if self.eos_id in new_ids:
                     new_ids = new_ids[: new_ids.index(self.eos_id) + 1]
                     finish = "stop"
+                last = finish != "length" or b == num_blocks - 1
+                if use_cache and bool(buf.changed) and not last:  # stale K/V: refresh
+                    if runner is not None and self.refresh == "fused":
+                        runner.prev_tokens.copy_(buf.tokens)
+                        runner.prev_positions.copy_(positions[start : start + bl])
+                        pending = True
+                    else:
+                        self._fill(canvas[start : start + bl], positions[start : start + bl],
+                                   bl, runner)
+                        total += 1
+                if paged and not pending:
+                    self.cache.advance(bl)
                 yield BlockEvent(b, tuple(new_ids), n)
                 if finish != "length":
                     break
@@ -156,7 +177,7 @@ class BlockDecoder:
             answer = answer[: answer.index(self.eos_id) + 1]
         if finish == "cancelled":  # only the blocks that finished
             answer = answer[: max(0, b * bl - plen)]
-        return DecodeOutput(tuple(answer), finish, forwards, total, b - first + 1)
+        return DecodeOutput(tuple(answer), finish, forwards, total, b - first + 1, fused)
 
     def _start_block(self, buf: RoundBuffers, tokens: torch.Tensor, positions: torch.Tensor,
                      plen: int, cfg: DecodeConfig) -> None:

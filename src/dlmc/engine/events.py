@@ -36,3 +36,4 @@ class DecodeOutput:
     num_forwards: int  # denoising forwards (drive commit/edit decisions)
     total_forwards: int  # plus prefill chunks and cache-refresh forwards
     blocks: int
+    fused_rounds: int = 0  # rounds that also refreshed the previous block (2-block forwards)

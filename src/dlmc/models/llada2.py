@@ -104,12 +104,14 @@ class LLaDA2ForDiffusion(nn.Module):
         positions: torch.Tensor,
         ctx: AttentionContext,
         compute_logits: bool = True,
+        logits_from: int = 0,
     ) -> torch.Tensor | None:
-        """input_ids `[T]` int64, positions `[T]` (absolute canvas indices) -> `[T, V]` fp32."""
+        """input_ids `[T]` int64, positions `[T]` (absolute canvas indices) -> `[T, V]` fp32
+        (only rows `logits_from:` when set: `[T - logits_from, V]`)."""
         h = self.model.word_embeddings(input_ids)  # [T, H]
         cos, sin = rope_cos_sin(positions, self.config.rotary_dim, self.config.rope_theta, h.dtype)
         for layer in self.model.layers:
             h = layer(h, cos, sin, ctx)
         if not compute_logits:
             return None
-        return self.lm_head(self.model.norm(h)).float()
+        return self.lm_head(self.model.norm(h[logits_from:])).float()

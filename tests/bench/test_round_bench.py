@@ -1,0 +1,31 @@
+"""`loop_overhead` (the whole-decode part of `dlmc bench round`) on the CPU with the tiny model:
+both refresh modes decode the same tokens' worth of rounds and count their forwards."""
+
+import pytest
+
+from dlmc.bench.round_bench import RoundBenchConfig, loop_overhead
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tiny_dir):
+    from dlmc import LLM
+
+    return LLM(tiny_dir, device="cpu", dtype="bf16")
+
+
+def test_loop_overhead_counts_fused_and_separate_refreshes(tiny_bf16):
+    bench = RoundBenchConfig(block_length=16, prefix=48, rounds=3, modes=("eager",))
+    mask = tiny_bf16.special_ids.mask_token_id
+    runs = {refresh: loop_overhead(tiny_bf16.model, bench, mask, round_ms=1.0, blocks=3,
+                                   refresh=refresh, mode="eager")
+            for refresh in ("fused", "separate")}
+    fused, separate = runs["fused"], runs["separate"]
+    assert separate["fused_rounds"] == 0 and separate["fused_round_ms_median"] == 0.0
+    # Separate: 1 prefill chunk + one refresh per block (but the last) whose last round changed
+    # it; fused: the same refreshes ride on the next block's first round instead.
+    refreshes = separate["fill_forwards"] - 1
+    assert refreshes >= 1  # the tiny model's blocks end with a changing round: refreshes happen
+    assert fused["fill_forwards"] == 1 and fused["fused_rounds"] == refreshes
+    assert fused["fused_rounds"] == 0 or fused["fused_round_ms_median"] > 0
+    for run in runs.values():
+        assert run["wall_ms"] > 0 and run["sum_of_forwards_ms"] > 0 and run["blocks"] == 3
