@@ -89,3 +89,11 @@ def test_declared_fp8_kv_without_scales_warns_and_uses_one(tmp_path, nvfp4_dir, 
     llm = LLM(bare, device="cpu", dtype="bf16")
     assert llm.kv_scales.k == (1.0,) * 3 and llm.kv_cache_dtype == "fp8"
     assert "declares an FP8 KV cache but has no scale" in caplog.text
+
+
+@pytest.mark.parametrize("mode", ["eager", "compile"])
+def test_declared_fp8_kv_is_the_auto_cache_in_static_rounds(nvfp4_dir, mode):
+    # Compiled rounds included since the FP8 pools are per-layer allocations written in place.
+    assert LLM(nvfp4_dir, device="cpu", dtype="bf16", mode=mode).kv_cache_dtype == "fp8"
+    assert LLM(nvfp4_dir, device="cpu", dtype="bf16", mode=mode,
+               kv_cache_dtype="bf16").kv_cache_dtype == "bf16"
