@@ -27,15 +27,18 @@ def attention_reference(
     Scores `q·kᵀ·scale + mask` in q's dtype, softmax in fp32, cast back, then `@ v`.
     Returns `[T, Hq, D]`.
     """
-    groups = q.shape[1] // k.shape[1]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    k = k.repeat_interleave(groups, dim=1)  # [S, Hq, D]
-    v = v.repeat_interleave(groups, dim=1)  # [S, Hq, D]
-    scores = torch.einsum("thd,shd->hts", q, k) * scale  # [Hq, T, S]
+    tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    scale = head_dim**-0.5 if scale is None else scale
+    # Query head h reads KV head h // groups: group the query heads under their KV head
+    # instead of repeating K/V (no [S, Hq, D] copies of the cache).
+    q = q.reshape(tokens, num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # [T, Hkv, G, D]
+    scores = torch.einsum("tkgd,skd->kgts", q, k) * scale  # [Hkv, G, T, S]
     if mask is not None:
         scores = scores + mask.to(scores.dtype)
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # [Hq, T, S]
-    return torch.einsum("hts,shd->thd", probs, v)
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # [Hkv, G, T, S]
+    out = torch.einsum("kgts,skd->tkgd", probs, v)  # [T, Hkv, G, D]
+    return out.reshape(tokens, num_q_heads, head_dim)
 
 
 def block_causal_mask(
