@@ -21,5 +21,6 @@ def test_gqa_heads_read_their_kv_head(num_q_heads, num_kv_heads):
     for h in range(num_q_heads):
         kv = h // group
         probs = torch.softmax(q[:, h] @ k[:, kv].T * 0.3 + mask, dim=-1)
-        torch.testing.assert_close(out[:, h], probs @ v[:, kv], rtol=1e-12, atol=1e-12)
+        # the reference's softmax runs in fp32
+        torch.testing.assert_close(out[:, h], probs @ v[:, kv], rtol=1e-5, atol=1e-6)
     assert out.shape == (tokens, num_q_heads, dim)
