@@ -122,10 +122,12 @@ def test_fused_shared_expert_matches_unfused_bf16():
 
 def test_fused_shared_expert_through_the_triton_op(monkeypatch):
     """MoEBlock's fused routing ([T, K+1] ids, weight 1.0 for id E) through `dlmc::bf16_moe`
-    (Triton's interpreter on CPU) against the unfused block."""
+    (on CUDA, or Triton's interpreter on CPU) against the unfused block."""
     import dlmc.models.moe as moe
 
     _, block, x = _moe_block(torch.bfloat16, seed=3)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    block, x = block.to(device), x.to(device)
     want = block(x).float()
     block.fuse_shared_expert()
     monkeypatch.setattr(moe, "grouped_moe", moe.bf16_moe)
