@@ -3,6 +3,8 @@
 #   bash perf/h200_session.sh rounds   # BF16 and NVFP4+FP8 rounds: graph, profile, and whole
 #                                      # decodes with the refresh fused vs separate (--loop)
 #   bash perf/h200_session.sh ops      # nvfp4_moe v3 vs v2, paged attention, targeted GPU tests
+#   bash perf/h200_session.sh shared   # BF16 round with the shared expert unfused vs fused into
+#                                      # the routed kernel (--fuse-shared-expert), + its GPU tests
 # Env: ROUND_SPECS ("bf16:bf16 nvfp4:fp8"), ROUND_TIMEOUT (270), TEST_TIMEOUT (200).
 set -u
 OUT=${OUT:-/tmp/dlmc-out}
@@ -40,5 +42,19 @@ ops)
     "tests/custom_ops/test_paged_attention.py::test_compile_and_cuda_graph_replay" \
     -m gpu > "$OUT/gpu_tests.txt" 2>&1
   echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.txt" ;;
-*) echo "usage: $0 rounds|ops" >&2; exit 2 ;;
+shared)
+  for variant in unfused fused; do
+    flag=""; [ "$variant" = fused ] && flag="--fuse-shared-expert"
+    timeout "${ROUND_TIMEOUT:-200}" dlmc bench round --shape llada2.1-mini --precision bf16 \
+      --block-length 32 --prefix 1024 --routing uniform --rounds 60 --modes graph --profile \
+      --no-loop $flag --out "$OUT/round_bf16_shared_$variant.json" \
+      > "$OUT/round_bf16_shared_$variant.txt" 2>&1
+    echo "round bf16 shared $variant rc=$?" >> "$OUT/round_bf16_shared_$variant.txt"
+    grep -E "│ graph|rc=" "$OUT/round_bf16_shared_$variant.txt" | head -3
+  done
+  timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -rf \
+    "tests/graphs/test_runner.py::test_graph_replay_with_the_shared_expert_fused_on_cuda" \
+    tests/models/test_moe.py tests/custom_ops/test_bf16_moe.py > "$OUT/gpu_tests_shared.txt" 2>&1
+  echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests_shared.txt" ;;
+*) echo "usage: $0 rounds|ops|shared" >&2; exit 2 ;;
 esac

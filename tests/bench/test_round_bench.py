@@ -29,3 +29,27 @@ def test_loop_overhead_counts_fused_and_separate_refreshes(tiny_bf16):
     assert fused["fused_rounds"] == 0 or fused["fused_round_ms_median"] > 0
     for run in runs.values():
         assert run["wall_ms"] > 0 and run["sum_of_forwards_ms"] > 0 and run["blocks"] == 3
+
+
+def test_uniform_routing_and_touched_bytes_with_the_shared_expert_fused(tiny_dir):
+    """FixedRouter's [T, K] routing + the fused shared column: same outputs (fp32) as unfused,
+    and the same bytes touched (the shared expert is one more touched expert)."""
+    import torch
+
+    from dlmc.bench.round_bench import touched_bytes, use_uniform_routing
+    from dlmc.engine.attention import MaskedAttention, block_causal_mask
+    from dlmc.loading.loader import load_model
+    from dlmc.models.moe import fuse_shared_experts
+
+    model = load_model(tiny_dir, torch.device("cpu"), torch.float32).model
+    use_uniform_routing(model, max_tokens=64, seed=0)
+    tokens, positions = torch.arange(16), torch.arange(48, 64)
+    mask = block_causal_mask(positions, positions, 16, torch.float32)
+    with torch.inference_mode():
+        want = model(tokens, positions, MaskedAttention(mask))
+    before = touched_bytes(model, tokens, positions, prefix=48)
+    assert fuse_shared_experts(model) > 0
+    with torch.inference_mode():
+        got = model(tokens, positions, MaskedAttention(mask))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert touched_bytes(model, tokens, positions, prefix=48) == before

@@ -82,3 +82,33 @@ def test_round_has_no_host_sync_on_cuda(tiny_dir):
                           llm.special_ids.mask_token_id, "joint")
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def test_compiled_rounds_with_the_shared_expert_fused(tiny_dir):
+    """The fused shared column (`fuse_shared_experts`) compiles with fullgraph=True and gives
+    the eager rounds' tokens."""
+    from dlmc import LLM
+    from dlmc.models.moe import fuse_shared_experts
+
+    llm = LLM(tiny_dir, device="cpu", dtype="fp32")
+    assert fuse_shared_experts(llm.model) > 0
+    cfg = DecodeConfig(algorithm="joint", threshold=0.8, edit_threshold=0.5,
+                       max_refine_steps=4, block_length=16, max_new_tokens=40)
+    prompt = list(range(60, 97))
+    eager, eager_events, _ = _decode(llm, "eager", prompt, cfg)
+    compiled, compiled_events, _ = _decode(llm, "compile", prompt, cfg)
+    assert eager.answer_ids == compiled.answer_ids and eager_events == compiled_events
+
+
+@pytest.mark.gpu
+def test_graph_replay_with_the_shared_expert_fused_on_cuda(tiny_dir):
+    from dlmc import LLM
+    from dlmc.models.moe import fuse_shared_experts
+
+    kwargs = {"prompt_token_ids": list(range(50, 111)), "max_new_tokens": 70}
+    results = {}
+    for mode in ("compile", "graph"):
+        llm = LLM(tiny_dir, device="cuda", dtype="bf16", mode=mode)
+        assert fuse_shared_experts(llm.model) > 0
+        results[mode] = llm.generate(**kwargs)
+    assert results["graph"].token_ids == results["compile"].token_ids

@@ -97,3 +97,20 @@ def test_precision_checks(ckpt):
         load_model(ckpt, CPU, torch.float32, precision="fp8")
     with pytest.raises(ConfigError, match="is a BF16 checkpoint"):
         load_model(ckpt, CPU, torch.float32, precision="nvfp4")
+
+
+def test_loading_into_a_fused_model_is_refused(ckpt):
+    """Shared experts are fused after loading; a model fused before it would silently leave row E
+    of the stacked experts unset, so the loader names the tensor instead."""
+    from dlmc.loading.safetensors_index import SafetensorsIndex
+    from dlmc.loading.weights import load_weights
+    from dlmc.models.config import LLaDA2Config
+    from dlmc.models.llada2 import LLaDA2ForDiffusion
+    from dlmc.models.moe import fuse_shared_experts
+
+    config = LLaDA2Config.from_file(ckpt / "config.json")
+    with torch.device("meta"):
+        model = LLaDA2ForDiffusion(config)
+    assert fuse_shared_experts(model) > 0
+    with pytest.raises(CheckpointError, match=r"mlp\.experts\.gate_proj_weight stacks 17 experts"):
+        load_weights(model, SafetensorsIndex(ckpt), CPU, torch.float32, config.num_experts)

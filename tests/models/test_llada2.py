@@ -111,3 +111,25 @@ def test_logits_equal_a_direct_full_sequence_forward(tiny_llm):
     # (equal up to BLAS blocking: the experts see different token counts)
     torch.testing.assert_close(other[:64], direct[:64], rtol=1e-5, atol=1e-5)
     assert (other[64:] - direct[64:]).abs().max() > 1e-2
+
+
+def test_fused_shared_expert_logits_match_unfused(tiny_dir):
+    """`fuse_shared_experts` on the loaded tiny model: fp32 logits equal the documented maths as
+    before; bf16 logits agree with the unfused model within bf16 rounding."""
+    from dlmc.loading.loader import load_model
+    from dlmc.models.moe import fuse_shared_experts
+
+    ids = torch.randint(0, 256, (45,), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(45)
+    mask = block_causal_mask(pos, pos, 16, torch.float32)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        loaded = load_model(tiny_dir, torch.device("cpu"), dtype)
+        model, cfg = loaded.model, loaded.config
+        with torch.inference_mode():
+            want = model(ids, pos, MaskedAttention(mask.to(dtype)))
+            moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace
+            assert fuse_shared_experts(model) == moe_layers
+            got = model(ids, pos, MaskedAttention(mask.to(dtype)))
+        assert (got - want).norm() / want.norm() < tol
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

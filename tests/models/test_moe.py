@@ -2,7 +2,7 @@ import torch
 
 from dlmc.loading.tiny import TINY_CONFIG
 from dlmc.models.config import LLaDA2Config
-from dlmc.models.moe import BF16Experts, Router
+from dlmc.models.moe import EXPERT_PROJECTIONS, BF16Experts, Router
 
 
 def _router(**overrides):
@@ -74,3 +74,76 @@ def test_grouped_moe_equals_reference_loop_including_empty_experts():
         w = torch.rand(tokens, 2, generator=gen)
         want = bf16_moe_reference(x, ids, w, *weights, down)
         torch.testing.assert_close(grouped_moe(x, ids, w, *weights, down), want)
+
+
+def _moe_block(dtype=torch.float32, seed=0, **overrides):
+    from dlmc.models.moe import MoEBlock
+
+    cfg = LLaDA2Config.from_dict({**TINY_CONFIG, **overrides})
+    gen = torch.Generator().manual_seed(seed)
+    block = MoEBlock(cfg)
+    for p in block.parameters():
+        p.data = (torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5).to(dtype)
+    block.gate.expert_bias.normal_(0.0, 0.1, generator=gen)
+    x = torch.randn(11, cfg.hidden_size, generator=gen).to(dtype)
+    return cfg, block, x
+
+
+def test_unfused_block_is_routed_plus_shared_bit_for_bit():
+    _, block, x = _moe_block()
+    assert block.shared_expert_id is None
+    want = block.experts(x, *block.gate(x)) + block.shared_experts(x)
+    assert torch.equal(block(x), want)
+
+
+def test_fused_shared_expert_matches_unfused_fp32():
+    cfg, block, x = _moe_block()
+    shared = {p: getattr(block.shared_experts, p).weight.clone() for p in EXPERT_PROJECTIONS}
+    want = block(x)
+    assert block.fuse_shared_expert() and block.fuse_shared_expert()  # idempotent
+    assert block.shared_experts is None and block.shared_expert_id == cfg.num_experts
+    assert block.experts.num_experts == cfg.num_experts + 1
+    for proj in EXPERT_PROJECTIONS:
+        stacked = getattr(block.experts, f"{proj}_weight")
+        assert stacked.shape[0] == cfg.num_experts + 1
+        assert torch.equal(stacked[cfg.num_experts], shared[proj])
+    names = {n for n, _ in block.named_parameters()}
+    assert not any("shared_experts" in n for n in names)
+    torch.testing.assert_close(block(x), want, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_shared_expert_matches_unfused_bf16():
+    _, block, x = _moe_block(torch.bfloat16, seed=2)
+    want = block(x).float()
+    block.fuse_shared_expert()
+    got = block(x).float()  # fp32 sum of routed + shared instead of a bf16 addition
+    assert (got - want).norm() / want.norm() < 1e-2
+
+
+def test_fused_shared_expert_through_the_triton_op(monkeypatch):
+    """MoEBlock's fused routing ([T, K+1] ids, weight 1.0 for id E) through `dlmc::bf16_moe`
+    (on CUDA, or Triton's interpreter on CPU) against the unfused block."""
+    import dlmc.models.moe as moe
+
+    _, block, x = _moe_block(torch.bfloat16, seed=3)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    block, x = block.to(device), x.to(device)
+    want = block(x).float()
+    block.fuse_shared_expert()
+    monkeypatch.setattr(moe, "grouped_moe", moe.bf16_moe)
+    got = block(x).float()
+    assert (got - want).norm() / want.norm() < 1e-2
+
+
+def test_shared_expert_of_another_width_or_nvfp4_experts_stays_unfused():
+    from dlmc.models.nvfp4_experts import NVFP4Experts
+
+    _, block, x = _moe_block(num_shared_experts=2)
+    want = block(x)
+    assert not block.fuse_shared_expert()
+    assert block.shared_experts is not None and block.shared_expert_id is None
+    assert torch.equal(block(x), want)
+    cfg, block, _ = _moe_block()
+    block.experts = NVFP4Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                 use_reference=True)
+    assert not block.fuse_shared_expert() and block.shared_experts is not None

@@ -56,7 +56,9 @@ def use_uniform_routing(model: nn.Module, max_tokens: int, seed: int) -> None:
 def touched_bytes(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
                   prefix: int, kv_bytes: int = 2) -> tuple[int, float]:
     """Bytes one round reads (weights used, touched experts, embedding rows, KV) and the mean
-    number of distinct experts per MoE layer, from one forward's actual routing."""
+    number of distinct routed experts per MoE layer, from one forward's actual routing. A
+    shared expert fused into the routed experts (`fuse_shared_experts`) counts as one more
+    touched expert of its layer: the same bytes as when it is a module of its own."""
     cfg = model.config
     counts: list[int] = []
     hooks = [m.gate.register_forward_hook(lambda _m, _i, out: counts.append(
@@ -82,7 +84,7 @@ def touched_bytes(model: nn.Module, tokens: torch.Tensor, positions: torch.Tenso
     for module, count in zip(moe_blocks, counts, strict=True):
         tensors = [*module.experts.parameters(), *module.experts.buffers()]
         per_expert = sum(t[0].numel() * t.element_size() for t in tensors)
-        total += per_expert * count
+        total += per_expert * (count + (module.shared_expert_id is not None))
     kv = cfg.num_hidden_layers * 2 * (prefix + tokens.numel()) * cfg.num_key_value_heads
     total += kv * cfg.head_dim * kv_bytes
     return total, mean_experts

@@ -30,11 +30,14 @@ from dlmc.cli.options import user_errors
 @click.option("--kv-cache-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16",
               show_default=True, help="bf16: dense static cache; fp8: paged FP8 cache.")
 @click.option("--profile", is_flag=True, help="Per-kernel breakdown (torch.profiler).")
+@click.option("--fuse-shared-expert", is_flag=True,
+              help="Run each BF16 MoE layer's shared expert inside the routed grouped kernel "
+              "(one more expert, weight 1.0 for every token).")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Write JSON here.")
 @user_errors
 def round_cmd(model: str | None, shape: str, precision: str, block_length: int, prefix: int,
               routing: str, rounds: int, modes: str, loop: bool, kv_cache_dtype: str,
-              profile: bool, out: Path | None) -> None:
+              profile: bool, fuse_shared_expert: bool, out: Path | None) -> None:
     """Median ms per round with bytes touched, GB/s and the copy bandwidth of the same run."""
     import torch
     from rich.console import Console
@@ -55,6 +58,12 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
     device = torch.device("cuda")
     cfg = RoundBenchConfig(block_length, prefix, routing, rounds, tuple(modes.split(",")))
     net = _build(model, shape, device, precision)
+    fused_layers = 0
+    if fuse_shared_expert:
+        from dlmc.models.moe import fuse_shared_experts
+
+        fused_layers = fuse_shared_experts(net)
+        torch.cuda.empty_cache()
     mask_id = net.config.vocab_size - 1
     if routing == "uniform":
         use_uniform_routing(net, max_tokens=512, seed=cfg.seed)
@@ -80,13 +89,16 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
                  for refresh in ("fused", "separate")] if loop and graph else None)
     report = {"shape": model or shape, "precision": precision, "kv_cache_dtype": kv_cache_dtype,
               "block_length": block_length,
-              "prefix": prefix, "routing": routing, "bytes_per_round": nbytes,
+              "prefix": prefix, "routing": routing, "fused_shared_expert_layers": fused_layers,
+              "bytes_per_round": nbytes,
               "distinct_experts_per_moe_layer": experts, "copy_gb_per_s": bandwidth,
               "floor_ms": nbytes / (bandwidth * 1e9) * 1e3, "results": results,
               "loop": overhead, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": _triton_version(), "python": platform.python_version()}
     table = Table(title=f"{report['shape']} round · {precision} · block {block_length} · "
-                  f"prefix {prefix} · {routing} routing · {experts:.0f} experts/layer")
+                  f"prefix {prefix} · {routing} routing · {experts:.0f} experts/layer"
+                  + (f" · shared expert fused in {fused_layers} layers" if fuse_shared_expert
+                     else ""))
     for col in ("mode", "median ms", "min–max ms", "GB touched", "GB/s", "copy GB/s", "ratio"):
         table.add_column(col, justify="right")
     for r in results:

@@ -94,6 +94,12 @@ def load_weights(
             allowed = EXACT_DTYPES.get(meta.dtype, FLOAT_DTYPES)
             stacked = STACKED_RE.match(name)
             if stacked:
+                if meta.shape[0] != num_experts:  # e.g. a model fused before loading
+                    raise CheckpointError(
+                        f"{index.directory}: model tensor {name} stacks {meta.shape[0]} experts, "
+                        f"the checkpoint's config has {num_experts} (fuse shared experts only "
+                        "after loading)"
+                    )
                 tensor = torch.empty(meta.shape, dtype=target_dtype, device=device)
                 for expert in range(num_experts):
                     src = f"{stacked['prefix']}.{expert}.{stacked['proj']}.{stacked['suffix']}"

@@ -3,6 +3,11 @@
 The routed experts are the MoE seam: any module with
 `forward(x [T, H], topk_ids [T, K] int64, topk_weights [T, K] fp32) -> [T, H]` can stand in
 (`BF16Experts` here, the NVFP4 experts chosen at load time for NVFP4 checkpoints).
+
+`fuse_shared_experts(model)` (after loading; off unless called) moves each shared expert into
+its layer's `BF16Experts` as one more expert, id E, which every token takes with weight 1.0: one
+grouped kernel pair then runs routed + shared experts, summed in fp32 (the unfused block adds the
+shared output in bf16).
 """
 
 from __future__ import annotations
@@ -49,7 +54,8 @@ class Router(nn.Module):
 class BF16Experts(nn.Module):
     """Routed experts stacked per projection: `<proj>_weight [E, out, in]` (HF rows = expert E).
 
-    The loader stacks `mlp.experts.E.<proj>.weight` into slot E of `<proj>_weight`.
+    The loader stacks `mlp.experts.E.<proj>.weight` into slot E of `<proj>_weight`. After
+    `MoEBlock.fuse_shared_expert` the tensors hold one more row (the shared expert).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
@@ -115,7 +121,11 @@ def grouped_moe(
 
 
 class MoEBlock(nn.Module):
-    """HF `mlp` of layers >= first_k_dense_replace: `gate`, `experts`, `shared_experts`."""
+    """HF `mlp` of layers >= first_k_dense_replace: `gate`, `experts`, `shared_experts`.
+
+    `shared_expert_id` is None, or (after `fuse_shared_expert`) the expert id of the shared
+    expert inside `experts`, with `shared_experts` then None.
+    """
 
     def __init__(self, config: LLaDA2Config, experts: nn.Module | None = None) -> None:
         super().__init__()
@@ -128,8 +138,48 @@ class MoEBlock(nn.Module):
             if config.num_shared_experts > 0
             else None
         )
+        self.shared_expert_id: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_ids, topk_weights = self.gate(x)
+        topk_ids, topk_weights = self.gate(x)  # [T, K]
+        if self.shared_expert_id is not None:  # the shared expert: one more column, weight 1
+            tokens = x.shape[0]
+            topk_ids = torch.cat(
+                [topk_ids, topk_ids.new_full((tokens, 1), self.shared_expert_id)], dim=1
+            )  # [T, K+1]
+            topk_weights = torch.cat([topk_weights, topk_weights.new_ones((tokens, 1))], dim=1)
+            return self.experts(x, topk_ids, topk_weights)
         routed = self.experts(x, topk_ids, topk_weights)
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
+
+    @torch.no_grad()
+    def fuse_shared_expert(self) -> bool:
+        """Append the shared expert to `BF16Experts` as expert E (row E of each stacked weight)
+        and drop `shared_experts`; True if fused (now or before). Needs BF16Experts and a shared
+        expert of the routed experts' width (one shared expert); anything else (NVFP4 experts)
+        stays unfused. One projection at a time: the old stack is freed as the new one is made.
+        Call after loading: the parameters change shape (`experts.<proj>_weight [E+1, ...]`)."""
+        if self.shared_expert_id is not None:
+            return True
+        experts, shared = self.experts, self.shared_experts
+        if shared is None or type(experts) is not BF16Experts:
+            return False
+        if shared.gate_proj.weight.shape != experts.gate_proj_weight.shape[1:]:
+            return False
+        for proj in EXPERT_PROJECTIONS:
+            name = f"{proj}_weight"
+            stacked = experts._parameters[name]  # [E, out, in]
+            row = getattr(shared, proj).weight.to(stacked.dtype)  # [out, in]
+            experts._parameters[name] = nn.Parameter(
+                torch.cat([stacked.data, row[None]]), requires_grad=False
+            )  # [E+1, out, in]
+            del stacked, row
+        self.shared_expert_id = experts.num_experts
+        experts.num_experts += 1
+        self.shared_experts = None
+        return True
+
+
+def fuse_shared_experts(model: nn.Module) -> int:
+    """`MoEBlock.fuse_shared_expert` on every MoE layer of `model`; returns how many fused."""
+    return sum(m.fuse_shared_expert() for m in model.modules() if isinstance(m, MoEBlock))
