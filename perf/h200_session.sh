@@ -3,6 +3,7 @@
 #   bash perf/h200_session.sh rounds   # BF16 and NVFP4+FP8 rounds: graph, profile, and whole
 #                                      # decodes with the refresh fused vs separate (--loop)
 #   bash perf/h200_session.sh ops      # nvfp4_moe v3 vs v2, paged attention, targeted GPU tests
+#   bash perf/h200_session.sh ncu      # Nsight Compute sections of the nvfp4_moe v3 kernels
 #   bash perf/h200_session.sh shared   # BF16 round with the shared expert unfused vs fused into
 #                                      # the routed kernel (--fuse-shared-expert), + its GPU tests
 # Env: ROUND_SPECS ("bf16:bf16 nvfp4:fp8"), ROUND_TIMEOUT (270), TEST_TIMEOUT (200).
@@ -56,5 +57,14 @@ shared)
     "tests/graphs/test_runner.py::test_graph_replay_with_the_shared_expert_fused_on_cuda" \
     tests/models/test_moe.py tests/custom_ops/test_bf16_moe.py > "$OUT/gpu_tests_shared.txt" 2>&1
   echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests_shared.txt" ;;
-*) echo "usage: $0 rounds|ops|shared" >&2; exit 2 ;;
+ncu)  # why nvfp4_moe v3 sits at ~44 % of copy bandwidth: occupancy, memory SOL, stalls
+  NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  timeout 300 "$NCU" -k "regex:_gate_up_kernel|_down_kernel" -c 2 --section SpeedOfLight \
+    --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
+    --section WarpStateStats --section SchedulerStats \
+    python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 1 --layers 1 \
+    > "$OUT/ncu_nvfp4_v3.txt" 2>&1
+  echo "ncu rc=$?"; grep -E "Memory Throughput|Achieved Occupancy|Registers Per|Duration" \
+    "$OUT/ncu_nvfp4_v3.txt" | head -12 ;;
+*) echo "usage: $0 rounds|ops|shared|ncu" >&2; exit 2 ;;
 esac
