@@ -38,6 +38,7 @@ ops)
   timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider -rf \
     tests/engine/test_fp8_kv.py tests/graphs/test_runner.py tests/engine/test_gpu_decoding.py \
     tests/custom_ops/test_bf16_moe.py tests/custom_ops/test_kv_append.py \
+    tests/loading/test_nvfp4_loading.py \
     "tests/custom_ops/test_nvfp4_moe.py::test_compile_and_cuda_graph_replay" \
     "tests/custom_ops/test_moe_align.py::test_compile_and_graph_replay" \
     "tests/custom_ops/test_paged_attention.py::test_compile_and_cuda_graph_replay" \

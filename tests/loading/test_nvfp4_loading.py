@@ -37,6 +37,20 @@ def test_nvfp4_logits_equal_dequantized_bf16(nvfp4_dir):
     assert len(a.token_ids) == 32
 
 
+@pytest.mark.gpu
+def test_nvfp4_logits_equal_dequantized_bf16_on_cuda(nvfp4_dir):
+    # The Triton nvfp4_moe op (v3: FP4 decoded in registers) against the same experts
+    # dequantized at load (bf16_moe), both with bf16 activations on the GPU.
+    ids = list(range(60, 110))
+    as_nvfp4 = LLM(nvfp4_dir, device="cuda", precision="nvfp4", mode="eager")
+    as_bf16 = LLM(nvfp4_dir, device="cuda", precision="bf16", mode="eager")
+    assert as_nvfp4.precision == "nvfp4" and as_bf16.precision == "bf16"
+    assert LLM(nvfp4_dir, device="cuda").precision == "nvfp4"  # auto on a GPU
+    a, b = as_nvfp4.logits(ids).float(), as_bf16.logits(ids).float()
+    assert (a - b).norm() / b.norm() < 2e-2  # bf16 activations: rounding order only
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
+
+
 def _rewrite(directory, fn):
     file = directory / "model.safetensors"
     sd = load_file(str(file))
