@@ -128,7 +128,7 @@ class BlockDecoder:
                     if cancel is not None and cancel():
                         cancelled = True
                         break
-                    if runner is not None and pending:  # carries the last block's refresh
+                    if runner is not None and pending:  # carries the previous block's refresh
                         done = runner.step_fused(cfg.algorithm, runner.key_len(start + bl),
                                                  sampling)
                         pending, fused = False, fused + 1
