@@ -40,6 +40,7 @@ _VARIANT = _KERNELS[_KERNEL_NAME]
 # Launch-config override for tuning sweeps (perf/bench_nvfp4_moe.py --tiles):
 # (BLOCK_N, BLOCK_K, num_warps, num_stages), or None for the defaults below.
 _TILE: tuple[int, int, int, int] | None = None
+_TILE_KERNEL = "both"  # which kernel the override applies to: "gate_up", "down" or "both"
 
 
 @triton.jit
@@ -136,9 +137,10 @@ _GATE_UP_BLOCK_N = 64
 _DOWN_BLOCK_N = 128 if _VARIANT == 3 else 64
 
 
-def _launch_config(n: int, k: int, widest: int) -> tuple[int, int, dict[str, int]]:
+def _launch_config(n: int, k: int, widest: int,
+                   kernel: str) -> tuple[int, int, dict[str, int]]:
     """(BLOCK_N, BLOCK_K, launch kwargs) for an output width `n` and reduction length `k`."""
-    if _TILE is None or _INTERPRETED:
+    if _TILE is None or _INTERPRETED or _TILE_KERNEL not in ("both", kernel):
         return _block_n(n, widest), 128 if k >= 128 else 32, {}
     block_n, block_k, num_warps, num_stages = _TILE
     while block_n > 16 and block_n > n:
@@ -180,7 +182,7 @@ def _nvfp4_moe_impl(
                                      gate_up_input_scale.float()[pair_expert])  # [P, H]
         a_row_div = 1
     h = torch.empty((num_blocks * block_m, I), dtype=torch.bfloat16, device=x.device)
-    block_n1, block_k1, launch = _launch_config(I, H, _GATE_UP_BLOCK_N)
+    block_n1, block_k1, launch = _launch_config(I, H, _GATE_UP_BLOCK_N, "gate_up")
     wrap_triton(_gate_up_kernel)[(num_blocks, triton.cdiv(I, block_n1))](
         a, sorted_pair, expert_of_block, gate_weight, gate_weight_scale,
         up_weight, up_weight_scale,
@@ -193,7 +195,7 @@ def _nvfp4_moe_impl(
         slot_expert = expert_of_block.long().clamp(min=0).repeat_interleave(block_m)  # [S]
         h = fake_quantize_activation(h, down_input_scale.float()[slot_expert])
     y = torch.empty((num_pairs, H), dtype=torch.bfloat16, device=x.device)
-    block_n2, block_k2, launch = _launch_config(H, I, _DOWN_BLOCK_N)
+    block_n2, block_k2, launch = _launch_config(H, I, _DOWN_BLOCK_N, "down")
     wrap_triton(_down_kernel)[(num_blocks, triton.cdiv(H, block_n2))](
         h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
         _alphas(down_weight_scale_2, down_input_scale), y, num_pairs, H, I, h.stride(0),

@@ -92,6 +92,8 @@ def main() -> None:
     parser.add_argument("--tiles", nargs="*", default=[],
                         help="launch configs to sweep, each BLOCK_N,BLOCK_K,num_warps,num_stages "
                              "(default: the op's own choice)")
+    parser.add_argument("--tile-kernel", choices=["both", "gate_up", "down"], default="both",
+                        help="which kernel --tiles applies to (the other keeps its default)")
     args = parser.parse_args()
     if args.smoke:
         args.tokens, args.hidden, args.inter, args.experts, args.layers = [5], 32, 32, 8, 2
@@ -113,6 +115,7 @@ def main() -> None:
                    "triton": triton.__version__}
         report["copy_GBps"] = copy_bandwidth_gbps(1 << 30, 30)
     tiles = [tuple(int(v) for v in t.split(",")) for t in args.tiles] or [None]
+    nvfp4_module._TILE_KERNEL = args.tile_kernel
     for T, tile in ((T, tile) for T in args.tokens for tile in tiles):
         nvfp4_module._TILE = tile
         routing = [make_routing(T, E, K, device, gen) for _ in range(L)]
@@ -128,6 +131,7 @@ def main() -> None:
         ref = nvfp4_moe_reference(x, *routing[0], *layers[0])
         err = ((outs[0].float() - ref.float()).abs().max() / ref.float().abs().max()).item()
         row: dict[str, object] = {"tokens": T, "tile": tile or "default",
+                                  "tile_kernel": args.tile_kernel,
                                   "touched_experts_mean": sum(touched) / L,
                                   "bytes_per_layer": sum(nbytes) / L, "max_rel_err_vs_ref": err}
         if device == "cuda":

@@ -6,7 +6,8 @@
 #   bash perf/h200_session.sh ncu      # Nsight Compute sections of the nvfp4_moe v3 kernels
 #   bash perf/h200_session.sh shared   # BF16 round with the shared expert unfused vs fused into
 #                                      # the routed kernel (--fuse-shared-expert), + its GPU tests
-# Env: ROUND_SPECS ("bf16:bf16 nvfp4:fp8"), ROUND_TIMEOUT (270), TEST_TIMEOUT (200).
+# Env: ROUND_SPECS ("bf16:bf16 nvfp4:fp8"), ROUND_TIMEOUT (270), TEST_TIMEOUT (150). Each part
+# stays under ~9 minutes of timeouts (run it with timeout_s 580).
 set -u
 OUT=${OUT:-/tmp/dlmc-out}
 mkdir -p "$OUT"
@@ -28,14 +29,21 @@ rounds)
   done ;;
 ops)
   for v in v3 v2; do
-    DLMC_NVFP4_KERNEL=$v timeout 60 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 50 \
+    DLMC_NVFP4_KERNEL=$v timeout 50 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 50 \
       --out "$OUT/nvfp4_op_$v.json" > "$OUT/nvfp4_op_$v.txt" 2>&1
     echo "nvfp4 op $v rc=$?"; grep -E "tokens=32" "$OUT/nvfp4_op_$v.txt" | head -2
+  done
+  for kern in gate_up down; do  # one kernel's tile at a time, the other at its default
+    timeout 100 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 30 --tile-kernel $kern \
+      --tiles 64,128,4,3 128,128,4,3 64,128,4,4 64,128,4,5 64,256,4,3 64,64,4,5 128,128,4,4 \
+      128,64,4,4 32,256,4,3 64,128,2,4 --out "$OUT/nvfp4_sweep_$kern.json" \
+      > "$OUT/nvfp4_sweep_$kern.txt" 2>&1
+    echo "nvfp4 sweep $kern rc=$?"; grep "tile=" "$OUT/nvfp4_sweep_$kern.txt"
   done
   timeout 90 python3 perf/bench_paged_attention.py --no-flashinfer \
     --out "$OUT/paged_attention.json" > "$OUT/paged_attention.txt" 2>&1
   echo "paged attention rc=$?"; grep -E "^triton" "$OUT/paged_attention.txt" | head -6
-  timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider -rf \
+  timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -rf \
     tests/engine/test_fp8_kv.py tests/graphs/test_runner.py tests/engine/test_gpu_decoding.py \
     tests/custom_ops/test_bf16_moe.py tests/custom_ops/test_kv_append.py \
     tests/loading/test_nvfp4_loading.py \
