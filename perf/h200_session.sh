@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # H200 runs, in parts that each fit one 10-minute device call. Outputs go to $OUT.
 #   bash perf/h200_session.sh rounds   # BF16 and NVFP4+FP8 rounds: graph, profile, and whole
-#                                      # decodes with the refresh fused vs separate (--loop)
+#                                      # decodes with the refresh fused vs separate (--loop).
+#                                      # The loop compiles prefill/fused/refresh graphs too: give
+#                                      # each spec its own call (ROUND_SPECS=bf16:bf16, then
+#                                      # ROUND_SPECS=nvfp4:fp8) unless the Inductor cache is warm.
 #   bash perf/h200_session.sh ops      # nvfp4_moe v3 vs v2, paged attention, targeted GPU tests
 #   bash perf/h200_session.sh ncu      # Nsight Compute sections of the nvfp4_moe v3 kernels
 #   bash perf/h200_session.sh shared   # BF16 round with the shared expert unfused vs fused into
