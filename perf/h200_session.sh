@@ -26,9 +26,10 @@ rounds)
     set -- ${spec/:/ }
     timeout "${ROUND_TIMEOUT:-270}" dlmc bench round --shape llada2.1-mini --precision "$1" \
       --kv-cache-dtype "$2" --block-length 32 --prefix 1024 --routing uniform --rounds 60 \
-      --modes graph --profile --loop --out "$OUT/round_$1_$2.json" > "$OUT/round_$1_$2.txt" 2>&1
+      --modes eager,compile,graph --profile --loop --out "$OUT/round_$1_$2.json" \
+      > "$OUT/round_$1_$2.txt" 2>&1
     echo "round $1/$2 rc=$?" >> "$OUT/round_$1_$2.txt"
-    grep -E "│ graph|loop|rc=" "$OUT/round_$1_$2.txt" | head -5
+    grep -E "│ (eager|compile|graph)|loop|rc=" "$OUT/round_$1_$2.txt" | head -7
   done ;;
 ops)
   for v in v3 v2; do
