@@ -66,7 +66,10 @@ class LLM:
         self.config, self.model, self.precision = loaded.config, loaded.model, loaded.precision
         self.kv_scales = loaded.kv_scales
         self.mode = mode or ("graph" if self.device.type == "cuda" else "eager")
-        declares_fp8 = loaded.declares_fp8_kv and self.dtype == torch.bfloat16
+        # FP8 needs bf16 activations, and compiled rounds need the Triton paged attention
+        # (CUDA); the CPU paged cache attends with the reference, which syncs on its length.
+        declares_fp8 = (loaded.declares_fp8_kv and self.dtype == torch.bfloat16
+                        and (self.device.type == "cuda" or self.mode == "eager"))
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, declares_fp8)
         if any("self_conditioning" in n for n in loaded.index.tensors):
             log.warning("%s carries self-conditioning weights, which dlmc does not apply yet",

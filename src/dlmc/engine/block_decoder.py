@@ -54,6 +54,12 @@ class BlockDecoder:
                 f"kv_cache_dtype 'fp8' runs with bf16 activations and a static round mode "
                 f"(got dtype {dtype}, mode {mode!r}); use kv_cache_dtype 'bf16'"
             )
+        if kv_cache_dtype == "fp8" and mode == "compile" and device.type != "cuda":
+            raise ConfigError(
+                "kv_cache_dtype 'fp8' with mode 'compile' needs a CUDA device (on CPU the paged "
+                "cache attends with the reference, which reads its length on the host); use "
+                "mode 'eager' or kv_cache_dtype 'bf16'"
+            )
         if refresh not in REFRESH_MODES:
             raise ConfigError(f"refresh={refresh!r}: expected one of {', '.join(REFRESH_MODES)}")
         self.kv_cache_dtype, self.kv_scales, self.refresh = kv_cache_dtype, kv_scales, refresh
