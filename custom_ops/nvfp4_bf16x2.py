@@ -17,7 +17,7 @@ exact, then RNE to bf16): it is the spec the inline asm must meet (tests/custom_
 bf16 subnormal inputs kept (PTX `mul.bf16x2` has no `.ftz` form; SASS `HMUL2.BF16_V2` without
 `.FTZ`): the GPU tests decode every code with code 1 (0.5) among them.
 `tl.inline_asm_elementwise` cannot run under `TRITON_INTERPRET=1`; interpreted kernels take the v2
-decode instead (`nvfp4_tile_dot_v3`).
+decode instead (`nvfp4_tiles.nvfp4_tile_dot_v2` with `BF16X2=False`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from dlmc.custom_ops.nvfp4_tiles import _load_a_split, _load_w_split
 
 PRMT_LOW = 0x0504  # prmt selectors with the word as bytes 4..7 and zero as bytes 0..3
 PRMT_HIGH = 0x0706
@@ -92,35 +90,6 @@ def _load_w_split_v3(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N:
     return (tl.trans(tl.reshape(w_lo, (BLOCK_N, HALF))),
             tl.trans(tl.reshape(w_hi, (BLOCK_N, HALF))))
 
-
-@triton.jit
-def nvfp4_tile_dot_v3(acc0, acc1, a_ptr, a_rows, row_mask, stride_a, w0_ptr, s0_ptr, w1_ptr,
-                      s1_ptr, n_offs, n_mask, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, DUAL: tl.constexpr):
-    """`nvfp4_tile_dot_v2` with the bf16x2 decode. Compiled, the accumulators hold the result
-    times 2^-7 (multiply by `ACC_SCALE`); interpreted, it is v2 (exact values, factor 1)."""
-    for k0 in range(0, K, BLOCK_K):
-        a_even, a_odd = _load_a_split(a_ptr, a_rows, row_mask, stride_a, k0, K, BLOCK_K)
-        if INTERPRETED:
-            w_lo, w_hi = _load_w_split(w0_ptr, s0_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K)
-            a_even, a_odd = a_even.to(tl.float32), a_odd.to(tl.float32)
-            w_lo, w_hi = w_lo.to(tl.float32), w_hi.to(tl.float32)
-        else:
-            w_lo, w_hi = _load_w_split_v3(w0_ptr, s0_ptr, n_offs, n_mask, k0, K, BLOCK_N,
-                                          BLOCK_K)
-        acc0 = tl.dot(a_even, w_lo, acc0)
-        acc0 = tl.dot(a_odd, w_hi, acc0)
-        if DUAL:
-            if INTERPRETED:
-                w_lo, w_hi = _load_w_split(w1_ptr, s1_ptr, n_offs, n_mask, k0, K, BLOCK_N,
-                                           BLOCK_K)
-                w_lo, w_hi = w_lo.to(tl.float32), w_hi.to(tl.float32)
-            else:
-                w_lo, w_hi = _load_w_split_v3(w1_ptr, s1_ptr, n_offs, n_mask, k0, K, BLOCK_N,
-                                              BLOCK_K)
-            acc1 = tl.dot(a_even, w_lo, acc1)
-            acc1 = tl.dot(a_odd, w_hi, acc1)
-    return acc0, acc1
 
 
 def scale_pairs_emulated(scale_bytes: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
 from dlmc.custom_ops.moe_align import combine_pairs, route_pairs
-from dlmc.custom_ops.nvfp4_bf16x2 import ACC_SCALE, nvfp4_tile_dot_v3
+from dlmc.custom_ops.nvfp4_bf16x2 import ACC_SCALE
 from dlmc.custom_ops.nvfp4_tiles import nvfp4_tile_dot, nvfp4_tile_dot_v2, round_bf16
 from dlmc.quant.nvfp4_format import dequantize_blocks, fake_quantize_activation
 
@@ -69,14 +69,10 @@ def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s,
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         # v3 accumulates w * 2^-7 when compiled (ACC_SCALE restores it with the global scale).
         acc_scale = ACC_SCALE if VARIANT == 3 and not INTERPRETED else 1.0
-        if VARIANT == 3:
-            acc_g, acc_u = nvfp4_tile_dot_v3(acc_g, acc_u, a_ptr, a_rows, row_mask, stride_a,
-                                             gate_w, gate_s, up_w, up_s, n_offs, n_mask, H,
-                                             BLOCK_N, BLOCK_K, INTERPRETED, True)
-        elif VARIANT == 2:
+        if VARIANT >= 2:
             acc_g, acc_u = nvfp4_tile_dot_v2(acc_g, acc_u, a_ptr, a_rows, row_mask, stride_a,
                                              gate_w, gate_s, up_w, up_s, n_offs, n_mask, H,
-                                             BLOCK_N, BLOCK_K, INTERPRETED, True)
+                                             BLOCK_N, BLOCK_K, INTERPRETED, True, VARIANT == 3)
         else:
             acc_g = nvfp4_tile_dot(acc_g, a_ptr, a_rows, row_mask, stride_a, gate_w, gate_s,
                                    n_offs, n_mask, H, BLOCK_K, INTERPRETED)
@@ -109,14 +105,10 @@ def _down_kernel(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, do
         down_s += e64 * H * (I // 16)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_scale = ACC_SCALE if VARIANT == 3 and not INTERPRETED else 1.0
-        if VARIANT == 3:
-            acc, _ = nvfp4_tile_dot_v3(acc, acc, h_ptr, slots, row_mask, stride_h, down_w,
-                                       down_s, down_w, down_s, n_offs, n_mask, I, BLOCK_N,
-                                       BLOCK_K, INTERPRETED, False)
-        elif VARIANT == 2:
+        if VARIANT >= 2:
             acc, _ = nvfp4_tile_dot_v2(acc, acc, h_ptr, slots, row_mask, stride_h, down_w,
                                        down_s, down_w, down_s, n_offs, n_mask, I, BLOCK_N,
-                                       BLOCK_K, INTERPRETED, False)
+                                       BLOCK_K, INTERPRETED, False, VARIANT == 3)
         else:
             acc = nvfp4_tile_dot(acc, h_ptr, slots, row_mask, stride_h, down_w, down_s,
                                  n_offs, n_mask, I, BLOCK_K, INTERPRETED)

@@ -7,6 +7,8 @@ fp32 -> bf16, so interpreted kernels dot in fp32 (exact for these operands) and 
 import triton
 import triton.language as tl
 
+from dlmc.custom_ops.nvfp4_bf16x2 import _load_w_split_v3
+
 
 @triton.jit
 def e2m1_scaled_down(codes):
@@ -104,26 +106,41 @@ def _load_w_split(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl
 
 
 @triton.jit
+def _load_w_tiles(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, BF16X2: tl.constexpr):
+    """Low/high-nibble weight tiles: the bf16x2 inline-asm decode (`w * 2^-7`) when `BF16X2`
+    and compiled, else `_load_w_split` (exact; widened to fp32 under the interpreter)."""
+    if BF16X2 and not INTERPRETED:
+        w_lo, w_hi = _load_w_split_v3(w_ptr, s_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K)
+    else:
+        w_lo, w_hi = _load_w_split(w_ptr, s_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K)
+        if INTERPRETED:
+            w_lo, w_hi = w_lo.to(tl.float32), w_hi.to(tl.float32)
+    return w_lo, w_hi
+
+
+@triton.jit
 def nvfp4_tile_dot_v2(acc0, acc1, a_ptr, a_rows, row_mask, stride_a, w0_ptr, s0_ptr, w1_ptr,
                       s1_ptr, n_offs, n_mask, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, DUAL: tl.constexpr):
+                      BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, DUAL: tl.constexpr,
+                      BF16X2: tl.constexpr):
     """Like `nvfp4_tile_dot` for one (`DUAL=False`) or two weight matrices sharing the A loads.
 
-    v2 (compiled for sm_90 and tested under the interpreter, not yet timed): vectorized N-major
-    weight loads, scales decoded once per 16 weights, A loaded contiguously and split in registers.
+    Vectorized N-major weight loads, scales decoded once per 16 weights, A loaded contiguously
+    and split in registers. `BF16X2` (kernel v3): the inline-asm decode of `nvfp4_bf16x2`; the
+    compiled accumulators then hold the result times 2^-7 (`nvfp4_bf16x2.ACC_SCALE`).
     """
     for k0 in range(0, K, BLOCK_K):
         a_even, a_odd = _load_a_split(a_ptr, a_rows, row_mask, stride_a, k0, K, BLOCK_K)
-        w_lo, w_hi = _load_w_split(w0_ptr, s0_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K)
         if INTERPRETED:
             a_even, a_odd = a_even.to(tl.float32), a_odd.to(tl.float32)
-            w_lo, w_hi = w_lo.to(tl.float32), w_hi.to(tl.float32)
+        w_lo, w_hi = _load_w_tiles(w0_ptr, s0_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K,
+                                   INTERPRETED, BF16X2)
         acc0 = tl.dot(a_even, w_lo, acc0)
         acc0 = tl.dot(a_odd, w_hi, acc0)
         if DUAL:
-            w_lo, w_hi = _load_w_split(w1_ptr, s1_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K)
-            if INTERPRETED:
-                w_lo, w_hi = w_lo.to(tl.float32), w_hi.to(tl.float32)
+            w_lo, w_hi = _load_w_tiles(w1_ptr, s1_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K,
+                                       INTERPRETED, BF16X2)
             acc1 = tl.dot(a_even, w_lo, acc1)
             acc1 = tl.dot(a_odd, w_hi, acc1)
     return acc0, acc1
