@@ -16,8 +16,9 @@ in the epilogue. Per 4 packed bytes (8 weights):
 exact, then RNE to bf16): it is the spec the inline asm must meet (tests/custom_ops). The asm needs
 bf16 subnormal inputs kept (PTX `mul.bf16x2` has no `.ftz` form; SASS `HMUL2.BF16_V2` without
 `.FTZ`): the GPU tests decode every code with code 1 (0.5) among them.
-`tl.inline_asm_elementwise` cannot run under `TRITON_INTERPRET=1`; interpreted kernels take the v2
-decode instead (`nvfp4_tiles.nvfp4_tile_dot_v2` with `BF16X2=False`).
+The tile loop and loaders live in `nvfp4_tiles` (`nvfp4_tile_dot_v2(..., BF16X2=True)`).
+`tl.inline_asm_elementwise` cannot run under `TRITON_INTERPRET=1`; interpreted kernels take the
+v2 decode there instead.
 """
 
 from __future__ import annotations
@@ -72,23 +73,6 @@ def decode_e2m1_bf16x2(packed, scale_pair):
         DECODE_ASM, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale_pair],
         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
-
-@triton.jit
-def _load_w_split_v3(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-    """`_load_w_split` with the bf16x2 decode: tiles `[BK/2, BN]` of `w * 2^-7` (exact)."""
-    HALF: tl.constexpr = BLOCK_K // 2
-    BLOCKS: tl.constexpr = BLOCK_K // 16
-    kbyte = k0 // 2 + tl.arange(0, HALF)
-    packed = tl.load(w_ptr + n_offs[:, None] * (K // 2) + kbyte[None, :],
-                     mask=n_mask[:, None] & (kbyte < K // 2)[None, :], other=0)  # [BN, HALF]
-    kb = k0 // 16 + tl.arange(0, BLOCKS)
-    pair = e4m3_bf16x2_pair(tl.load(s_ptr + n_offs[:, None] * (K // 16) + kb[None, :],
-                                    mask=n_mask[:, None] & (kb < K // 16)[None, :], other=0))
-    pair = tl.broadcast_to(pair[:, :, None], (BLOCK_N, BLOCKS, 8))  # [BN, BLOCKS, 8]
-    w_lo, w_hi = decode_e2m1_bf16x2(tl.reshape(packed, (BLOCK_N, BLOCKS, 8)), pair)
-    return (tl.trans(tl.reshape(w_lo, (BLOCK_N, HALF))),
-            tl.trans(tl.reshape(w_hi, (BLOCK_N, HALF))))
 
 
 

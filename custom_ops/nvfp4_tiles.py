@@ -7,7 +7,7 @@ fp32 -> bf16, so interpreted kernels dot in fp32 (exact for these operands) and 
 import triton
 import triton.language as tl
 
-from dlmc.custom_ops.nvfp4_bf16x2 import _load_w_split_v3
+from dlmc.custom_ops.nvfp4_bf16x2 import decode_e2m1_bf16x2, e4m3_bf16x2_pair
 
 
 @triton.jit
@@ -82,25 +82,49 @@ def _load_a_split(a_ptr, a_rows, row_mask, stride_a, k0, K: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _load_w_split(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl.constexpr,
+def _load_w_bytes(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr):
-    """Low/high-nibble weight tiles `[BK/2, BN]` bf16 (exact), loaded N-major (K contiguous),
-    one E4M3 decode per 16-weight block."""
+    """One K-tile of packed weights, N-major (K contiguous): bytes `[BN, BK/16, 8]` (two codes
+    each) and their E4M3 block-scale bytes `[BN, BK/16]`."""
     HALF: tl.constexpr = BLOCK_K // 2
     BLOCKS: tl.constexpr = BLOCK_K // 16
     kbyte = k0 // 2 + tl.arange(0, HALF)
     packed = tl.load(w_ptr + n_offs[:, None] * (K // 2) + kbyte[None, :],
                      mask=n_mask[:, None] & (kbyte < K // 2)[None, :], other=0)  # [BN, HALF]
     kb = k0 // 16 + tl.arange(0, BLOCKS)
-    scale = e4m3_scaled_up(tl.load(s_ptr + n_offs[:, None] * (K // 16) + kb[None, :],
-                                   mask=n_mask[:, None] & (kb < K // 16)[None, :], other=0))
-    byte = tl.reshape(packed, (BLOCK_N, BLOCKS, 8)).to(tl.int32)
+    scale_bytes = tl.load(s_ptr + n_offs[:, None] * (K // 16) + kb[None, :],
+                          mask=n_mask[:, None] & (kb < K // 16)[None, :], other=0)
+    return tl.reshape(packed, (BLOCK_N, BLOCKS, 8)), scale_bytes
+
+
+@triton.jit
+def _load_w_split(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """Low/high-nibble weight tiles `[BK/2, BN]` bf16 (exact), loaded N-major (K contiguous),
+    one E4M3 decode per 16-weight block."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    packed, scale_bytes = _load_w_bytes(w_ptr, s_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K)
+    scale = e4m3_scaled_up(scale_bytes)
+    byte = packed.to(tl.int32)
     scale3 = scale[:, :, None]  # [BN, BLOCKS, 1]
     # fp16 bit patterns (as in e2m1_scaled_down) built straight from the byte for both nibbles.
     lo16 = (((byte << 9) & 0x0E00) | ((byte << 12) & 0x8000)).to(tl.int16)
     hi16 = (((byte << 5) & 0x0E00) | ((byte << 8) & 0x8000)).to(tl.int16)
     w_lo = (lo16.to(tl.float16, bitcast=True).to(tl.float32) * scale3).to(tl.bfloat16)
     w_hi = (hi16.to(tl.float16, bitcast=True).to(tl.float32) * scale3).to(tl.bfloat16)
+    return (tl.trans(tl.reshape(w_lo, (BLOCK_N, HALF))),
+            tl.trans(tl.reshape(w_hi, (BLOCK_N, HALF))))
+
+
+@triton.jit
+def _load_w_split_v3(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    """`_load_w_split` with the bf16x2 decode: tiles `[BK/2, BN]` of `w * 2^-7` (exact)."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    BLOCKS: tl.constexpr = BLOCK_K // 16
+    packed, scale_bytes = _load_w_bytes(w_ptr, s_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K)
+    pair = tl.broadcast_to(e4m3_bf16x2_pair(scale_bytes)[:, :, None], (BLOCK_N, BLOCKS, 8))
+    w_lo, w_hi = decode_e2m1_bf16x2(packed, pair)
     return (tl.trans(tl.reshape(w_lo, (BLOCK_N, HALF))),
             tl.trans(tl.reshape(w_hi, (BLOCK_N, HALF))))
 
