@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from dlmc.engine.attention import MaskedAttention, block_causal_mask
-from dlmc.engine.block_decoder import BlockDecoder
+from dlmc.engine.block_decoder import BlockDecoder, fp8_kv_problem
 from dlmc.engine.decode_config import DecodeConfig, resolve_decode_config, role_defaults
 from dlmc.engine.events import BlockEvent, DecodeOutput, RoundEvent
 from dlmc.errors import ConfigError, DlmcError
@@ -66,10 +66,8 @@ class LLM:
         self.config, self.model, self.precision = loaded.config, loaded.model, loaded.precision
         self.kv_scales = loaded.kv_scales
         self.mode = mode or ("graph" if self.device.type == "cuda" else "eager")
-        # FP8 needs bf16 activations, and compiled rounds need the Triton paged attention
-        # (CUDA); the CPU paged cache attends with the reference, which syncs on its length.
-        declares_fp8 = (loaded.declares_fp8_kv and self.dtype == torch.bfloat16
-                        and (self.device.type == "cuda" or self.mode == "eager"))
+        declares_fp8 = loaded.declares_fp8_kv and not fp8_kv_problem(
+            self.device, self.dtype, self.mode)  # "auto" picks FP8 only where it runs
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, declares_fp8)
         if any("self_conditioning" in n for n in loaded.index.tensors):
             log.warning("%s carries self-conditioning weights, which dlmc does not apply yet",

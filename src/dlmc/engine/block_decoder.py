@@ -34,6 +34,18 @@ PREFILL_CHUNK = 512
 REFRESH_MODES = ("fused", "separate")
 
 
+def fp8_kv_problem(device: torch.device, dtype: torch.dtype, mode: str) -> str | None:
+    """Why the paged FP8 cache cannot run with these settings (None: it can)."""
+    if dtype != torch.bfloat16 or mode == "reference":
+        return (f"runs with bf16 activations and a static round mode (got dtype {dtype}, mode "
+                f"{mode!r}); use kv_cache_dtype 'bf16'")
+    if mode == "compile" and device.type != "cuda":
+        return ("with mode 'compile' needs a CUDA device (on CPU the paged cache attends with "
+                "the reference, which reads its length on the host); use mode 'eager' or "
+                "kv_cache_dtype 'bf16'")
+    return None
+
+
 class BlockDecoder:
     """Runs one request at a time on `model`, reusing one static KV cache and round buffers.
 
@@ -49,17 +61,9 @@ class BlockDecoder:
         self.model, self.mask_id, self.eos_id = model, mask_id, eos_id
         self.max_context, self.device, self.dtype, self.mode = (
             max_context, device, dtype, mode)
-        if kv_cache_dtype == "fp8" and (dtype != torch.bfloat16 or mode == "reference"):
-            raise ConfigError(
-                f"kv_cache_dtype 'fp8' runs with bf16 activations and a static round mode "
-                f"(got dtype {dtype}, mode {mode!r}); use kv_cache_dtype 'bf16'"
-            )
-        if kv_cache_dtype == "fp8" and mode == "compile" and device.type != "cuda":
-            raise ConfigError(
-                "kv_cache_dtype 'fp8' with mode 'compile' needs a CUDA device (on CPU the paged "
-                "cache attends with the reference, which reads its length on the host); use "
-                "mode 'eager' or kv_cache_dtype 'bf16'"
-            )
+        problem = fp8_kv_problem(device, dtype, mode) if kv_cache_dtype == "fp8" else None
+        if problem:
+            raise ConfigError(f"kv_cache_dtype 'fp8' {problem}")
         if refresh not in REFRESH_MODES:
             raise ConfigError(f"refresh={refresh!r}: expected one of {', '.join(REFRESH_MODES)}")
         self.kv_cache_dtype, self.kv_scales, self.refresh = kv_cache_dtype, kv_scales, refresh
