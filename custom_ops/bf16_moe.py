@@ -15,14 +15,15 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
+from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
+from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.moe_align import combine_pairs, route_pairs
 from dlmc.custom_ops.nvfp4_tiles import round_bf16
 
 __all__ = ["bf16_moe", "bf16_moe_reference"]
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Tile sizes (N, K) of the two kernels; DLMC_BF16_MOE_TILES="64,128,64,128" overrides (tuning).
 _TILES = tuple(int(v) for v in os.environ.get("DLMC_BF16_MOE_TILES", "64,128,64,128").split(","))
 
@@ -120,14 +121,11 @@ def _bf16_moe_impl(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     return combine_pairs(y, topk_weights, out)  # [T, H]
 
 
-if _INTERPRETED:  # interpreted kernels cannot be traced: an opaque op with the same body
-    _bf16_moe_op = torch.library.custom_op("dlmc::bf16_moe", mutates_args=())(_bf16_moe_impl)
+def _bf16_moe_fake(x: torch.Tensor, *args: object) -> torch.Tensor:
+    return x.new_empty(x.shape, dtype=torch.bfloat16)
 
-    @_bf16_moe_op.register_fake
-    def _bf16_moe_fake(x: torch.Tensor, *args: object) -> torch.Tensor:
-        return x.new_empty(x.shape, dtype=torch.bfloat16)
-else:
-    _bf16_moe_op = triton_op("dlmc::bf16_moe", mutates_args=())(_bf16_moe_impl)
+
+_bf16_moe_op = traced_triton_op("dlmc::bf16_moe", _bf16_moe_impl, _bf16_moe_fake)
 
 
 def bf16_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

@@ -9,18 +9,16 @@ on the host, see `PagedKVCache.advance`).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 from torch.library import triton_op, wrap_triton
 
+from dlmc.custom_ops._registration import INTERPRETED
 from dlmc.errors import ConfigError
 
 FP8_MAX = 448.0
 # Triton's CPU interpreter (tests): FP8 rounding is emulated there (see _e4m3_bits).
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit

@@ -10,17 +10,17 @@ Triton's interpreter.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
+
+from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
+from dlmc.custom_ops._registration import traced_triton_op
 
 __all__ = ["align_pairs_to_blocks", "align_pairs_to_blocks_reference", "combine_pairs",
            "moe_block_size", "route_pairs"]
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # One program holds all pair keys and per-expert counts in registers; larger routings take the
 # torch path.
 MAX_KERNEL_PAIRS = 8192
@@ -119,17 +119,15 @@ def _moe_align_impl(topk_ids: torch.Tensor, num_experts: int,
     return sorted_pair, expert_of_block
 
 
-if _INTERPRETED:  # interpreted kernels cannot be traced: an opaque op with the same body
-    _moe_align_op = torch.library.custom_op("dlmc::moe_align", mutates_args=())(_moe_align_impl)
+def _moe_align_fake(topk_ids: torch.Tensor, num_experts: int,
+                    block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    num_blocks = max_blocks(topk_ids.numel(), num_experts, block_m)
+    return (topk_ids.new_empty(num_blocks * block_m, dtype=torch.int32),
+            topk_ids.new_empty(num_blocks, dtype=torch.int32))
 
-    @_moe_align_op.register_fake
-    def _moe_align_fake(topk_ids: torch.Tensor, num_experts: int,
-                        block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        num_blocks = max_blocks(topk_ids.numel(), num_experts, block_m)
-        return (topk_ids.new_empty(num_blocks * block_m, dtype=torch.int32),
-                topk_ids.new_empty(num_blocks, dtype=torch.int32))
-else:  # Inductor traces through the body (two allocations + the kernel)
-    _moe_align_op = triton_op("dlmc::moe_align", mutates_args=())(_moe_align_impl)
+
+# Inductor traces through the body (two allocations + the kernel); opaque when interpreted.
+_moe_align_op = traced_triton_op("dlmc::moe_align", _moe_align_impl, _moe_align_fake)
 
 
 def _kernel_applies(topk_ids: torch.Tensor, num_experts: int) -> bool:

@@ -14,8 +14,10 @@ import os
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
+from torch.library import wrap_triton
 
+from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
+from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.moe_align import combine_pairs, route_pairs
 from dlmc.custom_ops.nvfp4_bf16x2 import ACC_SCALE
 from dlmc.custom_ops.nvfp4_tiles import nvfp4_tile_dot, nvfp4_tile_dot_v2, round_bf16
@@ -26,7 +28,6 @@ __all__ = ["nvfp4_moe", "nvfp4_moe_reference"]
 # Read at import. Triton 3.6's CPU interpreter multiplies bf16 as raw uint16 and truncates
 # fp32 -> bf16; under TRITON_INTERPRET=1 the kernels dot in fp32 (exact for these operands) and
 # round to bf16 by hand (`nvfp4_tiles.round_bf16`). Compiled kernels take the plain bf16 paths.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Kernel variant, DLMC_NVFP4_KERNEL: "v3" (default: v2 with the bf16x2 inline-asm decode of
 # `nvfp4_bf16x2`, two weights per instruction; 0.156 ms/layer = 44 % of copy bandwidth on the
 # H200 with routing prep in `moe_align`, perf/results/nvfp4_op_v3_sweep_h200.json), "v2"
@@ -197,18 +198,13 @@ def _nvfp4_moe_impl(
     return combine_pairs(y, topk_weights, out)  # [T, H]
 
 
-if _INTERPRETED:
-    # An interpreted kernel cannot be traced into a graph, so register an opaque op instead
-    # (same body, same schema); torch.compile on CPU then calls the interpreted kernels eagerly.
-    _nvfp4_moe_op = torch.library.custom_op("dlmc::nvfp4_moe", mutates_args=())(_nvfp4_moe_impl)
+def _nvfp4_moe_fake(x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    return x.new_empty(x.shape, dtype=torch.bfloat16)
 
-    @_nvfp4_moe_op.register_fake
-    def _nvfp4_moe_fake(x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        return x.new_empty(x.shape, dtype=torch.bfloat16)
-else:
-    # Inductor traces through the body (the routing-prep kernel, the two grouped kernels and
-    # the combine).
-    _nvfp4_moe_op = triton_op("dlmc::nvfp4_moe", mutates_args=())(_nvfp4_moe_impl)
+
+# Inductor traces through the body (the routing-prep kernel, the two grouped kernels and the
+# combine); an opaque op under the interpreter.
+_nvfp4_moe_op = traced_triton_op("dlmc::nvfp4_moe", _nvfp4_moe_impl, _nvfp4_moe_fake)
 
 
 def _check(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import torch
 import triton
 from torch.library import triton_op, wrap_triton
 
+from dlmc.custom_ops._registration import INTERPRETED
 from dlmc.errors import ConfigError
 
 from ._paged_attention_kernels import (
@@ -33,7 +33,6 @@ from ._paged_attention_kernels import (
 CACHE_DTYPES = (torch.float8_e4m3fn, torch.bfloat16)
 BACKENDS = ("triton", "reference")
 # Triton's CPU interpreter (tests): BF16 dots are widened to fp32 there (see _dot).
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Fewest cached keys one split attends: fewer, longer splits when the prefix is short.
 DEFAULT_MIN_SPLIT_KEYS = 128
 

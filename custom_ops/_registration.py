@@ -1,0 +1,24 @@
+"""Registration shared by the Triton ops whose body Inductor should trace into."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.library import triton_op
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def traced_triton_op(name: str, impl: Callable[..., Any], fake: Callable[..., Any]) -> Any:
+    """`triton_op(name)` over `impl`: torch.compile traces through the body (its kernels and
+    torch ops). Under `TRITON_INTERPRET=1` (CPU tests) interpreted kernels cannot be traced, so
+    the same body is registered as an opaque custom op with `fake` as its fake function and
+    torch.compile calls it eagerly."""
+    if INTERPRETED:
+        op = torch.library.custom_op(name, mutates_args=())(impl)
+        op.register_fake(fake)
+        return op
+    return triton_op(name, mutates_args=())(impl)
