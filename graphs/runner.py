@@ -44,8 +44,19 @@ def _compile(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         inductor_cache_dir()
         torch._inductor.config.fx_graph_cache = True
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        _compiled[name] = torch.compile(fn, fullgraph=True, dynamic=False)
+        _compiled[name] = torch.compile(fn, fullgraph=True, dynamic=False,
+                                        options=compile_options())
     return _compiled[name]
+
+
+def compile_options() -> dict[str, Any]:
+    """Inductor options of the compile site. `DLMC_MAX_AUTOTUNE_GEMM=1` lets Inductor time its
+    Triton GEMM templates against cuBLAS for every matmul shape (slower first start; the choices
+    land in the autotune cache)."""
+    flag = os.environ.get("DLMC_MAX_AUTOTUNE_GEMM", "0")
+    if flag not in ("0", "1"):
+        raise ConfigError(f"DLMC_MAX_AUTOTUNE_GEMM={flag!r}: expected 0 or 1")
+    return {"max_autotune_gemm": True} if flag == "1" else {}
 
 
 class RoundRunner:

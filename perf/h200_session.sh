@@ -7,6 +7,8 @@
 #                                      # ROUND_SPECS=nvfp4:fp8) unless the Inductor cache is warm.
 #   bash perf/h200_session.sh ops      # nvfp4_moe v3 vs v2, paged attention, targeted GPU tests
 #   bash perf/h200_session.sh ncu      # Nsight Compute sections of the nvfp4_moe v3 kernels
+#   bash perf/h200_session.sh diag     # BF16 round profiles by matmul shape (GEMM autotune on/off),
+#                                      # ncu of nvfp4_moe and paged attention, attention GPU tests
 #   bash perf/h200_session.sh shared   # BF16 round with the shared expert unfused vs fused into
 #                                      # the routed kernel (--fuse-shared-expert), + its GPU tests
 # Env: ROUND_SPECS ("bf16:bf16 nvfp4:fp8"), ROUND_TIMEOUT (270), TEST_TIMEOUT (150). Each part
@@ -79,5 +81,34 @@ ncu)  # why nvfp4_moe v3 sits at ~44 % of copy bandwidth: occupancy, memory SOL,
     > "$OUT/ncu_nvfp4_v3.txt" 2>&1
   echo "ncu rc=$?"; grep -E "Memory Throughput|Achieved Occupancy|Registers Per|Duration" \
     "$OUT/ncu_nvfp4_v3.txt" | head -12 ;;
-*) echo "usage: $0 rounds|ops|shared|ncu" >&2; exit 2 ;;
+diag)  # BF16 round (shared expert fused; optionally Inductor GEMM autotune) with a per-kernel and
+       # per-matmul-shape profile; Nsight Compute of nvfp4_moe and paged attention; attention tests
+  for variant in ${DIAG_VARIANTS:-fused fused_autotune}; do
+    auto=0; [ "$variant" = fused_autotune ] && auto=1
+    DLMC_MAX_AUTOTUNE_GEMM=$auto timeout "${ROUND_TIMEOUT:-200}" dlmc bench round \
+      --shape llada2.1-mini --precision bf16 --block-length 32 --prefix 1024 --routing uniform \
+      --rounds 60 --modes graph --profile --no-loop --fuse-shared-expert \
+      --out "$OUT/round_bf16_$variant.json" > "$OUT/round_bf16_$variant.txt" 2>&1
+    echo "round bf16 $variant rc=$?" >> "$OUT/round_bf16_$variant.txt"
+    grep -E "│ graph|rc=|compile" "$OUT/round_bf16_$variant.txt" | head -4
+  done
+  NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  timeout 120 "$NCU" -k "regex:_gate_up_kernel|_down_kernel" -c 2 --section SpeedOfLight \
+    --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
+    --section WarpStateStats --section SchedulerStats \
+    python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 1 --layers 1 \
+    > "$OUT/ncu_nvfp4_v3.txt" 2>&1
+  echo "ncu nvfp4 rc=$?"; grep -E "Memory Throughput|Achieved Occupancy|Registers Per|Duration" \
+    "$OUT/ncu_nvfp4_v3.txt" | head -12
+  timeout 120 "$NCU" -k "regex:paged_attention" -c 4 --section SpeedOfLight --section Occupancy \
+    --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
+    python3 perf/bench_paged_attention.py --prefixes 4096 --layers 1 --iters 1 --no-flashinfer \
+    > "$OUT/ncu_paged_attention.txt" 2>&1
+  echo "ncu attention rc=$?"; grep -E "Duration|Achieved Occupancy|Registers Per" \
+    "$OUT/ncu_paged_attention.txt" | head -12
+  timeout "${TEST_TIMEOUT:-120}" python3 -m pytest -q -p no:cacheprovider -rf -m gpu \
+    tests/custom_ops/test_paged_attention.py tests/engine/test_rules.py \
+    > "$OUT/gpu_tests_attention.txt" 2>&1
+  echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests_attention.txt" ;;
+*) echo "usage: $0 rounds|ops|shared|ncu|diag" >&2; exit 2 ;;
 esac

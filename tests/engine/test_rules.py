@@ -58,3 +58,13 @@ def test_threshold_step_quota():
     assert committed.tolist() == [True, True, True, False]
     assert new.tolist() == [1, 2, 3, 9]
     assert step_quotas(32, 32) == [1] * 32 and step_quotas(10, 4) == [3, 3, 2, 2]
+
+
+def test_greedy_propose_matches_the_softmax_of_the_argmax():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(32, 5000, generator=gen) * 4.0
+    logits[:, 7] = float("-inf")  # a masked column (the mask token)
+    x0, p = propose(logits)
+    probs = logits.softmax(-1)
+    assert torch.equal(x0, logits.argmax(-1))
+    torch.testing.assert_close(p, probs.gather(-1, x0[:, None])[:, 0], rtol=1e-6, atol=0)

@@ -7,7 +7,7 @@ import torch
 from dlmc.engine.block_decoder import BlockDecoder
 from dlmc.engine.decode_config import DecodeConfig
 from dlmc.errors import ConfigError
-from dlmc.graphs.runner import RoundRunner
+from dlmc.graphs.runner import RoundRunner, compile_options
 
 
 def _decode(llm, mode, prompt, cfg):
@@ -112,3 +112,13 @@ def test_graph_replay_with_the_shared_expert_fused_on_cuda(tiny_dir):
         assert fuse_shared_experts(llm.model) > 0
         results[mode] = llm.generate(**kwargs)
     assert results["graph"].token_ids == results["compile"].token_ids
+
+
+def test_compile_options_from_the_environment(monkeypatch):
+    monkeypatch.delenv("DLMC_MAX_AUTOTUNE_GEMM", raising=False)
+    assert compile_options() == {}
+    monkeypatch.setenv("DLMC_MAX_AUTOTUNE_GEMM", "1")
+    assert compile_options() == {"max_autotune_gemm": True}
+    monkeypatch.setenv("DLMC_MAX_AUTOTUNE_GEMM", "yes")
+    with pytest.raises(ConfigError, match="DLMC_MAX_AUTOTUNE_GEMM='yes'"):
+        compile_options()

@@ -190,9 +190,16 @@ def profile_rounds(model: nn.Module, cache: Any, bench: RoundBenchConfig,
     for _ in range(3):
         runner.step("joint", key_len)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 record_shapes=True) as prof:
         for _ in range(rounds):
             runner.step("joint", key_len)
         torch.cuda.synchronize()
-    return str(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25,
-                                         max_name_column_width=70))
+    kernels = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=60,
+                                        max_name_column_width=70)
+    # Which matmul is which kernel: the aten calls that launch them, by input shape.
+    by_shape = prof.key_averages(group_by_input_shape=True)
+    matmuls = [e for e in by_shape if e.key in ("aten::mm", "aten::addmm", "aten::bmm")]
+    lines = [f"{e.key} {e.input_shapes} calls={e.count} "
+             f"cuda_us_per_call={e.device_time_total / max(e.count, 1):.2f}" for e in matmuls]
+    return f"{kernels}\nmatmuls per {rounds} rounds:\n" + "\n".join(lines)

@@ -23,6 +23,11 @@ def propose(
     x0; p is x0's probability under that filtered distribution.
     """
     logits = logits.float()
+    if temperature <= 0.0 and top_k is None and (top_p is None or top_p >= 1.0):
+        # Greedy: p(argmax) = exp(0) / sum(exp(logits - max)) = 1 / that sum. Two row
+        # reductions instead of a materialised [bl, V] softmax (the vocabulary is ~157k wide).
+        top, x0 = logits.max(dim=-1)  # [bl]
+        return x0, 1.0 / torch.exp(logits - top[:, None]).sum(dim=-1)
     if temperature > 0.0:
         logits = logits / temperature
     if top_k is not None and top_k < logits.shape[-1]:
