@@ -20,6 +20,7 @@ from dlmc.kv.scales import resolve_kv_cache_dtype
 from dlmc.loading.hub import resolve_model
 from dlmc.loading.loader import load_model, parse_dtype
 from dlmc.loading.special_ids import resolve_special_ids
+from dlmc.models.moe import fuse_shared_experts
 from dlmc.results import BlockChunk, Done, GenerateResult
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ class LLM:
         loaded = load_model(self.model_dir, self.device, self.dtype, precision, show_progress)
         self.config, self.model, self.precision = loaded.config, loaded.model, loaded.precision
         self.kv_scales = loaded.kv_scales
+        if self.device.type == "cuda":  # one grouped kernel pair for routed + shared experts
+            fuse_shared_experts(self.model)  # (BF16 experts only; measured in perf/README.md)
         self.mode = mode or ("graph" if self.device.type == "cuda" else "eager")
         declares_fp8 = loaded.declares_fp8_kv and not fp8_kv_problem(
             self.device, self.dtype, self.mode)  # "auto" picks FP8 only where it runs
@@ -254,7 +257,7 @@ class LLM:
             "precision": self.precision,
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),
-            "mode": self.mode if cfg.greedy or self.kv_cache_dtype == "fp8" else "reference",
+            "mode": self.mode if cfg.greedy or self._decoder.paged else "reference",
             "kv_cache_dtype": self.kv_cache_dtype,
             "refresh": self._decoder.refresh,
             "self_conditioning_active": False,

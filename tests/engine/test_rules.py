@@ -1,6 +1,13 @@
+import pytest
 import torch
 
-from dlmc.engine.rules import joint_threshold_step, propose, step_quotas, threshold_step
+from dlmc.engine.rules import (
+    joint_threshold_step,
+    propose,
+    row_argmax,
+    step_quotas,
+    threshold_step,
+)
 
 
 def test_propose_greedy_and_filtered():
@@ -68,3 +75,15 @@ def test_greedy_propose_matches_the_softmax_of_the_argmax():
     probs = logits.softmax(-1)
     assert torch.equal(x0, logits.argmax(-1))
     torch.testing.assert_close(p, probs.gather(-1, x0[:, None])[:, 0], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("width", [1, 255, 256, 257, 5000])
+def test_row_argmax_matches_torch_and_takes_the_first_of_equal_maxima(width):
+    gen = torch.Generator().manual_seed(width)
+    logits = torch.randint(-3, 4, (5, width), generator=gen).float()  # many ties
+    logits[0] = float("-inf")
+    logits[0, width // 2] = 1.0
+    top, index = row_argmax(logits)
+    assert torch.equal(top, logits.max(-1).values)
+    first = (logits == logits.max(-1, keepdim=True).values).float().argmax(-1)
+    assert torch.equal(index, first)

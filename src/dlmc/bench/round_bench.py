@@ -29,18 +29,26 @@ class RoundBenchConfig:
 
 
 class FixedRouter(nn.Module):
-    """Uniform routing: each token draws top-k distinct experts uniformly (seeded, fixed)."""
+    """Uniform routing: each token draws top-k distinct experts uniformly (seeded, fixed).
 
-    def __init__(self, num_experts: int, top_k: int, max_tokens: int, scale: float,
-                 device: torch.device, gen: torch.Generator) -> None:
+    The model's own router still runs every round (its GEMM and selection are part of the
+    round's cost); its weights enter the result multiplied by zero, which no compiler folds
+    away (0 * x is not 0 for inf/NaN), so the work cannot be eliminated.
+    """
+
+    def __init__(self, router: nn.Module, num_experts: int, top_k: int, max_tokens: int,
+                 scale: float, device: torch.device, gen: torch.Generator) -> None:
         super().__init__()
+        self.router = router
         keys = torch.rand(max_tokens, num_experts, device=device, generator=gen)
         self.register_buffer("ids", keys.topk(top_k, dim=-1).indices)  # [T, K]
         weights = torch.rand(max_tokens, top_k, device=device, generator=gen)
         self.register_buffer("weights", weights / weights.sum(-1, keepdim=True) * scale)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.ids[: x.shape[0]], self.weights[: x.shape[0]]
+        _, real_weights = self.router(x)  # [T, K]
+        tokens = x.shape[0]
+        return self.ids[:tokens], self.weights[:tokens] + 0.0 * real_weights
 
 
 def use_uniform_routing(model: nn.Module, max_tokens: int, seed: int) -> None:
@@ -49,8 +57,8 @@ def use_uniform_routing(model: nn.Module, max_tokens: int, seed: int) -> None:
     for module in model.modules():
         if isinstance(module, MoEBlock):
             device = module.gate.weight.device
-            module.gate = FixedRouter(cfg.num_experts, cfg.num_experts_per_tok, max_tokens,
-                                      cfg.routed_scaling_factor, device, gen)
+            module.gate = FixedRouter(module.gate, cfg.num_experts, cfg.num_experts_per_tok,
+                                      max_tokens, cfg.routed_scaling_factor, device, gen)
 
 
 def touched_bytes(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
@@ -120,7 +128,8 @@ def time_rounds(model: nn.Module, cache: Any, bench: RoundBenchConfig, mode: str
 
 def loop_overhead(model: nn.Module, bench: RoundBenchConfig, mask_id: int, round_ms: float,
                   blocks: int = 4, kv_cache_dtype: str = "bf16",
-                  refresh: str = "fused", mode: str = "graph") -> dict[str, Any]:
+                  refresh: str = "fused", mode: str = "graph",
+                  kv_layout: str = "auto") -> dict[str, Any]:
     """Wall time of a whole graph-mode decode (prefill + `blocks` blocks) against the sum of
     its forwards: rounds at the measured median, fused rounds (a round + the previous block's
     refresh, 2 blocks) and fill forwards (prefill chunks, separate refreshes) timed here."""
@@ -130,7 +139,7 @@ def loop_overhead(model: nn.Module, bench: RoundBenchConfig, mask_id: int, round
     bl = bench.block_length
     decoder = BlockDecoder(model, mask_id, -1, bench.prefix + (blocks + 1) * bl + 1024, device,
                            torch.bfloat16, mode=mode, kv_cache_dtype=kv_cache_dtype,
-                           refresh=refresh)
+                           refresh=refresh, kv_layout=kv_layout)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     gen = torch.Generator(device="cpu").manual_seed(bench.seed)
     prompt = torch.randint(0, model.config.vocab_size - 1, (bench.prefix,), generator=gen)
@@ -153,7 +162,7 @@ def loop_overhead(model: nn.Module, bench: RoundBenchConfig, mask_id: int, round
     runner = decoder.runner(bl)
     tokens = torch.randint(0, 100, (bl,), device=device)
     positions = torch.arange(bench.prefix, bench.prefix + bl, device=device)
-    if kv_cache_dtype == "fp8":  # fills append at the committed length: put it at the prefix
+    if decoder.paged:  # fills append at the committed length: put it at the prefix
         decoder.cache.reset()
         decoder.cache.advance(bench.prefix)
     fill_key = runner.key_len(bench.prefix + bl)

@@ -28,16 +28,19 @@ from dlmc.cli.options import user_errors
 @click.option("--modes", default="eager,compile,graph", show_default=True)
 @click.option("--loop/--no-loop", default=True, help="Also measure a whole decode's overhead.")
 @click.option("--kv-cache-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16",
-              show_default=True, help="bf16: dense static cache; fp8: paged FP8 cache.")
+              show_default=True, help="K/V precision (fp8: E4M3 in the paged cache).")
+@click.option("--kv-layout", type=click.Choice(["auto", "dense", "paged"]), default="auto",
+              show_default=True, help="auto: paged (Triton attention over the live prefix); "
+              "dense: static cache attended up to a power-of-two key-length bucket.")
 @click.option("--profile", is_flag=True, help="Per-kernel breakdown (torch.profiler).")
-@click.option("--fuse-shared-expert", is_flag=True,
+@click.option("--fuse-shared-expert/--no-fuse-shared-expert", default=True, show_default=True,
               help="Run each BF16 MoE layer's shared expert inside the routed grouped kernel "
-              "(one more expert, weight 1.0 for every token).")
+              "(one more expert, weight 1.0 for every token), as LLM does on CUDA.")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Write JSON here.")
 @user_errors
 def round_cmd(model: str | None, shape: str, precision: str, block_length: int, prefix: int,
               routing: str, rounds: int, modes: str, loop: bool, kv_cache_dtype: str,
-              profile: bool, fuse_shared_expert: bool, out: Path | None) -> None:
+              kv_layout: str, profile: bool, fuse_shared_expert: bool, out: Path | None) -> None:
     """Median ms per round with bytes touched, GB/s and the copy bandwidth of the same run."""
     import torch
     from rich.console import Console
@@ -76,7 +79,10 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
 
     bandwidth = copy_bandwidth_gbps()
     c = net.config
-    cache = _cache(c, prefix, block_length, kv_cache_dtype, device, gen)
+    paged = kv_cache_dtype == "fp8" or kv_layout != "dense"
+    if kv_cache_dtype == "fp8" and kv_layout == "dense":
+        raise ConfigError("--kv-layout dense holds bf16 K/V only; an FP8 cache is paged")
+    cache = _cache(c, prefix, block_length, kv_cache_dtype, paged, device, gen)
     results = [time_rounds(net, cache, cfg, mode, mask_id) for mode in cfg.modes]
     for r in results:
         r["gb_per_s"] = nbytes / (r["median_ms"] / 1e3) / 1e9
@@ -85,9 +91,11 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
     # The whole-decode loop, once per refresh mode (a finished block's K/V rewritten inside
     # the next block's first round, or by a forward of its own): same prompt, same run.
     overhead = ([loop_overhead(net, cfg, mask_id, graph[0]["median_ms"],
-                               kv_cache_dtype=kv_cache_dtype, refresh=refresh)
+                               kv_cache_dtype=kv_cache_dtype, refresh=refresh,
+                               kv_layout="paged" if paged else "dense")
                  for refresh in ("fused", "separate")] if loop and graph else None)
     report = {"shape": model or shape, "precision": precision, "kv_cache_dtype": kv_cache_dtype,
+              "kv_layout": "paged" if paged else "dense",
               "block_length": block_length,
               "prefix": prefix, "routing": routing, "fused_shared_expert_layers": fused_layers,
               "bytes_per_round": nbytes,
@@ -95,7 +103,8 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
               "floor_ms": nbytes / (bandwidth * 1e9) * 1e3, "results": results,
               "loop": overhead, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": _triton_version(), "python": platform.python_version()}
-    table = Table(title=f"{report['shape']} round · {precision} · block {block_length} · "
+    table = Table(title=f"{report['shape']} round · {precision} · {kv_cache_dtype} "
+                  f"{report['kv_layout']} KV · block {block_length} · "
                   f"prefix {prefix} · {routing} routing · {experts:.0f} experts/layer"
                   + (f" · shared expert fused in {fused_layers} layers" if fuse_shared_expert
                      else ""))
@@ -140,8 +149,8 @@ def _build(model: str | None, shape: str, device: Any, precision: str) -> Any:
     return net
 
 
-def _cache(c: Any, prefix: int, block_length: int, kv_cache_dtype: str, device: Any,
-           gen: Any) -> Any:
+def _cache(c: Any, prefix: int, block_length: int, kv_cache_dtype: str, paged: bool,
+           device: Any, gen: Any) -> Any:
     """A KV cache holding `prefix` random (never zero) tokens."""
     import torch
 
@@ -149,9 +158,9 @@ def _cache(c: Any, prefix: int, block_length: int, kv_cache_dtype: str, device: 
     from dlmc.kv.paged_cache import KVCacheConfig, PagedKVCache
 
     size = prefix + block_length + 1024
-    if kv_cache_dtype == "fp8":
+    if paged:
         cache = PagedKVCache(KVCacheConfig(c.num_hidden_layers, c.num_key_value_heads,
-                                           c.head_dim, size, dtype="fp8"), device)
+                                           c.head_dim, size, dtype=kv_cache_dtype), device)
         for pool in (*cache.k, *cache.v):
             pool.copy_(torch.randn(pool.shape, device=device, generator=gen).to(pool.dtype))
         cache.advance(prefix)

@@ -32,6 +32,11 @@ PREFILL_CHUNK = 512
 # "fused" into the next block's first round (one forward of 2 blocks), or "separate" (a
 # refresh forward of its own). The refresh of the last block is skipped in both.
 REFRESH_MODES = ("fused", "separate")
+# Where K/V live: "paged" (the paged cache and its Triton attention: attends exactly the live
+# prefix, one graph for every prefix length), "dense" (a static [max_context] cache attended
+# up to a power-of-two key-length bucket), or "auto": paged where it runs (CUDA, bf16, static
+# rounds), dense elsewhere. An FP8 cache is always paged.
+KV_LAYOUTS = ("auto", "dense", "paged")
 
 
 def fp8_kv_problem(device: torch.device, dtype: torch.dtype, mode: str) -> str | None:
@@ -56,7 +61,7 @@ class BlockDecoder:
         self, model: torch.nn.Module, mask_id: int, eos_id: int, max_context: int,
         device: torch.device, dtype: torch.dtype, mode: str = "eager",
         kv_cache_dtype: str = "bf16", kv_scales: KVScales | None = None,
-        refresh: str = "fused",
+        refresh: str = "fused", kv_layout: str = "auto",
     ) -> None:
         self.model, self.mask_id, self.eos_id = model, mask_id, eos_id
         self.max_context, self.device, self.dtype, self.mode = (
@@ -64,6 +69,16 @@ class BlockDecoder:
         problem = fp8_kv_problem(device, dtype, mode) if kv_cache_dtype == "fp8" else None
         if problem:
             raise ConfigError(f"kv_cache_dtype 'fp8' {problem}")
+        if kv_layout not in KV_LAYOUTS:
+            raise ConfigError(f"kv_layout={kv_layout!r}: expected one of {', '.join(KV_LAYOUTS)}")
+        paged_problem = fp8_kv_problem(device, dtype, mode)
+        if kv_layout == "paged" and paged_problem:
+            raise ConfigError("kv_layout 'paged' " + paged_problem.replace(
+                "kv_cache_dtype 'bf16'", "kv_layout 'dense'"))
+        if kv_layout == "dense" and kv_cache_dtype == "fp8":
+            raise ConfigError("kv_layout 'dense' holds bf16 K/V only; an FP8 cache is paged")
+        self.paged = kv_cache_dtype == "fp8" or kv_layout == "paged" or (
+            kv_layout == "auto" and device.type == "cuda" and paged_problem is None)
         if refresh not in REFRESH_MODES:
             raise ConfigError(f"refresh={refresh!r}: expected one of {', '.join(REFRESH_MODES)}")
         self.kv_cache_dtype, self.kv_scales, self.refresh = kv_cache_dtype, kv_scales, refresh
@@ -72,13 +87,14 @@ class BlockDecoder:
 
     @property
     def cache(self) -> DenseKVCache | PagedKVCache:
-        """BF16: dense static cache; FP8: paged cache with the checkpoint's K/V scales."""
+        """Paged (FP8 with the checkpoint's K/V scales, or BF16) or dense (BF16) cache."""
         if self._cache is None:
             cfg = self.model.config
-            if self.kv_cache_dtype == "fp8":
+            if self.paged:
                 scales = self.kv_scales or KVScales.ones(cfg.num_hidden_layers)
                 config = KVCacheConfig(cfg.num_hidden_layers, cfg.num_key_value_heads,
-                                       cfg.head_dim, self.max_context, dtype="fp8")
+                                       cfg.head_dim, self.max_context,
+                                       dtype="fp8" if self.kv_cache_dtype == "fp8" else "bf16")
                 self._cache = PagedKVCache(config, self.device, k_scales=scales.k,
                                            v_scales=scales.v)
             else:
@@ -108,7 +124,7 @@ class BlockDecoder:
                 f"of {bl} = {num_blocks * bl} tokens exceeds the model's context of "
                 f"{self.max_context}"
             )
-        paged = use_cache and self.kv_cache_dtype == "fp8"
+        paged = use_cache and self.paged
         static = use_cache and (cfg.greedy or paged) and self.mode != "reference"
         runner = self.runner(bl) if static else None
         if paged:

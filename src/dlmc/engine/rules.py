@@ -8,6 +8,32 @@ from __future__ import annotations
 
 import torch
 
+ARGMAX_CHUNKS = 256
+
+
+def row_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(max, argmax)` of each row of `logits [bl, V]`, the first index among equal maxima.
+
+    In two stages over `ARGMAX_CHUNKS` column chunks: a compiled argmax over a few very long
+    rows runs one program per row, a chunked one fills the GPU (~7x faster at 32 x 157k).
+    """
+    rows, width = logits.shape
+    chunk = -(-width // ARGMAX_CHUNKS)
+    padded = torch.nn.functional.pad(logits, (0, chunk * ARGMAX_CHUNKS - width),
+                                     value=float("-inf"))
+    part_max, part_idx = padded.view(rows, ARGMAX_CHUNKS, chunk).max(dim=-1)  # [bl, C]
+    top, which = part_max.max(dim=-1)  # [bl]
+    index = which * chunk + part_idx.gather(1, which[:, None])[:, 0]
+    return top, index
+
+
+def chunked_row_sum(x: torch.Tensor) -> torch.Tensor:
+    """Row sums of `x [bl, V]` through `ARGMAX_CHUNKS` partial sums (parallel when compiled)."""
+    rows, width = x.shape
+    chunk = -(-width // ARGMAX_CHUNKS)
+    padded = torch.nn.functional.pad(x, (0, chunk * ARGMAX_CHUNKS - width))
+    return padded.view(rows, ARGMAX_CHUNKS, chunk).sum(dim=-1).sum(dim=-1)  # [bl]
+
 
 def propose(
     logits: torch.Tensor,
@@ -24,10 +50,10 @@ def propose(
     """
     logits = logits.float()
     if temperature <= 0.0 and top_k is None and (top_p is None or top_p >= 1.0):
-        # Greedy: p(argmax) = exp(0) / sum(exp(logits - max)) = 1 / that sum. Two row
-        # reductions instead of a materialised [bl, V] softmax (the vocabulary is ~157k wide).
-        top, x0 = logits.max(dim=-1)  # [bl]
-        return x0, 1.0 / torch.exp(logits - top[:, None]).sum(dim=-1)
+        # Greedy: p(argmax) = exp(0) / sum(exp(logits - max)) = 1 / that sum. Row reductions
+        # instead of a materialised [bl, V] softmax (the vocabulary is ~157k wide).
+        top, x0 = row_argmax(logits)  # [bl]
+        return x0, 1.0 / chunked_row_sum(torch.exp(logits - top[:, None]))
     if temperature > 0.0:
         logits = logits / temperature
     if top_k is not None and top_k < logits.shape[-1]:
