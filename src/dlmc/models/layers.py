@@ -6,6 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dlmc.custom_ops.qk_norm_rope import apply_partial_rope, rms_norm
+
+__all__ = ["RMSNorm", "SwiGLUMLP", "apply_partial_rope", "rms_norm", "rope_cos_sin"]
+
 
 class RMSNorm(nn.Module):
     """`w * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)`; the weight is used as is (not 1 + w)."""
@@ -16,9 +20,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_cos_sin(
@@ -33,16 +35,6 @@ def rope_cos_sin(
     angles = positions.float()[:, None] * inv_freq[None, :]  # [T, rotary_dim/2]
     table = torch.cat([angles, angles], dim=-1)  # [T, rotary_dim]
     return table.cos().to(dtype), table.sin().to(dtype)
-
-
-def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first `rotary_dim` dims of every head of `x [T, heads, D]`; the rest pass."""
-    rotary_dim = cos.shape[-1]
-    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
-    half = rotary_dim // 2
-    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, rotary_dim]
-    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
 
 
 class SwiGLUMLP(nn.Module):

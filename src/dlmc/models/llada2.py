@@ -13,8 +13,9 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from dlmc.custom_ops.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
 from dlmc.models.config import LLaDA2Config
-from dlmc.models.layers import RMSNorm, SwiGLUMLP, apply_partial_rope, rope_cos_sin
+from dlmc.models.layers import RMSNorm, SwiGLUMLP, rope_cos_sin
 from dlmc.models.moe import MoEBlock
 
 
@@ -47,11 +48,12 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        qkv = self.query_key_value(x).view(tokens, -1, self.head_dim)  # [T, Hq+2Hkv, D]
-        q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
-        q = apply_partial_rope(self.query_layernorm(q), cos, sin)  # [T, Hq, D]
-        k = apply_partial_rope(self.key_layernorm(k), cos, sin)  # [T, Hkv, D]
-        out = ctx.attend(self.layer_idx, q, k, v.contiguous())  # [T, Hq, D]
+        qkv = self.query_key_value(x)  # [T, (Hq+2Hkv)*D]
+        norm_rope = qk_norm_rope if qkv.is_cuda and qkv.dtype == torch.bfloat16 else (
+            qk_norm_rope_reference)  # one Triton launch on the GPU; eager maths elsewhere
+        q, k, v = norm_rope(qkv, self.query_layernorm.weight, self.key_layernorm.weight, cos,
+                            sin, self.num_heads, self.num_kv_heads, self.query_layernorm.eps)
+        out = ctx.attend(self.layer_idx, q, k, v)  # q [T, Hq, D], k/v [T, Hkv, D]
         return self.dense(out.reshape(tokens, -1))
 
 

@@ -1,0 +1,156 @@
+"""`dlmc::qk_norm_rope`: LLaDA2's per-head query/key RMSNorm and partial rotary embedding, one
+Triton launch.
+
+The fused `query_key_value` projection gives `[T, (Hq + 2·Hkv)·D]`. Every query and key head is
+RMS-normalised over its `D` dims (fp32 statistics, `w * bf16(x * rsqrt(mean(x²) + eps))`), then
+its first `R` dims are rotated (`y·cos + rotate_half(y)·sin`, each product rounded to bf16 as
+eager PyTorch does); value heads are copied out. Inductor makes four to six kernels of this
+(a statistics reduction and a rotary pass per q and k, plus copies) because the rotation reads
+across the reduced row; here one program holds a head's row and does all of it.
+The maths is `qk_norm_rope_reference` (`rms_norm` + `apply_partial_rope`, which the model's
+layers also use on CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
+from dlmc.custom_ops._registration import traced_triton_op
+from dlmc.custom_ops.nvfp4_tiles import round_bf16
+
+QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+__all__ = ["apply_partial_rope", "qk_norm_rope", "qk_norm_rope_reference", "rms_norm"]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`w * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)`; the weight is used as is (not 1 + w)."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first `rotary_dim` dims of every head of `x [T, heads, D]`; the rest pass."""
+    rotary_dim = cos.shape[-1]
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, rotary_dim]
+    return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
+
+
+@triton.jit
+def _normed(x_row_ptr, w_ptr, d, rstd, INTERPRETED: tl.constexpr):
+    """bf16 `w[d] * bf16(x[d] * rstd)` as fp32."""
+    x = tl.load(x_row_ptr + d).to(tl.float32)
+    normed = round_bf16(x * rstd, INTERPRETED).to(tl.float32)
+    return round_bf16(tl.load(w_ptr + d).to(tl.float32) * normed, INTERPRETED).to(tl.float32)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, eps,
+                         stride_t, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr,
+                         INTERPRETED: tl.constexpr):
+    token = tl.program_id(0)
+    head = tl.program_id(1)  # q heads, then k heads, then v heads
+    d = tl.arange(0, HEAD_DIM)
+    row = qkv_ptr + token * stride_t + head * HEAD_DIM
+    if head >= NUM_Q + NUM_KV:  # value head: copied out contiguous
+        out = v_ptr + (token * NUM_KV + head - NUM_Q - NUM_KV) * HEAD_DIM
+        tl.store(out + d, tl.load(row + d))
+    else:
+        x = tl.load(row + d).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
+        is_q = head < NUM_Q
+        w_ptr = tl.where(is_q, q_w_ptr, k_w_ptr)
+        y = _normed(row, w_ptr, d, rstd, INTERPRETED)
+        if ROTARY > 0:
+            half: tl.constexpr = ROTARY // 2
+            rot = d < ROTARY
+            partner = tl.where(d < half, d + half, d - half)
+            partner = tl.where(rot, partner, d)
+            y_p = _normed(row, w_ptr, partner, rstd, INTERPRETED)
+            y_p = tl.where(d < half, -y_p, y_p)  # rotate_half
+            c = tl.load(cos_ptr + token * ROTARY + d, mask=rot, other=0.0).to(tl.float32)
+            s = tl.load(sin_ptr + token * ROTARY + d, mask=rot, other=0.0).to(tl.float32)
+            a = round_bf16(y * c, INTERPRETED).to(tl.float32)
+            b = round_bf16(y_p * s, INTERPRETED).to(tl.float32)
+            y = tl.where(rot, a + b, y)
+        out_row = tl.where(is_q, q_ptr + (token * NUM_Q + head) * HEAD_DIM,
+                           k_ptr + (token * NUM_KV + head - NUM_Q) * HEAD_DIM)
+        tl.store(out_row + d, round_bf16(y, INTERPRETED))
+
+
+def _qk_norm_rope_impl(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                       cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int,
+                       num_kv_heads: int, eps: float) -> QKV:
+    tokens = qkv.shape[0]
+    head_dim = q_weight.shape[0]
+    q = qkv.new_empty((tokens, num_q_heads, head_dim))
+    k = qkv.new_empty((tokens, num_kv_heads, head_dim))
+    v = qkv.new_empty((tokens, num_kv_heads, head_dim))
+    if tokens:
+        wrap_triton(_qk_norm_rope_kernel)[(tokens, num_q_heads + 2 * num_kv_heads)](
+            qkv, q_weight, k_weight, cos, sin, q, k, v, eps, qkv.stride(0), NUM_Q=num_q_heads,
+            NUM_KV=num_kv_heads, HEAD_DIM=head_dim, ROTARY=cos.shape[1],
+            INTERPRETED=_INTERPRETED, num_warps=1)
+    return q, k, v
+
+
+def _qk_norm_rope_fake(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                       cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int,
+                       num_kv_heads: int, eps: float) -> QKV:
+    tokens, head_dim = qkv.shape[0], q_weight.shape[0]
+    return (qkv.new_empty((tokens, num_q_heads, head_dim)),
+            qkv.new_empty((tokens, num_kv_heads, head_dim)),
+            qkv.new_empty((tokens, num_kv_heads, head_dim)))
+
+
+_qk_norm_rope_op = traced_triton_op("dlmc::qk_norm_rope", _qk_norm_rope_impl, _qk_norm_rope_fake)
+
+
+def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+                 eps: float) -> QKV:
+    """Per-head RMSNorm of queries and keys, then partial rotary embedding (Triton).
+
+    qkv bf16 `[T, (Hq + 2·Hkv)·D]` with unit stride in the last dim; q_weight, k_weight bf16
+    `[D]` (D a power of two); cos, sin bf16 `[T, R]` (`R` even, at most D; 0 columns: no
+    rotation). Returns contiguous bf16 `(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D])`, equal to
+    `qk_norm_rope_reference` up to one bf16 rounding of the fp32 statistics. No host sync.
+    """
+    head_dim = q_weight.shape[0]
+    width = (num_q_heads + 2 * num_kv_heads) * head_dim
+    if qkv.dtype != torch.bfloat16 or qkv.dim() != 2 or qkv.shape[1] != width:
+        raise ValueError(f"qk_norm_rope: qkv must be bf16 [T, {width}], got {qkv.dtype} "
+                         f"{tuple(qkv.shape)}")
+    if head_dim & (head_dim - 1) or k_weight.shape != q_weight.shape:
+        raise ValueError(f"qk_norm_rope: q/k norm weights must be [D] with D a power of two, "
+                         f"got {tuple(q_weight.shape)} / {tuple(k_weight.shape)}")
+    rotary = cos.shape[1]
+    if cos.shape != sin.shape or cos.shape[0] != qkv.shape[0] or rotary % 2 or rotary > head_dim:
+        raise ValueError(f"qk_norm_rope: cos/sin must be [T={qkv.shape[0]}, R] with R even and "
+                         f"<= {head_dim}, got {tuple(cos.shape)} / {tuple(sin.shape)}")
+    return _qk_norm_rope_op(qkv if qkv.stride(1) == 1 else qkv.contiguous(),
+                            q_weight.to(torch.bfloat16), k_weight.to(torch.bfloat16),
+                            cos.to(torch.bfloat16).contiguous(),
+                            sin.to(torch.bfloat16).contiguous(), num_q_heads, num_kv_heads,
+                            float(eps))
+
+
+def qk_norm_rope_reference(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                           cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int,
+                           num_kv_heads: int, eps: float
+                           ) -> QKV:
+    """The maths of `qk_norm_rope` in eager PyTorch (LLaDA2's RMSNorm + partial rope)."""
+    head_dim = q_weight.shape[0]
+    heads = qkv.view(qkv.shape[0], -1, head_dim)  # [T, Hq+2Hkv, D]
+    q, k, v = heads.split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)
+    return (apply_partial_rope(rms_norm(q, q_weight, eps), cos, sin),
+            apply_partial_rope(rms_norm(k, k_weight, eps), cos, sin), v.contiguous())
