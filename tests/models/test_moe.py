@@ -41,6 +41,26 @@ def test_router_without_renormalisation():
     torch.testing.assert_close(weights, s * cfg.routed_scaling_factor)
 
 
+def test_router_through_the_triton_op(monkeypatch):
+    """Router with `dlmc::moe_route` (CUDA, or Triton's interpreter on CPU) and with the torch
+    maths (what it runs on CPU): the same routing."""
+    import dlmc.models.moe as moe
+
+    cfg, router = _router()
+    router.weight.data = torch.randn(cfg.num_experts, cfg.hidden_size) * 0.3
+    router.expert_bias.normal_(0.0, 0.1)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    router, x = router.to(device), torch.randn(9, cfg.hidden_size).to(device)
+    routed = {}
+    for route in (moe.moe_route_reference, moe.moe_route):
+        monkeypatch.setattr(moe, "moe_route", route)
+        monkeypatch.setattr(moe, "moe_route_reference", route)
+        routed[route] = router(x)
+    (want_ids, want_weights), (ids, weights) = routed.values()
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=0)
+
+
 def test_bf16_experts_match_per_token_loop():
     torch.manual_seed(0)
     experts = BF16Experts(6, 8, 5)
