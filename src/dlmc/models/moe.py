@@ -25,18 +25,24 @@ EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 class Router(nn.Module):
-    """HF `mlp.gate`: `weight [E, H]` and the selection-only `expert_bias [E]` (fp32)."""
+    """HF `mlp.gate`: `weight [E, H]` and the selection-only `expert_bias [E]`, both fp32.
+
+    The router GEMM runs in fp32, so `weight` is an fp32 buffer: the loader keeps buffers in
+    their declared dtype, converting the (bf16) checkpoint tensor once instead of every call.
+    """
 
     def __init__(self, config: LLaDA2Config) -> None:
         super().__init__()
         self.config = config
-        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.register_buffer(
+            "weight", torch.empty(config.num_experts, config.hidden_size, dtype=torch.float32)
+        )
         self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Route `x [T, H]` to `(topk_ids [T, K] int64, topk_weights [T, K] fp32)`."""
         cfg = self.config
-        logits = x.float() @ self.weight.float().t()  # [T, E]
+        logits = x.float() @ self.weight.float().t()  # [T, E]; .float() is free for fp32
         # One Triton launch on CUDA; on CPU the torch maths (the op would interpret the kernel).
         route = moe_route if logits.is_cuda else moe_route_reference
         return route(logits, self.expert_bias.float(), cfg.n_group, cfg.topk_group,
