@@ -30,10 +30,10 @@ MAX_KERNEL_TOP_K = 16
 
 
 @triton.jit
-def _first_max(values, candidate, index, NONE: tl.constexpr):
-    """(max of `values` over `candidate`, its lowest `index`; NONE when there is no candidate)."""
+def _argmax_first(values, candidate, index, NONE: tl.constexpr):
+    """The lowest `index` of the largest `values` among `candidate`s (NONE if none is)."""
     best = tl.max(tl.where(candidate, values, float("-inf")))
-    return best, tl.min(tl.where(candidate & (values == best), index, NONE))
+    return tl.min(tl.where(candidate & (values == best), index, NONE))
 
 
 @triton.jit
@@ -59,7 +59,7 @@ def moe_route_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, stride_logits,
     is_group = group * GROUP_SIZE < NUM_EXPERTS
     kept = group < 0  # [G] all False
     for _ in tl.static_range(TOPK_GROUP):
-        _, pick = _first_max(group_score, is_group & ~kept, group, GROUPS_PAD)
+        pick = _argmax_first(group_score, is_group & ~kept, group, GROUPS_PAD)
         kept = kept | (group == pick)
     # Experts outside the kept groups score -inf, as in the reference's masked_fill.
     masked = tl.where(kept[:, None], biased, float("-inf"))  # [G, S]
@@ -68,7 +68,7 @@ def moe_route_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, stride_logits,
     topk_ids = tl.zeros([TOP_K_PAD], dtype=tl.int64)
     topk_weights = tl.zeros([TOP_K_PAD], dtype=tl.float32)
     for k in tl.static_range(TOP_K):
-        _, pick = _first_max(masked, is_expert & ~taken, expert, NUM_EXPERTS)
+        pick = _argmax_first(masked, is_expert & ~taken, expert, NUM_EXPERTS)
         pick = tl.minimum(pick, NUM_EXPERTS - 1)  # NaN scores: stay a valid expert id
         chosen = expert == pick
         taken = taken | chosen
@@ -91,13 +91,14 @@ def _moe_route_impl(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: in
     if tokens == 0:
         return topk_ids, topk_weights
     group_size = num_experts // n_group
-    experts_pad = triton.next_power_of_2(num_experts)
+    groups_pad, group_pad = triton.next_power_of_2(n_group), triton.next_power_of_2(group_size)
+    tile = groups_pad * group_pad  # a token's [G, S] register tile
     wrap_triton(moe_route_kernel)[(tokens,)](
         logits, expert_bias, topk_ids, topk_weights, logits.stride(0), routed_scaling_factor,
-        NUM_EXPERTS=num_experts, GROUP_SIZE=group_size,
-        GROUPS_PAD=triton.next_power_of_2(n_group), GROUP_PAD=triton.next_power_of_2(group_size),
-        TOPK_GROUP=topk_group, TOP_K=top_k, TOP_K_PAD=triton.next_power_of_2(top_k),
-        NORM_TOPK_PROB=norm_topk_prob, num_warps=1 if experts_pad <= 256 else 2)
+        NUM_EXPERTS=num_experts, GROUP_SIZE=group_size, GROUPS_PAD=groups_pad,
+        GROUP_PAD=group_pad, TOPK_GROUP=topk_group, TOP_K=top_k,
+        TOP_K_PAD=triton.next_power_of_2(top_k), NORM_TOPK_PROB=norm_topk_prob,
+        num_warps=1 if tile <= 256 else 2 if tile <= 512 else 4)
     return topk_ids, topk_weights
 
 

@@ -62,7 +62,7 @@ def _assert_routing(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: in
 SHAPES = [(8, 1), (8, 4), (8, 8), (64, 1), (64, 8), (256, 8), (256, 4)]
 
 
-@settings(max_examples=12 if DEVICE == "cpu" else 300, deadline=None)
+@settings(max_examples=12 if DEVICE == "cpu" else 60, deadline=None)  # GPU: shapes compile
 @given(tokens=st.sampled_from([1, 3, 17, 32, 127]), shape=st.sampled_from(SHAPES),
        data=st.data(), norm=st.booleans(), scale=st.sampled_from([1.0, 2.5]),
        logit_scale=st.sampled_from([0.5, 2.0]), extreme=st.booleans(), bias=st.booleans(),
