@@ -1,7 +1,7 @@
 """Ops in the traced graph of one MoE layer, with the routing prep as torch ops vs the
-`dlmc::moe_align` kernel. CPU only: the layer is traced on fake tensors (no kernel runs), with the
-`dlmc::bf16_moe` body that a GPU compile sees (router, routing prep, the two grouped kernels,
-combine, shared expert).
+`dlmc::moe_align` kernel, and with the router's top-k as torch ops vs the `dlmc::moe_route` kernel.
+CPU only: the layer is traced on fake tensors (no kernel runs), with the `dlmc::bf16_moe` body that
+a GPU compile sees (router, routing prep, the two grouped kernels, combine, shared expert).
 
     env -u TRITON_INTERPRET python perf/count_moe_ops.py --shape llada2.1-mini --tokens 32
 """
@@ -17,8 +17,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from dlmc.custom_ops import bf16_moe, moe_align
+from dlmc.custom_ops import bf16_moe, moe_align, moe_route
 from dlmc.loading.tiny import TINY_CONFIG
+from dlmc.models import moe
 from dlmc.models.config import LLaDA2Config
 from dlmc.models.moe import MoEBlock
 from dlmc.models.shapes import SHAPES
@@ -30,17 +31,21 @@ NO_KERNEL = {"aten.view.default", "aten.unsqueeze.default", "aten.expand.default
              "aten._unsafe_view.default", "<built-in function getitem>"}
 
 
-def trace_moe_layer(config: LLaDA2Config, tokens: int, kernel: bool) -> collections.Counter:
+def trace_moe_layer(config: LLaDA2Config, tokens: int, kernel: bool,
+                    route_kernel: bool = False) -> collections.Counter:
     """Op counts of `MoEBlock.forward` with `dlmc::bf16_moe`'s body inlined."""
-    original = moe_align._kernel_applies
+    originals = moe_align._kernel_applies, moe.moe_route_reference
     # Fake CPU tensors stand for CUDA ones: the kernel path is chosen by the size limits alone.
     moe_align._kernel_applies = lambda ids, experts: kernel and (
         ids.numel() <= moe_align.MAX_KERNEL_PAIRS and experts <= moe_align.MAX_KERNEL_EXPERTS)
+    if route_kernel:  # the Router's CUDA path; the op's body is traced (as Inductor does)
+        moe.moe_route_reference = lambda logits, bias, *args: moe_route._moe_route_impl(
+            logits, bias, *args)
     default_dtype = torch.get_default_dtype()
     try:
         with FakeTensorMode():
             torch.set_default_dtype(torch.bfloat16)
-            block = MoEBlock(config)  # expert_bias stays fp32
+            block = MoEBlock(config)  # the router's weight and expert_bias stay fp32
             x = torch.empty(tokens, config.hidden_size, dtype=torch.bfloat16)
             experts = block.experts
 
@@ -53,7 +58,7 @@ def trace_moe_layer(config: LLaDA2Config, tokens: int, kernel: bool) -> collecti
 
             graph = make_fx(layer)(x)
     finally:
-        moe_align._kernel_applies = original
+        moe_align._kernel_applies, moe.moe_route_reference = originals
         torch.set_default_dtype(default_dtype)
     return collections.Counter(str(node.target) for node in graph.graph.nodes
                                if node.op == "call_function")
@@ -68,8 +73,10 @@ def main() -> None:
         parser.error("run without TRITON_INTERPRET (the interpreted ops are opaque)")
     config = LLaDA2Config.from_dict(TINY_CONFIG) if args.shape == "tiny" else SHAPES[args.shape]
     result = {"shape": args.shape, "tokens": args.tokens, "torch": torch.__version__}
-    for name, kernel in (("torch_routing", False), ("moe_align_kernel", True)):
-        ops = trace_moe_layer(config, args.tokens, kernel)
+    variants = (("torch_routing", False, False), ("moe_align_kernel", True, False),
+                ("moe_align_and_moe_route_kernels", True, True))
+    for name, kernel, route_kernel in variants:
+        ops = trace_moe_layer(config, args.tokens, kernel, route_kernel)
         result[name] = {"ops": sum(ops.values()),
                         "kernel_ops": sum(n for op, n in ops.items() if op not in NO_KERNEL),
                         "by_op": dict(sorted(ops.items()))}

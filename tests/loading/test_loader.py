@@ -114,3 +114,13 @@ def test_loading_into_a_fused_model_is_refused(ckpt):
     assert fuse_shared_experts(model) > 0
     with pytest.raises(CheckpointError, match=r"mlp\.experts\.gate_proj_weight stacks 17 experts"):
         load_weights(model, SafetensorsIndex(ckpt), CPU, torch.float32, config.num_experts)
+
+
+def test_router_weight_is_kept_fp32(ckpt):
+    """The router GEMM runs in fp32: its weight is an fp32 buffer, converted once at load."""
+    loaded = load_model(ckpt, CPU, torch.bfloat16)
+    sd = load_file(str(next(ckpt.glob("*.safetensors"))))
+    mlp = loaded.model.model.layers[1].mlp
+    assert mlp.gate.weight.dtype == torch.float32
+    assert torch.equal(mlp.gate.weight, sd["model.layers.1.mlp.gate.weight"].float())
+    assert mlp.experts.up_proj_weight.dtype == torch.bfloat16

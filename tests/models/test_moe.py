@@ -41,6 +41,36 @@ def test_router_without_renormalisation():
     torch.testing.assert_close(weights, s * cfg.routed_scaling_factor)
 
 
+def test_router_through_the_triton_op(monkeypatch):
+    """Router with `dlmc::moe_route` (CUDA, or Triton's interpreter on CPU) and with the torch
+    maths (what it runs on CPU): the same routing."""
+    import dlmc.models.moe as moe
+
+    cfg, router = _router()
+    router.weight.data = torch.randn(cfg.num_experts, cfg.hidden_size) * 0.3
+    router.expert_bias.normal_(0.0, 0.1)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    router, x = router.to(device), torch.randn(9, cfg.hidden_size).to(device)
+    routed = {}
+    for route in (moe.moe_route_reference, moe.moe_route):
+        monkeypatch.setattr(moe, "moe_route", route)
+        monkeypatch.setattr(moe, "moe_route_reference", route)
+        routed[route] = router(x)
+    (want_ids, want_weights), (ids, weights) = routed.values()
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=0)
+
+
+def test_random_model_keeps_the_router_weight_fp32():
+    from dlmc.models.shapes import build_random_model
+
+    cfg = LLaDA2Config.from_dict(TINY_CONFIG)
+    model = build_random_model(cfg, torch.device("cpu"), torch.bfloat16)
+    gate = model.model.layers[cfg.first_k_dense_replace].mlp.gate
+    assert gate.weight.dtype == gate.expert_bias.dtype == torch.float32
+    assert 0.5 < gate.weight.std().item() * cfg.hidden_size**0.5 < 2.0  # like the parameters
+
+
 def test_bf16_experts_match_per_token_loop():
     torch.manual_seed(0)
     experts = BF16Experts(6, 8, 5)
@@ -84,6 +114,7 @@ def _moe_block(dtype=torch.float32, seed=0, **overrides):
     block = MoEBlock(cfg)
     for p in block.parameters():
         p.data = (torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5).to(dtype)
+    block.gate.weight.normal_(0.0, cfg.hidden_size**-0.5, generator=gen)  # fp32
     block.gate.expert_bias.normal_(0.0, 0.1, generator=gen)
     x = torch.randn(11, cfg.hidden_size, generator=gen).to(dtype)
     return cfg, block, x

@@ -80,12 +80,13 @@ def touched_bytes(model: nn.Module, tokens: torch.Tensor, positions: torch.Tenso
     for hook in hooks:
         hook.remove()
     total = 0
-    for name, param in model.named_parameters():
-        size = param.numel() * param.element_size()
+    # Buffers too: the fp32 router weight is one (a FixedRouter's whole table counts: a few KB).
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        size = tensor.numel() * tensor.element_size()
         if ".experts." in name:
             continue
         if name.endswith("word_embeddings.weight"):
-            size = tokens.numel() * param.shape[1] * param.element_size()
+            size = tokens.numel() * tensor.shape[1] * tensor.element_size()
         total += size
     mean_experts = statistics.mean(counts) if counts else 0.0
     moe_blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]

@@ -89,7 +89,8 @@ def load_weights(
         task = bar.add_task("loading weights", total=len(targets)) if bar else None
         buffers = {name for name, _ in model.named_buffers()}
         for name, meta in targets:
-            # Parameters take the model dtype; buffers (expert bias, quantized experts) their own.
+            # Parameters take the model dtype; buffers (router weight and expert bias, quantized
+            # experts) their own.
             target_dtype = meta.dtype if name in buffers else dtype
             allowed = EXACT_DTYPES.get(meta.dtype, FLOAT_DTYPES)
             stacked = STACKED_RE.match(name)

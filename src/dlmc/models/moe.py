@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlmc.custom_ops.bf16_moe import bf16_moe, bf16_moe_reference  # noqa: F401 (re-export)
+from dlmc.custom_ops.moe_route import moe_route, moe_route_reference
 from dlmc.models.config import LLaDA2Config
 from dlmc.models.layers import SwiGLUMLP
 
@@ -24,31 +25,28 @@ EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 class Router(nn.Module):
-    """HF `mlp.gate`: `weight [E, H]` and the selection-only `expert_bias [E]` (fp32)."""
+    """HF `mlp.gate`: `weight [E, H]` and the selection-only `expert_bias [E]`, both fp32.
+
+    The router GEMM runs in fp32, so `weight` is an fp32 buffer: the loader keeps buffers in
+    their declared dtype, converting the (bf16) checkpoint tensor once instead of every call.
+    """
 
     def __init__(self, config: LLaDA2Config) -> None:
         super().__init__()
         self.config = config
-        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.register_buffer(
+            "weight", torch.empty(config.num_experts, config.hidden_size, dtype=torch.float32)
+        )
         self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Route `x [T, H]` to `(topk_ids [T, K] int64, topk_weights [T, K] fp32)`."""
         cfg = self.config
-        scores = torch.sigmoid(x.float() @ self.weight.float().t())  # [T, E]
-        biased = scores + self.expert_bias.float()  # [T, E], selection only
-        tokens = x.shape[0]
-        grouped = biased.view(tokens, cfg.n_group, -1)  # [T, G, E/G]
-        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)  # [T, G]
-        kept = group_scores.topk(cfg.topk_group, dim=-1).indices  # [T, topk_group]
-        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
-        expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(tokens, -1)  # [T, E]
-        masked = biased.masked_fill(~expert_mask, float("-inf"))
-        topk_ids = masked.topk(cfg.num_experts_per_tok, dim=-1).indices  # [T, K]
-        topk_weights = scores.gather(1, topk_ids)  # [T, K], unbiased sigmoid
-        if cfg.norm_topk_prob:
-            topk_weights = topk_weights / (topk_weights.sum(-1, keepdim=True) + 1e-20)
-        return topk_ids, topk_weights * cfg.routed_scaling_factor
+        logits = x.float() @ self.weight.float().t()  # [T, E]; .float() is free for fp32
+        # One Triton launch on CUDA; on CPU the torch maths (the op would interpret the kernel).
+        route = moe_route if logits.is_cuda else moe_route_reference
+        return route(logits, self.expert_bias.float(), cfg.n_group, cfg.topk_group,
+                     cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routed_scaling_factor)
 
 
 class BF16Experts(nn.Module):

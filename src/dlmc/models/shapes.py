@@ -50,7 +50,11 @@ def build_random_model(
                 value.normal_(0.0, fan_in**-0.5, generator=gen)
             module._parameters[name] = torch.nn.Parameter(value, requires_grad=False)
         for name, buf in list(module.named_buffers(recurse=False)):
-            module._buffers[name] = torch.randn(buf.shape, device=device, generator=gen) * 0.01
+            if name == "weight":  # the router's (fp32): drawn like the parameters
+                value = torch.empty(buf.shape, device=device, dtype=buf.dtype)
+                module._buffers[name] = value.normal_(0.0, buf.shape[-1] ** -0.5, generator=gen)
+            else:
+                module._buffers[name] = torch.randn(buf.shape, device=device, generator=gen) * 0.01
     return model.eval()
 
 

@@ -1,0 +1,175 @@
+"""`dlmc::moe_route`: the LLaDA2 router after its GEMM, in one Triton launch.
+
+Sigmoid scores, the selection-only expert bias, group-limited top-k (a group's score is the sum of
+its two best biased scores, the `topk_group` best groups are kept, the `top_k` best experts of the
+kept groups are picked) and the weights (unbiased scores of the picks, optionally renormalised,
+times the routed scaling factor): one program per token, instead of ~8 small torch kernels. Static
+grid, no host sync (graph-capturable). The maths is `moe_route_reference` (torch ops only), which
+also serves CPU runs without Triton's interpreter and sizes beyond the kernel's limits.
+
+Order and ties: the k picks come in descending biased score, like `torch.topk`; equal scores (groups
+or experts) go to the lowest index. The reference breaks ties the same way (stable sorts).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
+from dlmc.custom_ops._registration import traced_triton_op
+
+__all__ = ["moe_route", "moe_route_reference"]
+
+# One program holds a token's scores in registers and picks by repeated max: larger routings take
+# the torch path.
+MAX_KERNEL_EXPERTS = 512
+MAX_KERNEL_TOP_K = 16
+
+
+@triton.jit
+def _argmax_first(values, candidate, index, NONE: tl.constexpr):
+    """The lowest `index` of the largest `values` among `candidate`s (NONE if none is)."""
+    best = tl.max(tl.where(candidate, values, float("-inf")))
+    return tl.min(tl.where(candidate & (values == best), index, NONE))
+
+
+@triton.jit
+def moe_route_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, stride_logits,
+                     routed_scaling_factor, NUM_EXPERTS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                     GROUPS_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                     TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, NORM_TOPK_PROB: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    group = tl.arange(0, GROUPS_PAD)  # [G]
+    member = tl.arange(0, GROUP_PAD)[None, :]  # [1, S]
+    expert = group[:, None] * GROUP_SIZE + member  # [G, S]
+    is_expert = (member < GROUP_SIZE) & (expert < NUM_EXPERTS)
+    logits = tl.load(logits_ptr + token * stride_logits + expert, mask=is_expert, other=0.0)
+    scores = tl.sigmoid(logits)  # [G, S]
+    bias = tl.load(bias_ptr + expert, mask=is_expert, other=0.0)
+    biased = tl.where(is_expert, scores + bias, float("-inf"))  # [G, S], selection only
+    # Group score: the sum of the group's two best biased scores (the best one for groups of 1).
+    top1 = tl.max(biased, 1)  # [G]
+    group_score = top1
+    if GROUP_SIZE > 1:
+        first = tl.min(tl.where(biased == top1[:, None], member, GROUP_PAD), 1)  # [G]
+        group_score = top1 + tl.max(tl.where(member == first[:, None], float("-inf"), biased), 1)
+    is_group = group * GROUP_SIZE < NUM_EXPERTS
+    kept = group < 0  # [G] all False
+    for _ in tl.static_range(TOPK_GROUP):
+        pick = _argmax_first(group_score, is_group & ~kept, group, GROUPS_PAD)
+        kept = kept | (group == pick)
+    # Experts outside the kept groups score -inf, as in the reference's masked_fill.
+    masked = tl.where(kept[:, None], biased, float("-inf"))  # [G, S]
+    slot = tl.arange(0, TOP_K_PAD)
+    taken = expert < 0  # [G, S] all False
+    topk_ids = tl.zeros([TOP_K_PAD], dtype=tl.int64)
+    topk_weights = tl.zeros([TOP_K_PAD], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        pick = _argmax_first(masked, is_expert & ~taken, expert, NUM_EXPERTS)
+        pick = tl.minimum(pick, NUM_EXPERTS - 1)  # NaN scores: stay a valid expert id
+        chosen = expert == pick
+        taken = taken | chosen
+        topk_ids = tl.where(slot == k, pick.to(tl.int64), topk_ids)
+        weight = tl.sum(tl.where(chosen, scores, 0.0))  # the unbiased score
+        topk_weights = tl.where(slot == k, weight, topk_weights)
+    if NORM_TOPK_PROB:
+        topk_weights = topk_weights / (tl.sum(topk_weights) + 1e-20)
+    out = token * TOP_K + slot
+    tl.store(ids_ptr + out, topk_ids, mask=slot < TOP_K)
+    tl.store(weights_ptr + out, topk_weights * routed_scaling_factor, mask=slot < TOP_K)
+
+
+def _moe_route_impl(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int,
+                    topk_group: int, top_k: int, norm_topk_prob: bool,
+                    routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, num_experts = logits.shape
+    topk_ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
+    topk_weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
+    if tokens == 0:
+        return topk_ids, topk_weights
+    group_size = num_experts // n_group
+    groups_pad, group_pad = triton.next_power_of_2(n_group), triton.next_power_of_2(group_size)
+    tile = groups_pad * group_pad  # a token's [G, S] register tile
+    wrap_triton(moe_route_kernel)[(tokens,)](
+        logits, expert_bias, topk_ids, topk_weights, logits.stride(0), routed_scaling_factor,
+        NUM_EXPERTS=num_experts, GROUP_SIZE=group_size, GROUPS_PAD=groups_pad,
+        GROUP_PAD=group_pad, TOPK_GROUP=topk_group, TOP_K=top_k,
+        TOP_K_PAD=triton.next_power_of_2(top_k), NORM_TOPK_PROB=norm_topk_prob,
+        num_warps=1 if tile <= 256 else 2 if tile <= 512 else 4)
+    return topk_ids, topk_weights
+
+
+def _moe_route_fake(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int,
+                    topk_group: int, top_k: int,
+                    *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = logits.shape[0]
+    return (logits.new_empty((tokens, top_k), dtype=torch.int64),
+            logits.new_empty((tokens, top_k), dtype=torch.float32))
+
+
+_moe_route_op = traced_triton_op("dlmc::moe_route", _moe_route_impl, _moe_route_fake)
+
+
+def _kernel_applies(logits: torch.Tensor, top_k: int) -> bool:
+    return ((logits.is_cuda or _INTERPRETED) and logits.shape[1] <= MAX_KERNEL_EXPERTS
+            and top_k <= MAX_KERNEL_TOP_K)
+
+
+def moe_route(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, topk_group: int,
+              top_k: int, norm_topk_prob: bool,
+              routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group-limited sigmoid routing of the router logits (one Triton launch, `dlmc::moe_route`).
+
+    logits fp32 `[T, E]` (`x @ W^T` of the router); expert_bias fp32 `[E]` (selection only);
+    `n_group` divides E; `1 <= topk_group <= n_group`; `1 <= top_k <= topk_group * E / n_group`.
+    Returns `topk_ids` int64 `[T, top_k]` (descending biased score, ties to the lower id) and
+    `topk_weights` fp32 `[T, top_k]`: the picks' sigmoid scores, divided by their sum (+1e-20)
+    if `norm_topk_prob`, times `routed_scaling_factor`. The kernel runs on CUDA and under
+    `TRITON_INTERPRET=1` for E <= 512 and top_k <= 16; `moe_route_reference` otherwise.
+    """
+    if logits.dtype != torch.float32 or logits.dim() != 2:
+        raise ValueError(
+            f"moe_route: logits must be fp32 [T, E], got {logits.dtype} {tuple(logits.shape)}")
+    num_experts = logits.shape[1]
+    if expert_bias.dtype != torch.float32 or expert_bias.shape != (num_experts,):
+        raise ValueError(f"moe_route: expert_bias must be fp32 [E={num_experts}], got "
+                         f"{expert_bias.dtype} {tuple(expert_bias.shape)}")
+    if n_group < 1 or num_experts % n_group or not 1 <= topk_group <= n_group:
+        raise ValueError(f"moe_route: n_group ({n_group}) must divide E ({num_experts}) and "
+                         f"topk_group ({topk_group}) be in 1..n_group")
+    if not 1 <= top_k <= topk_group * (num_experts // n_group):
+        raise ValueError(f"moe_route: top_k ({top_k}) must be in 1..{topk_group} kept groups x "
+                         f"{num_experts // n_group} experts")
+    if _kernel_applies(logits, top_k):
+        return _moe_route_op(logits.contiguous(), expert_bias.contiguous(), n_group, topk_group,
+                             top_k, norm_topk_prob, routed_scaling_factor)
+    return moe_route_reference(logits, expert_bias, n_group, topk_group, top_k, norm_topk_prob,
+                               routed_scaling_factor)
+
+
+def _topk_indices(values: torch.Tensor, k: int) -> torch.Tensor:
+    """`values.topk(k).indices` with ties to the lower index (a stable descending sort)."""
+    return values.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def moe_route_reference(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int,
+                        topk_group: int, top_k: int, norm_topk_prob: bool,
+                        routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe_route` in torch ops only (static shapes, no host sync); same arguments and results."""
+    tokens = logits.shape[0]
+    scores = torch.sigmoid(logits.float())  # [T, E]
+    biased = scores + expert_bias.float()  # [T, E], selection only
+    grouped = biased.view(tokens, n_group, -1)  # [T, G, E/G]
+    group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)  # [T, G]
+    kept = _topk_indices(group_scores, topk_group)  # [T, topk_group]
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+    expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(tokens, -1)  # [T, E]
+    masked = biased.masked_fill(~expert_mask, float("-inf"))
+    topk_ids = _topk_indices(masked, top_k)  # [T, K]
+    topk_weights = scores.gather(1, topk_ids)  # [T, K], unbiased sigmoid
+    if norm_topk_prob:
+        topk_weights = topk_weights / (topk_weights.sum(-1, keepdim=True) + 1e-20)
+    return topk_ids, topk_weights * routed_scaling_factor
