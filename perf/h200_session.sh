@@ -9,6 +9,8 @@
 #   bash perf/h200_session.sh ncu      # Nsight Compute sections of the nvfp4_moe v3 kernels
 #   bash perf/h200_session.sh diag     # BF16 round profiles by matmul shape (GEMM autotune on/off),
 #                                      # ncu of nvfp4_moe and paged attention, attention GPU tests
+#   bash perf/h200_session.sh tune     # BF16 graph round + profile, GEMM autotune off vs on, and
+#                                      # the GPU tests of the new ops / paged BF16 graph replay
 #   bash perf/h200_session.sh shared   # BF16 round with the shared expert unfused vs fused into
 #                                      # the routed kernel (--fuse-shared-expert), + its GPU tests
 # Env: ROUND_SPECS ("bf16:bf16 nvfp4:fp8"), ROUND_TIMEOUT (270), TEST_TIMEOUT (150). Each part
@@ -110,5 +112,20 @@ diag)  # BF16 round (shared expert fused; optionally Inductor GEMM autotune) wit
     tests/custom_ops/test_paged_attention.py tests/engine/test_rules.py \
     > "$OUT/gpu_tests_attention.txt" 2>&1
   echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests_attention.txt" ;;
-*) echo "usage: $0 rounds|ops|shared|ncu|diag" >&2; exit 2 ;;
+tune)  # BF16 graph rounds with a per-kernel profile, Inductor GEMM autotune off vs on; then the
+       # GPU tests of this session's ops and of graph replay with the paged BF16 cache
+  for auto in ${TUNE_AUTOTUNE:-0 1}; do
+    DLMC_MAX_AUTOTUNE_GEMM=$auto timeout "${ROUND_TIMEOUT:-200}" dlmc bench round \
+      --shape llada2.1-mini --precision bf16 --block-length 32 --prefix 1024 --routing uniform \
+      --rounds 60 --modes graph --profile --no-loop --out "$OUT/round_bf16_autotune$auto.json" \
+      > "$OUT/round_bf16_autotune$auto.txt" 2>&1
+    echo "round bf16 autotune=$auto rc=$?" >> "$OUT/round_bf16_autotune$auto.txt"
+    grep -E "│ graph|rc=" "$OUT/round_bf16_autotune$auto.txt" | head -3
+  done
+  timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider -rf -m gpu \
+    tests/custom_ops/test_qk_norm_rope.py tests/custom_ops/test_moe_route.py \
+    tests/models/test_moe.py tests/graphs/test_runner.py tests/engine/test_gpu_decoding.py \
+    tests/engine/test_fp8_kv.py > "$OUT/gpu_tests_tune.txt" 2>&1
+  echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests_tune.txt" ;;
+*) echo "usage: $0 rounds|ops|shared|ncu|diag|tune" >&2; exit 2 ;;
 esac
