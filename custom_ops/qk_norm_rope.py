@@ -66,7 +66,7 @@ def _qk_norm_rope_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, q_ptr, k_p
         tl.store(out + d, tl.load(row + d))
     else:
         x = tl.load(row + d).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)  # as torch.rsqrt on CUDA
         is_q = head < NUM_Q
         w_ptr = tl.where(is_q, q_w_ptr, k_w_ptr)
         y = _normed(row, w_ptr, d, rstd, INTERPRETED)
@@ -123,7 +123,8 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
     qkv bf16 `[T, (Hq + 2·Hkv)·D]` with unit stride in the last dim; q_weight, k_weight bf16
     `[D]` (D a power of two); cos, sin bf16 `[T, R]` (`R` even, at most D; 0 columns: no
     rotation). Returns contiguous bf16 `(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D])`, equal to
-    `qk_norm_rope_reference` up to one bf16 rounding of the fp32 statistics. No host sync.
+    `qk_norm_rope_reference` up to one bf16 step where the fp32 statistics (summed in another
+    order, `rsqrt` approximate on the GPU) round the other way. No host sync.
     """
     head_dim = q_weight.shape[0]
     width = (num_q_heads + 2 * num_kv_heads) * head_dim

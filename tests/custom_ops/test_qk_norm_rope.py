@@ -31,13 +31,22 @@ def make_case(tokens: int, num_q: int, num_kv: int, head_dim: int, rotary: int, 
     return tuple(t.to(DEVICE) for t in (qkv, q_w, k_w, cos, sin)) + (num_q, num_kv, 1e-6)
 
 
+def assert_close_heads(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal up to one bf16 step of the head's scale: a normalised value may round the other
+    way (fp32 statistics in another order), and the rotation's sum `a + b` may cancel, so the
+    step is that of the head's largest value, not of the (possibly tiny) output element."""
+    assert got.shape == want.shape and got.dtype == BF16 and got.is_contiguous()
+    g, w = got.float(), want.float()
+    bound = 2**-7 * w.abs().amax(-1, keepdim=True) + 1e-30  # [T, H, 1]
+    assert ((g - w).abs() <= bound).all(), (g - w).abs().max()
+    assert (g == w).float().mean().item() > 0.95  # almost all bit-exact
+
+
 def assert_matches(case: tuple) -> None:
     got = qk_norm_rope(*case)
     want = qk_norm_rope_reference(*case)
     for g, w in zip(got, want, strict=True):
-        assert g.shape == w.shape and g.dtype == BF16 and g.is_contiguous()
-        # one bf16 step (2^-7 relative) where the fp32 statistics round differently
-        torch.testing.assert_close(g.float(), w.float(), rtol=2**-7, atol=1e-6)
+        assert_close_heads(g, w)
     assert torch.equal(got[2], want[2])  # value heads are copied
 
 
@@ -98,4 +107,4 @@ def test_compile_and_cuda_graph_replay() -> None:
         graph.replay()
         want = qk_norm_rope_reference(qkv, *case[1:])
         for g, w in zip(out, want, strict=True):
-            torch.testing.assert_close(g.float(), w.float(), rtol=2**-7, atol=1e-6)
+            assert_close_heads(g, w)
