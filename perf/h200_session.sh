@@ -11,6 +11,8 @@
 #                                      # ncu of nvfp4_moe and paged attention, attention GPU tests
 #   bash perf/h200_session.sh tune     # BF16 graph round + profile, GEMM autotune off vs on, and
 #                                      # the GPU tests of the new ops / paged BF16 graph replay
+#   bash perf/h200_session.sh final    # BF16 rounds (3 modes + loop + profile), NVFP4+FP8 graph
+#                                      # round + profile, GPU tests of the new ops
 #   bash perf/h200_session.sh shared   # BF16 round with the shared expert unfused vs fused into
 #                                      # the routed kernel (--fuse-shared-expert), + its GPU tests
 # Env: ROUND_SPECS ("bf16:bf16 nvfp4:fp8"), ROUND_TIMEOUT (270), TEST_TIMEOUT (150). Each part
@@ -127,5 +129,22 @@ tune)  # BF16 graph rounds with a per-kernel profile, Inductor GEMM autotune off
     tests/models/test_moe.py tests/graphs/test_runner.py tests/engine/test_gpu_decoding.py \
     tests/engine/test_fp8_kv.py > "$OUT/gpu_tests_tune.txt" 2>&1
   echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests_tune.txt" ;;
-*) echo "usage: $0 rounds|ops|shared|ncu|diag|tune" >&2; exit 2 ;;
+final)  # the session's record: BF16 rounds in all three modes + whole decodes (both refresh
+        # modes) + profile; the NVFP4 + FP8 graph round + profile; GPU tests of the new ops
+  timeout "${ROUND_TIMEOUT:-300}" dlmc bench round --shape llada2.1-mini --precision bf16 \
+    --block-length 32 --prefix 1024 --routing uniform --rounds 60 --modes eager,compile,graph \
+    --profile --loop --out "$OUT/round_bf16_final.json" > "$OUT/round_bf16_final.txt" 2>&1
+  echo "round bf16 rc=$?" >> "$OUT/round_bf16_final.txt"
+  grep -E "│ (eager|compile|graph)|loop|rc=" "$OUT/round_bf16_final.txt" | head -7
+  timeout "${NVFP4_TIMEOUT:-170}" dlmc bench round --shape llada2.1-mini --precision nvfp4 \
+    --kv-cache-dtype fp8 --block-length 32 --prefix 1024 --routing uniform --rounds 60 \
+    --modes graph --profile --no-loop --out "$OUT/round_nvfp4_final.json" \
+    > "$OUT/round_nvfp4_final.txt" 2>&1
+  echo "round nvfp4 rc=$?" >> "$OUT/round_nvfp4_final.txt"
+  grep -E "│ graph|rc=" "$OUT/round_nvfp4_final.txt" | head -3
+  timeout "${TEST_TIMEOUT:-100}" python3 -m pytest -q -p no:cacheprovider -rf -m gpu \
+    tests/custom_ops/test_qk_norm_rope.py tests/custom_ops/test_moe_route.py \
+    tests/graphs/test_runner.py > "$OUT/gpu_tests_final.txt" 2>&1
+  echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests_final.txt" ;;
+*) echo "usage: $0 rounds|ops|shared|ncu|diag|tune|final" >&2; exit 2 ;;
 esac
