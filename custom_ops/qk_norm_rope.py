@@ -67,6 +67,7 @@ def _normed(x_row_ptr, w_ptr, d, rstd):
 def _qk_norm_rope_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, eps,
                          stride_t, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr,
                          HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr):
+    eps = tl.cast(eps, tl.float32)  # Inductor passes Python floats as fp64
     token = tl.program_id(0)
     head = tl.program_id(1)  # q heads, then k heads, then v heads
     d = tl.arange(0, HEAD_DIM)
