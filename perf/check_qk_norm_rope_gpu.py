@@ -1,4 +1,8 @@
-"""Where dlmc::qk_norm_rope and its eager reference differ on the GPU (diagnostic)."""
+"""Where dlmc::qk_norm_rope and its eager reference differ on the GPU (diagnostic, not a test).
+
+Run on the H200: `python3 perf/check_qk_norm_rope_gpu.py`. Output of session 10:
+perf/results/s10/gpu_tests_qk_fix.txt.
+"""
 import torch
 
 from dlmc.custom_ops.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
