@@ -84,6 +84,11 @@ class RoundRunner:
         self.compile_s = 0.0  # time spent in first calls (compile / autotune / capture)
 
     def key_len(self, end: int) -> int:
+        """Key slots a round ending at `end` attends: the dense cache's power-of-two bucket; the
+        paged cache reads its live length on the device, so one value (one compiled round, one
+        graph) serves every prefix length."""
+        if isinstance(self.cache, PagedKVCache):
+            return self.max_tokens
         bucket = MIN_BUCKET
         while bucket < end:
             bucket *= 2

@@ -8,6 +8,7 @@ from dlmc.engine.block_decoder import BlockDecoder
 from dlmc.engine.decode_config import DecodeConfig
 from dlmc.errors import ConfigError
 from dlmc.graphs.runner import RoundRunner, compile_options
+from dlmc.kv.paged_cache import KVCacheConfig, PagedKVCache
 
 
 def _decode(llm, mode, prompt, cfg):
@@ -46,6 +47,12 @@ def test_graph_mode_needs_cuda(tiny_llm):
 def test_key_length_buckets(tiny_llm):
     runner = RoundRunner(tiny_llm.model, tiny_llm._decoder.cache, 32, 0, "eager")
     assert [runner.key_len(n) for n in (1, 256, 257, 1000, 5000)] == [256, 256, 512, 1024, 4096]
+
+
+def test_one_key_length_for_the_paged_cache(tiny_llm):
+    cache = PagedKVCache(KVCacheConfig(2, 2, 16, 3000), torch.device("cpu"))
+    runner = RoundRunner(tiny_llm.model, cache, 32, 0, "eager")
+    assert {runner.key_len(n) for n in (1, 256, 257, 1000, 2999)} == {cache.capacity}
 
 
 @pytest.mark.gpu
