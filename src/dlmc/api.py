@@ -20,6 +20,7 @@ from dlmc.kv.scales import resolve_kv_cache_dtype
 from dlmc.loading.hub import resolve_model
 from dlmc.loading.loader import load_model, parse_dtype
 from dlmc.loading.special_ids import resolve_special_ids
+from dlmc.models.layers import fuse_gate_up_projections
 from dlmc.models.moe import fuse_shared_experts
 from dlmc.results import BlockChunk, Done, GenerateResult
 
@@ -68,6 +69,7 @@ class LLM:
         self.kv_scales = loaded.kv_scales
         if self.device.type == "cuda":  # one grouped kernel pair for routed + shared experts
             fuse_shared_experts(self.model)  # (BF16 experts only; measured in perf/README.md)
+            fuse_gate_up_projections(self.model)  # one GEMM for gate + up of dense MLPs
         self.mode = mode or ("graph" if self.device.type == "cuda" else "eager")
         declares_fp8 = loaded.declares_fp8_kv and not fp8_kv_problem(
             self.device, self.dtype, self.mode)  # "auto" picks FP8 only where it runs

@@ -53,3 +53,11 @@ def test_uniform_routing_and_touched_bytes_with_the_shared_expert_fused(tiny_dir
         got = model(tokens, positions, MaskedAttention(mask))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert touched_bytes(model, tokens, positions, prefix=48) == before
+    # gate + up of the dense layer in one weight: same outputs, same bytes (views count once)
+    from dlmc.models.layers import fuse_gate_up_projections
+
+    assert fuse_gate_up_projections(model) > 0
+    with torch.inference_mode():
+        torch.testing.assert_close(model(tokens, positions, MaskedAttention(mask)), want,
+                                   rtol=1e-5, atol=1e-5)
+    assert touched_bytes(model, tokens, positions, prefix=48) == before

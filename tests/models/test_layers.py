@@ -1,6 +1,12 @@
 import torch
 
-from dlmc.models.layers import RMSNorm, apply_partial_rope, rope_cos_sin
+from dlmc.models.layers import (
+    RMSNorm,
+    SwiGLUMLP,
+    apply_partial_rope,
+    fuse_gate_up_projections,
+    rope_cos_sin,
+)
 
 
 def test_rmsnorm_uses_weight_as_is():
@@ -30,3 +36,21 @@ def test_partial_rope_pairs_i_and_i_plus_half_and_leaves_the_rest():
     torch.testing.assert_close(
         apply_partial_rope(x[:1], *rope_cos_sin(pos[:1], 8, theta, torch.float64)), x[:1]
     )
+
+
+def test_fused_gate_up_equals_separate_projections_and_keeps_hf_names():
+    torch.manual_seed(0)
+    mlp = SwiGLUMLP(64, 48)
+    x = torch.randn(5, 64)
+    want = mlp(x)
+    names = set(mlp.state_dict())
+    assert fuse_gate_up_projections(torch.nn.Sequential(mlp)) == 1
+    assert mlp.gate_up_weight.shape == (96, 64)
+    torch.testing.assert_close(mlp(x), want, rtol=1e-6, atol=1e-6)
+    assert names <= set(mlp.state_dict())  # HF names still there (views of the fused weight)
+    # loading new weights through the HF names reaches the fused weight
+    fresh = SwiGLUMLP(64, 48)
+    mlp.load_state_dict(fresh.state_dict(), strict=False)
+    torch.testing.assert_close(mlp(x), fresh(x), rtol=1e-6, atol=1e-6)
+    mlp.fuse_gate_up()  # idempotent
+    assert mlp.gate_up_weight.shape == (96, 64)

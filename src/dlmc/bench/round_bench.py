@@ -80,11 +80,14 @@ def touched_bytes(model: nn.Module, tokens: torch.Tensor, positions: torch.Tenso
     for hook in hooks:
         hook.remove()
     total = 0
+    storages: set[int] = set()  # a fused weight and its views (tied weights) count once
     # Buffers too: the fp32 router weight is one (a FixedRouter's whole table counts: a few KB).
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         size = tensor.numel() * tensor.element_size()
-        if ".experts." in name:
+        storage = tensor.untyped_storage().data_ptr()
+        if ".experts." in name or (storage and storage in storages):
             continue
+        storages.add(storage or id(tensor))  # (no data pointer: meta tensors)
         if name.endswith("word_embeddings.weight"):
             size = tokens.numel() * tensor.shape[1] * tensor.element_size()
         total += size

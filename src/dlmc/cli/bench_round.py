@@ -36,11 +36,15 @@ from dlmc.cli.options import user_errors
 @click.option("--fuse-shared-expert/--no-fuse-shared-expert", default=True, show_default=True,
               help="Run each BF16 MoE layer's shared expert inside the routed grouped kernel "
               "(one more expert, weight 1.0 for every token), as LLM does on CUDA.")
+@click.option("--fuse-gate-up/--no-fuse-gate-up", default=True, show_default=True,
+              help="One GEMM for the gate and up projections of every dense SwiGLU MLP (the "
+              "dense layer, unfused shared experts), as LLM does on CUDA.")
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Write JSON here.")
 @user_errors
 def round_cmd(model: str | None, shape: str, precision: str, block_length: int, prefix: int,
               routing: str, rounds: int, modes: str, loop: bool, kv_cache_dtype: str,
-              kv_layout: str, profile: bool, fuse_shared_expert: bool, out: Path | None) -> None:
+              kv_layout: str, profile: bool, fuse_shared_expert: bool, fuse_gate_up: bool,
+              out: Path | None) -> None:
     """Median ms per round with bytes touched, GB/s and the copy bandwidth of the same run."""
     import torch
     from rich.console import Console
@@ -67,6 +71,10 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
 
         fused_layers = fuse_shared_experts(net)
         torch.cuda.empty_cache()
+    if fuse_gate_up:
+        from dlmc.models.layers import fuse_gate_up_projections
+
+        fuse_gate_up_projections(net)
     mask_id = net.config.vocab_size - 1
     if routing == "uniform":
         use_uniform_routing(net, max_tokens=512, seed=cfg.seed)
@@ -98,6 +106,7 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
               "kv_layout": "paged" if paged else "dense",
               "block_length": block_length,
               "prefix": prefix, "routing": routing, "fused_shared_expert_layers": fused_layers,
+              "fused_gate_up": fuse_gate_up,
               "bytes_per_round": nbytes,
               "distinct_experts_per_moe_layer": experts, "copy_gb_per_s": bandwidth,
               "floor_ms": nbytes / (bandwidth * 1e9) * 1e3, "results": results,

@@ -8,7 +8,8 @@ from torch import nn
 
 from dlmc.custom_ops.qk_norm_rope import apply_partial_rope, rms_norm
 
-__all__ = ["RMSNorm", "SwiGLUMLP", "apply_partial_rope", "rms_norm", "rope_cos_sin"]
+__all__ = ["RMSNorm", "SwiGLUMLP", "apply_partial_rope", "fuse_gate_up_projections", "rms_norm",
+           "rope_cos_sin"]
 
 
 class RMSNorm(nn.Module):
@@ -38,13 +39,42 @@ def rope_cos_sin(
 
 
 class SwiGLUMLP(nn.Module):
-    """`down(silu(gate(x)) * up(x))` with HF names gate_proj / up_proj / down_proj."""
+    """`down(silu(gate(x)) * up(x))` with HF names gate_proj / up_proj / down_proj.
+
+    After `fuse_gate_up` one `gate_up_weight [2I, H]` holds both projections (one GEMM instead
+    of two); `gate_proj.weight` and `up_proj.weight` become views of it, so the HF names, state
+    dicts and loading keep working.
+    """
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.register_parameter("gate_up_weight", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is not None:
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)  # [T, I] each
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    @torch.no_grad()
+    def fuse_gate_up(self) -> None:
+        """Concatenate the gate and up weights into `gate_up_weight` (call after loading)."""
+        if self.gate_up_weight is not None:
+            return
+        inter = self.gate_proj.weight.shape[0]
+        fused = torch.cat([self.gate_proj.weight, self.up_proj.weight])  # [2I, H]
+        del self.gate_proj.weight, self.up_proj.weight
+        self.gate_up_weight = nn.Parameter(fused, requires_grad=False)
+        self.gate_proj.weight = nn.Parameter(fused[:inter], requires_grad=False)  # views
+        self.up_proj.weight = nn.Parameter(fused[inter:], requires_grad=False)
+
+
+def fuse_gate_up_projections(model: nn.Module) -> int:
+    """`SwiGLUMLP.fuse_gate_up` on every dense SwiGLU MLP of `model`; returns how many."""
+    mlps = [m for m in model.modules() if isinstance(m, SwiGLUMLP)]
+    for mlp in mlps:
+        mlp.fuse_gate_up()
+    return len(mlps)
