@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from dlmc.engine.attention import MaskedAttention, block_causal_mask
-from dlmc.engine.block_decoder import BlockDecoder, fp8_kv_problem
+from dlmc.engine.block_decoder import BlockDecoder, paged_cache_problem
 from dlmc.engine.decode_config import DecodeConfig, resolve_decode_config, role_defaults
 from dlmc.engine.events import BlockEvent, DecodeOutput, RoundEvent
 from dlmc.errors import ConfigError, DlmcError
@@ -71,7 +71,7 @@ class LLM:
             fuse_shared_experts(self.model)  # (BF16 experts only; measured in perf/README.md)
             fuse_gate_up_projections(self.model)  # one GEMM for gate + up of dense MLPs
         self.mode = mode or ("graph" if self.device.type == "cuda" else "eager")
-        declares_fp8 = loaded.declares_fp8_kv and not fp8_kv_problem(
+        declares_fp8 = loaded.declares_fp8_kv and not paged_cache_problem(
             self.device, self.dtype, self.mode)  # "auto" picks FP8 only where it runs
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, declares_fp8)
         if any("self_conditioning" in n for n in loaded.index.tensors):

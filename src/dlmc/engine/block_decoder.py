@@ -39,8 +39,8 @@ REFRESH_MODES = ("fused", "separate")
 KV_LAYOUTS = ("auto", "dense", "paged")
 
 
-def fp8_kv_problem(device: torch.device, dtype: torch.dtype, mode: str) -> str | None:
-    """Why the paged FP8 cache cannot run with these settings (None: it can)."""
+def paged_cache_problem(device: torch.device, dtype: torch.dtype, mode: str) -> str | None:
+    """Why the paged (FP8 or BF16) cache cannot run with these settings (None: it can)."""
     if dtype != torch.bfloat16 or mode == "reference":
         return (f"runs with bf16 activations and a static round mode (got dtype {dtype}, mode "
                 f"{mode!r}); use kv_cache_dtype 'bf16'")
@@ -66,12 +66,11 @@ class BlockDecoder:
         self.model, self.mask_id, self.eos_id = model, mask_id, eos_id
         self.max_context, self.device, self.dtype, self.mode = (
             max_context, device, dtype, mode)
-        problem = fp8_kv_problem(device, dtype, mode) if kv_cache_dtype == "fp8" else None
-        if problem:
-            raise ConfigError(f"kv_cache_dtype 'fp8' {problem}")
+        paged_problem = paged_cache_problem(device, dtype, mode)
+        if kv_cache_dtype == "fp8" and paged_problem:
+            raise ConfigError(f"kv_cache_dtype 'fp8' {paged_problem}")
         if kv_layout not in KV_LAYOUTS:
             raise ConfigError(f"kv_layout={kv_layout!r}: expected one of {', '.join(KV_LAYOUTS)}")
-        paged_problem = fp8_kv_problem(device, dtype, mode)
         if kv_layout == "paged" and paged_problem:
             raise ConfigError("kv_layout 'paged' " + paged_problem.replace(
                 "kv_cache_dtype 'bf16'", "kv_layout 'dense'"))
