@@ -23,7 +23,10 @@ from dlmc.custom_ops._paged_attention_kernels import (
 )
 from dlmc.custom_ops.kv_append import kv_append_kernel
 from dlmc.custom_ops.moe_align import max_blocks, moe_align_kernel
+from dlmc.custom_ops.moe_route import moe_route_kernel
 from dlmc.custom_ops.nvfp4_moe import _down_kernel, _gate_up_kernel
+from dlmc.custom_ops.qk_norm_rope import _qk_norm_rope_kernel
+from dlmc.custom_ops.router_logits import _router_logits_kernel
 
 SM90 = GPUTarget("cuda", 90, 32)
 
@@ -100,6 +103,30 @@ def check_moe_align(num_pairs: int, num_experts: int, block_m: int, num_warps: i
     assert compiled.metadata.shared <= 48 * 1024  # one program, no opt-in shared memory needed
 
 
+def check_qk_norm_rope(float_type: str) -> None:
+    pointers = {name: "*bf16" for name in ("qkv_ptr", "q_w_ptr", "k_w_ptr", "cos_ptr", "sin_ptr",
+                                           "q_ptr", "k_ptr", "v_ptr")}
+    types = pointers | {"eps": float_type, "stride_t": "i32"}
+    compile_sm90(_qk_norm_rope_kernel, types, {
+        "NUM_Q": 16, "NUM_KV": 4, "HEAD_DIM": 128, "ROTARY": 64}, 1)
+
+
+def check_moe_route(float_type: str) -> None:
+    types = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64",
+             "weights_ptr": "*fp32", "stride_logits": "i32", "routed_scaling_factor": float_type}
+    compile_sm90(moe_route_kernel, types, {
+        "NUM_EXPERTS": 256, "GROUP_SIZE": 32, "GROUPS_PAD": 8, "GROUP_PAD": 32, "TOPK_GROUP": 4,
+        "TOP_K": 8, "TOP_K_PAD": 8, "NORM_TOPK_PROB": True}, 4)
+
+
+def check_router_logits() -> None:
+    types = {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "tokens": "i32",
+             "stride_x": "i32", "stride_w": "i32", "stride_o": "i32"}
+    compiled = compile_sm90(_router_logits_kernel, types, {
+        "E": 256, "H": 2048, "BLOCK_T": 32, "BLOCK_E": 16, "BLOCK_K": 128}, 4)
+    assert "mma" not in compiled.asm["ptx"]  # ieee fp32: FMAs, no TF32 tensor cores
+
+
 def test_kernels_compile_for_sm90() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
@@ -115,3 +142,7 @@ if __name__ == "__main__":
     check_nvfp4_moe_v3()
     check_moe_align(32 * 8, 256, 16, 4)  # a diffusion block
     check_moe_align(512 * 8, 16, 64, 16)  # a prefill chunk
+    check_qk_norm_rope("fp64")  # Inductor passes Python floats as fp64
+    check_qk_norm_rope("fp32")
+    check_moe_route("fp64")
+    check_router_logits()
