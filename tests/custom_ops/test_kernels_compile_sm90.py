@@ -27,6 +27,7 @@ from dlmc.custom_ops.moe_route import moe_route_kernel
 from dlmc.custom_ops.nvfp4_moe import _down_kernel, _gate_up_kernel
 from dlmc.custom_ops.qk_norm_rope import _qk_norm_rope_kernel
 from dlmc.custom_ops.router_logits import _router_logits_kernel
+from dlmc.custom_ops.small_m_linear import _small_m_linear_kernel
 
 SM90 = GPUTarget("cuda", 90, 32)
 
@@ -127,6 +128,16 @@ def check_router_logits() -> None:
     assert "mma" not in compiled.asm["ptx"]  # ieee fp32: FMAs, no TF32 tensor cores
 
 
+def check_small_m_linear() -> None:
+    types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "tokens": "i32",
+             "stride_x": "i32", "stride_y": "i32"}
+    for block_t in (16, 32, 64):
+        compiled = compile_sm90(_small_m_linear_kernel, types, {
+            "N": 3072, "K": 2048, "BLOCK_T": block_t, "BLOCK_N": 32, "BLOCK_K": 128,
+            "INTERPRETED": False}, 4)
+        assert "mma" in compiled.asm["ptx"]  # BF16 tensor cores
+
+
 def test_kernels_compile_for_sm90() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
@@ -146,3 +157,4 @@ if __name__ == "__main__":
     check_qk_norm_rope("fp32")
     check_moe_route("fp64")
     check_router_logits()
+    check_small_m_linear()

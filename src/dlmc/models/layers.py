@@ -2,14 +2,37 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dlmc.custom_ops.qk_norm_rope import apply_partial_rope, rms_norm
+from dlmc.custom_ops.small_m_linear import MAX_TOKENS, small_m_linear
+from dlmc.errors import ConfigError
 
-__all__ = ["RMSNorm", "SwiGLUMLP", "apply_partial_rope", "fuse_gate_up_projections", "rms_norm",
-           "rope_cos_sin"]
+__all__ = ["RMSNorm", "SwiGLUMLP", "apply_partial_rope", "fuse_gate_up_projections", "linear",
+           "rms_norm", "rope_cos_sin", "small_m_gemm"]
+
+
+def small_m_gemm() -> str:
+    """How dense projections of a few bf16 tokens run on CUDA, from `DLMC_SMALL_M_GEMM`:
+    "cublas" (`F.linear`, the default) or "triton" (`dlmc::small_m_linear`; opt-in until
+    measured). Read once per module at construction, never inside a compiled forward."""
+    choice = os.environ.get("DLMC_SMALL_M_GEMM", "cublas")
+    if choice not in ("cublas", "triton"):
+        raise ConfigError(f"DLMC_SMALL_M_GEMM={choice!r}: expected 'cublas' or 'triton'")
+    return choice
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, gemm: str) -> torch.Tensor:
+    """`F.linear(x, weight)`, through `dlmc::small_m_linear` when `gemm` is "triton" and `x` is
+    a bf16 CUDA tensor of at most 64 rows."""
+    if (gemm == "triton" and x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2
+            and x.shape[0] <= MAX_TOKENS):
+        return small_m_linear(x, weight)
+    return F.linear(x, weight)
 
 
 class RMSNorm(nn.Module):
@@ -52,12 +75,15 @@ class SwiGLUMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.register_parameter("gate_up_weight", None)
+        self.gemm = small_m_gemm()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
-            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)  # [T, I] each
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            gate, up = linear(x, self.gate_up_weight, self.gemm).chunk(2, dim=-1)  # [T, I] each
+        else:
+            gate = linear(x, self.gate_proj.weight, self.gemm)
+            up = linear(x, self.up_proj.weight, self.gemm)
+        return linear(F.silu(gate) * up, self.down_proj.weight, self.gemm)
 
     @torch.no_grad()
     def fuse_gate_up(self) -> None:

@@ -15,7 +15,7 @@ from torch import nn
 
 from dlmc.custom_ops.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
 from dlmc.models.config import LLaDA2Config
-from dlmc.models.layers import RMSNorm, SwiGLUMLP, rope_cos_sin
+from dlmc.models.layers import RMSNorm, SwiGLUMLP, linear, rope_cos_sin, small_m_gemm
 from dlmc.models.moe import MoEBlock
 
 
@@ -43,18 +43,19 @@ class Attention(nn.Module):
         self.query_layernorm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.key_layernorm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.dense = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.gemm = small_m_gemm()
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        qkv = self.query_key_value(x)  # [T, (Hq+2Hkv)*D]
+        qkv = linear(x, self.query_key_value.weight, self.gemm)  # [T, (Hq+2Hkv)*D]
         norm_rope = qk_norm_rope if qkv.is_cuda and qkv.dtype == torch.bfloat16 else (
             qk_norm_rope_reference)  # one Triton launch on the GPU; eager maths elsewhere
         q, k, v = norm_rope(qkv, self.query_layernorm.weight, self.key_layernorm.weight, cos,
                             sin, self.num_heads, self.num_kv_heads, self.query_layernorm.eps)
         out = ctx.attend(self.layer_idx, q, k, v)  # q [T, Hq, D], k/v [T, Hkv, D]
-        return self.dense(out.reshape(tokens, -1))
+        return linear(out.reshape(tokens, -1), self.dense.weight, self.gemm)
 
 
 class DecoderLayer(nn.Module):

@@ -1,0 +1,91 @@
+"""`dlmc::small_m_linear`: `x @ W^T` in BF16 for a block of a few tokens (Triton).
+
+A denoising round multiplies 32 (or 64) tokens by each attention / dense-MLP weight. The bytes
+are the weight's (12.6 MB for LLaDA2.1-mini's qkv, 3 µs at copy speed), yet cuBLAS took 5.2–6.5
+µs per such GEMM in the H200 profiles (perf/README.md). Here each program owns `BLOCK_N` output
+features for all tokens and streams its weight rows once (BF16 tensor-core dots, fp32
+accumulation, one rounding to BF16), so the grid spreads a weight over ~100 SMs. Opt-in until
+measured on a GPU: `DLMC_SMALL_M_GEMM=triton` (`dlmc.models.layers.linear`).
+The maths is `small_m_linear_reference` (`F.linear`; results differ only in summation order).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
+from dlmc.custom_ops._registration import traced_triton_op
+from dlmc.custom_ops.nvfp4_tiles import round_bf16
+
+__all__ = ["MAX_TOKENS", "small_m_linear", "small_m_linear_reference"]
+
+MAX_TOKENS = 64  # more rows: cuBLAS's tiles are the right tool
+BLOCK_N, BLOCK_K = 32, 128
+
+
+@triton.jit
+def _small_m_linear_kernel(x_ptr, w_ptr, y_ptr, tokens, stride_x, stride_y, N: tl.constexpr,
+                           K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    t = tl.arange(0, BLOCK_T)  # all tokens in one tile
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + k
+        x = tl.load(x_ptr + t[:, None] * stride_x + kk[None, :],
+                    mask=(t[:, None] < tokens) & (kk[None, :] < K), other=0.0)  # [BT, BK]
+        w = tl.load(w_ptr + n[None, :].to(tl.int64) * K + kk[:, None],
+                    mask=(n[None, :] < N) & (kk[:, None] < K), other=0.0)  # [BK, BN]
+        if INTERPRETED:  # the interpreter multiplies bf16 as raw integers: dot in fp32 (exact)
+            acc += tl.dot(x.to(tl.float32), w.to(tl.float32))
+        else:
+            acc += tl.dot(x, w)
+    tl.store(y_ptr + t[:, None] * stride_y + n[None, :], round_bf16(acc, INTERPRETED),
+             mask=(t[:, None] < tokens) & (n[None, :] < N))
+
+
+def _small_m_linear_impl(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    tokens, features = x.shape[0], weight.shape[0]
+    y = torch.empty((tokens, features), dtype=torch.bfloat16, device=x.device)
+    if tokens:
+        wrap_triton(_small_m_linear_kernel)[(triton.cdiv(features, BLOCK_N),)](
+            x, weight, y, tokens, x.stride(0), y.stride(0), N=features, K=weight.shape[1],
+            BLOCK_T=max(16, triton.next_power_of_2(tokens)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+            INTERPRETED=_INTERPRETED, num_warps=4, num_stages=4)
+    return y
+
+
+def _small_m_linear_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.bfloat16)
+
+
+_small_m_linear_op = traced_triton_op("dlmc::small_m_linear", _small_m_linear_impl,
+                                      _small_m_linear_fake)
+
+
+def small_m_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x @ weight^T` for at most `MAX_TOKENS` tokens (Triton, `dlmc::small_m_linear`).
+
+    x bf16 `[T, K]` with unit stride in the last dim, T <= 64; weight bf16 `[N, K]` contiguous.
+    Returns bf16 `[T, N]`: fp32 accumulation, one rounding. Runs on CUDA and under
+    `TRITON_INTERPRET=1`; elsewhere `small_m_linear_reference`. No host sync.
+    """
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] > MAX_TOKENS:
+        raise ValueError(f"small_m_linear: x must be bf16 [T <= {MAX_TOKENS}, K], got "
+                         f"{x.dtype} {tuple(x.shape)}")
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"small_m_linear: weight must be bf16 [N, K={x.shape[1]}], got "
+                         f"{weight.dtype} {tuple(weight.shape)}")
+    if not (x.is_cuda or _INTERPRETED):
+        return small_m_linear_reference(x, weight)
+    return _small_m_linear_op(x if x.stride(1) == 1 else x.contiguous(), weight.contiguous())
+
+
+def small_m_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x, weight)`."""
+    return F.linear(x, weight)
