@@ -54,3 +54,13 @@ def test_fused_gate_up_equals_separate_projections_and_keeps_hf_names():
     torch.testing.assert_close(mlp(x), fresh(x), rtol=1e-6, atol=1e-6)
     mlp.fuse_gate_up()  # idempotent
     assert mlp.gate_up_weight.shape == (96, 64)
+
+
+def test_fused_gate_up_compiles_with_fullgraph():
+    torch.manual_seed(1)
+    mlp = SwiGLUMLP(32, 16)
+    x = torch.randn(4, 32)
+    want = mlp(x)
+    mlp.fuse_gate_up()
+    compiled = torch.compile(mlp, fullgraph=True)
+    torch.testing.assert_close(compiled(x), want, rtol=1e-5, atol=1e-5)
