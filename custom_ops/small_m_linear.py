@@ -1,12 +1,16 @@
-"""`dlmc::small_m_linear`: `x @ W^T` in BF16 for a block of a few tokens (Triton).
+"""`dlmc::small_m_linear`: `x @ W^T` for a block of a few bf16 tokens (Triton).
 
 A denoising round multiplies 32 (or 64) tokens by each attention / dense-MLP weight. The bytes
 are the weight's (12.6 MB for LLaDA2.1-mini's qkv, 3 µs at copy speed), yet cuBLAS took 5.2–6.5
 µs per such GEMM in the H200 profiles (perf/README.md). Here each program owns `BLOCK_N` output
-features for all tokens and streams its weight rows once (BF16 tensor-core dots, fp32
-accumulation, one rounding to BF16), so the grid spreads a weight over ~100 SMs. Opt-in until
-measured on a GPU: `DLMC_SMALL_M_GEMM=triton` (`dlmc.models.layers.linear`).
-The maths is `small_m_linear_reference` (`F.linear`; results differ only in summation order).
+features for all tokens and streams its weight rows once, so the grid spreads a weight over
+~100 SMs. Two weight types:
+- bf16 (projections): tensor-core dots, fp32 accumulation, one rounding to a bf16 result;
+- fp32 (the MoE router, `x.float() @ W^T`): ieee fp32 FMAs (no TF32), exact products since x
+  holds bf16 values, an fp32 result. cuBLAS ran this `[32, 2048] x [2048, 256]` GEMM as a SIMT
+  sgemm (6.7 µs) after an fp32 conversion kernel (2.4 µs).
+Opt-in until measured on a GPU: `DLMC_SMALL_M_GEMM=triton` (`dlmc.models.layers.linear`, the
+MoE router). The maths is `small_m_linear_reference` (results differ only in summation order).
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from dlmc.custom_ops.nvfp4_tiles import round_bf16
 __all__ = ["MAX_TOKENS", "small_m_linear", "small_m_linear_reference"]
 
 MAX_TOKENS = 64  # more rows: cuBLAS's tiles are the right tool
-BLOCK_N, BLOCK_K = 32, 128
+BLOCK_K = 128
+BLOCK_N = {torch.bfloat16: 32, torch.float32: 16}  # output features per program
 
 
 @triton.jit
@@ -41,27 +46,32 @@ def _small_m_linear_kernel(x_ptr, w_ptr, y_ptr, tokens, stride_x, stride_y, N: t
                     mask=(t[:, None] < tokens) & (kk[None, :] < K), other=0.0)  # [BT, BK]
         w = tl.load(w_ptr + n[None, :].to(tl.int64) * K + kk[:, None],
                     mask=(n[None, :] < N) & (kk[:, None] < K), other=0.0)  # [BK, BN]
-        if INTERPRETED:  # the interpreter multiplies bf16 as raw integers: dot in fp32 (exact)
-            acc += tl.dot(x.to(tl.float32), w.to(tl.float32))
+        if INTERPRETED or w.dtype == tl.float32:  # fp32 weights; the interpreter's bf16 dot
+            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")  # is wrong
         else:
             acc += tl.dot(x, w)
-    tl.store(y_ptr + t[:, None] * stride_y + n[None, :], round_bf16(acc, INTERPRETED),
+    if y_ptr.dtype.element_ty == tl.float32:  # noqa: SIM108 (a static branch in Triton)
+        y = acc
+    else:
+        y = round_bf16(acc, INTERPRETED)
+    tl.store(y_ptr + t[:, None] * stride_y + n[None, :], y,
              mask=(t[:, None] < tokens) & (n[None, :] < N))
 
 
 def _small_m_linear_impl(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     tokens, features = x.shape[0], weight.shape[0]
-    y = torch.empty((tokens, features), dtype=torch.bfloat16, device=x.device)
+    y = torch.empty((tokens, features), dtype=weight.dtype, device=x.device)
     if tokens:
-        wrap_triton(_small_m_linear_kernel)[(triton.cdiv(features, BLOCK_N),)](
+        block_n = BLOCK_N[weight.dtype]
+        wrap_triton(_small_m_linear_kernel)[(triton.cdiv(features, block_n),)](
             x, weight, y, tokens, x.stride(0), y.stride(0), N=features, K=weight.shape[1],
-            BLOCK_T=max(16, triton.next_power_of_2(tokens)), BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+            BLOCK_T=max(16, triton.next_power_of_2(tokens)), BLOCK_N=block_n, BLOCK_K=BLOCK_K,
             INTERPRETED=_INTERPRETED, num_warps=4, num_stages=4)
     return y
 
 
 def _small_m_linear_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.bfloat16)
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=weight.dtype)
 
 
 _small_m_linear_op = traced_triton_op("dlmc::small_m_linear", _small_m_linear_impl,
@@ -71,15 +81,16 @@ _small_m_linear_op = traced_triton_op("dlmc::small_m_linear", _small_m_linear_im
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`x @ weight^T` for at most `MAX_TOKENS` tokens (Triton, `dlmc::small_m_linear`).
 
-    x bf16 `[T, K]` with unit stride in the last dim, T <= 64; weight bf16 `[N, K]` contiguous.
-    Returns bf16 `[T, N]`: fp32 accumulation, one rounding. Runs on CUDA and under
-    `TRITON_INTERPRET=1`; elsewhere `small_m_linear_reference`. No host sync.
+    x bf16 `[T, K]` with unit stride in the last dim, T <= 64; weight `[N, K]` contiguous, bf16
+    (result bf16: fp32 accumulation, one rounding) or fp32 (result fp32 `x.float() @ W^T`, ieee
+    FMAs). Runs on CUDA and under `TRITON_INTERPRET=1`; elsewhere `small_m_linear_reference`.
+    No host sync.
     """
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] > MAX_TOKENS:
         raise ValueError(f"small_m_linear: x must be bf16 [T <= {MAX_TOKENS}, K], got "
                          f"{x.dtype} {tuple(x.shape)}")
-    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
-        raise ValueError(f"small_m_linear: weight must be bf16 [N, K={x.shape[1]}], got "
+    if weight.dtype not in BLOCK_N or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"small_m_linear: weight must be bf16 or fp32 [N, K={x.shape[1]}], got "
                          f"{weight.dtype} {tuple(weight.shape)}")
     if not (x.is_cuda or _INTERPRETED):
         return small_m_linear_reference(x, weight)
@@ -87,5 +98,5 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def small_m_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`F.linear(x, weight)`."""
-    return F.linear(x, weight)
+    """`F.linear(x, weight)` in the weight's dtype (bf16, or fp32 with `x.float()`)."""
+    return F.linear(x.to(weight.dtype), weight)

@@ -57,15 +57,13 @@ final)
   round round_nvfp4_final "${NVFP4_TIMEOUT:-170}" --precision nvfp4 --kv-cache-dtype fp8 \
     --modes graph --no-loop
   gpu_tests final tests/custom_ops/test_qk_norm_rope.py tests/custom_ops/test_moe_route.py \
-    tests/custom_ops/test_router_logits.py tests/custom_ops/test_small_m_linear.py \
-    tests/graphs/test_runner.py ;;
+    tests/custom_ops/test_small_m_linear.py tests/graphs/test_runner.py ;;
 rounds)
   for spec in ${ROUND_SPECS:-bf16:bf16 nvfp4:fp8}; do
     round "round_${spec/:/_}" "${ROUND_TIMEOUT:-300}" --precision "${spec%%:*}" \
       --kv-cache-dtype "${spec##*:}" --modes eager,compile,graph --loop
   done ;;
-variants)  # e.g. VARIANTS="base:: router:DLMC_ROUTER_GEMM=triton: gemm:DLMC_SMALL_M_GEMM=triton:
-           #   both:DLMC_ROUTER_GEMM=triton,DLMC_SMALL_M_GEMM=triton: dense::--kv-layout,dense"
+variants)  # e.g. VARIANTS="base:: gemm:DLMC_SMALL_M_GEMM=triton: dense::--kv-layout,dense"
   for v in ${VARIANTS:-base:: unfused_shared::--no-fuse-shared-expert}; do
     IFS=: read -r name envs flags <<< "$v"
     (  # the variant's environment stays in this subshell

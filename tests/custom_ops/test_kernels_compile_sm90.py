@@ -26,7 +26,6 @@ from dlmc.custom_ops.moe_align import max_blocks, moe_align_kernel
 from dlmc.custom_ops.moe_route import moe_route_kernel
 from dlmc.custom_ops.nvfp4_moe import _down_kernel, _gate_up_kernel
 from dlmc.custom_ops.qk_norm_rope import _qk_norm_rope_kernel
-from dlmc.custom_ops.router_logits import _router_logits_kernel
 from dlmc.custom_ops.small_m_linear import _small_m_linear_kernel
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -120,14 +119,6 @@ def check_moe_route(float_type: str) -> None:
         "TOP_K": 8, "TOP_K_PAD": 8, "NORM_TOPK_PROB": True}, 4)
 
 
-def check_router_logits() -> None:
-    types = {"x_ptr": "*bf16", "w_ptr": "*fp32", "out_ptr": "*fp32", "tokens": "i32",
-             "stride_x": "i32", "stride_w": "i32", "stride_o": "i32"}
-    compiled = compile_sm90(_router_logits_kernel, types, {
-        "E": 256, "H": 2048, "BLOCK_T": 32, "BLOCK_E": 16, "BLOCK_K": 128}, 4)
-    assert "mma" not in compiled.asm["ptx"]  # ieee fp32: FMAs, no TF32 tensor cores
-
-
 def check_small_m_linear() -> None:
     types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "tokens": "i32",
              "stride_x": "i32", "stride_y": "i32"}
@@ -136,6 +127,12 @@ def check_small_m_linear() -> None:
             "N": 3072, "K": 2048, "BLOCK_T": block_t, "BLOCK_N": 32, "BLOCK_K": 128,
             "INTERPRETED": False}, 4)
         assert "mma" in compiled.asm["ptx"]  # BF16 tensor cores
+    # the router: fp32 weight and logits, ieee FMAs (no TF32 tensor cores)
+    types |= {"w_ptr": "*fp32", "y_ptr": "*fp32"}
+    compiled = compile_sm90(_small_m_linear_kernel, types, {
+        "N": 256, "K": 2048, "BLOCK_T": 32, "BLOCK_N": 16, "BLOCK_K": 128,
+        "INTERPRETED": False}, 4)
+    assert "mma" not in compiled.asm["ptx"]
 
 
 def test_kernels_compile_for_sm90() -> None:
@@ -156,5 +153,4 @@ if __name__ == "__main__":
     check_qk_norm_rope("fp64")  # Inductor passes Python floats as fp64
     check_qk_norm_rope("fp32")
     check_moe_route("fp64")
-    check_router_logits()
     check_small_m_linear()

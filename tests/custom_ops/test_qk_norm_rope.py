@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 from dlmc.custom_ops.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
 from dlmc.models.layers import rope_cos_sin
 
+from .graph_capture import compile_and_capture
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BF16 = torch.bfloat16
 
@@ -92,16 +94,7 @@ def test_opcheck() -> None:
 def test_compile_and_cuda_graph_replay() -> None:
     case = make_case(32, 16, 4, 128, 64, 1.0, 2)
     qkv = case[0]
-    fn = torch.compile(lambda x: qk_norm_rope(x, *case[1:]), fullgraph=True)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn(qkv)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn(qkv)
+    graph, out = compile_and_capture(lambda x: qk_norm_rope(x, *case[1:]), qkv)
     for seed in range(3):
         qkv.copy_(make_case(32, 16, 4, 128, 64, 1.0, 10 + seed)[0])
         graph.replay()

@@ -17,9 +17,10 @@ __all__ = ["RMSNorm", "SwiGLUMLP", "apply_partial_rope", "fuse_gate_up_projectio
 
 
 def small_m_gemm() -> str:
-    """How dense projections of a few bf16 tokens run on CUDA, from `DLMC_SMALL_M_GEMM`:
-    "cublas" (`F.linear`, the default) or "triton" (`dlmc::small_m_linear`; opt-in until
-    measured). Read once per module at construction, never inside a compiled forward."""
+    """How dense projections (and MoE routers) of a few bf16 tokens run on CUDA, from
+    `DLMC_SMALL_M_GEMM`: "cublas" (`F.linear`, the default) or "triton" (`dlmc::small_m_linear`;
+    opt-in until measured). Read once per module at construction, never inside a compiled
+    forward."""
     choice = os.environ.get("DLMC_SMALL_M_GEMM", "cublas")
     if choice not in ("cublas", "triton"):
         raise ConfigError(f"DLMC_SMALL_M_GEMM={choice!r}: expected 'cublas' or 'triton'")
@@ -27,12 +28,13 @@ def small_m_gemm() -> str:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, gemm: str) -> torch.Tensor:
-    """`F.linear(x, weight)`, through `dlmc::small_m_linear` when `gemm` is "triton" and `x` is
+    """`F.linear(x.to(weight.dtype), weight)` (an fp32 weight gives fp32 `x.float() @ W^T`, as
+    the MoE router computes), through `dlmc::small_m_linear` when `gemm` is "triton" and `x` is
     a bf16 CUDA tensor of at most 64 rows."""
     if (gemm == "triton" and x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2
             and x.shape[0] <= MAX_TOKENS):
         return small_m_linear(x, weight)
-    return F.linear(x, weight)
+    return F.linear(x.to(weight.dtype), weight)
 
 
 class RMSNorm(nn.Module):

@@ -12,29 +12,16 @@ shared output in bf16).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dlmc.custom_ops.bf16_moe import bf16_moe, bf16_moe_reference  # noqa: F401 (re-export)
 from dlmc.custom_ops.moe_route import moe_route, moe_route_reference
-from dlmc.custom_ops.router_logits import router_logits
-from dlmc.errors import ConfigError
 from dlmc.models.config import LLaDA2Config
-from dlmc.models.layers import SwiGLUMLP
+from dlmc.models.layers import SwiGLUMLP, linear, small_m_gemm
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-
-
-def router_gemm() -> str:
-    """How routers compute their logits on CUDA, from `DLMC_ROUTER_GEMM`: "torch" (cuBLAS fp32
-    GEMM, the default) or "triton" (`dlmc::router_logits`, same maths; opt-in until measured)."""
-    choice = os.environ.get("DLMC_ROUTER_GEMM", "torch")
-    if choice not in ("torch", "triton"):
-        raise ConfigError(f"DLMC_ROUTER_GEMM={choice!r}: expected 'torch' or 'triton'")
-    return choice
 
 
 class Router(nn.Module):
@@ -51,15 +38,12 @@ class Router(nn.Module):
             "weight", torch.empty(config.num_experts, config.hidden_size, dtype=torch.float32)
         )
         self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
-        self.gemm = router_gemm()
+        self.gemm = small_m_gemm()
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Route `x [T, H]` to `(topk_ids [T, K] int64, topk_weights [T, K] fp32)`."""
         cfg = self.config
-        if self.gemm == "triton" and x.is_cuda and x.dtype == torch.bfloat16:
-            logits = router_logits(x, self.weight)  # [T, E], one Triton launch
-        else:
-            logits = x.float() @ self.weight.float().t()  # [T, E]; .float() is free for fp32
+        logits = linear(x, self.weight.float(), self.gemm)  # [T, E] fp32 = x.float() @ W^T
         # One Triton launch on CUDA; on CPU the torch maths (the op would interpret the kernel).
         route = moe_route if logits.is_cuda else moe_route_reference
         return route(logits, self.expert_bias.float(), cfg.n_group, cfg.topk_group,
