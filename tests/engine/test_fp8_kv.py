@@ -106,3 +106,34 @@ def test_fp8_cache_in_graph_rounds_matches_eager_on_cuda(tiny_dir):
     # Replay runs exactly the compiled kernels (and the FP8 pools are written in place, not
     # copied): identical tokens. Eager BF16 rounds differently (see test_runner.py).
     assert results["graph"].token_ids == results["compile"].token_ids
+
+
+def test_paged_bf16_cache_logits_match_the_dense_cache(pair):
+    """kv_layout "paged" with BF16 K/V (the CUDA default) against the dense static cache: same
+    prefill, same block; only the attention's rounding differs (bf16 vs fp32 scores)."""
+    from dlmc.engine.block_decoder import BlockDecoder
+
+    _, bf16 = pair
+    dense = bf16._decoder
+    paged = BlockDecoder(bf16.model, bf16.special_ids.mask_token_id, bf16.special_ids.eos_token_id,
+                         dense.max_context, torch.device("cpu"), torch.bfloat16, mode="eager",
+                         kv_layout="paged")
+    assert paged.paged and paged.cache.dtype == torch.bfloat16
+    prompt, bl = list(range(40, 40 + 100)), 32
+    logits = []
+    for dec in (paged, dense):
+        runner = dec.runner(bl)
+        start = len(prompt) // bl * bl
+        if dec.paged:
+            dec.cache.reset()
+        dec._prefill(torch.tensor(prompt[:start]), bl, runner)
+        block = torch.tensor((prompt[start:] + [bf16.special_ids.mask_token_id] * bl)[:bl])
+        pos = torch.arange(start, start + bl)
+        ctx = (PagedRoundAttention(dec.cache) if dec.paged
+               else StaticCacheAttention(dec.cache, pos, runner.key_len(start + bl), bl))
+        with torch.inference_mode():
+            logits.append(bf16.model(block, pos, ctx).float())
+    rel = ((logits[0] - logits[1]).norm() / logits[1].norm()).item()
+    assert 0 < rel < 0.03  # bf16 rounding of scores and probabilities, far below FP8's few %
+    assert (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean() >= 0.9
+    assert paged.cache.length == 3 * bl  # the prefill advanced the paged cache
