@@ -64,7 +64,7 @@ rounds)
       --kv-cache-dtype "${spec##*:}" --modes eager,compile,graph --loop
   done ;;
 variants)  # e.g. VARIANTS="base:: gemm:DLMC_SMALL_M_GEMM=triton: dense::--kv-layout,dense"
-  for v in ${VARIANTS:-base:: unfused_shared::--no-fuse-shared-expert}; do
+  for v in ${VARIANTS:-base:: gemm:DLMC_SMALL_M_GEMM=triton: dense::--kv-layout,dense}; do
     IFS=: read -r name envs flags <<< "$v"
     (  # the variant's environment stays in this subshell
       for e in ${envs//,/ }; do export "$e"; done
