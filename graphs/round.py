@@ -19,6 +19,8 @@ from dlmc.graphs.static_attention import StaticCacheAttention
 from dlmc.kv.paged_cache import PagedKVCache
 
 EDITS_OFF = 2.0  # an edit threshold no probability exceeds
+# (temperature, top_k, top_p, generator) of a sampled round; None: greedy.
+Sampling = tuple[float, int | None, float | None, torch.Generator | None]
 
 
 @dataclass
@@ -59,7 +61,7 @@ def decide(
     mask_id: int,
     algorithm: str,
     num_to_transfer: int = 1,
-    sampling: tuple[float, int | None, float | None, torch.Generator | None] | None = None,
+    sampling: Sampling | None = None,
 ) -> None:
     """Commit/edit decision for `logits [bl, V]` of `buf.tokens`; updates `buf` in place."""
     tokens = buf.tokens
@@ -108,7 +110,7 @@ def denoise_round(
     block_length: int,
     mask_id: int,
     algorithm: str,
-    sampling: tuple[float, int | None, float | None, torch.Generator | None] | None = None,
+    sampling: Sampling | None = None,
 ) -> None:
     """One round of the block in `buf` over `cache` (dense: keys `[0, key_len)`; paged: the
     cached prefix). Greedy unless `sampling` = (temperature, top_k, top_p, generator)."""
@@ -127,7 +129,7 @@ def denoise_round_fused(
     block_length: int,
     mask_id: int,
     algorithm: str,
-    sampling: tuple[float, int | None, float | None, torch.Generator | None] | None = None,
+    sampling: Sampling | None = None,
 ) -> None:
     """The first round of a block fused with the refresh of the block before it.
 

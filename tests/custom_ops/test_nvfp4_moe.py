@@ -190,23 +190,15 @@ def run_variant(variant: int, *case: object) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", [2, 3])
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 @V2_V3_FUZZ
-def test_v2_kernel_matches_reference_gpu(seed: int, tokens: int, num_experts: int, top_k: int,
-                                         hidden: int, inter: int, skew: bool,
-                                         scale_2_log2: tuple[float, float]) -> None:
-    run_variant(2, seed, tokens, num_experts, min(top_k, num_experts), hidden, inter, skew,
-                scale_2_log2)
-
-
-@pytest.mark.gpu
-@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
-@V2_V3_FUZZ
-def test_v3_kernel_matches_reference_gpu(seed: int, tokens: int, num_experts: int, top_k: int,
-                                         hidden: int, inter: int, skew: bool,
-                                         scale_2_log2: tuple[float, float]) -> None:
-    """The bf16x2 inline-asm decode (DLMC_NVFP4_KERNEL=v3): every code, scales 2^-9..448."""
-    run_variant(3, seed, tokens, num_experts, min(top_k, num_experts), hidden, inter, skew,
+def test_kernel_matches_reference_gpu(variant: int, seed: int, tokens: int, num_experts: int,
+                                      top_k: int, hidden: int, inter: int, skew: bool,
+                                      scale_2_log2: tuple[float, float]) -> None:
+    """v2, and v3's bf16x2 inline-asm decode (DLMC_NVFP4_KERNEL=v3): every code, scales
+    2^-9..448."""
+    run_variant(variant, seed, tokens, num_experts, min(top_k, num_experts), hidden, inter, skew,
                 scale_2_log2)
 
 

@@ -87,9 +87,9 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
 
     bandwidth = copy_bandwidth_gbps()
     c = net.config
-    paged = kv_cache_dtype == "fp8" or kv_layout != "dense"
-    if kv_cache_dtype == "fp8" and kv_layout == "dense":
-        raise ConfigError("--kv-layout dense holds bf16 K/V only; an FP8 cache is paged")
+    from dlmc.engine.block_decoder import uses_paged_cache
+
+    paged = uses_paged_cache(kv_layout, kv_cache_dtype, device, torch.bfloat16, "graph")
     cache = _cache(c, prefix, block_length, kv_cache_dtype, paged, device, gen)
     results = [time_rounds(net, cache, cfg, mode, mask_id) for mode in cfg.modes]
     for r in results:

@@ -51,6 +51,24 @@ def paged_cache_problem(device: torch.device, dtype: torch.dtype, mode: str) -> 
     return None
 
 
+def uses_paged_cache(kv_layout: str, kv_cache_dtype: str, device: torch.device,
+                     dtype: torch.dtype, mode: str) -> bool:
+    """Whether K/V go to the paged cache (see KV_LAYOUTS); a combination that cannot run is a
+    ConfigError naming the option."""
+    problem = paged_cache_problem(device, dtype, mode)
+    if kv_cache_dtype == "fp8" and problem:
+        raise ConfigError(f"kv_cache_dtype 'fp8' {problem}")
+    if kv_layout not in KV_LAYOUTS:
+        raise ConfigError(f"kv_layout={kv_layout!r}: expected one of {', '.join(KV_LAYOUTS)}")
+    if kv_layout == "paged" and problem:
+        raise ConfigError("kv_layout 'paged' " + problem.replace(
+            "kv_cache_dtype 'bf16'", "kv_layout 'dense'"))
+    if kv_layout == "dense" and kv_cache_dtype == "fp8":
+        raise ConfigError("kv_layout 'dense' holds bf16 K/V only; an FP8 cache is paged")
+    return kv_cache_dtype == "fp8" or kv_layout == "paged" or (
+        kv_layout == "auto" and device.type == "cuda" and problem is None)
+
+
 class BlockDecoder:
     """Runs one request at a time on `model`, reusing one static KV cache and round buffers.
 
@@ -66,18 +84,7 @@ class BlockDecoder:
         self.model, self.mask_id, self.eos_id = model, mask_id, eos_id
         self.max_context, self.device, self.dtype, self.mode = (
             max_context, device, dtype, mode)
-        paged_problem = paged_cache_problem(device, dtype, mode)
-        if kv_cache_dtype == "fp8" and paged_problem:
-            raise ConfigError(f"kv_cache_dtype 'fp8' {paged_problem}")
-        if kv_layout not in KV_LAYOUTS:
-            raise ConfigError(f"kv_layout={kv_layout!r}: expected one of {', '.join(KV_LAYOUTS)}")
-        if kv_layout == "paged" and paged_problem:
-            raise ConfigError("kv_layout 'paged' " + paged_problem.replace(
-                "kv_cache_dtype 'bf16'", "kv_layout 'dense'"))
-        if kv_layout == "dense" and kv_cache_dtype == "fp8":
-            raise ConfigError("kv_layout 'dense' holds bf16 K/V only; an FP8 cache is paged")
-        self.paged = kv_cache_dtype == "fp8" or kv_layout == "paged" or (
-            kv_layout == "auto" and device.type == "cuda" and paged_problem is None)
+        self.paged = uses_paged_cache(kv_layout, kv_cache_dtype, device, dtype, mode)
         if refresh not in REFRESH_MODES:
             raise ConfigError(f"refresh={refresh!r}: expected one of {', '.join(REFRESH_MODES)}")
         self.kv_cache_dtype, self.kv_scales, self.refresh = kv_cache_dtype, kv_scales, refresh

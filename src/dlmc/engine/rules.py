@@ -11,28 +11,30 @@ import torch
 ARGMAX_CHUNKS = 256
 
 
+def _chunks(x: torch.Tensor, fill: float) -> torch.Tensor:
+    """`x [bl, V]` as `[bl, ARGMAX_CHUNKS, ceil(V / ARGMAX_CHUNKS)]`, padded with `fill`."""
+    rows, width = x.shape
+    chunk = -(-width // ARGMAX_CHUNKS)
+    padded = torch.nn.functional.pad(x, (0, chunk * ARGMAX_CHUNKS - width), value=fill)
+    return padded.view(rows, ARGMAX_CHUNKS, chunk)
+
+
 def row_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`(max, argmax)` of each row of `logits [bl, V]`, the first index among equal maxima.
 
     In two stages over `ARGMAX_CHUNKS` column chunks: a compiled argmax over a few very long
     rows runs one program per row, a chunked one fills the GPU (~7x faster at 32 x 157k).
     """
-    rows, width = logits.shape
-    chunk = -(-width // ARGMAX_CHUNKS)
-    padded = torch.nn.functional.pad(logits, (0, chunk * ARGMAX_CHUNKS - width),
-                                     value=float("-inf"))
-    part_max, part_idx = padded.view(rows, ARGMAX_CHUNKS, chunk).max(dim=-1)  # [bl, C]
+    chunks = _chunks(logits, float("-inf"))
+    part_max, part_idx = chunks.max(dim=-1)  # [bl, C]
     top, which = part_max.max(dim=-1)  # [bl]
-    index = which * chunk + part_idx.gather(1, which[:, None])[:, 0]
+    index = which * chunks.shape[-1] + part_idx.gather(1, which[:, None])[:, 0]
     return top, index
 
 
 def chunked_row_sum(x: torch.Tensor) -> torch.Tensor:
     """Row sums of `x [bl, V]` through `ARGMAX_CHUNKS` partial sums (parallel when compiled)."""
-    rows, width = x.shape
-    chunk = -(-width // ARGMAX_CHUNKS)
-    padded = torch.nn.functional.pad(x, (0, chunk * ARGMAX_CHUNKS - width))
-    return padded.view(rows, ARGMAX_CHUNKS, chunk).sum(dim=-1).sum(dim=-1)  # [bl]
+    return _chunks(x, 0.0).sum(dim=-1).sum(dim=-1)  # [bl]
 
 
 def propose(
