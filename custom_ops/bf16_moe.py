@@ -24,8 +24,29 @@ from dlmc.custom_ops.nvfp4_tiles import round_bf16
 
 __all__ = ["bf16_moe", "bf16_moe_reference"]
 
-# Tile sizes (N, K) of the two kernels; DLMC_BF16_MOE_TILES="64,128,64,128" overrides (tuning).
-_TILES = tuple(int(v) for v in os.environ.get("DLMC_BF16_MOE_TILES", "64,128,64,128").split(","))
+# Launch config of each kernel: (BLOCK_N, BLOCK_K, num_warps, num_stages). Tuning overrides:
+# DLMC_BF16_MOE_TILES="n,k,w,s;n,k,w,s" (gate_up; down), or "n1,k1,n2,k2" (Triton's default
+# warps and stages), or the module's `_LAUNCH` dict (perf/bench_bf16_moe.py sweeps it).
+_DEFAULT_LAUNCH = {"gate_up": (64, 128, 4, 3), "down": (64, 128, 4, 3)}
+
+
+def _parse_launch(spec: str) -> dict[str, tuple[int, int, int, int]]:
+    """`DLMC_BF16_MOE_TILES` -> launch configs; a malformed value is an error naming it."""
+    try:
+        parts = [tuple(int(v) for v in p.split(",")) for p in spec.split(";")]
+        if len(parts) == 1 and len(parts[0]) == 4:  # "n1,k1,n2,k2"
+            n1, k1, n2, k2 = parts[0]
+            parts = [(n1, k1, 4, 3), (n2, k2, 4, 3)]
+        if len(parts) != 2 or any(len(p) != 4 for p in parts):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"DLMC_BF16_MOE_TILES={spec!r}: expected 'n1,k1,n2,k2' or "
+                         "'n,k,warps,stages;n,k,warps,stages' (integers)") from None
+    return dict(zip(("gate_up", "down"), parts, strict=True))
+
+
+_LAUNCH = (_parse_launch(os.environ["DLMC_BF16_MOE_TILES"]) if "DLMC_BF16_MOE_TILES" in os.environ
+           else dict(_DEFAULT_LAUNCH))
 
 
 @triton.jit
@@ -108,16 +129,18 @@ def _bf16_moe_impl(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     num_pairs = tokens * top_k
     block_m, sorted_pair, expert_of_block = route_pairs(topk_ids, num_experts)
     num_blocks = expert_of_block.shape[0]
-    n1, k1, n2, k2 = _TILES
+    n1, k1, w1, s1 = _LAUNCH["gate_up"]
+    n2, k2, w2, s2 = _LAUNCH["down"]
     h = torch.empty((num_blocks * block_m, inter), dtype=torch.bfloat16, device=x.device)
     wrap_triton(_gate_up_kernel)[(num_blocks, triton.cdiv(inter, n1))](
         x, sorted_pair, expert_of_block, gate_proj, up_proj, h, num_pairs, top_k, hidden, inter,
         x.stride(0), h.stride(0), BLOCK_M=block_m, BLOCK_N=n1, BLOCK_K=k1,
-        INTERPRETED=_INTERPRETED)
+        INTERPRETED=_INTERPRETED, num_warps=w1, num_stages=s1)
     y = torch.empty((num_pairs, hidden), dtype=torch.bfloat16, device=x.device)
     wrap_triton(_down_kernel)[(num_blocks, triton.cdiv(hidden, n2))](
         h, sorted_pair, expert_of_block, down_proj, y, num_pairs, hidden, inter, h.stride(0),
-        y.stride(0), BLOCK_M=block_m, BLOCK_N=n2, BLOCK_K=k2, INTERPRETED=_INTERPRETED)
+        y.stride(0), BLOCK_M=block_m, BLOCK_N=n2, BLOCK_K=k2, INTERPRETED=_INTERPRETED,
+        num_warps=w2, num_stages=s2)
     return combine_pairs(y, topk_weights, out)  # [T, H]
 
 

@@ -8,6 +8,7 @@
 #                                      # loop + profile per spec (one spec per call when cold)
 #   bash perf/h200_session.sh ops      # nvfp4_moe v3 vs v2 + tile sweeps, paged attention,
 #                                      # the kernels' GPU tests
+#   bash perf/h200_session.sh moe      # dlmc::bf16_moe alone, launch-config sweeps (MOE_CONFIGS)
 #   bash perf/h200_session.sh ncu      # Nsight Compute of nvfp4_moe and paged attention
 #   bash perf/h200_session.sh variants # BF16 graph round + profile per VARIANTS entry, each
 #                                      # "name:ENV=VAL,...:flag,flag" (commas for spaces)
@@ -95,10 +96,18 @@ ops)
     "tests/custom_ops/test_nvfp4_moe.py::test_compile_and_cuda_graph_replay" \
     "tests/custom_ops/test_moe_align.py::test_compile_and_graph_replay" \
     "tests/custom_ops/test_paged_attention.py::test_compile_and_cuda_graph_replay" ;;
+moe)  # dlmc::bf16_moe alone: launch-config sweeps of each kernel, against copy and read ceilings
+  for kern in gate_up down; do
+    timeout 120 python3 perf/bench_bf16_moe.py --kernel $kern --configs ${MOE_CONFIGS:-128,128,4,3 \
+      64,128,4,4 64,128,4,5 64,256,4,3 128,64,4,4 32,256,4,3 64,128,8,3 128,128,8,4 64,64,4,6 \
+      256,64,8,3} --out "$OUT/bf16_moe_sweep_$kern.json" > "$OUT/bf16_moe_sweep_$kern.txt" 2>&1
+    echo "bf16 moe sweep $kern rc=$?"; grep -E "us/layer|failed|read_GBps" \
+      "$OUT/bf16_moe_sweep_$kern.txt" | cut -c1-160
+  done ;;
 ncu)  # why nvfp4_moe v3 sits near 45 % of copy bandwidth, and what limits paged attention
   ncu_run nvfp4_v3 "_gate_up_kernel|_down_kernel" 2 \
     python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 1 --layers 1
   ncu_run paged_attention "paged_attention" 4 \
     python3 perf/bench_paged_attention.py --prefixes 4096 --layers 1 --iters 1 --no-flashinfer ;;
-*) echo "usage: $0 final|rounds|variants|ops|ncu" >&2; exit 2 ;;
+*) echo "usage: $0 final|rounds|variants|ops|moe|ncu" >&2; exit 2 ;;
 esac

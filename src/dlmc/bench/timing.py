@@ -38,3 +38,12 @@ def copy_bandwidth_gbps(nbytes: int = 1 << 30, iters: int = 20) -> float:
     dst = torch.empty_like(src)
     ms = statistics.median(cuda_times(lambda: dst.copy_(src), iters, warmup=5))
     return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def read_bandwidth_gbps(nbytes: int = 1 << 30, iters: int = 20) -> float:
+    """Device read bandwidth in GB/s: a sum over `nbytes` of random fp32 (bytes read only,
+    median). A second ceiling beside the copy: the MoE kernels mostly read."""
+    src = torch.rand(nbytes // 4, device="cuda")
+    out = torch.empty((), device="cuda")
+    ms = statistics.median(cuda_times(lambda: torch.sum(src, out=out), iters, warmup=5))
+    return nbytes / (ms * 1e-3) / 1e9
