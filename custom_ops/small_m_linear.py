@@ -6,9 +6,10 @@ are the weight's (12.6 MB for LLaDA2.1-mini's qkv, 3 µs at copy speed), yet cuB
 features for all tokens and streams its weight rows once, so the grid spreads a weight over
 ~100 SMs. Two weight types:
 - bf16 (projections): tensor-core dots, fp32 accumulation, one rounding to a bf16 result;
-- fp32 (the MoE router, `x.float() @ W^T`): ieee fp32 FMAs (no TF32), exact products since x
-  holds bf16 values, an fp32 result. cuBLAS ran this `[32, 2048] x [2048, 256]` GEMM as a SIMT
-  sgemm (6.7 µs) after an fp32 conversion kernel (2.4 µs).
+- fp32 (the MoE router, `x.float() @ W^T`): fp32 multiply-adds without tensor cores (no TF32),
+  exact products since x holds bf16 values, an fp32 result; a few weight rows per program.
+  cuBLAS runs this `[32, 2048] x [2048, 256]` GEMM as a SIMT sgemm plus a split-K reduction
+  (6.7 + 2.5 µs per layer on the H200).
 Opt-in until measured on a GPU: `DLMC_SMALL_M_GEMM=triton` (`dlmc.models.layers.linear`, the
 MoE router). The maths is `small_m_linear_reference` (results differ only in summation order).
 """
@@ -28,8 +29,30 @@ from dlmc.custom_ops.nvfp4_tiles import round_bf16
 __all__ = ["MAX_TOKENS", "small_m_linear", "small_m_linear_reference"]
 
 MAX_TOKENS = 64  # more rows: cuBLAS's tiles are the right tool
-BLOCK_K = 128
-BLOCK_N = {torch.bfloat16: 32, torch.float32: 16}  # output features per program
+# (BLOCK_N output features per program, BLOCK_K, num_warps, num_stages) per weight dtype;
+# perf/bench_small_m_linear.py sweeps `_CONFIG`.
+_CONFIG = {torch.bfloat16: (16, 256, 4, 4), torch.float32: (2, 256, 4, 3)}
+
+
+@triton.jit
+def _small_m_linear_fp32_kernel(x_ptr, w_ptr, y_ptr, tokens, stride_x, stride_y, N: tl.constexpr,
+                                K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_K: tl.constexpr):
+    """fp32 weight: broadcast FMAs over a `[BT, BN, BK]` tile (BLOCK_N may be below the 16 that
+    `tl.dot` needs, so that a 256-row router weight spreads over ~128 programs)."""
+    t = tl.arange(0, BLOCK_T)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + k
+        x = tl.load(x_ptr + t[:, None] * stride_x + kk[None, :],
+                    mask=(t[:, None] < tokens) & (kk[None, :] < K), other=0.0)  # [BT, BK]
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + kk[None, :],
+                    mask=(n[:, None] < N) & (kk[None, :] < K), other=0.0)  # [BN, BK]
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)  # [BT, BN]
+    tl.store(y_ptr + t[:, None] * stride_y + n[None, :], acc,
+             mask=(t[:, None] < tokens) & (n[None, :] < N))
 
 
 @triton.jit
@@ -46,27 +69,31 @@ def _small_m_linear_kernel(x_ptr, w_ptr, y_ptr, tokens, stride_x, stride_y, N: t
                     mask=(t[:, None] < tokens) & (kk[None, :] < K), other=0.0)  # [BT, BK]
         w = tl.load(w_ptr + n[None, :].to(tl.int64) * K + kk[:, None],
                     mask=(n[None, :] < N) & (kk[:, None] < K), other=0.0)  # [BK, BN]
-        if INTERPRETED or w.dtype == tl.float32:  # fp32 weights; the interpreter's bf16 dot
-            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")  # is wrong
+        if INTERPRETED:  # the interpreter's bf16 dot is wrong: widen (exact products)
+            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(x, w)
-    if y_ptr.dtype.element_ty == tl.float32:  # noqa: SIM108 (a static branch in Triton)
-        y = acc
-    else:
-        y = round_bf16(acc, INTERPRETED)
-    tl.store(y_ptr + t[:, None] * stride_y + n[None, :], y,
+    tl.store(y_ptr + t[:, None] * stride_y + n[None, :], round_bf16(acc, INTERPRETED),
              mask=(t[:, None] < tokens) & (n[None, :] < N))
 
 
 def _small_m_linear_impl(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     tokens, features = x.shape[0], weight.shape[0]
     y = torch.empty((tokens, features), dtype=weight.dtype, device=x.device)
-    if tokens:
-        block_n = BLOCK_N[weight.dtype]
-        wrap_triton(_small_m_linear_kernel)[(triton.cdiv(features, block_n),)](
-            x, weight, y, tokens, x.stride(0), y.stride(0), N=features, K=weight.shape[1],
-            BLOCK_T=max(16, triton.next_power_of_2(tokens)), BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-            INTERPRETED=_INTERPRETED, num_warps=4, num_stages=4)
+    if not tokens:
+        return y
+    block_n, block_k, num_warps, num_stages = _CONFIG[weight.dtype]
+    grid = (triton.cdiv(features, block_n),)
+    common = (x, weight, y, tokens, x.stride(0), y.stride(0))
+    if weight.dtype == torch.float32:
+        wrap_triton(_small_m_linear_fp32_kernel)[grid](
+            *common, N=features, K=weight.shape[1], BLOCK_T=triton.next_power_of_2(tokens),
+            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+    else:
+        wrap_triton(_small_m_linear_kernel)[grid](
+            *common, N=features, K=weight.shape[1], BLOCK_T=max(16, triton.next_power_of_2(tokens)),
+            BLOCK_N=block_n, BLOCK_K=block_k, INTERPRETED=_INTERPRETED, num_warps=num_warps,
+            num_stages=num_stages)
     return y
 
 
@@ -89,7 +116,7 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] > MAX_TOKENS:
         raise ValueError(f"small_m_linear: x must be bf16 [T <= {MAX_TOKENS}, K], got "
                          f"{x.dtype} {tuple(x.shape)}")
-    if weight.dtype not in BLOCK_N or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+    if weight.dtype not in _CONFIG or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
         raise ValueError(f"small_m_linear: weight must be bf16 or fp32 [N, K={x.shape[1]}], got "
                          f"{weight.dtype} {tuple(weight.shape)}")
     if not (x.is_cuda or _INTERPRETED):

@@ -9,6 +9,7 @@
 #   bash perf/h200_session.sh ops      # nvfp4_moe v3 vs v2 + tile sweeps, paged attention,
 #                                      # the kernels' GPU tests
 #   bash perf/h200_session.sh moe      # dlmc::bf16_moe alone, launch-config sweeps (MOE_CONFIGS)
+#   bash perf/h200_session.sh gemm     # dlmc::small_m_linear vs cuBLAS, sweeps (GEMM_CONFIGS)
 #   bash perf/h200_session.sh ncu      # Nsight Compute of nvfp4_moe and paged attention
 #   bash perf/h200_session.sh variants # BF16 graph round + profile per VARIANTS entry, each
 #                                      # "name:ENV=VAL,...:flag,flag" (commas for spaces)
@@ -104,10 +105,16 @@ moe)  # dlmc::bf16_moe alone: launch-config sweeps of each kernel, against copy 
     echo "bf16 moe sweep $kern rc=$?"; grep -E "us/layer|failed|read_GBps" \
       "$OUT/bf16_moe_sweep_$kern.txt" | cut -c1-160
   done ;;
+gemm)  # dlmc::small_m_linear vs cuBLAS at the round's skinny GEMMs, launch-config sweeps
+  timeout 150 python3 perf/bench_small_m_linear.py --configs ${GEMM_CONFIGS:-bf16:32,128,4,4 \
+    bf16:16,128,4,4 bf16:16,256,4,3 bf16:32,256,4,3 bf16:16,512,4,2 bf16:64,128,4,4 \
+    bf16:16,256,8,3 fp32:1,256,4,3 fp32:4,256,4,3 fp32:8,128,4,3 fp32:16,128,4,3 \
+    fp32:2,512,4,2 fp32:4,128,2,4} --out "$OUT/small_m_linear.json" > "$OUT/small_m_linear.txt" 2>&1
+  echo "small_m_linear rc=$?"; grep -E " us |failed" "$OUT/small_m_linear.txt" | cut -c1-120 ;;
 ncu)  # why nvfp4_moe v3 sits near 45 % of copy bandwidth, and what limits paged attention
   ncu_run nvfp4_v3 "_gate_up_kernel|_down_kernel" 2 \
     python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 1 --layers 1
   ncu_run paged_attention "paged_attention" 4 \
     python3 perf/bench_paged_attention.py --prefixes 4096 --layers 1 --iters 1 --no-flashinfer ;;
-*) echo "usage: $0 final|rounds|variants|ops|moe|ncu" >&2; exit 2 ;;
+*) echo "usage: $0 final|rounds|variants|ops|moe|gemm|ncu" >&2; exit 2 ;;
 esac

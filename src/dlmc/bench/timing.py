@@ -45,5 +45,5 @@ def read_bandwidth_gbps(nbytes: int = 1 << 30, iters: int = 20) -> float:
     median). A second ceiling beside the copy: the MoE kernels mostly read."""
     src = torch.rand(nbytes // 4, device="cuda")
     out = torch.empty((), device="cuda")
-    ms = statistics.median(cuda_times(lambda: torch.sum(src, out=out), iters, warmup=5))
+    ms = statistics.median(cuda_times(lambda: torch.sum(src, dim=0, out=out), iters, warmup=5))
     return nbytes / (ms * 1e-3) / 1e9

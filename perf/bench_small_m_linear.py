@@ -1,0 +1,102 @@
+"""Benchmark `dlmc::small_m_linear` against cuBLAS (`F.linear`) at LLaDA2.1-mini's skinny GEMMs.
+
+32 bf16 tokens times: qkv `[3072, 2048]`, o_proj `[2048, 2048]`, the dense MLP's fused gate/up
+`[10240, 2048]` and down `[2048, 5120]` (bf16 weights), and the MoE router `[256, 2048]` (fp32
+weight, fp32 logits). Each GEMM runs over 20 distinct random weights inside one CUDA graph (more
+bytes than L2 holds); median over the replays, per GEMM. `--configs` sweeps the Triton launch
+config (BLOCK_N,BLOCK_K,num_warps,num_stages) of each weight dtype.
+
+    python perf/bench_small_m_linear.py --out perf/results/small_m_linear_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+import dlmc.custom_ops.small_m_linear as sml
+from dlmc.bench.timing import copy_bandwidth_gbps, cuda_times
+
+SHAPES = {"qkv": (3072, 2048, torch.bfloat16), "o_proj": (2048, 2048, torch.bfloat16),
+          "mlp_gate_up": (10240, 2048, torch.bfloat16), "mlp_down": (2048, 5120, torch.bfloat16),
+          "router": (256, 2048, torch.float32)}
+
+
+def graph_us(fn: Callable[[int], object], copies: int, iters: int) -> float:
+    """Median µs of one call, from CUDA-graph replays of `copies` calls on distinct weights."""
+    for i in range(copies):
+        fn(i)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(copies):
+            fn(i)
+    return statistics.median(cuda_times(graph.replay, iters, warmup=3)) * 1e3 / copies
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--copies", type=int, default=20)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--configs", nargs="*", default=[],
+                   help="DTYPE:BLOCK_N,BLOCK_K,num_warps,num_stages (DTYPE bf16 or fp32)")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    torch.manual_seed(0)
+    x = torch.randn(args.tokens, 2048, device="cuda").bfloat16()
+    x_wide = torch.randn(args.tokens, 5120, device="cuda").bfloat16()
+    report: dict[str, object] = {
+        "command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__, "triton": triton.__version__,
+        "copy_GBps": copy_bandwidth_gbps(1 << 30, 30),
+        "default_config": {str(k): v for k, v in sml._CONFIG.items()}, "results": []}
+    print(json.dumps({k: v for k, v in report.items() if k != "results"}), flush=True)
+    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    configs = [("default", None)] + [
+        (c, (dtypes[c.split(":")[0]], tuple(int(v) for v in c.split(":")[1].split(","))))
+        for c in args.configs]
+    default = dict(sml._CONFIG)
+    for name, (n, k, dtype) in SHAPES.items():
+        ws = [torch.randn(n, k, device="cuda").to(dtype) * 0.02 for _ in range(args.copies)]
+        xi = x if k == 2048 else x_wide
+        ref = F.linear(xi.to(dtype), ws[0]).float()
+        rows = {"cublas": graph_us(lambda i, xi=xi, d=dtype, ws=ws: F.linear(xi.to(d), ws[i]),
+                                   args.copies, args.iters)}
+        for label, override in configs:
+            if override is not None and override[0] != dtype:
+                continue
+            sml._CONFIG = dict(default) | ({override[0]: override[1]} if override else {})
+            try:
+                err = float((sml.small_m_linear(xi, ws[0]).float() - ref).abs().max()
+                            / ref.abs().max())
+                rows[f"triton {label}"] = graph_us(
+                    lambda i, xi=xi, ws=ws: sml.small_m_linear(xi, ws[i]), args.copies,
+                    args.iters)
+            except Exception as error:  # noqa: BLE001 (a config that does not compile)
+                print(f"{name} {label} failed: {str(error).splitlines()[0][:120]}")
+                continue
+            rows[f"err {label}"] = err
+        sml._CONFIG = default
+        nbytes = n * k * ws[0].element_size()
+        for label, us in rows.items():
+            if label.startswith("err"):
+                continue
+            report["results"].append({"gemm": name, "impl": label, "us": us,
+                                      "GBps": nbytes / us / 1e3,
+                                      "max_rel_err": rows.get(label.replace("triton", "err"))})
+            print(f"{name:12s} {label:32s} {us:7.2f} us {nbytes / us / 1e3:6.0f} GB/s", flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
