@@ -31,27 +31,28 @@ __all__ = ["MAX_TOKENS", "small_m_linear", "small_m_linear_reference"]
 MAX_TOKENS = 64  # more rows: cuBLAS's tiles are the right tool
 # (BLOCK_N output features per program, BLOCK_K, num_warps, num_stages) per weight dtype;
 # perf/bench_small_m_linear.py sweeps `_CONFIG`.
-_CONFIG = {torch.bfloat16: (16, 256, 4, 4), torch.float32: (2, 256, 4, 3)}
+_CONFIG = {torch.bfloat16: (16, 256, 4, 4), torch.float32: (2, 64, 4, 3)}
 
 
 @triton.jit
 def _small_m_linear_fp32_kernel(x_ptr, w_ptr, y_ptr, tokens, stride_x, stride_y, N: tl.constexpr,
                                 K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                                 BLOCK_K: tl.constexpr):
-    """fp32 weight: broadcast FMAs over a `[BT, BN, BK]` tile (BLOCK_N may be below the 16 that
-    `tl.dot` needs, so that a 256-row router weight spreads over ~128 programs)."""
+    """fp32 weight: elementwise FMA chains in a `[BT, BN, BK]` accumulator, one cross-thread
+    sum at the end (BLOCK_N may be below the 16 that `tl.dot` needs, so that a 256-row router
+    weight spreads over ~128 programs)."""
     t = tl.arange(0, BLOCK_T)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_T, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + k
         x = tl.load(x_ptr + t[:, None] * stride_x + kk[None, :],
                     mask=(t[:, None] < tokens) & (kk[None, :] < K), other=0.0)  # [BT, BK]
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + kk[None, :],
                     mask=(n[:, None] < N) & (kk[None, :] < K), other=0.0)  # [BN, BK]
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)  # [BT, BN]
-    tl.store(y_ptr + t[:, None] * stride_y + n[None, :], acc,
+        acc += x.to(tl.float32)[:, None, :] * w[None, :, :]  # [BT, BN, BK]
+    tl.store(y_ptr + t[:, None] * stride_y + n[None, :], tl.sum(acc, axis=2),
              mask=(t[:, None] < tokens) & (n[None, :] < N))
 
 

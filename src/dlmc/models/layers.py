@@ -16,14 +16,14 @@ __all__ = ["RMSNorm", "SwiGLUMLP", "apply_partial_rope", "fuse_gate_up_projectio
            "rms_norm", "rope_cos_sin", "small_m_gemm"]
 
 
-def small_m_gemm() -> str:
-    """How dense projections (and MoE routers) of a few bf16 tokens run on CUDA, from
-    `DLMC_SMALL_M_GEMM`: "cublas" (`F.linear`, the default) or "triton" (`dlmc::small_m_linear`;
-    opt-in until measured). Read once per module at construction, never inside a compiled
-    forward."""
-    choice = os.environ.get("DLMC_SMALL_M_GEMM", "cublas")
+def small_m_gemm(env: str = "DLMC_SMALL_M_GEMM") -> str:
+    """How a module's GEMMs of a few bf16 tokens run on CUDA: "cublas" (`F.linear`) or "triton"
+    (`dlmc::small_m_linear`). `DLMC_SMALL_M_GEMM` sets the dense projections (default cublas:
+    faster for qkv and the MLPs on the H200, perf/README.md); `DLMC_ROUTER_GEMM` the MoE
+    router's fp32 GEMM. Read once per module at construction, never inside a compiled forward."""
+    choice = os.environ.get(env, "cublas")
     if choice not in ("cublas", "triton"):
-        raise ConfigError(f"DLMC_SMALL_M_GEMM={choice!r}: expected 'cublas' or 'triton'")
+        raise ConfigError(f"{env}={choice!r}: expected 'cublas' or 'triton'")
     return choice
 
 

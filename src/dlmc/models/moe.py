@@ -38,7 +38,7 @@ class Router(nn.Module):
             "weight", torch.empty(config.num_experts, config.hidden_size, dtype=torch.float32)
         )
         self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
-        self.gemm = small_m_gemm()
+        self.gemm = small_m_gemm("DLMC_ROUTER_GEMM")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Route `x [T, H]` to `(topk_ids [T, K] int64, topk_weights [T, K] fp32)`."""
