@@ -4,7 +4,8 @@ Same structure as `dlmc::nvfp4_moe` (docs/nvfp4.md §3.2) with plain BF16 weight
 pairs are grouped per expert into M-blocks (`moe_align`), one kernel computes
 `h = silu(x @ gate^T) * (x @ up^T)` per M-block and N-tile of the expert width, a second computes
 `y = h @ down^T`; the bf16 pair outputs are weighted and combined in fp32. Each touched expert's
-weights are streamed once per round. The maths is `bf16_moe_reference`.
+weights are streamed once per round. A shared expert stacked last (`shared_expert=True`) runs in the
+same two kernels, as blocks of all tokens after the routed ones. The maths is `bf16_moe_reference`.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch.library import wrap_triton
 
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
-from dlmc.custom_ops.moe_align import combine_pairs, route_pairs
+from dlmc.custom_ops.moe_align import append_shared_column, combine_pairs, route_pairs
 from dlmc.custom_ops.nvfp4_tiles import round_bf16
 
 __all__ = ["bf16_moe", "bf16_moe_reference"]
@@ -118,30 +119,30 @@ def _down_kernel(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, y_ptr, num
 
 
 def _bf16_moe_impl(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                   gate_proj: torch.Tensor, up_proj: torch.Tensor,
-                   down_proj: torch.Tensor) -> torch.Tensor:
+                   gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
+                   shared_expert: bool = False) -> torch.Tensor:
     tokens, hidden = x.shape
-    top_k = topk_ids.shape[1]
-    num_experts, inter = gate_proj.shape[0], gate_proj.shape[1]
+    pairs_per_token = topk_ids.shape[1] + shared_expert  # the shared expert's pair: column K
+    routed_experts, inter = gate_proj.shape[0] - shared_expert, gate_proj.shape[1]
     out = torch.empty((tokens, hidden), dtype=torch.bfloat16, device=x.device)
     if tokens == 0:
         return out
-    num_pairs = tokens * top_k
-    block_m, sorted_pair, expert_of_block = route_pairs(topk_ids, num_experts)
+    num_pairs = tokens * pairs_per_token
+    block_m, sorted_pair, expert_of_block = route_pairs(topk_ids, routed_experts, shared_expert)
     num_blocks = expert_of_block.shape[0]
     n1, k1, w1, s1 = _LAUNCH["gate_up"]
     n2, k2, w2, s2 = _LAUNCH["down"]
     h = torch.empty((num_blocks * block_m, inter), dtype=torch.bfloat16, device=x.device)
     wrap_triton(_gate_up_kernel)[(num_blocks, triton.cdiv(inter, n1))](
-        x, sorted_pair, expert_of_block, gate_proj, up_proj, h, num_pairs, top_k, hidden, inter,
-        x.stride(0), h.stride(0), BLOCK_M=block_m, BLOCK_N=n1, BLOCK_K=k1,
+        x, sorted_pair, expert_of_block, gate_proj, up_proj, h, num_pairs, pairs_per_token,
+        hidden, inter, x.stride(0), h.stride(0), BLOCK_M=block_m, BLOCK_N=n1, BLOCK_K=k1,
         INTERPRETED=_INTERPRETED, num_warps=w1, num_stages=s1)
     y = torch.empty((num_pairs, hidden), dtype=torch.bfloat16, device=x.device)
     wrap_triton(_down_kernel)[(num_blocks, triton.cdiv(hidden, n2))](
         h, sorted_pair, expert_of_block, down_proj, y, num_pairs, hidden, inter, h.stride(0),
         y.stride(0), BLOCK_M=block_m, BLOCK_N=n2, BLOCK_K=k2, INTERPRETED=_INTERPRETED,
         num_warps=w2, num_stages=s2)
-    return combine_pairs(y, topk_weights, out)  # [T, H]
+    return combine_pairs(y, topk_weights, out, shared_expert)  # [T, H]
 
 
 def _bf16_moe_fake(x: torch.Tensor, *args: object) -> torch.Tensor:
@@ -152,14 +153,17 @@ _bf16_moe_op = traced_triton_op("dlmc::bf16_moe", _bf16_moe_impl, _bf16_moe_fake
 
 
 def bf16_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-             gate_proj: torch.Tensor, up_proj: torch.Tensor,
-             down_proj: torch.Tensor) -> torch.Tensor:
+             gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
+             shared_expert: bool = False) -> torch.Tensor:
     """Routed-expert MoE with BF16 experts (Triton, `dlmc::bf16_moe`).
 
     x bf16 `[T, H]`; topk_ids int32/int64 `[T, K]` in `[0, E)`; topk_weights fp32 `[T, K]`;
     gate_proj, up_proj bf16 `[E, I, H]`, down_proj bf16 `[E, H, I]`, contiguous.
     Returns bf16 `[T, H]` = `sum_k w[t, k] * bf16(down(bf16(silu(g)) * u))` summed in fp32, with
-    `g`, `u` the bf16-rounded gate and up projections. No host sync (graph-capturable).
+    `g`, `u` the bf16-rounded gate and up projections. `shared_expert`: expert E-1 is a shared
+    expert that every token also takes with weight 1.0 (topk_ids then in `[0, E-1)`): the same
+    result as the `[T, K+1]` routing with that column appended (`append_shared_column`), without
+    sorting the shared rows. No host sync (graph-capturable).
     """
     if x.dtype != torch.bfloat16 or x.dim() != 2:
         raise ValueError(f"bf16_moe: x must be bf16 [T, H], got {x.dtype} {tuple(x.shape)}")
@@ -170,18 +174,22 @@ def bf16_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
         raise ValueError(f"bf16_moe: topk_ids/topk_weights must be [T={x.shape[0]}, K], got "
                          f"{tuple(topk_ids.shape)} / {tuple(topk_weights.shape)}")
     return _bf16_moe_op(x.contiguous(), topk_ids, topk_weights.float(), gate_proj, up_proj,
-                        down_proj)
+                        down_proj, shared_expert)
 
 
 def bf16_moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                       gate_proj: torch.Tensor, up_proj: torch.Tensor,
-                       down_proj: torch.Tensor) -> torch.Tensor:
+                       gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
+                       shared_expert: bool = False) -> torch.Tensor:
     """Plain-PyTorch routed MoE: `y_t = sum_k w_tk * down(silu(gate(x_t)) * up(x_t))`.
 
     x `[T, H]`, topk_ids `[T, K]`, topk_weights `[T, K]` fp32, gate/up `[E, I, H]`,
     down `[E, H, I]`. Expert outputs are in x's dtype, weighted and summed in fp32, cast back.
+    `shared_expert`: every token also takes expert E-1 with weight 1.0 (a `[T, K+1]` routing).
     Loops over the experts that received tokens (eager; reads the counts on the host).
     """
+    if shared_expert:
+        topk_ids = append_shared_column(topk_ids, gate_proj.shape[0] - 1)  # [T, K+1]
+        topk_weights = append_shared_column(topk_weights, 1.0)
     tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)  # [T*K]
     order = torch.argsort(flat_ids, stable=True)  # [T*K]

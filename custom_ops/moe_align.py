@@ -6,6 +6,10 @@
 and every block's expert exactly once: static shapes, no host sync, CUDA-graph capturable. The
 maths is `align_pairs_to_blocks_reference` (torch ops only), which also serves CPU runs without
 Triton's interpreter.
+
+A shared expert that every token takes (`shared_expert=True`) is a dense tail: its `T` rows are
+written in token order into `ceil(T / block_m)` blocks after the routed experts' blocks, unsorted,
+so the sort and the per-expert tiles stay at the routed `T*K` pairs and `E` experts.
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ from torch.library import wrap_triton
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
 
-__all__ = ["align_pairs_to_blocks", "align_pairs_to_blocks_reference", "combine_pairs",
-           "moe_block_size", "route_pairs"]
+__all__ = ["aligned_blocks", "align_pairs_to_blocks", "align_pairs_to_blocks_reference",
+           "append_shared_column", "combine_pairs", "moe_block_size", "route_pairs"]
 
 # One program holds all pair keys and per-expert counts in registers; larger routings take the
 # torch path.
@@ -36,6 +40,19 @@ def moe_block_size(num_pairs: int, num_experts: int) -> int:
 def max_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Static block count: every expert may leave one partly filled block."""
     return -(-num_pairs // block_m) + min(num_experts, num_pairs)
+
+
+def aligned_blocks(tokens: int, top_k: int, num_experts: int, block_m: int,
+                   shared_expert: bool = False) -> int:
+    """Static block count of `align_pairs_to_blocks`: the routed pairs' `max_blocks`, plus
+    `ceil(tokens / block_m)` for the shared expert's rows."""
+    shared_blocks = -(-tokens // block_m) if shared_expert else 0
+    return max_blocks(tokens * top_k, num_experts, block_m) + shared_blocks
+
+
+def append_shared_column(routing: torch.Tensor, value: float) -> torch.Tensor:
+    """`[T, K]` ids or weights -> `[T, K+1]` with `value` (the shared expert's id, or 1.0) last."""
+    return torch.cat([routing, routing.new_full((routing.shape[0], 1), value)], dim=1)
 
 
 @triton.jit
@@ -62,9 +79,12 @@ def _sort_ascending(x, LOG_N: tl.constexpr):
 
 
 @triton.jit
-def moe_align_kernel(ids_ptr, sorted_pair_ptr, expert_of_block_ptr, num_pairs,
-                     NUM_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, LOG_PAIRS_PAD: tl.constexpr,
-                     EXPERTS_PAD: tl.constexpr, FILL: tl.constexpr):
+def moe_align_kernel(ids_ptr, sorted_pair_ptr, expert_of_block_ptr, num_pairs, top_k,
+                     shared_expert, NUM_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr,
+                     LOG_PAIRS_PAD: tl.constexpr, EXPERTS_PAD: tl.constexpr,
+                     SHARED_BLOCKS: tl.constexpr, FILL: tl.constexpr):
+    """`num_pairs = T*K` routed pairs; with `SHARED_BLOCKS > 0` pair ids count `K+1` per token
+    and expert `shared_expert` takes every token's column K in the blocks after the routed ones."""
     PAIRS_PAD: tl.constexpr = 2**LOG_PAIRS_PAD
     pair = tl.arange(0, PAIRS_PAD)
     is_pair = pair < num_pairs
@@ -78,6 +98,10 @@ def moe_align_kernel(ids_ptr, sorted_pair_ptr, expert_of_block_ptr, num_pairs,
     key = tl.where(is_pair, expert, EXPERTS_PAD) * PAIRS_PAD + pair
     key = _sort_ascending(key, LOG_PAIRS_PAD)  # [P]
     s_pair = key % PAIRS_PAD
+    pad = num_pairs  # the pair id of padding slots: the pair count
+    if SHARED_BLOCKS > 0:  # ids of the [T, K+1] routing: routed pair t*K + k is t*(K+1) + k
+        pad = num_pairs + num_pairs // top_k
+        s_pair = s_pair + s_pair // top_k
     s_expert = tl.minimum(key // PAIRS_PAD, EXPERTS_PAD - 1)
     rank = pair - tl.gather(seg_start, s_expert, 0)  # [P] position inside the expert's segment
     slot = tl.gather(block_start, s_expert, 0) * BLOCK_M + rank
@@ -87,24 +111,31 @@ def moe_align_kernel(ids_ptr, sorted_pair_ptr, expert_of_block_ptr, num_pairs,
     # Padding at the end of each expert's last block.
     row = tl.arange(0, BLOCK_M)
     last_row = (blocks - 1)[:, None] * BLOCK_M + row[None, :]  # [E, BM] rank of each slot
-    pad = (blocks > 0)[:, None] & (last_row >= counts[:, None])
-    tl.store(sorted_pair_ptr + block_start[:, None] * BLOCK_M + last_row, num_pairs, mask=pad)
-    # Unused blocks after the last expert's.
+    is_pad = (blocks > 0)[:, None] & (last_row >= counts[:, None])
+    tl.store(sorted_pair_ptr + block_start[:, None] * BLOCK_M + last_row, pad, mask=is_pad)
+    # After the routed experts' blocks: the shared expert's rows t*(K+1) + K in token order (every
+    # token takes it: no sort), then unused blocks.
     used = tl.sum(blocks, 0)
     fill = tl.arange(0, FILL)
     for start in range(0, NUM_BLOCKS * BLOCK_M, FILL):
         s = start + fill
-        tl.store(sorted_pair_ptr + s, num_pairs,
-                 mask=(s >= used * BLOCK_M) & (s < NUM_BLOCKS * BLOCK_M))
+        tail = s - used * BLOCK_M  # [FILL] slot after the routed blocks
+        value = pad
+        if SHARED_BLOCKS > 0:
+            value = tl.where(tail < num_pairs // top_k, tail * (top_k + 1) + top_k, pad)
+        tl.store(sorted_pair_ptr + s, value, mask=(tail >= 0) & (s < NUM_BLOCKS * BLOCK_M))
     for start in range(0, NUM_BLOCKS, FILL):
         b = start + fill
-        tl.store(expert_of_block_ptr + b, -1, mask=(b >= used) & (b < NUM_BLOCKS))
+        tail = b - used
+        tl.store(expert_of_block_ptr + b, tl.where(tail < SHARED_BLOCKS, shared_expert, -1),
+                 mask=(tail >= 0) & (b < NUM_BLOCKS))
 
 
-def _moe_align_impl(topk_ids: torch.Tensor, num_experts: int,
-                    block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    num_pairs = topk_ids.numel()
-    num_blocks = max_blocks(num_pairs, num_experts, block_m)
+def _moe_align_impl(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                    shared_expert: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens, top_k = topk_ids.shape
+    num_pairs = tokens * top_k
+    num_blocks = aligned_blocks(tokens, top_k, num_experts, block_m, shared_expert)
     sorted_pair = torch.empty(num_blocks * block_m, dtype=torch.int32, device=topk_ids.device)
     expert_of_block = torch.empty(num_blocks, dtype=torch.int32, device=topk_ids.device)
     if num_pairs == 0:
@@ -113,15 +144,16 @@ def _moe_align_impl(topk_ids: torch.Tensor, num_experts: int,
     experts_pad = max(16, triton.next_power_of_2(num_experts))
     work = max(pairs_pad, experts_pad * block_m // 8)  # register tiles [P] and [E, BM]
     wrap_triton(moe_align_kernel)[(1,)](
-        topk_ids.reshape(-1), sorted_pair, expert_of_block, num_pairs, NUM_BLOCKS=num_blocks,
-        BLOCK_M=block_m, LOG_PAIRS_PAD=pairs_pad.bit_length() - 1, EXPERTS_PAD=experts_pad,
+        topk_ids.reshape(-1), sorted_pair, expert_of_block, num_pairs, top_k, num_experts,
+        NUM_BLOCKS=num_blocks, BLOCK_M=block_m, LOG_PAIRS_PAD=pairs_pad.bit_length() - 1,
+        EXPERTS_PAD=experts_pad, SHARED_BLOCKS=-(-tokens // block_m) if shared_expert else 0,
         FILL=1024, num_warps=4 if work <= 512 else 8 if work <= 2048 else 16)
     return sorted_pair, expert_of_block
 
 
-def _moe_align_fake(topk_ids: torch.Tensor, num_experts: int,
-                    block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    num_blocks = max_blocks(topk_ids.numel(), num_experts, block_m)
+def _moe_align_fake(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                    shared_expert: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    num_blocks = aligned_blocks(*topk_ids.shape, num_experts, block_m, shared_expert)
     return (topk_ids.new_empty(num_blocks * block_m, dtype=torch.int32),
             topk_ids.new_empty(num_blocks, dtype=torch.int32))
 
@@ -136,26 +168,35 @@ def _kernel_applies(topk_ids: torch.Tensor, num_experts: int) -> bool:
 
 
 def align_pairs_to_blocks(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, shared_expert: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group (token, k) pairs per expert, each expert's segment padded to `block_m` slots.
 
-    topk_ids int32/int64 `[T, K]` in `[0, num_experts)`; block_m a power of two. Returns
+    topk_ids int32/int64 `[T, K]` (K >= 1) in `[0, num_experts)`; block_m a power of two. Returns
     `sorted_pair` int32 `[B * block_m]` (pair id `t*K + k` in pair order inside each expert's
     segment, experts ascending, `T*K` for padding) and `expert_of_block` int32 `[B]` (-1 for
-    unused blocks), with `B = max_blocks(T*K, num_experts, block_m)`. One Triton program
-    (`dlmc::moe_align`) on CUDA and under `TRITON_INTERPRET=1`, the torch reference otherwise.
+    unused blocks, which come last), with `B = aligned_blocks(T, K, num_experts, block_m)`.
+    `shared_expert`: every token also takes expert `num_experts` (the shared expert). The result
+    is then that of the `[T, K+1]` routing `append_shared_column(topk_ids, num_experts)` (pair
+    ids `t*(K+1) + k`, `T*(K+1)` for padding; the shared expert's `ceil(T / block_m)` blocks
+    right after the routed ones) in `B = aligned_blocks(..., shared_expert=True)` blocks.
+    One Triton program (`dlmc::moe_align`) on CUDA and under `TRITON_INTERPRET=1`, the torch
+    reference otherwise.
     """
     if _kernel_applies(topk_ids, num_experts):  # opaque op when interpreted, else traced body
         align = _moe_align_op if _INTERPRETED else _moe_align_impl
-        return align(topk_ids.contiguous(), num_experts, block_m)
-    return align_pairs_to_blocks_reference(topk_ids, num_experts, block_m)
+        return align(topk_ids.contiguous(), num_experts, block_m, shared_expert)
+    return align_pairs_to_blocks_reference(topk_ids, num_experts, block_m, shared_expert)
 
 
 def align_pairs_to_blocks_reference(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, shared_expert: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`align_pairs_to_blocks` in torch ops only (static shapes, no host sync)."""
+    tokens, top_k = topk_ids.shape
+    num_blocks = aligned_blocks(tokens, top_k, num_experts, block_m, shared_expert)
+    if shared_expert:  # the [T, K+1] routing over E+1 experts
+        topk_ids, num_experts = append_shared_column(topk_ids, num_experts), num_experts + 1
     flat = topk_ids.reshape(-1).long()  # [P]
     num_pairs = flat.numel()
     counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
@@ -165,7 +206,7 @@ def align_pairs_to_blocks_reference(
     block_end = torch.cumsum(blocks, 0)  # [E]
     block_start = block_end - blocks
     seg_start = torch.cumsum(counts, 0) - counts  # [E]
-    block = torch.arange(max_blocks(num_pairs, num_experts, block_m), device=flat.device)  # [B]
+    block = torch.arange(num_blocks, device=flat.device)  # [B]
     expert = torch.searchsorted(block_end, block, right=True)  # [B], E when unused
     used = expert < num_experts
     expert_c = expert.clamp(max=num_experts - 1)
@@ -178,15 +219,23 @@ def align_pairs_to_blocks_reference(
     return sorted_pair, expert_of_block
 
 
-def route_pairs(topk_ids: torch.Tensor, num_experts: int) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """`(block_m, sorted_pair, expert_of_block)` for the grouped MoE kernels (see above)."""
-    block_m = moe_block_size(topk_ids.numel(), num_experts)
-    sorted_pair, expert_of_block = align_pairs_to_blocks(topk_ids, num_experts, block_m)
+def route_pairs(topk_ids: torch.Tensor, num_experts: int,
+                shared_expert: bool = False) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """`(block_m, sorted_pair, expert_of_block)` for the grouped MoE kernels (see above); block_m
+    from all `T*(K+1)` pairs and `E+1` experts with a shared expert."""
+    tokens, top_k = topk_ids.shape
+    block_m = moe_block_size(tokens * (top_k + shared_expert), num_experts + shared_expert)
+    sorted_pair, expert_of_block = align_pairs_to_blocks(topk_ids, num_experts, block_m,
+                                                         shared_expert)
     return block_m, sorted_pair, expert_of_block
 
 
-def combine_pairs(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """`out[t] = sum_k w[t, k] * y[t*K + k]` in fp32: y bf16 `[T*K, H]`, w `[T, K]` -> out."""
+def combine_pairs(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor,
+                  shared_expert: bool = False) -> torch.Tensor:
+    """`out[t] = sum_k w[t, k] * y[t*K + k]` in fp32: y bf16 `[T*K, H]`, w `[T, K]` -> out.
+    `shared_expert`: y holds `K+1` rows per token, the last (the shared expert's) weighted 1."""
+    if shared_expert:
+        topk_weights = append_shared_column(topk_weights, 1.0)  # [T, K+1]
     tokens, top_k = topk_weights.shape
     combined = (y.view(tokens, top_k, -1).float() * topk_weights.float()[..., None]).sum(dim=1)
     return out.copy_(combined)

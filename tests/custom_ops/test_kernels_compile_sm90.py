@@ -24,7 +24,7 @@ from dlmc.custom_ops._paged_attention_kernels import (
     split_launch_config,
 )
 from dlmc.custom_ops.kv_append import kv_append_kernel
-from dlmc.custom_ops.moe_align import max_blocks, moe_align_kernel
+from dlmc.custom_ops.moe_align import aligned_blocks, moe_align_kernel
 from dlmc.custom_ops.moe_route import moe_route_kernel
 from dlmc.custom_ops.nvfp4_moe import _down_kernel, _gate_up_kernel
 from dlmc.custom_ops.qk_norm_rope import _qk_norm_rope_kernel
@@ -94,14 +94,16 @@ def check_nvfp4_moe_v3() -> None:
             assert ("mul.rn.bf16x2" in compiled.asm["ptx"]) == (variant == 3)
 
 
-def check_moe_align(num_pairs: int, num_experts: int, block_m: int, num_warps: int) -> None:
+def check_moe_align(tokens: int, top_k: int, num_experts: int, block_m: int, num_warps: int,
+                    shared_expert: bool = False) -> None:
     types = {"ids_ptr": "*i64", "sorted_pair_ptr": "*i32", "expert_of_block_ptr": "*i32",
-             "num_pairs": "i32"}
-    log_pairs_pad = max(4, (num_pairs - 1).bit_length())
+             "num_pairs": "i32", "top_k": "i32", "shared_expert": "i32"}
+    log_pairs_pad = max(4, (tokens * top_k - 1).bit_length())
     compiled = compile_sm90(moe_align_kernel, types, {
-        "NUM_BLOCKS": max_blocks(num_pairs, num_experts, block_m), "BLOCK_M": block_m,
-        "LOG_PAIRS_PAD": log_pairs_pad, "EXPERTS_PAD": max(16, 1 << (num_experts - 1).bit_length()),
-        "FILL": 1024}, num_warps)
+        "NUM_BLOCKS": aligned_blocks(tokens, top_k, num_experts, block_m, shared_expert),
+        "BLOCK_M": block_m, "LOG_PAIRS_PAD": log_pairs_pad,
+        "EXPERTS_PAD": max(16, 1 << (num_experts - 1).bit_length()),
+        "SHARED_BLOCKS": -(-tokens // block_m) if shared_expert else 0, "FILL": 1024}, num_warps)
     assert compiled.metadata.shared <= 48 * 1024  # one program, no opt-in shared memory needed
 
 
@@ -153,8 +155,10 @@ if __name__ == "__main__":
     check_split_and_merge("fp32", 512, "*bf16", 4)
     check_kv_append()
     check_nvfp4_moe_v3()
-    check_moe_align(32 * 8, 256, 16, 4)  # a diffusion block
-    check_moe_align(512 * 8, 16, 64, 16)  # a prefill chunk
+    check_moe_align(32, 8, 256, 16, 4)  # a diffusion block
+    check_moe_align(32, 8, 256, 16, 4, shared_expert=True)  # ... with the shared expert fused
+    check_moe_align(512, 8, 16, 64, 16)  # a prefill chunk
+    check_moe_align(512, 8, 256, 32, 16, shared_expert=True)
     check_qk_norm_rope("fp64")  # Inductor passes Python floats as fp64
     check_qk_norm_rope("fp32")
     check_moe_route("fp64")

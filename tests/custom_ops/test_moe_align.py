@@ -14,7 +14,8 @@ from dlmc.custom_ops import moe_align
 from dlmc.custom_ops.moe_align import (
     align_pairs_to_blocks,
     align_pairs_to_blocks_reference,
-    max_blocks,
+    aligned_blocks,
+    append_shared_column,
     moe_block_size,
     route_pairs,
 )
@@ -34,10 +35,16 @@ def _routing(tokens: int, top_k: int, num_experts: int, skew: float, seed: int) 
 
 
 def _check_invariants(ids: torch.Tensor, num_experts: int, block_m: int,
-                      sorted_pair: torch.Tensor, expert_of_block: torch.Tensor) -> None:
+                      sorted_pair: torch.Tensor, expert_of_block: torch.Tensor,
+                      shared_expert: bool = False) -> None:
+    """The layout of `align_pairs_to_blocks`; with `shared_expert` that of the [T, K+1] routing
+    (expert `num_experts` last in every token) in `aligned_blocks(..., True)` blocks."""
+    num_blocks = aligned_blocks(*ids.shape, num_experts, block_m, shared_expert)
+    if shared_expert:
+        ids, num_experts = append_shared_column(ids, num_experts), num_experts + 1
     num_pairs = ids.numel()
     sorted_pair, expert_of_block = sorted_pair.cpu(), expert_of_block.cpu()
-    assert expert_of_block.shape == (max_blocks(num_pairs, num_experts, block_m),)
+    assert expert_of_block.shape == (num_blocks,)
     assert sorted_pair.shape == (expert_of_block.numel() * block_m,)
     slots = sorted_pair.view(-1, block_m)  # [B, BM]
     real = sorted_pair[sorted_pair < num_pairs]
@@ -60,13 +67,13 @@ def _check_invariants(ids: torch.Tensor, num_experts: int, block_m: int,
 
 @settings(max_examples=40, deadline=None)
 @given(tokens=st.integers(1, 200), num_experts=st.integers(1, 40), top_k=st.integers(1, 8),
-       block_m=st.sampled_from([16, 32, 64]), seed=st.integers(0, 2**16))
+       block_m=st.sampled_from([16, 32, 64]), shared=st.booleans(), seed=st.integers(0, 2**16))
 def test_reference_groups_and_pads(tokens: int, num_experts: int, top_k: int, block_m: int,
-                                   seed: int) -> None:
+                                   shared: bool, seed: int) -> None:
     ids = torch.randint(0, num_experts, (tokens, top_k),
                         generator=torch.Generator().manual_seed(seed))
     _check_invariants(ids, num_experts, block_m,
-                      *align_pairs_to_blocks_reference(ids, num_experts, block_m))
+                      *align_pairs_to_blocks_reference(ids, num_experts, block_m, shared), shared)
 
 
 @settings(max_examples=30 if DEVICE == "cpu" else 60, deadline=None)
@@ -97,12 +104,54 @@ def test_kernel_edge_cases(tokens: int, top_k: int, num_experts: int, block_m: i
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+TOKENS = st.one_of(st.sampled_from([1, 3, 17, 33]), st.integers(1, 512))
+
+
+@settings(max_examples=30 if DEVICE == "cpu" else 60, deadline=None)
+@given(tokens=TOKENS, top_k=st.integers(1, 8), num_experts=st.integers(1, 256),
+       block_m=st.sampled_from([16, 32, 64]), skew=st.sampled_from([0.0, 0.5, 1.0]),
+       seed=st.integers(0, 2**16))
+def test_shared_expert_kernel_matches_reference(tokens: int, top_k: int, num_experts: int,
+                                                block_m: int, skew: float, seed: int) -> None:
+    ids = _routing(tokens, top_k, num_experts, skew, seed)  # skew: many experts get no pair
+    got = align_pairs_to_blocks(ids, num_experts, block_m, shared_expert=True)
+    want = align_pairs_to_blocks_reference(ids, num_experts, block_m, shared_expert=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    _check_invariants(ids, num_experts, block_m, *got, shared_expert=True)
+
+
+@pytest.mark.parametrize(("tokens", "top_k", "num_experts", "block_m"), [
+    (1, 1, 1, 16), (3, 2, 5, 16), (17, 3, 250, 32), (33, 8, 256, 16), (32, 8, 256, 16),
+    (127, 8, 9, 64), (512, 8, 256, 32),
+])
+def test_shared_expert_is_the_appended_column(tokens: int, top_k: int, num_experts: int,
+                                              block_m: int) -> None:
+    """The dense tail lays out the blocks of today's fused routing (the shared expert's id as
+    column K of a [T, K+1] routing over E+1 experts); only the count of unused blocks differs."""
+    ids = _routing(tokens, top_k, num_experts, skew=1.0, seed=tokens)
+    got = align_pairs_to_blocks(ids, num_experts, block_m, shared_expert=True)
+    appended = align_pairs_to_blocks(append_shared_column(ids, num_experts), num_experts + 1,
+                                     block_m)
+    common = min(got[1].numel(), appended[1].numel())
+    assert torch.equal(got[1][:common], appended[1][:common])
+    assert torch.equal(got[0][:common * block_m], appended[0][:common * block_m])
+    for sorted_pair, expert_of_block in (got, appended):
+        assert (expert_of_block[common:] == -1).all()
+        assert (sorted_pair[common * block_m:] == tokens * (top_k + 1)).all()
+
+
 def test_worked_example() -> None:
     ids = torch.tensor([[2, 0], [2, 1], [0, 2]], device=DEVICE)  # pairs 0..5
     sorted_pair, expert_of_block = align_pairs_to_blocks(ids, 4, 16)  # 1 + min(4, 6) blocks
     expert_0, expert_1, expert_2 = [1, 4] + [6] * 14, [3] + [6] * 15, [0, 2, 5] + [6] * 13
     assert sorted_pair.tolist() == expert_0 + expert_1 + expert_2 + [6] * 32
     assert expert_of_block.tolist() == [0, 1, 2, -1, -1]
+    # The shared expert 4 as a dense tail: pair ids t*3 + k, its rows 2, 5, 8; padding 9.
+    sorted_pair, expert_of_block = align_pairs_to_blocks(ids, 4, 16, shared_expert=True)
+    expert_0, expert_1, expert_2 = [1, 6] + [9] * 14, [4] + [9] * 15, [0, 3, 7] + [9] * 13
+    shared = [2, 5, 8] + [9] * 13
+    assert sorted_pair.tolist() == expert_0 + expert_1 + expert_2 + shared + [9] * 32
+    assert expert_of_block.tolist() == [0, 1, 2, 4, -1, -1]
 
 
 def test_large_routings_take_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -123,9 +172,10 @@ def test_large_routings_take_the_reference(monkeypatch: pytest.MonkeyPatch) -> N
     assert torch.equal(route_pairs(ids, 64)[2], expert_of_block) and len(calls) == 2
 
 
-def test_opcheck() -> None:
+@pytest.mark.parametrize("shared_expert", [False, True])
+def test_opcheck(shared_expert: bool) -> None:
     ids = _routing(9, 4, 12, skew=0.5, seed=2)
-    torch.library.opcheck(torch.ops.dlmc.moe_align.default, (ids, 12, 16),
+    torch.library.opcheck(torch.ops.dlmc.moe_align.default, (ids, 12, 16, shared_expert),
                           test_utils=("test_schema", "test_faketensor"))
 
 
@@ -135,14 +185,16 @@ def test_block_size() -> None:
 
 
 @pytest.mark.gpu
-def test_compile_and_graph_replay() -> None:
+@pytest.mark.parametrize("shared_expert", [False, True])
+def test_compile_and_graph_replay(shared_expert: bool) -> None:
     ids = _routing(512, 8, 256, skew=0.5, seed=3)
-    fn = torch.compile(lambda t: align_pairs_to_blocks(t, 256, 16), fullgraph=True)
+    fn = torch.compile(lambda t: align_pairs_to_blocks(t, 256, 16, shared_expert),
+                       fullgraph=True)
     fn(ids)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         sorted_pair, expert_of_block = fn(ids)
     ids.copy_(_routing(512, 8, 256, skew=1.0, seed=4))
     graph.replay()
-    want = align_pairs_to_blocks_reference(ids, 256, 16)
+    want = align_pairs_to_blocks_reference(ids, 256, 16, shared_expert)
     assert torch.equal(sorted_pair, want[0]) and torch.equal(expert_of_block, want[1])

@@ -1,5 +1,6 @@
 import torch
 
+from dlmc.custom_ops.moe_align import append_shared_column
 from dlmc.loading.tiny import TINY_CONFIG
 from dlmc.models.config import LLaDA2Config
 from dlmc.models.moe import EXPERT_PROJECTIONS, BF16Experts, Router
@@ -141,6 +142,15 @@ def test_fused_shared_expert_matches_unfused_fp32():
     names = {n for n, _ in block.named_parameters()}
     assert not any("shared_experts" in n for n in names)
     torch.testing.assert_close(block(x), want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(block(x), _appended_column(block, x))
+
+
+def _appended_column(block, x):
+    """The fused block's experts on the materialised [T, K+1] routing (the shared expert's id
+    and weight 1.0 appended as a column), as the fused block computed it before `shared_expert`."""
+    ids, weights = block.gate(x)
+    return block.experts(x, append_shared_column(ids, block.shared_expert_id),
+                         append_shared_column(weights, 1.0))
 
 
 def test_fused_shared_expert_matches_unfused_bf16():
@@ -152,8 +162,9 @@ def test_fused_shared_expert_matches_unfused_bf16():
 
 
 def test_fused_shared_expert_through_the_triton_op(monkeypatch):
-    """MoEBlock's fused routing ([T, K+1] ids, weight 1.0 for id E) through `dlmc::bf16_moe`
-    (on CUDA, or Triton's interpreter on CPU) against the unfused block."""
+    """MoEBlock's fused routing (id E for every token, weight 1.0) through `dlmc::bf16_moe`
+    (on CUDA, or Triton's interpreter on CPU) against the unfused block, and bit for bit against
+    the op on the materialised [T, K+1] routing."""
     import dlmc.models.moe as moe
 
     _, block, x = _moe_block(torch.bfloat16, seed=3)
@@ -162,7 +173,9 @@ def test_fused_shared_expert_through_the_triton_op(monkeypatch):
     want = block(x).float()
     block.fuse_shared_expert()
     monkeypatch.setattr(moe, "grouped_moe", moe.bf16_moe)
-    got = block(x).float()
+    got = block(x)
+    assert torch.equal(got, _appended_column(block, x))
+    got = got.float()
     assert (got - want).norm() / want.norm() < 1e-2
 
 

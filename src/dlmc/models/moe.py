@@ -5,9 +5,10 @@ The routed experts are the MoE seam: any module with
 (`BF16Experts` here, the NVFP4 experts chosen at load time for NVFP4 checkpoints).
 
 `fuse_shared_experts(model)` (after loading; off unless called) moves each shared expert into
-its layer's `BF16Experts` as one more expert, id E, which every token takes with weight 1.0: one
-grouped kernel pair then runs routed + shared experts, summed in fp32 (the unfused block adds the
-shared output in bf16).
+its layer's `BF16Experts` as one more expert, id E, which every token takes with weight 1.0
+(`forward(..., shared_expert=True)`: the `[T, K+1]` routing, never materialised; BF16Experts
+only): one grouped kernel pair then runs routed + shared experts, summed in fp32 (the unfused
+block adds the shared output in bf16).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlmc.custom_ops.bf16_moe import bf16_moe, bf16_moe_reference  # noqa: F401 (re-export)
+from dlmc.custom_ops.moe_align import append_shared_column
 from dlmc.custom_ops.moe_route import moe_route, moe_route_reference
 from dlmc.models.config import LLaDA2Config
 from dlmc.models.layers import SwiGLUMLP, linear, small_m_gemm
@@ -69,16 +71,19 @@ class BF16Experts(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        shared_expert: bool = False,
     ) -> torch.Tensor:
+        """`[T, H]` from `topk_ids`/`topk_weights [T, K]`; `shared_expert`: every token also
+        takes the last expert with weight 1.0 (see `bf16_moe`)."""
         if x.is_cuda and x.dtype == torch.bfloat16:  # Triton grouped GEMM (dlmc::bf16_moe)
             return bf16_moe(
                 x, topk_ids, topk_weights,
-                self.gate_proj_weight, self.up_proj_weight, self.down_proj_weight,
+                self.gate_proj_weight, self.up_proj_weight, self.down_proj_weight, shared_expert,
             )
         return grouped_moe(
             x, topk_ids, topk_weights,
-            self.gate_proj_weight, self.up_proj_weight, self.down_proj_weight,
+            self.gate_proj_weight, self.up_proj_weight, self.down_proj_weight, shared_expert,
         )
 
 
@@ -89,11 +94,15 @@ def grouped_moe(
     gate_proj: torch.Tensor,
     up_proj: torch.Tensor,
     down_proj: torch.Tensor,
+    shared_expert: bool = False,
 ) -> torch.Tensor:
     """Same maths as `bf16_moe_reference`, sync-free: (token, k) pairs sorted by expert and run
     through `torch._grouped_mm` with device-side offsets, so it compiles with fullgraph and
     captures in a CUDA graph. Shapes as in `bf16_moe_reference`. Other dtypes (fp32 on CPU,
     tests) gather each (token, k) pair's expert weights instead."""
+    if shared_expert:  # the [T, K+1] routing: every token also takes expert E-1, weight 1.0
+        topk_ids = append_shared_column(topk_ids, gate_proj.shape[0] - 1)
+        topk_weights = append_shared_column(topk_weights, 1.0)
     tokens, top_k = topk_ids.shape
     num_experts = gate_proj.shape[0]
     flat_ids = topk_ids.reshape(-1)  # [T*K]
@@ -141,13 +150,8 @@ class MoEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_ids, topk_weights = self.gate(x)  # [T, K]
-        if self.shared_expert_id is not None:  # the shared expert: one more column, weight 1
-            tokens = x.shape[0]
-            topk_ids = torch.cat(
-                [topk_ids, topk_ids.new_full((tokens, 1), self.shared_expert_id)], dim=1
-            )  # [T, K+1]
-            topk_weights = torch.cat([topk_weights, topk_weights.new_ones((tokens, 1))], dim=1)
-            return self.experts(x, topk_ids, topk_weights)
+        if self.shared_expert_id is not None:  # the last expert, every token with weight 1.0
+            return self.experts(x, topk_ids, topk_weights, shared_expert=True)
         routed = self.experts(x, topk_ids, topk_weights)
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
 
