@@ -122,8 +122,9 @@ def _bf16_moe_impl(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
                    gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
                    shared_expert: bool = False) -> torch.Tensor:
     tokens, hidden = x.shape
-    pairs_per_token = topk_ids.shape[1] + shared_expert  # the shared expert's pair: column K
-    routed_experts, inter = gate_proj.shape[0] - shared_expert, gate_proj.shape[1]
+    shared = int(shared_expert)  # an int: a bool in symbolic-shape arithmetic fails to trace
+    pairs_per_token = topk_ids.shape[1] + shared  # the shared expert's pair: column K
+    routed_experts, inter = gate_proj.shape[0] - shared, gate_proj.shape[1]
     out = torch.empty((tokens, hidden), dtype=torch.bfloat16, device=x.device)
     if tokens == 0:
         return out

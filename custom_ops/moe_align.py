@@ -224,7 +224,8 @@ def route_pairs(topk_ids: torch.Tensor, num_experts: int,
     """`(block_m, sorted_pair, expert_of_block)` for the grouped MoE kernels (see above); block_m
     from all `T*(K+1)` pairs and `E+1` experts with a shared expert."""
     tokens, top_k = topk_ids.shape
-    block_m = moe_block_size(tokens * (top_k + shared_expert), num_experts + shared_expert)
+    shared = int(shared_expert)  # an int: a bool in symbolic-shape arithmetic fails to trace
+    block_m = moe_block_size(tokens * (top_k + shared), num_experts + shared)
     sorted_pair, expert_of_block = align_pairs_to_blocks(topk_ids, num_experts, block_m,
                                                          shared_expert)
     return block_m, sorted_pair, expert_of_block
