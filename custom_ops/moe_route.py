@@ -1,5 +1,9 @@
 """`dlmc::moe_route`: the LLaDA2 router after its GEMM, in one Triton launch.
 
+The logits come whole (`[T, E]`) or as S split-K partials (`[S, T, E]`, from `dlmc::router_gemm`)
+that the kernel sums in a fixed order (s = 0, 1, ..., S-1, left to right), so the split GEMM needs
+no reduce kernel of its own; `moe_route_reference` sums the same way first.
+
 Sigmoid scores, the selection-only expert bias, group-limited top-k (a group's score is the sum of
 its two best biased scores, the `topk_group` best groups are kept, the `top_k` best experts of the
 kept groups are picked) and the weights (unbiased scores of the picks, optionally renormalised,
@@ -37,16 +41,20 @@ def _argmax_first(values, candidate, index, NONE: tl.constexpr):
 
 
 @triton.jit
-def moe_route_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, stride_logits,
-                     routed_scaling_factor, NUM_EXPERTS: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                     GROUPS_PAD: tl.constexpr, GROUP_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
+def moe_route_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, stride_split, stride_logits,
+                     routed_scaling_factor, NUM_SPLITS: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+                     GROUP_SIZE: tl.constexpr, GROUPS_PAD: tl.constexpr,
+                     GROUP_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
                      TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, NORM_TOPK_PROB: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     group = tl.arange(0, GROUPS_PAD)  # [G]
     member = tl.arange(0, GROUP_PAD)[None, :]  # [1, S]
     expert = group[:, None] * GROUP_SIZE + member  # [G, S]
     is_expert = (member < GROUP_SIZE) & (expert < NUM_EXPERTS)
-    logits = tl.load(logits_ptr + token * stride_logits + expert, mask=is_expert, other=0.0)
+    row = logits_ptr + token * stride_logits + expert
+    logits = tl.load(row, mask=is_expert, other=0.0)  # [G, S], split 0
+    for split in tl.static_range(1, NUM_SPLITS):  # fixed order: deterministic, as the reference
+        logits += tl.load(row + split * stride_split, mask=is_expert, other=0.0)
     scores = tl.sigmoid(logits)  # [G, S]
     bias = tl.load(bias_ptr + expert, mask=is_expert, other=0.0)
     biased = tl.where(is_expert, scores + bias, float("-inf"))  # [G, S], selection only
@@ -85,7 +93,8 @@ def moe_route_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, stride_logits,
 def _moe_route_impl(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int,
                     topk_group: int, top_k: int, norm_topk_prob: bool,
                     routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens, num_experts = logits.shape
+    logits = logits if logits.dim() == 3 else logits.unsqueeze(0)  # [S, T, E]
+    splits, tokens, num_experts = logits.shape
     topk_ids = torch.empty((tokens, top_k), dtype=torch.int64, device=logits.device)
     topk_weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
     if tokens == 0:
@@ -94,9 +103,10 @@ def _moe_route_impl(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: in
     groups_pad, group_pad = triton.next_power_of_2(n_group), triton.next_power_of_2(group_size)
     tile = groups_pad * group_pad  # a token's [G, S] register tile
     wrap_triton(moe_route_kernel)[(tokens,)](
-        logits, expert_bias, topk_ids, topk_weights, logits.stride(0), routed_scaling_factor,
-        NUM_EXPERTS=num_experts, GROUP_SIZE=group_size, GROUPS_PAD=groups_pad,
-        GROUP_PAD=group_pad, TOPK_GROUP=topk_group, TOP_K=top_k,
+        logits, expert_bias, topk_ids, topk_weights, logits.stride(0), logits.stride(1),
+        routed_scaling_factor, NUM_SPLITS=splits, NUM_EXPERTS=num_experts,
+        GROUP_SIZE=group_size, GROUPS_PAD=groups_pad, GROUP_PAD=group_pad,
+        TOPK_GROUP=topk_group, TOP_K=top_k,
         TOP_K_PAD=triton.next_power_of_2(top_k), NORM_TOPK_PROB=norm_topk_prob,
         num_warps=1 if tile <= 256 else 2 if tile <= 512 else 4)
     return topk_ids, topk_weights
@@ -105,7 +115,7 @@ def _moe_route_impl(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: in
 def _moe_route_fake(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int,
                     topk_group: int, top_k: int,
                     *args: object) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = logits.shape[0]
+    tokens = logits.shape[-2]
     return (logits.new_empty((tokens, top_k), dtype=torch.int64),
             logits.new_empty((tokens, top_k), dtype=torch.float32))
 
@@ -123,17 +133,19 @@ def moe_route(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, top
               routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Group-limited sigmoid routing of the router logits (one Triton launch, `dlmc::moe_route`).
 
-    logits fp32 `[T, E]` (`x @ W^T` of the router); expert_bias fp32 `[E]` (selection only);
-    `n_group` divides E; `1 <= topk_group <= n_group`; `1 <= top_k <= topk_group * E / n_group`.
+    logits fp32 `[T, E]` (`x @ W^T` of the router) or `[S, T, E]`: S split-K partials
+    (`dlmc::router_gemm`), summed over S in order s = 0, 1, ... (left to right);
+    expert_bias fp32 `[E]` (selection only); `n_group` divides E;
+    `1 <= topk_group <= n_group`; `1 <= top_k <= topk_group * E / n_group`.
     Returns `topk_ids` int64 `[T, top_k]` (descending biased score, ties to the lower id) and
     `topk_weights` fp32 `[T, top_k]`: the picks' sigmoid scores, divided by their sum (+1e-20)
     if `norm_topk_prob`, times `routed_scaling_factor`. The kernel runs on CUDA and under
     `TRITON_INTERPRET=1` for E <= 512 and top_k <= 16; `moe_route_reference` otherwise.
     """
-    if logits.dtype != torch.float32 or logits.dim() != 2:
-        raise ValueError(
-            f"moe_route: logits must be fp32 [T, E], got {logits.dtype} {tuple(logits.shape)}")
-    num_experts = logits.shape[1]
+    if logits.dtype != torch.float32 or logits.dim() not in (2, 3):
+        raise ValueError("moe_route: logits must be fp32 [T, E] or [S, T, E], got "
+                         f"{logits.dtype} {tuple(logits.shape)}")
+    num_experts = logits.shape[-1]
     if expert_bias.dtype != torch.float32 or expert_bias.shape != (num_experts,):
         raise ValueError(f"moe_route: expert_bias must be fp32 [E={num_experts}], got "
                          f"{expert_bias.dtype} {tuple(expert_bias.shape)}")
@@ -158,7 +170,13 @@ def _topk_indices(values: torch.Tensor, k: int) -> torch.Tensor:
 def moe_route_reference(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int,
                         topk_group: int, top_k: int, norm_topk_prob: bool,
                         routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`moe_route` in torch ops only (static shapes, no host sync); same arguments and results."""
+    """`moe_route` in torch ops only (static shapes, no host sync); same arguments and results.
+    `[S, T, E]` partials are summed first, in order s = 0, 1, ... (as the kernel does)."""
+    if logits.dim() == 3:
+        total = logits[0]
+        for partial in logits[1:]:
+            total = total + partial  # [T, E], left to right
+        logits = total
     tokens = logits.shape[0]
     scores = torch.sigmoid(logits.float())  # [T, E]
     biased = scores + expert_bias.float()  # [T, E], selection only

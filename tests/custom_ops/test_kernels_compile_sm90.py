@@ -28,6 +28,8 @@ from dlmc.custom_ops.moe_align import aligned_blocks, moe_align_kernel
 from dlmc.custom_ops.moe_route import moe_route_kernel
 from dlmc.custom_ops.nvfp4_moe import _down_kernel, _gate_up_kernel
 from dlmc.custom_ops.qk_norm_rope import _qk_norm_rope_kernel
+from dlmc.custom_ops.router_gemm import _CONFIG as ROUTER_GEMM_CONFIG
+from dlmc.custom_ops.router_gemm import router_gemm_kernel, router_splits
 from dlmc.custom_ops.small_m_linear import _small_m_linear_fp32_kernel, _small_m_linear_kernel
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -115,12 +117,13 @@ def check_qk_norm_rope(float_type: str) -> None:
         "NUM_Q": 16, "NUM_KV": 4, "HEAD_DIM": 128, "ROTARY": 64}, 1)
 
 
-def check_moe_route(float_type: str) -> None:
+def check_moe_route(float_type: str, splits: int) -> None:
     types = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64",
-             "weights_ptr": "*fp32", "stride_logits": "i32", "routed_scaling_factor": float_type}
+             "weights_ptr": "*fp32", "stride_split": "i32", "stride_logits": "i32",
+             "routed_scaling_factor": float_type}
     compile_sm90(moe_route_kernel, types, {
-        "NUM_EXPERTS": 256, "GROUP_SIZE": 32, "GROUPS_PAD": 8, "GROUP_PAD": 32, "TOPK_GROUP": 4,
-        "TOP_K": 8, "TOP_K_PAD": 8, "NORM_TOPK_PROB": True}, 4)
+        "NUM_SPLITS": splits, "NUM_EXPERTS": 256, "GROUP_SIZE": 32, "GROUPS_PAD": 8,
+        "GROUP_PAD": 32, "TOPK_GROUP": 4, "TOP_K": 8, "TOP_K_PAD": 8, "NORM_TOPK_PROB": True}, 4)
 
 
 def check_small_m_linear() -> None:
@@ -142,6 +145,20 @@ def check_small_m_linear() -> None:
         assert "mma" not in compiled.asm["ptx"] and "fma.rn.f32" in compiled.asm["ptx"]
 
 
+def check_router_gemm() -> None:
+    """The router's fp32 GEMM on BF16 tensor cores: three mma per tile, no TF32."""
+    types = {"x_ptr": "*bf16", "w_ptr": "*fp32", "part_ptr": "*fp32", "tokens": "i32",
+             "stride_x": "i32"}
+    block_n, _, block_k, num_warps, _ = ROUTER_GEMM_CONFIG
+    for block_t in (16, 32, 64):
+        compiled = compile_sm90(router_gemm_kernel, types, {
+            "N": 256, "K": 2048, "K_PER_SPLIT": router_splits(2048)[1], "BLOCK_T": block_t,
+            "BLOCK_N": block_n, "BLOCK_K": block_k, "INTERPRETED": False}, num_warps)
+        ptx = compiled.asm["ptx"]
+        assert "mma" in ptx and ".bf16" in ptx and "tf32" not in ptx
+        assert "cvt.rn.bf16" in ptx  # the weight split rounds to nearest even
+
+
 def test_kernels_compile_for_sm90() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True,
@@ -161,5 +178,7 @@ if __name__ == "__main__":
     check_moe_align(512, 8, 256, 32, 16, shared_expert=True)
     check_qk_norm_rope("fp64")  # Inductor passes Python floats as fp64
     check_qk_norm_rope("fp32")
-    check_moe_route("fp64")
+    check_moe_route("fp64", 1)
+    check_moe_route("fp32", 8)  # router_gemm's split-K partials
+    check_router_gemm()
     check_small_m_linear()

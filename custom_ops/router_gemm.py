@@ -1,0 +1,145 @@
+"""`dlmc::router_gemm`: the MoE router's fp32 `x.float() @ W^T` on BF16 tensor cores, split-K.
+
+The router multiplies a block of bf16 tokens by an fp32 weight (LLaDA2.1-mini: `[32, 2048] x
+[2048, 256]`, 2 MB). cuBLAS runs it as a SIMT sgemm plus a split-K reduction (6.7 + 2.5 µs per
+layer on the H200); FMA chains in Triton (`dlmc::small_m_linear`) took 10.8 µs. It is latency
+bound, so this kernel (a) spreads the weight over ~128 programs by splitting K and (b) uses BF16
+tensor cores exactly:
+
+- each fp32 weight is split in registers into three bf16 parts, `hi = bf16(w)`,
+  `mid = bf16(w - hi)`, `lo = bf16(w - hi - mid)` (round to nearest even), and
+  `dot(x, hi) + dot(x, mid) + dot(x, lo)` accumulates in fp32. x holds bf16 values, so every
+  product is exact; only the order (and the tensor core's rounding) of the fp32 sums differs
+  from `x.float() @ W^T`.
+- Why the split is exact: for a normal w with exponent e, `w - hi` is a multiple of 2^(e-23) of
+  magnitude <= 2^(e-8) (16 significant bits, exactly representable); `mid` takes its top 8 and
+  leaves <= 8 significant bits, which `lo` holds exactly. Edge cases: for |w| < 2^-103 (~1e-31)
+  a part can fall below bf16's smallest normal 2^-126 and be flushed to zero or rounded to the
+  subnormal grid (Triton's interpreter flushes; tests/custom_ops/test_router_gemm.py checks the
+  GPU): absolute error < 2^-124 |x| per product, far below any logit's fp32 rounding. |w| at or
+  above 2^128 - 2^119 (bf16's overflow threshold) rounds `hi` to inf; inf/nan weights are not
+  expected in a router and are not preserved.
+- Program `(n_tile, split)` writes its `[T, BLOCK_N]` share of the K range `split` to the
+  partial `[S, T, N]` fp32; no atomics, so results are deterministic. `dlmc::moe_route` sums
+  the S partials in a fixed order (s = 0, 1, ...), so the router needs no extra reduce kernel.
+
+The maths is `router_gemm_reference` (the fp32 GEMM split along K the same way).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
+from dlmc.custom_ops._registration import traced_triton_op
+from dlmc.custom_ops.nvfp4_tiles import round_bf16
+
+__all__ = ["MAX_TOKENS", "router_gemm", "router_gemm_reference", "router_splits"]
+
+MAX_TOKENS = 64  # one [BLOCK_T, BLOCK_K] tile of tokens per program
+# (BLOCK_N, SPLITS, BLOCK_K, num_warps, num_stages): 256 experts in 16 N tiles x 8 K splits =
+# 128 programs on LLaDA2.1-mini (K range 256 each); perf/bench_small_m_linear.py sweeps it.
+_CONFIG = (16, 8, 128, 4, 2)
+
+
+@triton.jit
+def _split_dot(acc, x, w, INTERPRETED: tl.constexpr):
+    """acc + x @ w, x bf16 `[BT, BK]`, w fp32 `[BK, BN]`, as three exact BF16 dots."""
+    hi = round_bf16(w, INTERPRETED)
+    rest = w - hi.to(tl.float32)  # exact
+    mid = round_bf16(rest, INTERPRETED)
+    lo = round_bf16(rest - mid.to(tl.float32), INTERPRETED)  # exact for |w| >= 2^-110
+    if INTERPRETED:  # the interpreter's bf16 dot is wrong: widen (the products stay exact)
+        xf = x.to(tl.float32)
+        acc = tl.dot(xf, hi.to(tl.float32), acc, input_precision="ieee")
+        acc = tl.dot(xf, mid.to(tl.float32), acc, input_precision="ieee")
+        acc = tl.dot(xf, lo.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(x, hi, acc)
+        acc = tl.dot(x, mid, acc)
+        acc = tl.dot(x, lo, acc)
+    return acc
+
+
+@triton.jit
+def router_gemm_kernel(x_ptr, w_ptr, part_ptr, tokens, stride_x, N: tl.constexpr,
+                       K: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       INTERPRETED: tl.constexpr):
+    """part[split, t, n] = sum over k in split's K range of x[t, k] * w[n, k]."""
+    split = tl.program_id(1)
+    t = tl.arange(0, BLOCK_T)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    k_start = split * K_PER_SPLIT
+    for k0 in range(0, K_PER_SPLIT, BLOCK_K):
+        kk = k_start + k0 + k
+        x = tl.load(x_ptr + t[:, None] * stride_x + kk[None, :],
+                    mask=(t[:, None] < tokens) & (kk[None, :] < K), other=0.0)  # [BT, BK]
+        w = tl.load(w_ptr + n[None, :].to(tl.int64) * K + kk[:, None],
+                    mask=(n[None, :] < N) & (kk[:, None] < K), other=0.0)  # [BK, BN]
+        acc = _split_dot(acc, x, w, INTERPRETED)
+    out = part_ptr + (split * tokens + t[:, None]).to(tl.int64) * N + n[None, :]
+    tl.store(out, acc, mask=(t[:, None] < tokens) & (n[None, :] < N))
+
+
+def router_splits(inner: int) -> tuple[int, int]:
+    """(S, K range per split) for a K of `inner` under `_CONFIG`: the range is a multiple of
+    BLOCK_K and no split is empty."""
+    _, splits, block_k, _, _ = _CONFIG
+    per_split = triton.cdiv(triton.cdiv(inner, splits), block_k) * block_k
+    return triton.cdiv(inner, per_split), per_split
+
+
+def _router_gemm_impl(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    tokens, (features, inner) = x.shape[0], weight.shape
+    splits, per_split = router_splits(inner)
+    partial = torch.empty((splits, tokens, features), dtype=torch.float32, device=x.device)
+    if not tokens:
+        return partial
+    block_n, _, block_k, num_warps, num_stages = _CONFIG
+    wrap_triton(router_gemm_kernel)[(triton.cdiv(features, block_n), splits)](
+        x, weight, partial, tokens, x.stride(0), N=features, K=inner, K_PER_SPLIT=per_split,
+        BLOCK_T=max(16, triton.next_power_of_2(tokens)), BLOCK_N=block_n, BLOCK_K=block_k,
+        INTERPRETED=_INTERPRETED, num_warps=num_warps, num_stages=num_stages)
+    return partial
+
+
+def _router_gemm_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    splits, _ = router_splits(weight.shape[1])
+    return x.new_empty((splits, x.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
+_router_gemm_op = traced_triton_op("dlmc::router_gemm", _router_gemm_impl, _router_gemm_fake)
+
+
+def router_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Split-K partials of the router logits `x.float() @ weight^T` (`dlmc::router_gemm`).
+
+    x bf16 `[T, K]`, T <= 64, unit stride in the last dim; weight fp32 `[N, K]` contiguous.
+    Returns fp32 `[S, T, N]` (S = `router_splits(K)[0]`, 8 K splits by default) whose sum over S
+    is the logits, as `dlmc::moe_route` takes them. BF16 tensor cores on an exact three-way
+    split of the weight; see the module docstring for the (tiny) exceptions. Runs on CUDA and
+    under `TRITON_INTERPRET=1`; elsewhere `router_gemm_reference`. No host sync.
+    """
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] > MAX_TOKENS:
+        raise ValueError(f"router_gemm: x must be bf16 [T <= {MAX_TOKENS}, K], got "
+                         f"{x.dtype} {tuple(x.shape)}")
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"router_gemm: weight must be fp32 [N, K={x.shape[1]}], got "
+                         f"{weight.dtype} {tuple(weight.shape)}")
+    if not (x.is_cuda or _INTERPRETED):
+        return router_gemm_reference(x, weight)
+    return _router_gemm_op(x if x.stride(1) == 1 else x.contiguous(), weight.contiguous())
+
+
+def router_gemm_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`router_gemm` in torch ops: `x.float() @ weight^T` over each split's K range, `[S, T, N]`."""
+    splits, per_split = router_splits(weight.shape[1])
+    xs = x.float().split(per_split, dim=1)
+    ws = weight.float().split(per_split, dim=1)
+    return torch.stack([xi @ wi.t() for xi, wi in zip(xs, ws, strict=True)])  # [S, T, N]
