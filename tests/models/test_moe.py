@@ -1,6 +1,7 @@
 import torch
 
 from dlmc.custom_ops.moe_align import append_shared_column
+from dlmc.custom_ops.router_gemm import router_gemm as moe_router_gemm
 from dlmc.loading.tiny import TINY_CONFIG
 from dlmc.models.config import LLaDA2Config
 from dlmc.models.moe import EXPERT_PROJECTIONS, BF16Experts, Router
@@ -60,6 +61,28 @@ def test_router_through_the_triton_op(monkeypatch):
     (want_ids, want_weights), (ids, weights) = routed.values()
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=0)
+
+
+def test_router_split_gemm_routes_like_cublas(monkeypatch):
+    """DLMC_ROUTER_GEMM=triton: `dlmc::router_gemm` partials (CUDA, or Triton's interpreter on
+    CPU) summed by the routing; the same picks as `F.linear` logits (no near-ties here)."""
+    import dlmc.models.moe as moe
+
+    cfg, router = _router()
+    router.weight.data = torch.randn(cfg.num_experts, cfg.hidden_size) * 0.3
+    router.expert_bias.normal_(0.0, 0.1)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    router, x = router.to(device), torch.randn(9, cfg.hidden_size).bfloat16().to(device)
+    want_ids, want_weights = router(x)
+    monkeypatch.setenv("DLMC_ROUTER_GEMM", "triton")
+    split = Router(cfg).to(device)
+    split.load_state_dict(router.state_dict())
+    calls = []
+    monkeypatch.setattr(moe, "router_gemm", lambda *a: calls.append(a) or moe_router_gemm(*a))
+    ids, weights = split(x)
+    assert calls, "the split GEMM did not run"
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=0)
 
 
 def test_random_model_keeps_the_router_weight_fp32():

@@ -20,7 +20,8 @@ def small_m_gemm(env: str = "DLMC_SMALL_M_GEMM") -> str:
     """How a module's GEMMs of a few bf16 tokens run on CUDA: "cublas" (`F.linear`) or "triton"
     (`dlmc::small_m_linear`). `DLMC_SMALL_M_GEMM` sets the dense projections (default cublas:
     faster for qkv and the MLPs on the H200, perf/README.md); `DLMC_ROUTER_GEMM` the MoE
-    router's fp32 GEMM. Read once per module at construction, never inside a compiled forward."""
+    router's fp32 GEMM ("triton": `dlmc::router_gemm`, see `dlmc.models.moe.Router`). Read
+    once per module at construction, never inside a compiled forward."""
     choice = os.environ.get(env, "cublas")
     if choice not in ("cublas", "triton"):
         raise ConfigError(f"{env}={choice!r}: expected 'cublas' or 'triton'")

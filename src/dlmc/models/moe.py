@@ -17,9 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dlmc.custom_ops._registration import INTERPRETED
 from dlmc.custom_ops.bf16_moe import bf16_moe, bf16_moe_reference  # noqa: F401 (re-export)
 from dlmc.custom_ops.moe_align import append_shared_column
 from dlmc.custom_ops.moe_route import moe_route, moe_route_reference
+from dlmc.custom_ops.router_gemm import MAX_TOKENS as ROUTER_GEMM_MAX_TOKENS
+from dlmc.custom_ops.router_gemm import router_gemm
 from dlmc.models.config import LLaDA2Config
 from dlmc.models.layers import SwiGLUMLP, linear, small_m_gemm
 
@@ -31,6 +34,9 @@ class Router(nn.Module):
 
     The router GEMM runs in fp32, so `weight` is an fp32 buffer: the loader keeps buffers in
     their declared dtype, converting the (bf16) checkpoint tensor once instead of every call.
+    `DLMC_ROUTER_GEMM=triton` runs it as `dlmc::router_gemm` (BF16 tensor cores on an exact
+    split of the weight, split-K partials that `dlmc::moe_route` sums) for bf16 blocks of at
+    most 64 tokens on CUDA (or under Triton's interpreter); otherwise `F.linear` (cuBLAS).
     """
 
     def __init__(self, config: LLaDA2Config) -> None:
@@ -45,11 +51,18 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Route `x [T, H]` to `(topk_ids [T, K] int64, topk_weights [T, K] fp32)`."""
         cfg = self.config
-        logits = linear(x, self.weight.float(), self.gemm)  # [T, E] fp32 = x.float() @ W^T
+        if self._split_gemm(x):
+            logits = router_gemm(x, self.weight.float())  # [S, T, E] fp32, sums to the logits
+        else:
+            logits = linear(x, self.weight.float(), "cublas")  # [T, E] fp32 = x.float() @ W^T
         # One Triton launch on CUDA; on CPU the torch maths (the op would interpret the kernel).
         route = moe_route if logits.is_cuda else moe_route_reference
         return route(logits, self.expert_bias.float(), cfg.n_group, cfg.topk_group,
                      cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+
+    def _split_gemm(self, x: torch.Tensor) -> bool:
+        return (self.gemm == "triton" and (x.is_cuda or INTERPRETED) and x.dim() == 2
+                and x.dtype == torch.bfloat16 and x.shape[0] <= ROUTER_GEMM_MAX_TOKENS)
 
 
 class BF16Experts(nn.Module):
