@@ -6,6 +6,10 @@ weight, fp32 logits). Each GEMM runs over 20 distinct random weights inside one 
 bytes than L2 holds); median over the replays, per GEMM. `--configs` sweeps the Triton launch
 config (BLOCK_N,BLOCK_K,num_warps,num_stages) of each weight dtype.
 
+The router row also times `dlmc::router_gemm` (BF16 tensor cores on a three-way split of the fp32
+weight, split-K partials; `fp32split:BLOCK_N,SPLITS,BLOCK_K,num_warps,num_stages` sweeps it) and,
+since its partials are summed inside `dlmc::moe_route`, GEMM + routing for both ("route ..." rows).
+
     python perf/bench_small_m_linear.py --out perf/results/small_m_linear_h200.json
 """
 
@@ -22,6 +26,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+import dlmc.custom_ops.router_gemm as rg
 import dlmc.custom_ops.small_m_linear as sml
 from dlmc.bench.timing import copy_bandwidth_gbps, cuda_times
 
@@ -41,13 +46,43 @@ def graph_us(fn: Callable[[int], object], copies: int, iters: int) -> float:
     return statistics.median(cuda_times(graph.replay, iters, warmup=3)) * 1e3 / copies
 
 
+def router_rows(x: torch.Tensor, ws: list[torch.Tensor], ref: torch.Tensor,
+                split_configs: list[tuple[str, tuple[int, ...]]], copies: int,
+                iters: int) -> dict[str, float]:
+    """`dlmc::router_gemm` per config, and GEMM + `dlmc::moe_route` (LLaDA2.1-mini's routing)
+    against cuBLAS + `dlmc::moe_route`."""
+    from dlmc.custom_ops.moe_route import moe_route
+
+    bias = torch.randn(ws[0].shape[0], device="cuda") * 0.1
+    routing = (8, 4, 8, True, 2.5)  # n_group, topk_group, top_k, norm, scaling
+    rows = {"route cublas": graph_us(
+        lambda i: moe_route(F.linear(x.float(), ws[i]), bias, *routing), copies, iters)}
+    default = rg._CONFIG
+    for label, config in split_configs:
+        rg._CONFIG = config
+        try:
+            err = float((rg.router_gemm(x, ws[0]).sum(0) - ref).abs().max() / ref.abs().max())
+            rows[f"router_gemm {label}"] = graph_us(lambda i: rg.router_gemm(x, ws[i]), copies,
+                                                    iters)
+            rows[f"route router_gemm {label}"] = graph_us(
+                lambda i: moe_route(rg.router_gemm(x, ws[i]), bias, *routing), copies, iters)
+        except Exception as error:  # noqa: BLE001 (a config that does not compile)
+            print(f"router_gemm {label} failed: {str(error).splitlines()[0][:120]}")
+            continue
+        finally:
+            rg._CONFIG = default
+        rows[f"err router_gemm {label}"] = err
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--copies", type=int, default=20)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--configs", nargs="*", default=[],
-                   help="DTYPE:BLOCK_N,BLOCK_K,num_warps,num_stages (DTYPE bf16 or fp32)")
+                   help="DTYPE:BLOCK_N,BLOCK_K,num_warps,num_stages (DTYPE bf16 or fp32), or "
+                   "fp32split:BLOCK_N,SPLITS,BLOCK_K,num_warps,num_stages (dlmc::router_gemm)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     torch.manual_seed(0)
@@ -57,12 +92,16 @@ def main() -> None:
         "command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__, "triton": triton.__version__,
         "copy_GBps": copy_bandwidth_gbps(1 << 30, 30),
-        "default_config": {str(k): v for k, v in sml._CONFIG.items()}, "results": []}
+        "default_config": {str(k): v for k, v in sml._CONFIG.items()},
+        "router_gemm_config": rg._CONFIG, "results": []}
     print(json.dumps({k: v for k, v in report.items() if k != "results"}), flush=True)
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    split_configs = [("default", rg._CONFIG)] + [
+        (c, tuple(int(v) for v in c.split(":")[1].split(",")))
+        for c in args.configs if c.startswith("fp32split:")]
     configs = [("default", None)] + [
         (c, (dtypes[c.split(":")[0]], tuple(int(v) for v in c.split(":")[1].split(","))))
-        for c in args.configs]
+        for c in args.configs if not c.startswith("fp32split:")]
     default = dict(sml._CONFIG)
     for name, (n, k, dtype) in SHAPES.items():
         ws = [torch.randn(n, k, device="cuda").to(dtype) * 0.02 for _ in range(args.copies)]
@@ -85,13 +124,15 @@ def main() -> None:
                 continue
             rows[f"err {label}"] = err
         sml._CONFIG = default
+        if name == "router":
+            rows |= router_rows(xi, ws, ref, split_configs, args.copies, args.iters)
         nbytes = n * k * ws[0].element_size()
         for label, us in rows.items():
             if label.startswith("err"):
                 continue
+            err = rows.get(f"err {label.removeprefix('triton ')}")
             report["results"].append({"gemm": name, "impl": label, "us": us,
-                                      "GBps": nbytes / us / 1e3,
-                                      "max_rel_err": rows.get(label.replace("triton", "err"))})
+                                      "GBps": nbytes / us / 1e3, "max_rel_err": err})
             print(f"{name:12s} {label:32s} {us:7.2f} us {nbytes / us / 1e3:6.0f} GB/s", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
