@@ -10,8 +10,9 @@ features for all tokens and streams its weight rows once, so the grid spreads a 
   exact products since x holds bf16 values, an fp32 result; a few weight rows per program.
   cuBLAS runs this `[32, 2048] x [2048, 256]` GEMM as a SIMT sgemm plus a split-K reduction
   (6.7 + 2.5 µs per layer on the H200).
-Opt-in until measured on a GPU: `DLMC_SMALL_M_GEMM=triton` (`dlmc.models.layers.linear`, the
-MoE router). The maths is `small_m_linear_reference` (results differ only in summation order).
+Opt-in until measured on a GPU: `DLMC_SMALL_M_GEMM=triton` (`dlmc.models.layers.linear`); the
+MoE router's `DLMC_ROUTER_GEMM=triton` now takes `dlmc::router_gemm` (BF16 tensor cores).
+The maths is `small_m_linear_reference` (results differ only in summation order).
 """
 
 from __future__ import annotations

@@ -59,7 +59,8 @@ final)
   round round_nvfp4_final "${NVFP4_TIMEOUT:-170}" --precision nvfp4 --kv-cache-dtype fp8 \
     --modes graph --no-loop
   gpu_tests final tests/custom_ops/test_qk_norm_rope.py tests/custom_ops/test_moe_route.py \
-    tests/custom_ops/test_small_m_linear.py tests/graphs/test_runner.py \
+    tests/custom_ops/test_small_m_linear.py tests/custom_ops/test_router_gemm.py \
+    tests/graphs/test_runner.py \
     tests/loading/test_nvfp4_loading.py ;;
 rounds)
   for spec in ${ROUND_SPECS:-bf16:bf16 nvfp4:fp8}; do
