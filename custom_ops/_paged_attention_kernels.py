@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._paged_attention_tiles import cache_tile, interleaved_split, new_tile, split_range
 
@@ -46,11 +46,13 @@ def paged_attention_split_kernel(
 
     WINDOWED must be `window > 0`. INTERLEAVED: the tile order above, the first SPEC_TILES
     tiles of each split loaded before the prefix length arrives. DOT_F16: FP8 cache tiles
-    and q as FP16 dot operands (q must stay below 65504 in magnitude). PDL: let the merge,
-    launched with programmatic dependent launch, start while this grid runs. OWN_STAGES:
+    and q as FP16 dot operands (q must stay below 65504 in magnitude). PDL (programmatic
+    dependent launch): this grid may start before the previous kernel ends, so it waits for
+    it before reading anything, then lets the merge start while it runs. OWN_STAGES:
     pipelining stages of the block's own-key loop (its BF16 buffers set the shared memory).
     """
     if PDL:
+        gdc_wait()  # whatever wrote q, k/v, the cache or the prefix has finished
         gdc_launch_dependents()
     pid_m = tl.program_id(0)
     kv_head = tl.program_id(1)

@@ -57,8 +57,10 @@ class PagedAttentionVariant:
         partial_dtype: `torch.float32` or `torch.bfloat16` partial outputs (LSEs stay fp32).
         fp8_dot_f16: FP8 cache tiles and q as FP16 dot operands (one conversion per pair; an
             FP8 cache only, BF16 caches keep BF16; q must stay below 65504 in magnitude).
-        pdl: launch the merge with programmatic dependent launch (flat merges; sm_90+; eager or
-            graph-captured launches only, not under torch.compile; off in the interpreter).
+        pdl: launch both kernels with programmatic dependent launch (flat merges; sm_90+):
+            each may start while the kernel before it finishes and waits for it on the
+            device (griddepcontrol), hiding launch gaps. Eager or graph-captured launches
+            only, not under torch.compile (Inductor drops launch_pdl); off in the interpreter.
     """
 
     num_splits: int = 0
@@ -172,6 +174,7 @@ def launch_paged_attention(
                            dtype=torch.float32)  # [S+1, Hkv, M]
     out = torch.empty_like(q)  # [Tq, Hq, D]
     grid = (triton.cdiv(num_rows, block_m), num_kv_heads, parts)
+    launch = {"launch_pdl": True} if pdl else {}
     wrap_triton(paged_attention_split_kernel)[grid](
         q, k_new, v_new, k_cache, v_cache, page_table, prefix_len, k_scale, v_scale,
         o_part, lse_part,
@@ -184,7 +187,7 @@ def launch_paged_attention(
         NUM_STAGES=num_stages, WINDOWED=window > 0, INTERLEAVED=interleaved,
         DOT_F16=variant.fp8_dot_f16 and k_cache.dtype == torch.float8_e4m3fn, PDL=pdl,
         OWN_STAGES=variant.own_stages or num_stages, SPEC_TILES=variant.speculative_tiles,
-        num_warps=num_warps,
+        num_warps=num_warps, **launch,
     )
     merge_args = (o_part, lse_part, out, prefix_len, out.stride(0), out.stride(1), num_rows,
                   capacity, window)
@@ -197,7 +200,6 @@ def launch_paged_attention(
         return out
     rows = variant.merge_rows
     chunk, merge_warps = flat_merge_config(num_splits, rows, head_dim)
-    launch = {"launch_pdl": True} if pdl else {}
     wrap_triton(paged_attention_merge_flat_kernel)[(triton.cdiv(num_rows, rows), num_kv_heads)](
         *merge_args, GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
         MIN_SPLIT_KEYS=min_split_keys, BLOCK_N=block_n, INTERLEAVED=interleaved,

@@ -12,7 +12,7 @@ wrote nothing, so the merge works out from the device prefix which parts are liv
   overlap): two round trips. SPECULATIVE loads the cache parts without waiting for the prefix
   and drops the dead ones afterwards (one round trip; dead parts are read, never used). PDL:
   launched with programmatic dependent launch, it reads the prefix (written before the split
-  kernel started) and then waits for the split grid before touching the parts.
+  kernel's own wait) and then waits for the split grid before touching the parts.
 
 Loops are `while` loops because the interpreter (numpy >= 2) cannot index with loaded scalars.
 """
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._paged_attention_tiles import interleaved_tiles, split_range
 
@@ -110,9 +110,12 @@ def paged_attention_merge_flat_kernel(
     num_kv_heads = tl.num_programs(1)
     row_mask = rows < num_rows
     dims = tl.arange(0, HEAD_DIM)
-    raw_prefix = tl.load(prefix_len_ptr)  # not written by the split kernel: no wait needed
+    # Not written by the split kernel, and the split only lets this grid start after its own
+    # wait for the kernels before it: no wait needed for the prefix.
+    raw_prefix = tl.load(prefix_len_ptr)
     if PDL:
         gdc_wait()  # the split grid's parts are visible from here on
+        gdc_launch_dependents()  # the next kernel may start (and wait) while this one runs
     own = (NUM_SPLITS * num_kv_heads + kv_head) * num_rows + rows  # [R]
     m_i = tl.load(lse_part_ptr + own, mask=row_mask, other=0.0)  # [R], the own part is live
     l_i = tl.full([ROWS], 1.0, tl.float32)

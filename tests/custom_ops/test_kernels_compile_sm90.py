@@ -92,7 +92,8 @@ def check_variants(head_dim: int, kv_type: str, windowed: bool) -> None:
         "INTERLEAVED": True, "DOT_F16": kv_type == "*fp8e4nv", "PDL": True, "OWN_STAGES": 1,
         "SPEC_TILES": 2}, num_warps, divisible)
     ptx = compiled.asm["ptx"]
-    assert "griddepcontrol.launch_dependents" in ptx and "cp.async" in ptx
+    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+    assert "cp.async" in ptx
     if head_dim == 128:  # one own-loop stage: 64 KB of shared memory, 3 programs per SM
         assert compiled.metadata.shared <= 66 * 1024, compiled.metadata.shared
     merge_types = {"o_part_ptr": "*bf16", "lse_part_ptr": "*fp32", "out_ptr": "*bf16",
@@ -106,6 +107,7 @@ def check_variants(head_dim: int, kv_type: str, windowed: bool) -> None:
             "BLOCK_N": block_n, "INTERLEAVED": True, "SPECULATIVE": speculative, "ROWS": rows,
             "CHUNK": chunk, "PDL": True}, merge_warps, launch_pdl=True)
         assert "griddepcontrol.wait" in compiled.asm["ptx"]
+        assert "griddepcontrol.launch_dependents" in compiled.asm["ptx"]
 
 
 def check_kv_append() -> None:
