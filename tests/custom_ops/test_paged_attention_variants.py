@@ -43,6 +43,14 @@ def test_sweep_variant_matches_reference(name: str) -> None:
                                  num_splits=3)
 
 
+@pytest.mark.parametrize("name", list(SWEEP_VARIANTS))
+def test_sweep_variant_clamps_prefix_to_capacity(name: str) -> None:
+    case = make_case(num_queries=2, num_q_heads=2, num_kv_heads=1, head_dim=32, page_size=4,
+                     prefix=70, spare_pages=0)
+    case["prefix_len"].fill_(1000)  # past the table's 72 slots: reads stop at capacity
+    assert_matches_reference(case, SWEEP_VARIANTS[name], softmax_scale=0.2, num_splits=2)
+
+
 @pytest.mark.parametrize("name", [n for n, v in SWEEP_VARIANTS.items()
                                   if v.split_order == "interleaved"][:1])
 def test_speculative_tiles_ignore_stale_page_ids(name: str) -> None:
