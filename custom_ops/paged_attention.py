@@ -13,98 +13,24 @@ FlashInfer needs host-side planning and lives in `paged_attention_flashinfer.py`
 
 from __future__ import annotations
 
-import functools
-import math
-
 import torch
-import triton
-from torch.library import triton_op, wrap_triton
+from torch.library import triton_op
 
-from dlmc.custom_ops._registration import INTERPRETED
 from dlmc.errors import ConfigError
 
-from ._paged_attention_kernels import (
-    merge_chunk,
-    paged_attention_merge_kernel,
-    paged_attention_split_kernel,
-    split_launch_config,
+from ._paged_attention_launch import (
+    DEFAULT_MIN_SPLIT_KEYS,
+    SWEEP_VARIANTS,
+    PagedAttentionVariant,
+    default_num_splits,
+    launch_paged_attention,
 )
 
 CACHE_DTYPES = (torch.float8_e4m3fn, torch.bfloat16)
 BACKENDS = ("triton", "reference")
-# Triton's CPU interpreter (tests): BF16 dots are widened to fp32 there (see _dot).
-# Fewest cached keys one split attends: fewer, longer splits when the prefix is short.
-DEFAULT_MIN_SPLIT_KEYS = 128
-
-
-def default_num_splits(num_rows: int, num_kv_heads: int, head_dim: int,
-                       device: torch.device) -> int:
-    """Key splits of the cached prefix: about two waves of programs on the GPU, 4 on CPU.
-
-    Depends only on shapes and the device, never on the prefix length (graph safety); splits
-    that find no keys exit at once.
-    """
-    if device.type != "cuda":
-        return 4
-    block_m = split_launch_config(head_dim)[0]
-    programs = math.ceil(num_rows / block_m) * num_kv_heads
-    return max(1, min(math.ceil(2 * _sm_count(device.index) / programs), 64))
-
-
-@functools.cache
-def _sm_count(device_index: int | None) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def launch_paged_attention(
-    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
-    v_cache: torch.Tensor, page_table: torch.Tensor, prefix_len: torch.Tensor,
-    k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float, window: int,
-    causal_block: int, num_splits: int, *, min_split_keys: int = 0,
-    tile: tuple[int, int, int] | None = None,
-) -> torch.Tensor:
-    """Launch the split and merge kernels (arguments as in `paged_attention`; 0 = unset).
-
-    `min_split_keys` (fewest cached keys per split) and `tile` (BLOCK_M, BLOCK_N, num_warps)
-    override the defaults; perf/bench_paged_attention.py sweeps them.
-    """
-    num_queries, num_q_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads, _ = k_cache.shape
-    group = num_q_heads // num_kv_heads
-    num_rows = num_queries * group
-    capacity = min(num_pages, page_table.numel()) * page_size
-    block_m, block_n, num_warps = tile or split_launch_config(head_dim)
-    if num_splits <= 0:
-        num_splits = default_num_splits(num_rows, num_kv_heads, head_dim, q.device)
-    min_split_keys = max(block_n, math.ceil((min_split_keys or DEFAULT_MIN_SPLIT_KEYS)
-                                            / block_n) * block_n)
-    num_stages = 3 if head_dim <= 128 else 2
-    parts = num_splits + 1
-    o_part = torch.empty((parts, num_kv_heads, num_rows, head_dim), device=q.device,
-                         dtype=torch.float32)  # [S+1, Hkv, M, D]
-    lse_part = torch.empty((parts, num_kv_heads, num_rows), device=q.device,
-                           dtype=torch.float32)  # [S+1, Hkv, M]
-    out = torch.empty_like(q)  # [Tq, Hq, D]
-    grid = (triton.cdiv(num_rows, block_m), num_kv_heads, parts)
-    wrap_triton(paged_attention_split_kernel)[grid](
-        q, k_new, v_new, k_cache, v_cache, page_table, prefix_len, k_scale, v_scale,
-        o_part, lse_part,
-        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        num_queries, num_rows, softmax_scale * math.log2(math.e), capacity, window,
-        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, CAUSAL_BLOCK=causal_block,
-        NUM_SPLITS=num_splits, MIN_SPLIT_KEYS=min_split_keys, BLOCK_M=block_m,
-        BLOCK_N=block_n, DOT_FP32=INTERPRETED, LOOP_WHILE=INTERPRETED,
-        NUM_STAGES=num_stages, num_warps=num_warps,
-    )
-    wrap_triton(paged_attention_merge_kernel)[(num_rows, num_kv_heads)](
-        o_part, lse_part, out, prefix_len, out.stride(0), out.stride(1), num_rows, capacity,
-        window, GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-        MIN_SPLIT_KEYS=min_split_keys, BLOCK_N=block_n, CHUNK=merge_chunk(num_splits),
-        LOOP_WHILE=INTERPRETED, num_warps=4 if head_dim <= 256 else 8,
-    )
-    return out
-
+__all__ = ["DEFAULT_MIN_SPLIT_KEYS", "SWEEP_VARIANTS", "PagedAttentionVariant",
+           "default_num_splits", "launch_paged_attention", "paged_attention",
+           "paged_attention_reference"]
 
 
 @triton_op("dlmc::paged_attention", mutates_args=())

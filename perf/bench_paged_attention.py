@@ -4,9 +4,13 @@ LLaDA2.1-mini shapes by default: a 32-query block, 16 q heads over 4 KV heads, h
 page size 16, FP8 E4M3 KV, 20 layers. Every layer has its own cache (so the KV is not served
 from L2), one CUDA graph holds one call per layer, and a replay's time over the layer count is
 the per-call time (median of >= 50 replays, CUDA events). The reference syncs on the prefix
-length, so it is timed eagerly. Random data, seeded.
+length, so it is timed eagerly. Random data, seeded. `--sweep` also times the named kernel
+variants of `SWEEP_VARIANTS` (custom_ops/_paged_attention_launch.py), all or the ones named,
+each in its own graph; `--capacity` sizes the page pool beyond the prefix (the speculative
+tiles of the interleaved variants read pages up to the pool's capacity, as in a long context).
 
-    python perf/bench_paged_attention.py --sweep --out perf/results/paged_attention_h200.json
+    python perf/bench_paged_attention.py --sweep --no-flashinfer --out perf/results/x.json
+    python perf/bench_paged_attention.py --sweep base ilv32 --prefixes 4096 --capacity 32768
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import triton
 from dlmc.bench.timing import copy_bandwidth_gbps, cuda_times
 from dlmc.custom_ops.kv_append import kv_append
 from dlmc.custom_ops.paged_attention import (
+    SWEEP_VARIANTS,
     launch_paged_attention,
     paged_attention,
     paged_attention_reference,
@@ -34,9 +39,9 @@ from dlmc.custom_ops.paged_attention_flashinfer import (
     flashinfer_available,
 )
 
-# (num_splits, min_split_keys, (BLOCK_M, BLOCK_N, num_warps)) timed by --sweep.
-SWEEP = ((33, 64, (64, 64, 4)), (33, 256, (64, 64, 4)), (16, 128, (64, 64, 4)),
-         (64, 128, (64, 64, 4)), (33, 128, (128, 64, 8)))
+# Named kernel variants timed by --sweep ("base" is the op's own launch, as "default" but
+# through launch_paged_attention); what each changes: PagedAttentionVariant's docstring.
+SWEEP = SWEEP_VARIANTS
 
 
 def parse_args() -> argparse.Namespace:
@@ -51,7 +56,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kv-dtype", choices=["fp8", "bf16"], default="fp8")
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--round-ms", type=float, default=1.9, help="NVFP4 round target (ms)")
-    p.add_argument("--sweep", action="store_true", help="also time Triton split/tile configs")
+    p.add_argument("--sweep", nargs="*", default=None, metavar="NAME",
+                   help=f"also time these kernel variants (none named: all of {list(SWEEP)})")
+    p.add_argument("--capacity", type=int, default=0,
+                   help="cached tokens the page pool holds (0: the prefix + the block + a page)")
     p.add_argument("--no-flashinfer", action="store_true", help="skip FlashInfer (JIT ~18 s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON output path")
@@ -81,7 +89,8 @@ def time_events(fn: Callable[[], object], iters: int, per: int, warmup: int = 3)
 
 def build(args: argparse.Namespace, prefix: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator(device="cuda").manual_seed(args.seed + prefix)
-    num_pages = math.ceil((prefix + args.num_queries) / args.page_size) + 1
+    num_pages = max(math.ceil((prefix + args.num_queries) / args.page_size) + 1,
+                    math.ceil(args.capacity / args.page_size))
     shape = (args.layers, num_pages, args.page_size, args.kv_heads, args.head_dim)
     dtype = torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16
     scale = 0.02 if args.kv_dtype == "fp8" else 1.0
@@ -100,6 +109,16 @@ def build(args: argparse.Namespace, prefix: int) -> dict[str, torch.Tensor]:
         "k_scale": torch.tensor([scale], device="cuda"),
         "v_scale": torch.tensor([scale], device="cuda"),
     }
+
+
+def sweep_names(args: argparse.Namespace) -> list[str]:
+    """The variants `--sweep` names (all of SWEEP when it names none; [] without --sweep)."""
+    if args.sweep is None:
+        return []
+    unknown = [name for name in args.sweep if name not in SWEEP]
+    if unknown:
+        raise SystemExit(f"--sweep: unknown variant(s) {unknown}; known: {list(SWEEP)}")
+    return args.sweep or list(SWEEP)
 
 
 def layer_args(t: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
@@ -124,19 +143,20 @@ def bench_prefix(args: argparse.Namespace, prefix: int, env: dict[str, object],
     record("triton", "default", prefix, time_graph(calls, args.iters), err)
     record("triton", "default eager", prefix,
            time_events(lambda: [c() for c in calls], args.iters, args.layers), err)
-    if args.sweep:
-        for splits, min_keys, tile in SWEEP:
-            def launch(i: int, s: int = splits, m: int = min_keys,
-                       tl_: tuple[int, int, int] = tile) -> torch.Tensor:
-                a = layer_args(t, i)
-                return launch_paged_attention(
-                    a["q"], a["k_new"], a["v_new"], a["k_cache"], a["v_cache"],
-                    a["page_table"], a["prefix_len"], a["k_scale"], a["v_scale"], scale,
-                    0, 0, s, min_split_keys=m, tile=tl_)
-            name = f"s{splits} k{min_keys} m{tile[0]}n{tile[1]}w{tile[2]}"
+    for name in sweep_names(args):
+        def launch(i: int, name: str = name) -> torch.Tensor:
+            return launch_paged_attention(*layer_args(t, i).values(), scale, 0, 0, 0,
+                                          SWEEP[name])
+        try:
             err = rel_err(launch(0))
             calls = [lambda i=i, f=launch: f(i) for i in range(args.layers)]
             record("triton", name, prefix, time_graph(calls, args.iters), err)
+        except Exception as e:  # one failing variant must not cost the others' times
+            print(f"triton     {name:28s} prefix={prefix:6d} FAILED {type(e).__name__}: "
+                  f"{str(e)[:200]}", flush=True)
+            env.setdefault("failed", []).append({"config": name, "prefix": prefix,
+                                                 "error": f"{type(e).__name__}: {e}"[:2000]})
+            torch.cuda.synchronize()
     if not args.no_flashinfer and flashinfer_available() and args.head_dim in (64, 128, 256):
         fi = FlashInferPagedAttention(
             num_q_heads=args.q_heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,

@@ -19,9 +19,13 @@ from triton.compiler import ASTSource
 
 import dlmc.custom_ops.small_m_linear as small_m_linear_module
 from dlmc.custom_ops._paged_attention_kernels import (
-    paged_attention_merge_kernel,
     paged_attention_split_kernel,
     split_launch_config,
+)
+from dlmc.custom_ops._paged_attention_merge import (
+    flat_merge_config,
+    paged_attention_merge_flat_kernel,
+    paged_attention_merge_kernel,
 )
 from dlmc.custom_ops.kv_append import kv_append_kernel
 from dlmc.custom_ops.moe_align import aligned_blocks, moe_align_kernel
@@ -36,12 +40,15 @@ SM90 = GPUTarget("cuda", 90, 32)
 
 
 def compile_sm90(kernel: triton.JITFunction, types: dict[str, str], constexprs: dict[str, object],
-                 num_warps: int) -> triton.compiler.CompiledKernel:
+                 num_warps: int, divisible: tuple[str, ...] = (),
+                 **options: object) -> triton.compiler.CompiledKernel:
+    """`divisible`: arguments the launcher would mark 16-divisible (as it does at run time)."""
     names = kernel.arg_names
     signature = {name: "constexpr" if name in constexprs else types[name] for name in names}
-    source = ASTSource(fn=kernel, signature=signature,
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in divisible}
+    source = ASTSource(fn=kernel, signature=signature, attrs=attrs,
                        constexprs={(names.index(k),): v for k, v in constexprs.items()})
-    return triton.compile(source, target=SM90, options={"num_warps": num_warps})
+    return triton.compile(source, target=SM90, options={"num_warps": num_warps, **options})
 
 
 def check_split_and_merge(float_type: str, head_dim: int, kv_type: str,
@@ -52,11 +59,14 @@ def check_split_and_merge(float_type: str, head_dim: int, kv_type: str,
                 "prefix_len_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
                 "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "scale_log2": float_type}
     types = {name: pointers.get(name, "i32") for name in paged_attention_split_kernel.arg_names}
-    compiled = compile_sm90(paged_attention_split_kernel, types, {
+    num_stages = 3 if head_dim <= 128 else 2
+    default = {
         "GROUP": 4, "HEAD_DIM": head_dim, "PAGE_SIZE": 16, "CAUSAL_BLOCK": causal_block,
         "NUM_SPLITS": 33, "MIN_SPLIT_KEYS": 128, "BLOCK_M": block_m, "BLOCK_N": block_n,
-        "DOT_FP32": False, "LOOP_WHILE": False, "NUM_STAGES": 3 if head_dim <= 128 else 2,
-    }, num_warps)
+        "DOT_FP32": False, "LOOP_WHILE": False, "NUM_STAGES": num_stages, "WINDOWED": False,
+        "INTERLEAVED": False, "DOT_F16": False, "PDL": False, "OWN_STAGES": num_stages,
+        "SPEC_TILES": 1}
+    compiled = compile_sm90(paged_attention_split_kernel, types, default, num_warps)
     assert "cp.async" in compiled.asm["ptx"]  # the key loop is software-pipelined
     merge_types = {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "out_ptr": "*bf16",
                    "prefix_len_ptr": "*i32"}
@@ -65,6 +75,43 @@ def check_split_and_merge(float_type: str, head_dim: int, kv_type: str,
     compile_sm90(paged_attention_merge_kernel, types, {
         "GROUP": 4, "HEAD_DIM": head_dim, "NUM_SPLITS": 33, "MIN_SPLIT_KEYS": 128,
         "BLOCK_N": block_n, "CHUNK": 32, "LOOP_WHILE": False}, 4)
+
+
+def check_variants(head_dim: int, kv_type: str, windowed: bool) -> None:
+    """The perf/bench_paged_attention.py --sweep variants' code paths (PagedAttentionVariant)."""
+    block_m, block_n, num_warps = split_launch_config(head_dim)
+    pointers = {"q_ptr": "*bf16", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16",
+                "k_cache_ptr": kv_type, "v_cache_ptr": kv_type, "page_table_ptr": "*i32",
+                "prefix_len_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
+                "o_part_ptr": "*bf16", "lse_part_ptr": "*fp32", "scale_log2": "fp64"}
+    names = paged_attention_split_kernel.arg_names
+    types = {name: pointers.get(name, "i32") for name in names}
+    # as the launcher specializes them for LLaDA2.1-mini shapes: pointers, strides, sizes
+    divisible = tuple(name for name in names if name.endswith("_ptr") or "stride" in name
+                      or name in ("num_queries", "num_rows", "max_tokens"))
+    compiled = compile_sm90(paged_attention_split_kernel, types, {
+        "GROUP": 4, "HEAD_DIM": head_dim, "PAGE_SIZE": 16, "CAUSAL_BLOCK": 0,
+        "NUM_SPLITS": 32, "MIN_SPLIT_KEYS": 128, "BLOCK_M": block_m, "BLOCK_N": block_n,
+        "DOT_FP32": False, "LOOP_WHILE": False, "NUM_STAGES": 3, "WINDOWED": windowed,
+        "INTERLEAVED": True, "DOT_F16": kv_type == "*fp8e4nv", "PDL": True, "OWN_STAGES": 1,
+        "SPEC_TILES": 2}, num_warps, divisible)
+    ptx = compiled.asm["ptx"]
+    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+    assert "cp.async" in ptx
+    if head_dim == 128:  # one own-loop stage: 64 KB of shared memory, 3 programs per SM
+        assert compiled.metadata.shared <= 66 * 1024, compiled.metadata.shared
+    merge_types = {"o_part_ptr": "*bf16", "lse_part_ptr": "*fp32", "out_ptr": "*bf16",
+                   "prefix_len_ptr": "*i32"}
+    names = paged_attention_merge_flat_kernel.arg_names
+    types = {name: merge_types.get(name, "i32") for name in names}
+    for speculative, rows in ((False, 1), (True, 4)):
+        chunk, merge_warps = flat_merge_config(32, rows, head_dim)
+        compiled = compile_sm90(paged_attention_merge_flat_kernel, types, {
+            "GROUP": 4, "HEAD_DIM": head_dim, "NUM_SPLITS": 32, "MIN_SPLIT_KEYS": 128,
+            "BLOCK_N": block_n, "INTERLEAVED": True, "SPECULATIVE": speculative, "ROWS": rows,
+            "CHUNK": chunk, "PDL": True}, merge_warps, launch_pdl=True)
+        assert "griddepcontrol.wait" in compiled.asm["ptx"]
+        assert "griddepcontrol.launch_dependents" in compiled.asm["ptx"]
 
 
 def check_kv_append() -> None:
@@ -170,6 +217,9 @@ if __name__ == "__main__":
     check_split_and_merge("fp64", 128, "*fp8e4nv", 0)  # as Inductor calls it
     check_split_and_merge("fp32", 256, "*fp8e4nv", 0)  # as an eager call does
     check_split_and_merge("fp32", 512, "*bf16", 4)
+    check_variants(128, "*fp8e4nv", windowed=False)
+    check_variants(256, "*bf16", windowed=True)
+    check_variants(512, "*fp8e4nv", windowed=True)
     check_kv_append()
     check_nvfp4_moe_v3()
     check_moe_align(32, 8, 256, 16, 4)  # a diffusion block

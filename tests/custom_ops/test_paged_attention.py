@@ -9,12 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlmc.custom_ops.kv_append import quantize_kv_reference
 from dlmc.custom_ops.paged_attention import paged_attention, paged_attention_reference
 from dlmc.errors import ConfigError
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-FP8 = torch.float8_e4m3fn
+from .paged_attention_cases import DEVICE, FP8, assert_matches_reference, make_case
 
 
 def opcheck_utils(cache_dtype: torch.dtype) -> tuple[str, ...]:
@@ -29,46 +27,6 @@ def opcheck_utils(cache_dtype: torch.dtype) -> tuple[str, ...]:
     if torch.cuda.is_available():
         utils.append("test_aot_dispatch_dynamic")
     return tuple(utils)
-
-
-def make_case(
-    *, num_queries: int, num_q_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-    prefix: int, k_scale: float = 1.0, v_scale: float = 1.0, dtype: torch.dtype = FP8,
-    spare_pages: int = 2, seed: int = 0, device: str = DEVICE,
-) -> dict[str, torch.Tensor]:
-    """Random inputs: the cache holds quantized random K/V (|x| spread over 1e-3..10)."""
-    gen = torch.Generator().manual_seed(seed)
-    num_pages = math.ceil(max(prefix, 1) / page_size) + spare_pages
-    shape = (num_pages, page_size, num_kv_heads, head_dim)
-
-    def rand(*size: int) -> torch.Tensor:
-        magnitude = torch.exp(torch.empty(size).uniform_(-7, 2.3, generator=gen))
-        return torch.randn(size, generator=gen) * magnitude
-
-    k_scale_t = torch.tensor([k_scale], dtype=torch.float32)
-    v_scale_t = torch.tensor([v_scale], dtype=torch.float32)
-    case = {
-        "q": torch.randn(num_queries, num_q_heads, head_dim, generator=gen).bfloat16(),
-        "k_new": torch.randn(num_queries, num_kv_heads, head_dim, generator=gen).bfloat16(),
-        "v_new": torch.randn(num_queries, num_kv_heads, head_dim, generator=gen).bfloat16(),
-        "k_cache": quantize_kv_reference(rand(*shape), k_scale_t, dtype),
-        "v_cache": quantize_kv_reference(rand(*shape), v_scale_t, dtype),
-        "page_table": torch.randperm(num_pages, generator=gen).to(torch.int32),
-        "prefix_len": torch.tensor([prefix], dtype=torch.int32),
-        "k_scale": k_scale_t,
-        "v_scale": v_scale_t,
-    }
-    return {name: t.to(device) for name, t in case.items()}
-
-
-def assert_matches_reference(case: dict[str, torch.Tensor], **options: object) -> None:
-    split_options = {"num_splits": options.pop("num_splits", None)}
-    out = paged_attention(**case, **options, **split_options)
-    ref = paged_attention_reference(**case, **options)
-    assert out.shape == ref.shape and out.dtype == torch.bfloat16
-    assert torch.isfinite(out).all()
-    bound = ref.float().abs().max().item()
-    torch.testing.assert_close(out.float(), ref.float(), atol=0.02 * bound + 1e-6, rtol=0.02)
 
 
 def test_matches_reference_llada2_shape() -> None:
