@@ -108,7 +108,7 @@ def test_split_ranges_cover_k() -> None:
         splits, per_split = router_splits(inner)
         assert (splits - 1) * per_split < inner <= splits * per_split
         assert per_split % router_gemm_module._CONFIG[2] == 0
-    assert router_splits(2048) == (8, 256)  # LLaDA2.1-mini: 16 N tiles x 8 splits
+    assert router_splits(2048) == (16, 128)  # LLaDA2.1-mini: 16 N tiles x 16 splits
 
 
 @settings(max_examples=6, deadline=None)

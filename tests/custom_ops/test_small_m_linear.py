@@ -72,7 +72,13 @@ def test_opcheck() -> None:
 
 def test_switch_and_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DLMC_SMALL_M_GEMM", raising=False)
+    monkeypatch.delenv("DLMC_ROUTER_GEMM", raising=False)
     assert small_m_gemm() == "cublas"
+    assert small_m_gemm("DLMC_ROUTER_GEMM") == "auto"  # router_gemm on CUDA
+    monkeypatch.setenv("DLMC_ROUTER_GEMM", "auto")
+    monkeypatch.setenv("DLMC_SMALL_M_GEMM", "auto")  # the projections have no auto
+    with pytest.raises(ConfigError, match="DLMC_SMALL_M_GEMM='auto'"):
+        SwiGLUMLP(16, 8)
     monkeypatch.setenv("DLMC_SMALL_M_GEMM", "magic")
     with pytest.raises(ConfigError, match="DLMC_SMALL_M_GEMM='magic'"):
         SwiGLUMLP(16, 8)  # read at construction

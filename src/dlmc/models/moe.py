@@ -34,9 +34,10 @@ class Router(nn.Module):
 
     The router GEMM runs in fp32, so `weight` is an fp32 buffer: the loader keeps buffers in
     their declared dtype, converting the (bf16) checkpoint tensor once instead of every call.
-    `DLMC_ROUTER_GEMM=triton` runs it as `dlmc::router_gemm` (BF16 tensor cores on an exact
-    split of the weight, split-K partials that `dlmc::moe_route` sums) for bf16 blocks of at
-    most 64 tokens on CUDA (or under Triton's interpreter); otherwise `F.linear` (cuBLAS).
+    On CUDA (`DLMC_ROUTER_GEMM=auto`, the default, or `triton`) it runs as `dlmc::router_gemm`
+    (BF16 tensor cores on an exact split of the weight, split-K partials that `dlmc::moe_route`
+    sums) for bf16 blocks of at most 64 tokens; `triton` also under Triton's interpreter;
+    otherwise, and with `cublas`, `F.linear`.
     """
 
     def __init__(self, config: LLaDA2Config) -> None:
@@ -61,7 +62,8 @@ class Router(nn.Module):
                      cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routed_scaling_factor)
 
     def _split_gemm(self, x: torch.Tensor) -> bool:
-        return (self.gemm == "triton" and (x.is_cuda or INTERPRETED) and x.dim() == 2
+        device_ok = x.is_cuda or (self.gemm == "triton" and INTERPRETED)
+        return (self.gemm != "cublas" and device_ok and x.dim() == 2
                 and x.dtype == torch.bfloat16 and x.shape[0] <= ROUTER_GEMM_MAX_TOKENS)
 
 
