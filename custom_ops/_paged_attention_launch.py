@@ -1,8 +1,11 @@
 """Launch of `dlmc::paged_attention`'s split and merge kernels, and the variants of the launch.
 
-`PagedAttentionVariant()` is the op's behaviour; the other settings are latency experiments that
-perf/bench_paged_attention.py --sweep times by name (`SWEEP` there). Every variant computes the
-same attention (tests/custom_ops/test_paged_attention.py compares each with the reference).
+`default_variant` picks the op's launch (measured per cache type on the H200); the other
+settings are latency experiments that perf/bench_paged_attention.py --sweep times by name
+(`SWEEP_VARIANTS`). `DLMC_ATTENTION_VARIANT=<name>` (read once, at import) makes every call
+launch that named variant instead, to time it inside whole rounds (`dlmc bench round`). Every
+variant computes the same attention (tests/custom_ops/test_paged_attention*.py compare each
+with the reference).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -125,6 +129,19 @@ SWEEP_VARIANTS: dict[str, PagedAttentionVariant] = {
 }
 
 
+def _variant_override(name: str | None) -> PagedAttentionVariant | None:
+    """The variant `DLMC_ATTENTION_VARIANT` names (None when unset); a clear error otherwise."""
+    if not name:
+        return None
+    if name not in SWEEP_VARIANTS:
+        raise ConfigError(f"DLMC_ATTENTION_VARIANT={name!r}: expected one of "
+                          f"{', '.join(SWEEP_VARIANTS)}")
+    return SWEEP_VARIANTS[name]
+
+
+_OVERRIDE = _variant_override(os.environ.get("DLMC_ATTENTION_VARIANT"))
+
+
 def default_variant(kv_dtype: torch.dtype, head_dim: int,
                     device: torch.device) -> PagedAttentionVariant:
     """The launch a call gets unless it names one: on CUDA, an FP8 cache at head dim 128 takes
@@ -132,6 +149,8 @@ def default_variant(kv_dtype: torch.dtype, head_dim: int,
     4k prefix, 28.9 vs 30.1 µs at 16k, 12.8 vs 12.2 µs at 1k; perf/README.md); BF16 caches
     (12.7 vs 14.1 µs at 1k) and other head dims (the interleaved kernel spills registers at
     256/512) keep the contiguous splits."""
+    if _OVERRIDE is not None:
+        return _OVERRIDE
     if device.type == "cuda" and kv_dtype == torch.float8_e4m3fn and head_dim == 128:
         return _INTERLEAVED
     return DEFAULT_VARIANT

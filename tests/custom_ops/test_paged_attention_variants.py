@@ -135,3 +135,26 @@ def test_sweep_variant_in_cuda_graph(name: str) -> None:
         ref = paged_attention_reference(**case, softmax_scale=128**-0.5).float()
         bound = ref.abs().max().item()
         torch.testing.assert_close(out.float(), ref, atol=0.02 * bound, rtol=0.02)
+
+
+def test_default_variant_by_cache_type() -> None:
+    """FP8 caches at head dim 128 on CUDA launch the interleaved splits (faster at 4k and 16k on
+    the H200); BF16 caches, other head dims and the CPU keep the contiguous splits."""
+    from dlmc.custom_ops._paged_attention_launch import DEFAULT_VARIANT, default_variant
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert default_variant(FP8, 128, cuda) == SWEEP_VARIANTS["ilv32"]
+    assert default_variant(FP8, 128, cuda).split_order == "interleaved"
+    for dtype, head_dim, device in ((BF16, 128, cuda), (FP8, 256, cuda), (FP8, 512, cuda),
+                                    (FP8, 128, cpu)):
+        assert default_variant(dtype, head_dim, device) == DEFAULT_VARIANT
+        assert DEFAULT_VARIANT.split_order == "contiguous"
+
+
+def test_attention_variant_override_names_the_variable() -> None:
+    from dlmc.custom_ops._paged_attention_launch import _variant_override
+
+    assert _variant_override(None) is None and _variant_override("") is None
+    assert _variant_override("ilv32-bf16part") == SWEEP_VARIANTS["ilv32-bf16part"]
+    with pytest.raises(ConfigError, match="DLMC_ATTENTION_VARIANT='fastest'.*ilv32"):
+        _variant_override("fastest")

@@ -48,7 +48,9 @@ def test_router_through_the_triton_op(monkeypatch):
     maths (what it runs on CPU): the same routing."""
     import dlmc.models.moe as moe
 
+    monkeypatch.setenv("DLMC_ROUTER_GEMM", "cublas")  # the reference: F.linear logits
     cfg, router = _router()
+    assert router.gemm == "cublas"
     router.weight.data = torch.randn(cfg.num_experts, cfg.hidden_size) * 0.3
     router.expert_bias.normal_(0.0, 0.1)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -68,7 +70,9 @@ def test_router_split_gemm_routes_like_cublas(monkeypatch):
     CPU) summed by the routing; the same picks as `F.linear` logits (no near-ties here)."""
     import dlmc.models.moe as moe
 
+    monkeypatch.setenv("DLMC_ROUTER_GEMM", "cublas")  # the reference: F.linear logits
     cfg, router = _router()
+    assert router.gemm == "cublas"
     router.weight.data = torch.randn(cfg.num_experts, cfg.hidden_size) * 0.3
     router.expert_bias.normal_(0.0, 0.1)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -83,6 +87,24 @@ def test_router_split_gemm_routes_like_cublas(monkeypatch):
     assert calls, "the split GEMM did not run"
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=0)
+
+
+def test_router_gemm_default_is_cuda_only(monkeypatch):
+    """DLMC_ROUTER_GEMM unset = "auto": the split GEMM for bf16 blocks on CUDA only, so CPU runs
+    (also under Triton's interpreter) keep F.linear; "triton" also takes the interpreter."""
+    import dlmc.models.moe as moe
+
+    monkeypatch.delenv("DLMC_ROUTER_GEMM", raising=False)
+    cfg, router = _router()
+    assert router.gemm == "auto"
+    x = torch.randn(9, cfg.hidden_size).bfloat16()
+    monkeypatch.setattr(moe, "INTERPRETED", True)
+    assert not router._split_gemm(x)  # CPU tensor, auto
+    router.gemm = "triton"
+    assert router._split_gemm(x)  # the interpreter, asked for explicitly
+    assert not router._split_gemm(torch.randn(65, cfg.hidden_size).bfloat16())  # > 64 tokens
+    router.gemm = "cublas"
+    assert not router._split_gemm(x)
 
 
 def test_random_model_keeps_the_router_weight_fp32():
