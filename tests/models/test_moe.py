@@ -14,6 +14,16 @@ def _router(**overrides):
     return cfg, router
 
 
+def _random_cublas_router(monkeypatch):
+    """(config, a Router on F.linear logits with random weights and bias, the test device)."""
+    monkeypatch.setenv("DLMC_ROUTER_GEMM", "cublas")
+    cfg, router = _router()
+    assert router.gemm == "cublas"
+    router.weight.data = torch.randn(cfg.num_experts, cfg.hidden_size) * 0.3
+    router.expert_bias.normal_(0.0, 0.1)
+    return cfg, router, "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def test_router_group_limit_and_bias_only_for_selection():
     # 16 experts in 4 groups of 4, keep 2 groups, top 4.
     cfg, router = _router()
@@ -48,12 +58,7 @@ def test_router_through_the_triton_op(monkeypatch):
     maths (what it runs on CPU): the same routing."""
     import dlmc.models.moe as moe
 
-    monkeypatch.setenv("DLMC_ROUTER_GEMM", "cublas")  # the reference: F.linear logits
-    cfg, router = _router()
-    assert router.gemm == "cublas"
-    router.weight.data = torch.randn(cfg.num_experts, cfg.hidden_size) * 0.3
-    router.expert_bias.normal_(0.0, 0.1)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg, router, device = _random_cublas_router(monkeypatch)
     router, x = router.to(device), torch.randn(9, cfg.hidden_size).to(device)
     routed = {}
     for route in (moe.moe_route_reference, moe.moe_route):
@@ -70,12 +75,7 @@ def test_router_split_gemm_routes_like_cublas(monkeypatch):
     CPU) summed by the routing; the same picks as `F.linear` logits (no near-ties here)."""
     import dlmc.models.moe as moe
 
-    monkeypatch.setenv("DLMC_ROUTER_GEMM", "cublas")  # the reference: F.linear logits
-    cfg, router = _router()
-    assert router.gemm == "cublas"
-    router.weight.data = torch.randn(cfg.num_experts, cfg.hidden_size) * 0.3
-    router.expert_bias.normal_(0.0, 0.1)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg, router, device = _random_cublas_router(monkeypatch)
     router, x = router.to(device), torch.randn(9, cfg.hidden_size).bfloat16().to(device)
     want_ids, want_weights = router(x)
     monkeypatch.setenv("DLMC_ROUTER_GEMM", "triton")
