@@ -11,6 +11,7 @@
 #   bash perf/h200_session.sh moe      # dlmc::bf16_moe alone, launch-config sweeps (MOE_CONFIGS)
 #   bash perf/h200_session.sh gemm     # dlmc::small_m_linear vs cuBLAS, sweeps (GEMM_CONFIGS)
 #   bash perf/h200_session.sh ncu      # Nsight Compute of nvfp4_moe and paged attention
+#   bash perf/h200_session.sh repeat   # the BF16 graph round in REPEATS (3) fresh processes
 #   bash perf/h200_session.sh variants # BF16 graph round + profile per VARIANTS entry, each
 #                                      # "name:ENV=VAL,...:flag,flag" (commas for spaces)
 # Env: ROUND_TIMEOUT (300), NVFP4_TIMEOUT (170), TEST_TIMEOUT (150).
@@ -67,6 +68,11 @@ rounds)
     round "round_${spec/:/_}" "${ROUND_TIMEOUT:-300}" --precision "${spec%%:*}" \
       --kv-cache-dtype "${spec##*:}" --modes eager,compile,graph --loop
   done ;;
+repeat)  # the BF16 graph round in REPEATS fresh processes (Inductor cache warm after the first):
+  # the spread between processes on one machine, beside the spread between machines
+  for i in $(seq 1 "${REPEATS:-3}"); do
+    round "round_bf16_repeat$i" "${ROUND_TIMEOUT:-200}" --precision bf16 --modes graph --no-loop
+  done ;;
 variants)  # e.g. VARIANTS="base:: gemm:DLMC_SMALL_M_GEMM=triton: dense::--kv-layout,dense"
   for v in ${VARIANTS:-base:: gemm:DLMC_SMALL_M_GEMM=triton: dense::--kv-layout,dense}; do
     IFS=: read -r name envs flags <<< "$v"
@@ -117,5 +123,5 @@ ncu)  # why nvfp4_moe v3 sits near 45 % of copy bandwidth, and what limits paged
     python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 1 --layers 1
   ncu_run paged_attention "paged_attention" 4 \
     python3 perf/bench_paged_attention.py --prefixes 4096 --layers 1 --iters 1 --no-flashinfer ;;
-*) echo "usage: $0 final|rounds|variants|ops|moe|gemm|ncu" >&2; exit 2 ;;
+*) echo "usage: $0 final|rounds|repeat|variants|ops|moe|gemm|ncu" >&2; exit 2 ;;
 esac

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,11 @@ import click
 
 from dlmc.cli.bench import bench
 from dlmc.cli.options import user_errors
+
+# The kernel switches a round's JSON records (their value, or "default"), so that every result
+# names the kernels it timed.
+KERNEL_ENV = ("DLMC_ROUTER_GEMM", "DLMC_SMALL_M_GEMM", "DLMC_ATTENTION_VARIANT",
+              "DLMC_NVFP4_KERNEL", "DLMC_BF16_MOE_TILES", "DLMC_MAX_AUTOTUNE_GEMM")
 
 
 @bench.command("round", short_help="Time one denoising round: eager, compiled, CUDA graph.")
@@ -107,6 +113,7 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
               "block_length": block_length,
               "prefix": prefix, "routing": routing, "fused_shared_expert_layers": fused_layers,
               "fused_gate_up": fuse_gate_up,
+              "kernel_env": {name: os.environ.get(name, "default") for name in KERNEL_ENV},
               "bytes_per_round": nbytes,
               "distinct_experts_per_moe_layer": experts, "copy_gb_per_s": bandwidth,
               "floor_ms": nbytes / (bandwidth * 1e9) * 1e3, "results": results,
