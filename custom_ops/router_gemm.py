@@ -3,7 +3,7 @@
 The router multiplies a block of bf16 tokens by an fp32 weight (LLaDA2.1-mini: `[32, 2048] x
 [2048, 256]`, 2 MB). cuBLAS runs it as a SIMT sgemm plus a split-K reduction (6.7 + 2.5 µs per
 layer on the H200); FMA chains in Triton (`dlmc::small_m_linear`) took 10.8 µs. It is latency
-bound, so this kernel (a) spreads the weight over ~128 programs by splitting K and (b) uses BF16
+bound, so this kernel (a) spreads the weight over ~256 programs by splitting K and (b) uses BF16
 tensor cores exactly:
 
 - each fp32 weight is split in registers into three bf16 parts, `hi = bf16(w)`,
@@ -122,7 +122,7 @@ def router_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Split-K partials of the router logits `x.float() @ weight^T` (`dlmc::router_gemm`).
 
     x bf16 `[T, K]`, T <= 64, unit stride in the last dim; weight fp32 `[N, K]` contiguous.
-    Returns fp32 `[S, T, N]` (S = `router_splits(K)[0]`, 8 K splits by default) whose sum over S
+    Returns fp32 `[S, T, N]` (S = `router_splits(K)[0]`, 16 K splits by default) whose sum over S
     is the logits, as `dlmc::moe_route` takes them. BF16 tensor cores on an exact three-way
     split of the weight; see the module docstring for the (tiny) exceptions. Runs on CUDA and
     under `TRITON_INTERPRET=1`; elsewhere `router_gemm_reference`. No host sync.
