@@ -126,6 +126,11 @@ SWEEP_VARIANTS: dict[str, PagedAttentionVariant] = {
     "ilv32-bf16part": dataclasses.replace(_INTERLEAVED, partial_dtype=torch.bfloat16),
     "ilv32-f16dot": dataclasses.replace(_INTERLEAVED, fp8_dot_f16=True),
     "ilv32-pdl": dataclasses.replace(_INTERLEAVED, pdl=True),
+    # half the partials for the merge to read (8.6 MB at 4k with 32 splits, fp32), twice the
+    # tiles per split; not measured yet
+    "ilv16": dataclasses.replace(_INTERLEAVED, num_splits=16),
+    "ilv16-bf16part": dataclasses.replace(_INTERLEAVED, num_splits=16,
+                                          partial_dtype=torch.bfloat16),
 }
 
 
