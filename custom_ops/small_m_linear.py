@@ -4,14 +4,10 @@ A denoising round multiplies 32 (or 64) tokens by each attention / dense-MLP wei
 are the weight's (12.6 MB for LLaDA2.1-mini's qkv, 3 µs at copy speed), yet cuBLAS took 5.2–6.5
 µs per such GEMM in the H200 profiles (perf/README.md). Here each program owns `BLOCK_N` output
 features for all tokens and streams its weight rows once, so the grid spreads a weight over
-~100 SMs. Two weight types:
-- bf16 (projections): tensor-core dots, fp32 accumulation, one rounding to a bf16 result;
-- fp32 (the MoE router, `x.float() @ W^T`): fp32 multiply-adds without tensor cores (no TF32),
-  exact products since x holds bf16 values, an fp32 result; a few weight rows per program.
-  cuBLAS runs this `[32, 2048] x [2048, 256]` GEMM as a SIMT sgemm plus a split-K reduction
-  (6.7 + 2.5 µs per layer on the H200).
-Opt-in until measured on a GPU: `DLMC_SMALL_M_GEMM=triton` (`dlmc.models.layers.linear`); the
-MoE router's `DLMC_ROUTER_GEMM=triton` now takes `dlmc::router_gemm` (BF16 tensor cores).
+~100 SMs: tensor-core dots, fp32 accumulation, one rounding to a bf16 result.
+Opt-in (`DLMC_SMALL_M_GEMM=triton`, `dlmc.models.layers.linear`): measured slower than cuBLAS
+on the H200 except for o_proj (perf/README.md, session 11). The MoE router's fp32 GEMM is
+`dlmc::router_gemm`.
 The maths is `small_m_linear_reference` (results differ only in summation order).
 """
 
@@ -30,31 +26,9 @@ from dlmc.custom_ops.nvfp4_tiles import round_bf16
 __all__ = ["MAX_TOKENS", "small_m_linear", "small_m_linear_reference"]
 
 MAX_TOKENS = 64  # more rows: cuBLAS's tiles are the right tool
-# (BLOCK_N output features per program, BLOCK_K, num_warps, num_stages) per weight dtype;
+# (BLOCK_N output features per program, BLOCK_K, num_warps, num_stages);
 # perf/bench_small_m_linear.py sweeps `_CONFIG`.
-_CONFIG = {torch.bfloat16: (16, 256, 4, 4), torch.float32: (2, 64, 4, 3)}
-
-
-@triton.jit
-def _small_m_linear_fp32_kernel(x_ptr, w_ptr, y_ptr, tokens, stride_x, stride_y, N: tl.constexpr,
-                                K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                                BLOCK_K: tl.constexpr):
-    """fp32 weight: elementwise FMA chains in a `[BT, BN, BK]` accumulator, one cross-thread
-    sum at the end (BLOCK_N may be below the 16 that `tl.dot` needs, so that a 256-row router
-    weight spreads over ~128 programs)."""
-    t = tl.arange(0, BLOCK_T)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_T, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + k
-        x = tl.load(x_ptr + t[:, None] * stride_x + kk[None, :],
-                    mask=(t[:, None] < tokens) & (kk[None, :] < K), other=0.0)  # [BT, BK]
-        w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + kk[None, :],
-                    mask=(n[:, None] < N) & (kk[None, :] < K), other=0.0)  # [BN, BK]
-        acc += x.to(tl.float32)[:, None, :] * w[None, :, :]  # [BT, BN, BK]
-    tl.store(y_ptr + t[:, None] * stride_y + n[None, :], tl.sum(acc, axis=2),
-             mask=(t[:, None] < tokens) & (n[None, :] < N))
+_CONFIG = (16, 256, 4, 4)
 
 
 @triton.jit
@@ -84,18 +58,11 @@ def _small_m_linear_impl(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     y = torch.empty((tokens, features), dtype=weight.dtype, device=x.device)
     if not tokens:
         return y
-    block_n, block_k, num_warps, num_stages = _CONFIG[weight.dtype]
-    grid = (triton.cdiv(features, block_n),)
-    common = (x, weight, y, tokens, x.stride(0), y.stride(0))
-    if weight.dtype == torch.float32:
-        wrap_triton(_small_m_linear_fp32_kernel)[grid](
-            *common, N=features, K=weight.shape[1], BLOCK_T=triton.next_power_of_2(tokens),
-            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
-    else:
-        wrap_triton(_small_m_linear_kernel)[grid](
-            *common, N=features, K=weight.shape[1], BLOCK_T=max(16, triton.next_power_of_2(tokens)),
-            BLOCK_N=block_n, BLOCK_K=block_k, INTERPRETED=_INTERPRETED, num_warps=num_warps,
-            num_stages=num_stages)
+    block_n, block_k, num_warps, num_stages = _CONFIG
+    wrap_triton(_small_m_linear_kernel)[(triton.cdiv(features, block_n),)](
+        x, weight, y, tokens, x.stride(0), y.stride(0), N=features, K=weight.shape[1],
+        BLOCK_T=max(16, triton.next_power_of_2(tokens)), BLOCK_N=block_n, BLOCK_K=block_k,
+        INTERPRETED=_INTERPRETED, num_warps=num_warps, num_stages=num_stages)
     return y
 
 
@@ -110,16 +77,16 @@ _small_m_linear_op = traced_triton_op("dlmc::small_m_linear", _small_m_linear_im
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """`x @ weight^T` for at most `MAX_TOKENS` tokens (Triton, `dlmc::small_m_linear`).
 
-    x bf16 `[T, K]` with unit stride in the last dim, T <= 64; weight `[N, K]` contiguous, bf16
-    (result bf16: fp32 accumulation, one rounding) or fp32 (result fp32 `x.float() @ W^T`, ieee
-    FMAs). Runs on CUDA and under `TRITON_INTERPRET=1`; elsewhere `small_m_linear_reference`.
+    x bf16 `[T, K]` with unit stride in the last dim, T <= 64; weight bf16 `[N, K]` contiguous.
+    Returns bf16 `[T, N]` (fp32 accumulation, one rounding). Runs on CUDA and under
+    `TRITON_INTERPRET=1`; elsewhere `small_m_linear_reference`.
     No host sync.
     """
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] > MAX_TOKENS:
         raise ValueError(f"small_m_linear: x must be bf16 [T <= {MAX_TOKENS}, K], got "
                          f"{x.dtype} {tuple(x.shape)}")
-    if weight.dtype not in _CONFIG or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
-        raise ValueError(f"small_m_linear: weight must be bf16 or fp32 [N, K={x.shape[1]}], got "
+    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        raise ValueError(f"small_m_linear: weight must be bf16 [N, K={x.shape[1]}], got "
                          f"{weight.dtype} {tuple(weight.shape)}")
     if not (x.is_cuda or _INTERPRETED):
         return small_m_linear_reference(x, weight)
@@ -127,5 +94,5 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def small_m_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`F.linear(x, weight)` in the weight's dtype (bf16, or fp32 with `x.float()`)."""
-    return F.linear(x.to(weight.dtype), weight)
+    """`F.linear(x, weight)` (bf16)."""
+    return F.linear(x, weight)

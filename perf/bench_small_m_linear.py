@@ -4,9 +4,9 @@
 `[10240, 2048]` and down `[2048, 5120]` (bf16 weights), and the MoE router `[256, 2048]` (fp32
 weight, fp32 logits). Each GEMM runs over 20 distinct random weights inside one CUDA graph (more
 bytes than L2 holds); median over the replays, per GEMM. `--configs` sweeps the Triton launch
-config (BLOCK_N,BLOCK_K,num_warps,num_stages) of each weight dtype.
+config of `small_m_linear` (`bf16:BLOCK_N,BLOCK_K,num_warps,num_stages`) on the bf16 weights.
 
-The router row also times `dlmc::router_gemm` (BF16 tensor cores on a three-way split of the fp32
+The router row times `dlmc::router_gemm` (BF16 tensor cores on a three-way split of the fp32
 weight, split-K partials; `fp32split:BLOCK_N,SPLITS,BLOCK_K,num_warps,num_stages` sweeps it) and,
 since its partials are summed inside `dlmc::moe_route`, GEMM + routing for both ("route ..." rows).
 
@@ -81,7 +81,7 @@ def main() -> None:
     p.add_argument("--copies", type=int, default=20)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--configs", nargs="*", default=[],
-                   help="DTYPE:BLOCK_N,BLOCK_K,num_warps,num_stages (DTYPE bf16 or fp32), or "
+                   help="bf16:BLOCK_N,BLOCK_K,num_warps,num_stages (dlmc::small_m_linear), or "
                    "fp32split:BLOCK_N,SPLITS,BLOCK_K,num_warps,num_stages (dlmc::router_gemm)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
@@ -92,27 +92,24 @@ def main() -> None:
         "command": " ".join(["python", *sys.argv]), "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__, "triton": triton.__version__,
         "copy_GBps": copy_bandwidth_gbps(1 << 30, 30),
-        "default_config": {str(k): v for k, v in sml._CONFIG.items()},
+        "default_config": sml._CONFIG,
         "router_gemm_config": rg._CONFIG, "results": []}
     print(json.dumps({k: v for k, v in report.items() if k != "results"}), flush=True)
-    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
     split_configs = [("default", rg._CONFIG)] + [
         (c, tuple(int(v) for v in c.split(":")[1].split(",")))
         for c in args.configs if c.startswith("fp32split:")]
-    configs = [("default", None)] + [
-        (c, (dtypes[c.split(":")[0]], tuple(int(v) for v in c.split(":")[1].split(","))))
-        for c in args.configs if not c.startswith("fp32split:")]
-    default = dict(sml._CONFIG)
+    configs = [("default", sml._CONFIG)] + [
+        (c, tuple(int(v) for v in c.split(":")[1].split(",")))
+        for c in args.configs if c.startswith("bf16:")]
+    default = sml._CONFIG
     for name, (n, k, dtype) in SHAPES.items():
         ws = [torch.randn(n, k, device="cuda").to(dtype) * 0.02 for _ in range(args.copies)]
         xi = x if k == 2048 else x_wide
         ref = F.linear(xi.to(dtype), ws[0]).float()
         rows = {"cublas": graph_us(lambda i, xi=xi, d=dtype, ws=ws: F.linear(xi.to(d), ws[i]),
                                    args.copies, args.iters)}
-        for label, override in configs:
-            if override is not None and override[0] != dtype:
-                continue
-            sml._CONFIG = dict(default) | ({override[0]: override[1]} if override else {})
+        for label, config in configs if dtype == torch.bfloat16 else ():
+            sml._CONFIG = config
             try:
                 err = float((sml.small_m_linear(xi, ws[0]).float() - ref).abs().max()
                             / ref.abs().max())

@@ -113,8 +113,7 @@ moe)  # dlmc::bf16_moe alone: launch-config sweeps of each kernel, against copy 
       "$OUT/bf16_moe_sweep_$kern.txt" | cut -c1-160
   done ;;
 gemm)  # dlmc::small_m_linear vs cuBLAS at the round's skinny GEMMs, launch-config sweeps
-  timeout 150 python3 perf/bench_small_m_linear.py --configs ${GEMM_CONFIGS:-fp32:1,128,4,3 \
-    fp32split:16,8,128,4,2 fp32split:32,16,128,4,2 fp32split:16,16,128,4,2 \
+  timeout 150 python3 perf/bench_small_m_linear.py --configs ${GEMM_CONFIGS:-fp32split:16,8,128,4,2 fp32split:32,16,128,4,2 fp32split:16,16,128,4,2 \
     fp32split:64,32,64,4,2 fp32split:32,8,256,4,2 fp32split:16,4,256,4,2 fp32split:16,8,64,4,3 \
     fp32split:16,8,128,2,2} --out "$OUT/small_m_linear.json" > "$OUT/small_m_linear.txt" 2>&1
   echo "small_m_linear rc=$?"; grep -E " us |failed" "$OUT/small_m_linear.txt" | cut -c1-120 ;;

@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 
-import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -34,7 +33,7 @@ from dlmc.custom_ops.nvfp4_moe import _down_kernel, _gate_up_kernel
 from dlmc.custom_ops.qk_norm_rope import _qk_norm_rope_kernel
 from dlmc.custom_ops.router_gemm import _CONFIG as ROUTER_GEMM_CONFIG
 from dlmc.custom_ops.router_gemm import router_gemm_kernel, router_splits
-from dlmc.custom_ops.small_m_linear import _small_m_linear_fp32_kernel, _small_m_linear_kernel
+from dlmc.custom_ops.small_m_linear import _small_m_linear_kernel
 
 SM90 = GPUTarget("cuda", 90, 32)
 
@@ -176,20 +175,12 @@ def check_moe_route(float_type: str, splits: int) -> None:
 def check_small_m_linear() -> None:
     types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "tokens": "i32",
              "stride_x": "i32", "stride_y": "i32"}
-    block_n, block_k, num_warps, _ = small_m_linear_module._CONFIG[torch.bfloat16]
+    block_n, block_k, num_warps, _ = small_m_linear_module._CONFIG
     for block_t in (16, 32, 64):
         compiled = compile_sm90(_small_m_linear_kernel, types, {
             "N": 3072, "K": 2048, "BLOCK_T": block_t, "BLOCK_N": block_n, "BLOCK_K": block_k,
             "INTERPRETED": False}, num_warps)
         assert "mma" in compiled.asm["ptx"]  # BF16 tensor cores
-    # the router: fp32 weight and logits, plain FMAs (no TF32 tensor cores)
-    types |= {"w_ptr": "*fp32", "y_ptr": "*fp32"}
-    block_n, block_k, num_warps, _ = small_m_linear_module._CONFIG[torch.float32]
-    for block_t in (1, 32):
-        compiled = compile_sm90(_small_m_linear_fp32_kernel, types, {
-            "N": 256, "K": 2048, "BLOCK_T": block_t, "BLOCK_N": block_n, "BLOCK_K": block_k},
-            num_warps)
-        assert "mma" not in compiled.asm["ptx"] and "fma.rn.f32" in compiled.asm["ptx"]
 
 
 def check_router_gemm() -> None:

@@ -32,13 +32,12 @@ def small_m_gemm(env: str = "DLMC_SMALL_M_GEMM") -> str:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, gemm: str) -> torch.Tensor:
-    """`F.linear(x.to(weight.dtype), weight)` (an fp32 weight gives fp32 `x.float() @ W^T`, as
-    the MoE router computes), through `dlmc::small_m_linear` when `gemm` is "triton" and `x` is
+    """`F.linear(x, weight)`, through `dlmc::small_m_linear` when `gemm` is "triton" and `x` is
     a bf16 CUDA tensor of at most 64 rows."""
     if (gemm == "triton" and x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2
             and x.shape[0] <= MAX_TOKENS):
         return small_m_linear(x, weight)
-    return F.linear(x.to(weight.dtype), weight)
+    return F.linear(x, weight)
 
 
 class RMSNorm(nn.Module):

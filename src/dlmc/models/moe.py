@@ -24,7 +24,7 @@ from dlmc.custom_ops.moe_route import moe_route, moe_route_reference
 from dlmc.custom_ops.router_gemm import MAX_TOKENS as ROUTER_GEMM_MAX_TOKENS
 from dlmc.custom_ops.router_gemm import router_gemm
 from dlmc.models.config import LLaDA2Config
-from dlmc.models.layers import SwiGLUMLP, linear, small_m_gemm
+from dlmc.models.layers import SwiGLUMLP, small_m_gemm
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -55,7 +55,7 @@ class Router(nn.Module):
         if self._split_gemm(x):
             logits = router_gemm(x, self.weight.float())  # [S, T, E] fp32, sums to the logits
         else:
-            logits = linear(x, self.weight.float(), "cublas")  # [T, E] fp32 = x.float() @ W^T
+            logits = F.linear(x.float(), self.weight.float())  # [T, E] fp32
         # One Triton launch on CUDA; on CPU the torch maths (the op would interpret the kernel).
         route = moe_route if logits.is_cuda else moe_route_reference
         return route(logits, self.expert_bias.float(), cfg.n_group, cfg.topk_group,
