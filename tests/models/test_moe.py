@@ -1,7 +1,9 @@
+import pytest
 import torch
 
 from dlmc.custom_ops.moe_align import append_shared_column
 from dlmc.custom_ops.router_gemm import router_gemm as moe_router_gemm
+from dlmc.errors import ConfigError
 from dlmc.loading.tiny import TINY_CONFIG
 from dlmc.models.config import LLaDA2Config
 from dlmc.models.moe import EXPERT_PROJECTIONS, BF16Experts, Router
@@ -105,6 +107,9 @@ def test_router_gemm_default_is_cuda_only(monkeypatch):
     assert not router._split_gemm(torch.randn(65, cfg.hidden_size).bfloat16())  # > 64 tokens
     router.gemm = "cublas"
     assert not router._split_gemm(x)
+    monkeypatch.setenv("DLMC_ROUTER_GEMM", "magic")
+    with pytest.raises(ConfigError, match="DLMC_ROUTER_GEMM='magic'"):
+        Router(cfg)
 
 
 def test_random_model_keeps_the_router_weight_fp32():

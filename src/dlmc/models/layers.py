@@ -12,23 +12,25 @@ from dlmc.custom_ops.qk_norm_rope import apply_partial_rope, rms_norm
 from dlmc.custom_ops.small_m_linear import MAX_TOKENS, small_m_linear
 from dlmc.errors import ConfigError
 
-__all__ = ["RMSNorm", "SwiGLUMLP", "apply_partial_rope", "fuse_gate_up_projections", "linear",
-           "rms_norm", "rope_cos_sin", "small_m_gemm"]
+__all__ = ["RMSNorm", "SwiGLUMLP", "apply_partial_rope", "env_choice", "fuse_gate_up_projections",
+           "linear", "rms_norm", "rope_cos_sin", "small_m_gemm"]
 
 
-def small_m_gemm(env: str = "DLMC_SMALL_M_GEMM") -> str:
-    """How a module's GEMMs of a few bf16 tokens run on CUDA: "cublas" (`F.linear`) or "triton"
-    (`dlmc::small_m_linear`). `DLMC_SMALL_M_GEMM` sets the dense projections (default cublas:
-    faster for qkv and the MLPs on the H200, perf/README.md); `DLMC_ROUTER_GEMM` the MoE
-    router's fp32 GEMM ("triton": `dlmc::router_gemm`, see `dlmc.models.moe.Router`; default
-    "auto": triton on CUDA, 6.011 vs 6.154 ms per BF16 round in one H200 run, perf/README.md).
-    Read once per module at construction, never inside a compiled forward."""
-    router = env == "DLMC_ROUTER_GEMM"
-    choice = os.environ.get(env, "auto" if router else "cublas")
-    allowed = ("auto", "cublas", "triton") if router else ("cublas", "triton")
+def env_choice(env: str, default: str, allowed: tuple[str, ...]) -> str:
+    """A kernel switch from the environment: `env`'s value (or `default`), one of `allowed`, else
+    a `ConfigError` naming the variable. Read once per module at construction, never inside a
+    compiled forward."""
+    choice = os.environ.get(env, default)
     if choice not in allowed:
         raise ConfigError(f"{env}={choice!r}: expected one of {', '.join(allowed)}")
     return choice
+
+
+def small_m_gemm() -> str:
+    """How the dense projections of a few bf16 tokens run on CUDA, from `DLMC_SMALL_M_GEMM`:
+    "cublas" (`F.linear`, the default: faster for qkv and the MLPs on the H200, perf/README.md)
+    or "triton" (`dlmc::small_m_linear`)."""
+    return env_choice("DLMC_SMALL_M_GEMM", "cublas", ("cublas", "triton"))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, gemm: str) -> torch.Tensor:
