@@ -146,7 +146,8 @@ def _moe_align_impl(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     wrap_triton(moe_align_kernel)[(1,)](
         topk_ids.reshape(-1), sorted_pair, expert_of_block, num_pairs, top_k, num_experts,
         NUM_BLOCKS=num_blocks, BLOCK_M=block_m, LOG_PAIRS_PAD=pairs_pad.bit_length() - 1,
-        EXPERTS_PAD=experts_pad, SHARED_BLOCKS=-(-tokens // block_m) if shared_expert else 0,
+        EXPERTS_PAD=experts_pad,
+        SHARED_BLOCKS=num_blocks - max_blocks(num_pairs, num_experts, block_m),
         FILL=1024, num_warps=4 if work <= 512 else 8 if work <= 2048 else 16)
     return sorted_pair, expert_of_block
 
