@@ -124,7 +124,7 @@ _moe_route_op = traced_triton_op("dlmc::moe_route", _moe_route_impl, _moe_route_
 
 
 def _kernel_applies(logits: torch.Tensor, top_k: int) -> bool:
-    return ((logits.is_cuda or _INTERPRETED) and logits.shape[1] <= MAX_KERNEL_EXPERTS
+    return ((logits.is_cuda or _INTERPRETED) and logits.shape[-1] <= MAX_KERNEL_EXPERTS
             and top_k <= MAX_KERNEL_TOP_K)
 
 

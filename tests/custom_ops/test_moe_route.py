@@ -130,14 +130,17 @@ def test_empty_and_large_routings_take_the_reference(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(moe_route_module, "moe_route_reference", reference)
     kernel = moe_route(logits, expert_bias, *LLADA21_MINI)
     assert not calls
+    partials = torch.stack([logits * 0.5, logits * 0.5])  # [S=2, T, E], sums exactly to logits
     for limit, value in (("MAX_KERNEL_EXPERTS", 63), ("MAX_KERNEL_TOP_K", 7)):
         with monkeypatch.context() as patch:
             patch.setattr(moe_route_module, limit, value)
             assert torch.equal(moe_route(logits, expert_bias, *LLADA21_MINI)[0], kernel[0])
+            # the limits apply to E (the last dim) for partials too, not to T
+            assert torch.equal(moe_route(partials, expert_bias, *LLADA21_MINI)[0], kernel[0])
     if DEVICE == "cpu":  # a CPU without the interpreter
         monkeypatch.setattr(moe_route_module, "_INTERPRETED", False)
         moe_route(logits, expert_bias, *LLADA21_MINI)
-    assert len(calls) == (3 if DEVICE == "cpu" else 2)
+    assert len(calls) == (5 if DEVICE == "cpu" else 4)
 
 
 def test_bad_input_is_named() -> None:
