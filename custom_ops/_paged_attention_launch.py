@@ -39,7 +39,8 @@ MERGES = ("chunked", "masked", "speculative")
 
 @dataclass(frozen=True)
 class PagedAttentionVariant:
-    """Launch options of the paged-attention kernels; the defaults are the op's behaviour.
+    """Launch options of the paged-attention kernels (`default_variant` picks the op's own;
+    the field defaults are the contiguous-split launch).
 
     Attributes:
         num_splits: cache splits (0: `default_num_splits`; the op's `num_splits` wins if set).

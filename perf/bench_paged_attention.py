@@ -39,9 +39,9 @@ from dlmc.custom_ops.paged_attention_flashinfer import (
     flashinfer_available,
 )
 
-# Named kernel variants timed by --sweep ("base" is the op's own launch, as "default" but
-# through launch_paged_attention); what each changes: PagedAttentionVariant's docstring.
-SWEEP = SWEEP_VARIANTS
+# --sweep times SWEEP_VARIANTS by name ("default" is the op's own launch, `default_variant`:
+# `ilv32` for FP8 at head dim 128 on CUDA, else `base`); what each changes:
+# PagedAttentionVariant's docstring.
 
 
 def parse_args() -> argparse.Namespace:
@@ -57,7 +57,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=100)
     p.add_argument("--round-ms", type=float, default=1.9, help="NVFP4 round target (ms)")
     p.add_argument("--sweep", nargs="*", default=None, metavar="NAME",
-                   help=f"also time these kernel variants (none named: all of {list(SWEEP)})")
+                   help="also time these kernel variants (none named: all of "
+                   f"{list(SWEEP_VARIANTS)})")
     p.add_argument("--capacity", type=int, default=0,
                    help="cached tokens the page pool holds (0: the prefix + the block + a page)")
     p.add_argument("--no-flashinfer", action="store_true", help="skip FlashInfer (JIT ~18 s)")
@@ -112,13 +113,13 @@ def build(args: argparse.Namespace, prefix: int) -> dict[str, torch.Tensor]:
 
 
 def sweep_names(args: argparse.Namespace) -> list[str]:
-    """The variants `--sweep` names (all of SWEEP when it names none; [] without --sweep)."""
+    """The variants `--sweep` names (all of them when it names none; [] without --sweep)."""
     if args.sweep is None:
         return []
-    unknown = [name for name in args.sweep if name not in SWEEP]
+    unknown = [name for name in args.sweep if name not in SWEEP_VARIANTS]
     if unknown:
-        raise SystemExit(f"--sweep: unknown variant(s) {unknown}; known: {list(SWEEP)}")
-    return args.sweep or list(SWEEP)
+        raise SystemExit(f"--sweep: unknown variant(s) {unknown}; known: {list(SWEEP_VARIANTS)}")
+    return args.sweep or list(SWEEP_VARIANTS)
 
 
 def layer_args(t: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
@@ -146,7 +147,7 @@ def bench_prefix(args: argparse.Namespace, prefix: int, env: dict[str, object],
     for name in sweep_names(args):
         def launch(i: int, name: str = name) -> torch.Tensor:
             return launch_paged_attention(*layer_args(t, i).values(), scale, 0, 0, 0,
-                                          SWEEP[name])
+                                          SWEEP_VARIANTS[name])
         try:
             err = rel_err(launch(0))
             calls = [lambda i=i, f=launch: f(i) for i in range(args.layers)]
