@@ -20,7 +20,12 @@ from torch.library import wrap_triton
 
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
-from dlmc.custom_ops.moe_align import append_shared_column, combine_pairs, route_pairs
+from dlmc.custom_ops.moe_align import (
+    append_shared_column,
+    block_rows,
+    combine_pairs,
+    route_pairs,
+)
 from dlmc.custom_ops.nvfp4_tiles import round_bf16
 
 __all__ = ["bf16_down_block", "bf16_gate_up_block", "bf16_moe", "bf16_moe_reference",
@@ -78,12 +83,8 @@ def bf16_gate_up_block(a_ptr, sorted_pair_ptr, gate_w, up_w, h_ptr, num_pairs, a
     """h = bf16(bf16(silu(g)) * u) for one M-block and N-tile, `g`, `u` the bf16-rounded
     projections by one expert's gate/up `[I, H]` (the bf16 maths of `SwiGLUMLP`). Also the
     BF16 shared expert's blocks inside `dlmc::nvfp4_moe`."""
-    slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pair_ptr + slots)  # [BM]
-    row_mask = pairs < num_pairs
-    a_rows = tl.where(row_mask, pairs // a_row_div, 0)
-    n_offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n_offs < I
+    slots, _, row_mask, a_rows, n_offs, n_mask = block_rows(
+        sorted_pair_ptr, num_pairs, a_row_div, pid_m, pid_n, I, BLOCK_M, BLOCK_N)
     zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_g = bf16_tile_dot(zeros, a_ptr, a_rows, row_mask, stride_a, gate_w, n_offs, n_mask, H,
                           BLOCK_K, INTERPRETED)
@@ -101,11 +102,8 @@ def bf16_down_block(h_ptr, sorted_pair_ptr, down_w, y_ptr, num_pairs, pid_m, pid
                     H: tl.constexpr, I: tl.constexpr, stride_h, stride_y, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
     """y[pair] = bf16(h[slot] @ down^T) for one M-block and N-tile, down `[H, I]` one expert's."""
-    slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_pair_ptr + slots)  # [BM]
-    row_mask = pairs < num_pairs
-    n_offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n_offs < H
+    slots, pairs, row_mask, _, n_offs, n_mask = block_rows(
+        sorted_pair_ptr, num_pairs, 1, pid_m, pid_n, H, BLOCK_M, BLOCK_N)
     acc = bf16_tile_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), h_ptr, slots, row_mask,
                         stride_h, down_w, n_offs, n_mask, I, BLOCK_K, INTERPRETED)
     tl.store(y_ptr + pairs[:, None].to(tl.int64) * stride_y + n_offs[None, :],

@@ -19,7 +19,7 @@ from torch.library import wrap_triton
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.bf16_moe import bf16_down_block, bf16_gate_up_block
-from dlmc.custom_ops.moe_align import combine_pairs, route_pairs
+from dlmc.custom_ops.moe_align import block_rows, combine_pairs, route_pairs
 from dlmc.custom_ops.nvfp4_bf16x2 import ACC_SCALE
 from dlmc.custom_ops.nvfp4_tiles import nvfp4_tile_dot, nvfp4_tile_dot_v2, round_bf16
 from dlmc.quant.nvfp4_format import dequantize_blocks, fake_quantize_activation
@@ -72,12 +72,8 @@ def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s,
                            num_pairs, a_row_div, pid_m, pid_n, H, I, stride_a, stride_h, BLOCK_M,
                            BLOCK_N, SHARED_BLOCK_K, INTERPRETED)
     elif expert >= 0:
-        slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pairs = tl.load(sorted_pair_ptr + slots)  # [BM]
-        row_mask = pairs < num_pairs
-        a_rows = tl.where(row_mask, pairs // a_row_div, 0)
-        n_offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = n_offs < I
+        slots, _, row_mask, a_rows, n_offs, n_mask = block_rows(
+            sorted_pair_ptr, num_pairs, a_row_div, pid_m, pid_n, I, BLOCK_M, BLOCK_N)
         e64 = expert.to(tl.int64)
         gate_w += e64 * I * (H // 2)
         gate_s += e64 * I * (H // 16)
@@ -118,11 +114,8 @@ def _down_kernel(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, do
         bf16_down_block(h_ptr, sorted_pair_ptr, shared_down_w, y_ptr, num_pairs, pid_m, pid_n,
                         H, I, stride_h, stride_y, BLOCK_M, BLOCK_N, SHARED_BLOCK_K, INTERPRETED)
     elif expert >= 0:
-        slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pairs = tl.load(sorted_pair_ptr + slots)  # [BM]
-        row_mask = pairs < num_pairs
-        n_offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = n_offs < H
+        slots, pairs, row_mask, _, n_offs, n_mask = block_rows(
+            sorted_pair_ptr, num_pairs, 1, pid_m, pid_n, H, BLOCK_M, BLOCK_N)
         e64 = expert.to(tl.int64)
         down_w += e64 * H * (I // 2)
         down_s += e64 * H * (I // 16)
