@@ -191,8 +191,7 @@ class MoEBlock(nn.Module):
         experts, shared = self.experts, self.shared_experts
         if shared is None or type(experts) not in (BF16Experts, NVFP4Experts):
             return False
-        width = (experts.gate_proj_weight.shape[1], self.gate.config.hidden_size)  # (I, H)
-        if shared.gate_proj.weight.shape != width:
+        if shared.gate_proj.weight.shape[0] != experts.gate_proj_weight.shape[1]:  # width I
             return False
         if type(experts) is NVFP4Experts:
             if env_choice("DLMC_NVFP4_SHARED", "fused", ("fused", "separate")) == "separate":
