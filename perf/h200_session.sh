@@ -15,8 +15,9 @@
 #   bash perf/h200_session.sh tests    # the gpu-marked tests of TESTS
 #   bash perf/h200_session.sh ncu      # Nsight Compute of nvfp4_moe and paged attention
 #   bash perf/h200_session.sh repeat   # the BF16 graph round in REPEATS (3) fresh processes
-#   bash perf/h200_session.sh variants # BF16 graph round + profile per VARIANTS entry, each
-#                                      # "name:ENV=VAL,...:flag,flag" (commas for spaces)
+#   bash perf/h200_session.sh variants # graph round + profile per VARIANTS entry, each
+#                                      # "name:ENV=VAL,...:flag,flag" (commas for spaces);
+#                                      # PRECISION (bf16) and KV_DTYPE (bf16) for all of them
 # Env: ROUND_TIMEOUT (300), NVFP4_TIMEOUT (170), TEST_TIMEOUT (150).
 set -u
 OUT=${OUT:-/tmp/dlmc-out}
@@ -81,8 +82,9 @@ variants)  # e.g. VARIANTS="base:: gemm:DLMC_SMALL_M_GEMM=triton: dense::--kv-la
     IFS=: read -r name envs flags <<< "$v"
     (  # the variant's environment stays in this subshell
       for e in ${envs//,/ }; do export "$e"; done
-      round "round_bf16_$name" "${ROUND_TIMEOUT:-200}" --precision bf16 --modes graph \
-        --no-loop ${flags//,/ }
+      round "round_${PRECISION:-bf16}_$name" "${ROUND_TIMEOUT:-200}" --precision \
+        "${PRECISION:-bf16}" --kv-cache-dtype "${KV_DTYPE:-bf16}" --modes graph --no-loop \
+        ${flags//,/ }
     )
   done ;;
 ops)
