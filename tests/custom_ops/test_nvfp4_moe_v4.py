@@ -2,7 +2,9 @@
 bf16 `scale * 2^119`): bit for bit v3's output, and the reference's up to summation order.
 
 On CPU the kernels run under `TRITON_INTERPRET=1`, where v3 and v4 both take the v2 decode (no
-inline asm), v4 from its pre-decoded scales; the GPU tests compare the compiled asm paths.
+inline asm), v4 from its pre-decoded scales; the GPU tests compare the compiled asm paths. (v4's
+single-code exactness and compile + CUDA-graph replay tests are v3's, parametrized, in
+test_nvfp4_moe.py.)
 """
 
 from __future__ import annotations
@@ -64,10 +66,12 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def v3_v4_case(seed: int, tokens: int, num_experts: int, top_k: int, hidden: int, inter: int,
-               skew: bool, codes: torch.Tensor, **kwargs: object) -> None:
+               skew: bool, codes: torch.Tensor,
+               scale_2_log2: tuple[float, float] = (-4.0, 1.0), **kwargs: object) -> None:
     """v4 (pre-decoded scales, and fp8 scales converted per call) == v3, bit for bit."""
     gen = torch.Generator().manual_seed(seed)
-    experts = with_scale_codes(random_experts(gen, num_experts, hidden, inter), gen, codes)
+    experts = random_experts(gen, num_experts, hidden, inter, scale_2_log2=scale_2_log2)
+    experts = with_scale_codes(experts, gen, codes)
     x = torch.randn(tokens, hidden, generator=gen).bfloat16().to(DEVICE)
     ids, w = random_routing(gen, tokens, num_experts, top_k, skew)
     with kernel_variant(3):
@@ -157,28 +161,27 @@ def test_v4_opcheck() -> None:
         torch.library.opcheck(torch.ops.dlmc.nvfp4_moe.default, args)
 
 
-@pytest.mark.gpu
-@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
-@given(
-    seed=st.integers(0, 2**31 - 1), tokens=st.integers(1, 300), num_experts=st.integers(1, 64),
-    top_k=st.integers(1, 8), hidden=st.sampled_from([16, 48, 128, 272, 2048]),
-    inter=st.sampled_from([16, 80, 512]), skew=st.booleans(),
-)
-def test_v4_equals_v3_gpu(seed: int, tokens: int, num_experts: int, top_k: int, hidden: int,
-                          inter: int, skew: bool) -> None:
-    """The compiled asm paths: v4 bit for bit v3, every E4M3 code (NaN codes too)."""
-    v3_v4_case(seed, tokens, num_experts, min(top_k, num_experts), hidden, inter, skew,
-               ALL_CODES)
-
-
-@pytest.mark.gpu
-@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
-@given(
+GPU_FUZZ = given(
     seed=st.integers(0, 2**31 - 1), tokens=st.integers(1, 300), num_experts=st.integers(1, 64),
     top_k=st.integers(1, 8), hidden=st.sampled_from([16, 48, 128, 272, 2048]),
     inter=st.sampled_from([16, 80, 512]), skew=st.booleans(),
     scale_2_log2=st.sampled_from([(-4.0, 1.0), (-24.0, -20.0), (6.0, 8.0)]),
 )
+
+
+@pytest.mark.gpu
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@GPU_FUZZ
+def test_v4_equals_v3_gpu(seed: int, tokens: int, num_experts: int, top_k: int, hidden: int,
+                          inter: int, skew: bool, scale_2_log2: tuple[float, float]) -> None:
+    """The compiled asm paths: v4 bit for bit v3, every E4M3 code (NaN codes too)."""
+    v3_v4_case(seed, tokens, num_experts, min(top_k, num_experts), hidden, inter, skew,
+               ALL_CODES, scale_2_log2=scale_2_log2)
+
+
+@pytest.mark.gpu
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@GPU_FUZZ
 def test_v4_matches_reference_gpu(seed: int, tokens: int, num_experts: int, top_k: int,
                                   hidden: int, inter: int, skew: bool,
                                   scale_2_log2: tuple[float, float]) -> None:
@@ -189,47 +192,3 @@ def test_v4_matches_reference_gpu(seed: int, tokens: int, num_experts: int, top_
     args = op_args(x, ids, w, predecoded(experts))
     with kernel_variant(4):
         assert_matches_reference(nvfp4_moe(*args), nvfp4_moe_reference(*args))
-
-
-@pytest.mark.gpu
-def test_v4_single_code_weights_are_exact_gpu() -> None:
-    """Power-of-two data incl. subnormal scales and bf16-subnormal products: v4 == reference."""
-    for scale_byte in (0x01, 0x38, 0x7E):
-        experts = random_experts(torch.Generator().manual_seed(2), 2, 32, 16)
-        for proj in ("gate", "up", "down"):
-            experts[f"{proj}_weight"].zero_()
-            experts[f"{proj}_weight"][..., 0] = 0x01 if proj == "down" else 0x91
-            experts[f"{proj}_weight_scale"].view(torch.uint8).fill_(scale_byte)
-            experts[f"{proj}_weight_scale_2"].fill_(0.25)
-        x = torch.randn(4, 32).bfloat16().to(DEVICE)
-        ids = torch.tensor([[0], [1], [1], [0]], device=DEVICE)
-        w = torch.full((4, 1), 0.5, device=DEVICE)
-        args = op_args(x, ids, w, predecoded(experts))
-        with kernel_variant(4):
-            out = nvfp4_moe(*args)
-        ref = nvfp4_moe_reference(*args)
-        assert ref.abs().amax() > 0
-        torch.testing.assert_close(out, ref, rtol=0, atol=0)
-
-
-@pytest.mark.gpu
-def test_v4_compile_and_cuda_graph_replay() -> None:
-    from tests.custom_ops.graph_capture import compile_and_capture
-
-    gen = torch.Generator().manual_seed(6)
-    experts = predecoded(random_experts(gen, 16, 256, 128))
-    x = torch.randn(32, 256, generator=gen).bfloat16().cuda()
-    ids, w = random_routing(gen, 32, 16, 4, skew=False)
-    args = op_args(x, ids, w, experts)
-    with kernel_variant(4):
-        torch._dynamo.reset()
-        graph, out = compile_and_capture(nvfp4_moe, *args)
-        assert_matches_reference(out, nvfp4_moe_reference(*args))
-        new_ids, new_w = random_routing(gen, 32, 16, 4, skew=True)
-        x.copy_(torch.randn(32, 256, generator=gen).bfloat16())
-        args[1].copy_(new_ids)
-        args[2].copy_(new_w)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert_matches_reference(out, nvfp4_moe_reference(*args))
-        torch._dynamo.reset()
