@@ -203,8 +203,10 @@ def test_kernel_matches_reference_gpu(variant: int, seed: int, tokens: int, num_
 
 
 @pytest.mark.gpu
-def test_v3_single_code_weights_are_exact_gpu() -> None:
-    """v3 and the reference agree bit for bit on power-of-two data (incl. subnormal scales)."""
+@pytest.mark.parametrize("variant", [3, 4])
+def test_v3_single_code_weights_are_exact_gpu(variant: int) -> None:
+    """v3 (and v4, its scales pre-decoded per call here) and the reference agree bit for bit on
+    power-of-two data (incl. subnormal scales)."""
     for scale_byte in (0x01, 0x38, 0x7E):
         experts = random_experts(torch.Generator().manual_seed(2), 2, 32, 16)
         for proj in ("gate", "up", "down"):
@@ -221,7 +223,7 @@ def test_v3_single_code_weights_are_exact_gpu() -> None:
         args = op_args(x, ids, w, experts)
         import dlmc.custom_ops.nvfp4_moe as module
 
-        previous, module._VARIANT = module._VARIANT, 3
+        previous, module._VARIANT = module._VARIANT, variant
         try:
             out = nvfp4_moe(*args)
         finally:
@@ -232,9 +234,19 @@ def test_v3_single_code_weights_are_exact_gpu() -> None:
 
 
 @pytest.mark.gpu
-def test_compile_and_cuda_graph_replay() -> None:
+@pytest.mark.parametrize("variant", [3, 4])
+def test_compile_and_cuda_graph_replay(variant: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """v3, and v4 with the block scales pre-decoded as `NVFP4Experts` stores them."""
+    import dlmc.custom_ops.nvfp4_moe as module
+    from dlmc.custom_ops.nvfp4_scales import predecode_block_scales
+
+    monkeypatch.setattr(module, "_VARIANT", variant)
+    torch._dynamo.reset()
     gen = torch.Generator().manual_seed(6)
     experts = random_experts(gen, 16, 256, 128)
+    if variant == 4:
+        experts |= {name: predecode_block_scales(t) for name, t in experts.items()
+                    if name.endswith("_weight_scale")}
     x = torch.randn(32, 256, generator=gen).bfloat16().cuda()
     ids, w = random_routing(gen, 32, 16, 4, skew=False)
     args = op_args(x, ids, w, experts)
