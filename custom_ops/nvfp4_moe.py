@@ -21,6 +21,7 @@ from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.bf16_moe import bf16_down_block, bf16_gate_up_block
 from dlmc.custom_ops.moe_align import block_rows, combine_pairs, route_pairs
 from dlmc.custom_ops.nvfp4_bf16x2 import ACC_SCALE
+from dlmc.custom_ops.nvfp4_scales import e4m3_of_predecoded, scales_for_kernel
 from dlmc.custom_ops.nvfp4_tiles import nvfp4_tile_dot, nvfp4_tile_dot_v2, round_bf16
 from dlmc.quant.nvfp4_format import dequantize_blocks, fake_quantize_activation
 
@@ -33,12 +34,21 @@ __all__ = ["nvfp4_moe", "nvfp4_moe_reference"]
 # `nvfp4_bf16x2`, two weights per instruction; 0.156 ms/layer = 44 % of copy bandwidth on the
 # H200 with routing prep in `moe_align`, perf/results/nvfp4_op_v3_sweep_h200.json), "v2"
 # (vectorized N-major weight loads, one E4M3 decode per 16 weights; 0.307 ms/layer = 22.6 % with
-# the old torch routing prep) or "v1" (K-major tiles; 0.441 ms/layer, 15.7 %).
-_KERNELS = {"v1": 1, "v2": 2, "v3": 3}
+# the old torch routing prep) or "v1" (K-major tiles; 0.441 ms/layer, 15.7 %). "v4": v3 with the
+# block scales pre-decoded to bf16 (`nvfp4_scales`; modules convert at load), bit-identical to v3.
+_KERNELS = {"v1": 1, "v2": 2, "v3": 3, "v4": 4}
 _KERNEL_NAME = os.environ.get("DLMC_NVFP4_KERNEL", "v3")
 if _KERNEL_NAME not in _KERNELS:
     raise ValueError(f"DLMC_NVFP4_KERNEL must be one of {sorted(_KERNELS)}, got {_KERNEL_NAME!r}")
 _VARIANT = _KERNELS[_KERNEL_NAME]
+
+
+def kernel_reads_predecoded_scales() -> bool:
+    """Whether the selected kernel (v4) reads block scales pre-decoded to bf16 (`nvfp4_scales`):
+    modules holding NVFP4 experts then convert their E4M3 scales once, at load."""
+    return _VARIANT == 4
+
+
 # Launch-config override for tuning sweeps (perf/bench_nvfp4_moe.py --tiles):
 # (BLOCK_N, BLOCK_K, num_warps, num_stages), or None for the defaults below.
 _TILE: tuple[int, int, int, int] | None = None
@@ -81,12 +91,12 @@ def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s,
         up_s += e64 * I * (H // 16)
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        # v3 accumulates w * 2^-7 when compiled (ACC_SCALE restores it with the global scale).
-        acc_scale = ACC_SCALE if VARIANT == 3 and not INTERPRETED else 1.0
+        # v3/v4 accumulate w * 2^-7 when compiled (ACC_SCALE restores it with the global scale).
+        acc_scale = ACC_SCALE if VARIANT >= 3 and not INTERPRETED else 1.0
         if VARIANT >= 2:
             acc_g, acc_u = nvfp4_tile_dot_v2(acc_g, acc_u, a_ptr, a_rows, row_mask, stride_a,
                                              gate_w, gate_s, up_w, up_s, n_offs, n_mask, H,
-                                             BLOCK_N, BLOCK_K, INTERPRETED, True, VARIANT == 3)
+                                             BLOCK_N, BLOCK_K, INTERPRETED, True, VARIANT)
         else:
             acc_g = nvfp4_tile_dot(acc_g, a_ptr, a_rows, row_mask, stride_a, gate_w, gate_s,
                                    n_offs, n_mask, H, BLOCK_K, INTERPRETED)
@@ -120,11 +130,11 @@ def _down_kernel(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, do
         down_w += e64 * H * (I // 2)
         down_s += e64 * H * (I // 16)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_scale = ACC_SCALE if VARIANT == 3 and not INTERPRETED else 1.0
+        acc_scale = ACC_SCALE if VARIANT >= 3 and not INTERPRETED else 1.0
         if VARIANT >= 2:
             acc, _ = nvfp4_tile_dot_v2(acc, acc, h_ptr, slots, row_mask, stride_h, down_w,
                                        down_s, down_w, down_s, n_offs, n_mask, I, BLOCK_N,
-                                       BLOCK_K, INTERPRETED, False, VARIANT == 3)
+                                       BLOCK_K, INTERPRETED, False, VARIANT)
         else:
             acc = nvfp4_tile_dot(acc, h_ptr, slots, row_mask, stride_h, down_w, down_s,
                                  n_offs, n_mask, I, BLOCK_K, INTERPRETED)
@@ -142,7 +152,7 @@ def _block_n(dim: int, widest: int) -> int:
 # perf/results/round_nvfp4_v3_fp8_h200*.json): gate/up 92.0 us/layer at 64 vs 101.5 at 128,
 # down 44.3 us at 128 vs 50.5 at 64. v1/v2 were tuned at 64.
 _GATE_UP_BLOCK_N = 64
-_DOWN_BLOCK_N = 128 if _VARIANT == 3 else 64
+_DOWN_BLOCK_N = {1: 64, 2: 64, 3: 128, 4: 128}  # by variant, looked up per call
 # K-tile of the shared expert's BF16 programs in each launch, the widest that keeps the FP4
 # kernels' registers and shared memory (sm_90, LLaDA2.1-mini shapes, v3; cubin resource usage):
 # gate_up 105 regs / 26 KB before, 101 / 26 KB with the BF16 branch at 64 (128 regs + 8 B stack
@@ -184,8 +194,9 @@ def _nvfp4_moe_impl(
     shared_down: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Body of `dlmc::nvfp4_moe`. Same tensors as `nvfp4_moe`, except that the block scales are
-    their uint8 bit patterns and the W4A4 activation scales come pre-combined: `gate_up_input_scale`
-    fp32 `[E]` (shared by gate and up) and `down_input_scale` fp32 `[E]` (None: no emulation).
+    their uint8 bit patterns (v4: int16 patterns of the pre-decoded bf16, `nvfp4_scales`) and the
+    W4A4 activation scales come pre-combined: `gate_up_input_scale` fp32 `[E]` (shared by gate
+    and up) and `down_input_scale` fp32 `[E]` (None: no emulation).
     `shared_*` (all three or none): the BF16 shared expert, run as the dense tail blocks."""
     T, H = x.shape
     K = topk_ids.shape[1]
@@ -227,7 +238,7 @@ def _nvfp4_moe_impl(
             quantized = torch.where(is_shared[:, None], h, quantized)
         h = quantized
     y = torch.empty((num_pairs, H), dtype=torch.bfloat16, device=x.device)
-    block_n2, block_k2, launch = _launch_config(H, I, _DOWN_BLOCK_N, "down")
+    block_n2, block_k2, launch = _launch_config(H, I, _DOWN_BLOCK_N[_VARIANT], "down")
     wrap_triton(_down_kernel)[(num_blocks, triton.cdiv(H, block_n2))](
         h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
         _alphas(down_weight_scale_2, down_input_scale), d_w, y, num_pairs, E, H, I, h.stride(0),
@@ -275,6 +286,8 @@ def _check(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         raise ValueError(f"nvfp4_moe: H={H} and I={I} must be multiples of 16")
     for name, tensor in weights.items():
         shape, dtype = expected[name]
+        if dtype == torch.float8_e4m3fn and tensor.dtype == torch.bfloat16:
+            dtype = torch.bfloat16  # block scales pre-decoded by `predecode_block_scales`
         if tuple(tensor.shape) != shape or tensor.dtype != dtype:
             raise ValueError(f"nvfp4_moe: {name} must be {dtype} {shape}, got "
                              f"{tensor.dtype} {tuple(tensor.shape)}")
@@ -330,7 +343,9 @@ def nvfp4_moe(
       (routed scaling already folded in).
     - `{gate,up}_weight` uint8 `[E, I, H/2]`, `down_weight` uint8 `[E, H, I/2]`: E2M1 codes, low
       nibble = even element; `*_weight_scale` float8_e4m3fn `[E, out, in/16]` (row-major, not
-      swizzled); `*_weight_scale_2` fp32 `[E]` global scales (gate and up kept separate).
+      swizzled), or bf16 of the same shape pre-decoded by `nvfp4_scales.predecode_block_scales`
+      (what kernel v4 reads; each form is converted exactly to the other when needed);
+      `*_weight_scale_2` fp32 `[E]` global scales (gate and up kept separate).
     - `*_input_scale` fp32 `[E]`: used only with `emulate_w4a4=True`, which fake-quantizes the
       activations as W4A4 kernels do (gate/up input: per-expert max of the two scales, as vLLM).
     - `shared_gate`, `shared_up` bf16 `[I, H]`, `shared_down` bf16 `[H, I]` (all three or none): a
@@ -353,10 +368,11 @@ def nvfp4_moe(
     _check(x, topk_ids, topk_weights, weights | {k: v for k, v in scales.items() if v is not None})
     shared = _check_shared(weights["gate_weight"], x.shape[1], shared_gate, shared_up, shared_down)
     a1, a2 = _input_scales(gate_input_scale, up_input_scale, down_input_scale, emulate_w4a4)
-    # The op takes the FP8 block scales as their uint8 bit patterns (a free view): the kernel
-    # decodes E4M3 itself, and opcheck's schema test cannot compare fp8 tensors on CPU.
-    op_args = [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
-               for t in weights.values()]
+    # The op takes the block scales as bit patterns (free views; opcheck's schema test cannot
+    # compare fp8 tensors on CPU): uint8 E4M3 bytes, or int16 pre-decoded bf16 for v4.
+    predecoded = kernel_reads_predecoded_scales()
+    op_args = [scales_for_kernel(t, predecoded) if name.endswith("_weight_scale") else t
+               for name, t in weights.items()]
     return _nvfp4_moe_op(x, topk_ids, topk_weights, *op_args, a1, a2, *shared)
 
 
@@ -381,6 +397,9 @@ def nvfp4_moe_reference(
     T, H = x.shape
     K = topk_ids.shape[1]
     a1, a2 = _input_scales(gate_input_scale, up_input_scale, down_input_scale, emulate_w4a4)
+    gate_weight_scale, up_weight_scale, down_weight_scale = (
+        e4m3_of_predecoded(s) if s.dtype == torch.bfloat16 else s
+        for s in (gate_weight_scale, up_weight_scale, down_weight_scale))
     y = torch.zeros((T * K, H), dtype=torch.bfloat16, device=x.device)
     pair_expert = topk_ids.reshape(-1).long()  # [P]
     for e in range(gate_weight.shape[0]):

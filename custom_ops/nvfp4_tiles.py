@@ -7,7 +7,11 @@ fp32 -> bf16, so interpreted kernels dot in fp32 (exact for these operands) and 
 import triton
 import triton.language as tl
 
-from dlmc.custom_ops.nvfp4_bf16x2 import decode_e2m1_bf16x2, e4m3_bf16x2_pair
+from dlmc.custom_ops.nvfp4_bf16x2 import (
+    decode_e2m1_bf16x2,
+    decode_e2m1_bf16x2_predecoded,
+    e4m3_bf16x2_pair,
+)
 
 
 @triton.jit
@@ -98,13 +102,10 @@ def _load_w_bytes(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl
 
 
 @triton.jit
-def _load_w_split(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
-    """Low/high-nibble weight tiles `[BK/2, BN]` bf16 (exact), loaded N-major (K contiguous),
-    one E4M3 decode per 16-weight block."""
+def _split_tiles(packed, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Packed bytes `[BN, BK/16, 8]` and fp32 block scales `scale * 2^14` `[BN, BK/16]` ->
+    low/high-nibble weight tiles `[BK/2, BN]` bf16 (exact)."""
     HALF: tl.constexpr = BLOCK_K // 2
-    packed, scale_bytes = _load_w_bytes(w_ptr, s_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K)
-    scale = e4m3_scaled_up(scale_bytes)
     byte = packed.to(tl.int32)
     scale3 = scale[:, :, None]  # [BN, BLOCKS, 1]
     # fp16 bit patterns (as in e2m1_scaled_down) built straight from the byte for both nibbles.
@@ -117,27 +118,49 @@ def _load_w_split(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl
 
 
 @triton.jit
+def _load_w_split(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, PREDECODED: tl.constexpr):
+    """Low/high-nibble weight tiles `[BK/2, BN]` bf16 (exact), loaded N-major (K contiguous),
+    one scale decode per 16-weight block: E4M3 bytes, or (`PREDECODED`, v4) int16 bit patterns
+    of `bf16(scale * 2^119)` made `scale * 2^14` by two exact fp32 steps."""
+    packed, scale_bits = _load_w_bytes(w_ptr, s_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K)
+    if PREDECODED:
+        scale = (scale_bits.to(tl.int32) << 16).to(tl.float32, bitcast=True) * 2.0**-105
+    else:
+        scale = e4m3_scaled_up(scale_bits)
+    return _split_tiles(packed, scale, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
 def _load_w_split_v3(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-    """`_load_w_split` with the bf16x2 decode: tiles `[BK/2, BN]` of `w * 2^-7` (exact)."""
+                     BLOCK_K: tl.constexpr, PREDECODED: tl.constexpr):
+    """`_load_w_split` with the bf16x2 decode: tiles `[BK/2, BN]` of `w * 2^-7` (exact). The
+    scale pair comes from the E4M3 byte (v3) or from the pre-decoded bf16 (`PREDECODED`, v4)."""
     HALF: tl.constexpr = BLOCK_K // 2
     BLOCKS: tl.constexpr = BLOCK_K // 16
-    packed, scale_bytes = _load_w_bytes(w_ptr, s_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K)
-    pair = tl.broadcast_to(e4m3_bf16x2_pair(scale_bytes)[:, :, None], (BLOCK_N, BLOCKS, 8))
-    w_lo, w_hi = decode_e2m1_bf16x2(packed, pair)
+    packed, scale_bits = _load_w_bytes(w_ptr, s_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K)
+    if PREDECODED:  # the asm reads the 16-bit scales in place (no pair to build)
+        scale = tl.broadcast_to(scale_bits[:, :, None], (BLOCK_N, BLOCKS, 8))
+        w_lo, w_hi = decode_e2m1_bf16x2_predecoded(packed, scale)
+    else:
+        pair = tl.broadcast_to(e4m3_bf16x2_pair(scale_bits)[:, :, None], (BLOCK_N, BLOCKS, 8))
+        w_lo, w_hi = decode_e2m1_bf16x2(packed, pair)
     return (tl.trans(tl.reshape(w_lo, (BLOCK_N, HALF))),
             tl.trans(tl.reshape(w_hi, (BLOCK_N, HALF))))
 
 
 @triton.jit
 def _load_w_tiles(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, BF16X2: tl.constexpr):
-    """Low/high-nibble weight tiles: the bf16x2 inline-asm decode (`w * 2^-7`) when `BF16X2`
-    and compiled, else `_load_w_split` (exact; widened to fp32 under the interpreter)."""
-    if BF16X2 and not INTERPRETED:
-        w_lo, w_hi = _load_w_split_v3(w_ptr, s_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K)
+                  BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, VARIANT: tl.constexpr):
+    """Low/high-nibble weight tiles: the bf16x2 inline-asm decode (`w * 2^-7`) for `VARIANT` 3
+    and 4 when compiled, else `_load_w_split` (exact; widened to fp32 under the interpreter).
+    v4's scales are pre-decoded (`nvfp4_scales`); v2/v3 read E4M3 bytes."""
+    if VARIANT >= 3 and not INTERPRETED:
+        w_lo, w_hi = _load_w_split_v3(w_ptr, s_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K,
+                                      VARIANT == 4)
     else:
-        w_lo, w_hi = _load_w_split(w_ptr, s_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K)
+        w_lo, w_hi = _load_w_split(w_ptr, s_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K,
+                                   VARIANT == 4)
         if INTERPRETED:
             w_lo, w_hi = w_lo.to(tl.float32), w_hi.to(tl.float32)
     return w_lo, w_hi
@@ -147,24 +170,25 @@ def _load_w_tiles(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl
 def nvfp4_tile_dot_v2(acc0, acc1, a_ptr, a_rows, row_mask, stride_a, w0_ptr, s0_ptr, w1_ptr,
                       s1_ptr, n_offs, n_mask, K: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, DUAL: tl.constexpr,
-                      BF16X2: tl.constexpr):
+                      VARIANT: tl.constexpr):
     """Like `nvfp4_tile_dot` for one (`DUAL=False`) or two weight matrices sharing the A loads.
 
     Vectorized N-major weight loads, scales decoded once per 16 weights, A loaded contiguously
-    and split in registers. `BF16X2` (kernel v3): the inline-asm decode of `nvfp4_bf16x2`; the
-    compiled accumulators then hold the result times 2^-7 (`nvfp4_bf16x2.ACC_SCALE`).
+    and split in registers. `VARIANT` 3 and 4: the inline-asm decode of `nvfp4_bf16x2` (v4 with
+    the block scales pre-decoded, `nvfp4_scales`); the compiled accumulators then hold the result
+    times 2^-7 (`nvfp4_bf16x2.ACC_SCALE`). `VARIANT` 2: the decode of `_load_w_split`.
     """
     for k0 in range(0, K, BLOCK_K):
         a_even, a_odd = _load_a_split(a_ptr, a_rows, row_mask, stride_a, k0, K, BLOCK_K)
         if INTERPRETED:
             a_even, a_odd = a_even.to(tl.float32), a_odd.to(tl.float32)
         w_lo, w_hi = _load_w_tiles(w0_ptr, s0_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K,
-                                   INTERPRETED, BF16X2)
+                                   INTERPRETED, VARIANT)
         acc0 = tl.dot(a_even, w_lo, acc0)
         acc0 = tl.dot(a_odd, w_hi, acc0)
         if DUAL:
             w_lo, w_hi = _load_w_tiles(w1_ptr, s1_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K,
-                                       INTERPRETED, BF16X2)
+                                       INTERPRETED, VARIANT)
             acc1 = tl.dot(a_even, w_lo, acc1)
             acc1 = tl.dot(a_odd, w_hi, acc1)
     return acc0, acc1

@@ -8,7 +8,11 @@ BF16 grouped-GEMM baseline (`torch._grouped_mm` on dequantized experts) and the 
 reference, and a device-to-device copy in the same run (the ceiling).
 
     python perf/bench_nvfp4_moe.py --out perf/results/nvfp4_moe_h200.json
-    DLMC_NVFP4_KERNEL=v3 python perf/bench_nvfp4_moe.py   # a kernel variant (v1, v2, v3)
+    DLMC_NVFP4_KERNEL=v3 python perf/bench_nvfp4_moe.py   # a kernel variant (v1 .. v4)
+    python perf/bench_nvfp4_moe.py --tokens 32 --kernels v3 v4   # several, one process and graph
+                                                                  # set-up each, same weights
+v4 reads block scales pre-decoded to bf16 (2 bytes per 16 weights): they are converted once,
+before timing, as the model does at load, and its bytes count them at 2 bytes.
     python perf/bench_nvfp4_moe.py --smoke   # tiny shapes, any device: checks the script runs
     python perf/bench_nvfp4_moe.py --shared-expert   # + a BF16 shared expert per layer
 
@@ -37,7 +41,8 @@ if not torch.cuda.is_available():  # --smoke on a CPU machine: Triton's interpre
 
 import dlmc.custom_ops.nvfp4_moe as nvfp4_module
 from dlmc.bench.timing import copy_bandwidth_gbps, cuda_times
-from dlmc.custom_ops.nvfp4_moe import _KERNEL_NAME, nvfp4_moe, nvfp4_moe_reference
+from dlmc.custom_ops.nvfp4_moe import _KERNEL_NAME, _KERNELS, nvfp4_moe, nvfp4_moe_reference
+from dlmc.custom_ops.nvfp4_scales import predecode_block_scales
 from dlmc.quant.nvfp4_format import dequantize_nvfp4
 
 PROJ_SHAPES = {"gate": ("I", "H"), "up": ("I", "H"), "down": ("H", "I")}
@@ -56,6 +61,13 @@ def make_layer(E: int, H: int, I: int, device: str, gen: torch.Generator) -> lis
         scale_2 = torch.rand(E, device=device, generator=gen) * 1e-3 + 1e-3
         args += [packed, scale_bytes.view(torch.float8_e4m3fn), scale_2]
     return args
+
+
+def kernel_layer(layer: list[torch.Tensor], kernel: str) -> list[torch.Tensor]:
+    """The layer's op arguments in the form `kernel` reads (v4: block scales pre-decoded)."""
+    if kernel != "v4":
+        return layer
+    return [predecode_block_scales(t) if t.dtype == torch.float8_e4m3fn else t for t in layer]
 
 
 def make_routing(T: int, E: int, K: int, device: str, gen: torch.Generator
@@ -115,6 +127,9 @@ def main() -> None:
     parser.add_argument("--tiles", nargs="*", default=[],
                         help="launch configs to sweep, each BLOCK_N,BLOCK_K,num_warps,num_stages "
                              "(default: the op's own choice)")
+    parser.add_argument("--kernels", nargs="+", choices=sorted(_KERNELS), default=[_KERNEL_NAME],
+                        help="kernel variants to time one after the other in this process "
+                             "(default: DLMC_NVFP4_KERNEL's)")
     parser.add_argument("--tile-kernel", choices=["both", "gate_up", "down"], default="both",
                         help="which kernel --tiles applies to (the other keeps its default)")
     args = parser.parse_args()
@@ -126,11 +141,10 @@ def main() -> None:
     E, H, I, K, L = args.experts, args.hidden, args.inter, args.top_k, args.layers
     layers = [make_layer(E, H, I, device, gen) for _ in range(L)]
     shared = [make_shared(H, I, device, gen) if args.shared_expert else {} for _ in range(L)]
-    expert_bytes = 3 * (I * H // 2 + I * H // 16)  # packed + block scales, one expert
     shared_bytes = 3 * I * H * 2 if args.shared_expert else 0
     report: dict[str, object] = {
         "command": " ".join(sys.argv), "settings": vars(args) | {"out": str(args.out)},
-        "kernel": _KERNEL_NAME,
+        "kernel": args.kernels[0] if len(args.kernels) == 1 else args.kernels,
         "torch": torch.__version__, "python": platform.python_version(), "results": [],
     }
     if device == "cuda":
@@ -141,28 +155,44 @@ def main() -> None:
         report["copy_GBps"] = copy_bandwidth_gbps(1 << 30, 30)
     tiles = [tuple(int(v) for v in t.split(",")) for t in args.tiles] or [None]
     nvfp4_module._TILE_KERNEL = args.tile_kernel
-    for T, tile in ((T, tile) for T in args.tokens for tile in tiles):
+    inputs = {}  # per token count: the same routing and x for every kernel
+    converted: dict[str, list[list[torch.Tensor]]] = {}
+    first_outputs: dict[tuple, torch.Tensor] = {}
+    for kernel, T, tile in ((k, T, t) for k in args.kernels for T in args.tokens for t in tiles):
         nvfp4_module._TILE = tile
-        routing = [make_routing(T, E, K, device, gen) for _ in range(L)]
-        x = torch.randn(T, H, device=device, generator=gen).bfloat16()
+        nvfp4_module._VARIANT = _KERNELS[kernel]
+        if T not in inputs:
+            inputs[T] = ([make_routing(T, E, K, device, gen) for _ in range(L)],
+                         torch.randn(T, H, device=device, generator=gen).bfloat16())
+        routing, x = inputs[T]
+        if kernel not in converted:  # once per kernel (v4: the load-time scale conversion)
+            converted = {kernel: [kernel_layer(layer, kernel) for layer in layers]}
+        kernel_layers = converted[kernel]
+        scale_bytes = 2 if kernel == "v4" else 1
+        expert_bytes = 3 * (I * H // 2 + I * H // 16 * scale_bytes)  # packed + block scales
         touched = [int(ids.unique().numel()) for ids, _ in routing]
         nbytes = [t * expert_bytes + shared_bytes + 2 * T * H * 2 for t in touched]
 
-        def run_all(x: torch.Tensor = x, routing: list = routing) -> list[torch.Tensor]:
-            return [nvfp4_moe(x, ids, w, *layer, **sh)
-                    for (ids, w), layer, sh in zip(routing, layers, shared, strict=True)]
+        def run_all(x: torch.Tensor = x, routing: list = routing,
+                    kernel_layers: list = kernel_layers) -> list[torch.Tensor]:
+            return [nvfp4_moe(x, ids, w, *layer, **sh) for (ids, w), layer, sh
+                    in zip(routing, kernel_layers, shared, strict=True)]
 
-        def run_separate(x: torch.Tensor = x, routing: list = routing) -> list[torch.Tensor]:
-            return [nvfp4_moe(x, ids, w, *layer) + separate_shared(x, sh)
-                    for (ids, w), layer, sh in zip(routing, layers, shared, strict=True)]
+        def run_separate(x: torch.Tensor = x, routing: list = routing,
+                         kernel_layers: list = kernel_layers) -> list[torch.Tensor]:
+            return [nvfp4_moe(x, ids, w, *layer) + separate_shared(x, sh) for (ids, w), layer, sh
+                    in zip(routing, kernel_layers, shared, strict=True)]
 
         outs = run_all()
         ref = nvfp4_moe_reference(x, *routing[0], *layers[0], **shared[0])
         err = ((outs[0].float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-        row: dict[str, object] = {"tokens": T, "tile": tile or "default",
+        row: dict[str, object] = {"kernel": kernel, "tokens": T, "tile": tile or "default",
                                   "tile_kernel": args.tile_kernel,
                                   "touched_experts_mean": sum(touched) / L,
                                   "bytes_per_layer": sum(nbytes) / L, "max_rel_err_vs_ref": err}
+        first = first_outputs.setdefault((T, tile), outs[0])  # the first kernel's layer 0
+        row[f"equal_to_{args.kernels[0]}"] = bool(torch.equal(outs[0].view(torch.int16),
+                                                              first.view(torch.int16)))
         if device == "cuda":
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
@@ -181,8 +211,8 @@ def main() -> None:
                         "fused_minus_separate_ms_per_layer": ms - sms}
             if len(tiles) > 1:  # a sweep: the op alone
                 report["results"].append(row)
-                print(f"tile={tile} ms/layer={ms:.4f} of_copy={row['fraction_of_copy']:.3f} "
-                      f"err={err:.2e}", flush=True)
+                print(f"kernel={kernel} tile={tile} ms/layer={ms:.4f} "
+                      f"of_copy={row['fraction_of_copy']:.3f} err={err:.2e}", flush=True)
                 continue
             ids0, w0 = routing[0]
             bf16 = dict(zip(("gate", "up", "down"), (

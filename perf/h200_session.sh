@@ -10,10 +10,14 @@
 #                                      # the kernels' GPU tests
 #   bash perf/h200_session.sh moe      # dlmc::bf16_moe alone, launch-config sweeps (MOE_CONFIGS)
 #   bash perf/h200_session.sh gemm     # dlmc::small_m_linear vs cuBLAS, sweeps (GEMM_CONFIGS)
+#   bash perf/h200_session.sh share    # NVFP4+FP8 graph round at PREFIX (4096) + profile, then
+#                                      # the attention variants (SWEEP) at 1k/4k/16k
+#   bash perf/h200_session.sh tests    # the gpu-marked tests of TESTS
 #   bash perf/h200_session.sh ncu      # Nsight Compute of nvfp4_moe and paged attention
 #   bash perf/h200_session.sh repeat   # the BF16 graph round in REPEATS (3) fresh processes
-#   bash perf/h200_session.sh variants # BF16 graph round + profile per VARIANTS entry, each
-#                                      # "name:ENV=VAL,...:flag,flag" (commas for spaces)
+#   bash perf/h200_session.sh variants # graph round + profile per VARIANTS entry, each
+#                                      # "name:ENV=VAL,...:flag,flag" (commas for spaces);
+#                                      # PRECISION (bf16) and KV_DTYPE (bf16) for all of them
 # Env: ROUND_TIMEOUT (300), NVFP4_TIMEOUT (170), TEST_TIMEOUT (150).
 set -u
 OUT=${OUT:-/tmp/dlmc-out}
@@ -78,8 +82,9 @@ variants)  # e.g. VARIANTS="base:: gemm:DLMC_SMALL_M_GEMM=triton: dense::--kv-la
     IFS=: read -r name envs flags <<< "$v"
     (  # the variant's environment stays in this subshell
       for e in ${envs//,/ }; do export "$e"; done
-      round "round_bf16_$name" "${ROUND_TIMEOUT:-200}" --precision bf16 --modes graph \
-        --no-loop ${flags//,/ }
+      round "round_${PRECISION:-bf16}_$name" "${ROUND_TIMEOUT:-200}" --precision \
+        "${PRECISION:-bf16}" --kv-cache-dtype "${KV_DTYPE:-bf16}" --modes graph --no-loop \
+        ${flags//,/ }
     )
   done ;;
 ops)
@@ -117,10 +122,21 @@ gemm)  # dlmc::small_m_linear vs cuBLAS at the round's skinny GEMMs, launch-conf
     fp32split:64,32,64,4,2 fp32split:32,8,256,4,2 fp32split:16,4,256,4,2 fp32split:16,8,64,4,3 \
     fp32split:16,8,128,2,2} --out "$OUT/small_m_linear.json" > "$OUT/small_m_linear.txt" 2>&1
   echo "small_m_linear rc=$?"; grep -E " us |failed" "$OUT/small_m_linear.txt" | cut -c1-120 ;;
+share)  # attention's share of the NVFP4 + FP8 graph round at a long prefix (PREFIX, 4096), and
+  # the attention launch variants (SWEEP) at 1k / 4k / 16k in a long-context pool
+  round "round_nvfp4_prefix${PREFIX:-4096}" "${NVFP4_TIMEOUT:-170}" --precision nvfp4 \
+    --kv-cache-dtype fp8 --modes graph --no-loop --prefix "${PREFIX:-4096}"
+  timeout 150 python3 perf/bench_paged_attention.py --no-flashinfer --capacity 32768 --sweep \
+    ${SWEEP:-base ilv32 ilv32-bf16part ilv16 ilv16-bf16part} --out "$OUT/attention_variants.json" \
+    > "$OUT/attention_variants.txt" 2>&1
+  echo "attention variants rc=$?"; grep -E "^(triton|variant|  )" "$OUT/attention_variants.txt" \
+    | head -20 ;;
+tests)  # the gpu-marked tests of TESTS (files or node ids, spaces between)
+  gpu_tests "${TESTS_NAME:-tests}" ${TESTS:?set TESTS} ;;
 ncu)  # why nvfp4_moe v3 sits near 45 % of copy bandwidth, and what limits paged attention
   ncu_run nvfp4_v3 "_gate_up_kernel|_down_kernel" 2 \
     python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 1 --layers 1
   ncu_run paged_attention "paged_attention" 4 \
     python3 perf/bench_paged_attention.py --prefixes 4096 --layers 1 --iters 1 --no-flashinfer ;;
-*) echo "usage: $0 final|rounds|repeat|variants|ops|moe|gemm|ncu" >&2; exit 2 ;;
+*) echo "usage: $0 final|rounds|repeat|variants|ops|moe|gemm|share|tests|ncu" >&2; exit 2 ;;
 esac

@@ -140,38 +140,57 @@ def resource_usage(compiled: triton.compiler.CompiledKernel) -> dict[str, int]:
 
 
 def check_nvfp4_moe_v3() -> None:
-    """The v3 kernels' inline asm (bf16x2 decode) assembles for sm_90; v2 compiles too; with the
-    shared expert's BF16 branch (`SHARED`) too, which must not make the FP4 path spill, use
-    more shared memory or many more registers (LLaDA2.1-mini shapes, the op's launch config)."""
+    """The v3/v4 kernels' inline asm (bf16x2 decode) assembles for sm_90; v2 compiles too. v4
+    reads the pre-decoded scales as int16: fewer fp32 -> bf16x2 conversions than v3 (only the
+    epilogue's are left; v3 converts each E4M3 scale too). Each also with the shared expert's
+    BF16 branch (`SHARED`)."""
     shared = {"sorted_pair_ptr": "*i32", "expert_of_block_ptr": "*i32"}
     gate_up = shared | {"a_ptr": "*bf16", "gate_w": "*u8", "gate_s": "*u8", "up_w": "*u8",
                         "up_s": "*u8", "gate_alpha_ptr": "*fp32", "up_alpha_ptr": "*fp32",
                         "shared_gate_w": "*bf16", "shared_up_w": "*bf16", "h_ptr": "*bf16"}
     down = shared | {"h_ptr": "*bf16", "down_w": "*u8", "down_s": "*u8",
                      "down_alpha_ptr": "*fp32", "shared_down_w": "*bf16", "y_ptr": "*bf16"}
-    for variant in (2, 3):
-        for kernel, pointers in ((_gate_up_kernel, gate_up), (_down_kernel, down)):
-            types = {name: pointers.get(name, "i32") for name in kernel.arg_names}
-            for has_shared in (False, True):
-                compiled = compile_sm90(kernel, types, {
-                    "H": 272, "I": 80, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128,
+    for kernel, pointers in ((_gate_up_kernel, gate_up), (_down_kernel, down)):
+        for block_n, has_shared in ((64, False), (128, False), (64, True)):
+            conversions = {}
+            for variant in (2, 3, 4):
+                types = {name: pointers.get(name, "i32") for name in kernel.arg_names}
+                if variant == 4:
+                    types |= {name: "*i16" for name in ("gate_s", "up_s", "down_s")
+                              if name in types}
+                ptx = compile_sm90(kernel, types, {
+                    "H": 272, "I": 80, "BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": 128,
                     "INTERPRETED": False, "VARIANT": variant, "SHARED": has_shared,
-                    "SHARED_BLOCK_K": 64}, 4)
-                assert ("mul.rn.bf16x2" in compiled.asm["ptx"]) == (variant == 3)
+                    "SHARED_BLOCK_K": 64}, 4).asm["ptx"]
+                assert ("mul.rn.bf16x2" in ptx) == (variant >= 3)
+                conversions[variant] = ptx.count("cvt.rn.bf16x2.f32")
+            assert conversions[4] < conversions[3], conversions
+    for variant in (3, 4):
+        check_shared_branch_resources(variant, gate_up, down)
+
+
+def check_shared_branch_resources(variant: int, gate_up: dict[str, str],
+                                  down: dict[str, str]) -> None:
+    """The shared expert's BF16 branch must not make the FP4 path spill, use more shared memory
+    or many more registers (LLaDA2.1-mini shapes, the op's launch config; printed for the
+    record)."""
     for kernel, pointers, name, block_n in ((_gate_up_kernel, gate_up, "gate_up", 64),
                                             (_down_kernel, down, "down", 128)):
         names = kernel.arg_names
         types = {n: pointers.get(n, "i32") for n in names}
+        if variant == 4:
+            types |= {n: "*i16" for n in ("gate_s", "up_s", "down_s") if n in types}
         divisible = tuple(n for n in names if n in pointers or "stride" in n)
         usage = {}
         for has_shared in (False, True):
             compiled = compile_sm90(kernel, types, {
                 "H": 2048, "I": 512, "BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": 128,
-                "INTERPRETED": False, "VARIANT": 3, "SHARED": has_shared,
+                "INTERPRETED": False, "VARIANT": variant, "SHARED": has_shared,
                 "SHARED_BLOCK_K": nvfp4_moe_module._SHARED_BLOCK_K[name]}, 4, divisible,
                 num_stages=3)
             usage[has_shared] = resource_usage(compiled) | {"smem": compiled.metadata.shared}
-        print(f"nvfp4_moe {name}: FP4 only {usage[False]}, with the shared branch {usage[True]}")
+        print(f"nvfp4_moe v{variant} {name}: FP4 only {usage[False]}, with the shared branch "
+              f"{usage[True]}")
         assert usage[True]["LOCAL"] == usage[True]["STACK"] == 0, usage  # no spills
         assert usage[True]["smem"] <= usage[False]["smem"], usage
         assert usage[True]["REG"] <= usage[False]["REG"] + 8, usage

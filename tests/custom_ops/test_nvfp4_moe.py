@@ -282,8 +282,10 @@ def test_kernel_matches_reference_gpu(variant: int, seed: int, tokens: int, num_
 
 
 @pytest.mark.gpu
-def test_v3_single_code_weights_are_exact_gpu() -> None:
-    """v3 and the reference agree bit for bit on power-of-two data (incl. subnormal scales)."""
+@pytest.mark.parametrize("variant", [3, 4])
+def test_v3_single_code_weights_are_exact_gpu(variant: int) -> None:
+    """v3 (and v4, its scales pre-decoded per call here) and the reference agree bit for bit on
+    power-of-two data (incl. subnormal scales)."""
     for scale_byte in (0x01, 0x38, 0x7E):
         experts = random_experts(torch.Generator().manual_seed(2), 2, 32, 16)
         for proj in ("gate", "up", "down"):
@@ -300,7 +302,7 @@ def test_v3_single_code_weights_are_exact_gpu() -> None:
         args = op_args(x, ids, w, experts)
         import dlmc.custom_ops.nvfp4_moe as module
 
-        previous, module._VARIANT = module._VARIANT, 3
+        previous, module._VARIANT = module._VARIANT, variant
         try:
             out = nvfp4_moe(*args)
         finally:
@@ -312,11 +314,22 @@ def test_v3_single_code_weights_are_exact_gpu() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shared", [False, True])
-def test_compile_and_cuda_graph_replay(shared: bool) -> None:
-    """Compiled (fullgraph) and replayed as a CUDA graph, with new routing and x copied in;
-    `shared`: with the shared expert's BF16 tail blocks."""
+@pytest.mark.parametrize("variant", [3, 4])
+def test_compile_and_cuda_graph_replay(variant: int, shared: bool,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """v3, and v4 with the block scales pre-decoded as `NVFP4Experts` stores them; compiled
+    (fullgraph), replayed as a CUDA graph with new routing and x copied in. `shared`: with the
+    shared expert's BF16 tail blocks."""
+    import dlmc.custom_ops.nvfp4_moe as module
+    from dlmc.custom_ops.nvfp4_scales import predecode_block_scales
+
+    monkeypatch.setattr(module, "_VARIANT", variant)
+    torch._dynamo.reset()
     gen = torch.Generator().manual_seed(6)
     experts = random_experts(gen, 16, 256, 128)
+    if variant == 4:
+        experts |= {name: predecode_block_scales(t) for name, t in experts.items()
+                    if name.endswith("_weight_scale")}
     x = torch.randn(32, 256, generator=gen).bfloat16().cuda()
     ids, w = random_routing(gen, 32, 16, 4, skew=False)
     args = op_args(x, ids, w, experts)
@@ -343,7 +356,7 @@ def test_compile_and_cuda_graph_replay(shared: bool) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [2, 3])
+@pytest.mark.parametrize("variant", [2, 3, 4])
 @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 2**31 - 1), tokens=st.integers(1, 300), num_experts=st.integers(1, 64),
        used=st.integers(1, 64), top_k=st.integers(1, 8),
@@ -351,7 +364,7 @@ def test_compile_and_cuda_graph_replay(shared: bool) -> None:
 def test_shared_expert_tail_matches_reference_gpu(variant: int, seed: int, tokens: int,
                                                   num_experts: int, used: int, top_k: int,
                                                   hidden: int, inter: int) -> None:
-    """The compiled kernels' BF16 branch (next to v2's and v3's FP4 paths) at full size too."""
+    """The compiled kernels' BF16 branch (next to v2's, v3's and v4's FP4 paths), full size too."""
     import dlmc.custom_ops.nvfp4_moe as module
 
     used = min(used, num_experts)

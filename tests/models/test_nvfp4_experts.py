@@ -99,3 +99,41 @@ def test_compiles_fullgraph() -> None:
     torch._dynamo.reset()
     compiled = torch.compile(experts, backend="aot_eager", fullgraph=True)
     torch.testing.assert_close(compiled(x, ids, weights), experts(x, ids, weights), rtol=0, atol=0)
+
+
+def test_predecode_scales_for_kernel_v4() -> None:
+    """The load-time step: only for v4 and the Triton op; bf16 scales, E4M3 copy freed, forward
+    bit for bit v3's, the reference and exact dequantization unchanged."""
+    import dlmc.custom_ops.nvfp4_moe as op_module
+
+    experts, _ = filled_experts()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(6, H, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(6)])
+    weights = torch.rand(6, 2, generator=gen)
+    previous = op_module._VARIANT
+    try:
+        op_module._VARIANT = 3
+        assert not experts.predecode_scales()  # v3 reads E4M3: nothing to do
+        v3 = experts(x, ids, weights)
+        deq = experts.dequantize_to_bf16()
+        experts.use_reference = True
+        ref = experts(x, ids, weights)
+        op_module._VARIANT = 4
+        assert not experts.predecode_scales()  # the reference path keeps E4M3
+        experts.use_reference = False
+        assert experts.predecode_scales()
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            scale = getattr(experts, f"{proj}_weight_scale")
+            assert scale.dtype == torch.bfloat16 and scale.shape[-1] == (I if proj == "down_proj"
+                                                                         else H) // 16
+        assert sum(b.dtype == torch.float8_e4m3fn for b in experts.buffers()) == 0
+        assert torch.equal(experts(x, ids, weights), v3)
+        assert experts.predecode_scales()  # idempotent
+        assert torch.equal(experts(x, ids, weights), v3)
+    finally:
+        op_module._VARIANT = previous
+    experts.use_reference = True
+    assert torch.equal(experts(x, ids, weights), ref)
+    for proj, value in experts.dequantize_to_bf16().items():
+        assert torch.equal(value, deq[proj])

@@ -85,6 +85,8 @@ def load_model(
                  config.tie_word_embeddings, show_progress)
     if quant is not None and effective == "bf16":
         nv.dequantize_experts(model, config, dtype)
+    elif quant is not None:
+        nv.predecode_expert_scales(model)
     model.eval()
     return LoadedModel(config, model, index, effective, quant is not None, kv_scales,
                        declares_fp8_kv)

@@ -60,6 +60,16 @@ def use_nvfp4_experts(model: nn.Module, config: LLaDA2Config, on_gpu: bool) -> N
                                           use_reference=not on_gpu, device="meta")
 
 
+def predecode_expert_scales(model: nn.Module) -> None:
+    """precision="nvfp4": the kernel's load-time form of the block scales (v4: pre-decoded bf16,
+    exact; v1-v3 keep E4M3), one projection at a time (`NVFP4Experts.predecode_scales`)."""
+    from dlmc.models.nvfp4_experts import NVFP4Experts
+
+    for module in model.modules():
+        if isinstance(module, NVFP4Experts):
+            module.predecode_scales()
+
+
 @torch.no_grad()
 def dequantize_experts(model: nn.Module, config: LLaDA2Config, dtype: torch.dtype) -> None:
     """precision="bf16": NVFP4 experts -> BF16 experts, dequantized exactly, one layer at a time."""

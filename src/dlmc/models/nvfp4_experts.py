@@ -14,7 +14,8 @@ import re
 import torch
 from torch import nn
 
-from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
+from dlmc.custom_ops.nvfp4_moe import kernel_reads_predecoded_scales, nvfp4_moe, nvfp4_moe_reference
+from dlmc.custom_ops.nvfp4_scales import e4m3_of_predecoded, predecode_block_scales
 from dlmc.quant.nvfp4_format import GROUP_SIZE, dequantize_nvfp4
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -44,7 +45,9 @@ class NVFP4Experts(nn.Module):
     Buffers (E = num_experts, H = hidden_size, I = intermediate_size):
     - `gate_proj_weight`, `up_proj_weight`: uint8 `[E, I, H/2]`; `down_proj_weight`: uint8
       `[E, H, I/2]` (E2M1 codes, low nibble = even element).
-    - `<proj>_weight_scale`: float8_e4m3fn `[E, out, in/16]` (row-major, unswizzled).
+    - `<proj>_weight_scale`: float8_e4m3fn `[E, out, in/16]` (row-major, unswizzled), as loaded;
+      `predecode_scales()` (a load-time step) replaces it, for kernel v4, by the same scales as
+      bf16 `scale * 2^119` (exact; `custom_ops/nvfp4_scales.py`).
     - `<proj>_weight_scale_2`: fp32 `[E]` global scales; `<proj>_input_scale`: fp32 `[E]`
       activation scales (only used with `emulate_w4a4`; 1.0 until loaded).
 
@@ -91,6 +94,20 @@ class NVFP4Experts(nn.Module):
                 f"{proj}_input_scale", torch.ones(E, dtype=torch.float32, device=device)
             )
         self.shared_expert_id: int | None = None
+
+    @torch.no_grad()
+    def predecode_scales(self) -> bool:
+        """Load-time step for kernel v4 (`DLMC_NVFP4_KERNEL=v4`): each projection's E4M3 block
+        scales become bf16 `scale * 2^119` (exact), one projection at a time, and the E4M3 copy is
+        freed (the reference and `dequantize_to_bf16` convert back exactly when asked). Does
+        nothing for the reference path or kernels v1-v3. Returns whether it converted."""
+        if self.use_reference or not kernel_reads_predecoded_scales():
+            return False
+        for proj in PROJECTIONS:
+            name = f"{proj}_weight_scale"
+            if self._buffers[name].dtype == torch.float8_e4m3fn:
+                self._buffers[name] = predecode_block_scales(self._buffers[name])
+        return True
 
     def _op_args(self) -> list[torch.Tensor]:
         return [
@@ -152,6 +169,8 @@ class NVFP4Experts(nn.Module):
         for proj in PROJECTIONS:
             packed = getattr(self, f"{proj}_weight")  # [E, out, in/2]
             scale = getattr(self, f"{proj}_weight_scale")  # [E, out, in/16]
+            if scale.dtype == torch.bfloat16:  # pre-decoded for kernel v4
+                scale = e4m3_of_predecoded(scale)
             scale_2 = getattr(self, f"{proj}_weight_scale_2")  # [E]
             out = torch.empty(
                 (*packed.shape[:-1], packed.shape[-1] * 2), dtype=torch.bfloat16,
