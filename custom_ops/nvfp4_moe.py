@@ -67,8 +67,8 @@ def _block_index(SHARED: tl.constexpr):
 
 @triton.jit
 def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s, up_w, up_s,
-                    gate_alpha_ptr, up_alpha_ptr, shared_gate_w, shared_up_w, h_ptr, num_pairs,
-                    a_row_div, shared_id, H: tl.constexpr, I: tl.constexpr, stride_a, stride_h,
+                    gate_alpha_ptr, up_alpha_ptr, h_ptr, num_pairs, a_row_div, H: tl.constexpr,
+                    I: tl.constexpr, stride_a, stride_h, shared_gate_w, shared_up_w, shared_id,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     INTERPRETED: tl.constexpr, VARIANT: tl.constexpr, SHARED: tl.constexpr,
                     SHARED_BLOCK_K: tl.constexpr):
@@ -111,8 +111,8 @@ def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s,
 
 @triton.jit
 def _down_kernel(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, down_alpha_ptr,
-                 shared_down_w, y_ptr, num_pairs, shared_id, H: tl.constexpr, I: tl.constexpr,
-                 stride_h, stride_y, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 y_ptr, num_pairs, H: tl.constexpr, I: tl.constexpr, stride_h, stride_y,
+                 shared_down_w, shared_id, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, VARIANT: tl.constexpr,
                  SHARED: tl.constexpr, SHARED_BLOCK_K: tl.constexpr):
     """y[pair, n] = bf16(alpha * h[slot] @ down[n]^T) for one M-block and one N-tile of H.
@@ -154,7 +154,10 @@ def _block_n(dim: int, widest: int) -> int:
 _GATE_UP_BLOCK_N = 64
 _DOWN_BLOCK_N = {1: 64, 2: 64, 3: 128, 4: 128}  # by variant, looked up per call
 # K-tile of the shared expert's BF16 programs in each launch, the widest that keeps the FP4
-# kernels' registers and shared memory (sm_90, LLaDA2.1-mini shapes, v3; cubin resource usage):
+# kernels' registers and shared memory (sm_90, LLaDA2.1-mini shapes, v3; cubin resource usage).
+# The kernels take the shared expert's arguments after all others: placed before them, the
+# unused arguments alone changed ptxas's allocation of the FP4-only down kernel at BLOCK_N 64
+# (v3: 80 -> 96 registers). Measured:
 # gate_up 105 regs / 26 KB before, 101 / 26 KB with the BF16 branch at 64 (128 regs + 8 B stack
 # at 32, 40 KB at 128); down 128 regs / 26 KB before and at 32 (36 KB at 64, 72 KB at 128).
 _SHARED_BLOCK_K = {"gate_up": 64, "down": 32}
@@ -225,8 +228,8 @@ def _nvfp4_moe_impl(
         a, sorted_pair, expert_of_block, gate_weight, gate_weight_scale,
         up_weight, up_weight_scale,
         _alphas(gate_weight_scale_2, gate_up_input_scale),
-        _alphas(up_weight_scale_2, gate_up_input_scale), g_w, u_w, h, num_pairs, a_row_div, E,
-        H, I, a.stride(0), h.stride(0), BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=block_k1,
+        _alphas(up_weight_scale_2, gate_up_input_scale), h, num_pairs, a_row_div, H, I,
+        a.stride(0), h.stride(0), g_w, u_w, E, BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=block_k1,
         INTERPRETED=_INTERPRETED, VARIANT=_VARIANT, SHARED=has_shared,
         SHARED_BLOCK_K=_shared_block_k(H, "gate_up"), **launch,
     )
@@ -241,8 +244,8 @@ def _nvfp4_moe_impl(
     block_n2, block_k2, launch = _launch_config(H, I, _DOWN_BLOCK_N[_VARIANT], "down")
     wrap_triton(_down_kernel)[(num_blocks, triton.cdiv(H, block_n2))](
         h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
-        _alphas(down_weight_scale_2, down_input_scale), d_w, y, num_pairs, E, H, I, h.stride(0),
-        y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=block_k2,
+        _alphas(down_weight_scale_2, down_input_scale), y, num_pairs, H, I, h.stride(0),
+        y.stride(0), d_w, E, BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=block_k2,
         INTERPRETED=_INTERPRETED, VARIANT=_VARIANT, SHARED=has_shared,
         SHARED_BLOCK_K=_shared_block_k(I, "down"), **launch,
     )
