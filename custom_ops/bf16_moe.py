@@ -20,10 +20,16 @@ from torch.library import wrap_triton
 
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
-from dlmc.custom_ops.moe_align import append_shared_column, combine_pairs, route_pairs
+from dlmc.custom_ops.moe_align import (
+    append_shared_column,
+    block_rows,
+    combine_pairs,
+    route_pairs,
+)
 from dlmc.custom_ops.nvfp4_tiles import round_bf16
 
-__all__ = ["bf16_moe", "bf16_moe_reference"]
+__all__ = ["bf16_down_block", "bf16_gate_up_block", "bf16_moe", "bf16_moe_reference",
+           "bf16_tile_dot"]
 
 # Launch config of each kernel: (BLOCK_N, BLOCK_K, num_warps, num_stages). Tuning overrides:
 # DLMC_BF16_MOE_TILES="n,k,w,s;n,k,w,s" (gate_up; down), or "n1,k1,n2,k2" (Triton's default
@@ -51,7 +57,7 @@ _LAUNCH = (_parse_launch(os.environ["DLMC_BF16_MOE_TILES"]) if "DLMC_BF16_MOE_TI
 
 
 @triton.jit
-def _bf16_tile_dot(acc, a_ptr, a_rows, row_mask, stride_a, w_ptr, n_offs, n_mask,
+def bf16_tile_dot(acc, a_ptr, a_rows, row_mask, stride_a, w_ptr, n_offs, n_mask,
                    K: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
     """acc[BM, BN] += A[rows, :K] @ W[n, :K]^T with W bf16 row-major `[N, K]`."""
     k = tl.arange(0, BLOCK_K)
@@ -70,32 +76,52 @@ def _bf16_tile_dot(acc, a_ptr, a_rows, row_mask, stride_a, w_ptr, n_offs, n_mask
 
 
 @triton.jit
+def bf16_gate_up_block(a_ptr, sorted_pair_ptr, gate_w, up_w, h_ptr, num_pairs, a_row_div, pid_m,
+                       pid_n, H: tl.constexpr, I: tl.constexpr, stride_a, stride_h,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       INTERPRETED: tl.constexpr):
+    """h = bf16(bf16(silu(g)) * u) for one M-block and N-tile, `g`, `u` the bf16-rounded
+    projections by one expert's gate/up `[I, H]` (the bf16 maths of `SwiGLUMLP`). Also the
+    BF16 shared expert's blocks inside `dlmc::nvfp4_moe`."""
+    slots, _, row_mask, a_rows, n_offs, n_mask = block_rows(
+        sorted_pair_ptr, num_pairs, a_row_div, pid_m, pid_n, I, BLOCK_M, BLOCK_N)
+    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_g = bf16_tile_dot(zeros, a_ptr, a_rows, row_mask, stride_a, gate_w, n_offs, n_mask, H,
+                          BLOCK_K, INTERPRETED)
+    acc_u = bf16_tile_dot(zeros, a_ptr, a_rows, row_mask, stride_a, up_w, n_offs, n_mask, H,
+                          BLOCK_K, INTERPRETED)
+    g = round_bf16(acc_g, INTERPRETED).to(tl.float32)
+    u = round_bf16(acc_u, INTERPRETED).to(tl.float32)
+    h = round_bf16(g * tl.sigmoid(g), INTERPRETED).to(tl.float32) * u
+    tl.store(h_ptr + slots[:, None] * stride_h + n_offs[None, :], round_bf16(h, INTERPRETED),
+             mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def bf16_down_block(h_ptr, sorted_pair_ptr, down_w, y_ptr, num_pairs, pid_m, pid_n,
+                    H: tl.constexpr, I: tl.constexpr, stride_h, stride_y, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    """y[pair] = bf16(h[slot] @ down^T) for one M-block and N-tile, down `[H, I]` one expert's."""
+    slots, pairs, row_mask, _, n_offs, n_mask = block_rows(
+        sorted_pair_ptr, num_pairs, 1, pid_m, pid_n, H, BLOCK_M, BLOCK_N)
+    acc = bf16_tile_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), h_ptr, slots, row_mask,
+                        stride_h, down_w, n_offs, n_mask, I, BLOCK_K, INTERPRETED)
+    tl.store(y_ptr + pairs[:, None].to(tl.int64) * stride_y + n_offs[None, :],
+             round_bf16(acc, INTERPRETED), mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
 def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, up_w, h_ptr, num_pairs,
                     a_row_div, H: tl.constexpr, I: tl.constexpr, stride_a, stride_h,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     INTERPRETED: tl.constexpr):
     pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
     expert = tl.load(expert_of_block_ptr + pid_m)
     if expert >= 0:
-        slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pairs = tl.load(sorted_pair_ptr + slots)  # [BM]
-        row_mask = pairs < num_pairs
-        a_rows = tl.where(row_mask, pairs // a_row_div, 0)
-        n_offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = n_offs < I
         offset = expert.to(tl.int64) * I * H
-        acc_g = _bf16_tile_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a_ptr, a_rows,
-                               row_mask, stride_a, gate_w + offset, n_offs, n_mask, H, BLOCK_K,
-                               INTERPRETED)
-        acc_u = _bf16_tile_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), a_ptr, a_rows,
-                               row_mask, stride_a, up_w + offset, n_offs, n_mask, H, BLOCK_K,
-                               INTERPRETED)
-        g = round_bf16(acc_g, INTERPRETED).to(tl.float32)
-        u = round_bf16(acc_u, INTERPRETED).to(tl.float32)
-        h = round_bf16(g * tl.sigmoid(g), INTERPRETED).to(tl.float32) * u
-        tl.store(h_ptr + slots[:, None] * stride_h + n_offs[None, :], round_bf16(h, INTERPRETED),
-                 mask=row_mask[:, None] & n_mask[None, :])
+        bf16_gate_up_block(a_ptr, sorted_pair_ptr, gate_w + offset, up_w + offset, h_ptr,
+                           num_pairs, a_row_div, pid_m, tl.program_id(1), H, I, stride_a,
+                           stride_h, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETED)
 
 
 @triton.jit
@@ -103,19 +129,11 @@ def _down_kernel(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, y_ptr, num
                  H: tl.constexpr, I: tl.constexpr, stride_h, stride_y, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
     pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
     expert = tl.load(expert_of_block_ptr + pid_m)
     if expert >= 0:
-        slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pairs = tl.load(sorted_pair_ptr + slots)
-        row_mask = pairs < num_pairs
-        n_offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = n_offs < H
-        acc = _bf16_tile_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), h_ptr, slots,
-                             row_mask, stride_h, down_w + expert.to(tl.int64) * H * I, n_offs,
-                             n_mask, I, BLOCK_K, INTERPRETED)
-        tl.store(y_ptr + pairs[:, None].to(tl.int64) * stride_y + n_offs[None, :],
-                 round_bf16(acc, INTERPRETED), mask=row_mask[:, None] & n_mask[None, :])
+        bf16_down_block(h_ptr, sorted_pair_ptr, down_w + expert.to(tl.int64) * H * I, y_ptr,
+                        num_pairs, pid_m, tl.program_id(1), H, I, stride_h, stride_y, BLOCK_M,
+                        BLOCK_N, BLOCK_K, INTERPRETED)
 
 
 def _bf16_moe_impl(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

@@ -23,7 +23,7 @@ from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
 
 __all__ = ["aligned_blocks", "align_pairs_to_blocks", "align_pairs_to_blocks_reference",
-           "append_shared_column", "combine_pairs", "moe_block_size", "route_pairs"]
+           "append_shared_column", "block_rows", "combine_pairs", "moe_block_size", "route_pairs"]
 
 # One program holds all pair keys and per-expert counts in registers; larger routings take the
 # torch path.
@@ -218,6 +218,20 @@ def align_pairs_to_blocks_reference(
     sorted_pair = torch.where(valid, order[src], num_pairs).to(torch.int32).reshape(-1)
     expert_of_block = torch.where(used, expert, -1).to(torch.int32)  # [B]
     return sorted_pair, expert_of_block
+
+
+@triton.jit
+def block_rows(sorted_pair_ptr, num_pairs, a_row_div, pid_m, pid_n, N: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """What a grouped-MoE program of M-block `pid_m` and N-tile `pid_n` works on: its `slots`
+    `[BM]`, their `pairs` (padding: >= num_pairs), `row_mask`, input rows `pairs // a_row_div`
+    (0 for padding), output columns `n_offs` `[BN]` and `n_mask` (< N)."""
+    slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pair_ptr + slots)  # [BM]
+    row_mask = pairs < num_pairs
+    a_rows = tl.where(row_mask, pairs // a_row_div, 0)
+    n_offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return slots, pairs, row_mask, a_rows, n_offs, n_offs < N
 
 
 def route_pairs(topk_ids: torch.Tensor, num_experts: int,

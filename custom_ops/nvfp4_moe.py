@@ -18,7 +18,8 @@ from torch.library import wrap_triton
 
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
-from dlmc.custom_ops.moe_align import combine_pairs, route_pairs
+from dlmc.custom_ops.bf16_moe import bf16_down_block, bf16_gate_up_block
+from dlmc.custom_ops.moe_align import block_rows, combine_pairs, route_pairs
 from dlmc.custom_ops.nvfp4_bf16x2 import ACC_SCALE
 from dlmc.custom_ops.nvfp4_scales import e4m3_of_predecoded, scales_for_kernel
 from dlmc.custom_ops.nvfp4_tiles import nvfp4_tile_dot, nvfp4_tile_dot_v2, round_bf16
@@ -55,22 +56,34 @@ _TILE_KERNEL = "both"  # which kernel the override applies to: "gate_up", "down"
 
 
 @triton.jit
+def _block_index(SHARED: tl.constexpr):
+    """The M-block of this program. With the shared expert the blocks run in reverse order: its
+    BF16 tail blocks, heavier than an FP4 block (2 vs 0.5625 bytes per weight), start first
+    instead of last (the unused blocks before them exit at once)."""
+    if SHARED:
+        return tl.num_programs(0) - 1 - tl.program_id(0)
+    return tl.program_id(0)
+
+
+@triton.jit
 def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s, up_w, up_s,
                     gate_alpha_ptr, up_alpha_ptr, h_ptr, num_pairs, a_row_div, H: tl.constexpr,
-                    I: tl.constexpr, stride_a, stride_h, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, VARIANT: tl.constexpr):
-    """h[slot, n] = silu(gate) * up for the slots of one M-block and one N-tile of I."""
-    pid_m = tl.program_id(0)
+                    I: tl.constexpr, stride_a, stride_h, shared_gate_w, shared_up_w, shared_id,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    INTERPRETED: tl.constexpr, VARIANT: tl.constexpr, SHARED: tl.constexpr,
+                    SHARED_BLOCK_K: tl.constexpr):
+    """h[slot, n] = silu(gate) * up for the slots of one M-block and one N-tile of I. `SHARED`:
+    blocks of expert `shared_id` are the BF16 shared expert's (`bf16_moe.bf16_gate_up_block`)."""
+    pid_m = _block_index(SHARED)
     pid_n = tl.program_id(1)
     expert = tl.load(expert_of_block_ptr + pid_m)
-    if expert >= 0:
-        slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pairs = tl.load(sorted_pair_ptr + slots)  # [BM]
-        row_mask = pairs < num_pairs
-        a_rows = tl.where(row_mask, pairs // a_row_div, 0)
-        n_offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = n_offs < I
+    if SHARED and expert == shared_id:
+        bf16_gate_up_block(a_ptr, sorted_pair_ptr, shared_gate_w, shared_up_w, h_ptr,
+                           num_pairs, a_row_div, pid_m, pid_n, H, I, stride_a, stride_h, BLOCK_M,
+                           BLOCK_N, SHARED_BLOCK_K, INTERPRETED)
+    elif expert >= 0:
+        slots, _, row_mask, a_rows, n_offs, n_mask = block_rows(
+            sorted_pair_ptr, num_pairs, a_row_div, pid_m, pid_n, I, BLOCK_M, BLOCK_N)
         e64 = expert.to(tl.int64)
         gate_w += e64 * I * (H // 2)
         gate_s += e64 * I * (H // 16)
@@ -99,18 +112,20 @@ def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s,
 @triton.jit
 def _down_kernel(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, down_alpha_ptr,
                  y_ptr, num_pairs, H: tl.constexpr, I: tl.constexpr, stride_h, stride_y,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 INTERPRETED: tl.constexpr, VARIANT: tl.constexpr):
-    """y[pair, n] = bf16(alpha * h[slot] @ down[n]^T) for one M-block and one N-tile of H."""
-    pid_m = tl.program_id(0)
+                 shared_down_w, shared_id, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, VARIANT: tl.constexpr,
+                 SHARED: tl.constexpr, SHARED_BLOCK_K: tl.constexpr):
+    """y[pair, n] = bf16(alpha * h[slot] @ down[n]^T) for one M-block and one N-tile of H.
+    `SHARED`: blocks of expert `shared_id` are the BF16 shared expert's (`bf16_down_block`)."""
+    pid_m = _block_index(SHARED)
     pid_n = tl.program_id(1)
     expert = tl.load(expert_of_block_ptr + pid_m)
-    if expert >= 0:
-        slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pairs = tl.load(sorted_pair_ptr + slots)  # [BM]
-        row_mask = pairs < num_pairs
-        n_offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = n_offs < H
+    if SHARED and expert == shared_id:
+        bf16_down_block(h_ptr, sorted_pair_ptr, shared_down_w, y_ptr, num_pairs, pid_m, pid_n,
+                        H, I, stride_h, stride_y, BLOCK_M, BLOCK_N, SHARED_BLOCK_K, INTERPRETED)
+    elif expert >= 0:
+        slots, pairs, row_mask, _, n_offs, n_mask = block_rows(
+            sorted_pair_ptr, num_pairs, 1, pid_m, pid_n, H, BLOCK_M, BLOCK_N)
         e64 = expert.to(tl.int64)
         down_w += e64 * H * (I // 2)
         down_s += e64 * H * (I // 16)
@@ -138,6 +153,14 @@ def _block_n(dim: int, widest: int) -> int:
 # down 44.3 us at 128 vs 50.5 at 64. v1/v2 were tuned at 64.
 _GATE_UP_BLOCK_N = 64
 _DOWN_BLOCK_N = {1: 64, 2: 64, 3: 128, 4: 128}  # by variant, looked up per call
+# K-tile of the shared expert's BF16 programs in each launch, the widest that keeps the FP4
+# kernels' registers and shared memory (sm_90, LLaDA2.1-mini shapes, v3; cubin resource usage).
+# The kernels take the shared expert's arguments after all others: placed before them, the
+# unused arguments alone changed ptxas's allocation of the FP4-only down kernel at BLOCK_N 64
+# (v3: 80 -> 96 registers). Measured:
+# gate_up 105 regs / 26 KB before, 101 / 26 KB with the BF16 branch at 64 (128 regs + 8 B stack
+# at 32, 40 KB at 128); down 128 regs / 26 KB before and at 32 (36 KB at 64, 72 KB at 128).
+_SHARED_BLOCK_K = {"gate_up": 64, "down": 32}
 
 
 def _launch_config(n: int, k: int, widest: int,
@@ -153,6 +176,11 @@ def _launch_config(n: int, k: int, widest: int,
     return block_n, block_k, {"num_warps": num_warps, "num_stages": num_stages}
 
 
+def _shared_block_k(k: int, kernel: str) -> int:
+    """K-tile of the BF16 shared-expert programs (`bf16_moe.bf16_tile_dot`) of `kernel`."""
+    return min(_SHARED_BLOCK_K[kernel], max(16, triton.next_power_of_2(k)))
+
+
 def _alphas(scale_2: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
     alpha = scale_2.float().reshape(-1)  # [E]
     return alpha if input_scale is None else alpha * input_scale.float().reshape(-1)
@@ -165,26 +193,35 @@ def _nvfp4_moe_impl(
     down_weight: torch.Tensor, down_weight_scale: torch.Tensor, down_weight_scale_2: torch.Tensor,
     gate_up_input_scale: torch.Tensor | None = None,
     down_input_scale: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None, shared_up: torch.Tensor | None = None,
+    shared_down: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Body of `dlmc::nvfp4_moe`. Same tensors as `nvfp4_moe`, except that the block scales are
     their uint8 bit patterns (v4: int16 patterns of the pre-decoded bf16, `nvfp4_scales`) and the
     W4A4 activation scales come pre-combined: `gate_up_input_scale` fp32 `[E]` (shared by gate
-    and up) and `down_input_scale` fp32 `[E]` (None: no emulation)."""
+    and up) and `down_input_scale` fp32 `[E]` (None: no emulation).
+    `shared_*` (all three or none): the BF16 shared expert, run as the dense tail blocks."""
     T, H = x.shape
     K = topk_ids.shape[1]
     E, I = gate_weight.shape[0], gate_weight.shape[1]
+    has_shared = shared_gate is not None and shared_up is not None and shared_down is not None
+    shared = int(has_shared)  # an int: a bool in symbolic-shape arithmetic fails to trace
+    pairs_per_token = K + shared  # the shared expert's pair of token t: t*(K+1) + K
     out = torch.empty((T, H), dtype=torch.bfloat16, device=x.device)
     if T == 0:
         return out
-    num_pairs = T * K
-    block_m, sorted_pair, expert_of_block = route_pairs(topk_ids, E)
+    num_pairs = T * pairs_per_token
+    block_m, sorted_pair, expert_of_block = route_pairs(topk_ids, E, has_shared)
     num_blocks = expert_of_block.shape[0]
-    a, a_row_div = x.contiguous(), K
-    if gate_up_input_scale is not None:  # W4A4 emulation: quantize each pair's row
-        pair_expert = topk_ids.reshape(-1).long()  # [P]
+    a, a_row_div = x.contiguous(), pairs_per_token
+    if gate_up_input_scale is not None:  # W4A4 emulation: quantize each routed pair's row
+        pair_expert = topk_ids.reshape(-1).long()  # [T*K]
         a = fake_quantize_activation(x.repeat_interleave(K, dim=0),
-                                     gate_up_input_scale.float()[pair_expert])  # [P, H]
+                                     gate_up_input_scale.float()[pair_expert])  # [T*K, H]
+        if has_shared:  # the shared expert (BF16) reads x as is: rows t*(K+1) + K
+            a = torch.cat([a.view(T, K, H), x[:, None]], dim=1).reshape(num_pairs, H)
         a_row_div = 1
+    g_w, u_w, d_w = (shared_gate, shared_up, shared_down) if has_shared else (x, x, x)
     h = torch.empty((num_blocks * block_m, I), dtype=torch.bfloat16, device=x.device)
     block_n1, block_k1, launch = _launch_config(I, H, _GATE_UP_BLOCK_N, "gate_up")
     wrap_triton(_gate_up_kernel)[(num_blocks, triton.cdiv(I, block_n1))](
@@ -192,21 +229,27 @@ def _nvfp4_moe_impl(
         up_weight, up_weight_scale,
         _alphas(gate_weight_scale_2, gate_up_input_scale),
         _alphas(up_weight_scale_2, gate_up_input_scale), h, num_pairs, a_row_div, H, I,
-        a.stride(0), h.stride(0), BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=block_k1,
-        INTERPRETED=_INTERPRETED, VARIANT=_VARIANT, **launch,
+        a.stride(0), h.stride(0), g_w, u_w, E, BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=block_k1,
+        INTERPRETED=_INTERPRETED, VARIANT=_VARIANT, SHARED=has_shared,
+        SHARED_BLOCK_K=_shared_block_k(H, "gate_up"), **launch,
     )
     if down_input_scale is not None:
-        slot_expert = expert_of_block.long().clamp(min=0).repeat_interleave(block_m)  # [S]
-        h = fake_quantize_activation(h, down_input_scale.float()[slot_expert])
+        slot_expert = expert_of_block.long().clamp(0, E - 1).repeat_interleave(block_m)  # [S]
+        quantized = fake_quantize_activation(h, down_input_scale.float()[slot_expert])
+        if has_shared:  # the shared expert's rows stay bf16
+            is_shared = (expert_of_block == E).repeat_interleave(block_m)  # [S]
+            quantized = torch.where(is_shared[:, None], h, quantized)
+        h = quantized
     y = torch.empty((num_pairs, H), dtype=torch.bfloat16, device=x.device)
     block_n2, block_k2, launch = _launch_config(H, I, _DOWN_BLOCK_N[_VARIANT], "down")
     wrap_triton(_down_kernel)[(num_blocks, triton.cdiv(H, block_n2))](
         h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
         _alphas(down_weight_scale_2, down_input_scale), y, num_pairs, H, I, h.stride(0),
-        y.stride(0), BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=block_k2,
-        INTERPRETED=_INTERPRETED, VARIANT=_VARIANT, **launch,
+        y.stride(0), d_w, E, BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=block_k2,
+        INTERPRETED=_INTERPRETED, VARIANT=_VARIANT, SHARED=has_shared,
+        SHARED_BLOCK_K=_shared_block_k(I, "down"), **launch,
     )
-    return combine_pairs(y, topk_weights, out)  # [T, H]
+    return combine_pairs(y, topk_weights, out, has_shared)  # [T, H]
 
 
 def _nvfp4_moe_fake(x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
@@ -255,6 +298,26 @@ def _check(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             raise ValueError(f"nvfp4_moe: {name} must be contiguous")
 
 
+def _check_shared(gate_weight: torch.Tensor, H: int, gate: torch.Tensor | None,
+                  up: torch.Tensor | None, down: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """The shared expert's weights (all three, bf16 `[I, H]`, `[I, H]`, `[H, I]`) or three Nones."""
+    given = [t is not None for t in (gate, up, down)]
+    if not any(given):
+        return [None, None, None]
+    I = gate_weight.shape[1]
+    for name, tensor, shape in (("shared_gate", gate, (I, H)), ("shared_up", up, (I, H)),
+                                ("shared_down", down, (H, I))):
+        if tensor is None:
+            raise ValueError("nvfp4_moe: the shared expert needs shared_gate, shared_up and "
+                             f"shared_down; {name} is missing")
+        if tuple(tensor.shape) != shape or tensor.dtype != torch.bfloat16:
+            raise ValueError(f"nvfp4_moe: {name} must be bf16 {shape}, got {tensor.dtype} "
+                             f"{tuple(tensor.shape)}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"nvfp4_moe: {name} must be contiguous")
+    return [gate, up, down]
+
+
 def _input_scales(gate: torch.Tensor | None, up: torch.Tensor | None, down: torch.Tensor | None,
                   emulate_w4a4: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     if not emulate_w4a4:
@@ -273,6 +336,8 @@ def nvfp4_moe(
     down_weight: torch.Tensor, down_weight_scale: torch.Tensor, down_weight_scale_2: torch.Tensor,
     *, gate_input_scale: torch.Tensor | None = None, up_input_scale: torch.Tensor | None = None,
     down_input_scale: torch.Tensor | None = None, emulate_w4a4: bool = False,
+    shared_gate: torch.Tensor | None = None, shared_up: torch.Tensor | None = None,
+    shared_down: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Routed-expert MoE with NVFP4 experts (Triton, `dlmc::nvfp4_moe`).
 
@@ -286,8 +351,15 @@ def nvfp4_moe(
       `*_weight_scale_2` fp32 `[E]` global scales (gate and up kept separate).
     - `*_input_scale` fp32 `[E]`: used only with `emulate_w4a4=True`, which fake-quantizes the
       activations as W4A4 kernels do (gate/up input: per-expert max of the two scales, as vLLM).
-    Returns bf16 `[T, H]`: `sum_k topk_weights[t, k] * bf16(expert_k(x[t]))`, summed in fp32.
-    All tensors on one device, contiguous. No host sync: capturable in a CUDA graph.
+    - `shared_gate`, `shared_up` bf16 `[I, H]`, `shared_down` bf16 `[H, I]` (all three or none): a
+      BF16 shared expert that every token also takes with weight 1.0. Its `T` rows run as the
+      dense tail blocks of the same two launches (`route_pairs(..., shared_expert=True)`) with
+      `bf16_moe`'s tile dot and epilogue: `bf16(down(bf16(bf16(silu(g)) * u)))` with `g`, `u` the
+      bf16-rounded projections, i.e. `SwiGLUMLP`'s bf16 maths; it reads x unquantized with
+      `emulate_w4a4`.
+    Returns bf16 `[T, H]`: `sum_k topk_weights[t, k] * bf16(expert_k(x[t]))` (+ the shared
+    expert's bf16 output), summed in fp32. All tensors on one device, contiguous. No host sync:
+    capturable in a CUDA graph.
     """
     weights = {"gate_weight": gate_weight, "gate_weight_scale": gate_weight_scale,
                    "gate_weight_scale_2": gate_weight_scale_2, "up_weight": up_weight,
@@ -297,13 +369,14 @@ def nvfp4_moe(
     scales = {"gate_input_scale": gate_input_scale, "up_input_scale": up_input_scale,
               "down_input_scale": down_input_scale}
     _check(x, topk_ids, topk_weights, weights | {k: v for k, v in scales.items() if v is not None})
+    shared = _check_shared(weights["gate_weight"], x.shape[1], shared_gate, shared_up, shared_down)
     a1, a2 = _input_scales(gate_input_scale, up_input_scale, down_input_scale, emulate_w4a4)
     # The op takes the block scales as bit patterns (free views; opcheck's schema test cannot
     # compare fp8 tensors on CPU): uint8 E4M3 bytes, or int16 pre-decoded bf16 for v4.
     predecoded = kernel_reads_predecoded_scales()
     op_args = [scales_for_kernel(t, predecoded) if name.endswith("_weight_scale") else t
                for name, t in weights.items()]
-    return _nvfp4_moe_op(x, topk_ids, topk_weights, *op_args, a1, a2)
+    return _nvfp4_moe_op(x, topk_ids, topk_weights, *op_args, a1, a2, *shared)
 
 
 def nvfp4_moe_reference(
@@ -313,13 +386,16 @@ def nvfp4_moe_reference(
     down_weight: torch.Tensor, down_weight_scale: torch.Tensor, down_weight_scale_2: torch.Tensor,
     *, gate_input_scale: torch.Tensor | None = None, up_input_scale: torch.Tensor | None = None,
     down_input_scale: torch.Tensor | None = None, emulate_w4a4: bool = False,
+    shared_gate: torch.Tensor | None = None, shared_up: torch.Tensor | None = None,
+    shared_down: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-PyTorch definition of `nvfp4_moe` (same arguments and result).
 
     Per pair: `g = (a @ Wg^T) * s2_g`, `u = (a @ Wu^T) * s2_u` in fp32 with `W = e2m1 * block_scale`
     (exact), `h = bf16(silu(g) * u)`, `y = bf16((h @ Wd^T) * s2_d)`; then
     `out = bf16(sum_k w_k * float(y_k))`. With W4A4 emulation `a`/`h` are `fake_quantize_activation`
-    outputs and each `s2` is multiplied by the activation's input scale.
+    outputs and each `s2` is multiplied by the activation's input scale. `shared_*`: plus
+    `1.0 * float(shared(x))` in the fp32 sum, `shared` the SwiGLU MLP in x's dtype (`SwiGLUMLP`).
     """
     T, H = x.shape
     K = topk_ids.shape[1]
@@ -347,4 +423,9 @@ def nvfp4_moe_reference(
         wd = dequantize_blocks(down_weight[e], down_weight_scale[e])  # [H, I]
         y[pairs] = (h.float() @ wd.T * alpha_d).to(torch.bfloat16)
     combined = (y.view(T, K, H).float() * topk_weights.float()[..., None]).sum(dim=1)
+    if shared_gate is not None and shared_up is not None and shared_down is not None:
+        F = torch.nn.functional
+        g, u = F.linear(x, shared_gate.to(x.dtype)), F.linear(x, shared_up.to(x.dtype))
+        shared_y = F.linear(F.silu(g) * u, shared_down.to(x.dtype))  # [T, H]
+        combined = combined + shared_y.float()  # weight 1.0, in the fp32 sum
     return combined.to(torch.bfloat16)

@@ -14,6 +14,12 @@ reference, and a device-to-device copy in the same run (the ceiling).
 v4 reads block scales pre-decoded to bf16 (2 bytes per 16 weights): they are converted once,
 before timing, as the model does at load, and its bytes count them at 2 bytes.
     python perf/bench_nvfp4_moe.py --smoke   # tiny shapes, any device: checks the script runs
+    python perf/bench_nvfp4_moe.py --shared-expert   # + a BF16 shared expert per layer
+
+`--shared-expert` gives every layer a BF16 shared expert of the routed width and times it both
+ways in the same run: as the op's BF16 tail blocks (`nvfp4_moe(..., shared_gate=...)`, what
+`DLMC_NVFP4_SHARED=fused` runs) and separately (the op, then cuBLAS gate/up/down + SiLU and a
+bf16 add, as `separate` runs); bytes include the shared expert's 3 * I * H * 2.
 """
 
 from __future__ import annotations
@@ -71,6 +77,20 @@ def make_routing(T: int, E: int, K: int, device: str, gen: torch.Generator
     return ids.to(torch.int32), weights / weights.sum(dim=1, keepdim=True)
 
 
+def make_shared(H: int, I: int, device: str, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """A BF16 shared expert as `nvfp4_moe`'s `shared_*` keyword arguments."""
+    shapes = {"shared_gate": (I, H), "shared_up": (I, H), "shared_down": (H, I)}
+    return {name: (torch.randn(shape, device=device, generator=gen) * shape[1] ** -0.5)
+            .bfloat16() for name, shape in shapes.items()}
+
+
+def separate_shared(x: torch.Tensor, shared: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The unfused block's shared expert: `SwiGLUMLP` in bf16 (cuBLAS on the GPU)."""
+    F = torch.nn.functional
+    h = F.silu(F.linear(x, shared["shared_gate"])) * F.linear(x, shared["shared_up"])
+    return F.linear(h, shared["shared_down"])
+
+
 def grouped_bf16(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
                  weights: dict[str, torch.Tensor]) -> torch.Tensor:
     """BF16 baseline: sorted pairs, torch._grouped_mm per projection, fp32 combine."""
@@ -101,6 +121,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, no timing")
+    parser.add_argument("--shared-expert", action="store_true",
+                        help="a BF16 shared expert per layer: timed as the op's tail blocks and "
+                             "separately (cuBLAS SwiGLU + bf16 add)")
     parser.add_argument("--tiles", nargs="*", default=[],
                         help="launch configs to sweep, each BLOCK_N,BLOCK_K,num_warps,num_stages "
                              "(default: the op's own choice)")
@@ -117,6 +140,8 @@ def main() -> None:
     gen = torch.Generator(device=device).manual_seed(args.seed)
     E, H, I, K, L = args.experts, args.hidden, args.inter, args.top_k, args.layers
     layers = [make_layer(E, H, I, device, gen) for _ in range(L)]
+    shared = [make_shared(H, I, device, gen) if args.shared_expert else {} for _ in range(L)]
+    shared_bytes = 3 * I * H * 2 if args.shared_expert else 0
     report: dict[str, object] = {
         "command": " ".join(sys.argv), "settings": vars(args) | {"out": str(args.out)},
         "kernel": args.kernels[0] if len(args.kernels) == 1 else args.kernels,
@@ -146,15 +171,20 @@ def main() -> None:
         scale_bytes = 2 if kernel == "v4" else 1
         expert_bytes = 3 * (I * H // 2 + I * H // 16 * scale_bytes)  # packed + block scales
         touched = [int(ids.unique().numel()) for ids, _ in routing]
-        nbytes = [t * expert_bytes + 2 * T * H * 2 for t in touched]
+        nbytes = [t * expert_bytes + shared_bytes + 2 * T * H * 2 for t in touched]
 
         def run_all(x: torch.Tensor = x, routing: list = routing,
                     kernel_layers: list = kernel_layers) -> list[torch.Tensor]:
-            return [nvfp4_moe(x, ids, w, *layer)
-                    for (ids, w), layer in zip(routing, kernel_layers, strict=True)]
+            return [nvfp4_moe(x, ids, w, *layer, **sh) for (ids, w), layer, sh
+                    in zip(routing, kernel_layers, shared, strict=True)]
+
+        def run_separate(x: torch.Tensor = x, routing: list = routing,
+                         kernel_layers: list = kernel_layers) -> list[torch.Tensor]:
+            return [nvfp4_moe(x, ids, w, *layer) + separate_shared(x, sh) for (ids, w), layer, sh
+                    in zip(routing, kernel_layers, shared, strict=True)]
 
         outs = run_all()
-        ref = nvfp4_moe_reference(x, *routing[0], *layers[0])
+        ref = nvfp4_moe_reference(x, *routing[0], *layers[0], **shared[0])
         err = ((outs[0].float() - ref.float()).abs().max() / ref.float().abs().max()).item()
         row: dict[str, object] = {"kernel": kernel, "tokens": T, "tile": tile or "default",
                                   "tile_kernel": args.tile_kernel,
@@ -171,6 +201,14 @@ def main() -> None:
             row |= {"nvfp4_ms_per_layer": ms, "nvfp4_GBps": row["bytes_per_layer"] / ms / 1e6}
             row["fraction_of_copy"] = row["nvfp4_GBps"] / report["copy_GBps"]
             row["eager_ms_per_layer"] = statistics.median(cuda_times(run_all, 10)) / L
+            if args.shared_expert:  # today's unfused block, same layers, same run
+                separate = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(separate):
+                    run_separate()
+                sms = statistics.median(cuda_times(separate.replay, args.iters)) / L
+                row |= {"separate_shared_ms_per_layer": sms,
+                        "separate_shared_GBps": row["bytes_per_layer"] / sms / 1e6,
+                        "fused_minus_separate_ms_per_layer": ms - sms}
             if len(tiles) > 1:  # a sweep: the op alone
                 report["results"].append(row)
                 print(f"kernel={kernel} tile={tile} ms/layer={ms:.4f} "
@@ -191,6 +229,10 @@ def main() -> None:
             start = time.perf_counter()
             run_all()
             row["smoke_seconds"] = time.perf_counter() - start
+            if args.shared_expert:
+                separate = run_separate()[0].float()
+                row["fused_vs_separate_max_rel"] = ((outs[0].float() - separate).abs().max()
+                                                    / separate.abs().max()).item()
         report["results"].append(row)
         print(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                          for k, v in row.items()))

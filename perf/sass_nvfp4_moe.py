@@ -9,6 +9,7 @@ specializes them at run time.
 
     python perf/sass_nvfp4_moe.py [--block-n 64 --block-k 128 --num-warps 4 --num-stages 3]
     python perf/sass_nvfp4_moe.py --variants 3 4 --block-n 64 128   # v4 next to v3, both tiles
+    python perf/sass_nvfp4_moe.py --variants 3 4 --shared   # with the shared expert's BF16 branch
 
 Also reports each kernel's registers per thread, spills and shared memory, and the main loop's
 block-scale instructions (the E4M3 decode: HADD2, FMUL, F2FP; v4 loads them pre-decoded).
@@ -34,14 +35,15 @@ INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_
 BACK_BRANCH = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+0x([0-9a-f]+)")
 GATE_UP = {"a_ptr": "*bf16", "sorted_pair_ptr": "*i32", "expert_of_block_ptr": "*i32",
            "gate_w": "*u8", "gate_s": "*u8", "up_w": "*u8", "up_s": "*u8",
-           "gate_alpha_ptr": "*fp32", "up_alpha_ptr": "*fp32", "h_ptr": "*bf16",
-           "num_pairs": "i32", "a_row_div": "i32", "H": "constexpr", "I": "constexpr",
-           "stride_a": "i32", "stride_h": "i32"}
+           "gate_alpha_ptr": "*fp32", "up_alpha_ptr": "*fp32", "shared_gate_w": "*bf16",
+           "shared_up_w": "*bf16", "h_ptr": "*bf16", "num_pairs": "i32", "a_row_div": "i32",
+           "shared_id": "i32", "H": "constexpr", "I": "constexpr", "stride_a": "i32",
+           "stride_h": "i32"}
 DOWN = {"h_ptr": "*bf16", "sorted_pair_ptr": "*i32", "expert_of_block_ptr": "*i32",
-        "down_w": "*u8", "down_s": "*u8", "down_alpha_ptr": "*fp32", "y_ptr": "*bf16",
-        "num_pairs": "i32", "H": "constexpr", "I": "constexpr", "stride_h": "i32",
-        "stride_y": "i32"}
-META = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "INTERPRETED", "VARIANT")
+        "down_w": "*u8", "down_s": "*u8", "down_alpha_ptr": "*fp32", "shared_down_w": "*bf16",
+        "y_ptr": "*bf16", "num_pairs": "i32", "shared_id": "i32", "H": "constexpr",
+        "I": "constexpr", "stride_h": "i32", "stride_y": "i32"}
+META = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "INTERPRETED", "VARIANT", "SHARED", "SHARED_BLOCK_K")
 DIVISIBLE = ("num_pairs", "stride_a", "stride_h", "stride_y")
 RESOURCE = re.compile(r"\b(REG|STACK|LOCAL):(\d+)")
 SCALE_ARGS = ("gate_s", "up_s", "down_s")  # v4: int16 bit patterns of the pre-decoded bf16
@@ -97,6 +99,10 @@ def main() -> None:
     parser.add_argument("--num-stages", type=int, default=3)
     parser.add_argument("--variants", type=int, nargs="+", default=[1, 2, 3, 4])
     parser.add_argument("--dump", type=Path, default=None, help="write each kernel's SASS here")
+    parser.add_argument("--shared", action="store_true",
+                        help="the kernels with the shared expert's BF16 branch (SHARED=True): "
+                             "registers/spills/shared memory; the loop counts then include the "
+                             "BF16 branch's loops")
     args = parser.parse_args()
     options = {"num_warps": args.num_warps, "num_stages": args.num_stages}
     threads = 32 * args.num_warps
@@ -108,7 +114,8 @@ def main() -> None:
                                                   ("down", op._down_kernel, DOWN, 1)):
             constants = {"H": args.hidden, "I": args.inter, "BLOCK_M": args.block_m,
                          "BLOCK_N": block_n, "BLOCK_K": args.block_k,
-                         "INTERPRETED": False, "VARIANT": variant}
+                         "INTERPRETED": False, "VARIANT": variant, "SHARED": args.shared,
+                         "SHARED_BLOCK_K": op._SHARED_BLOCK_K[name]}
             text, resources = sass(kernel, signature, constants, options)
             if args.dump:
                 args.dump.mkdir(parents=True, exist_ok=True)
@@ -119,7 +126,8 @@ def main() -> None:
             weights = matrices * block_n * args.block_k / threads
             scale_decode = sum(mix[k] for k in ("HADD2", "FMUL", "F2FP"))
             top = ", ".join(f"{k} {v / weights:.2f}" for k, v in mix.most_common(8))
-            print(f"v{variant} {name:8s} BLOCK_N {block_n:3d}: loop instructions per weight per "
+            label = f"v{variant}{'+shared' if args.shared else ''}"
+            print(f"{label} {name:8s} BLOCK_N {block_n:3d}: loop instructions per weight per "
                   f"thread {count / weights:5.2f}; HADD2+FMUL+F2FP {scale_decode / weights:4.2f}; "
                   f"registers {resources['registers']}, spills (local/stack bytes) "
                   f"{resources['local']}/{resources['stack']}, shared {resources['shared']} B"

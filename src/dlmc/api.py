@@ -68,7 +68,7 @@ class LLM:
         self.config, self.model, self.precision = loaded.config, loaded.model, loaded.precision
         self.kv_scales = loaded.kv_scales
         if self.device.type == "cuda":  # one grouped kernel pair for routed + shared experts
-            fuse_shared_experts(self.model)  # (BF16 experts only; measured in perf/README.md)
+            fuse_shared_experts(self.model)  # (NVFP4 too unless DLMC_NVFP4_SHARED=separate)
             fuse_gate_up_projections(self.model)  # one GEMM for gate + up of dense MLPs
         self.mode = mode or ("graph" if self.device.type == "cuda" else "eager")
         declares_fp8 = loaded.declares_fp8_kv and not paged_cache_problem(

@@ -9,13 +9,16 @@ subprocess without `TRITON_INTERPRET` (under the interpreter `triton.jit` makes 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+import dlmc.custom_ops.nvfp4_moe as nvfp4_moe_module
 import dlmc.custom_ops.small_m_linear as small_m_linear_module
 from dlmc.custom_ops._paged_attention_kernels import (
     paged_attention_split_kernel,
@@ -125,18 +128,30 @@ def check_kv_append() -> None:
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx
 
 
+def resource_usage(compiled: triton.compiler.CompiledKernel) -> dict[str, int]:
+    """REG, STACK, SHARED, LOCAL (spills) of a compiled kernel's cubin (Triton's cuobjdump)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        text = subprocess.run([tool, "-res-usage", cubin.name], capture_output=True, text=True,
+                              check=True).stdout
+    return {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text)}
+
+
 def check_nvfp4_moe_v3() -> None:
     """The v3/v4 kernels' inline asm (bf16x2 decode) assembles for sm_90; v2 compiles too. v4
     reads the pre-decoded scales as int16: fewer fp32 -> bf16x2 conversions than v3 (only the
-    epilogue's are left; v3 converts each E4M3 scale too)."""
+    epilogue's are left; v3 converts each E4M3 scale too). Each also with the shared expert's
+    BF16 branch (`SHARED`)."""
     shared = {"sorted_pair_ptr": "*i32", "expert_of_block_ptr": "*i32"}
     gate_up = shared | {"a_ptr": "*bf16", "gate_w": "*u8", "gate_s": "*u8", "up_w": "*u8",
                         "up_s": "*u8", "gate_alpha_ptr": "*fp32", "up_alpha_ptr": "*fp32",
-                        "h_ptr": "*bf16"}
+                        "shared_gate_w": "*bf16", "shared_up_w": "*bf16", "h_ptr": "*bf16"}
     down = shared | {"h_ptr": "*bf16", "down_w": "*u8", "down_s": "*u8",
-                     "down_alpha_ptr": "*fp32", "y_ptr": "*bf16"}
+                     "down_alpha_ptr": "*fp32", "shared_down_w": "*bf16", "y_ptr": "*bf16"}
     for kernel, pointers in ((_gate_up_kernel, gate_up), (_down_kernel, down)):
-        for block_n in (64, 128):
+        for block_n, has_shared in ((64, False), (128, False), (64, True)):
             conversions = {}
             for variant in (2, 3, 4):
                 types = {name: pointers.get(name, "i32") for name in kernel.arg_names}
@@ -145,10 +160,40 @@ def check_nvfp4_moe_v3() -> None:
                               if name in types}
                 ptx = compile_sm90(kernel, types, {
                     "H": 272, "I": 80, "BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": 128,
-                    "INTERPRETED": False, "VARIANT": variant}, 4).asm["ptx"]
+                    "INTERPRETED": False, "VARIANT": variant, "SHARED": has_shared,
+                    "SHARED_BLOCK_K": 64}, 4).asm["ptx"]
                 assert ("mul.rn.bf16x2" in ptx) == (variant >= 3)
                 conversions[variant] = ptx.count("cvt.rn.bf16x2.f32")
             assert conversions[4] < conversions[3], conversions
+    for variant in (3, 4):
+        check_shared_branch_resources(variant, gate_up, down)
+
+
+def check_shared_branch_resources(variant: int, gate_up: dict[str, str],
+                                  down: dict[str, str]) -> None:
+    """The shared expert's BF16 branch must not make the FP4 path spill, use more shared memory
+    or many more registers (LLaDA2.1-mini shapes, the op's launch config; printed for the
+    record)."""
+    for kernel, pointers, name, block_n in ((_gate_up_kernel, gate_up, "gate_up", 64),
+                                            (_down_kernel, down, "down", 128)):
+        names = kernel.arg_names
+        types = {n: pointers.get(n, "i32") for n in names}
+        if variant == 4:
+            types |= {n: "*i16" for n in ("gate_s", "up_s", "down_s") if n in types}
+        divisible = tuple(n for n in names if n in pointers or "stride" in n)
+        usage = {}
+        for has_shared in (False, True):
+            compiled = compile_sm90(kernel, types, {
+                "H": 2048, "I": 512, "BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": 128,
+                "INTERPRETED": False, "VARIANT": variant, "SHARED": has_shared,
+                "SHARED_BLOCK_K": nvfp4_moe_module._SHARED_BLOCK_K[name]}, 4, divisible,
+                num_stages=3)
+            usage[has_shared] = resource_usage(compiled) | {"smem": compiled.metadata.shared}
+        print(f"nvfp4_moe v{variant} {name}: FP4 only {usage[False]}, with the shared branch "
+              f"{usage[True]}")
+        assert usage[True]["LOCAL"] == usage[True]["STACK"] == 0, usage  # no spills
+        assert usage[True]["smem"] <= usage[False]["smem"], usage
+        assert usage[True]["REG"] <= usage[False]["REG"] + 8, usage
 
 
 def check_moe_align(tokens: int, top_k: int, num_experts: int, block_m: int, num_warps: int,

@@ -65,6 +65,22 @@ def assert_matches_reference(out: torch.Tensor, ref: torch.Tensor) -> None:
     torch.testing.assert_close(out.float(), ref.float(), rtol=2**-6, atol=2**-6 * float(scale))
 
 
+def shared_expert(gen: torch.Generator, x: torch.Tensor, routed: torch.Tensor, hidden: int,
+                  inter: int) -> dict[str, torch.Tensor]:
+    """Random BF16 shared-expert weights (`shared_*` kwargs), the down projection scaled by a
+    power of two (exact) so that the shared output is as large as the routed output `routed`."""
+    weights = {"shared_gate": torch.randn(inter, hidden, generator=gen) * hidden**-0.5,
+               "shared_up": torch.randn(inter, hidden, generator=gen) * hidden**-0.5,
+               "shared_down": torch.randn(hidden, inter, generator=gen) * inter**-0.5}
+    weights = {name: w.bfloat16().to(DEVICE) for name, w in weights.items()}
+    g = torch.nn.functional.linear(x, weights["shared_gate"])
+    y = torch.nn.functional.linear(torch.nn.functional.silu(g) * torch.nn.functional.linear(
+        x, weights["shared_up"]), weights["shared_down"]).float()
+    ratio = routed.float().abs().amax().clamp_min(1e-30) / y.abs().amax().clamp_min(1e-30)
+    weights["shared_down"] *= 2.0 ** float(torch.log2(ratio).round().clamp(-100, 100))
+    return weights
+
+
 def run_case(seed: int, tokens: int, num_experts: int, top_k: int, hidden: int, inter: int,
              skew: bool, scale_2_log2: tuple[float, float] = (-4.0, 1.0),
              x_scale: float = 1.0) -> None:
@@ -89,6 +105,66 @@ def test_matches_reference_cpu(seed: int, tokens: int, num_experts: int, top_k: 
                                scale_2_log2: tuple[float, float]) -> None:
     top_k = min(top_k, num_experts)
     run_case(seed, tokens, num_experts, top_k, hidden, inter, skew, scale_2_log2)
+
+
+def run_shared_case(seed: int, tokens: int, num_experts: int, used: int, top_k: int,
+                    hidden: int, inter: int, emulate_w4a4: bool = False,
+                    alone: bool = False) -> None:
+    """The shared expert as the dense tail blocks against the reference; tokens routed only to
+    the first `used` experts (the others get none)."""
+    gen = torch.Generator().manual_seed(seed)
+    experts = random_experts(gen, num_experts, hidden, inter)
+    x = torch.randn(tokens, hidden, generator=gen).bfloat16().to(DEVICE)
+    ids, w = random_routing(gen, tokens, used, top_k, skew=False)
+    args = op_args(x, ids, w, experts)
+    scales = {}
+    if emulate_w4a4:
+        scales = {f"{p}_input_scale": (torch.rand(num_experts, generator=gen) * 0.01 + 1e-3)
+                  .to(DEVICE) for p in ("gate", "up", "down")}
+    routed = nvfp4_moe_reference(*args, emulate_w4a4=emulate_w4a4, **scales)
+    shared = shared_expert(gen, x, routed, hidden, inter)
+    ref = nvfp4_moe_reference(*args, emulate_w4a4=emulate_w4a4, **scales, **shared)
+    assert_matches_reference(nvfp4_moe(*args, emulate_w4a4=emulate_w4a4, **scales, **shared), ref)
+    # the shared expert counts (as much as the routed ones); `alone`: routed weights 0
+    assert (ref.float() - routed.float()).abs().amax() > 0.1 * routed.float().abs().amax()
+    if alone:
+        zero = torch.zeros_like(w)
+        assert_matches_reference(nvfp4_moe(x, ids, zero, *args[3:], **shared),
+                                 nvfp4_moe_reference(x, ids, zero, *args[3:], **shared))
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**31 - 1), tokens=st.integers(1, 40), num_experts=st.integers(1, 6),
+       used=st.integers(1, 6), top_k=st.integers(1, 3), hidden=st.sampled_from([16, 48, 64]),
+       inter=st.sampled_from([16, 32, 48]))
+def test_shared_expert_tail_matches_reference_cpu(seed: int, tokens: int, num_experts: int,
+                                                  used: int, top_k: int, hidden: int,
+                                                  inter: int) -> None:
+    used = min(used, num_experts)
+    run_shared_case(seed, tokens, num_experts, used, min(top_k, used), hidden, inter)
+
+
+def test_shared_expert_tail_alone_and_with_w4a4_emulation() -> None:
+    """Experts 3..7 get no token; with routed weights 0 the output is the shared expert's alone.
+    With W4A4 emulation the routed activations are fake-quantized, the BF16 shared expert reads
+    x as is."""
+    run_shared_case(8, 17, 8, 3, 2, 48, 32, alone=True)
+    run_shared_case(9, 7, 4, 3, 2, 32, 32, emulate_w4a4=True)
+
+
+def test_shared_expert_weights_are_checked() -> None:
+    gen = torch.Generator().manual_seed(10)
+    experts = random_experts(gen, 2, 32, 16)
+    x = torch.randn(2, 32, generator=gen).bfloat16().to(DEVICE)
+    ids, w = random_routing(gen, 2, 2, 1, skew=False)
+    shared = shared_expert(gen, x, x, 32, 16)
+    args = op_args(x, ids, w, experts)
+    with pytest.raises(ValueError, match="shared_down is missing"):
+        nvfp4_moe(*args, shared_gate=shared["shared_gate"], shared_up=shared["shared_up"])
+    with pytest.raises(ValueError, match=r"shared_up must be bf16 \(16, 32\)"):
+        nvfp4_moe(*args, **shared | {"shared_up": shared["shared_up"].float()})
+    with pytest.raises(ValueError, match="shared_gate must be bf16"):
+        nvfp4_moe(*args, **shared | {"shared_gate": shared["shared_gate"][:8]})
 
 
 def test_zero_token_experts_and_int32_ids() -> None:
@@ -146,13 +222,16 @@ def test_rejects_bad_shapes() -> None:
         nvfp4_moe(*op_args(x, ids, w.double(), experts))
 
 
-def test_opcheck() -> None:
+@pytest.mark.parametrize("shared", [False, True])
+def test_opcheck(shared: bool) -> None:
     gen = torch.Generator().manual_seed(5)
     experts = random_experts(gen, 3, 32, 16)
     x = torch.randn(4, 32, generator=gen).bfloat16().to(DEVICE)
     ids, w = random_routing(gen, 4, 3, 2, skew=False)
     args = [t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
             for t in op_args(x, ids, w, experts)]  # the op takes the scales' bit patterns
+    if shared:  # (gate_up_input_scale, down_input_scale, shared_gate, shared_up, shared_down)
+        args += [None, None, *shared_expert(gen, x, x, 32, 16).values()]
     torch.library.opcheck(torch.ops.dlmc.nvfp4_moe.default, args)
 
 
@@ -234,9 +313,13 @@ def test_v3_single_code_weights_are_exact_gpu(variant: int) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("variant", [3, 4])
-def test_compile_and_cuda_graph_replay(variant: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """v3, and v4 with the block scales pre-decoded as `NVFP4Experts` stores them."""
+def test_compile_and_cuda_graph_replay(variant: int, shared: bool,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """v3, and v4 with the block scales pre-decoded as `NVFP4Experts` stores them; compiled
+    (fullgraph), replayed as a CUDA graph with new routing and x copied in. `shared`: with the
+    shared expert's BF16 tail blocks."""
     import dlmc.custom_ops.nvfp4_moe as module
     from dlmc.custom_ops.nvfp4_scales import predecode_block_scales
 
@@ -250,25 +333,46 @@ def test_compile_and_cuda_graph_replay(variant: int, monkeypatch: pytest.MonkeyP
     x = torch.randn(32, 256, generator=gen).bfloat16().cuda()
     ids, w = random_routing(gen, 32, 16, 4, skew=False)
     args = op_args(x, ids, w, experts)
+    kwargs = shared_expert(gen, x, nvfp4_moe_reference(*args), 256, 128) if shared else {}
     compiled = torch.compile(nvfp4_moe, fullgraph=True)
-    expected = nvfp4_moe_reference(*args)
-    assert_matches_reference(compiled(*args), expected)
-    static_out = compiled(*args)
+    expected = nvfp4_moe_reference(*args, **kwargs)
+    assert_matches_reference(compiled(*args, **kwargs), expected)
+    static_out = compiled(*args, **kwargs)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        compiled(*args)
+        compiled(*args, **kwargs)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_out = compiled(*args)
+        static_out = compiled(*args, **kwargs)
     new_ids, new_w = random_routing(gen, 32, 16, 4, skew=True)
     x.copy_(torch.randn(32, 256, generator=gen).bfloat16())
     args[1].copy_(new_ids)
     args[2].copy_(new_w)
     graph.replay()
     torch.cuda.synchronize()
-    assert_matches_reference(static_out, nvfp4_moe_reference(*args))
+    assert_matches_reference(static_out, nvfp4_moe_reference(*args, **kwargs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [2, 3, 4])
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**31 - 1), tokens=st.integers(1, 300), num_experts=st.integers(1, 64),
+       used=st.integers(1, 64), top_k=st.integers(1, 8),
+       hidden=st.sampled_from([16, 48, 128, 272, 2048]), inter=st.sampled_from([16, 80, 512]))
+def test_shared_expert_tail_matches_reference_gpu(variant: int, seed: int, tokens: int,
+                                                  num_experts: int, used: int, top_k: int,
+                                                  hidden: int, inter: int) -> None:
+    """The compiled kernels' BF16 branch (next to v2's, v3's and v4's FP4 paths), full size too."""
+    import dlmc.custom_ops.nvfp4_moe as module
+
+    used = min(used, num_experts)
+    previous, module._VARIANT = module._VARIANT, variant
+    try:
+        run_shared_case(seed, tokens, num_experts, used, min(top_k, used), hidden, inter)
+    finally:
+        module._VARIANT = previous
 
 
 @pytest.mark.parametrize("variant", [1, 2, 3])

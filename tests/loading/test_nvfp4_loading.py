@@ -51,6 +51,53 @@ def test_nvfp4_logits_equal_dequantized_bf16_on_cuda(nvfp4_dir):
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
 
 
+def test_fused_shared_expert_logits_match_unfused(nvfp4_dir, monkeypatch):
+    """`fuse_shared_experts` on the loaded tiny NVFP4 model (as LLM does on CUDA): the shared
+    expert runs as BF16 tail blocks of the Triton op (interpreted here); logits agree with the
+    unfused model within bf16 rounding (one fp32 sum instead of two bf16 roundings). Decoded
+    tokens are not compared: the tiny random model's joint decode edits near-ties, and a bf16
+    rounding flips one edit by the third round (as fusing the BF16 experts does)."""
+    from dlmc.bench.round_bench import touched_bytes
+    from dlmc.models.moe import MoEBlock, fuse_shared_experts
+
+    monkeypatch.delenv("DLMC_NVFP4_SHARED", raising=False)
+    ids = list(range(60, 110))
+    llm = LLM(nvfp4_dir, device="cpu", dtype="bf16", precision="nvfp4")
+    blocks = [m for m in llm.model.modules() if isinstance(m, MoEBlock)]
+    for block in blocks:
+        block.experts.use_reference = False  # dlmc::nvfp4_moe under Triton's interpreter
+    want = llm.logits(ids).float()
+    tokens, positions = torch.tensor(ids[:16]), torch.arange(48, 64)
+    nbytes = touched_bytes(llm.model, tokens, positions, prefix=48)
+    assert fuse_shared_experts(llm.model) == len(blocks) == 2
+    assert touched_bytes(llm.model, tokens, positions, prefix=48) == nbytes  # BF16 bytes kept
+    assert all(b.shared_experts is None and b.shared_expert_id == 16 for b in blocks)
+    got = llm.logits(ids).float()
+    assert (got - want).norm() / want.norm() < 1e-2
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.gpu
+def test_fused_shared_expert_on_cuda_matches_separate(nvfp4_dir, monkeypatch):
+    """On CUDA LLM fuses the shared expert into the NVFP4 op by default (graph mode);
+    `DLMC_NVFP4_SHARED=separate` keeps today's cuBLAS SwiGLU: same logits up to bf16 rounding."""
+    from dlmc.models.moe import MoEBlock
+
+    ids = list(range(60, 110))
+    monkeypatch.delenv("DLMC_NVFP4_SHARED", raising=False)
+    fused = LLM(nvfp4_dir, device="cuda", precision="nvfp4")
+    monkeypatch.setenv("DLMC_NVFP4_SHARED", "separate")
+    separate = LLM(nvfp4_dir, device="cuda", precision="nvfp4")
+    fused_ids = [m.shared_expert_id for m in fused.model.modules() if isinstance(m, MoEBlock)]
+    assert fused_ids == [16, 16]
+    assert all(m.shared_experts is not None for m in separate.model.modules()
+               if isinstance(m, MoEBlock))
+    a, b = fused.logits(ids).float(), separate.logits(ids).float()
+    assert (a - b).norm() / b.norm() < 1e-2
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
+    assert len(fused.generate(prompt_token_ids=ids, max_new_tokens=32).token_ids) == 32
+
+
 def _rewrite(directory, fn):
     file = directory / "model.safetensors"
     sd = load_file(str(file))

@@ -229,15 +229,76 @@ def test_fused_shared_expert_through_the_triton_op(monkeypatch):
     assert (got - want).norm() / want.norm() < 1e-2
 
 
-def test_shared_expert_of_another_width_or_nvfp4_experts_stays_unfused():
-    from dlmc.models.nvfp4_experts import NVFP4Experts
-
+def test_shared_expert_of_another_width_stays_unfused():
     _, block, x = _moe_block(num_shared_experts=2)
     want = block(x)
     assert not block.fuse_shared_expert()
     assert block.shared_experts is not None and block.shared_expert_id is None
     assert torch.equal(block(x), want)
-    cfg, block, _ = _moe_block()
-    block.experts = NVFP4Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
-                                 use_reference=True)
-    assert not block.fuse_shared_expert() and block.shared_experts is not None
+
+
+def _nvfp4_block(seed=4, use_reference=False):
+    """A bf16 MoE block whose routed experts are its BF16 experts quantized to NVFP4 (the repo's
+    quantizer, as the export does), and 13 tokens."""
+    from dlmc.models.nvfp4_experts import NVFP4Experts
+    from dlmc.quant.nvfp4_format import quantize_nvfp4
+
+    cfg, block, x = _moe_block(torch.bfloat16, seed=seed)
+    experts = NVFP4Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                           use_reference=use_reference)
+    for proj in EXPERT_PROJECTIONS:
+        stacked = getattr(block.experts, f"{proj}_weight")  # [E, out, in] bf16
+        for e in range(cfg.num_experts):
+            packed, block_scale, scale_2 = quantize_nvfp4(stacked[e])
+            getattr(experts, f"{proj}_weight")[e] = packed
+            getattr(experts, f"{proj}_weight_scale")[e] = block_scale
+            getattr(experts, f"{proj}_weight_scale_2")[e] = scale_2
+    block.experts = experts
+    return cfg, block, torch.cat([x, x[:2] * 4])
+
+
+@pytest.mark.parametrize("use_reference", [False, True])
+@torch.no_grad()
+def test_fused_nvfp4_shared_expert_matches_unfused(monkeypatch, use_reference):
+    """NVFP4 experts take the shared expert as the BF16 tail blocks of `nvfp4_moe` (the op under
+    Triton's interpreter on CPU, or the reference): the unfused block's result up to the fp32
+    sum (it rounds the routed sum to bf16 and adds the shared output in bf16) and the GEMMs'
+    summation order."""
+    monkeypatch.delenv("DLMC_NVFP4_SHARED", raising=False)
+    cfg, block, x = _nvfp4_block(use_reference=use_reference)
+    shared = block.shared_experts
+    routed, shared_out = block.experts(x, *block.gate(x)).float(), shared(x).float()
+    want = block(x).float()
+    assert torch.equal(want, (routed.bfloat16() + shared_out.bfloat16()).float())
+    assert block.fuse_shared_expert() and block.fuse_shared_expert()  # idempotent
+    assert block.shared_experts is None and block.shared_expert_id == cfg.num_experts
+    assert block.experts.num_experts == cfg.num_experts  # the routed experts stay packed
+    assert torch.equal(block.experts.shared_up_proj_weight, shared.up_proj.weight)
+    assert not any("shared" in n for n in block.state_dict())  # runtime buffers only
+    got = block(x).float()
+    # The same bf16 expert outputs (here bit for bit: tiny GEMMs), summed in fp32 and rounded
+    # once; the unfused block rounds the routed sum and then routed + shared: the results differ
+    # by at most those two roundings and the fused one (half an ulp each).
+    bound = (bf16_ulp(routed) + bf16_ulp(want) + bf16_ulp(got)) / 2
+    assert ((got - want).abs() <= bound).all()
+    assert (got - want).abs().amax() > 0  # the roundings do differ somewhere
+
+
+def bf16_ulp(t):
+    """The bf16 spacing at each value of `t` (normal range)."""
+    return torch.exp2(torch.floor(torch.log2(t.abs().clamp_min(2.0**-126))) - 7)
+
+
+def test_nvfp4_shared_expert_switch(monkeypatch):
+    """`DLMC_NVFP4_SHARED=separate` keeps today's SwiGLU module; a bad value names the variable."""
+    _, block, x = _nvfp4_block(use_reference=True)
+    want = block(x)
+    monkeypatch.setenv("DLMC_NVFP4_SHARED", "separate")
+    assert not block.fuse_shared_expert()
+    assert block.shared_experts is not None and block.shared_expert_id is None
+    assert torch.equal(block(x), want)
+    monkeypatch.setenv("DLMC_NVFP4_SHARED", "fuse")
+    with pytest.raises(ConfigError, match="DLMC_NVFP4_SHARED='fuse'"):
+        block.fuse_shared_expert()
+    monkeypatch.setenv("DLMC_NVFP4_SHARED", "fused")
+    assert block.fuse_shared_expert()

@@ -66,7 +66,8 @@ def touched_bytes(model: nn.Module, tokens: torch.Tensor, positions: torch.Tenso
     """Bytes one round reads (weights used, touched experts, embedding rows, KV) and the mean
     number of distinct routed experts per MoE layer, from one forward's actual routing. A
     shared expert fused into the routed experts (`fuse_shared_experts`) counts as one more
-    touched expert of its layer: the same bytes as when it is a module of its own."""
+    touched expert of its layer (or, beside NVFP4 experts, as its BF16 weights): the same bytes
+    as when it is a module of its own."""
     cfg = model.config
     counts: list[int] = []
     hooks = [m.gate.register_forward_hook(lambda _m, _i, out: counts.append(
@@ -94,9 +95,13 @@ def touched_bytes(model: nn.Module, tokens: torch.Tensor, positions: torch.Tenso
     mean_experts = statistics.mean(counts) if counts else 0.0
     moe_blocks = [m for m in model.modules() if isinstance(m, MoEBlock)]
     for module, count in zip(moe_blocks, counts, strict=True):
-        tensors = [*module.experts.parameters(), *module.experts.buffers()]
-        per_expert = sum(t[0].numel() * t.element_size() for t in tensors)
-        total += per_expert * (count + (module.shared_expert_id is not None))
+        tensors = [*module.experts.named_parameters(), *module.experts.named_buffers()]
+        # a shared expert kept beside packed experts (NVFP4Experts.set_shared_expert): whole
+        shared = sum(t.numel() * t.element_size() for n, t in tensors if n.startswith("shared_"))
+        per_expert = sum(t[0].numel() * t.element_size() for n, t in tensors
+                         if not n.startswith("shared_"))
+        stacked_shared = module.shared_expert_id is not None and not shared  # BF16Experts row E
+        total += per_expert * (count + stacked_shared) + shared
     kv = cfg.num_hidden_layers * 2 * (prefix + tokens.numel()) * cfg.num_key_value_heads
     total += kv * cfg.head_dim * kv_bytes
     return total, mean_experts

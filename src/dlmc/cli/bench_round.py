@@ -41,8 +41,9 @@ KERNEL_ENV = ("DLMC_ROUTER_GEMM", "DLMC_SMALL_M_GEMM", "DLMC_ATTENTION_VARIANT",
               "dense: static cache attended up to a power-of-two key-length bucket.")
 @click.option("--profile", is_flag=True, help="Per-kernel breakdown (torch.profiler).")
 @click.option("--fuse-shared-expert/--no-fuse-shared-expert", default=True, show_default=True,
-              help="Run each BF16 MoE layer's shared expert inside the routed grouped kernel "
-              "(one more expert, weight 1.0 for every token), as LLM does on CUDA.")
+              help="Run each MoE layer's shared expert inside the routed grouped kernels "
+              "(one more expert, weight 1.0 for every token), as LLM does on CUDA; with NVFP4 "
+              "experts as BF16 tail blocks unless DLMC_NVFP4_SHARED=separate.")
 @click.option("--fuse-gate-up/--no-fuse-gate-up", default=True, show_default=True,
               help="One GEMM for the gate and up projections of every dense SwiGLU MLP (the "
               "dense layer, unfused shared experts), as LLM does on CUDA.")

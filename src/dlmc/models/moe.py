@@ -5,10 +5,16 @@ The routed experts are the MoE seam: any module with
 (`BF16Experts` here, the NVFP4 experts chosen at load time for NVFP4 checkpoints).
 
 `fuse_shared_experts(model)` (after loading; off unless called) moves each shared expert into
-its layer's `BF16Experts` as one more expert, id E, which every token takes with weight 1.0
-(`forward(..., shared_expert=True)`: the `[T, K+1]` routing, never materialised; BF16Experts
-only): one grouped kernel pair then runs routed + shared experts, summed in fp32 (the unfused
-block adds the shared output in bf16).
+its layer's experts module as one more expert, id E, which every token takes with weight 1.0
+(`forward(..., shared_expert=True)`: the `[T, K+1]` routing, never materialised): one grouped
+kernel pair then runs routed + shared experts. `BF16Experts` stack it as expert E;
+`NVFP4Experts` keep it in BF16 beside the packed experts (`set_shared_expert`) and `nvfp4_moe`
+runs it as the BF16 tail blocks of its FP4 launches (`DLMC_NVFP4_SHARED=fused`, the default;
+`separate` keeps today's `SwiGLUMLP`). Numerics: the fused block sums the routed pairs and the
+shared expert's bf16 output in fp32 and rounds once; the unfused block rounds the routed sum to
+bf16 and adds the shared output in bf16 (a second rounding). The shared expert's own output is
+the same bf16 maths either way (bf16 gate/up, SiLU, product and down), up to fp32 summation order
+inside its GEMMs.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from dlmc.custom_ops.router_gemm import MAX_TOKENS as ROUTER_GEMM_MAX_TOKENS
 from dlmc.custom_ops.router_gemm import router_gemm
 from dlmc.models.config import LLaDA2Config
 from dlmc.models.layers import SwiGLUMLP, env_choice
+from dlmc.models.nvfp4_experts import NVFP4Experts
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -173,18 +180,26 @@ class MoEBlock(nn.Module):
 
     @torch.no_grad()
     def fuse_shared_expert(self) -> bool:
-        """Append the shared expert to `BF16Experts` as expert E (row E of each stacked weight)
-        and drop `shared_experts`; True if fused (now or before). Needs BF16Experts and a shared
-        expert of the routed experts' width (one shared expert); anything else (NVFP4 experts)
-        stays unfused. One projection at a time: the old stack is freed as the new one is made.
-        Call after loading: the parameters change shape (`experts.<proj>_weight [E+1, ...]`)."""
+        """Move the shared expert into the experts module and drop `shared_experts`; True if
+        fused (now or before). Needs a shared expert of the routed experts' width (one shared
+        expert) and `BF16Experts` (appended as expert E, row E of each stacked weight; one
+        projection at a time, the old stack freed as the new one is made) or `NVFP4Experts`
+        (kept in BF16, `NVFP4Experts.set_shared_expert`) unless `DLMC_NVFP4_SHARED=separate`;
+        anything else stays unfused. Call after loading: parameters change shape."""
         if self.shared_expert_id is not None:
             return True
         experts, shared = self.experts, self.shared_experts
-        if shared is None or type(experts) is not BF16Experts:
+        if shared is None or type(experts) not in (BF16Experts, NVFP4Experts):
             return False
-        if shared.gate_proj.weight.shape != experts.gate_proj_weight.shape[1:]:
+        if shared.gate_proj.weight.shape[0] != experts.gate_proj_weight.shape[1]:  # width I
             return False
+        if type(experts) is NVFP4Experts:
+            if env_choice("DLMC_NVFP4_SHARED", "fused", ("fused", "separate")) == "separate":
+                return False
+            self.shared_expert_id = experts.set_shared_expert(
+                shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
+            self.shared_experts = None
+            return True
         for proj in EXPERT_PROJECTIONS:
             name = f"{proj}_weight"
             stacked = experts._parameters[name]  # [E, out, in]

@@ -1,9 +1,10 @@
 """Routed experts kept in NVFP4 (ModelOpt layout), run by the `dlmc::nvfp4_moe` op.
 
 Same forward signature as the BF16 experts module: `forward(x [T, H], topk_ids [T, K],
-topk_weights [T, K]) -> [T, H]`. The loader stacks checkpoint tensor
-`model.layers.L.mlp.experts.E.<proj>.<suffix>` into buffer `<proj>_<suffix>[E]`, e.g.
-`...experts.3.gate_proj.weight_scale_2` -> `gate_proj_weight_scale_2[3]`.
+topk_weights [T, K], shared_expert=False) -> [T, H]`; `set_shared_expert` (after loading) adds a
+BF16 shared expert that the op runs as the dense tail blocks of its two launches. The loader
+stacks checkpoint tensor `model.layers.L.mlp.experts.E.<proj>.<suffix>` into buffer
+`<proj>_<suffix>[E]`, e.g. `...experts.3.gate_proj.weight_scale_2` -> `gate_proj_weight_scale_2[3]`.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ class NVFP4Experts(nn.Module):
     - `<proj>_weight_scale_2`: fp32 `[E]` global scales; `<proj>_input_scale`: fp32 `[E]`
       activation scales (only used with `emulate_w4a4`; 1.0 until loaded).
 
+    - after `set_shared_expert`: `shared_{gate,up,down}_proj_weight` `[I, H]`, `[I, H]`, `[H, I]`
+      (non-persistent, bf16 for the op), the shared expert (`shared_expert_id` is then E).
+
     `use_reference=True` runs `nvfp4_moe_reference` (plain PyTorch, any device) instead of the
     Triton op; `emulate_w4a4=True` fake-quantizes activations with the input scales (Blackwell-like
     numerics).
@@ -89,6 +93,7 @@ class NVFP4Experts(nn.Module):
             self.register_buffer(
                 f"{proj}_input_scale", torch.ones(E, dtype=torch.float32, device=device)
             )
+        self.shared_expert_id: int | None = None
 
     @torch.no_grad()
     def predecode_scales(self) -> bool:
@@ -111,13 +116,31 @@ class NVFP4Experts(nn.Module):
             for suffix in ("weight", "weight_scale", "weight_scale_2")
         ]
 
+    @torch.no_grad()
+    def set_shared_expert(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> int:
+        """Keep a shared expert (gate/up `[I, H]`, down `[H, I]`, in the model's dtype: the op
+        needs bf16) for `forward(..., shared_expert=True)`; returns its expert id, E (after the
+        routed ones)."""
+        I, H = self.intermediate_size, self.hidden_size
+        for name, weight, shape in (("gate", gate, (I, H)), ("up", up, (I, H)),
+                                    ("down", down, (H, I))):
+            if tuple(weight.shape) != shape:
+                raise ValueError(f"NVFP4Experts: shared {name} weight must be {shape}, got "
+                                 f"{tuple(weight.shape)}")
+            self.register_buffer(f"shared_{name}_proj_weight",
+                                 weight.contiguous(), persistent=False)
+        self.shared_expert_id = self.num_experts
+        return self.shared_expert_id
+
     def forward(
-        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+        shared_expert: bool = False,
     ) -> torch.Tensor:
         """x bf16 `[T, H]`, topk_ids int `[T, K]`, topk_weights fp32 `[T, K]` -> bf16 `[T, H]`.
 
         `out[t] = sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])`, summed in fp32 over
-        bf16 expert outputs (routed scaling belongs in `topk_weights`).
+        bf16 expert outputs (routed scaling belongs in `topk_weights`). `shared_expert`: plus the
+        shared expert's bf16 output with weight 1.0 in the same fp32 sum (`set_shared_expert`).
         """
         moe = nvfp4_moe_reference if self.use_reference else nvfp4_moe
         scales = {}
@@ -127,6 +150,11 @@ class NVFP4Experts(nn.Module):
                 "up_input_scale": self.up_proj_input_scale,
                 "down_input_scale": self.down_proj_input_scale,
             }
+        if shared_expert:
+            if self.shared_expert_id is None:
+                raise ValueError("NVFP4Experts: shared_expert=True needs set_shared_expert first")
+            scales |= {f"shared_{p}": getattr(self, f"shared_{p}_proj_weight")
+                       for p in ("gate", "up", "down")}
         return moe(
             x, topk_ids, topk_weights, *self._op_args(), emulate_w4a4=self.emulate_w4a4, **scales
         )
@@ -157,5 +185,5 @@ class NVFP4Experts(nn.Module):
         return (
             f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
             f"intermediate_size={self.intermediate_size}, use_reference={self.use_reference}, "
-            f"emulate_w4a4={self.emulate_w4a4}"
+            f"emulate_w4a4={self.emulate_w4a4}, shared_expert_id={self.shared_expert_id}"
         )
