@@ -28,10 +28,10 @@ from .paged_attention_cases import DEVICE, FP8, make_case
 from .test_paged_attention_variants import variants
 
 BF16 = torch.bfloat16
-# (prefix, spare pages, cache dtype) at page size 4 and 5 block tokens: an empty cache, blocks
-# that cross a page boundary, and blocks whose last tokens pass the pool's capacity (dropped:
+# (prefix, spare pages, cache dtype) at page size 4 and 5 block tokens: an empty cache, a block
+# that crosses a page boundary, and blocks whose last tokens pass the pool's capacity (dropped:
 # 1 of 5 kept at prefix 19 in 20 slots, 2 of 5 at prefix 22 in 24 slots).
-PREFIXES = ((0, 1, FP8), (6, 1, BF16), (10, 1, FP8), (19, 0, FP8), (22, 0, BF16))
+PREFIXES = ((0, 1, FP8), (6, 1, BF16), (19, 0, FP8), (22, 0, BF16))
 
 
 def as_bits(t: torch.Tensor) -> torch.Tensor:
@@ -64,13 +64,13 @@ def assert_fused_matches_separate(case: dict[str, torch.Tensor],
     assert changed.flatten(1).any(1).all()  # [stored tokens, Hkv * D]: each row rewritten
 
 
-@pytest.mark.parametrize("name", [*SWEEP_VARIANTS, "default"])
+@pytest.mark.parametrize("name", list(SWEEP_VARIANTS))  # "base" is also the CPU default
 def test_sweep_variant_appends_as_kv_append(name: str) -> None:
     for prefix, spare_pages, dtype in PREFIXES:
         case = make_case(num_queries=5, num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=4,
                          prefix=prefix, k_scale=0.004, v_scale=0.02, dtype=dtype,
                          spare_pages=spare_pages, seed=prefix)
-        assert_fused_matches_separate(case, SWEEP_VARIANTS.get(name), num_splits=2)
+        assert_fused_matches_separate(case, SWEEP_VARIANTS[name], num_splits=2)
 
 
 def test_every_token_once_whatever_the_row_blocks() -> None:
@@ -100,7 +100,7 @@ def test_op_appends_like_the_reference(backend: str, dtype: torch.dtype) -> None
     torch.testing.assert_close(out.float(), ref, atol=0.02 * bound, rtol=0.02)
 
 
-@settings(max_examples=10 if DEVICE == "cpu" else 50, deadline=None)
+@settings(max_examples=6 if DEVICE == "cpu" else 50, deadline=None)
 @given(
     variant=variants(), head_dim=st.sampled_from([16, 64, 512]), group=st.sampled_from([1, 4]),
     num_kv_heads=st.sampled_from([1, 2]), num_queries=st.sampled_from([1, 3, 17, 33]),
@@ -181,8 +181,8 @@ def test_sweep_variant_appends_in_cuda_graph(name: str) -> None:
                      prefix=5000, k_scale=0.03, v_scale=0.02, seed=2)
     capacity = case["k_cache"].shape[0] * 16
     args = (128**-0.5, 0, 0, 0, SWEEP_VARIANTS[name])
-    separate = {key: t.clone() for key, t in case.items()}
     launch_paged_attention(*case.values(), *args, append=True)  # compile outside the capture
+    separate = {key: t.clone() for key, t in case.items()}  # after the warm-up's append
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = launch_paged_attention(*case.values(), *args, append=True)
