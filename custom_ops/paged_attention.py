@@ -17,6 +17,8 @@ FlashInfer needs host-side planning and lives in `paged_attention_flashinfer.py`
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.library import triton_op
 
@@ -38,28 +40,25 @@ __all__ = ["DEFAULT_MIN_SPLIT_KEYS", "SWEEP_VARIANTS", "PagedAttentionVariant",
            "paged_attention_reference"]
 
 
-@triton_op("dlmc::paged_attention", mutates_args=())
-def _paged_attention_op(
-    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
-    v_cache: torch.Tensor, page_table: torch.Tensor, prefix_len: torch.Tensor,
-    k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float, window: int,
-    causal_block: int, num_splits: int,
-) -> torch.Tensor:
-    return launch_paged_attention(q, k_new, v_new, k_cache, v_cache, page_table, prefix_len,
-                                  k_scale, v_scale, softmax_scale, window, causal_block,
-                                  num_splits)
+def _launch_op(append: bool) -> Callable[..., torch.Tensor]:
+    """The body of `dlmc::paged_attention` (append False) or `dlmc::paged_attention_append`."""
+
+    def launch(
+        q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+        v_cache: torch.Tensor, page_table: torch.Tensor, prefix_len: torch.Tensor,
+        k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float, window: int,
+        causal_block: int, num_splits: int,
+    ) -> torch.Tensor:
+        return launch_paged_attention(q, k_new, v_new, k_cache, v_cache, page_table, prefix_len,
+                                      k_scale, v_scale, softmax_scale, window, causal_block,
+                                      num_splits, append=append)
+
+    return launch
 
 
-@triton_op("dlmc::paged_attention_append", mutates_args={"k_cache", "v_cache"})
-def _paged_attention_append_op(
-    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
-    v_cache: torch.Tensor, page_table: torch.Tensor, prefix_len: torch.Tensor,
-    k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float, window: int,
-    causal_block: int, num_splits: int,
-) -> torch.Tensor:
-    return launch_paged_attention(q, k_new, v_new, k_cache, v_cache, page_table, prefix_len,
-                                  k_scale, v_scale, softmax_scale, window, causal_block,
-                                  num_splits, append=True)
+_paged_attention_op = triton_op("dlmc::paged_attention", mutates_args=())(_launch_op(False))
+_paged_attention_append_op = triton_op(
+    "dlmc::paged_attention_append", mutates_args={"k_cache", "v_cache"})(_launch_op(True))
 
 
 def paged_attention_fake(

@@ -54,14 +54,25 @@ def compile_sm90(kernel: triton.JITFunction, types: dict[str, str], constexprs: 
     return triton.compile(source, target=SM90, options={"num_warps": num_warps, **options})
 
 
-def check_split_and_merge(float_type: str, head_dim: int, kv_type: str,
-                          causal_block: int) -> None:
-    block_m, block_n, num_warps = split_launch_config(head_dim)
+SPLIT_ARGS = paged_attention_split_kernel.arg_names
+# as the launcher specializes them for LLaDA2.1-mini shapes: pointers, strides, sizes
+SPLIT_DIVISIBLE = tuple(name for name in SPLIT_ARGS if name.endswith("_ptr") or "stride" in name
+                        or name in ("num_queries", "num_rows", "max_tokens"))
+
+
+def split_types(kv_type: str, part_type: str, float_type: str) -> dict[str, str]:
+    """Argument types of the split kernel: caches `kv_type`, partials `part_type`."""
     pointers = {"q_ptr": "*bf16", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16",
                 "k_cache_ptr": kv_type, "v_cache_ptr": kv_type, "page_table_ptr": "*i32",
                 "prefix_len_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
-                "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "scale_log2": float_type}
-    types = {name: pointers.get(name, "i32") for name in paged_attention_split_kernel.arg_names}
+                "o_part_ptr": part_type, "lse_part_ptr": "*fp32", "scale_log2": float_type}
+    return {name: pointers.get(name, "i32") for name in SPLIT_ARGS}
+
+
+def check_split_and_merge(float_type: str, head_dim: int, kv_type: str,
+                          causal_block: int) -> None:
+    block_m, block_n, num_warps = split_launch_config(head_dim)
+    types = split_types(kv_type, "*fp32", float_type)
     num_stages = 3 if head_dim <= 128 else 2
     default = {
         "GROUP": 4, "HEAD_DIM": head_dim, "PAGE_SIZE": 16, "CAUSAL_BLOCK": causal_block,
@@ -83,22 +94,14 @@ def check_split_and_merge(float_type: str, head_dim: int, kv_type: str,
 def check_variants(head_dim: int, kv_type: str, windowed: bool) -> None:
     """The perf/bench_paged_attention.py --sweep variants' code paths (PagedAttentionVariant)."""
     block_m, block_n, num_warps = split_launch_config(head_dim)
-    pointers = {"q_ptr": "*bf16", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16",
-                "k_cache_ptr": kv_type, "v_cache_ptr": kv_type, "page_table_ptr": "*i32",
-                "prefix_len_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
-                "o_part_ptr": "*bf16", "lse_part_ptr": "*fp32", "scale_log2": "fp64"}
-    names = paged_attention_split_kernel.arg_names
-    types = {name: pointers.get(name, "i32") for name in names}
-    # as the launcher specializes them for LLaDA2.1-mini shapes: pointers, strides, sizes
-    divisible = tuple(name for name in names if name.endswith("_ptr") or "stride" in name
-                      or name in ("num_queries", "num_rows", "max_tokens"))
+    types = split_types(kv_type, "*bf16", "fp64")
     compiled = compile_sm90(paged_attention_split_kernel, types, {
         "GROUP": 4, "HEAD_DIM": head_dim, "PAGE_SIZE": 16, "CAUSAL_BLOCK": 0,
         "NUM_SPLITS": 32, "MIN_SPLIT_KEYS": 128, "BLOCK_M": block_m, "BLOCK_N": block_n,
         "DOT_FP32": False, "LOOP_WHILE": False, "NUM_STAGES": 3, "WINDOWED": windowed,
         "INTERLEAVED": True, "DOT_F16": kv_type == "*fp8e4nv", "PDL": True, "OWN_STAGES": 1,
         "SPEC_TILES": 2, "APPEND": False, "APPEND_T": 1, "EMULATE_FP8": False}, num_warps,
-        divisible)
+        SPLIT_DIVISIBLE)
     ptx = compiled.asm["ptx"]
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
     assert "cp.async" in ptx
@@ -138,14 +141,7 @@ def check_appending_split(head_dim: int, kv_type: str, interleaved: bool,
     (the CUDA default variant of the cache type): the kv_append rounding, no spills, and at
     most 8 registers more than the pure kernel (161-184 at D=128: perf/paged_attention.md)."""
     block_m, block_n, num_warps = split_launch_config(head_dim)
-    pointers = {"q_ptr": "*bf16", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16",
-                "k_cache_ptr": kv_type, "v_cache_ptr": kv_type, "page_table_ptr": "*i32",
-                "prefix_len_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
-                "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "scale_log2": "fp64"}
-    names = paged_attention_split_kernel.arg_names
-    types = {name: pointers.get(name, "i32") for name in names}
-    divisible = tuple(name for name in names if name.endswith("_ptr") or "stride" in name
-                      or name in ("num_queries", "num_rows", "max_tokens"))
+    types = split_types(kv_type, "*fp32", "fp64")
     num_stages = 3 if head_dim <= 128 else 2
     usage = {}
     for append in (False, True):
@@ -157,7 +153,7 @@ def check_appending_split(head_dim: int, kv_type: str, interleaved: bool,
             "DOT_F16": False, "PDL": False, "OWN_STAGES": 1 if interleaved else num_stages,
             "SPEC_TILES": 2 if interleaved else 1, "APPEND": append,
             "APPEND_T": append_tile_tokens(head_dim), "EMULATE_FP8": False},
-            num_warps, divisible)
+            num_warps, SPLIT_DIVISIBLE)
         usage[append] = ptxas_usage(compiled)
     ptx = compiled.asm["ptx"]
     if kv_type == "*fp8e4nv":
