@@ -25,6 +25,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ._paged_attention_tiles import cache_tile, interleaved_split, new_tile, split_range
+from .kv_append import append_tokens
 
 
 @triton.jit
@@ -40,7 +41,8 @@ def paged_attention_split_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
     LOOP_WHILE: tl.constexpr, NUM_STAGES: tl.constexpr, WINDOWED: tl.constexpr,
     INTERLEAVED: tl.constexpr, DOT_F16: tl.constexpr, PDL: tl.constexpr,
-    OWN_STAGES: tl.constexpr, SPEC_TILES: tl.constexpr,
+    OWN_STAGES: tl.constexpr, SPEC_TILES: tl.constexpr, APPEND: tl.constexpr,
+    APPEND_T: tl.constexpr, EMULATE_FP8: tl.constexpr,
 ):
     """One program per (row block, KV head, split); see the module docstring.
 
@@ -50,6 +52,13 @@ def paged_attention_split_kernel(
     dependent launch): this grid may start before the previous kernel ends, so it waits for
     it before reading anything, then lets the merge start while it runs. OWN_STAGES:
     pipelining stages of the block's own-key loop (its BF16 buffers set the shared memory).
+    APPEND: row block 0 of the own-key split (one program per KV head) also stores the block's
+    K/V at positions `prefix_len + t`, APPEND_T tokens at a time, after its partial output
+    (`kv_append`'s code: same FP8 rounding, EMULATE_FP8 under the interpreter, positions past
+    capacity dropped), so each token of each KV head is stored exactly once whatever BLOCK_M.
+    A separate pass, not the attention loop's tiles: storing those raised the registers from
+    161-168 to 250-255 at D=128 (spilling). Cache splits read only keys below `prefix_len`
+    (interleaved speculative tiles mask what they read past it), so the output is unchanged.
     """
     if PDL:
         gdc_wait()  # whatever wrote q, k/v, the cache or the prefix has finished
@@ -136,6 +145,17 @@ def paged_attention_split_kernel(
         o_ptrs = o_part_ptr + (part * num_rows + rows[:, None]) * HEAD_DIM + dims[None, :]
         tl.store(o_ptrs, (acc / safe_l[:, None]).to(o_part_ptr.dtype.element_ty),
                  mask=row_mask[:, None])
+    if APPEND:  # noqa: SIM102 (static, around a runtime test)
+        if (split == NUM_SPLITS) & (pid_m == 0):  # one program per KV head stores the block
+            t = tl.full([], 0, tl.int32)
+            while t < num_queries:
+                append_tokens(
+                    k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr,
+                    prefix_len_ptr, k_scale_ptr, v_scale_ptr, t + tl.arange(0, APPEND_T),
+                    kv_head, num_queries, max_tokens, stride_nt, stride_nh, stride_nt, stride_nh,
+                    stride_cp, stride_cs, stride_ch, HEAD_DIM, PAGE_SIZE,
+                    k_cache_ptr.dtype.element_ty.is_fp8(), EMULATE_FP8)
+                t += APPEND_T
 
 
 def split_launch_config(head_dim: int) -> tuple[int, int, int]:

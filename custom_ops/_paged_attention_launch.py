@@ -175,6 +175,13 @@ def default_num_splits(num_rows: int, num_kv_heads: int, block_m: int,
     return max(1, min(math.ceil(2 * _sm_count(device.index) / programs), 64))
 
 
+def append_tile_tokens(head_dim: int) -> int:
+    """Tokens the appending split stores per step: 4096 elements of K (and of V) per step, at
+    most 64 tokens (32 at D=128). Its registers are dead by then: the split kernel's count on
+    sm_90 stays within 2 of the pure one's (tests/custom_ops/test_kernels_compile_sm90.py)."""
+    return min(64, 4096 // head_dim)
+
+
 @functools.cache
 def _sm_count(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -185,9 +192,11 @@ def launch_paged_attention(
     v_cache: torch.Tensor, page_table: torch.Tensor, prefix_len: torch.Tensor,
     k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float, window: int,
     causal_block: int, num_splits: int, variant: PagedAttentionVariant | None = None,
+    append: bool = False,
 ) -> torch.Tensor:
     """Launch the split and merge kernels (arguments as in `paged_attention`; 0 = unset;
-    `variant` None = `default_variant`)."""
+    `variant` None = `default_variant`). `append`: the split kernel also stores `k_new`/`v_new`
+    in the caches at `prefix_len ..` (as `dlmc::kv_append`), mutating `k_cache`/`v_cache`."""
     num_queries, num_q_heads, head_dim = q.shape
     variant = variant or default_variant(k_cache.dtype, head_dim, q.device)
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
@@ -226,6 +235,8 @@ def launch_paged_attention(
         NUM_STAGES=num_stages, WINDOWED=window > 0, INTERLEAVED=interleaved,
         DOT_F16=variant.fp8_dot_f16 and k_cache.dtype == torch.float8_e4m3fn, PDL=pdl,
         OWN_STAGES=variant.own_stages or num_stages, SPEC_TILES=variant.speculative_tiles,
+        APPEND=append, APPEND_T=append_tile_tokens(head_dim),
+        EMULATE_FP8=INTERPRETED and k_cache.dtype == torch.float8_e4m3fn,
         num_warps=num_warps, **launch,
     )
     merge_args = (o_part, lse_part, out, prefix_len, out.stride(0), out.stride(1), num_rows,

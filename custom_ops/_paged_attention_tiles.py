@@ -9,6 +9,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .kv_append import cache_slots
+
 
 @triton.jit
 def _dot(a, b, DOT_FP32: tl.constexpr):
@@ -76,9 +78,8 @@ def cache_tile(
     """Attend cached keys `j .. j+BLOCK_N-1` (those below `hi`) through the page table."""
     keys = j + tl.arange(0, BLOCK_N)  # [BN]
     key_valid = keys < hi
-    page = tl.load(page_table_ptr + keys // PAGE_SIZE, mask=key_valid, other=0)
-    kv_off = (page.to(tl.int64) * stride_cp + (keys % PAGE_SIZE) * stride_cs
-              + kv_head * stride_ch)  # [BN]
+    kv_off = cache_slots(page_table_ptr, keys, key_valid, kv_head, stride_cp, stride_cs,
+                         stride_ch, PAGE_SIZE)  # [BN]
     kv_ptrs = kv_off[:, None] + tl.arange(0, HEAD_DIM)[None, :]  # [BN, D]
     k = tl.load(k_cache_ptr + kv_ptrs, mask=key_valid[:, None], other=0.0)
     v = tl.load(v_cache_ptr + kv_ptrs, mask=key_valid[:, None], other=0.0)

@@ -41,31 +41,63 @@ def _e4m3_bits(x):
 
 
 @triton.jit
+def cache_slots(page_table_ptr, pos, valid, kv_head, stride_cp, stride_cs, stride_ch,
+                PAGE_SIZE: tl.constexpr):
+    """Element offsets `[N]` of sequence positions `pos` of `kv_head` in a paged pool: position
+    `p` is `cache[page_table[p // PAGE_SIZE], p % PAGE_SIZE]` (page ids read where `valid`)."""
+    page = tl.load(page_table_ptr + pos // PAGE_SIZE, mask=valid, other=0)
+    return page.to(tl.int64) * stride_cp + (pos % PAGE_SIZE) * stride_cs + kv_head * stride_ch
+
+
+@triton.jit
+def _store_cache_tile(cache_ptr, offsets, x, scale_ptr, mask, QUANTIZE: tl.constexpr,
+                      EMULATE_FP8: tl.constexpr):
+    """Store BF16 `x` where `mask`: as is, or (QUANTIZE, an FP8 pool) `e4m3(clamp(x / scale,
+    ±448))`; EMULATE_FP8 (the interpreter) rounds with `_e4m3_bits` and stores the codes
+    through a uint8 view of the pool."""
+    if QUANTIZE:
+        x = tl.clamp(tl.math.div_rn(x.to(tl.float32), tl.load(scale_ptr)), -448.0, 448.0)
+        if EMULATE_FP8:
+            x = _e4m3_bits(x)
+            cache_ptr = cache_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
+    tl.store(cache_ptr + offsets, x.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def append_tokens(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, offset_ptr, k_scale_ptr, v_scale_ptr,
+    tok, head, num_tokens, max_tokens, stride_kt, stride_kh, stride_vt, stride_vh, stride_cp,
+    stride_cs, stride_ch, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    QUANTIZE: tl.constexpr, EMULATE_FP8: tl.constexpr,
+):
+    """Store tokens `tok` `[BT]` (those below `num_tokens`) of KV head `head` at positions
+    `offset + tok`; positions from `max_tokens` on are dropped. The body of `kv_append_kernel`,
+    shared with `dlmc::paged_attention_append`'s split kernel."""
+    pos = tl.load(offset_ptr) + tok  # [BT] position in the sequence
+    valid = (tok < num_tokens) & (pos < max_tokens)
+    dst = cache_slots(page_table_ptr, pos, valid, head, stride_cp, stride_cs, stride_ch,
+                      PAGE_SIZE)  # [BT]
+    dims = tl.arange(0, HEAD_DIM)
+    dst_ptrs = dst[:, None] + dims[None, :]  # [BT, D]
+    mask = valid[:, None]
+    k = tl.load(k_ptr + tok[:, None] * stride_kt + head * stride_kh + dims[None, :], mask=mask)
+    v = tl.load(v_ptr + tok[:, None] * stride_vt + head * stride_vh + dims[None, :], mask=mask)
+    _store_cache_tile(k_cache_ptr, dst_ptrs, k, k_scale_ptr, mask, QUANTIZE, EMULATE_FP8)
+    _store_cache_tile(v_cache_ptr, dst_ptrs, v, v_scale_ptr, mask, QUANTIZE, EMULATE_FP8)
+
+
+@triton.jit
 def kv_append_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, offset_ptr, k_scale_ptr, v_scale_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_cp, stride_cs, stride_ch, num_tokens,
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, MAX_TOKENS: tl.constexpr,
     QUANTIZE: tl.constexpr, EMULATE_FP8: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
-    head = tl.program_id(1)
-    pos = tl.load(offset_ptr) + tok  # [BT] position in the sequence
-    valid = (tok < num_tokens) & (pos < MAX_TOKENS)
-    page = tl.load(page_table_ptr + pos // PAGE_SIZE, mask=valid, other=0)
-    dst = page.to(tl.int64) * stride_cp + (pos % PAGE_SIZE) * stride_cs + head * stride_ch
-    dims = tl.arange(0, HEAD_DIM)
-    dst_ptrs = dst[:, None] + dims[None, :]  # [BT, D]
-    mask = valid[:, None]
-    k = tl.load(k_ptr + tok[:, None] * stride_kt + head * stride_kh + dims[None, :], mask=mask)
-    v = tl.load(v_ptr + tok[:, None] * stride_vt + head * stride_vh + dims[None, :], mask=mask)
-    if QUANTIZE:
-        k = tl.clamp(tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)), -448.0, 448.0)
-        v = tl.clamp(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -448.0, 448.0)
-        if EMULATE_FP8:  # the caches arrive as uint8 views
-            k = _e4m3_bits(k)
-            v = _e4m3_bits(v)
-    tl.store(k_cache_ptr + dst_ptrs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst_ptrs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    append_tokens(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, offset_ptr,
+                  k_scale_ptr, v_scale_ptr, tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T),
+                  tl.program_id(1), num_tokens, MAX_TOKENS, stride_kt, stride_kh, stride_vt,
+                  stride_vh, stride_cp, stride_cs, stride_ch, HEAD_DIM, PAGE_SIZE, QUANTIZE,
+                  EMULATE_FP8)
 
 
 @triton_op("dlmc::kv_append", mutates_args={"k_cache", "v_cache"})
@@ -78,8 +110,6 @@ def _kv_append_op(
     capacity = min(num_pages, page_table.numel()) * page_size
     block_t = 16 if head_dim <= 256 else 8
     quantize = k_cache.dtype == torch.float8_e4m3fn
-    if quantize and INTERPRETED:
-        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     wrap_triton(kv_append_kernel)[(triton.cdiv(num_tokens, block_t), num_kv_heads)](
         k, v, k_cache, v_cache, page_table, offset, k_scale, v_scale,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),

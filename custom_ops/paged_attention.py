@@ -1,10 +1,14 @@
 """`dlmc::paged_attention`: a block of queries attends a paged (FP8 or BF16) KV cache + itself.
 
-Design: the block's own K/V are passed separately in BF16 and are NOT read from the cache. The op
-is pure (it never writes the cache), so a denoising forward, whose K/V are provisional, can run
-it inside a CUDA graph with a fixed block length while the prefix length lives in a device
-tensor; storing the final K/V is a separate op (`dlmc::kv_append`). Keeping the block in BF16
-also keeps the FP8 error to the cached prefix.
+Design: the block's own K/V are passed separately in BF16 and are NOT read from the cache, so a
+denoising forward, whose K/V are provisional, can run it inside a CUDA graph with a fixed block
+length while the prefix length lives in a device tensor. Keeping the block in BF16 also keeps the
+FP8 error to the cached prefix. Two ops: `dlmc::paged_attention` is pure (it never writes the
+cache; storing K/V is then `dlmc::kv_append`), `dlmc::paged_attention_append` also stores the
+block's K/V at `prefix_len ..` exactly as `dlmc::kv_append` would (same FP8 rounding, same
+dropped positions past capacity) from the split kernel that attends them, saving a launch; it
+mutates `k_cache`/`v_cache`. The attention output is the same either way (the cache splits read
+only positions below `prefix_len`).
 
 Backends: `"triton"` (the op; portable, graph-capturable, runs under `TRITON_INTERPRET=1` on
 CPU) and `"reference"` (plain PyTorch, syncs on `prefix_len`; CPU tests and debugging).
@@ -13,9 +17,12 @@ FlashInfer needs host-side planning and lives in `paged_attention_flashinfer.py`
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.library import triton_op
 
+from dlmc.custom_ops.kv_append import kv_append_reference
 from dlmc.errors import ConfigError
 
 from ._paged_attention_launch import (
@@ -33,27 +40,40 @@ __all__ = ["DEFAULT_MIN_SPLIT_KEYS", "SWEEP_VARIANTS", "PagedAttentionVariant",
            "paged_attention_reference"]
 
 
-@triton_op("dlmc::paged_attention", mutates_args=())
-def _paged_attention_op(
-    q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
-    v_cache: torch.Tensor, page_table: torch.Tensor, prefix_len: torch.Tensor,
-    k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float, window: int,
-    causal_block: int, num_splits: int,
-) -> torch.Tensor:
-    return launch_paged_attention(q, k_new, v_new, k_cache, v_cache, page_table, prefix_len,
-                                  k_scale, v_scale, softmax_scale, window, causal_block,
-                                  num_splits)
+def _launch_op(append: bool) -> Callable[..., torch.Tensor]:
+    """The body of `dlmc::paged_attention` (append False) or `dlmc::paged_attention_append`."""
+
+    def launch(
+        q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+        v_cache: torch.Tensor, page_table: torch.Tensor, prefix_len: torch.Tensor,
+        k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float, window: int,
+        causal_block: int, num_splits: int,
+    ) -> torch.Tensor:
+        return launch_paged_attention(q, k_new, v_new, k_cache, v_cache, page_table, prefix_len,
+                                      k_scale, v_scale, softmax_scale, window, causal_block,
+                                      num_splits, append=append)
+
+    return launch
 
 
-@_paged_attention_op.register_fake
+_paged_attention_op = triton_op("dlmc::paged_attention", mutates_args=())(_launch_op(False))
+_paged_attention_append_op = triton_op(
+    "dlmc::paged_attention_append", mutates_args={"k_cache", "v_cache"})(_launch_op(True))
+
+
 def paged_attention_fake(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, page_table: torch.Tensor, prefix_len: torch.Tensor,
     k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float, window: int,
     causal_block: int, num_splits: int,
 ) -> torch.Tensor:
-    """Fake (meta) function: the output has q's shape, dtype and strides; reads no data."""
+    """Fake (meta) function of both ops: the output has q's shape, dtype and strides; reads no
+    data (the appending op's cache writes are declared by `mutates_args`)."""
     return torch.empty_like(q)
+
+
+_paged_attention_op.register_fake(paged_attention_fake)
+_paged_attention_append_op.register_fake(paged_attention_fake)
 
 
 def _check(cond: bool, message: str) -> None:
@@ -107,7 +127,7 @@ def paged_attention(
     v_cache: torch.Tensor, page_table: torch.Tensor, prefix_len: torch.Tensor, *,
     k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float,
     window: int | None = None, causal_block: int | None = None, num_splits: int | None = None,
-    backend: str = "triton",
+    backend: str = "triton", append: bool = False,
 ) -> torch.Tensor:
     """Attention of a block of `Tq` queries over the cached prefix plus the block itself.
 
@@ -128,6 +148,13 @@ def paged_attention(
             `t` sees block key `s` iff `s // b <= t // b` (block-causal prefill; 1 = causal).
         num_splits: key splits of the prefix (None: a fixed heuristic from shapes and capacity).
         backend: `"triton"` (default) or `"reference"`.
+        append: also store `k_new`/`v_new` at positions `prefix_len .. prefix_len+Tq-1` of the
+            caches (mutated), exactly as `kv_append` (FP8: `e4m3(clamp(x / scale, ±448))`;
+            positions past the table's capacity dropped). Triton: one launch,
+            `dlmc::paged_attention_append`, whose split kernel writes them as it attends them;
+            reference: `kv_append_reference`, then the attention. The output does not change:
+            the block attends its own K/V in BF16 either way. False (default): the pure
+            `dlmc::paged_attention`, the caches untouched.
 
     GQA: query head `h` reads KV head `h // (Hq // Hkv)`. Softmax in fp32 over
     `q·kᵀ·softmax_scale`. Returns `[Tq, Hq, D]` bfloat16.
@@ -138,15 +165,19 @@ def paged_attention(
     _check(causal_block is None or causal_block >= 1,
            f"causal_block must be None or >= 1, got {causal_block}")
     if backend == "reference":
+        if append:
+            kv_append_reference(k_new, v_new, k_cache, v_cache, page_table, prefix_len,
+                                k_scale=k_scale, v_scale=v_scale)
         return paged_attention_reference(
             q, k_new, v_new, k_cache, v_cache, page_table, prefix_len, k_scale=k_scale,
             v_scale=v_scale, softmax_scale=softmax_scale, window=window,
             causal_block=causal_block)
     _check(backend == "triton", f"backend={backend!r} is not one of {BACKENDS} (FlashInfer: "
            "use PagedKVCache(backend='flashinfer'), which plans on the host)")
-    return torch.ops.dlmc.paged_attention(
-        q, k_new, v_new, k_cache, v_cache, page_table, prefix_len.reshape(1), k_scale.reshape(1),
-        v_scale.reshape(1), float(softmax_scale), window or 0, causal_block or 0, num_splits or 0)
+    op = torch.ops.dlmc.paged_attention_append if append else torch.ops.dlmc.paged_attention
+    return op(q, k_new, v_new, k_cache, v_cache, page_table, prefix_len.reshape(1),
+              k_scale.reshape(1), v_scale.reshape(1), float(softmax_scale), window or 0,
+              causal_block or 0, num_splits or 0)
 
 
 def gather_prefix(cache: torch.Tensor, page_table: torch.Tensor, start: int, end: int,

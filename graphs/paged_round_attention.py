@@ -2,8 +2,10 @@
 
 Each call stores the new tokens' K/V at the cache's device-side `prefix_len` (quantized to FP8
 with the layer's scales; the length is advanced by the engine only once the tokens are final)
-and attends the block's queries to the cached prefix plus the block's own BF16 K/V
-(`dlmc::paged_attention`). `causal_block` makes a multi-block prefill chunk block-causal.
+and attends the block's queries to the cached prefix plus the block's own BF16 K/V: on the
+Triton backend one launch (`dlmc::paged_attention_append`; `DLMC_FUSED_KV_APPEND=off`:
+`dlmc::kv_append`, then `dlmc::paged_attention`), see `PagedKVCache.append_and_attend`.
+`causal_block` makes a multi-block prefill chunk block-causal.
 """
 
 from __future__ import annotations
@@ -20,6 +22,5 @@ class PagedRoundAttention:
     def attend(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
-        self.cache.append(layer_idx, k, v)
-        return self.cache.attend(layer_idx, q, k, v, softmax_scale=q.shape[-1] ** -0.5,
-                                 causal_block=self.causal_block)
+        return self.cache.append_and_attend(layer_idx, q, k, v, softmax_scale=q.shape[-1] ** -0.5,
+                                            causal_block=self.causal_block)

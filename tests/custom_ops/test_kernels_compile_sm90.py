@@ -16,6 +16,7 @@ import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
 import dlmc.custom_ops.nvfp4_moe as nvfp4_moe_module
@@ -24,6 +25,7 @@ from dlmc.custom_ops._paged_attention_kernels import (
     paged_attention_split_kernel,
     split_launch_config,
 )
+from dlmc.custom_ops._paged_attention_launch import append_tile_tokens
 from dlmc.custom_ops._paged_attention_merge import (
     flat_merge_config,
     paged_attention_merge_flat_kernel,
@@ -53,21 +55,32 @@ def compile_sm90(kernel: triton.JITFunction, types: dict[str, str], constexprs: 
     return triton.compile(source, target=SM90, options={"num_warps": num_warps, **options})
 
 
-def check_split_and_merge(float_type: str, head_dim: int, kv_type: str,
-                          causal_block: int) -> None:
-    block_m, block_n, num_warps = split_launch_config(head_dim)
+SPLIT_ARGS = paged_attention_split_kernel.arg_names
+# as the launcher specializes them for LLaDA2.1-mini shapes: pointers, strides, sizes
+SPLIT_DIVISIBLE = tuple(name for name in SPLIT_ARGS if name.endswith("_ptr") or "stride" in name
+                        or name in ("num_queries", "num_rows", "max_tokens"))
+
+
+def split_types(kv_type: str, part_type: str, float_type: str) -> dict[str, str]:
+    """Argument types of the split kernel: caches `kv_type`, partials `part_type`."""
     pointers = {"q_ptr": "*bf16", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16",
                 "k_cache_ptr": kv_type, "v_cache_ptr": kv_type, "page_table_ptr": "*i32",
                 "prefix_len_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
-                "o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "scale_log2": float_type}
-    types = {name: pointers.get(name, "i32") for name in paged_attention_split_kernel.arg_names}
+                "o_part_ptr": part_type, "lse_part_ptr": "*fp32", "scale_log2": float_type}
+    return {name: pointers.get(name, "i32") for name in SPLIT_ARGS}
+
+
+def check_split_and_merge(float_type: str, head_dim: int, kv_type: str,
+                          causal_block: int) -> None:
+    block_m, block_n, num_warps = split_launch_config(head_dim)
+    types = split_types(kv_type, "*fp32", float_type)
     num_stages = 3 if head_dim <= 128 else 2
     default = {
         "GROUP": 4, "HEAD_DIM": head_dim, "PAGE_SIZE": 16, "CAUSAL_BLOCK": causal_block,
         "NUM_SPLITS": 33, "MIN_SPLIT_KEYS": 128, "BLOCK_M": block_m, "BLOCK_N": block_n,
         "DOT_FP32": False, "LOOP_WHILE": False, "NUM_STAGES": num_stages, "WINDOWED": False,
         "INTERLEAVED": False, "DOT_F16": False, "PDL": False, "OWN_STAGES": num_stages,
-        "SPEC_TILES": 1}
+        "SPEC_TILES": 1, "APPEND": False, "APPEND_T": 1, "EMULATE_FP8": False}
     compiled = compile_sm90(paged_attention_split_kernel, types, default, num_warps)
     assert "cp.async" in compiled.asm["ptx"]  # the key loop is software-pipelined
     merge_types = {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "out_ptr": "*bf16",
@@ -82,21 +95,14 @@ def check_split_and_merge(float_type: str, head_dim: int, kv_type: str,
 def check_variants(head_dim: int, kv_type: str, windowed: bool) -> None:
     """The perf/bench_paged_attention.py --sweep variants' code paths (PagedAttentionVariant)."""
     block_m, block_n, num_warps = split_launch_config(head_dim)
-    pointers = {"q_ptr": "*bf16", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16",
-                "k_cache_ptr": kv_type, "v_cache_ptr": kv_type, "page_table_ptr": "*i32",
-                "prefix_len_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
-                "o_part_ptr": "*bf16", "lse_part_ptr": "*fp32", "scale_log2": "fp64"}
-    names = paged_attention_split_kernel.arg_names
-    types = {name: pointers.get(name, "i32") for name in names}
-    # as the launcher specializes them for LLaDA2.1-mini shapes: pointers, strides, sizes
-    divisible = tuple(name for name in names if name.endswith("_ptr") or "stride" in name
-                      or name in ("num_queries", "num_rows", "max_tokens"))
+    types = split_types(kv_type, "*bf16", "fp64")
     compiled = compile_sm90(paged_attention_split_kernel, types, {
         "GROUP": 4, "HEAD_DIM": head_dim, "PAGE_SIZE": 16, "CAUSAL_BLOCK": 0,
         "NUM_SPLITS": 32, "MIN_SPLIT_KEYS": 128, "BLOCK_M": block_m, "BLOCK_N": block_n,
         "DOT_FP32": False, "LOOP_WHILE": False, "NUM_STAGES": 3, "WINDOWED": windowed,
         "INTERLEAVED": True, "DOT_F16": kv_type == "*fp8e4nv", "PDL": True, "OWN_STAGES": 1,
-        "SPEC_TILES": 2}, num_warps, divisible)
+        "SPEC_TILES": 2, "APPEND": False, "APPEND_T": 1, "EMULATE_FP8": False}, num_warps,
+        SPLIT_DIVISIBLE)
     ptx = compiled.asm["ptx"]
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
     assert "cp.async" in ptx
@@ -114,6 +120,48 @@ def check_variants(head_dim: int, kv_type: str, windowed: bool) -> None:
             "CHUNK": chunk, "PDL": True}, merge_warps, launch_pdl=True)
         assert "griddepcontrol.wait" in compiled.asm["ptx"]
         assert "griddepcontrol.launch_dependents" in compiled.asm["ptx"]
+
+
+def ptxas_usage(compiled: triton.compiler.CompiledKernel) -> tuple[int, int]:
+    """(registers, spill store bytes) that Triton's bundled ptxas reports for the kernel."""
+    ptx = compiled.asm["ptx"]
+    arch = re.search(r"\.target (sm_\w+)", ptx).group(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        report = subprocess.run([get_ptxas(90).path, "-v", f"--gpu-name={arch}", path, "-o",
+                                 os.devnull], capture_output=True, text=True, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    return registers, int(re.search(r"(\d+) bytes spill stores", report).group(1))
+
+
+def check_appending_split(head_dim: int, kv_type: str, interleaved: bool,
+                          causal_block: int = 0) -> None:
+    """`dlmc::paged_attention_append`'s split kernel (APPEND) as the launcher specializes it
+    (the CUDA default variant of the cache type): the kv_append rounding, no spills, and at
+    most 8 registers more than the pure kernel (161-184 at D=128: perf/paged_attention.md)."""
+    block_m, block_n, num_warps = split_launch_config(head_dim)
+    types = split_types(kv_type, "*fp32", "fp64")
+    num_stages = 3 if head_dim <= 128 else 2
+    usage = {}
+    for append in (False, True):
+        compiled = compile_sm90(paged_attention_split_kernel, types, {
+            "GROUP": 4, "HEAD_DIM": head_dim, "PAGE_SIZE": 16, "CAUSAL_BLOCK": causal_block,
+            "NUM_SPLITS": 32 if interleaved else 33, "MIN_SPLIT_KEYS": 128, "BLOCK_M": block_m,
+            "BLOCK_N": block_n, "DOT_FP32": False, "LOOP_WHILE": False,
+            "NUM_STAGES": num_stages, "WINDOWED": False, "INTERLEAVED": interleaved,
+            "DOT_F16": False, "PDL": False, "OWN_STAGES": 1 if interleaved else num_stages,
+            "SPEC_TILES": 2 if interleaved else 1, "APPEND": append,
+            "APPEND_T": append_tile_tokens(head_dim), "EMULATE_FP8": False},
+            num_warps, SPLIT_DIVISIBLE)
+        usage[append] = ptxas_usage(compiled)
+    ptx = compiled.asm["ptx"]
+    if kv_type == "*fp8e4nv":
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx
+    (pure, pure_spills), (fused, fused_spills) = usage[False], usage[True]
+    assert pure_spills == fused_spills == 0, usage
+    assert fused <= pure + 8, usage
 
 
 def check_kv_append() -> None:
@@ -265,6 +313,9 @@ if __name__ == "__main__":
     check_variants(128, "*fp8e4nv", windowed=False)
     check_variants(256, "*bf16", windowed=True)
     check_variants(512, "*fp8e4nv", windowed=True)
+    check_appending_split(128, "*fp8e4nv", interleaved=True)  # the CUDA FP8 default (ilv32)
+    check_appending_split(128, "*bf16", interleaved=False)  # the CUDA BF16 default (base)
+    check_appending_split(512, "*fp8e4nv", interleaved=False, causal_block=32)  # prefill chunk
     check_kv_append()
     check_nvfp4_moe_v3()
     check_moe_align(32, 8, 256, 16, 4)  # a diffusion block

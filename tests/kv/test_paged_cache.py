@@ -47,13 +47,13 @@ def decode_blocks(cache: PagedKVCache, num_blocks: int, seed: int = 0) -> list[t
     return errors
 
 
-def make_cache(dtype: Literal["bf16", "fp8"], backend: str, max_tokens: int = 40
-               ) -> PagedKVCache:
+def make_cache(dtype: Literal["bf16", "fp8"], backend: str, max_tokens: int = 40,
+               fused_append: bool | None = None) -> PagedKVCache:
     config = KVCacheConfig(num_layers=LAYERS, num_kv_heads=HKV, head_dim=D,
                            max_tokens=max_tokens, page_size=4, dtype=dtype)
     scales = [0.02, 0.01] if dtype == "fp8" else None
     return PagedKVCache(config, DEVICE, k_scales=scales, v_scales=scales, backend=backend,
-                        num_q_heads=HQ)
+                        num_q_heads=HQ, fused_append=fused_append)
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
@@ -128,3 +128,49 @@ def test_flashinfer_backend_matches_triton() -> None:
         outs.append(cache.attend(0, q, k, k, softmax_scale=128**-0.5).float())
     torch.testing.assert_close(outs[1], outs[0], atol=0.05 * outs[0].abs().max().item(),
                                rtol=0.05)
+
+
+def decode_with_append(cache: PagedKVCache, num_blocks: int, seed: int = 0
+                       ) -> list[torch.Tensor]:
+    """`append_and_attend` on every layer of `num_blocks` blocks (as rounds do); the outputs."""
+    gen = torch.Generator().manual_seed(seed)
+    outs = []
+    for _ in range(num_blocks):
+        cache.check_capacity(BLOCK)
+        for layer in range(LAYERS):
+            q, k, v = (torch.randn(BLOCK, h, D, generator=gen).bfloat16().to(DEVICE)
+                       for h in (HQ, HKV, HKV))
+            outs.append(cache.append_and_attend(layer, q, k, v, softmax_scale=D**-0.5))
+        cache.advance(BLOCK)
+    return outs
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+def test_fused_append_matches_append_then_attend(dtype: Literal["bf16", "fp8"]) -> None:
+    """One launch (Triton) vs kv_append + attention vs the reference backend: the same cache
+    bytes; the fused and separate Triton outputs are identical."""
+    caches = {"fused": make_cache(dtype, "triton", fused_append=True),
+              "separate": make_cache(dtype, "triton", fused_append=False),
+              "reference": make_cache(dtype, "reference", fused_append=True)}
+    assert caches["fused"].fused_append and not caches["separate"].fused_append
+    assert not caches["reference"].fused_append  # the reference appends, then attends
+    outs = {name: decode_with_append(cache, num_blocks=2) for name, cache in caches.items()}
+    for name in ("separate", "reference"):
+        for mine, theirs in zip(caches["fused"].k + caches["fused"].v,
+                                caches[name].k + caches[name].v, strict=True):
+            assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8))
+    assert all(torch.equal(a, b) for a, b in zip(outs["fused"], outs["separate"], strict=True))
+    for a, b in zip(outs["fused"], outs["reference"], strict=True):
+        torch.testing.assert_close(a.float(), b.float(), atol=0.02 * b.abs().max().item(),
+                                   rtol=0.02)
+
+
+def test_fused_append_switch_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DLMC_FUSED_KV_APPEND", raising=False)
+    assert make_cache("fp8", "triton").fused_append  # "auto": on the Triton backend
+    assert not make_cache("fp8", "reference").fused_append  # append, then attend
+    monkeypatch.setenv("DLMC_FUSED_KV_APPEND", "off")
+    assert not make_cache("fp8", "triton").fused_append
+    monkeypatch.setenv("DLMC_FUSED_KV_APPEND", "on")
+    with pytest.raises(ConfigError, match="DLMC_FUSED_KV_APPEND='on': expected one of auto, off"):
+        make_cache("fp8", "triton")

@@ -6,6 +6,9 @@ Usage per denoising round (all layers share the prefix length):
     out = cache.attend(layer, q, k, v, softmax_scale=...)   # cached prefix + the block
     cache.append(layer, k, v)                # only in the forward whose K/V are final
     cache.advance(block_len)                 # after every layer appended
+or, storing the block's K/V in every forward (as dlmc's rounds do; the next forward overwrites
+them until `advance`), `out = cache.append_and_attend(layer, q, k, v, softmax_scale=...)`: one
+launch on the Triton backend (`dlmc::paged_attention_append`, unless DLMC_FUSED_KV_APPEND=off).
 `attend` and `append` read the prefix length from a device tensor and never sync, so a round
 that calls them can be captured once in a CUDA graph and replayed at any prefix length.
 """
@@ -22,8 +25,10 @@ import torch
 from dlmc.custom_ops.kv_append import kv_append, kv_append_reference
 from dlmc.custom_ops.paged_attention import paged_attention
 from dlmc.errors import ConfigError
+from dlmc.models.layers import env_choice
 
 BACKENDS = ("auto", "triton", "flashinfer", "reference")
+FUSED_KV_APPEND = ("auto", "off")
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
@@ -58,6 +63,13 @@ class KVCacheConfig:
         return _TORCH_DTYPES[self.dtype]
 
 
+def fused_kv_append() -> str:
+    """`DLMC_FUSED_KV_APPEND`: "auto" (default) stores a round's K/V from the attention's own
+    kernel on the Triton backend (one launch per layer); "off" launches `dlmc::kv_append` before
+    the attention, as before (for A/B timing on the GPU). Read once per cache."""
+    return env_choice("DLMC_FUSED_KV_APPEND", "auto", FUSED_KV_APPEND)
+
+
 def default_backend(device: torch.device) -> str:
     """The fastest measured backend: Triton on CUDA (perf/README.md), the reference on CPU."""
     return "triton" if device.type == "cuda" else "reference"
@@ -71,18 +83,23 @@ class PagedKVCache:
         length: the same value on the host (capacity checks, FlashInfer planning).
         k_scale, v_scale: `[num_layers]` float32 device tensors (ones for BF16).
         page_table: `[num_pages]` int32; pages are handed out in order (one sequence).
+        fused_append: whether `append_and_attend` is one launch (the Triton backend unless
+            `DLMC_FUSED_KV_APPEND=off`, or the constructor's `fused_append`).
     """
 
     def __init__(
         self, config: KVCacheConfig, device: torch.device | str, *,
         k_scales: Sequence[float] | None = None, v_scales: Sequence[float] | None = None,
-        backend: str = "auto", num_q_heads: int | None = None,
+        backend: str = "auto", num_q_heads: int | None = None, fused_append: bool | None = None,
     ) -> None:
         self.config = config
         self.device = torch.device(device)
         if backend not in BACKENDS:
             raise ConfigError(f"attention backend={backend!r} is not one of {', '.join(BACKENDS)}")
         self.backend = default_backend(self.device) if backend == "auto" else backend
+        if fused_append is None:  # FlashInfer and the reference append, then attend
+            fused_append = fused_kv_append() == "auto"
+        self.fused_append = fused_append and self.backend == "triton"
         # One allocation per layer, not views of one 5-D pool: Inductor turns a kernel's write
         # into a view of a graph input into a copy of the whole pool (and that path crashed
         # with FP8 pools on the H200, perf/results/round_nvfp4_fp8_h200_crash.txt).
@@ -184,3 +201,24 @@ class PagedKVCache:
             k_scale=self.k_scale[layer], v_scale=self.v_scale[layer],
             softmax_scale=softmax_scale, window=window, causal_block=causal_block,
             backend=self.backend)
+
+    def append_and_attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+        softmax_scale: float, window: int | None = None, causal_block: int | None = None,
+    ) -> torch.Tensor:
+        """`append(layer, k, v)` then `attend(layer, q, k, v, ...)`, with the same results.
+
+        With `fused_append` (Triton backend) one `dlmc::paged_attention_append` launch does
+        both: the split kernel that attends the block's own K/V also stores them. Otherwise
+        the two calls (FlashInfer's `attend` appends by itself, so it is called alone).
+        """
+        if self.fused_append:
+            return paged_attention(
+                q, k, v, self.k[layer], self.v[layer], self.page_table, self.prefix_len,
+                k_scale=self.k_scale[layer], v_scale=self.v_scale[layer],
+                softmax_scale=softmax_scale, window=window, causal_block=causal_block,
+                append=True)
+        if self._flashinfer is None:
+            self.append(layer, k, v)
+        return self.attend(layer, q, k, v, softmax_scale=softmax_scale, window=window,
+                           causal_block=causal_block)
