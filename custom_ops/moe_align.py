@@ -250,6 +250,19 @@ class PairRouting(NamedTuple):
     expert_of_block: torch.Tensor  # int32 [B]
 
 
+def check_pair_routing(op: str, routing: PairRouting) -> None:
+    """A handed-over `PairRouting` has the layout of `align_pairs_to_blocks` (shapes and dtypes
+    only: its values are not read, no host sync); errors name `op`."""
+    block_m, sorted_pair, expert_of_block = routing
+    if (block_m < 16 or block_m & (block_m - 1) or sorted_pair.dtype != torch.int32
+            or expert_of_block.dtype != torch.int32 or expert_of_block.dim() != 1
+            or sorted_pair.shape != (expert_of_block.shape[0] * block_m,)):
+        raise ValueError(f"{op}: routing must be (block_m: a power of two >= 16, sorted_pair "
+                         "int32 [B * block_m], expert_of_block int32 [B]), got "
+                         f"({block_m}, {sorted_pair.dtype} {tuple(sorted_pair.shape)}, "
+                         f"{expert_of_block.dtype} {tuple(expert_of_block.shape)})")
+
+
 def route_block_m(tokens: int, top_k: int, num_experts: int, shared_expert: bool = False) -> int:
     """`route_pairs`' block_m: from all `T*(K+1)` pairs and `E+1` experts with a shared expert."""
     shared = int(shared_expert)  # an int: a bool in symbolic-shape arithmetic fails to trace

@@ -18,7 +18,7 @@ from torch.library import wrap_triton
 
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
-from dlmc.custom_ops.moe_align import combine_pairs, route_pairs
+from dlmc.custom_ops.moe_align import PairRouting, check_pair_routing, combine_pairs, route_pairs
 from dlmc.custom_ops.nvfp4_bf16x2 import ACC_SCALE
 from dlmc.custom_ops.nvfp4_scales import e4m3_of_predecoded, scales_for_kernel
 from dlmc.custom_ops.nvfp4_tiles import nvfp4_tile_dot, nvfp4_tile_dot_v2, round_bf16
@@ -164,12 +164,14 @@ def _nvfp4_moe_impl(
     up_weight: torch.Tensor, up_weight_scale: torch.Tensor, up_weight_scale_2: torch.Tensor,
     down_weight: torch.Tensor, down_weight_scale: torch.Tensor, down_weight_scale_2: torch.Tensor,
     gate_up_input_scale: torch.Tensor | None = None,
-    down_input_scale: torch.Tensor | None = None,
+    down_input_scale: torch.Tensor | None = None, block_m: int = 0,
+    sorted_pair: torch.Tensor | None = None, expert_of_block: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Body of `dlmc::nvfp4_moe`. Same tensors as `nvfp4_moe`, except that the block scales are
     their uint8 bit patterns (v4: int16 patterns of the pre-decoded bf16, `nvfp4_scales`) and the
     W4A4 activation scales come pre-combined: `gate_up_input_scale` fp32 `[E]` (shared by gate
-    and up) and `down_input_scale` fp32 `[E]` (None: no emulation)."""
+    and up) and `down_input_scale` fp32 `[E]` (None: no emulation). `sorted_pair` /
+    `expert_of_block` at `block_m`: the pairs' alignment if already made (None: aligned here)."""
     T, H = x.shape
     K = topk_ids.shape[1]
     E, I = gate_weight.shape[0], gate_weight.shape[1]
@@ -177,7 +179,8 @@ def _nvfp4_moe_impl(
     if T == 0:
         return out
     num_pairs = T * K
-    block_m, sorted_pair, expert_of_block = route_pairs(topk_ids, E)
+    if sorted_pair is None or expert_of_block is None:  # else aligned by dlmc::moe_route_align
+        block_m, sorted_pair, expert_of_block = route_pairs(topk_ids, E)
     num_blocks = expert_of_block.shape[0]
     a, a_row_div = x.contiguous(), K
     if gate_up_input_scale is not None:  # W4A4 emulation: quantize each pair's row
@@ -273,6 +276,7 @@ def nvfp4_moe(
     down_weight: torch.Tensor, down_weight_scale: torch.Tensor, down_weight_scale_2: torch.Tensor,
     *, gate_input_scale: torch.Tensor | None = None, up_input_scale: torch.Tensor | None = None,
     down_input_scale: torch.Tensor | None = None, emulate_w4a4: bool = False,
+    routing: PairRouting | None = None,
 ) -> torch.Tensor:
     """Routed-expert MoE with NVFP4 experts (Triton, `dlmc::nvfp4_moe`).
 
@@ -287,6 +291,8 @@ def nvfp4_moe(
     - `*_input_scale` fp32 `[E]`: used only with `emulate_w4a4=True`, which fake-quantizes the
       activations as W4A4 kernels do (gate/up input: per-expert max of the two scales, as vLLM).
     Returns bf16 `[T, H]`: `sum_k topk_weights[t, k] * bf16(expert_k(x[t]))`, summed in fp32.
+    - `routing`: the pairs' alignment if already made (`route_pairs(topk_ids, E)`'s, e.g. by
+      `moe_route_align`); None aligns them here.
     All tensors on one device, contiguous. No host sync: capturable in a CUDA graph.
     """
     weights = {"gate_weight": gate_weight, "gate_weight_scale": gate_weight_scale,
@@ -303,7 +309,10 @@ def nvfp4_moe(
     predecoded = kernel_reads_predecoded_scales()
     op_args = [scales_for_kernel(t, predecoded) if name.endswith("_weight_scale") else t
                for name, t in weights.items()]
-    return _nvfp4_moe_op(x, topk_ids, topk_weights, *op_args, a1, a2)
+    if routing is not None:
+        check_pair_routing("nvfp4_moe", routing)
+    return _nvfp4_moe_op(x, topk_ids, topk_weights, *op_args, a1, a2,
+                         *(routing or (0, None, None)))
 
 
 def nvfp4_moe_reference(
