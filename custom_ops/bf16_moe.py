@@ -21,8 +21,10 @@ from torch.library import wrap_triton
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.moe_align import (
+    PairRouting,
     append_shared_column,
     block_rows,
+    check_pair_routing,
     combine_pairs,
     route_pairs,
 )
@@ -138,7 +140,9 @@ def _down_kernel(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, y_ptr, num
 
 def _bf16_moe_impl(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                    gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
-                   shared_expert: bool = False) -> torch.Tensor:
+                   shared_expert: bool = False, block_m: int = 0,
+                   sorted_pair: torch.Tensor | None = None,
+                   expert_of_block: torch.Tensor | None = None) -> torch.Tensor:
     tokens, hidden = x.shape
     shared = int(shared_expert)  # an int: a bool in symbolic-shape arithmetic fails to trace
     pairs_per_token = topk_ids.shape[1] + shared  # the shared expert's pair: column K
@@ -147,7 +151,9 @@ def _bf16_moe_impl(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     if tokens == 0:
         return out
     num_pairs = tokens * pairs_per_token
-    block_m, sorted_pair, expert_of_block = route_pairs(topk_ids, routed_experts, shared_expert)
+    if sorted_pair is None or expert_of_block is None:  # else aligned by dlmc::moe_route_align
+        block_m, sorted_pair, expert_of_block = route_pairs(topk_ids, routed_experts,
+                                                            shared_expert)
     num_blocks = expert_of_block.shape[0]
     n1, k1, w1, s1 = _LAUNCH["gate_up"]
     n2, k2, w2, s2 = _LAUNCH["down"]
@@ -173,7 +179,7 @@ _bf16_moe_op = traced_triton_op("dlmc::bf16_moe", _bf16_moe_impl, _bf16_moe_fake
 
 def bf16_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
              gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
-             shared_expert: bool = False) -> torch.Tensor:
+             shared_expert: bool = False, routing: PairRouting | None = None) -> torch.Tensor:
     """Routed-expert MoE with BF16 experts (Triton, `dlmc::bf16_moe`).
 
     x bf16 `[T, H]`; topk_ids int32/int64 `[T, K]` in `[0, E)`; topk_weights fp32 `[T, K]`;
@@ -182,7 +188,9 @@ def bf16_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     `g`, `u` the bf16-rounded gate and up projections. `shared_expert`: expert E-1 is a shared
     expert that every token also takes with weight 1.0 (topk_ids then in `[0, E-1)`): the same
     result as the `[T, K+1]` routing with that column appended (`append_shared_column`), without
-    sorting the shared rows. No host sync (graph-capturable).
+    sorting the shared rows. `routing`: the pairs' alignment if already made
+    (`route_pairs(topk_ids, E - shared_expert, shared_expert)`'s, e.g. by `moe_route_align`);
+    None aligns them here. No host sync (graph-capturable).
     """
     if x.dtype != torch.bfloat16 or x.dim() != 2:
         raise ValueError(f"bf16_moe: x must be bf16 [T, H], got {x.dtype} {tuple(x.shape)}")
@@ -192,8 +200,11 @@ def bf16_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"bf16_moe: topk_ids/topk_weights must be [T={x.shape[0]}, K], got "
                          f"{tuple(topk_ids.shape)} / {tuple(topk_weights.shape)}")
+    if routing is not None:
+        check_pair_routing("bf16_moe", routing)
+    block_m, sorted_pair, expert_of_block = routing or (0, None, None)
     return _bf16_moe_op(x.contiguous(), topk_ids, topk_weights.float(), gate_proj, up_proj,
-                        down_proj, shared_expert)
+                        down_proj, shared_expert, block_m, sorted_pair, expert_of_block)
 
 
 def bf16_moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

@@ -14,6 +14,8 @@ so the sort and the per-expert tiles stay at the routed `T*K` pairs and `E` expe
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -22,8 +24,9 @@ from torch.library import wrap_triton
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
 
-__all__ = ["aligned_blocks", "align_pairs_to_blocks", "align_pairs_to_blocks_reference",
-           "append_shared_column", "block_rows", "combine_pairs", "moe_block_size", "route_pairs"]
+__all__ = ["PairRouting", "aligned_blocks", "align_pairs_to_blocks",
+           "align_pairs_to_blocks_reference", "append_shared_column", "block_rows",
+           "combine_pairs", "moe_block_size", "route_block_m", "route_pairs"]
 
 # One program holds all pair keys and per-expert counts in registers; larger routings take the
 # torch path.
@@ -79,12 +82,12 @@ def _sort_ascending(x, LOG_N: tl.constexpr):
 
 
 @triton.jit
-def moe_align_kernel(ids_ptr, sorted_pair_ptr, expert_of_block_ptr, num_pairs, top_k,
-                     shared_expert, NUM_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr,
-                     LOG_PAIRS_PAD: tl.constexpr, EXPERTS_PAD: tl.constexpr,
-                     SHARED_BLOCKS: tl.constexpr, FILL: tl.constexpr):
+def align_pairs(ids_ptr, sorted_pair_ptr, expert_of_block_ptr, num_pairs, top_k, shared_expert,
+                NUM_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, LOG_PAIRS_PAD: tl.constexpr,
+                EXPERTS_PAD: tl.constexpr, SHARED_BLOCKS: tl.constexpr, FILL: tl.constexpr):
     """`num_pairs = T*K` routed pairs; with `SHARED_BLOCKS > 0` pair ids count `K+1` per token
-    and expert `shared_expert` takes every token's column K in the blocks after the routed ones."""
+    and expert `shared_expert` takes every token's column K in the blocks after the routed ones.
+    The body of `moe_align_kernel`, and the second half of `dlmc::moe_route_align`."""
     PAIRS_PAD: tl.constexpr = 2**LOG_PAIRS_PAD
     pair = tl.arange(0, PAIRS_PAD)
     is_pair = pair < num_pairs
@@ -131,6 +134,15 @@ def moe_align_kernel(ids_ptr, sorted_pair_ptr, expert_of_block_ptr, num_pairs, t
                  mask=(tail >= 0) & (b < NUM_BLOCKS))
 
 
+@triton.jit
+def moe_align_kernel(ids_ptr, sorted_pair_ptr, expert_of_block_ptr, num_pairs, top_k,
+                     shared_expert, NUM_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr,
+                     LOG_PAIRS_PAD: tl.constexpr, EXPERTS_PAD: tl.constexpr,
+                     SHARED_BLOCKS: tl.constexpr, FILL: tl.constexpr):
+    align_pairs(ids_ptr, sorted_pair_ptr, expert_of_block_ptr, num_pairs, top_k, shared_expert,
+                NUM_BLOCKS, BLOCK_M, LOG_PAIRS_PAD, EXPERTS_PAD, SHARED_BLOCKS, FILL)
+
+
 def _moe_align_impl(topk_ids: torch.Tensor, num_experts: int, block_m: int,
                     shared_expert: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     tokens, top_k = topk_ids.shape
@@ -140,16 +152,26 @@ def _moe_align_impl(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     expert_of_block = torch.empty(num_blocks, dtype=torch.int32, device=topk_ids.device)
     if num_pairs == 0:
         return sorted_pair, expert_of_block
+    constants, num_warps = align_launch(tokens, top_k, num_experts, block_m, shared_expert)
+    wrap_triton(moe_align_kernel)[(1,)](
+        topk_ids.reshape(-1), sorted_pair, expert_of_block, num_pairs, top_k, num_experts,
+        **constants, num_warps=num_warps)
+    return sorted_pair, expert_of_block
+
+
+def align_launch(tokens: int, top_k: int, num_experts: int, block_m: int,
+                 shared_expert: bool) -> tuple[dict[str, int], int]:
+    """(`align_pairs`' constexprs, num_warps) for `T*K` routed pairs (at least one)."""
+    num_pairs = tokens * top_k
+    num_blocks = aligned_blocks(tokens, top_k, num_experts, block_m, shared_expert)
     pairs_pad = max(16, triton.next_power_of_2(num_pairs))
     experts_pad = max(16, triton.next_power_of_2(num_experts))
     work = max(pairs_pad, experts_pad * block_m // 8)  # register tiles [P] and [E, BM]
-    wrap_triton(moe_align_kernel)[(1,)](
-        topk_ids.reshape(-1), sorted_pair, expert_of_block, num_pairs, top_k, num_experts,
-        NUM_BLOCKS=num_blocks, BLOCK_M=block_m, LOG_PAIRS_PAD=pairs_pad.bit_length() - 1,
-        EXPERTS_PAD=experts_pad,
-        SHARED_BLOCKS=num_blocks - max_blocks(num_pairs, num_experts, block_m),
-        FILL=1024, num_warps=4 if work <= 512 else 8 if work <= 2048 else 16)
-    return sorted_pair, expert_of_block
+    constants = {"NUM_BLOCKS": num_blocks, "BLOCK_M": block_m,
+                 "LOG_PAIRS_PAD": pairs_pad.bit_length() - 1, "EXPERTS_PAD": experts_pad,
+                 "SHARED_BLOCKS": num_blocks - max_blocks(num_pairs, num_experts, block_m),
+                 "FILL": 1024}
+    return constants, 4 if work <= 512 else 8 if work <= 2048 else 16
 
 
 def _moe_align_fake(topk_ids: torch.Tensor, num_experts: int, block_m: int,
@@ -234,16 +256,40 @@ def block_rows(sorted_pair_ptr, num_pairs, a_row_div, pid_m, pid_n, N: tl.conste
     return slots, pairs, row_mask, a_rows, n_offs, n_offs < N
 
 
-def route_pairs(topk_ids: torch.Tensor, num_experts: int,
-                shared_expert: bool = False) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """`(block_m, sorted_pair, expert_of_block)` for the grouped MoE kernels (see above); block_m
-    from all `T*(K+1)` pairs and `E+1` experts with a shared expert."""
-    tokens, top_k = topk_ids.shape
+class PairRouting(NamedTuple):
+    """What the grouped MoE kernels read: `align_pairs_to_blocks`' result for `block_m`."""
+
+    block_m: int
+    sorted_pair: torch.Tensor  # int32 [B * block_m]
+    expert_of_block: torch.Tensor  # int32 [B]
+
+
+def check_pair_routing(op: str, routing: PairRouting) -> None:
+    """A handed-over `PairRouting` has the layout of `align_pairs_to_blocks` (shapes and dtypes
+    only: its values are not read, no host sync); errors name `op`."""
+    block_m, sorted_pair, expert_of_block = routing
+    if (block_m < 16 or block_m & (block_m - 1) or sorted_pair.dtype != torch.int32
+            or expert_of_block.dtype != torch.int32 or expert_of_block.dim() != 1
+            or sorted_pair.shape != (expert_of_block.shape[0] * block_m,)):
+        raise ValueError(f"{op}: routing must be (block_m: a power of two >= 16, sorted_pair "
+                         "int32 [B * block_m], expert_of_block int32 [B]), got "
+                         f"({block_m}, {sorted_pair.dtype} {tuple(sorted_pair.shape)}, "
+                         f"{expert_of_block.dtype} {tuple(expert_of_block.shape)})")
+
+
+def route_block_m(tokens: int, top_k: int, num_experts: int, shared_expert: bool = False) -> int:
+    """`route_pairs`' block_m: from all `T*(K+1)` pairs and `E+1` experts with a shared expert."""
     shared = int(shared_expert)  # an int: a bool in symbolic-shape arithmetic fails to trace
-    block_m = moe_block_size(tokens * (top_k + shared), num_experts + shared)
-    sorted_pair, expert_of_block = align_pairs_to_blocks(topk_ids, num_experts, block_m,
-                                                         shared_expert)
-    return block_m, sorted_pair, expert_of_block
+    return moe_block_size(tokens * (top_k + shared), num_experts + shared)
+
+
+def route_pairs(topk_ids: torch.Tensor, num_experts: int,
+                shared_expert: bool = False) -> PairRouting:
+    """`(block_m, sorted_pair, expert_of_block)` for the grouped MoE kernels (see above), block_m
+    from `route_block_m`."""
+    block_m = route_block_m(*topk_ids.shape, num_experts, shared_expert)
+    return PairRouting(block_m, *align_pairs_to_blocks(topk_ids, num_experts, block_m,
+                                                       shared_expert))
 
 
 def combine_pairs(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor,

@@ -35,9 +35,72 @@ MAX_KERNEL_TOP_K = 16
 
 @triton.jit
 def _argmax_first(values, candidate, index, NONE: tl.constexpr):
-    """The lowest `index` of the largest `values` among `candidate`s (NONE if none is)."""
-    best = tl.max(tl.where(candidate, values, float("-inf")))
-    return tl.min(tl.where(candidate & (values == best), index, NONE))
+    """Per row of `values [TT, N]`: the lowest `index [1, N]` of the largest value among
+    `candidate`s (NONE if none is). -> `[TT]`"""
+    best = tl.max(tl.where(candidate, values, float("-inf")), 1)  # [TT]
+    return tl.min(tl.where(candidate & (values == best[:, None]), index, NONE), 1)
+
+
+@triton.jit
+def route_tokens(logits_ptr, bias_ptr, ids_ptr, weights_ptr, token, is_token, stride_split,
+                 stride_logits, routed_scaling_factor, NUM_SPLITS: tl.constexpr,
+                 NUM_EXPERTS: tl.constexpr, GROUP_SIZE: tl.constexpr, GROUPS_PAD: tl.constexpr,
+                 GROUP_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr, TOP_K: tl.constexpr,
+                 TOP_K_PAD: tl.constexpr, NORM_TOPK_PROB: tl.constexpr):
+    """Route the tokens `token [TT]` (int64; rows where `is_token [TT]` is False are padding):
+    a `[TT, G, S]` tile, every reduction per token. `moe_route_kernel` runs it for one token per
+    program, `dlmc::moe_route_align` for all tokens in one program; both give the same bits (the
+    weights' sum runs in slot order, not in `tl.sum`'s layout-dependent order)."""
+    TOKENS: tl.constexpr = token.shape[0]
+    group = tl.arange(0, GROUPS_PAD)[None, :]  # [1, G]
+    member = tl.arange(0, GROUP_PAD)[None, None, :]  # [1, 1, S]
+    expert = group[:, :, None] * GROUP_SIZE + member  # [1, G, S]
+    is_expert = (member < GROUP_SIZE) & (expert < NUM_EXPERTS)
+    row = logits_ptr + token[:, None, None] * stride_logits + expert  # [TT, G, S]
+    load_mask = is_expert & is_token[:, None, None]
+    logits = tl.load(row, mask=load_mask, other=0.0)  # [TT, G, S], split 0
+    for split in tl.static_range(1, NUM_SPLITS):  # fixed order: deterministic, as the reference
+        logits += tl.load(row + split * stride_split, mask=load_mask, other=0.0)
+    scores = tl.sigmoid(logits)  # [TT, G, S]
+    bias = tl.load(bias_ptr + expert, mask=is_expert, other=0.0)  # [1, G, S]
+    biased = tl.where(is_expert, scores + bias, float("-inf"))  # [TT, G, S], selection only
+    # Group score: the sum of the group's two best biased scores (the best one for groups of 1).
+    top1 = tl.max(biased, 2)  # [TT, G]
+    group_score = top1
+    if GROUP_SIZE > 1:
+        first = tl.min(tl.where(biased == top1[:, :, None], member, GROUP_PAD), 2)  # [TT, G]
+        group_score = top1 + tl.max(
+            tl.where(member == first[:, :, None], float("-inf"), biased), 2)
+    is_group = group * GROUP_SIZE < NUM_EXPERTS  # [1, G]
+    kept = tl.zeros([TOKENS, GROUPS_PAD], dtype=tl.int1)  # [TT, G]
+    for _ in tl.static_range(TOPK_GROUP):
+        pick = _argmax_first(group_score, is_group & ~kept, group, GROUPS_PAD)  # [TT]
+        kept = kept | (group == pick[:, None])
+    # Experts outside the kept groups score -inf, as in the reference's masked_fill.
+    masked = tl.where(kept[:, :, None], biased, float("-inf"))  # [TT, G, S]
+    slot = tl.arange(0, TOP_K_PAD)[None, :]  # [1, K]
+    taken = tl.zeros([TOKENS, GROUPS_PAD, GROUP_PAD], dtype=tl.int1)  # [TT, G, S]
+    topk_ids = tl.zeros([TOKENS, TOP_K_PAD], dtype=tl.int64)
+    topk_weights = tl.zeros([TOKENS, TOP_K_PAD], dtype=tl.float32)
+    total = tl.zeros([TOKENS], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        candidate = is_expert & ~taken
+        best = tl.max(tl.max(tl.where(candidate, masked, float("-inf")), 2), 1)  # [TT]
+        pick = tl.min(tl.min(tl.where(candidate & (masked == best[:, None, None]), expert,
+                                      NUM_EXPERTS), 2), 1)  # [TT], ties to the lowest id
+        pick = tl.minimum(pick, NUM_EXPERTS - 1)  # NaN scores: stay a valid expert id
+        chosen = expert == pick[:, None, None]  # [TT, G, S]
+        taken = taken | chosen
+        topk_ids = tl.where(slot == k, pick[:, None].to(tl.int64), topk_ids)
+        weight = tl.sum(tl.sum(tl.where(chosen, scores, 0.0), 2), 1)  # [TT], the unbiased score
+        topk_weights = tl.where(slot == k, weight[:, None], topk_weights)
+        total += weight  # slot order
+    if NORM_TOPK_PROB:
+        topk_weights = topk_weights / (total + 1e-20)[:, None]
+    out = token[:, None] * TOP_K + slot  # [TT, K]
+    is_out = (slot < TOP_K) & is_token[:, None]
+    tl.store(ids_ptr + out, topk_ids, mask=is_out)
+    tl.store(weights_ptr + out, topk_weights * routed_scaling_factor, mask=is_out)
 
 
 @triton.jit
@@ -46,48 +109,10 @@ def moe_route_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, stride_split, s
                      GROUP_SIZE: tl.constexpr, GROUPS_PAD: tl.constexpr,
                      GROUP_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
                      TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, NORM_TOPK_PROB: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    group = tl.arange(0, GROUPS_PAD)  # [G]
-    member = tl.arange(0, GROUP_PAD)[None, :]  # [1, S]
-    expert = group[:, None] * GROUP_SIZE + member  # [G, S]
-    is_expert = (member < GROUP_SIZE) & (expert < NUM_EXPERTS)
-    row = logits_ptr + token * stride_logits + expert
-    logits = tl.load(row, mask=is_expert, other=0.0)  # [G, S], split 0
-    for split in tl.static_range(1, NUM_SPLITS):  # fixed order: deterministic, as the reference
-        logits += tl.load(row + split * stride_split, mask=is_expert, other=0.0)
-    scores = tl.sigmoid(logits)  # [G, S]
-    bias = tl.load(bias_ptr + expert, mask=is_expert, other=0.0)
-    biased = tl.where(is_expert, scores + bias, float("-inf"))  # [G, S], selection only
-    # Group score: the sum of the group's two best biased scores (the best one for groups of 1).
-    top1 = tl.max(biased, 1)  # [G]
-    group_score = top1
-    if GROUP_SIZE > 1:
-        first = tl.min(tl.where(biased == top1[:, None], member, GROUP_PAD), 1)  # [G]
-        group_score = top1 + tl.max(tl.where(member == first[:, None], float("-inf"), biased), 1)
-    is_group = group * GROUP_SIZE < NUM_EXPERTS
-    kept = group < 0  # [G] all False
-    for _ in tl.static_range(TOPK_GROUP):
-        pick = _argmax_first(group_score, is_group & ~kept, group, GROUPS_PAD)
-        kept = kept | (group == pick)
-    # Experts outside the kept groups score -inf, as in the reference's masked_fill.
-    masked = tl.where(kept[:, None], biased, float("-inf"))  # [G, S]
-    slot = tl.arange(0, TOP_K_PAD)
-    taken = expert < 0  # [G, S] all False
-    topk_ids = tl.zeros([TOP_K_PAD], dtype=tl.int64)
-    topk_weights = tl.zeros([TOP_K_PAD], dtype=tl.float32)
-    for k in tl.static_range(TOP_K):
-        pick = _argmax_first(masked, is_expert & ~taken, expert, NUM_EXPERTS)
-        pick = tl.minimum(pick, NUM_EXPERTS - 1)  # NaN scores: stay a valid expert id
-        chosen = expert == pick
-        taken = taken | chosen
-        topk_ids = tl.where(slot == k, pick.to(tl.int64), topk_ids)
-        weight = tl.sum(tl.where(chosen, scores, 0.0))  # the unbiased score
-        topk_weights = tl.where(slot == k, weight, topk_weights)
-    if NORM_TOPK_PROB:
-        topk_weights = topk_weights / (tl.sum(topk_weights) + 1e-20)
-    out = token * TOP_K + slot
-    tl.store(ids_ptr + out, topk_ids, mask=slot < TOP_K)
-    tl.store(weights_ptr + out, topk_weights * routed_scaling_factor, mask=slot < TOP_K)
+    token = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)  # [1]: one token per program
+    route_tokens(logits_ptr, bias_ptr, ids_ptr, weights_ptr, token, token >= 0, stride_split,
+                 stride_logits, routed_scaling_factor, NUM_SPLITS, NUM_EXPERTS, GROUP_SIZE,
+                 GROUPS_PAD, GROUP_PAD, TOPK_GROUP, TOP_K, TOP_K_PAD, NORM_TOPK_PROB)
 
 
 def _moe_route_impl(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int,
@@ -99,17 +124,24 @@ def _moe_route_impl(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: in
     topk_weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
     if tokens == 0:
         return topk_ids, topk_weights
-    group_size = num_experts // n_group
-    groups_pad, group_pad = triton.next_power_of_2(n_group), triton.next_power_of_2(group_size)
-    tile = groups_pad * group_pad  # a token's [G, S] register tile
     wrap_triton(moe_route_kernel)[(tokens,)](
         logits, expert_bias, topk_ids, topk_weights, logits.stride(0), logits.stride(1),
-        routed_scaling_factor, NUM_SPLITS=splits, NUM_EXPERTS=num_experts,
-        GROUP_SIZE=group_size, GROUPS_PAD=groups_pad, GROUP_PAD=group_pad,
-        TOPK_GROUP=topk_group, TOP_K=top_k,
-        TOP_K_PAD=triton.next_power_of_2(top_k), NORM_TOPK_PROB=norm_topk_prob,
-        num_warps=1 if tile <= 256 else 2 if tile <= 512 else 4)
+        routed_scaling_factor, **route_constants(logits, n_group, topk_group, top_k,
+                                                 norm_topk_prob),
+        num_warps=route_warps_per_token(num_experts, n_group))
     return topk_ids, topk_weights
+
+
+def route_constants(logits: torch.Tensor, n_group: int, topk_group: int, top_k: int,
+                    norm_topk_prob: bool) -> dict[str, int | bool]:
+    """`route_tokens`' constexprs for `[S, T, E]` logits."""
+    splits, num_experts = logits.shape[0], logits.shape[-1]
+    group_size = num_experts // n_group
+    return {"NUM_SPLITS": splits, "NUM_EXPERTS": num_experts, "GROUP_SIZE": group_size,
+            "GROUPS_PAD": triton.next_power_of_2(n_group),
+            "GROUP_PAD": triton.next_power_of_2(group_size), "TOPK_GROUP": topk_group,
+            "TOP_K": top_k, "TOP_K_PAD": triton.next_power_of_2(top_k),
+            "NORM_TOPK_PROB": norm_topk_prob}
 
 
 def _moe_route_fake(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int,
@@ -128,6 +160,30 @@ def _kernel_applies(logits: torch.Tensor, top_k: int) -> bool:
             and top_k <= MAX_KERNEL_TOP_K)
 
 
+def check_route_args(op: str, logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int,
+                     topk_group: int, top_k: int) -> None:
+    """`moe_route`'s argument checks (shared with `moe_route_align`); errors name `op`."""
+    if logits.dtype != torch.float32 or logits.dim() not in (2, 3):
+        raise ValueError(f"{op}: logits must be fp32 [T, E] or [S, T, E], got "
+                         f"{logits.dtype} {tuple(logits.shape)}")
+    num_experts = logits.shape[-1]
+    if expert_bias.dtype != torch.float32 or expert_bias.shape != (num_experts,):
+        raise ValueError(f"{op}: expert_bias must be fp32 [E={num_experts}], got "
+                         f"{expert_bias.dtype} {tuple(expert_bias.shape)}")
+    if n_group < 1 or num_experts % n_group or not 1 <= topk_group <= n_group:
+        raise ValueError(f"{op}: n_group ({n_group}) must divide E ({num_experts}) and "
+                         f"topk_group ({topk_group}) be in 1..n_group")
+    if not 1 <= top_k <= topk_group * (num_experts // n_group):
+        raise ValueError(f"{op}: top_k ({top_k}) must be in 1..{topk_group} kept groups x "
+                         f"{num_experts // n_group} experts")
+
+
+def route_warps_per_token(num_experts: int, n_group: int) -> int:
+    """Warps for one token's `[G, S]` register tile."""
+    tile = triton.next_power_of_2(n_group) * triton.next_power_of_2(num_experts // n_group)
+    return 1 if tile <= 256 else 2 if tile <= 512 else 4
+
+
 def moe_route(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, topk_group: int,
               top_k: int, norm_topk_prob: bool,
               routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,19 +198,7 @@ def moe_route(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, top
     if `norm_topk_prob`, times `routed_scaling_factor`. The kernel runs on CUDA and under
     `TRITON_INTERPRET=1` for E <= 512 and top_k <= 16; `moe_route_reference` otherwise.
     """
-    if logits.dtype != torch.float32 or logits.dim() not in (2, 3):
-        raise ValueError("moe_route: logits must be fp32 [T, E] or [S, T, E], got "
-                         f"{logits.dtype} {tuple(logits.shape)}")
-    num_experts = logits.shape[-1]
-    if expert_bias.dtype != torch.float32 or expert_bias.shape != (num_experts,):
-        raise ValueError(f"moe_route: expert_bias must be fp32 [E={num_experts}], got "
-                         f"{expert_bias.dtype} {tuple(expert_bias.shape)}")
-    if n_group < 1 or num_experts % n_group or not 1 <= topk_group <= n_group:
-        raise ValueError(f"moe_route: n_group ({n_group}) must divide E ({num_experts}) and "
-                         f"topk_group ({topk_group}) be in 1..n_group")
-    if not 1 <= top_k <= topk_group * (num_experts // n_group):
-        raise ValueError(f"moe_route: top_k ({top_k}) must be in 1..{topk_group} kept groups x "
-                         f"{num_experts // n_group} experts")
+    check_route_args("moe_route", logits, expert_bias, n_group, topk_group, top_k)
     if _kernel_applies(logits, top_k):
         return _moe_route_op(logits.contiguous(), expert_bias.contiguous(), n_group, topk_group,
                              top_k, norm_topk_prob, routed_scaling_factor)

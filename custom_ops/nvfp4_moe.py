@@ -19,7 +19,13 @@ from torch.library import wrap_triton
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.bf16_moe import bf16_down_block, bf16_gate_up_block
-from dlmc.custom_ops.moe_align import block_rows, combine_pairs, route_pairs
+from dlmc.custom_ops.moe_align import (
+    PairRouting,
+    block_rows,
+    check_pair_routing,
+    combine_pairs,
+    route_pairs,
+)
 from dlmc.custom_ops.nvfp4_bf16x2 import ACC_SCALE
 from dlmc.custom_ops.nvfp4_scales import e4m3_of_predecoded, scales_for_kernel
 from dlmc.custom_ops.nvfp4_tiles import nvfp4_tile_dot, nvfp4_tile_dot_v2, round_bf16
@@ -194,13 +200,16 @@ def _nvfp4_moe_impl(
     gate_up_input_scale: torch.Tensor | None = None,
     down_input_scale: torch.Tensor | None = None,
     shared_gate: torch.Tensor | None = None, shared_up: torch.Tensor | None = None,
-    shared_down: torch.Tensor | None = None,
+    shared_down: torch.Tensor | None = None, block_m: int = 0,
+    sorted_pair: torch.Tensor | None = None, expert_of_block: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Body of `dlmc::nvfp4_moe`. Same tensors as `nvfp4_moe`, except that the block scales are
     their uint8 bit patterns (v4: int16 patterns of the pre-decoded bf16, `nvfp4_scales`) and the
     W4A4 activation scales come pre-combined: `gate_up_input_scale` fp32 `[E]` (shared by gate
     and up) and `down_input_scale` fp32 `[E]` (None: no emulation).
-    `shared_*` (all three or none): the BF16 shared expert, run as the dense tail blocks."""
+    `shared_*` (all three or none): the BF16 shared expert, run as the dense tail blocks.
+    `sorted_pair` / `expert_of_block` at `block_m`: the pairs' alignment if already made (with
+    the shared expert's tail when `shared_*` are given; None: aligned here)."""
     T, H = x.shape
     K = topk_ids.shape[1]
     E, I = gate_weight.shape[0], gate_weight.shape[1]
@@ -211,7 +220,8 @@ def _nvfp4_moe_impl(
     if T == 0:
         return out
     num_pairs = T * pairs_per_token
-    block_m, sorted_pair, expert_of_block = route_pairs(topk_ids, E, has_shared)
+    if sorted_pair is None or expert_of_block is None:  # else aligned by dlmc::moe_route_align
+        block_m, sorted_pair, expert_of_block = route_pairs(topk_ids, E, has_shared)
     num_blocks = expert_of_block.shape[0]
     a, a_row_div = x.contiguous(), pairs_per_token
     if gate_up_input_scale is not None:  # W4A4 emulation: quantize each routed pair's row
@@ -337,7 +347,7 @@ def nvfp4_moe(
     *, gate_input_scale: torch.Tensor | None = None, up_input_scale: torch.Tensor | None = None,
     down_input_scale: torch.Tensor | None = None, emulate_w4a4: bool = False,
     shared_gate: torch.Tensor | None = None, shared_up: torch.Tensor | None = None,
-    shared_down: torch.Tensor | None = None,
+    shared_down: torch.Tensor | None = None, routing: PairRouting | None = None,
 ) -> torch.Tensor:
     """Routed-expert MoE with NVFP4 experts (Triton, `dlmc::nvfp4_moe`).
 
@@ -357,6 +367,8 @@ def nvfp4_moe(
       `bf16_moe`'s tile dot and epilogue: `bf16(down(bf16(bf16(silu(g)) * u)))` with `g`, `u` the
       bf16-rounded projections, i.e. `SwiGLUMLP`'s bf16 maths; it reads x unquantized with
       `emulate_w4a4`.
+    - `routing`: the pairs' alignment if already made (`route_pairs(topk_ids, E, shared)`'s,
+      e.g. by `moe_route_align`); None aligns them here.
     Returns bf16 `[T, H]`: `sum_k topk_weights[t, k] * bf16(expert_k(x[t]))` (+ the shared
     expert's bf16 output), summed in fp32. All tensors on one device, contiguous. No host sync:
     capturable in a CUDA graph.
@@ -376,7 +388,10 @@ def nvfp4_moe(
     predecoded = kernel_reads_predecoded_scales()
     op_args = [scales_for_kernel(t, predecoded) if name.endswith("_weight_scale") else t
                for name, t in weights.items()]
-    return _nvfp4_moe_op(x, topk_ids, topk_weights, *op_args, a1, a2, *shared)
+    if routing is not None:
+        check_pair_routing("nvfp4_moe", routing)
+    return _nvfp4_moe_op(x, topk_ids, topk_weights, *op_args, a1, a2, *shared,
+                         *(routing or (0, None, None)))
 
 
 def nvfp4_moe_reference(

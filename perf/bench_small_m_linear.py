@@ -9,6 +9,10 @@ config of `small_m_linear` (`bf16:BLOCK_N,BLOCK_K,num_warps,num_stages`) on the 
 The router row times `dlmc::router_gemm` (BF16 tensor cores on a three-way split of the fp32
 weight, split-K partials; `fp32split:BLOCK_N,SPLITS,BLOCK_K,num_warps,num_stages` sweeps it) and,
 since its partials are summed inside `dlmc::moe_route`, GEMM + routing for both ("route ..." rows).
+"... + align" rows add the experts' routing prep (`route_pairs`: `dlmc::moe_align`, with the
+fused shared expert as BF16 rounds run it, "shared"), "... fused" rows run both in one
+`dlmc::moe_route_align` launch instead (what MoEBlock runs with DLMC_FUSED_ROUTE_ALIGN=auto);
+`--fused-warps` adds fused rows at other num_warps.
 
     python perf/bench_small_m_linear.py --out perf/results/small_m_linear_h200.json
 """
@@ -26,6 +30,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+import dlmc.custom_ops.moe_route_align as mra
 import dlmc.custom_ops.router_gemm as rg
 import dlmc.custom_ops.small_m_linear as sml
 from dlmc.bench.timing import copy_bandwidth_gbps, cuda_times
@@ -44,6 +49,34 @@ def graph_us(fn: Callable[[int], object], copies: int, iters: int) -> float:
         for i in range(copies):
             fn(i)
     return statistics.median(cuda_times(graph.replay, iters, warmup=3)) * 1e3 / copies
+
+
+def route_align_rows(x: torch.Tensor, ws: list[torch.Tensor], bias: torch.Tensor,
+                     routing: tuple, fused_warps: list[int], copies: int,
+                     iters: int) -> dict[str, float]:
+    """router_gemm + moe_route + moe_align (two launches after the GEMM) against router_gemm +
+    moe_route_align (one), without and with the shared expert (BF16 rounds fuse it)."""
+    from dlmc.custom_ops.moe_align import route_pairs
+    from dlmc.custom_ops.moe_route import moe_route
+
+    def two_launches(i: int, shared: bool) -> object:
+        ids, _ = moe_route(rg.router_gemm(x, ws[i]), bias, *routing)
+        return route_pairs(ids, bias.shape[0], shared)
+
+    rows = {}
+    for shared in (False, True):
+        tag = " shared" if shared else ""
+        rows[f"route router_gemm + align{tag}"] = graph_us(
+            lambda i, s=shared: two_launches(i, s), copies, iters)
+        for warps in [None, *fused_warps]:
+            mra._NUM_WARPS = warps
+            label = f"route router_gemm fused{tag}" + (f" w{warps}" if warps else "")
+            try:
+                rows[label] = graph_us(lambda i, s=shared: mra.moe_route_align(
+                    rg.router_gemm(x, ws[i]), bias, *routing, s), copies, iters)
+            finally:
+                mra._NUM_WARPS = None
+    return rows
 
 
 def router_rows(x: torch.Tensor, ws: list[torch.Tensor], ref: torch.Tensor,
@@ -83,6 +116,8 @@ def main() -> None:
     p.add_argument("--configs", nargs="*", default=[],
                    help="bf16:BLOCK_N,BLOCK_K,num_warps,num_stages (dlmc::small_m_linear), or "
                    "fp32split:BLOCK_N,SPLITS,BLOCK_K,num_warps,num_stages (dlmc::router_gemm)")
+    p.add_argument("--fused-warps", type=int, nargs="*", default=[],
+                   help="also time dlmc::moe_route_align at these num_warps (default: its own)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     torch.manual_seed(0)
@@ -123,6 +158,9 @@ def main() -> None:
         sml._CONFIG = default
         if name == "router":
             rows |= router_rows(xi, ws, ref, split_configs, args.copies, args.iters)
+            bias = torch.randn(n, device="cuda") * 0.1
+            rows |= route_align_rows(xi, ws, bias, (8, 4, 8, True, 2.5), args.fused_warps,
+                                     args.copies, args.iters)
         nbytes = n * k * ws[0].element_size()
         for label, us in rows.items():
             if label.startswith("err"):

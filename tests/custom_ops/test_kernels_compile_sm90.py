@@ -32,8 +32,9 @@ from dlmc.custom_ops._paged_attention_merge import (
     paged_attention_merge_kernel,
 )
 from dlmc.custom_ops.kv_append import kv_append_kernel
-from dlmc.custom_ops.moe_align import aligned_blocks, moe_align_kernel
+from dlmc.custom_ops.moe_align import align_launch, aligned_blocks, moe_align_kernel, route_block_m
 from dlmc.custom_ops.moe_route import moe_route_kernel
+from dlmc.custom_ops.moe_route_align import _num_warps, moe_route_align_kernel
 from dlmc.custom_ops.nvfp4_moe import _down_kernel, _gate_up_kernel
 from dlmc.custom_ops.qk_norm_rope import _qk_norm_rope_kernel
 from dlmc.custom_ops.router_gemm import _CONFIG as ROUTER_GEMM_CONFIG
@@ -274,6 +275,23 @@ def check_moe_route(float_type: str, splits: int) -> None:
         "GROUP_PAD": 32, "TOPK_GROUP": 4, "TOP_K": 8, "TOP_K_PAD": 8, "NORM_TOPK_PROB": True}, 4)
 
 
+def check_moe_route_align(tokens: int, splits: int, shared_expert: bool) -> None:
+    """One program for the whole block at LLaDA2.1-mini's routing (E 256, top-8 of 4 groups)."""
+    types = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64",
+             "weights_ptr": "*fp32", "sorted_pair_ptr": "*i32", "expert_of_block_ptr": "*i32",
+             "num_tokens": "i32", "stride_split": "i32", "stride_logits": "i32",
+             "routed_scaling_factor": "fp64", "shared_expert": "i32"}
+    block_m = route_block_m(tokens, 8, 256, shared_expert)
+    align_constants, align_warps = align_launch(tokens, 8, 256, block_m, shared_expert)
+    compiled = compile_sm90(moe_route_align_kernel, types, {
+        "TOKENS_PAD": 1 << (tokens - 1).bit_length(), "NUM_SPLITS": splits, "NUM_EXPERTS": 256,
+        "GROUP_SIZE": 32, "GROUPS_PAD": 8, "GROUP_PAD": 32, "TOPK_GROUP": 4, "TOP_K": 8,
+        "TOP_K_PAD": 8, "NORM_TOPK_PROB": True, **align_constants},
+        _num_warps(tokens, 256, 8, align_warps))
+    assert compiled.metadata.shared <= 48 * 1024  # one program, no opt-in shared memory needed
+    assert "bar.sync" in compiled.asm["ptx"]  # the barrier between routing and the sort
+
+
 def check_small_m_linear() -> None:
     types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "tokens": "i32",
              "stride_x": "i32", "stride_y": "i32"}
@@ -326,5 +344,9 @@ if __name__ == "__main__":
     check_qk_norm_rope("fp32")
     check_moe_route("fp64", 1)
     check_moe_route("fp32", 8)  # router_gemm's split-K partials
+    check_moe_route_align(32, 1, shared_expert=False)  # a diffusion block, cuBLAS logits
+    check_moe_route_align(32, 8, shared_expert=True)  # router_gemm's partials, shared fused
+    check_moe_route_align(64, 8, shared_expert=True)  # the largest one-program block
+    check_moe_route_align(1, 8, shared_expert=False)
     check_router_gemm()
     check_small_m_linear()

@@ -1,5 +1,6 @@
 """The model against an independent re-implementation of llada2.md §3 written from the doc."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -133,3 +134,60 @@ def test_fused_shared_expert_logits_match_unfused(tiny_dir):
         assert (got - want).norm() / want.norm() < tol
         if dtype == torch.float32:
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _logits_by_switch(model_dir, device, fuse_shared):
+    """bf16 logits of the loaded tiny model with DLMC_FUSED_ROUTE_ALIGN=auto and =off."""
+    from dlmc.loading.loader import load_model
+    from dlmc.models.moe import MoEBlock, fuse_shared_experts
+
+    ids = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(4)).to(device)
+    pos = torch.arange(24, device=device)
+    mask = block_causal_mask(pos, pos, 16, torch.bfloat16)
+    loaded = load_model(model_dir, torch.device(device), torch.bfloat16)
+    if fuse_shared:
+        fuse_shared_experts(loaded.model)
+    blocks = [m for m in loaded.model.modules() if isinstance(m, MoEBlock)]
+    logits = {}
+    for switch in ("off", "auto"):
+        for block in blocks:
+            block.route_align = switch  # as read from the environment at construction
+        with torch.inference_mode():
+            logits[switch] = loaded.model(ids, pos, MaskedAttention(mask))
+    return logits["auto"], logits["off"]
+
+
+def test_logits_equal_with_fused_route_align_on_and_off(tiny_dir, monkeypatch):
+    """DLMC_FUSED_ROUTE_ALIGN=auto vs off through the CUDA MoE path (Triton's interpreter on
+    CPU): routing in one launch changes no logit and so no token."""
+    import dlmc.custom_ops.moe_route_align as fused_module
+    import dlmc.models.moe as moe
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(moe, "_kernel_path", lambda x: True)
+    calls = []
+    op = fused_module._moe_route_align_op
+    monkeypatch.setattr(fused_module, "_moe_route_align_op", lambda *a: calls.append(a) or op(*a))
+    for fuse_shared in (False, True):
+        calls.clear()
+        fused, two_launches = _logits_by_switch(tiny_dir, device, fuse_shared)
+        assert len(calls) == 2  # the tiny model's two MoE layers, once each
+        assert calls[0][-1] is fuse_shared  # shared_expert
+        assert torch.equal(fused, two_launches)
+        assert torch.equal(fused.argmax(-1), two_launches.argmax(-1))
+
+
+@pytest.mark.gpu
+def test_generate_equal_with_fused_route_align_on_and_off(tiny_dir, monkeypatch):
+    """On CUDA in graph mode: the same tokens and logits with the switch on and off."""
+    from dlmc import LLM
+
+    results = {}
+    for switch in ("off", "auto"):
+        monkeypatch.setenv("DLMC_FUSED_ROUTE_ALIGN", switch)
+        llm = LLM(tiny_dir, device="cuda", dtype="bf16", mode="graph")
+        res = llm.generate(prompt="The capital of France is", max_new_tokens=64)
+        results[switch] = (res.token_ids, llm.logits(res.prompt_token_ids + res.token_ids))
+        del llm
+    assert results["auto"][0] == results["off"][0]
+    assert torch.equal(results["auto"][1], results["off"][1])

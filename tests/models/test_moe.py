@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from dlmc.custom_ops.moe_align import append_shared_column
+from dlmc.custom_ops.moe_route_align import moe_route_align
 from dlmc.custom_ops.router_gemm import router_gemm as moe_router_gemm
 from dlmc.errors import ConfigError
 from dlmc.loading.tiny import TINY_CONFIG
@@ -302,3 +303,52 @@ def test_nvfp4_shared_expert_switch(monkeypatch):
         block.fuse_shared_expert()
     monkeypatch.setenv("DLMC_NVFP4_SHARED", "fused")
     assert block.fuse_shared_expert()
+
+
+def test_fused_route_align_switch(monkeypatch):
+    """DLMC_FUSED_ROUTE_ALIGN: "auto" (default) fuses on CUDA only, "off" never; bad values name
+    the variable. Read at construction."""
+    import dlmc.models.moe as moe
+
+    monkeypatch.delenv("DLMC_FUSED_ROUTE_ALIGN", raising=False)
+    _, block, x = _moe_block(torch.bfloat16)
+    assert block.route_align == "auto"
+    assert not block._fuses_route_align(x)  # a CPU tensor: the torch maths
+    monkeypatch.setattr(moe, "_kernel_path", lambda x: True)
+    assert block._fuses_route_align(x)  # BF16Experts takes a routing for bf16 kernel inputs
+    assert not block._fuses_route_align(x.float())  # ... not for fp32 (torch grouped maths)
+    monkeypatch.setenv("DLMC_FUSED_ROUTE_ALIGN", "off")
+    _, off, _ = _moe_block(torch.bfloat16)
+    assert off.route_align == "off" and not off._fuses_route_align(x)
+    monkeypatch.setenv("DLMC_FUSED_ROUTE_ALIGN", "on")
+    with pytest.raises(ConfigError, match="DLMC_FUSED_ROUTE_ALIGN='on'"):
+        _moe_block()
+
+
+@pytest.mark.parametrize("fuse_shared", [False, True])
+def test_block_through_fused_route_align_equals_two_launches(monkeypatch, fuse_shared):
+    """The CUDA path of MoEBlock (Triton's interpreter on CPU): one `dlmc::moe_route_align` whose
+    alignment the experts take, bit for bit the block with `moe_route` + `moe_align`."""
+    import dlmc.custom_ops.bf16_moe as bf16_moe_module
+    import dlmc.models.moe as moe
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    _, block, x = _moe_block(torch.bfloat16, seed=4)
+    block, x = block.to(device), x.to(device)
+    if fuse_shared:
+        block.fuse_shared_expert()
+    monkeypatch.setattr(moe, "_kernel_path", lambda x: True)
+    fused, aligned = [], []
+    monkeypatch.setattr(moe, "moe_route_align",
+                        lambda *a: fused.append(a) or moe_route_align(*a))
+    route_pairs = bf16_moe_module.route_pairs
+    monkeypatch.setattr(bf16_moe_module, "route_pairs",
+                        lambda *a: aligned.append(a) or route_pairs(*a))
+    block.route_align = "off"
+    want = block(x)
+    assert not fused and len(aligned) == 1
+    block.route_align = "auto"
+    got = block(x)
+    assert len(fused) == 1 and len(aligned) == 1  # the experts did not align again
+    assert fused[0][-1] is fuse_shared  # shared_expert
+    assert torch.equal(got, want)

@@ -2,7 +2,11 @@
 
 The routed experts are the MoE seam: any module with
 `forward(x [T, H], topk_ids [T, K] int64, topk_weights [T, K] fp32) -> [T, H]` can stand in
-(`BF16Experts` here, the NVFP4 experts chosen at load time for NVFP4 checkpoints).
+(`BF16Experts` here, the NVFP4 experts chosen at load time for NVFP4 checkpoints). Experts with
+a `takes_pair_routing(x)` that says True also take `routing=` the pairs' alignment
+(`PairRouting`): on CUDA `MoEBlock` then routes and aligns in one launch
+(`dlmc::moe_route_align`, `DLMC_FUSED_ROUTE_ALIGN=auto`, the default) instead of the experts
+aligning the router's picks again (`off`: `dlmc::moe_route`, then `moe_align` in the experts).
 
 `fuse_shared_experts(model)` (after loading; off unless called) moves each shared expert into
 its layer's experts module as one more expert, id E, which every token takes with weight 1.0
@@ -25,8 +29,9 @@ from torch import nn
 
 from dlmc.custom_ops._registration import INTERPRETED
 from dlmc.custom_ops.bf16_moe import bf16_moe, bf16_moe_reference  # noqa: F401 (re-export)
-from dlmc.custom_ops.moe_align import append_shared_column
+from dlmc.custom_ops.moe_align import PairRouting, append_shared_column
 from dlmc.custom_ops.moe_route import moe_route, moe_route_reference
+from dlmc.custom_ops.moe_route_align import moe_route_align
 from dlmc.custom_ops.router_gemm import MAX_TOKENS as ROUTER_GEMM_MAX_TOKENS
 from dlmc.custom_ops.router_gemm import router_gemm
 from dlmc.models.config import LLaDA2Config
@@ -34,6 +39,12 @@ from dlmc.models.layers import SwiGLUMLP, env_choice
 from dlmc.models.nvfp4_experts import NVFP4Experts
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _kernel_path(x: torch.Tensor) -> bool:
+    """Whether `x` takes the Triton kernels: on CUDA; CPU runs keep the torch maths (tests point
+    this at Triton's interpreter)."""
+    return x.is_cuda
 
 
 class Router(nn.Module):
@@ -60,14 +71,24 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Route `x [T, H]` to `(topk_ids [T, K] int64, topk_weights [T, K] fp32)`."""
         cfg = self.config
-        if self._split_gemm(x):
-            logits = router_gemm(x, self.weight.float())  # [S, T, E] fp32, sums to the logits
-        else:
-            logits = F.linear(x.float(), self.weight.float())  # [T, E] fp32
         # One Triton launch on CUDA; on CPU the torch maths (the op would interpret the kernel).
-        route = moe_route if logits.is_cuda else moe_route_reference
-        return route(logits, self.expert_bias.float(), cfg.n_group, cfg.topk_group,
+        route = moe_route if _kernel_path(x) else moe_route_reference
+        return route(self._logits(x), self.expert_bias.float(), cfg.n_group, cfg.topk_group,
                      cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+
+    def route_align(self, x: torch.Tensor,
+                    shared_expert: bool) -> tuple[torch.Tensor, torch.Tensor, PairRouting]:
+        """`forward`'s routing and its alignment for the grouped expert kernels
+        (`shared_expert`: with expert E for every token), one `dlmc::moe_route_align` launch."""
+        cfg = self.config
+        return moe_route_align(self._logits(x), self.expert_bias.float(), cfg.n_group,
+                               cfg.topk_group, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                               cfg.routed_scaling_factor, shared_expert)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self._split_gemm(x):
+            return router_gemm(x, self.weight.float())  # [S, T, E] fp32, sums to the logits
+        return F.linear(x.float(), self.weight.float())  # [T, E] fp32
 
     def _split_gemm(self, x: torch.Tensor) -> bool:
         device_ok = x.is_cuda or (self.gemm == "triton" and INTERPRETED)
@@ -93,16 +114,22 @@ class BF16Experts(nn.Module):
             torch.empty(num_experts, hidden_size, intermediate_size)
         )
 
+    def takes_pair_routing(self, x: torch.Tensor) -> bool:
+        """Whether `forward(x, ...)` runs `dlmc::bf16_moe`, which takes a `routing=`."""
+        return _kernel_path(x) and x.dtype == torch.bfloat16
+
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-        shared_expert: bool = False,
+        shared_expert: bool = False, routing: PairRouting | None = None,
     ) -> torch.Tensor:
         """`[T, H]` from `topk_ids`/`topk_weights [T, K]`; `shared_expert`: every token also
-        takes the last expert with weight 1.0 (see `bf16_moe`)."""
-        if x.is_cuda and x.dtype == torch.bfloat16:  # Triton grouped GEMM (dlmc::bf16_moe)
+        takes the last expert with weight 1.0 (see `bf16_moe`); `routing`: the pairs' alignment
+        for `bf16_moe` if already made (ignored by the torch paths)."""
+        if self.takes_pair_routing(x):  # Triton grouped GEMM (dlmc::bf16_moe)
             return bf16_moe(
                 x, topk_ids, topk_weights,
                 self.gate_proj_weight, self.up_proj_weight, self.down_proj_weight, shared_expert,
+                routing,
             )
         return grouped_moe(
             x, topk_ids, topk_weights,
@@ -155,7 +182,9 @@ class MoEBlock(nn.Module):
     """HF `mlp` of layers >= first_k_dense_replace: `gate`, `experts`, `shared_experts`.
 
     `shared_expert_id` is None, or (after `fuse_shared_expert`) the expert id of the shared
-    expert inside `experts`, with `shared_experts` then None.
+    expert inside `experts`, with `shared_experts` then None. `route_align` (from
+    `DLMC_FUSED_ROUTE_ALIGN`, "auto" or "off"): whether CUDA runs route and align the pairs in one
+    launch for experts that take a `routing` (module docstring).
     """
 
     def __init__(self, config: LLaDA2Config, experts: nn.Module | None = None) -> None:
@@ -170,13 +199,25 @@ class MoEBlock(nn.Module):
             else None
         )
         self.shared_expert_id: int | None = None
+        # "auto": dlmc::moe_route_align on CUDA; "off": moe_route, then moe_align in the experts
+        self.route_align = env_choice("DLMC_FUSED_ROUTE_ALIGN", "auto", ("auto", "off"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_ids, topk_weights = self.gate(x)  # [T, K]
+        expert_kwargs: dict[str, object] = {}
         if self.shared_expert_id is not None:  # the last expert, every token with weight 1.0
-            return self.experts(x, topk_ids, topk_weights, shared_expert=True)
-        routed = self.experts(x, topk_ids, topk_weights)
+            expert_kwargs["shared_expert"] = True
+        if self._fuses_route_align(x):
+            topk_ids, topk_weights, expert_kwargs["routing"] = self.gate.route_align(
+                x, self.shared_expert_id is not None)  # [T, K], [T, K], the pairs' blocks
+        else:
+            topk_ids, topk_weights = self.gate(x)  # [T, K]
+        routed = self.experts(x, topk_ids, topk_weights, **expert_kwargs)
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
+
+    def _fuses_route_align(self, x: torch.Tensor) -> bool:
+        takes_routing = getattr(self.experts, "takes_pair_routing", None)
+        return (self.route_align == "auto" and _kernel_path(x) and takes_routing is not None
+                and takes_routing(x))
 
     @torch.no_grad()
     def fuse_shared_expert(self) -> bool:

@@ -14,6 +14,7 @@ import re
 import torch
 from torch import nn
 
+from dlmc.custom_ops.moe_align import PairRouting
 from dlmc.custom_ops.nvfp4_moe import kernel_reads_predecoded_scales, nvfp4_moe, nvfp4_moe_reference
 from dlmc.custom_ops.nvfp4_scales import e4m3_of_predecoded, predecode_block_scales
 from dlmc.quant.nvfp4_format import GROUP_SIZE, dequantize_nvfp4
@@ -132,20 +133,28 @@ class NVFP4Experts(nn.Module):
         self.shared_expert_id = self.num_experts
         return self.shared_expert_id
 
+    def takes_pair_routing(self, x: torch.Tensor) -> bool:
+        """Whether `forward` runs `dlmc::nvfp4_moe`, which takes a `routing=`."""
+        return not self.use_reference
+
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-        shared_expert: bool = False,
+        shared_expert: bool = False, routing: PairRouting | None = None,
     ) -> torch.Tensor:
         """x bf16 `[T, H]`, topk_ids int `[T, K]`, topk_weights fp32 `[T, K]` -> bf16 `[T, H]`.
 
         `out[t] = sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])`, summed in fp32 over
         bf16 expert outputs (routed scaling belongs in `topk_weights`). `shared_expert`: plus the
         shared expert's bf16 output with weight 1.0 in the same fp32 sum (`set_shared_expert`).
+        `routing`: the pairs' alignment for `nvfp4_moe` if already made, with the shared
+        expert's tail when `shared_expert` (the reference needs none).
         """
         moe = nvfp4_moe_reference if self.use_reference else nvfp4_moe
-        scales = {}
+        kwargs: dict[str, object] = {}
+        if routing is not None and not self.use_reference:
+            kwargs["routing"] = routing
         if self.emulate_w4a4:
-            scales = {
+            kwargs |= {
                 "gate_input_scale": self.gate_proj_input_scale,
                 "up_input_scale": self.up_proj_input_scale,
                 "down_input_scale": self.down_proj_input_scale,
@@ -153,10 +162,10 @@ class NVFP4Experts(nn.Module):
         if shared_expert:
             if self.shared_expert_id is None:
                 raise ValueError("NVFP4Experts: shared_expert=True needs set_shared_expert first")
-            scales |= {f"shared_{p}": getattr(self, f"shared_{p}_proj_weight")
+            kwargs |= {f"shared_{p}": getattr(self, f"shared_{p}_proj_weight")
                        for p in ("gate", "up", "down")}
         return moe(
-            x, topk_ids, topk_weights, *self._op_args(), emulate_w4a4=self.emulate_w4a4, **scales
+            x, topk_ids, topk_weights, *self._op_args(), emulate_w4a4=self.emulate_w4a4, **kwargs
         )
 
     @torch.no_grad()
