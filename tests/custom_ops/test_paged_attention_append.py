@@ -137,7 +137,7 @@ def test_opcheck() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [FP8, BF16])
+@pytest.mark.parametrize("dtype", [FP8, BF16], ids=["fp8", "bf16"])
 def test_compiled_graph_replay_appends_at_the_device_prefix(dtype: torch.dtype) -> None:
     """LLaDA2.1-mini shapes, the op's default launch (FP8: interleaved; BF16: contiguous),
     compiled with fullgraph and captured once; replays at moving prefixes (the last one past
