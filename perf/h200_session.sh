@@ -13,6 +13,7 @@
 #   bash perf/h200_session.sh share    # NVFP4+FP8 graph round at PREFIX (4096) + profile, then
 #                                      # the attention variants (SWEEP) at 1k/4k/16k
 #   bash perf/h200_session.sh tests    # the gpu-marked tests of TESTS
+#   source perf/h200_session.sh lib   # install, then call round / gpu_tests / ncu_run by hand
 #   bash perf/h200_session.sh ncu      # Nsight Compute of nvfp4_moe and paged attention
 #   bash perf/h200_session.sh repeat   # the BF16 graph round in REPEATS (3) fresh processes
 #   bash perf/h200_session.sh variants # graph round + profile per VARIANTS entry, each
@@ -138,5 +139,6 @@ ncu)  # why nvfp4_moe v3 sits near 45 % of copy bandwidth, and what limits paged
     python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 1 --layers 1
   ncu_run paged_attention "paged_attention" 4 \
     python3 perf/bench_paged_attention.py --prefixes 4096 --layers 1 --iters 1 --no-flashinfer ;;
+lib) ;;  # `source perf/h200_session.sh lib`: install and define round/gpu_tests/ncu_run only
 *) echo "usage: $0 final|rounds|repeat|variants|ops|moe|gemm|share|tests|ncu" >&2; exit 2 ;;
 esac

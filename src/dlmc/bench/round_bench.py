@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from dlmc.bench.timing import cuda_times
+from dlmc.custom_ops.moe_align import PairRouting, route_pairs
 from dlmc.engine.decode_config import DecodeConfig
 from dlmc.engine.kv_cache import DenseKVCache
 from dlmc.graphs.runner import RoundRunner
@@ -33,13 +34,16 @@ class FixedRouter(nn.Module):
 
     The model's own router still runs every round (its GEMM and selection are part of the
     round's cost); its weights enter the result multiplied by zero, which no compiler folds
-    away (0 * x is not 0 for inf/NaN), so the work cannot be eliminated.
+    away (0 * x is not 0 for inf/NaN), so the work cannot be eliminated. Where the block routes
+    and aligns in one launch (`route_align`, `DLMC_FUSED_ROUTE_ALIGN=auto` on CUDA), that launch
+    runs too, and the fixed ids are aligned by one more `moe_align` launch that the model's
+    fused routing does not have: such rounds are timed pessimistically by that launch.
     """
 
     def __init__(self, router: nn.Module, num_experts: int, top_k: int, max_tokens: int,
                  scale: float, device: torch.device, gen: torch.Generator) -> None:
         super().__init__()
-        self.router = router
+        self.router, self.num_experts = router, num_experts
         keys = torch.rand(max_tokens, num_experts, device=device, generator=gen)
         self.register_buffer("ids", keys.topk(top_k, dim=-1).indices)  # [T, K]
         weights = torch.rand(max_tokens, top_k, device=device, generator=gen)
@@ -47,7 +51,17 @@ class FixedRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _, real_weights = self.router(x)  # [T, K]
-        tokens = x.shape[0]
+        return self._fixed(x.shape[0], real_weights)
+
+    def route_align(self, x: torch.Tensor,
+                    shared_expert: bool) -> tuple[torch.Tensor, torch.Tensor, PairRouting]:
+        """`Router.route_align` with the fixed ids: the model's launch, then the ids' own
+        alignment (`route_pairs`)."""
+        _, real_weights, _ = self.router.route_align(x, shared_expert)
+        ids, weights = self._fixed(x.shape[0], real_weights)
+        return ids, weights, route_pairs(ids, self.num_experts, shared_expert)
+
+    def _fixed(self, tokens: int, real_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ids[:tokens], self.weights[:tokens] + 0.0 * real_weights
 
 
@@ -69,9 +83,9 @@ def touched_bytes(model: nn.Module, tokens: torch.Tensor, positions: torch.Tenso
     touched expert of its layer (or, beside NVFP4 experts, as its BF16 weights): the same bytes
     as when it is a module of its own."""
     cfg = model.config
-    counts: list[int] = []
-    hooks = [m.gate.register_forward_hook(lambda _m, _i, out: counts.append(
-        int(out[0].unique().numel()))) for m in model.modules() if isinstance(m, MoEBlock)]
+    counts: list[int] = []  # the ids the experts get, whichever router path made them
+    hooks = [m.experts.register_forward_pre_hook(lambda _m, args: counts.append(
+        int(args[1].unique().numel()))) for m in model.modules() if isinstance(m, MoEBlock)]
     from dlmc.engine.attention import CachedAttention
 
     scratch = DenseKVCache(cfg.num_hidden_layers, prefix + tokens.numel(),
