@@ -81,10 +81,15 @@ def test_uniform_routing_through_the_fused_route_align_path(tiny_dir, monkeypatc
     calls = []
     op = fused_module._moe_route_align_op
     monkeypatch.setattr(fused_module, "_moe_route_align_op", lambda *a: calls.append(a) or op(*a))
+    import dlmc.bench.round_bench as round_bench
+
     model = load_model(tiny_dir, torch.device("cpu"), torch.bfloat16).model
-    use_uniform_routing(model, max_tokens=64, seed=0)
+    use_uniform_routing(model, max_tokens=64, seed=0, align_tokens=(16,))
     blocks = [m for m in model.modules() if isinstance(m, moe.MoEBlock)]
     assert blocks and all(isinstance(b.gate, FixedRouter) for b in blocks)
+    aligned = []  # alignments made in a forward: none for the prepared 16-token blocks
+    route_pairs = round_bench.route_pairs
+    monkeypatch.setattr(round_bench, "route_pairs", lambda *a: aligned.append(a) or route_pairs(*a))
     tokens, positions = torch.arange(16), torch.arange(48, 64)
     mask = block_causal_mask(positions, positions, 16, torch.bfloat16)
 
@@ -105,6 +110,16 @@ def test_uniform_routing_through_the_fused_route_align_path(tiny_dir, monkeypatc
         assert len(calls) == 2 * len(blocks)  # "off": no fused launch
         assert torch.equal(fused, two_launches)
         assert fused_bytes == two_launch_bytes and fused_bytes[1] > 0
+        assert not aligned
+        compiled = torch.compile(model, fullgraph=True)  # each switch its own graph
+        outputs = {}
+        for switch in ("off", "auto"):
+            for block in blocks:
+                block.route_align = switch
+            with torch.inference_mode():
+                outputs[switch] = compiled(tokens, positions, MaskedAttention(mask))
+        assert torch.equal(outputs["auto"], outputs["off"])
+        assert not aligned  # "auto" took the prepared alignment (the experts align for "off")
         fixed_ids = blocks[0].gate.ids[:16]
         assert fused_bytes[1] == sum(b.gate.ids[:16].unique().numel() for b in blocks) / len(
             blocks) and fixed_ids.shape == (16, model.config.num_experts_per_tok)

@@ -36,18 +36,22 @@ class FixedRouter(nn.Module):
     round's cost); its weights enter the result multiplied by zero, which no compiler folds
     away (0 * x is not 0 for inf/NaN), so the work cannot be eliminated. Where the block routes
     and aligns in one launch (`route_align`, `DLMC_FUSED_ROUTE_ALIGN=auto` on CUDA), that launch
-    runs too, and the fixed ids are aligned by one more `moe_align` launch that the model's
-    fused routing does not have: such rounds are timed pessimistically by that launch.
+    runs too, and the experts get the fixed ids' alignment, made once here for the token counts
+    in `align_tokens` (with and without a shared expert), so a round has the model's launches
+    and no more; other token counts align in the forward (one `moe_align` launch more).
     """
 
     def __init__(self, router: nn.Module, num_experts: int, top_k: int, max_tokens: int,
-                 scale: float, device: torch.device, gen: torch.Generator) -> None:
+                 scale: float, device: torch.device, gen: torch.Generator,
+                 align_tokens: tuple[int, ...] = ()) -> None:
         super().__init__()
         self.router, self.num_experts = router, num_experts
         keys = torch.rand(max_tokens, num_experts, device=device, generator=gen)
         self.register_buffer("ids", keys.topk(top_k, dim=-1).indices)  # [T, K]
         weights = torch.rand(max_tokens, top_k, device=device, generator=gen)
         self.register_buffer("weights", weights / weights.sum(-1, keepdim=True) * scale)
+        self.alignments = {(tokens, shared): route_pairs(self.ids[:tokens], num_experts, shared)
+                           for tokens in align_tokens for shared in (False, True)}
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _, real_weights = self.router(x)  # [T, K]
@@ -58,21 +62,27 @@ class FixedRouter(nn.Module):
         """`Router.route_align` with the fixed ids: the model's launch, then the ids' own
         alignment (`route_pairs`)."""
         _, real_weights, _ = self.router.route_align(x, shared_expert)
-        ids, weights = self._fixed(x.shape[0], real_weights)
-        return ids, weights, route_pairs(ids, self.num_experts, shared_expert)
+        tokens = x.shape[0]
+        ids, weights = self._fixed(tokens, real_weights)
+        routing = self.alignments.get((tokens, shared_expert))
+        return ids, weights, routing or route_pairs(ids, self.num_experts, shared_expert)
 
     def _fixed(self, tokens: int, real_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ids[:tokens], self.weights[:tokens] + 0.0 * real_weights
 
 
-def use_uniform_routing(model: nn.Module, max_tokens: int, seed: int) -> None:
+def use_uniform_routing(model: nn.Module, max_tokens: int, seed: int,
+                        align_tokens: tuple[int, ...] = ()) -> None:
+    """Every MoE block's router becomes a `FixedRouter` (uniform routing), with the fixed ids'
+    alignment made once for blocks of each size in `align_tokens`."""
     cfg = model.config
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for module in model.modules():
         if isinstance(module, MoEBlock):
             device = module.gate.weight.device
             module.gate = FixedRouter(module.gate, cfg.num_experts, cfg.num_experts_per_tok,
-                                      max_tokens, cfg.routed_scaling_factor, device, gen)
+                                      max_tokens, cfg.routed_scaling_factor, device, gen,
+                                      align_tokens)
 
 
 def touched_bytes(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
