@@ -85,7 +85,8 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
         fuse_gate_up_projections(net)
     mask_id = net.config.vocab_size - 1
     if routing == "uniform":
-        use_uniform_routing(net, max_tokens=512, seed=cfg.seed, align_tokens=(block_length,))
+        use_uniform_routing(net, max_tokens=512, seed=cfg.seed,
+                            align_tokens=(block_length, 2 * block_length))  # rounds, fused refresh
     gen = torch.Generator(device=device).manual_seed(1)
     tokens = torch.randint(0, mask_id, (block_length,), device=device, generator=gen)
     positions = torch.arange(prefix, prefix + block_length, device=device)
