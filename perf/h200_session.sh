@@ -6,7 +6,8 @@
 #                                      # GPU tests of the newest ops
 #   bash perf/h200_session.sh rounds   # ROUND_SPECS ("bf16:bf16 nvfp4:fp8"): all three modes +
 #                                      # loop + profile per spec (one spec per call when cold)
-#   bash perf/h200_session.sh ops      # nvfp4_moe v3 vs v2 + tile sweeps, paged attention,
+#   bash perf/h200_session.sh ops      # nvfp4_moe v3 vs v4 (+ shared tail), tile sweeps of
+#                                      # SWEEP_KERNELS (v4), paged attention,
 #                                      # the kernels' GPU tests
 #   bash perf/h200_session.sh moe      # dlmc::bf16_moe alone, launch-config sweeps (MOE_CONFIGS)
 #   bash perf/h200_session.sh gemm     # dlmc::small_m_linear vs cuBLAS, sweeps (GEMM_CONFIGS)
@@ -89,13 +90,13 @@ variants)  # e.g. VARIANTS="base:: gemm:DLMC_SMALL_M_GEMM=triton: dense::--kv-la
     )
   done ;;
 ops)
-  for v in v3 v2; do
-    DLMC_NVFP4_KERNEL=$v timeout 50 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 50 \
-      --out "$OUT/nvfp4_op_$v.json" > "$OUT/nvfp4_op_$v.txt" 2>&1
-    echo "nvfp4 op $v rc=$?"; grep -E "tokens=32" "$OUT/nvfp4_op_$v.txt" | head -2
-  done
+  # v3 and v4 in one process (same weights and routing), with and without the shared tail
+  timeout 80 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 50 --kernels v3 v4 \
+    --shared-expert --out "$OUT/nvfp4_op_v3_v4.json" > "$OUT/nvfp4_op_v3_v4.txt" 2>&1
+  echo "nvfp4 op v3 v4 rc=$?"; grep -E "tokens=32" "$OUT/nvfp4_op_v3_v4.txt" | head -8
   for kern in gate_up down; do  # one kernel's tile at a time, the other at its default
     timeout 100 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 30 --tile-kernel $kern \
+      --kernels ${SWEEP_KERNELS:-v4} \
       --tiles 64,128,4,3 128,128,4,3 64,128,4,4 64,128,4,5 64,256,4,3 64,64,4,5 128,128,4,4 \
       128,64,4,4 32,256,4,3 64,128,2,4 --out "$OUT/nvfp4_sweep_$kern.json" \
       > "$OUT/nvfp4_sweep_$kern.txt" 2>&1
