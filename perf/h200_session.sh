@@ -97,8 +97,9 @@ ops)
   for kern in gate_up down; do  # one kernel's tile at a time, the other at its default
     timeout 100 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 30 --tile-kernel $kern \
       --kernels ${SWEEP_KERNELS:-v4} \
-      --tiles 64,128,4,3 128,128,4,3 64,128,4,4 64,128,4,5 64,256,4,3 64,64,4,5 128,128,4,4 \
-      128,64,4,4 32,256,4,3 64,128,2,4 --out "$OUT/nvfp4_sweep_$kern.json" \
+      --tiles ${NVFP4_TILES:-64,128,4,3 128,128,4,3 64,128,4,4 64,128,4,6 64,256,4,3 \
+      64,64,4,6 128,128,4,4 64,128,8,3 128,128,8,3 32,128,4,4 32,256,4,3 64,128,2,4} \
+      --out "$OUT/nvfp4_sweep_$kern.json" \
       > "$OUT/nvfp4_sweep_$kern.txt" 2>&1
     echo "nvfp4 sweep $kern rc=$?"; grep "tile=" "$OUT/nvfp4_sweep_$kern.txt"
   done
