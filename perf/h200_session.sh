@@ -14,6 +14,7 @@
 #   bash perf/h200_session.sh share    # NVFP4+FP8 graph round at PREFIX (4096) + profile, then
 #                                      # the attention variants (SWEEP) at 1k/4k/16k
 #   bash perf/h200_session.sh tests    # the gpu-marked tests of TESTS
+#   bash perf/h200_session.sh rope     # Inductor's output code of a BF16 round (rope call sites)
 #   source perf/h200_session.sh lib   # install, then call round / gpu_tests / ncu_run by hand
 #   bash perf/h200_session.sh ncu      # Nsight Compute of nvfp4_moe and paged attention
 #   bash perf/h200_session.sh repeat   # the BF16 graph round in REPEATS (3) fresh processes
@@ -141,6 +142,14 @@ ncu)  # why nvfp4_moe v3 sits near 45 % of copy bandwidth, and what limits paged
     python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 1 --layers 1
   ncu_run paged_attention "paged_attention" 4 \
     python3 perf/bench_paged_attention.py --prefixes 4096 --layers 1 --iters 1 --no-flashinfer ;;
+rope)  # why the rope tables are computed 10-11 times per round: Inductor's output code of one
+  # BF16 round, and where its cos/sin kernels are called
+  TORCH_LOGS=output_code timeout 200 dlmc bench round --shape llada2.1-mini --block-length 32 \
+    --prefix 1024 --routing uniform --rounds 10 --precision bf16 --modes compile --no-loop \
+    > "$OUT/output_code.txt" 2>&1
+  echo "output code rc=$?"; grep -n "cos.*sin\|_sin_\|_cos_" "$OUT/output_code.txt" \
+    | grep -v "^.*#" | head -40 > "$OUT/rope_call_sites.txt"; wc -l "$OUT/rope_call_sites.txt"
+  gzip -f "$OUT/output_code.txt" ;;
 lib) ;;  # `source perf/h200_session.sh lib`: install and define round/gpu_tests/ncu_run only
-*) echo "usage: $0 final|rounds|repeat|variants|ops|moe|gemm|share|tests|ncu" >&2; exit 2 ;;
+*) echo "usage: $0 final|rounds|repeat|variants|ops|moe|gemm|share|tests|rope|lib|ncu" >&2; exit 2 ;;
 esac
