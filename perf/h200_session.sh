@@ -147,8 +147,8 @@ rope)  # why the rope tables are computed 10-11 times per round: Inductor's outp
   TORCH_LOGS=output_code timeout 200 dlmc bench round --shape llada2.1-mini --block-length 32 \
     --prefix 1024 --routing uniform --rounds 10 --precision bf16 --modes compile --no-loop \
     > "$OUT/output_code.txt" 2>&1
-  echo "output code rc=$?"; grep -n "cos.*sin\|_sin_\|_cos_" "$OUT/output_code.txt" \
-    | grep -v "^.*#" | head -40 > "$OUT/rope_call_sites.txt"; wc -l "$OUT/rope_call_sites.txt"
+  echo "output code rc=$?"; grep -n -B3 "_sin[_0-9]*\.run(" "$OUT/output_code.txt" \
+    | head -120 > "$OUT/rope_call_sites.txt"; wc -l "$OUT/rope_call_sites.txt"
   gzip -f "$OUT/output_code.txt" ;;
 lib) ;;  # `source perf/h200_session.sh lib`: install and define round/gpu_tests/ncu_run only
 *) echo "usage: $0 final|rounds|repeat|variants|ops|moe|gemm|share|tests|rope|lib|ncu" >&2; exit 2 ;;
