@@ -29,10 +29,10 @@ from dlmc.custom_ops.moe_align import (
     PairRouting,
     align_launch,
     align_pairs,
-    align_pairs_to_blocks,
     align_pairs_to_blocks_reference,
     aligned_blocks,
     route_block_m,
+    route_pairs,
 )
 from dlmc.custom_ops.moe_route import (
     check_route_args,
@@ -158,8 +158,7 @@ def moe_route_align(
             logits.contiguous(), expert_bias.contiguous(), *route_args, block_m, shared_expert)
         return ids, weights, PairRouting(block_m, sorted_pair, expert_of_block)
     ids, weights = moe_route(logits, expert_bias, *route_args)
-    return ids, weights, PairRouting(block_m, *align_pairs_to_blocks(ids, num_experts, block_m,
-                                                                     shared_expert))
+    return ids, weights, route_pairs(ids, num_experts, shared_expert)  # the same block_m
 
 
 def moe_route_align_reference(

@@ -36,6 +36,7 @@ from torch.library import wrap_triton
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.nvfp4_tiles import round_bf16
+from dlmc.custom_ops.small_m_linear import check_small_m_operands
 
 __all__ = ["MAX_TOKENS", "router_gemm", "router_gemm_reference", "router_splits"]
 
@@ -127,12 +128,7 @@ def router_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     split of the weight; see the module docstring for the (tiny) exceptions. Runs on CUDA and
     under `TRITON_INTERPRET=1`; elsewhere `router_gemm_reference`. No host sync.
     """
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] > MAX_TOKENS:
-        raise ValueError(f"router_gemm: x must be bf16 [T <= {MAX_TOKENS}, K], got "
-                         f"{x.dtype} {tuple(x.shape)}")
-    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
-        raise ValueError(f"router_gemm: weight must be fp32 [N, K={x.shape[1]}], got "
-                         f"{weight.dtype} {tuple(weight.shape)}")
+    check_small_m_operands("router_gemm", x, weight, torch.float32, MAX_TOKENS)
     if not (x.is_cuda or _INTERPRETED):
         return router_gemm_reference(x, weight)
     return _router_gemm_op(x if x.stride(1) == 1 else x.contiguous(), weight.contiguous())

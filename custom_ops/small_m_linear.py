@@ -82,15 +82,23 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     `TRITON_INTERPRET=1`; elsewhere `small_m_linear_reference`.
     No host sync.
     """
-    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] > MAX_TOKENS:
-        raise ValueError(f"small_m_linear: x must be bf16 [T <= {MAX_TOKENS}, K], got "
-                         f"{x.dtype} {tuple(x.shape)}")
-    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
-        raise ValueError(f"small_m_linear: weight must be bf16 [N, K={x.shape[1]}], got "
-                         f"{weight.dtype} {tuple(weight.shape)}")
+    check_small_m_operands("small_m_linear", x, weight, torch.bfloat16, MAX_TOKENS)
     if not (x.is_cuda or _INTERPRETED):
         return small_m_linear_reference(x, weight)
     return _small_m_linear_op(x if x.stride(1) == 1 else x.contiguous(), weight.contiguous())
+
+
+def check_small_m_operands(op: str, x: torch.Tensor, weight: torch.Tensor,
+                           weight_dtype: torch.dtype, max_tokens: int) -> None:
+    """x bf16 `[T <= max_tokens, K]`, weight `weight_dtype` `[N, K]`; else a ValueError naming
+    `op`, the tensor and what was expected."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] > max_tokens:
+        raise ValueError(f"{op}: x must be bf16 [T <= {max_tokens}, K], got "
+                         f"{x.dtype} {tuple(x.shape)}")
+    if weight.dtype != weight_dtype or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        name = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(weight_dtype, weight_dtype)
+        raise ValueError(f"{op}: weight must be {name} [N, K={x.shape[1]}], got "
+                         f"{weight.dtype} {tuple(weight.shape)}")
 
 
 def small_m_linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -196,11 +196,18 @@ class PagedKVCache:
             return self._flashinfer.run(q, self.k[layer], self.v[layer],
                                         k_scale=self.k_scales_host[layer],
                                         v_scale=self.v_scales_host[layer])
+        return self._paged_attention(layer, q, k, v, softmax_scale, window, causal_block,
+                                     append=False)
+
+    def _paged_attention(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        softmax_scale: float, window: int | None, causal_block: int | None, append: bool,
+    ) -> torch.Tensor:
         return paged_attention(
             q, k, v, self.k[layer], self.v[layer], self.page_table, self.prefix_len,
             k_scale=self.k_scale[layer], v_scale=self.v_scale[layer],
             softmax_scale=softmax_scale, window=window, causal_block=causal_block,
-            backend=self.backend)
+            backend=self.backend, append=append)
 
     def append_and_attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
@@ -213,11 +220,8 @@ class PagedKVCache:
         the two calls (FlashInfer's `attend` appends by itself, so it is called alone).
         """
         if self.fused_append:
-            return paged_attention(
-                q, k, v, self.k[layer], self.v[layer], self.page_table, self.prefix_len,
-                k_scale=self.k_scale[layer], v_scale=self.v_scale[layer],
-                softmax_scale=softmax_scale, window=window, causal_block=causal_block,
-                append=True)
+            return self._paged_attention(layer, q, k, v, softmax_scale, window, causal_block,
+                                         append=True)
         if self._flashinfer is None:
             self.append(layer, k, v)
         return self.attend(layer, q, k, v, softmax_scale=softmax_scale, window=window,
