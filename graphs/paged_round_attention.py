@@ -3,8 +3,9 @@
 Each call stores the new tokens' K/V at the cache's device-side `prefix_len` (quantized to FP8
 with the layer's scales; the length is advanced by the engine only once the tokens are final)
 and attends the block's queries to the cached prefix plus the block's own BF16 K/V: on the
-Triton backend one launch (`dlmc::paged_attention_append`; `DLMC_FUSED_KV_APPEND=off`:
-`dlmc::kv_append`, then `dlmc::paged_attention`), see `PagedKVCache.append_and_attend`.
+Triton backend one launch for BF16 caches (`dlmc::paged_attention_append`; FP8 caches and
+`DLMC_FUSED_KV_APPEND=off`: `dlmc::kv_append`, then `dlmc::paged_attention`), see
+`PagedKVCache.append_and_attend` and `fused_kv_append`.
 `causal_block` makes a multi-block prefill chunk block-causal.
 """
 

@@ -65,7 +65,7 @@ def test_uniform_routing_and_touched_bytes_with_the_shared_expert_fused(tiny_dir
 
 def test_uniform_routing_through_the_fused_route_align_path(tiny_dir, monkeypatch):
     """The CUDA code path (Triton's interpreter on CPU): FixedRouter routes and aligns through
-    `route_align`, so a bench round with `DLMC_FUSED_ROUTE_ALIGN=auto` gives the outputs and the
+    `route_align`, so a bench round with `DLMC_FUSED_ROUTE_ALIGN=on` gives the outputs and the
     bytes of the two-launch path, with and without the shared expert fused; `touched_bytes`
     counts the experts' ids whichever router path made them."""
     import torch
@@ -104,7 +104,7 @@ def test_uniform_routing_through_the_fused_route_align_path(tiny_dir, monkeypatc
         if fuse_shared:
             assert fuse_shared_experts(model) == len(blocks)
         calls.clear()
-        fused, fused_bytes = run("auto")
+        fused, fused_bytes = run("on")
         assert len(calls) == 2 * len(blocks)  # the forward and touched_bytes' forward
         two_launches, two_launch_bytes = run("off")
         assert len(calls) == 2 * len(blocks)  # "off": no fused launch
@@ -113,13 +113,13 @@ def test_uniform_routing_through_the_fused_route_align_path(tiny_dir, monkeypatc
         assert not aligned
         compiled = torch.compile(model, fullgraph=True)  # each switch its own graph
         outputs = {}
-        for switch in ("off", "auto"):
+        for switch in ("off", "on"):
             for block in blocks:
                 block.route_align = switch
             with torch.inference_mode():
                 outputs[switch] = compiled(tokens, positions, MaskedAttention(mask))
-        assert torch.equal(outputs["auto"], outputs["off"])
-        assert not aligned  # "auto" took the prepared alignment (the experts align for "off")
+        assert torch.equal(outputs["on"], outputs["off"])
+        assert not aligned  # "on" took the prepared alignment (the experts align for "off")
         fixed_ids = blocks[0].gate.ids[:16]
         assert fused_bytes[1] == sum(b.gate.ids[:16].unique().numel() for b in blocks) / len(
             blocks) and fixed_ids.shape == (16, model.config.num_experts_per_tok)

@@ -138,7 +138,7 @@ def _paged_decode(llm, monkeypatch, fused: str):
     monkeypatch.setattr("dlmc.kv.paged_cache.default_backend", lambda device: "triton")
     dec = BlockDecoder(llm.model, llm.special_ids.mask_token_id, llm.special_ids.eos_token_id,
                        64, torch.device("cpu"), torch.bfloat16, kv_cache_dtype="fp8")
-    assert dec.cache.backend == "triton" and dec.cache.fused_append == (fused == "auto")
+    assert dec.cache.backend == "triton" and dec.cache.fused_append == (fused == "on")
     cfg = DecodeConfig(algorithm="threshold", threshold=0.9, steps=1, block_length=8,
                        max_new_tokens=16)  # one round per block
     gen = dec.decode(list(range(60, 68)), cfg, rounds=True)
@@ -156,7 +156,7 @@ def test_fused_kv_append_rounds_match_the_separate_append(tiny_dir, monkeypatch)
     from dlmc import LLM
 
     llm = LLM(tiny_dir, device="cpu", dtype="bf16")
-    fused, fused_events, fused_cache = _paged_decode(llm, monkeypatch, "auto")
+    fused, fused_events, fused_cache = _paged_decode(llm, monkeypatch, "on")
     separate, separate_events, separate_cache = _paged_decode(llm, monkeypatch, "off")
     assert fused.total_forwards == separate.total_forwards == 3 and fused.fused_rounds == 1
     assert fused.answer_ids == separate.answer_ids and fused_events == separate_events
@@ -168,19 +168,19 @@ def test_fused_kv_append_rounds_match_the_separate_append(tiny_dir, monkeypatch)
 
 @pytest.mark.gpu
 def test_fused_kv_append_graph_rounds_match_the_separate_append_on_cuda(tiny_dir, monkeypatch):
-    """On CUDA, compiled + graph-replayed rounds with DLMC_FUSED_KV_APPEND auto and off: the
+    """On CUDA, compiled + graph-replayed rounds with DLMC_FUSED_KV_APPEND on and off: the
     same tokens (the op writes kv_append's bytes; the attention output is unchanged)."""
     from dlmc import LLM
 
     kwargs = {"prompt_token_ids": list(range(50, 111)), "max_new_tokens": 70}
     results = {}
-    for fused in ("auto", "off"):
+    for fused in ("on", "off"):
         monkeypatch.setenv("DLMC_FUSED_KV_APPEND", fused)
         for kv_cache_dtype in ("fp8", "bf16"):
             llm = LLM(tiny_dir, device="cuda", dtype="bf16", mode="graph",
                       kv_cache_dtype=kv_cache_dtype)
-            assert llm._decoder.cache.fused_append == (fused == "auto")
+            assert llm._decoder.cache.fused_append == (fused == "on")
             results[fused, kv_cache_dtype] = llm.generate(**kwargs)
     for kv_cache_dtype in ("fp8", "bf16"):
-        on, off = results["auto", kv_cache_dtype], results["off", kv_cache_dtype]
+        on, off = results["on", kv_cache_dtype], results["off", kv_cache_dtype]
         assert on.token_ids == off.token_ids and on.num_forwards == off.num_forwards

@@ -137,7 +137,7 @@ def test_fused_shared_expert_logits_match_unfused(tiny_dir):
 
 
 def _logits_by_switch(model_dir, device, fuse_shared):
-    """bf16 logits of the loaded tiny model with DLMC_FUSED_ROUTE_ALIGN=auto and =off."""
+    """bf16 logits of the loaded tiny model with DLMC_FUSED_ROUTE_ALIGN=on and =off."""
     from dlmc.loading.loader import load_model
     from dlmc.models.moe import MoEBlock, fuse_shared_experts
 
@@ -149,16 +149,16 @@ def _logits_by_switch(model_dir, device, fuse_shared):
         fuse_shared_experts(loaded.model)
     blocks = [m for m in loaded.model.modules() if isinstance(m, MoEBlock)]
     logits = {}
-    for switch in ("off", "auto"):
+    for switch in ("off", "on"):
         for block in blocks:
             block.route_align = switch  # as read from the environment at construction
         with torch.inference_mode():
             logits[switch] = loaded.model(ids, pos, MaskedAttention(mask))
-    return logits["auto"], logits["off"]
+    return logits["on"], logits["off"]
 
 
 def test_logits_equal_with_fused_route_align_on_and_off(tiny_dir, monkeypatch):
-    """DLMC_FUSED_ROUTE_ALIGN=auto vs off through the CUDA MoE path (Triton's interpreter on
+    """DLMC_FUSED_ROUTE_ALIGN=on vs off through the CUDA MoE path (Triton's interpreter on
     CPU): routing in one launch changes no logit and so no token."""
     import dlmc.custom_ops.moe_route_align as fused_module
     import dlmc.models.moe as moe
@@ -183,11 +183,11 @@ def test_generate_equal_with_fused_route_align_on_and_off(tiny_dir, monkeypatch)
     from dlmc import LLM
 
     results = {}
-    for switch in ("off", "auto"):
+    for switch in ("off", "on"):
         monkeypatch.setenv("DLMC_FUSED_ROUTE_ALIGN", switch)
         llm = LLM(tiny_dir, device="cuda", dtype="bf16", mode="graph")
         res = llm.generate(prompt="The capital of France is", max_new_tokens=64)
         results[switch] = (res.token_ids, llm.logits(res.prompt_token_ids + res.token_ids))
         del llm
-    assert results["auto"][0] == results["off"][0]
-    assert torch.equal(results["auto"][1], results["off"][1])
+    assert results["on"][0] == results["off"][0]
+    assert torch.equal(results["on"][1], results["off"][1])

@@ -306,22 +306,23 @@ def test_nvfp4_shared_expert_switch(monkeypatch):
 
 
 def test_fused_route_align_switch(monkeypatch):
-    """DLMC_FUSED_ROUTE_ALIGN: "auto" (default) fuses on CUDA only, "off" never; bad values name
-    the variable. Read at construction."""
+    """DLMC_FUSED_ROUTE_ALIGN: "off" (default) never fuses, "on" fuses on CUDA only; bad values
+    name the variable. Read at construction."""
     import dlmc.models.moe as moe
 
     monkeypatch.delenv("DLMC_FUSED_ROUTE_ALIGN", raising=False)
     _, block, x = _moe_block(torch.bfloat16)
-    assert block.route_align == "auto"
-    assert not block._fuses_route_align(x)  # a CPU tensor: the torch maths
     monkeypatch.setattr(moe, "_kernel_path", lambda x: True)
-    assert block._fuses_route_align(x)  # BF16Experts takes a routing for bf16 kernel inputs
-    assert not block._fuses_route_align(x.float())  # ... not for fp32 (torch grouped maths)
-    monkeypatch.setenv("DLMC_FUSED_ROUTE_ALIGN", "off")
-    _, off, _ = _moe_block(torch.bfloat16)
-    assert off.route_align == "off" and not off._fuses_route_align(x)
+    assert block.route_align == "off" and not block._fuses_route_align(x)
     monkeypatch.setenv("DLMC_FUSED_ROUTE_ALIGN", "on")
-    with pytest.raises(ConfigError, match="DLMC_FUSED_ROUTE_ALIGN='on'"):
+    _, on, _ = _moe_block(torch.bfloat16)
+    assert on.route_align == "on"
+    assert on._fuses_route_align(x)  # BF16Experts takes a routing for bf16 kernel inputs
+    assert not on._fuses_route_align(x.float())  # ... not for fp32 (torch grouped maths)
+    monkeypatch.setattr(moe, "_kernel_path", lambda x: False)
+    assert not on._fuses_route_align(x)  # a CPU tensor: the torch maths
+    monkeypatch.setenv("DLMC_FUSED_ROUTE_ALIGN", "auto")
+    with pytest.raises(ConfigError, match="DLMC_FUSED_ROUTE_ALIGN='auto'"):
         _moe_block()
 
 
@@ -347,7 +348,7 @@ def test_block_through_fused_route_align_equals_two_launches(monkeypatch, fuse_s
     block.route_align = "off"
     want = block(x)
     assert not fused and len(aligned) == 1
-    block.route_align = "auto"
+    block.route_align = "on"
     got = block(x)
     assert len(fused) == 1 and len(aligned) == 1  # the experts did not align again
     assert fused[0][-1] is fuse_shared  # shared_expert

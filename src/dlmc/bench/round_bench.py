@@ -35,7 +35,7 @@ class FixedRouter(nn.Module):
     The model's own router still runs every round (its GEMM and selection are part of the
     round's cost); its weights enter the result multiplied by zero, which no compiler folds
     away (0 * x is not 0 for inf/NaN), so the work cannot be eliminated. Where the block routes
-    and aligns in one launch (`route_align`, `DLMC_FUSED_ROUTE_ALIGN=auto` on CUDA), that launch
+    and aligns in one launch (`route_align`, `DLMC_FUSED_ROUTE_ALIGN=on` on CUDA), that launch
     runs too, and the experts get the fixed ids' alignment, made once here for the token counts
     in `align_tokens` (with and without a shared expert), so a round has the model's launches
     and no more; other token counts align in the forward (one `moe_align` launch more).

@@ -8,7 +8,8 @@ Usage per denoising round (all layers share the prefix length):
     cache.advance(block_len)                 # after every layer appended
 or, storing the block's K/V in every forward (as dlmc's rounds do; the next forward overwrites
 them until `advance`), `out = cache.append_and_attend(layer, q, k, v, softmax_scale=...)`: one
-launch on the Triton backend (`dlmc::paged_attention_append`, unless DLMC_FUSED_KV_APPEND=off).
+launch on the Triton backend for BF16 caches (`dlmc::paged_attention_append`; `fused_kv_append`
+says when), else `kv_append` then `attend`.
 `attend` and `append` read the prefix length from a device tensor and never sync, so a round
 that calls them can be captured once in a CUDA graph and replayed at any prefix length.
 """
@@ -28,7 +29,7 @@ from dlmc.errors import ConfigError
 from dlmc.models.layers import env_choice
 
 BACKENDS = ("auto", "triton", "flashinfer", "reference")
-FUSED_KV_APPEND = ("auto", "off")
+FUSED_KV_APPEND = ("auto", "on", "off")
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
@@ -63,11 +64,16 @@ class KVCacheConfig:
         return _TORCH_DTYPES[self.dtype]
 
 
-def fused_kv_append() -> str:
-    """`DLMC_FUSED_KV_APPEND`: "auto" (default) stores a round's K/V from the attention's own
-    kernel on the Triton backend (one launch per layer); "off" launches `dlmc::kv_append` before
-    the attention, as before (for A/B timing on the GPU). Read once per cache."""
-    return env_choice("DLMC_FUSED_KV_APPEND", "auto", FUSED_KV_APPEND)
+def fused_kv_append(dtype: str) -> bool:
+    """`DLMC_FUSED_KV_APPEND` for a cache of `dtype` ("bf16" or "fp8"): whether the Triton
+    backend stores a round's K/V from the attention's own kernel (one launch per layer) instead
+    of launching `dlmc::kv_append` before the attention. "auto" (default): BF16 caches only;
+    "on": both; "off": neither. Measured inside whole graph rounds on the H200 (perf/README.md,
+    session 13): BF16 split 8.16 µs with the append against 8.19 + 1.39 µs; FP8 (interleaved
+    splits) 13.34 µs against 7.24 + 2.81 µs, although the same launch alone was faster fused.
+    Read once per cache."""
+    choice = env_choice("DLMC_FUSED_KV_APPEND", "auto", FUSED_KV_APPEND)
+    return choice == "on" or (choice == "auto" and dtype == "bf16")
 
 
 def default_backend(device: torch.device) -> str:
@@ -83,8 +89,8 @@ class PagedKVCache:
         length: the same value on the host (capacity checks, FlashInfer planning).
         k_scale, v_scale: `[num_layers]` float32 device tensors (ones for BF16).
         page_table: `[num_pages]` int32; pages are handed out in order (one sequence).
-        fused_append: whether `append_and_attend` is one launch (the Triton backend unless
-            `DLMC_FUSED_KV_APPEND=off`, or the constructor's `fused_append`).
+        fused_append: whether `append_and_attend` is one launch (the Triton backend with
+            `fused_kv_append(dtype)`, or the constructor's `fused_append`).
     """
 
     def __init__(
@@ -98,7 +104,7 @@ class PagedKVCache:
             raise ConfigError(f"attention backend={backend!r} is not one of {', '.join(BACKENDS)}")
         self.backend = default_backend(self.device) if backend == "auto" else backend
         if fused_append is None:  # FlashInfer and the reference append, then attend
-            fused_append = fused_kv_append() == "auto"
+            fused_append = fused_kv_append(config.dtype)
         self.fused_append = fused_append and self.backend == "triton"
         # One allocation per layer, not views of one 5-D pool: Inductor turns a kernel's write
         # into a view of a graph input into a copy of the whole pool (and that path crashed
