@@ -99,6 +99,11 @@ class RoundRunner:
         """Run one round of the block in `self.buf`; returns the device's "done" flag.
 
         `sampling` (temperature, top_k, top_p, generator) runs the round eagerly."""
+        self.launch(algorithm, key_len, sampling)
+        return bool(self.buf.done)  # the one host sync per round
+
+    def launch(self, algorithm: str, key_len: int, sampling: Any = None) -> None:
+        """`step` without reading the "done" flag: the round is only queued on the device."""
         if sampling is not None:
             denoise_round(self.model, self.buf, self.cache, key_len, self.bl, self.mask_id,
                           algorithm, sampling)
@@ -106,7 +111,6 @@ class RoundRunner:
             key = ("round", algorithm, key_len)
             self._run(key, lambda: self._round_fn()(self.model, self.buf, self.cache, key_len,
                                                        self.bl, self.mask_id, algorithm))
-        return bool(self.buf.done)  # the one host sync per round
 
     def step_fused(self, algorithm: str, key_len: int, sampling: Any = None) -> bool:
         """`step`, fused with the refresh of the block in `prev_tokens`/`prev_positions`

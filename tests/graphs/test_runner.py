@@ -44,6 +44,28 @@ def test_graph_mode_needs_cuda(tiny_llm):
         RoundRunner(tiny_llm.model, tiny_llm._decoder.cache, 32, 0, "fast")
 
 
+def test_launch_runs_the_round_that_step_runs(tiny_llm):
+    """`launch` (what `dlmc bench round` queues back to back) is `step` without the host's read
+    of the done flag: the same round, the same block state afterwards."""
+    from dataclasses import fields
+
+    runners = [RoundRunner(tiny_llm.model, tiny_llm._decoder.cache, 16, 0, "eager")
+               for _ in range(2)]
+    for runner in runners:
+        runner.buf.tokens.copy_(torch.arange(16) % 3)  # a few masks (id 0) among tokens
+        runner.buf.positions.copy_(torch.arange(40, 56))
+        runner.buf.editable.fill_(True)
+        runner.buf.threshold.fill_(0.0)
+        runner.buf.edit_threshold.fill_(0.5)
+        runner.buf.max_post.fill_(4)
+    key_len = runners[0].key_len(56)
+    assert runners[0].step("joint", key_len) in (True, False)
+    assert runners[1].launch("joint", key_len) is None
+    for f in fields(runners[0].buf):
+        assert torch.equal(getattr(runners[0].buf, f.name), getattr(runners[1].buf, f.name)), f
+    assert runners[1].buf.step.item() == 1 and not (runners[1].buf.tokens == 0).any()
+
+
 def test_key_length_buckets(tiny_llm):
     runner = RoundRunner(tiny_llm.model, tiny_llm._decoder.cache, 32, 0, "eager")
     assert [runner.key_len(n) for n in (1, 256, 257, 1000, 5000)] == [256, 256, 512, 1024, 4096]

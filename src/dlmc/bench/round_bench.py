@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dlmc.bench.timing import cuda_times
+from dlmc.bench.timing import cuda_times, queued_cuda_times
 from dlmc.custom_ops.moe_align import PairRouting, route_pairs
 from dlmc.engine.decode_config import DecodeConfig
 from dlmc.engine.kv_cache import DenseKVCache
@@ -154,9 +154,14 @@ def time_rounds(model: nn.Module, cache: Any, bench: RoundBenchConfig, mode: str
     torch.cuda.synchronize()
     warmup_s = time.perf_counter() - started
     times = cuda_times(lambda: runner.step("joint", key_len), bench.rounds)
-    return {"mode": mode, "median_ms": statistics.median(times), "min_ms": min(times),
-            "max_ms": max(times), "warmup_s": warmup_s, "compile_capture_s": runner.compile_s,
-            "key_len": key_len, "rounds": bench.rounds}
+    result = {"mode": mode, "median_ms": statistics.median(times), "min_ms": min(times),
+              "max_ms": max(times), "warmup_s": warmup_s, "compile_capture_s": runner.compile_s,
+              "key_len": key_len, "rounds": bench.rounds}
+    if mode == "graph":  # the replays alone, queued back to back: the device's time per round
+        queued = queued_cuda_times(lambda: runner.launch("joint", key_len), bench.rounds)
+        result.update(queued_median_ms=statistics.median(queued), queued_min_ms=min(queued),
+                      queued_max_ms=max(queued))
+    return result
 
 
 def loop_overhead(model: nn.Module, bench: RoundBenchConfig, mask_id: int, round_ms: float,

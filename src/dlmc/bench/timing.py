@@ -32,6 +32,20 @@ def cuda_times(fn: Callable[[], object], iters: int, warmup: int = 0) -> list[fl
     return times
 
 
+def queued_cuda_times(fn: Callable[[], object], iters: int) -> list[float]:
+    """Milliseconds of each of `iters` calls of `fn` queued back to back on the current stream
+    (no host sync between them): CUDA events between consecutive calls, so each time is the
+    device's own, without the host's launch and read-back latency that `cuda_times` includes.
+    `fn` must not sync (a graph replay). CUDA only."""
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+    events[0].record()
+    for event in events[1:]:
+        fn()
+        event.record()
+    events[-1].synchronize()
+    return [a.elapsed_time(b) for a, b in zip(events, events[1:], strict=False)]
+
+
 def copy_bandwidth_gbps(nbytes: int = 1 << 30, iters: int = 20) -> float:
     """Device-to-device copy bandwidth in GB/s (bytes read + written) on random data, median."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
