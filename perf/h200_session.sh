@@ -7,7 +7,8 @@
 #   bash perf/h200_session.sh rounds   # ROUND_SPECS ("bf16:bf16 nvfp4:fp8"): all three modes +
 #                                      # loop + profile per spec (one spec per call when cold)
 #   bash perf/h200_session.sh ops      # nvfp4_moe v3 vs v4 (+ shared tail), tile sweeps of
-#                                      # SWEEP_KERNELS (v4), paged attention,
+#                                      # SWEEP_KERNELS (v3; deeper pipelines: session 13's
+#                                      # static occupancy table), paged attention,
 #                                      # the kernels' GPU tests
 #   bash perf/h200_session.sh moe      # dlmc::bf16_moe alone, launch-config sweeps (MOE_CONFIGS)
 #   bash perf/h200_session.sh gemm     # dlmc::small_m_linear vs cuBLAS, sweeps (GEMM_CONFIGS)
@@ -97,9 +98,9 @@ ops)
   echo "nvfp4 op v3 v4 rc=$?"; grep -E "tokens=32" "$OUT/nvfp4_op_v3_v4.txt" | head -8
   for kern in gate_up down; do  # one kernel's tile at a time, the other at its default
     timeout 100 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 30 --tile-kernel $kern \
-      --kernels ${SWEEP_KERNELS:-v4} \
-      --tiles ${NVFP4_TILES:-64,128,4,3 128,128,4,3 64,128,4,4 64,128,4,6 64,256,4,3 \
-      64,64,4,6 128,128,4,4 64,128,8,3 128,128,8,3 32,128,4,4 32,256,4,3 64,128,2,4} \
+      --kernels ${SWEEP_KERNELS:-v3} \
+      --tiles ${NVFP4_TILES:-64,128,4,3 64,128,4,4 64,128,4,5 64,128,4,6 64,64,4,6 64,64,4,8 \
+      128,128,4,3 128,128,4,4 64,256,4,3 32,128,4,6 64,128,8,4 128,128,8,4} \
       --out "$OUT/nvfp4_sweep_$kern.json" \
       > "$OUT/nvfp4_sweep_$kern.txt" 2>&1
     echo "nvfp4 sweep $kern rc=$?"; grep "tile=" "$OUT/nvfp4_sweep_$kern.txt"
