@@ -11,7 +11,7 @@ weight, split-K partials; `fp32split:BLOCK_N,SPLITS,BLOCK_K,num_warps,num_stages
 since its partials are summed inside `dlmc::moe_route`, GEMM + routing for both ("route ..." rows).
 "... + align" rows add the experts' routing prep (`route_pairs`: `dlmc::moe_align`, with the
 fused shared expert as BF16 rounds run it, "shared"), "... fused" rows run both in one
-`dlmc::moe_route_align` launch instead (what MoEBlock runs with DLMC_FUSED_ROUTE_ALIGN=auto);
+`dlmc::moe_route_align` launch instead (what MoEBlock runs with DLMC_FUSED_ROUTE_ALIGN=on);
 `--fused-warps` adds fused rows at other num_warps.
 
     python perf/bench_small_m_linear.py --out perf/results/small_m_linear_h200.json
