@@ -101,11 +101,14 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
     paged = uses_paged_cache(kv_layout, kv_cache_dtype, device, torch.bfloat16, "graph")
     cache = _cache(c, prefix, block_length, kv_cache_dtype, paged, device, gen)
     results = [time_rounds(net, cache, cfg, mode, mask_id) for mode in cfg.modes]
+    def gb_per_s(ms: float) -> float:
+        return nbytes / ms / 1e6
+
     for r in results:
-        r["gb_per_s"] = nbytes / (r["median_ms"] / 1e3) / 1e9
+        r["gb_per_s"] = gb_per_s(r["median_ms"])
         r["fraction_of_copy_bw"] = r["gb_per_s"] / bandwidth
         if "queued_median_ms" in r:  # graph replays queued back to back
-            r["queued_fraction_of_copy_bw"] = nbytes / r["queued_median_ms"] / 1e6 / bandwidth
+            r["queued_fraction_of_copy_bw"] = gb_per_s(r["queued_median_ms"]) / bandwidth
     graph = [r for r in results if r["mode"] == "graph"]
     # The whole-decode loop, once per refresh mode (a finished block's K/V rewritten inside
     # the next block's first round, or by a forward of its own): same prompt, same run.
@@ -137,8 +140,8 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
              for r in graph if "queued_median_ms" in r]
     for name, median, low, high in rows:
         table.add_row(name, f"{median:.3f}", f"{low:.3f}–{high:.3f}", f"{nbytes / 1e9:.2f}",
-                      f"{nbytes / median / 1e6:.0f}", f"{bandwidth:.0f}",
-                      f"{nbytes / median / 1e6 / bandwidth:.1%}")
+                      f"{gb_per_s(median):.0f}", f"{bandwidth:.0f}",
+                      f"{gb_per_s(median) / bandwidth:.1%}")
     console = Console()
     console.print(table)
     for o in overhead or ():
