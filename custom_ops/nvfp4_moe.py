@@ -29,6 +29,7 @@ from dlmc.custom_ops.moe_align import (
 from dlmc.custom_ops.nvfp4_bf16x2 import ACC_SCALE
 from dlmc.custom_ops.nvfp4_scales import e4m3_of_predecoded, scales_for_kernel
 from dlmc.custom_ops.nvfp4_tiles import nvfp4_tile_dot, nvfp4_tile_dot_v2, round_bf16
+from dlmc.custom_ops.nvfp4_words import weights_for_kernel
 from dlmc.quant.nvfp4_format import dequantize_blocks, fake_quantize_activation
 
 __all__ = ["nvfp4_moe", "nvfp4_moe_reference"]
@@ -42,7 +43,9 @@ __all__ = ["nvfp4_moe", "nvfp4_moe_reference"]
 # (vectorized N-major weight loads, one E4M3 decode per 16 weights; 0.307 ms/layer = 22.6 % with
 # the old torch routing prep) or "v1" (K-major tiles; 0.441 ms/layer, 15.7 %). "v4": v3 with the
 # block scales pre-decoded to bf16 (`nvfp4_scales`; modules convert at load), bit-identical to v3.
-_KERNELS = {"v1": 1, "v2": 2, "v3": 3, "v4": 4}
+# "v5": v3 with the weights repacked at load into `nvfp4_words`' layout (8 integer ops per 8
+# weights instead of 14), bit-identical to v3; "v6": v5 with v4's pre-decoded scales.
+_KERNELS = {"v1": 1, "v2": 2, "v3": 3, "v4": 4, "v5": 5, "v6": 6}
 _KERNEL_NAME = os.environ.get("DLMC_NVFP4_KERNEL", "v3")
 if _KERNEL_NAME not in _KERNELS:
     raise ValueError(f"DLMC_NVFP4_KERNEL must be one of {sorted(_KERNELS)}, got {_KERNEL_NAME!r}")
@@ -52,7 +55,14 @@ _VARIANT = _KERNELS[_KERNEL_NAME]
 def kernel_reads_predecoded_scales() -> bool:
     """Whether the selected kernel (v4) reads block scales pre-decoded to bf16 (`nvfp4_scales`):
     modules holding NVFP4 experts then convert their E4M3 scales once, at load."""
-    return _VARIANT == 4
+    return _VARIANT in (4, 6)
+
+
+def kernel_reads_weight_words() -> bool:
+    """Whether the selected kernel (v5, v6) reads the weights in `nvfp4_words`' layout: modules
+    then pack them at load (int32 words). Under the interpreter the op hands it ModelOpt bytes
+    (unpacked per call, exact): the asm decode needs a GPU."""
+    return _VARIANT in (5, 6)
 
 
 # Launch-config override for tuning sweeps (perf/bench_nvfp4_moe.py --tiles):
@@ -158,7 +168,7 @@ def _block_n(dim: int, widest: int) -> int:
 # perf/results/round_nvfp4_v3_fp8_h200*.json): gate/up 92.0 us/layer at 64 vs 101.5 at 128,
 # down 44.3 us at 128 vs 50.5 at 64. v1/v2 were tuned at 64.
 _GATE_UP_BLOCK_N = 64
-_DOWN_BLOCK_N = {1: 64, 2: 64, 3: 128, 4: 128}  # by variant, looked up per call
+_DOWN_BLOCK_N = {1: 64, 2: 64, 3: 128, 4: 128, 5: 128, 6: 128}  # by variant, looked up per call
 # K-tile of the shared expert's BF16 programs in each launch, the widest that keeps the FP4
 # kernels' registers and shared memory (sm_90, LLaDA2.1-mini shapes, v3; cubin resource usage).
 # The kernels take the shared expert's arguments after all others: placed before them, the
@@ -301,6 +311,8 @@ def _check(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         shape, dtype = expected[name]
         if dtype == torch.float8_e4m3fn and tensor.dtype == torch.bfloat16:
             dtype = torch.bfloat16  # block scales pre-decoded by `predecode_block_scales`
+        if dtype == torch.uint8 and tensor.dtype == torch.int32:  # `pack_weight_words`' words
+            shape, dtype = (*shape[:-1], shape[-1] // 4), torch.int32
         if tuple(tensor.shape) != shape or tensor.dtype != dtype:
             raise ValueError(f"nvfp4_moe: {name} must be {dtype} {shape}, got "
                              f"{tensor.dtype} {tuple(tensor.shape)}")
@@ -355,7 +367,9 @@ def nvfp4_moe(
     - x bf16 `[T, H]`; topk_ids int32/int64 `[T, K]` in `[0, E)`; topk_weights fp32 `[T, K]`
       (routed scaling already folded in).
     - `{gate,up}_weight` uint8 `[E, I, H/2]`, `down_weight` uint8 `[E, H, I/2]`: E2M1 codes, low
-      nibble = even element; `*_weight_scale` float8_e4m3fn `[E, out, in/16]` (row-major, not
+      nibble = even element (or int32 `[E, out, in/8]` words of `nvfp4_words.pack_weight_words`,
+      what kernels v5/v6 read; each form is converted exactly to the other when needed);
+      `*_weight_scale` float8_e4m3fn `[E, out, in/16]` (row-major, not
       swizzled), or bf16 of the same shape pre-decoded by `nvfp4_scales.predecode_block_scales`
       (what kernel v4 reads; each form is converted exactly to the other when needed);
       `*_weight_scale_2` fp32 `[E]` global scales (gate and up kept separate).
@@ -385,8 +399,11 @@ def nvfp4_moe(
     a1, a2 = _input_scales(gate_input_scale, up_input_scale, down_input_scale, emulate_w4a4)
     # The op takes the block scales as bit patterns (free views; opcheck's schema test cannot
     # compare fp8 tensors on CPU): uint8 E4M3 bytes, or int16 pre-decoded bf16 for v4.
+    # Weights likewise: uint8 ModelOpt bytes, or v5/v6's words viewed as bytes (`nvfp4_words`).
     predecoded = kernel_reads_predecoded_scales()
-    op_args = [scales_for_kernel(t, predecoded) if name.endswith("_weight_scale") else t
+    words = kernel_reads_weight_words() and not _INTERPRETED
+    op_args = [scales_for_kernel(t, predecoded) if name.endswith("_weight_scale")
+               else weights_for_kernel(t, words) if name.endswith("_weight") else t
                for name, t in weights.items()]
     if routing is not None:
         check_pair_routing("nvfp4_moe", routing)
@@ -418,6 +435,8 @@ def nvfp4_moe_reference(
     gate_weight_scale, up_weight_scale, down_weight_scale = (
         e4m3_of_predecoded(s) if s.dtype == torch.bfloat16 else s
         for s in (gate_weight_scale, up_weight_scale, down_weight_scale))
+    gate_weight, up_weight, down_weight = (weights_for_kernel(w, words=False)
+                                           for w in (gate_weight, up_weight, down_weight))
     y = torch.zeros((T * K, H), dtype=torch.bfloat16, device=x.device)
     pair_expert = topk_ids.reshape(-1).long()  # [P]
     for e in range(gate_weight.shape[0]):

@@ -12,6 +12,7 @@ from dlmc.custom_ops.nvfp4_bf16x2 import (
     decode_e2m1_bf16x2_predecoded,
     e4m3_bf16x2_pair,
 )
+from dlmc.custom_ops.nvfp4_words import decode_e2m1_words, decode_e2m1_words_predecoded
 
 
 @triton.jit
@@ -133,18 +134,25 @@ def _load_w_split(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl
 
 @triton.jit
 def _load_w_split_v3(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PREDECODED: tl.constexpr):
+                     BLOCK_K: tl.constexpr, PREDECODED: tl.constexpr, WORDS: tl.constexpr):
     """`_load_w_split` with the bf16x2 decode: tiles `[BK/2, BN]` of `w * 2^-7` (exact). The
-    scale pair comes from the E4M3 byte (v3) or from the pre-decoded bf16 (`PREDECODED`, v4)."""
+    scale pair comes from the E4M3 byte (v3, v5) or from the pre-decoded bf16 (`PREDECODED`, v4,
+    v6); `WORDS` (v5, v6): the weight bytes are `nvfp4_words`' layout (same loads, shorter asm)."""
     HALF: tl.constexpr = BLOCK_K // 2
     BLOCKS: tl.constexpr = BLOCK_K // 16
     packed, scale_bits = _load_w_bytes(w_ptr, s_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K)
     if PREDECODED:  # the asm reads the 16-bit scales in place (no pair to build)
         scale = tl.broadcast_to(scale_bits[:, :, None], (BLOCK_N, BLOCKS, 8))
-        w_lo, w_hi = decode_e2m1_bf16x2_predecoded(packed, scale)
+        if WORDS:
+            w_lo, w_hi = decode_e2m1_words_predecoded(packed, scale)
+        else:
+            w_lo, w_hi = decode_e2m1_bf16x2_predecoded(packed, scale)
     else:
         pair = tl.broadcast_to(e4m3_bf16x2_pair(scale_bits)[:, :, None], (BLOCK_N, BLOCKS, 8))
-        w_lo, w_hi = decode_e2m1_bf16x2(packed, pair)
+        if WORDS:
+            w_lo, w_hi = decode_e2m1_words(packed, pair)
+        else:
+            w_lo, w_hi = decode_e2m1_bf16x2(packed, pair)
     return (tl.trans(tl.reshape(w_lo, (BLOCK_N, HALF))),
             tl.trans(tl.reshape(w_hi, (BLOCK_N, HALF))))
 
@@ -153,14 +161,16 @@ def _load_w_split_v3(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N:
 def _load_w_tiles(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, VARIANT: tl.constexpr):
     """Low/high-nibble weight tiles: the bf16x2 inline-asm decode (`w * 2^-7`) for `VARIANT` 3
-    and 4 when compiled, else `_load_w_split` (exact; widened to fp32 under the interpreter).
-    v4's scales are pre-decoded (`nvfp4_scales`); v2/v3 read E4M3 bytes."""
+    to 6 when compiled, else `_load_w_split` (exact; widened to fp32 under the interpreter,
+    which gets ModelOpt bytes for every variant). v4/v6's scales are pre-decoded
+    (`nvfp4_scales`), v2/v3/v5 read E4M3 bytes; v5/v6 read `nvfp4_words`' weight layout."""
+    PREDECODED: tl.constexpr = VARIANT == 4 or VARIANT == 6
     if VARIANT >= 3 and not INTERPRETED:
         w_lo, w_hi = _load_w_split_v3(w_ptr, s_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K,
-                                      VARIANT == 4)
+                                      PREDECODED, VARIANT >= 5)
     else:
         w_lo, w_hi = _load_w_split(w_ptr, s_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K,
-                                   VARIANT == 4)
+                                   PREDECODED)
         if INTERPRETED:
             w_lo, w_hi = w_lo.to(tl.float32), w_hi.to(tl.float32)
     return w_lo, w_hi

@@ -9,7 +9,7 @@ reference, and a device-to-device copy in the same run (the ceiling).
 
     python perf/bench_nvfp4_moe.py --out perf/results/nvfp4_moe_h200.json
     DLMC_NVFP4_KERNEL=v3 python perf/bench_nvfp4_moe.py   # a kernel variant (v1 .. v4)
-    python perf/bench_nvfp4_moe.py --tokens 32 --kernels v3 v4   # several, one process and graph
+    python perf/bench_nvfp4_moe.py --tokens 32 --kernels v3 v4 v5 v6   # several, one process and graph
                                                                   # set-up each, same weights
 v4 reads block scales pre-decoded to bf16 (2 bytes per 16 weights): they are converted once,
 before timing, as the model does at load, and its bytes count them at 2 bytes.
@@ -43,6 +43,7 @@ import dlmc.custom_ops.nvfp4_moe as nvfp4_module
 from dlmc.bench.timing import copy_bandwidth_gbps, cuda_times
 from dlmc.custom_ops.nvfp4_moe import _KERNEL_NAME, _KERNELS, nvfp4_moe, nvfp4_moe_reference
 from dlmc.custom_ops.nvfp4_scales import predecode_block_scales
+from dlmc.custom_ops.nvfp4_words import pack_weight_words
 from dlmc.quant.nvfp4_format import dequantize_nvfp4
 
 PROJ_SHAPES = {"gate": ("I", "H"), "up": ("I", "H"), "down": ("H", "I")}
@@ -64,10 +65,11 @@ def make_layer(E: int, H: int, I: int, device: str, gen: torch.Generator) -> lis
 
 
 def kernel_layer(layer: list[torch.Tensor], kernel: str) -> list[torch.Tensor]:
-    """The layer's op arguments in the form `kernel` reads (v4: block scales pre-decoded)."""
-    if kernel != "v4":
-        return layer
-    return [predecode_block_scales(t) if t.dtype == torch.float8_e4m3fn else t for t in layer]
+    """The layer's op arguments in the form `kernel` reads, as `NVFP4Experts.prepare_for_kernel`
+    stores them (v4/v6: block scales pre-decoded; v5/v6: weights as int32 words)."""
+    scales, words = kernel in ("v4", "v6"), kernel in ("v5", "v6")
+    return [predecode_block_scales(t) if scales and t.dtype == torch.float8_e4m3fn
+            else pack_weight_words(t) if words and t.dtype == torch.uint8 else t for t in layer]
 
 
 def make_routing(T: int, E: int, K: int, device: str, gen: torch.Generator
@@ -168,7 +170,7 @@ def main() -> None:
         if kernel not in converted:  # once per kernel (v4: the load-time scale conversion)
             converted = {kernel: [kernel_layer(layer, kernel) for layer in layers]}
         kernel_layers = converted[kernel]
-        scale_bytes = 2 if kernel == "v4" else 1
+        scale_bytes = 2 if kernel in ("v4", "v6") else 1
         expert_bytes = 3 * (I * H // 2 + I * H // 16 * scale_bytes)  # packed + block scales
         touched = [int(ids.unique().numel()) for ids, _ in routing]
         nbytes = [t * expert_bytes + shared_bytes + 2 * T * H * 2 for t in touched]

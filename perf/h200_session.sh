@@ -10,6 +10,7 @@
 #                                      # SWEEP_KERNELS (v3; deeper pipelines: session 13's
 #                                      # static occupancy table), paged attention,
 #                                      # the kernels' GPU tests
+#   bash perf/h200_session.sh words    # nvfp4_moe v3-v6 alone, v5/v6 tile sweeps, their GPU tests
 #   bash perf/h200_session.sh moe      # dlmc::bf16_moe alone, launch-config sweeps (MOE_CONFIGS)
 #   bash perf/h200_session.sh gemm     # dlmc::small_m_linear vs cuBLAS, sweeps (GEMM_CONFIGS)
 #   bash perf/h200_session.sh share    # NVFP4+FP8 graph round at PREFIX (4096) + profile, then
@@ -114,6 +115,21 @@ ops)
     "tests/custom_ops/test_nvfp4_moe.py::test_compile_and_cuda_graph_replay" \
     "tests/custom_ops/test_moe_align.py::test_compile_and_graph_replay" \
     "tests/custom_ops/test_paged_attention.py::test_compile_and_cuda_graph_replay" ;;
+words)  # session 14: nvfp4_moe v5/v6 (nvfp4_words' layout) against v3/v4, tiles, GPU tests
+  timeout 100 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 50 --kernels v3 v4 v5 v6 \
+    --shared-expert --out "$OUT/nvfp4_op_v3_to_v6.json" > "$OUT/nvfp4_op_v3_to_v6.txt" 2>&1
+  echo "nvfp4 op v3-v6 rc=$?"; grep -E "tokens=32" "$OUT/nvfp4_op_v3_to_v6.txt" | head -8
+  for kern in gate_up down; do
+    timeout 110 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 30 --tile-kernel $kern \
+      --kernels ${SWEEP_KERNELS:-v5 v6} --tiles ${NVFP4_TILES:-64,128,4,3 64,128,4,4 \
+      128,128,4,3 128,128,4,4 64,128,4,5 128,64,4,4} --out "$OUT/nvfp4_sweep_$kern.json" \
+      > "$OUT/nvfp4_sweep_$kern.txt" 2>&1
+    echo "nvfp4 sweep $kern rc=$?"; grep "tile=" "$OUT/nvfp4_sweep_$kern.txt"
+  done
+  gpu_tests words "tests/custom_ops/test_nvfp4_moe.py::test_v3_single_code_weights_are_exact_gpu" \
+    "tests/custom_ops/test_nvfp4_moe.py::test_compile_and_cuda_graph_replay" \
+    "tests/custom_ops/test_nvfp4_moe_v5.py::test_v5_v6_w4a4_and_negative_scales_gpu" \
+    "tests/custom_ops/test_nvfp4_moe_v5.py::test_v5_v6_equal_v3_gpu" ;;
 moe)  # dlmc::bf16_moe alone: launch-config sweeps of each kernel, against copy and read ceilings
   for kern in gate_up down; do
     timeout 120 python3 perf/bench_bf16_moe.py --kernel $kern --configs ${MOE_CONFIGS:-128,128,4,3 \

@@ -46,14 +46,14 @@ DOWN = {"h_ptr": "*bf16", "sorted_pair_ptr": "*i32", "expert_of_block_ptr": "*i3
 META = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "INTERPRETED", "VARIANT", "SHARED", "SHARED_BLOCK_K")
 DIVISIBLE = ("num_pairs", "stride_a", "stride_h", "stride_y")
 RESOURCE = re.compile(r"\b(REG|STACK|LOCAL):(\d+)")
-SCALE_ARGS = ("gate_s", "up_s", "down_s")  # v4: int16 bit patterns of the pre-decoded bf16
+SCALE_ARGS = ("gate_s", "up_s", "down_s")  # v4, v6: int16 bit patterns of the pre-decoded bf16
 
 
 def sass(kernel: object, signature: dict[str, str], constants: dict[str, object],
          options: dict[str, int]) -> tuple[str, dict[str, int]]:
     """(SASS text, {registers, local, stack, shared}) of one kernel compiled for sm_90."""
     signature = signature | dict.fromkeys(META, "constexpr")
-    if constants["VARIANT"] == 4:
+    if constants["VARIANT"] in (4, 6):
         signature |= {name: "*i16" for name in SCALE_ARGS if name in signature}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
              for name, kind in signature.items() if kind.startswith("*") or name in DIVISIBLE}

@@ -282,10 +282,10 @@ def test_kernel_matches_reference_gpu(variant: int, seed: int, tokens: int, num_
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [3, 4])
+@pytest.mark.parametrize("variant", [3, 4, 5, 6])
 def test_v3_single_code_weights_are_exact_gpu(variant: int) -> None:
-    """v3 (and v4, its scales pre-decoded per call here) and the reference agree bit for bit on
-    power-of-two data (incl. subnormal scales)."""
+    """v3 (and v4-v6, their scales / weights converted per call here) and the reference agree
+    bit for bit on power-of-two data (incl. subnormal scales)."""
     for scale_byte in (0x01, 0x38, 0x7E):
         experts = random_experts(torch.Generator().manual_seed(2), 2, 32, 16)
         for proj in ("gate", "up", "down"):
@@ -314,22 +314,26 @@ def test_v3_single_code_weights_are_exact_gpu(variant: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shared", [False, True])
-@pytest.mark.parametrize("variant", [3, 4])
+@pytest.mark.parametrize("variant", [3, 4, 5, 6])
 def test_compile_and_cuda_graph_replay(variant: int, shared: bool,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """v3, and v4 with the block scales pre-decoded as `NVFP4Experts` stores them; compiled
+    """v3, and v4-v6 with the block scales / weights as `NVFP4Experts` stores them; compiled
     (fullgraph), replayed as a CUDA graph with new routing and x copied in. `shared`: with the
     shared expert's BF16 tail blocks."""
     import dlmc.custom_ops.nvfp4_moe as module
     from dlmc.custom_ops.nvfp4_scales import predecode_block_scales
+    from dlmc.custom_ops.nvfp4_words import pack_weight_words
 
     monkeypatch.setattr(module, "_VARIANT", variant)
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(6)
     experts = random_experts(gen, 16, 256, 128)
-    if variant == 4:
+    if variant in (4, 6):
         experts |= {name: predecode_block_scales(t) for name, t in experts.items()
                     if name.endswith("_weight_scale")}
+    if variant in (5, 6):
+        experts |= {name: pack_weight_words(t) for name, t in experts.items()
+                    if name.endswith("_weight")}
     x = torch.randn(32, 256, generator=gen).bfloat16().cuda()
     ids, w = random_routing(gen, 32, 16, 4, skew=False)
     args = op_args(x, ids, w, experts)

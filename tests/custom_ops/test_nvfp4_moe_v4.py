@@ -53,7 +53,7 @@ def with_scale_codes(experts: dict[str, torch.Tensor], gen: torch.Generator,
 
 
 def predecoded(experts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """What `NVFP4Experts.predecode_scales` stores for v4: bf16 block scales."""
+    """What `NVFP4Experts.prepare_for_kernel` stores for v4: bf16 block scales."""
     return experts | {name: predecode_block_scales(experts[name]) for name in SCALES}
 
 

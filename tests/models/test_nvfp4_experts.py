@@ -101,7 +101,7 @@ def test_compiles_fullgraph() -> None:
     torch.testing.assert_close(compiled(x, ids, weights), experts(x, ids, weights), rtol=0, atol=0)
 
 
-def test_predecode_scales_for_kernel_v4() -> None:
+def test_prepare_for_kernel_v4_predecodes_scales() -> None:
     """The load-time step: only for v4 and the Triton op; bf16 scales, E4M3 copy freed, forward
     bit for bit v3's, the reference and exact dequantization unchanged."""
     import dlmc.custom_ops.nvfp4_moe as op_module
@@ -114,22 +114,22 @@ def test_predecode_scales_for_kernel_v4() -> None:
     previous = op_module._VARIANT
     try:
         op_module._VARIANT = 3
-        assert not experts.predecode_scales()  # v3 reads E4M3: nothing to do
+        assert not experts.prepare_for_kernel()  # v3 reads E4M3: nothing to do
         v3 = experts(x, ids, weights)
         deq = experts.dequantize_to_bf16()
         experts.use_reference = True
         ref = experts(x, ids, weights)
         op_module._VARIANT = 4
-        assert not experts.predecode_scales()  # the reference path keeps E4M3
+        assert not experts.prepare_for_kernel()  # the reference path keeps E4M3
         experts.use_reference = False
-        assert experts.predecode_scales()
+        assert experts.prepare_for_kernel()
         for proj in ("gate_proj", "up_proj", "down_proj"):
             scale = getattr(experts, f"{proj}_weight_scale")
             assert scale.dtype == torch.bfloat16 and scale.shape[-1] == (I if proj == "down_proj"
                                                                          else H) // 16
         assert sum(b.dtype == torch.float8_e4m3fn for b in experts.buffers()) == 0
         assert torch.equal(experts(x, ids, weights), v3)
-        assert experts.predecode_scales()  # idempotent
+        assert experts.prepare_for_kernel()  # idempotent
         assert torch.equal(experts(x, ids, weights), v3)
     finally:
         op_module._VARIANT = previous
@@ -164,3 +164,36 @@ def test_forward_takes_a_precomputed_routing(monkeypatch: pytest.MonkeyPatch) ->
     experts.use_reference = False
     with pytest.raises(ValueError, match="nvfp4_moe: routing must be"):
         experts(x, ids, weights, routing=routing._replace(block_m=24))
+
+
+def test_prepare_for_kernel_v5_v6_packs_weight_words() -> None:
+    """v5/v6: int32 weight words (v6: bf16 scales too), uint8 copies freed, forward bit for bit
+    v3's, exact dequantization unchanged."""
+    import dlmc.custom_ops.nvfp4_moe as op_module
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(5, H, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(5)])
+    weights = torch.rand(5, 2, generator=gen)
+    previous = op_module._VARIANT
+    try:
+        for variant in (5, 6):
+            experts, _ = filled_experts()
+            op_module._VARIANT = 3
+            v3, deq = experts(x, ids, weights), experts.dequantize_to_bf16()
+            op_module._VARIANT = variant
+            assert experts.prepare_for_kernel()
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                weight = getattr(experts, f"{proj}_weight")
+                assert weight.dtype == torch.int32
+                assert weight.shape[-1] == (I if proj == "down_proj" else H) // 8
+                scale = getattr(experts, f"{proj}_weight_scale")
+                assert scale.dtype == (torch.bfloat16 if variant == 6 else torch.float8_e4m3fn)
+            assert sum(b.dtype == torch.uint8 for b in experts.buffers()) == 0
+            assert torch.equal(experts(x, ids, weights), v3)
+            for proj, tensor in experts.dequantize_to_bf16().items():
+                assert torch.equal(tensor, deq[proj])
+            assert experts.prepare_for_kernel()  # idempotent
+            assert torch.equal(experts(x, ids, weights), v3)
+    finally:
+        op_module._VARIANT = previous

@@ -86,7 +86,7 @@ def load_model(
     if quant is not None and effective == "bf16":
         nv.dequantize_experts(model, config, dtype)
     elif quant is not None:
-        nv.predecode_expert_scales(model)
+        nv.prepare_experts_for_kernel(model)
     model.eval()
     return LoadedModel(config, model, index, effective, quant is not None, kv_scales,
                        declares_fp8_kv)

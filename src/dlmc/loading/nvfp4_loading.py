@@ -60,14 +60,15 @@ def use_nvfp4_experts(model: nn.Module, config: LLaDA2Config, on_gpu: bool) -> N
                                           use_reference=not on_gpu, device="meta")
 
 
-def predecode_expert_scales(model: nn.Module) -> None:
-    """precision="nvfp4": the kernel's load-time form of the block scales (v4: pre-decoded bf16,
-    exact; v1-v3 keep E4M3), one projection at a time (`NVFP4Experts.predecode_scales`)."""
+def prepare_experts_for_kernel(model: nn.Module) -> None:
+    """precision="nvfp4": the kernel's load-time form of the experts (v4/v6: pre-decoded bf16
+    block scales, v5/v6: weight words, both exact; v1-v3 keep ModelOpt's), one projection at a
+    time (`NVFP4Experts.prepare_for_kernel`)."""
     from dlmc.models.nvfp4_experts import NVFP4Experts
 
     for module in model.modules():
         if isinstance(module, NVFP4Experts):
-            module.predecode_scales()
+            module.prepare_for_kernel()
 
 
 @torch.no_grad()

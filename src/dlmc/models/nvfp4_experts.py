@@ -15,8 +15,14 @@ import torch
 from torch import nn
 
 from dlmc.custom_ops.moe_align import PairRouting
-from dlmc.custom_ops.nvfp4_moe import kernel_reads_predecoded_scales, nvfp4_moe, nvfp4_moe_reference
+from dlmc.custom_ops.nvfp4_moe import (
+    kernel_reads_predecoded_scales,
+    kernel_reads_weight_words,
+    nvfp4_moe,
+    nvfp4_moe_reference,
+)
 from dlmc.custom_ops.nvfp4_scales import e4m3_of_predecoded, predecode_block_scales
+from dlmc.custom_ops.nvfp4_words import pack_weight_words, weights_for_kernel
 from dlmc.quant.nvfp4_format import GROUP_SIZE, dequantize_nvfp4
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -47,8 +53,9 @@ class NVFP4Experts(nn.Module):
     - `gate_proj_weight`, `up_proj_weight`: uint8 `[E, I, H/2]`; `down_proj_weight`: uint8
       `[E, H, I/2]` (E2M1 codes, low nibble = even element).
     - `<proj>_weight_scale`: float8_e4m3fn `[E, out, in/16]` (row-major, unswizzled), as loaded;
-      `predecode_scales()` (a load-time step) replaces it, for kernel v4, by the same scales as
-      bf16 `scale * 2^119` (exact; `custom_ops/nvfp4_scales.py`).
+      `prepare_for_kernel()` (a load-time step) replaces it, for kernels v4/v6, by the same
+      scales as bf16 `scale * 2^119` (exact; `custom_ops/nvfp4_scales.py`), and for v5/v6 the
+      weights by int32 words `[E, out, in/8]` (exact; `custom_ops/nvfp4_words.py`).
     - `<proj>_weight_scale_2`: fp32 `[E]` global scales; `<proj>_input_scale`: fp32 `[E]`
       activation scales (only used with `emulate_w4a4`; 1.0 until loaded).
 
@@ -97,17 +104,22 @@ class NVFP4Experts(nn.Module):
         self.shared_expert_id: int | None = None
 
     @torch.no_grad()
-    def predecode_scales(self) -> bool:
-        """Load-time step for kernel v4 (`DLMC_NVFP4_KERNEL=v4`): each projection's E4M3 block
-        scales become bf16 `scale * 2^119` (exact), one projection at a time, and the E4M3 copy is
-        freed (the reference and `dequantize_to_bf16` convert back exactly when asked). Does
-        nothing for the reference path or kernels v1-v3. Returns whether it converted."""
-        if self.use_reference or not kernel_reads_predecoded_scales():
+    def prepare_for_kernel(self) -> bool:
+        """Load-time step into the form the selected kernel (`DLMC_NVFP4_KERNEL`) reads, one
+        projection at a time, freeing the old copy (the reference and `dequantize_to_bf16`
+        convert back exactly when asked): v4/v6 get the E4M3 block scales as bf16
+        `scale * 2^119` (`nvfp4_scales`), v5/v6 the weights as int32 words (`nvfp4_words`).
+        Does nothing for the reference path or kernels v1-v3. Returns whether it converted."""
+        scales, words = kernel_reads_predecoded_scales(), kernel_reads_weight_words()
+        if self.use_reference or not (scales or words):
             return False
         for proj in PROJECTIONS:
             name = f"{proj}_weight_scale"
-            if self._buffers[name].dtype == torch.float8_e4m3fn:
+            if scales and self._buffers[name].dtype == torch.float8_e4m3fn:
                 self._buffers[name] = predecode_block_scales(self._buffers[name])
+            name = f"{proj}_weight"
+            if words and self._buffers[name].dtype == torch.uint8:
+                self._buffers[name] = pack_weight_words(self._buffers[name])
         return True
 
     def _op_args(self) -> list[torch.Tensor]:
@@ -176,7 +188,7 @@ class NVFP4Experts(nn.Module):
         """
         result = {}
         for proj in PROJECTIONS:
-            packed = getattr(self, f"{proj}_weight")  # [E, out, in/2]
+            packed = weights_for_kernel(getattr(self, f"{proj}_weight"), words=False)
             scale = getattr(self, f"{proj}_weight_scale")  # [E, out, in/16]
             if scale.dtype == torch.bfloat16:  # pre-decoded for kernel v4
                 scale = e4m3_of_predecoded(scale)

@@ -1,0 +1,154 @@
+"""Kernel v5 NVFP4 weight layout: the bits of 8 E2M1 codes arranged per 32-bit word so that
+the bf16x2 decode takes 8 integer instructions per 8 weights (v3: 14).
+
+v3 decodes ModelOpt's packing (low nibble = even element) with 2 `prmt` and 3 integer ops per
+bf16x2 pair. Repacked once at load, each pair's bits sit where one or two ops put them at bf16
+bits 15 (sign) and 8, 7, 6 (e1 e0 m) of both halves (`nvfp4_bf16x2`'s exact `e2m1 * 2^-126`):
+
+    pair 0: q & P                        (its bits stored at P itself)
+    pair 1: rotr(q, 3) & P               (stored at P + 3, mod 32)
+    pair 2: rotr(q, 6) & P               (stored at P + 6, mod 32)
+    pair 3: ((q & L) * 0x1084) & P       (stored at L; x 0x1084 = shifts by 2, 7 and 12 whose
+                                          copies of L never overlap, so no carries)
+
+with P = 0x81C081C0 and L the 8 bits left over; then `mul.rn.bf16x2` by the block-scale pair as
+in v3. The pairs are v3's asm outputs (`nvfp4_bf16x2.DECODE_ASM`): the word of ModelOpt bytes
+b0..b3 holds codes c0..c7 in K order (c2i = low nibble of b_i); pair 0 = (c0, c2), 1 = (c4, c6),
+2 = (c1, c3), 3 = (c5, c7), first element in the low half. So only the asm changes: same loads,
+same tile shapes, same products (bit for bit v3's).
+
+Storage: int32 words `[..., K/8]` (the dtype tells the layout from ModelOpt's uint8 bytes);
+`pack_weight_words` / `unpack_weight_words` convert exactly, `decode_words_emulated` is the
+asm's spec on the CPU (tests/custom_ops/test_nvfp4_words.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dlmc.custom_ops.nvfp4_bf16x2 import BF16_MASK, _bf16x2_mul
+
+__all__ = ["pack_weight_words", "unpack_weight_words", "weights_for_kernel"]
+
+ROT_1, ROT_2 = 3, 6  # pairs 1 and 2: right-rotations of the word
+MUL_MASK, MUL = 0x001B001B, 0x1084  # pair 3: L = bits 0,1,3,4,16,17,19,20; shifts 2, 7, 12
+# (code index within the word, [(code bit, bf16x2 target bit)] of its sign, e1, e0, m)
+_PAIRS = ((0, 2), (4, 6), (1, 3), (5, 7))  # codes of pair j: (low half, high half)
+_TARGET = {3: 15, 2: 8, 1: 7, 0: 6}  # code bit -> bf16 bit in the low half (+16: high half)
+# Pair 3's storage bit of each target bit (found by search: L shifted by 2, 7, 12 hits P once)
+_PAIR3_SOURCE = {7: 0, 8: 1, 15: 3, 6: 4, 23: 16, 24: 17, 31: 19, 22: 20}
+
+
+def _storage_map() -> list[tuple[int, int, int]]:
+    """[(storage bit, code index 0..7, code bit 0..3)] for all 32 bits of a word."""
+    out = []
+    for j, codes in enumerate(_PAIRS):
+        for half, code in enumerate(codes):
+            for code_bit, target in _TARGET.items():
+                t = target + 16 * half
+                if j == 3:
+                    src = _PAIR3_SOURCE[t]
+                else:
+                    src = (t + (0, ROT_1, ROT_2)[j]) % 32
+                out.append((src, code, code_bit))
+    assert sorted(s for s, _, _ in out) == list(range(32)), "layout must use every bit once"
+    return out
+
+
+STORAGE_MAP = _storage_map()
+
+
+def _codes(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 ModelOpt bytes `[..., K/2]` (K/2 % 4 == 0) -> int32 codes `[..., K/8, 8]` K order."""
+    b = packed.to(torch.int32).reshape(*packed.shape[:-1], packed.shape[-1] // 4, 4)
+    return torch.stack([b & 0xF, b >> 4], dim=-1).reshape(*b.shape[:-1], 8)
+
+
+def pack_weight_words(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 ModelOpt NVFP4 bytes `[..., K/2]` -> int32 v5 words `[..., K/8]` (exact)."""
+    if packed.dtype != torch.uint8 or packed.shape[-1] % 4:
+        raise ValueError(f"pack_weight_words: expected uint8 [..., K/2] with K/2 % 4 == 0, got "
+                         f"{packed.dtype} {tuple(packed.shape)}")
+    codes = _codes(packed)  # [..., K/8, 8]
+    word = torch.zeros(codes.shape[:-1], dtype=torch.int64, device=packed.device)
+    for src, code, code_bit in STORAGE_MAP:
+        word |= ((codes[..., code] >> code_bit) & 1).long() << src
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+def unpack_weight_words(words: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_weight_words`: int32 words `[..., K/8]` -> uint8 bytes `[..., K/2]`."""
+    if words.dtype != torch.int32:
+        raise ValueError(f"unpack_weight_words: expected int32 words, got {words.dtype}")
+    w = words.long() & 0xFFFFFFFF
+    codes = torch.zeros((*w.shape, 8), dtype=torch.int64, device=words.device)
+    for src, code, code_bit in STORAGE_MAP:
+        codes[..., code] |= ((w >> src) & 1) << code_bit
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)  # [..., K/8, 4] bytes
+    return packed.reshape(*w.shape[:-1], w.shape[-1] * 4).to(torch.uint8)
+
+
+def weights_for_kernel(weight: torch.Tensor, words: bool) -> torch.Tensor:
+    """The weight operand of `dlmc::nvfp4_moe`, uint8 `[..., K/2]`: v5 words viewed as bytes
+    (little-endian: byte i of a word holds its bits 8i..8i+7) when `words`, else ModelOpt bytes.
+    Either stored form is converted (exact; per call, so modules convert at load)."""
+    if words:
+        if weight.dtype != torch.int32:
+            weight = pack_weight_words(weight)
+        return weight.view(torch.uint8)
+    return unpack_weight_words(weight) if weight.dtype == torch.int32 else weight
+
+
+def _pair_ops(out: str, j: int) -> str:
+    if j == 0:
+        return f"and.b32 {out}, $4, {BF16_MASK:#010x};"
+    if j in (1, 2):
+        return (f"shf.r.wrap.b32 m, $4, $4, {(0, ROT_1, ROT_2)[j]};"
+                f"and.b32 {out}, m, {BF16_MASK:#010x};")
+    return (f"and.b32 m, $4, {MUL_MASK:#010x};"
+            f"mul.lo.u32 m, m, {MUL:#06x};"
+            f"and.b32 {out}, m, {BF16_MASK:#010x};")
+
+
+# One line (Inductor copies it into Python source). pack=4 operands as in `DECODE_ASM`: $0..$3
+# the pairs, $4 the word, $5 the scale pair (v5: E4M3-derived; v6: pre-decoded, two 16-bit
+# scales per register, ptxas reads the low half in place).
+DECODE_WORDS_ASM = tl.constexpr(
+    "{ .reg .b32 m;" + "".join(_pair_ops(f"${j}", j) for j in range(4))
+    + "".join(f"mul.rn.bf16x2 ${j}, ${j}, $5;" for j in range(4)) + " }")
+
+
+@triton.jit
+def decode_e2m1_words(packed, scale_pair):
+    """v5 word bytes (uint8, groups of 4 along the last dim) and their blocks' scale pairs (int32,
+    same shape) -> (low-nibble, high-nibble) bf16 `e2m1 * scale * 2^-7` as `decode_e2m1_bf16x2`
+    gives them for ModelOpt bytes."""
+    return tl.inline_asm_elementwise(
+        DECODE_WORDS_ASM, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale_pair],
+        dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
+
+@triton.jit
+def decode_e2m1_words_predecoded(packed, scale_bits):
+    """`decode_e2m1_words` with v4's pre-decoded 16-bit scales (kernel v6)."""
+    return tl.inline_asm_elementwise(
+        DECODE_WORDS_ASM, "=r,=r,=r,=r,r,r,r", [packed, scale_bits],
+        dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
+
+def decode_words_emulated(words: torch.Tensor, scale_pairs: torch.Tensor) -> torch.Tensor:
+    """`DECODE_WORDS_ASM` on the CPU, same constants and ops: int64 words `[N]` and scale pairs
+    `[N]` -> bf16 `[N, 8]` in K order (`e2m1 * scale * 2^-7`), `decode_pairs_emulated`'s result
+    for the same weights in ModelOpt bytes."""
+    q = words & 0xFFFFFFFF
+
+    def rotr(x: torch.Tensor, s: int) -> torch.Tensor:
+        return ((x >> s) | (x << (32 - s))) & 0xFFFFFFFF
+
+    pairs = [q & BF16_MASK, rotr(q, ROT_1) & BF16_MASK, rotr(q, ROT_2) & BF16_MASK,
+             (((q & MUL_MASK) * MUL) & 0xFFFFFFFF) & BF16_MASK]
+    out = [_bf16x2_mul(p, scale_pairs) for p in pairs]
+    (c0, c2), (c4, c6), (c1, c3), (c5, c7) = out
+    return torch.stack([c0, c1, c2, c3, c4, c5, c6, c7], dim=-1)  # [N, 8]

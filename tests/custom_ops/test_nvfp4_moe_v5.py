@@ -1,0 +1,135 @@
+"""Kernels v5/v6 of `dlmc::nvfp4_moe` (weights repacked at load into `nvfp4_words`' layout; v6
+with v4's pre-decoded scales too): bit for bit v3's output.
+
+On CPU the kernels run under `TRITON_INTERPRET=1` with the v2 decode, so the op hands them
+ModelOpt bytes (the words unpacked per call, exact): these tests check the storage forms and
+their conversions; the GPU tests compare the compiled asm paths, and the words' decode itself is
+checked against v3's on the CPU in test_nvfp4_words.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
+from dlmc.custom_ops.nvfp4_words import pack_weight_words
+from tests.custom_ops.test_nvfp4_moe import (
+    DEVICE,
+    assert_matches_reference,
+    op_args,
+    random_experts,
+    random_routing,
+)
+from tests.custom_ops.test_nvfp4_moe_v4 import (
+    ALL_CODES,
+    ALL_FINITE,
+    bits,
+    kernel_variant,
+    predecoded,
+    with_scale_codes,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+WEIGHTS = ("gate_weight", "up_weight", "down_weight")
+
+
+def stored(experts: dict[str, torch.Tensor], variant: int) -> dict[str, torch.Tensor]:
+    """What `NVFP4Experts.prepare_for_kernel` stores for `variant` (5: words; 6: words and
+    pre-decoded scales)."""
+    out = predecoded(experts) if variant == 6 else dict(experts)
+    return out | {name: pack_weight_words(experts[name]) for name in WEIGHTS}
+
+
+def v3_v5_case(variant: int, seed: int, tokens: int, num_experts: int, top_k: int, hidden: int,
+               inter: int, skew: bool, codes: torch.Tensor,
+               scale_2_log2: tuple[float, float] = (-4.0, 1.0), **kwargs: object) -> None:
+    """v5/v6 from their stored forms, and from ModelOpt's converted per call, == v3."""
+    gen = torch.Generator().manual_seed(seed)
+    experts = random_experts(gen, num_experts, hidden, inter, scale_2_log2=scale_2_log2)
+    experts = with_scale_codes(experts, gen, codes)
+    x = torch.randn(tokens, hidden, generator=gen).bfloat16().to(DEVICE)
+    ids, w = random_routing(gen, tokens, num_experts, top_k, skew)
+    with kernel_variant(3):
+        v3 = nvfp4_moe(*op_args(x, ids, w, experts), **kwargs)
+    with kernel_variant(variant):
+        new = nvfp4_moe(*op_args(x, ids, w, stored(experts, variant)), **kwargs)
+        per_call = nvfp4_moe(*op_args(x, ids, w, experts), **kwargs)
+    assert torch.equal(bits(new), bits(v3))
+    assert torch.equal(bits(per_call), bits(v3))
+
+
+FUZZ = given(
+    seed=st.integers(0, 2**31 - 1), tokens=st.sampled_from([1, 3, 17, 64]),
+    num_experts=st.integers(1, 6), top_k=st.integers(1, 3),
+    hidden=st.sampled_from([16, 48, 160]), inter=st.sampled_from([16, 48, 80]),
+    skew=st.booleans(),
+)
+
+
+@pytest.mark.parametrize("variant", [5, 6])
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@FUZZ
+def test_v5_v6_equal_v3_cpu(variant: int, seed: int, tokens: int, num_experts: int, top_k: int,
+                            hidden: int, inter: int, skew: bool) -> None:
+    v3_v5_case(variant, seed, tokens, num_experts, min(top_k, num_experts), hidden, inter, skew,
+               ALL_CODES)
+
+
+def test_words_run_under_every_variant_and_the_reference() -> None:
+    """A module packed for v5 still runs under v1-v4 and the reference (unpacked exactly)."""
+    gen = torch.Generator().manual_seed(13)
+    experts = random_experts(gen, 3, 48, 16)
+    x = torch.randn(4, 48, generator=gen).bfloat16().to(DEVICE)
+    ids, w = random_routing(gen, 4, 3, 2, skew=False)
+    packed = stored(experts, 6)
+    ref = nvfp4_moe_reference(*op_args(x, ids, w, experts))
+    assert torch.equal(bits(nvfp4_moe_reference(*op_args(x, ids, w, packed))), bits(ref))
+    for variant in (1, 2, 3, 4):
+        with kernel_variant(variant):
+            assert torch.equal(bits(nvfp4_moe(*op_args(x, ids, w, packed))),
+                               bits(nvfp4_moe(*op_args(x, ids, w, experts))))
+    with kernel_variant(5):
+        assert_matches_reference(nvfp4_moe(*op_args(x, ids, w, packed)), ref)
+
+
+def test_words_of_the_wrong_shape_are_named() -> None:
+    gen = torch.Generator().manual_seed(14)
+    experts = random_experts(gen, 3, 32, 16)
+    x = torch.randn(4, 32, generator=gen).bfloat16().to(DEVICE)
+    ids, w = random_routing(gen, 4, 3, 2, skew=False)
+    bad = stored(experts, 5)
+    bad["up_weight"] = bad["up_weight"][..., :-1].contiguous()
+    with pytest.raises(ValueError, match=r"up_weight must be torch.int32 \(3, 16, 4\)"):
+        nvfp4_moe(*op_args(x, ids, w, bad))
+
+
+GPU_FUZZ = given(
+    seed=st.integers(0, 2**31 - 1), tokens=st.integers(1, 300), num_experts=st.integers(1, 64),
+    top_k=st.integers(1, 8), hidden=st.sampled_from([16, 48, 128, 272, 2048]),
+    inter=st.sampled_from([16, 80, 512]), skew=st.booleans(),
+    scale_2_log2=st.sampled_from([(-4.0, 1.0), (-24.0, -20.0), (6.0, 8.0)]),
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [5, 6])
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@GPU_FUZZ
+def test_v5_v6_equal_v3_gpu(variant: int, seed: int, tokens: int, num_experts: int, top_k: int,
+                            hidden: int, inter: int, skew: bool,
+                            scale_2_log2: tuple[float, float]) -> None:
+    """The compiled asm paths: bit for bit v3, every E4M3 and E2M1 code."""
+    v3_v5_case(variant, seed, tokens, num_experts, min(top_k, num_experts), hidden, inter, skew,
+               ALL_CODES, scale_2_log2=scale_2_log2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [5, 6])
+def test_v5_v6_w4a4_and_negative_scales_gpu(variant: int) -> None:
+    gen = torch.Generator().manual_seed(11)
+    scales = {f"{p}_input_scale": (torch.rand(8, generator=gen) * 0.01 + 1e-3).to(DEVICE)
+              for p in ("gate", "up", "down")}
+    v3_v5_case(variant, 12, 5, 8, 2, 32, 48, False, ALL_FINITE, emulate_w4a4=True, **scales)
