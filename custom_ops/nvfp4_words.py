@@ -48,10 +48,7 @@ def _storage_map() -> list[tuple[int, int, int]]:
         for half, code in enumerate(codes):
             for code_bit, target in _TARGET.items():
                 t = target + 16 * half
-                if j == 3:
-                    src = _PAIR3_SOURCE[t]
-                else:
-                    src = (t + (0, ROT_1, ROT_2)[j]) % 32
+                src = _PAIR3_SOURCE[t] if j == 3 else (t + (0, ROT_1, ROT_2)[j]) % 32
                 out.append((src, code, code_bit))
     assert sorted(s for s, _, _ in out) == list(range(32)), "layout must use every bit once"
     return out

@@ -9,7 +9,7 @@ reference, and a device-to-device copy in the same run (the ceiling).
 
     python perf/bench_nvfp4_moe.py --out perf/results/nvfp4_moe_h200.json
     DLMC_NVFP4_KERNEL=v3 python perf/bench_nvfp4_moe.py   # a kernel variant (v1 .. v4)
-    python perf/bench_nvfp4_moe.py --tokens 32 --kernels v3 v4 v5 v6   # several, one process and graph
+    python perf/bench_nvfp4_moe.py --tokens 32 --kernels v3 v4 v5 v6  # one process
                                                                   # set-up each, same weights
 v4 reads block scales pre-decoded to bf16 (2 bytes per 16 weights): they are converted once,
 before timing, as the model does at load, and its bytes count them at 2 bytes.

@@ -37,7 +37,7 @@ def every_code_everywhere() -> torch.Tensor:
 
 
 def words_of_bytes(b: torch.Tensor) -> torch.Tensor:
-    """uint8 `[N, 4]` -> int64 little-endian words `[N]` (ModelOpt's bytes as v3's asm sees them)."""
+    """uint8 `[N, 4]` -> int64 little-endian words `[N]` (the ModelOpt bytes v3's asm reads)."""
     b = b.long()
     return b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16) | (b[:, 3] << 24)
 
