@@ -27,9 +27,8 @@ from dlmc.custom_ops.moe_align import (
     route_pairs,
 )
 from dlmc.custom_ops.nvfp4_bf16x2 import ACC_SCALE
-from dlmc.custom_ops.nvfp4_scales import e4m3_of_predecoded, scales_for_kernel
 from dlmc.custom_ops.nvfp4_tiles import nvfp4_tile_dot, nvfp4_tile_dot_v2, round_bf16
-from dlmc.custom_ops.nvfp4_words import weights_for_kernel
+from dlmc.custom_ops.nvfp4_words import can_pack, scale_operand, weight_operand
 from dlmc.quant.nvfp4_format import dequantize_blocks, fake_quantize_activation
 
 __all__ = ["nvfp4_moe", "nvfp4_moe_reference"]
@@ -43,8 +42,10 @@ __all__ = ["nvfp4_moe", "nvfp4_moe_reference"]
 # (vectorized N-major weight loads, one E4M3 decode per 16 weights; 0.307 ms/layer = 22.6 % with
 # the old torch routing prep) or "v1" (K-major tiles; 0.441 ms/layer, 15.7 %). "v4": v3 with the
 # block scales pre-decoded to bf16 (`nvfp4_scales`; modules convert at load), bit-identical to v3.
-# "v5": v3 with the weights repacked at load into `nvfp4_words`' layout (8 integer ops per 8
-# weights instead of 14), bit-identical to v3; "v6": v5 with v4's pre-decoded scales.
+# "v5": v3 with weights and block scales repacked at load into `nvfp4_words`' layout (16-row x
+# 128-K chunks of 1 KB, and 8 integer ops per 8 weights instead of 14), bit-identical to v3;
+# "v6": v5 with v4's pre-decoded scales. Shapes the layout cannot take (N % 16, K % 128) run
+# v3 / v4 instead (`_effective_variant`).
 _KERNELS = {"v1": 1, "v2": 2, "v3": 3, "v4": 4, "v5": 5, "v6": 6}
 _KERNEL_NAME = os.environ.get("DLMC_NVFP4_KERNEL", "v3")
 if _KERNEL_NAME not in _KERNELS:
@@ -59,10 +60,19 @@ def kernel_reads_predecoded_scales() -> bool:
 
 
 def kernel_reads_weight_words() -> bool:
-    """Whether the selected kernel (v5, v6) reads the weights in `nvfp4_words`' layout: modules
-    then pack them at load (int32 words). Under the interpreter the op hands it ModelOpt bytes
-    (unpacked per call, exact): the asm decode needs a GPU."""
+    """Whether the selected kernel (v5, v6) reads `nvfp4_words`' tiled layout: modules then pack
+    weights and scales at load where the shapes allow (`nvfp4_words.can_pack`). Under the
+    interpreter the op hands it ModelOpt's bits in the tiled arrangement (the asm decode needs a
+    GPU)."""
     return _VARIANT in (5, 6)
+
+
+def _effective_variant(H: int, I: int) -> int:
+    """The selected variant, or v3 / v4 for v5 / v6 when a projection cannot take the tiled
+    layout."""
+    if _VARIANT in (5, 6) and not (can_pack(I, H) and can_pack(H, I)):
+        return _VARIANT - 2
+    return _VARIANT
 
 
 # Launch-config override for tuning sweeps (perf/bench_nvfp4_moe.py --tiles):
@@ -192,6 +202,12 @@ def _launch_config(n: int, k: int, widest: int,
     return block_n, block_k, {"num_warps": num_warps, "num_stages": num_stages}
 
 
+def _check_tiled_tile(variant: int, block_k: int) -> None:
+    if variant >= 5 and block_k != 128:
+        raise ValueError(f"nvfp4_moe: kernel v{variant} reads 128-K chunks (nvfp4_words); a "
+                         f"launch-config override gave BLOCK_K {block_k}")
+
+
 def _shared_block_k(k: int, kernel: str) -> int:
     """K-tile of the BF16 shared-expert programs (`bf16_moe.bf16_tile_dot`) of `kernel`."""
     return min(_SHARED_BLOCK_K[kernel], max(16, triton.next_power_of_2(k)))
@@ -223,6 +239,7 @@ def _nvfp4_moe_impl(
     T, H = x.shape
     K = topk_ids.shape[1]
     E, I = gate_weight.shape[0], gate_weight.shape[1]
+    variant = _effective_variant(H, I)
     has_shared = shared_gate is not None and shared_up is not None and shared_down is not None
     shared = int(has_shared)  # an int: a bool in symbolic-shape arithmetic fails to trace
     pairs_per_token = K + shared  # the shared expert's pair of token t: t*(K+1) + K
@@ -244,13 +261,14 @@ def _nvfp4_moe_impl(
     g_w, u_w, d_w = (shared_gate, shared_up, shared_down) if has_shared else (x, x, x)
     h = torch.empty((num_blocks * block_m, I), dtype=torch.bfloat16, device=x.device)
     block_n1, block_k1, launch = _launch_config(I, H, _GATE_UP_BLOCK_N, "gate_up")
+    _check_tiled_tile(variant, block_k1)
     wrap_triton(_gate_up_kernel)[(num_blocks, triton.cdiv(I, block_n1))](
         a, sorted_pair, expert_of_block, gate_weight, gate_weight_scale,
         up_weight, up_weight_scale,
         _alphas(gate_weight_scale_2, gate_up_input_scale),
         _alphas(up_weight_scale_2, gate_up_input_scale), h, num_pairs, a_row_div, H, I,
         a.stride(0), h.stride(0), g_w, u_w, E, BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=block_k1,
-        INTERPRETED=_INTERPRETED, VARIANT=_VARIANT, SHARED=has_shared,
+        INTERPRETED=_INTERPRETED, VARIANT=variant, SHARED=has_shared,
         SHARED_BLOCK_K=_shared_block_k(H, "gate_up"), **launch,
     )
     if down_input_scale is not None:
@@ -261,12 +279,13 @@ def _nvfp4_moe_impl(
             quantized = torch.where(is_shared[:, None], h, quantized)
         h = quantized
     y = torch.empty((num_pairs, H), dtype=torch.bfloat16, device=x.device)
-    block_n2, block_k2, launch = _launch_config(H, I, _DOWN_BLOCK_N[_VARIANT], "down")
+    block_n2, block_k2, launch = _launch_config(H, I, _DOWN_BLOCK_N[variant], "down")
+    _check_tiled_tile(variant, block_k2)
     wrap_triton(_down_kernel)[(num_blocks, triton.cdiv(H, block_n2))](
         h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
         _alphas(down_weight_scale_2, down_input_scale), y, num_pairs, H, I, h.stride(0),
         y.stride(0), d_w, E, BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=block_k2,
-        INTERPRETED=_INTERPRETED, VARIANT=_VARIANT, SHARED=has_shared,
+        INTERPRETED=_INTERPRETED, VARIANT=variant, SHARED=has_shared,
         SHARED_BLOCK_K=_shared_block_k(I, "down"), **launch,
     )
     return combine_pairs(y, topk_weights, out, has_shared)  # [T, H]
@@ -279,6 +298,9 @@ def _nvfp4_moe_fake(x: torch.Tensor, *args: object, **kwargs: object) -> torch.T
 # Inductor traces through the body (the routing-prep kernel, the two grouped kernels and the
 # combine); an opaque op under the interpreter.
 _nvfp4_moe_op = traced_triton_op("dlmc::nvfp4_moe", _nvfp4_moe_impl, _nvfp4_moe_fake)
+
+
+_SCALE_FORMS = (torch.bfloat16, torch.uint8, torch.int16)  # besides float8_e4m3fn
 
 
 def _check(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -309,13 +331,21 @@ def _check(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         raise ValueError(f"nvfp4_moe: H={H} and I={I} must be multiples of 16")
     for name, tensor in weights.items():
         shape, dtype = expected[name]
-        if dtype == torch.float8_e4m3fn and tensor.dtype == torch.bfloat16:
-            dtype = torch.bfloat16  # block scales pre-decoded by `predecode_block_scales`
-        if dtype == torch.uint8 and tensor.dtype == torch.int32:  # `pack_weight_words`' words
+        # Other stored forms: block scales pre-decoded (bf16) or tiled (uint8 / int16 bit
+        # patterns, `nvfp4_words.tile_scales`), weights as tiled words (int32, a quarter wide).
+        if dtype == torch.float8_e4m3fn and tensor.dtype in _SCALE_FORMS:
+            dtype = tensor.dtype
+        if dtype == torch.uint8 and tensor.dtype == torch.int32:
             shape, dtype = (*shape[:-1], shape[-1] // 4), torch.int32
         if tuple(tensor.shape) != shape or tensor.dtype != dtype:
             raise ValueError(f"nvfp4_moe: {name} must be {dtype} {shape}, got "
                              f"{tensor.dtype} {tuple(tensor.shape)}")
+        if tensor.dtype in (torch.int32, torch.uint8, torch.int16) and name.endswith(
+                ("_weight", "_weight_scale")) and tensor.dtype != expected[name][1]:
+            n, k = tensor.shape[1], (H if name.startswith(("gate", "up")) else I)
+            if not can_pack(n, k):
+                raise ValueError(f"nvfp4_moe: {name} is in the tiled layout of nvfp4_words, "
+                                 f"which needs N % 16 == 0 and K % 128 == 0 (N={n}, K={k})")
         if not tensor.is_contiguous():
             raise ValueError(f"nvfp4_moe: {name} must be contiguous")
 
@@ -399,11 +429,13 @@ def nvfp4_moe(
     a1, a2 = _input_scales(gate_input_scale, up_input_scale, down_input_scale, emulate_w4a4)
     # The op takes the block scales as bit patterns (free views; opcheck's schema test cannot
     # compare fp8 tensors on CPU): uint8 E4M3 bytes, or int16 pre-decoded bf16 for v4.
-    # Weights likewise: uint8 ModelOpt bytes, or v5/v6's words viewed as bytes (`nvfp4_words`).
-    predecoded = kernel_reads_predecoded_scales()
-    words = kernel_reads_weight_words() and not _INTERPRETED
-    op_args = [scales_for_kernel(t, predecoded) if name.endswith("_weight_scale")
-               else weights_for_kernel(t, words) if name.endswith("_weight") else t
+    # Weights likewise: uint8 ModelOpt bytes, or v5/v6's tiled words viewed as bytes (tiled
+    # ModelOpt bytes under the interpreter), `nvfp4_words`. Each stored form converts exactly.
+    variant = _effective_variant(x.shape[1], weights["gate_weight"].shape[1])
+    predecoded, tiled = variant in (4, 6), variant in (5, 6)
+    form = "plain" if not tiled else "tiled" if _INTERPRETED else "words"
+    op_args = [scale_operand(t, predecoded, tiled) if name.endswith("_weight_scale")
+               else weight_operand(t, form) if name.endswith("_weight") else t
                for name, t in weights.items()]
     if routing is not None:
         check_pair_routing("nvfp4_moe", routing)
@@ -433,9 +465,9 @@ def nvfp4_moe_reference(
     K = topk_ids.shape[1]
     a1, a2 = _input_scales(gate_input_scale, up_input_scale, down_input_scale, emulate_w4a4)
     gate_weight_scale, up_weight_scale, down_weight_scale = (
-        e4m3_of_predecoded(s) if s.dtype == torch.bfloat16 else s
+        scale_operand(s, predecoded=False, tiled=False).view(torch.float8_e4m3fn)
         for s in (gate_weight_scale, up_weight_scale, down_weight_scale))
-    gate_weight, up_weight, down_weight = (weights_for_kernel(w, words=False)
+    gate_weight, up_weight, down_weight = (weight_operand(w, "plain")
                                            for w in (gate_weight, up_weight, down_weight))
     y = torch.zeros((T * K, H), dtype=torch.bfloat16, device=x.device)
     pair_expert = topk_ids.reshape(-1).long()  # [P]

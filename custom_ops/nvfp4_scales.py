@@ -22,7 +22,7 @@ import torch
 
 from dlmc.custom_ops.nvfp4_bf16x2 import SCALE_LOG2
 
-__all__ = ["e4m3_of_predecoded", "predecode_block_scales", "scales_for_kernel"]
+__all__ = ["e4m3_of_predecoded", "predecode_block_scales"]
 
 _NAN_AS = 480.0  # what v3's (and so v4's) bit placement makes of the E4M3 NaN codes
 
@@ -44,18 +44,3 @@ def e4m3_of_predecoded(predecoded: torch.Tensor) -> torch.Tensor:
     codes = value.to(torch.float8_e4m3fn).view(torch.uint8)
     nan_code = torch.where(value < 0, 0xFF, 0x7F).to(torch.uint8)
     return torch.where(value.abs() == _NAN_AS, nan_code, codes).view(torch.float8_e4m3fn)
-
-
-def scales_for_kernel(scale: torch.Tensor, predecoded: bool) -> torch.Tensor:
-    """The block-scale operand of `dlmc::nvfp4_moe` from either form: int16 bit patterns of
-    `bf16(scale * 2^119)` when `predecoded` (kernel v4), else uint8 E4M3 bit patterns.
-
-    `scale` is float8_e4m3fn (checkpoint form) or bf16 (`predecode_block_scales`' form); a form
-    the kernel does not take is converted here (exact; per call, so modules convert at load)."""
-    if predecoded:
-        if scale.dtype != torch.bfloat16:
-            scale = predecode_block_scales(scale)
-        return scale.view(torch.int16)
-    if scale.dtype == torch.bfloat16:
-        scale = e4m3_of_predecoded(scale)
-    return scale.view(torch.uint8)

@@ -88,17 +88,28 @@ def _load_a_split(a_ptr, a_rows, row_mask, stride_a, k0, K: tl.constexpr, BLOCK_
 
 @triton.jit
 def _load_w_bytes(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+                  BLOCK_K: tl.constexpr, TILED: tl.constexpr):
     """One K-tile of packed weights, N-major (K contiguous): bytes `[BN, BK/16, 8]` (two codes
-    each) and their E4M3 block-scale bytes `[BN, BK/16]`."""
+    each) and their block-scale bit patterns `[BN, BK/16]`. `TILED` (v5, v6; BLOCK_K 128, N % 16
+    == 0, K % 128 == 0): `nvfp4_words`' chunks, a row's tile at `(n // 16) * 16 * K/2 +
+    (k0 / 128) * 1 KB + (n % 16) * 64` (scales: / 8), so 16 rows read 1 KB in one run."""
     HALF: tl.constexpr = BLOCK_K // 2
     BLOCKS: tl.constexpr = BLOCK_K // 16
-    kbyte = k0 // 2 + tl.arange(0, HALF)
-    packed = tl.load(w_ptr + n_offs[:, None] * (K // 2) + kbyte[None, :],
-                     mask=n_mask[:, None] & (kbyte < K // 2)[None, :], other=0)  # [BN, HALF]
-    kb = k0 // 16 + tl.arange(0, BLOCKS)
-    scale_bytes = tl.load(s_ptr + n_offs[:, None] * (K // 16) + kb[None, :],
-                          mask=n_mask[:, None] & (kb < K // 16)[None, :], other=0)
+    if TILED:
+        tl.static_assert(BLOCK_K == 128, "the tiled layout's chunks are 128 K wide")
+        row = (n_offs // 16) * (16 * (K // 2)) + (n_offs % 16) * HALF  # [BN]
+        packed = tl.load(w_ptr + row[:, None] + (k0 // 128) * (16 * HALF)
+                         + tl.arange(0, HALF)[None, :], mask=n_mask[:, None], other=0)
+        srow = (n_offs // 16) * (16 * (K // 16)) + (n_offs % 16) * BLOCKS  # [BN]
+        scale_bytes = tl.load(s_ptr + srow[:, None] + (k0 // 128) * (16 * BLOCKS)
+                              + tl.arange(0, BLOCKS)[None, :], mask=n_mask[:, None], other=0)
+    else:
+        kbyte = k0 // 2 + tl.arange(0, HALF)
+        packed = tl.load(w_ptr + n_offs[:, None] * (K // 2) + kbyte[None, :],
+                         mask=n_mask[:, None] & (kbyte < K // 2)[None, :], other=0)  # [BN, HALF]
+        kb = k0 // 16 + tl.arange(0, BLOCKS)
+        scale_bytes = tl.load(s_ptr + n_offs[:, None] * (K // 16) + kb[None, :],
+                              mask=n_mask[:, None] & (kb < K // 16)[None, :], other=0)
     return tl.reshape(packed, (BLOCK_N, BLOCKS, 8)), scale_bytes
 
 
@@ -120,11 +131,12 @@ def _split_tiles(packed, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _load_w_split(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, PREDECODED: tl.constexpr):
+                  BLOCK_K: tl.constexpr, PREDECODED: tl.constexpr, TILED: tl.constexpr):
     """Low/high-nibble weight tiles `[BK/2, BN]` bf16 (exact), loaded N-major (K contiguous),
     one scale decode per 16-weight block: E4M3 bytes, or (`PREDECODED`, v4) int16 bit patterns
     of `bf16(scale * 2^119)` made `scale * 2^14` by two exact fp32 steps."""
-    packed, scale_bits = _load_w_bytes(w_ptr, s_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K)
+    packed, scale_bits = _load_w_bytes(w_ptr, s_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K,
+                                       TILED)
     if PREDECODED:
         scale = (scale_bits.to(tl.int32) << 16).to(tl.float32, bitcast=True) * 2.0**-105
     else:
@@ -137,10 +149,11 @@ def _load_w_split_v3(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N:
                      BLOCK_K: tl.constexpr, PREDECODED: tl.constexpr, WORDS: tl.constexpr):
     """`_load_w_split` with the bf16x2 decode: tiles `[BK/2, BN]` of `w * 2^-7` (exact). The
     scale pair comes from the E4M3 byte (v3, v5) or from the pre-decoded bf16 (`PREDECODED`, v4,
-    v6); `WORDS` (v5, v6): the weight bytes are `nvfp4_words`' layout (same loads, shorter asm)."""
+    v6); `WORDS` (v5, v6): `nvfp4_words`' tiled words (chunked loads, shorter asm)."""
     HALF: tl.constexpr = BLOCK_K // 2
     BLOCKS: tl.constexpr = BLOCK_K // 16
-    packed, scale_bits = _load_w_bytes(w_ptr, s_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K)
+    packed, scale_bits = _load_w_bytes(w_ptr, s_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K,
+                                       WORDS)
     if PREDECODED:  # the asm reads the 16-bit scales in place (no pair to build)
         scale = tl.broadcast_to(scale_bits[:, :, None], (BLOCK_N, BLOCKS, 8))
         if WORDS:
@@ -162,15 +175,16 @@ def _load_w_tiles(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl
                   BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, VARIANT: tl.constexpr):
     """Low/high-nibble weight tiles: the bf16x2 inline-asm decode (`w * 2^-7`) for `VARIANT` 3
     to 6 when compiled, else `_load_w_split` (exact; widened to fp32 under the interpreter,
-    which gets ModelOpt bytes for every variant). v4/v6's scales are pre-decoded
-    (`nvfp4_scales`), v2/v3/v5 read E4M3 bytes; v5/v6 read `nvfp4_words`' weight layout."""
+    which gets ModelOpt's bits for every variant, tiled for v5/v6). v4/v6's scales are
+    pre-decoded (`nvfp4_scales`), v2/v3/v5 read E4M3 bytes; v5/v6 read `nvfp4_words`' tiled
+    layout (words when compiled)."""
     PREDECODED: tl.constexpr = VARIANT == 4 or VARIANT == 6
     if VARIANT >= 3 and not INTERPRETED:
         w_lo, w_hi = _load_w_split_v3(w_ptr, s_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K,
                                       PREDECODED, VARIANT >= 5)
     else:
         w_lo, w_hi = _load_w_split(w_ptr, s_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K,
-                                   PREDECODED)
+                                   PREDECODED, VARIANT >= 5)
         if INTERPRETED:
             w_lo, w_hi = w_lo.to(tl.float32), w_hi.to(tl.float32)
     return w_lo, w_hi

@@ -1,9 +1,18 @@
-"""Kernel v5 NVFP4 weight layout: the bits of 8 E2M1 codes arranged per 32-bit word so that
-the bf16x2 decode takes 8 integer instructions per 8 weights (v3: 14).
+"""Kernel v5/v6 NVFP4 layout, made once at load: each 16 rows x 128 K of a weight matrix one
+contiguous 1 KB chunk, and the bits of 8 E2M1 codes arranged per 32-bit word so that the bf16x2
+decode takes 8 integer instructions per 8 weights (v3: 14).
 
-v3 decodes ModelOpt's packing (low nibble = even element) with 2 `prmt` and 3 integer ops per
-bf16x2 pair. Repacked once at load, each pair's bits sit where one or two ops put them at bf16
-bits 15 (sign) and 8, 7, 6 (e1 e0 m) of both halves (`nvfp4_bf16x2`'s exact `e2m1 * 2^-126`):
+Chunks. ModelOpt's row-major bytes give a program 64 bytes per row per 128-K tile, rows 1 KB
+apart (gate/up): scattered 64-byte reads. Tiled, one program's tile is BLOCK_N / 16 runs of 1 KB;
+block scales likewise (16 rows x 8 scales = 128 B runs, 256 B pre-decoded). The arrangement of a
+`[..., N, C]` tensor keeps its shape: rows grouped by 16, each group's columns cut into runs of
+C_RUN (64 weight bytes, 16 words, 8 scales), run r of group g at `[16 g : 16 g + 16]` flattened
+position `(g * C / C_RUN + r) * 16 * C_RUN`. It needs N % 16 == 0 and K % 128 == 0
+(`can_pack`); other shapes keep ModelOpt's layout (and kernels v3/v4).
+
+Words. v3 decodes ModelOpt's packing (low nibble = even element) with 2 `prmt` and 3 integer
+ops per bf16x2 pair. Here each pair's bits sit where one or two ops put them at bf16 bits 15
+(sign) and 8, 7, 6 (e1 e0 m) of both halves (`nvfp4_bf16x2`'s exact `e2m1 * 2^-126`):
 
     pair 0: q & P                        (its bits stored at P itself)
     pair 1: rotr(q, 3) & P               (stored at P + 3, mod 32)
@@ -14,12 +23,13 @@ bits 15 (sign) and 8, 7, 6 (e1 e0 m) of both halves (`nvfp4_bf16x2`'s exact `e2m
 with P = 0x81C081C0 and L the 8 bits left over; then `mul.rn.bf16x2` by the block-scale pair as
 in v3. The pairs are v3's asm outputs (`nvfp4_bf16x2.DECODE_ASM`): the word of ModelOpt bytes
 b0..b3 holds codes c0..c7 in K order (c2i = low nibble of b_i); pair 0 = (c0, c2), 1 = (c4, c6),
-2 = (c1, c3), 3 = (c5, c7), first element in the low half. So only the asm changes: same loads,
-same tile shapes, same products (bit for bit v3's).
+2 = (c1, c3), 3 = (c5, c7), first element in the low half. Same products as v3, bit for bit.
 
-Storage: int32 words `[..., K/8]` (the dtype tells the layout from ModelOpt's uint8 bytes);
-`pack_weight_words` / `unpack_weight_words` convert exactly, `decode_words_emulated` is the
-asm's spec on the CPU (tests/custom_ops/test_nvfp4_words.py).
+Stored forms (the dtype tells them from ModelOpt's): weights int32 words `[..., N, K/8]`
+(`pack_weight_words`), block scales uint8 E4M3 bit patterns or int16 pre-decoded bf16 bit
+patterns `[..., N, K/16]` (`tile_scales`), both tiled. `weight_operand` / `scale_operand` give
+any kernel the form it reads, exactly. `decode_words_emulated` is the asm's spec on the CPU
+(tests/custom_ops/test_nvfp4_words.py).
 """
 
 from __future__ import annotations
@@ -29,8 +39,12 @@ import triton
 import triton.language as tl
 
 from dlmc.custom_ops.nvfp4_bf16x2 import BF16_MASK, _bf16x2_mul
+from dlmc.custom_ops.nvfp4_scales import e4m3_of_predecoded, predecode_block_scales
 
-__all__ = ["pack_weight_words", "unpack_weight_words", "weights_for_kernel"]
+__all__ = ["can_pack", "pack_weight_words", "scale_operand", "tile_scales", "unpack_weight_words",
+           "untile_scales", "weight_operand"]
+
+ROWS, CHUNK_K = 16, 128  # one chunk: 16 rows x 128 K (64 weight bytes, 8 scales per row)
 
 ROT_1, ROT_2 = 3, 6  # pairs 1 and 2: right-rotations of the word
 MUL_MASK, MUL = 0x001B001B, 0x1084  # pair 3: L = bits 0,1,3,4,16,17,19,20; shifts 2, 7, 12
@@ -63,10 +77,37 @@ def _codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([b & 0xF, b >> 4], dim=-1).reshape(*b.shape[:-1], 8)
 
 
-def pack_weight_words(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 ModelOpt NVFP4 bytes `[..., K/2]` -> int32 v5 words `[..., K/8]` (exact)."""
+def can_pack(n: int, k: int) -> bool:
+    """Whether an `[n, k]` weight matrix can take this layout (16-row x 128-K chunks)."""
+    return n % ROWS == 0 and k % CHUNK_K == 0
+
+
+def _tile(t: torch.Tensor, run: int) -> torch.Tensor:
+    """`[..., N, C]` -> the same shape, rows grouped by 16 and columns cut into runs of `run`,
+    each (group, run) contiguous, runs of a group consecutive."""
+    *lead, n, c = t.shape
+    grouped = t.reshape(*lead, n // ROWS, ROWS, c // run, run).transpose(-3, -2)
+    return grouped.contiguous().reshape(*lead, n, c)
+
+
+def _untile(t: torch.Tensor, run: int) -> torch.Tensor:
+    *lead, n, c = t.shape
+    grouped = t.reshape(*lead, n // ROWS, c // run, ROWS, run).transpose(-3, -2)
+    return grouped.contiguous().reshape(*lead, n, c)
+
+
+def _check_packable(name: str, t: torch.Tensor, k_per_col: int) -> None:
+    n, k = t.shape[-2], t.shape[-1] * k_per_col
+    if t.dim() < 2 or not can_pack(n, k):
+        raise ValueError(f"{name}: needs [..., N, ...] with N % {ROWS} == 0 and K % {CHUNK_K} == 0"
+                         f", got {t.dtype} {tuple(t.shape)} (N={n}, K={k})")
+
+
+def pack_bits(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 ModelOpt bytes `[..., K/2]` (K/2 % 4 == 0) -> int32 words `[..., K/8]` in the word
+    bit layout, not tiled (exact)."""
     if packed.dtype != torch.uint8 or packed.shape[-1] % 4:
-        raise ValueError(f"pack_weight_words: expected uint8 [..., K/2] with K/2 % 4 == 0, got "
+        raise ValueError(f"pack_bits: expected uint8 [..., K/2] with K/2 % 4 == 0, got "
                          f"{packed.dtype} {tuple(packed.shape)}")
     codes = _codes(packed)  # [..., K/8, 8]
     word = torch.zeros(codes.shape[:-1], dtype=torch.int64, device=packed.device)
@@ -75,10 +116,10 @@ def pack_weight_words(packed: torch.Tensor) -> torch.Tensor:
     return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
 
 
-def unpack_weight_words(words: torch.Tensor) -> torch.Tensor:
-    """Inverse of `pack_weight_words`: int32 words `[..., K/8]` -> uint8 bytes `[..., K/2]`."""
+def unpack_bits(words: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_bits`: int32 words `[..., K/8]` -> uint8 bytes `[..., K/2]`."""
     if words.dtype != torch.int32:
-        raise ValueError(f"unpack_weight_words: expected int32 words, got {words.dtype}")
+        raise ValueError(f"unpack_bits: expected int32 words, got {words.dtype}")
     w = words.long() & 0xFFFFFFFF
     codes = torch.zeros((*w.shape, 8), dtype=torch.int64, device=words.device)
     for src, code, code_bit in STORAGE_MAP:
@@ -87,15 +128,71 @@ def unpack_weight_words(words: torch.Tensor) -> torch.Tensor:
     return packed.reshape(*w.shape[:-1], w.shape[-1] * 4).to(torch.uint8)
 
 
-def weights_for_kernel(weight: torch.Tensor, words: bool) -> torch.Tensor:
-    """The weight operand of `dlmc::nvfp4_moe`, uint8 `[..., K/2]`: v5 words viewed as bytes
-    (little-endian: byte i of a word holds its bits 8i..8i+7) when `words`, else ModelOpt bytes.
-    Either stored form is converted (exact; per call, so modules convert at load)."""
-    if words:
-        if weight.dtype != torch.int32:
-            weight = pack_weight_words(weight)
-        return weight.view(torch.uint8)
-    return unpack_weight_words(weight) if weight.dtype == torch.int32 else weight
+def pack_weight_words(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 ModelOpt NVFP4 bytes `[..., N, K/2]` -> int32 words `[..., N, K/8]`, tiled (exact)."""
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"pack_weight_words: expected uint8 ModelOpt bytes, got {packed.dtype}")
+    _check_packable("pack_weight_words", packed, 2)
+    return _tile(pack_bits(packed), CHUNK_K // 8)
+
+
+def unpack_weight_words(words: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_weight_words`: int32 `[..., N, K/8]` -> uint8 ModelOpt bytes."""
+    if words.dtype != torch.int32:
+        raise ValueError(f"unpack_weight_words: expected int32 words, got {words.dtype}")
+    _check_packable("unpack_weight_words", words, 8)
+    return unpack_bits(_untile(words, CHUNK_K // 8))
+
+
+def tile_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Block scales `[..., N, K/16]`, float8_e4m3fn or pre-decoded bf16 -> tiled bit patterns:
+    uint8 (E4M3) or int16 (bf16), the forms stored next to `pack_weight_words`' words."""
+    if scale.dtype not in (torch.float8_e4m3fn, torch.bfloat16):
+        raise ValueError(f"tile_scales: expected float8_e4m3fn or bf16 block scales, got "
+                         f"{scale.dtype}")
+    _check_packable("tile_scales", scale, 16)
+    bits = scale.view(torch.uint8 if scale.dtype == torch.float8_e4m3fn else torch.int16)
+    return _tile(bits, CHUNK_K // 16)
+
+
+def untile_scales(tiled: torch.Tensor) -> torch.Tensor:
+    """Inverse of `tile_scales`: uint8 -> float8_e4m3fn, int16 -> bf16 `[..., N, K/16]`."""
+    if tiled.dtype not in (torch.uint8, torch.int16):
+        raise ValueError(f"untile_scales: expected uint8 or int16 tiled scales, got {tiled.dtype}")
+    _check_packable("untile_scales", tiled, 16)
+    plain = _untile(tiled, CHUNK_K // 16)
+    return plain.view(torch.float8_e4m3fn if tiled.dtype == torch.uint8 else torch.bfloat16)
+
+
+def weight_operand(weight: torch.Tensor, form: str) -> torch.Tensor:
+    """A weight matrix in any stored form (uint8 ModelOpt bytes, int32 tiled words) as the op
+    operand `form` names, exactly: "plain" (ModelOpt bytes: kernels v1-v4 and the reference),
+    "words" (the tiled words viewed as uint8: v5/v6 compiled) or "tiled" (ModelOpt's bits in the
+    tiled arrangement: v5/v6 under the interpreter, which decodes bytes)."""
+    plain = unpack_weight_words(weight) if weight.dtype == torch.int32 else weight
+    if form == "plain":
+        return plain
+    if form == "tiled":
+        return _tile(plain, CHUNK_K // 2)
+    if form == "words":
+        words = weight if weight.dtype == torch.int32 else pack_weight_words(weight)
+        return words.view(torch.uint8)
+    raise ValueError(f"weight_operand: form must be plain, words or tiled, got {form!r}")
+
+
+def scale_operand(scale: torch.Tensor, predecoded: bool, tiled: bool) -> torch.Tensor:
+    """Block scales in any stored form (float8_e4m3fn, bf16 pre-decoded, or `tile_scales`' uint8
+    / int16) as the op operand: bit patterns, uint8 E4M3 or (`predecoded`) int16 bf16, in the
+    tiled arrangement when `tiled`. Exact both ways."""
+    if scale.dtype in (torch.uint8, torch.int16):
+        scale = untile_scales(scale)
+    if predecoded and scale.dtype != torch.bfloat16:
+        scale = predecode_block_scales(scale)
+    elif not predecoded and scale.dtype == torch.bfloat16:
+        scale = e4m3_of_predecoded(scale)
+    if tiled:
+        return tile_scales(scale)
+    return scale.view(torch.int16 if predecoded else torch.uint8)
 
 
 def _pair_ops(out: str, j: int) -> str:

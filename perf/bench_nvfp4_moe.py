@@ -42,8 +42,7 @@ if not torch.cuda.is_available():  # --smoke on a CPU machine: Triton's interpre
 import dlmc.custom_ops.nvfp4_moe as nvfp4_module
 from dlmc.bench.timing import copy_bandwidth_gbps, cuda_times
 from dlmc.custom_ops.nvfp4_moe import _KERNEL_NAME, _KERNELS, nvfp4_moe, nvfp4_moe_reference
-from dlmc.custom_ops.nvfp4_scales import predecode_block_scales
-from dlmc.custom_ops.nvfp4_words import pack_weight_words
+from dlmc.custom_ops.nvfp4_words import can_pack, pack_weight_words, scale_operand
 from dlmc.quant.nvfp4_format import dequantize_nvfp4
 
 PROJ_SHAPES = {"gate": ("I", "H"), "up": ("I", "H"), "down": ("H", "I")}
@@ -66,10 +65,19 @@ def make_layer(E: int, H: int, I: int, device: str, gen: torch.Generator) -> lis
 
 def kernel_layer(layer: list[torch.Tensor], kernel: str) -> list[torch.Tensor]:
     """The layer's op arguments in the form `kernel` reads, as `NVFP4Experts.prepare_for_kernel`
-    stores them (v4/v6: block scales pre-decoded; v5/v6: weights as int32 words)."""
-    scales, words = kernel in ("v4", "v6"), kernel in ("v5", "v6")
-    return [predecode_block_scales(t) if scales and t.dtype == torch.float8_e4m3fn
-            else pack_weight_words(t) if words and t.dtype == torch.uint8 else t for t in layer]
+    stores them (v4/v6: block scales pre-decoded; v5/v6: `nvfp4_words`' tiled layout)."""
+    predecoded, tiled = kernel in ("v4", "v6"), kernel in ("v5", "v6")
+    inter, hidden = layer[0].shape[1], layer[0].shape[2] * 2  # gate weight [E, I, H/2]
+    tiled = tiled and can_pack(inter, hidden) and can_pack(hidden, inter)  # else v3/v4 run
+    out = []
+    for t in layer:
+        if t.dtype == torch.float8_e4m3fn:
+            t = scale_operand(t, predecoded, tiled)
+            out.append(t if tiled else t.view(torch.bfloat16 if predecoded
+                                              else torch.float8_e4m3fn))
+        else:
+            out.append(pack_weight_words(t) if tiled and t.dtype == torch.uint8 else t)
+    return out
 
 
 def make_routing(T: int, E: int, K: int, device: str, gen: torch.Generator

@@ -322,7 +322,7 @@ def test_compile_and_cuda_graph_replay(variant: int, shared: bool,
     shared expert's BF16 tail blocks."""
     import dlmc.custom_ops.nvfp4_moe as module
     from dlmc.custom_ops.nvfp4_scales import predecode_block_scales
-    from dlmc.custom_ops.nvfp4_words import pack_weight_words
+    from dlmc.custom_ops.nvfp4_words import pack_weight_words, tile_scales
 
     monkeypatch.setattr(module, "_VARIANT", variant)
     torch._dynamo.reset()
@@ -331,9 +331,9 @@ def test_compile_and_cuda_graph_replay(variant: int, shared: bool,
     if variant in (4, 6):
         experts |= {name: predecode_block_scales(t) for name, t in experts.items()
                     if name.endswith("_weight_scale")}
-    if variant in (5, 6):
-        experts |= {name: pack_weight_words(t) for name, t in experts.items()
-                    if name.endswith("_weight")}
+    if variant in (5, 6):  # the tiled layout (H 256, I 128 can take it)
+        experts |= {name: pack_weight_words(t) if name.endswith("_weight") else tile_scales(t)
+                    for name, t in experts.items() if name.endswith(("_weight", "_scale"))}
     x = torch.randn(32, 256, generator=gen).bfloat16().cuda()
     ids, w = random_routing(gen, 32, 16, 4, skew=False)
     args = op_args(x, ids, w, experts)

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
-from dlmc.custom_ops.nvfp4_words import pack_weight_words
+from dlmc.custom_ops.nvfp4_words import can_pack, pack_weight_words, tile_scales
 from tests.custom_ops.test_nvfp4_moe import (
     DEVICE,
     assert_matches_reference,
@@ -26,6 +26,7 @@ from tests.custom_ops.test_nvfp4_moe import (
 from tests.custom_ops.test_nvfp4_moe_v4 import (
     ALL_CODES,
     ALL_FINITE,
+    SCALES,
     bits,
     kernel_variant,
     predecoded,
@@ -37,10 +38,14 @@ WEIGHTS = ("gate_weight", "up_weight", "down_weight")
 
 
 def stored(experts: dict[str, torch.Tensor], variant: int) -> dict[str, torch.Tensor]:
-    """What `NVFP4Experts.prepare_for_kernel` stores for `variant` (5: words; 6: words and
-    pre-decoded scales)."""
+    """What `NVFP4Experts.prepare_for_kernel` stores for `variant` (5: tiled words and E4M3
+    scales; 6: scales pre-decoded too), or v3/v4's forms where the shapes cannot be tiled."""
     out = predecoded(experts) if variant == 6 else dict(experts)
-    return out | {name: pack_weight_words(experts[name]) for name in WEIGHTS}
+    inter, hidden = experts["gate_weight"].shape[1], experts["down_weight"].shape[1]
+    if not (can_pack(inter, hidden) and can_pack(hidden, inter)):
+        return out
+    return out | {name: pack_weight_words(experts[name]) for name in WEIGHTS} | {
+        name: tile_scales(out[name]) for name in SCALES}
 
 
 def v3_v5_case(variant: int, seed: int, tokens: int, num_experts: int, top_k: int, hidden: int,
@@ -61,10 +66,10 @@ def v3_v5_case(variant: int, seed: int, tokens: int, num_experts: int, top_k: in
     assert torch.equal(bits(per_call), bits(v3))
 
 
-FUZZ = given(
-    seed=st.integers(0, 2**31 - 1), tokens=st.sampled_from([1, 3, 17, 64]),
+FUZZ = given(  # 128 x 128 and 256 x 128 take the tiled layout, the others fall back to v3/v4
+    seed=st.integers(0, 2**31 - 1), tokens=st.sampled_from([1, 3, 17, 40]),
     num_experts=st.integers(1, 6), top_k=st.integers(1, 3),
-    hidden=st.sampled_from([16, 48, 160]), inter=st.sampled_from([16, 48, 80]),
+    hidden=st.sampled_from([128, 256, 48]), inter=st.sampled_from([128, 80]),
     skew=st.booleans(),
 )
 
@@ -78,13 +83,21 @@ def test_v5_v6_equal_v3_cpu(variant: int, seed: int, tokens: int, num_experts: i
                ALL_CODES)
 
 
+@pytest.mark.parametrize("variant", [5, 6])
+def test_v5_v6_tiled_equal_v3_cpu(variant: int) -> None:
+    """A shape the tiled layout takes, every code, experts with no tokens: the tiled loads."""
+    v3_v5_case(variant, 7, 17, 5, 2, 256, 128, True, ALL_CODES)
+
+
 def test_words_run_under_every_variant_and_the_reference() -> None:
-    """A module packed for v5 still runs under v1-v4 and the reference (unpacked exactly)."""
+    """A module packed for v5/v6 still runs under v1-v4 and the reference (unpacked exactly)."""
     gen = torch.Generator().manual_seed(13)
-    experts = random_experts(gen, 3, 48, 16)
-    x = torch.randn(4, 48, generator=gen).bfloat16().to(DEVICE)
+    experts = random_experts(gen, 3, 128, 128)  # a shape the tiled layout takes
+    x = torch.randn(4, 128, generator=gen).bfloat16().to(DEVICE)
     ids, w = random_routing(gen, 4, 3, 2, skew=False)
     packed = stored(experts, 6)
+    assert packed["gate_weight"].dtype == torch.int32 and packed["up_weight_scale"].dtype == (
+        torch.int16)
     ref = nvfp4_moe_reference(*op_args(x, ids, w, experts))
     assert torch.equal(bits(nvfp4_moe_reference(*op_args(x, ids, w, packed))), bits(ref))
     for variant in (1, 2, 3, 4):
@@ -97,19 +110,23 @@ def test_words_run_under_every_variant_and_the_reference() -> None:
 
 def test_words_of_the_wrong_shape_are_named() -> None:
     gen = torch.Generator().manual_seed(14)
-    experts = random_experts(gen, 3, 32, 16)
-    x = torch.randn(4, 32, generator=gen).bfloat16().to(DEVICE)
+    experts = random_experts(gen, 3, 128, 128)
+    x = torch.randn(4, 128, generator=gen).bfloat16().to(DEVICE)
     ids, w = random_routing(gen, 4, 3, 2, skew=False)
     bad = stored(experts, 5)
     bad["up_weight"] = bad["up_weight"][..., :-1].contiguous()
-    with pytest.raises(ValueError, match=r"up_weight must be torch.int32 \(3, 16, 4\)"):
+    with pytest.raises(ValueError, match=r"up_weight must be torch.int32 \(3, 128, 16\)"):
         nvfp4_moe(*op_args(x, ids, w, bad))
+    small = random_experts(gen, 3, 48, 16)  # K = 48: no tiled layout
+    bad = dict(small, down_weight_scale=small["down_weight_scale"].view(torch.uint8))
+    with pytest.raises(ValueError, match="down_weight_scale is in the tiled layout"):
+        nvfp4_moe(*op_args(x[:, :48].contiguous(), ids, w, bad))
 
 
 GPU_FUZZ = given(
     seed=st.integers(0, 2**31 - 1), tokens=st.integers(1, 300), num_experts=st.integers(1, 64),
     top_k=st.integers(1, 8), hidden=st.sampled_from([16, 48, 128, 272, 2048]),
-    inter=st.sampled_from([16, 80, 512]), skew=st.booleans(),
+    inter=st.sampled_from([16, 80, 128, 512]), skew=st.booleans(),
     scale_2_log2=st.sampled_from([(-4.0, 1.0), (-24.0, -20.0), (6.0, 8.0)]),
 )
 

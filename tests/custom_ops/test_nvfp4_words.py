@@ -11,15 +11,22 @@ from dlmc.custom_ops.nvfp4_bf16x2 import (
     decode_pairs_emulated,
     scale_pairs_emulated,
 )
+from dlmc.custom_ops.nvfp4_scales import predecode_block_scales
 from dlmc.custom_ops.nvfp4_words import (
     DECODE_WORDS_ASM,
     MUL,
     MUL_MASK,
     STORAGE_MAP,
+    can_pack,
     decode_words_emulated,
+    pack_bits,
     pack_weight_words,
+    scale_operand,
+    tile_scales,
+    unpack_bits,
     unpack_weight_words,
-    weights_for_kernel,
+    untile_scales,
+    weight_operand,
 )
 
 
@@ -54,17 +61,49 @@ def test_layout_uses_each_bit_once_and_the_multiply_never_carries() -> None:
     assert f"{BF16_MASK:#010x}" in DECODE_WORDS_ASM.value
 
 
-def test_pack_unpack_round_trip_is_exact() -> None:
+def test_bit_pack_round_trip_is_exact() -> None:
     everything = every_code_everywhere()
-    assert torch.equal(unpack_weight_words(pack_weight_words(everything)), everything)
+    assert torch.equal(unpack_bits(pack_bits(everything)), everything)
+
+
+def test_tiled_words_round_trip_and_chunks() -> None:
+    """[N, K/2] bytes -> tiled words: exact both ways; each 16 rows x 128 K are one 1 KB run
+    in row order, runs of a row group consecutive."""
     gen = torch.Generator().manual_seed(0)
-    random = torch.randint(0, 256, (3, 5, 64), dtype=torch.uint8, generator=gen)
-    words = pack_weight_words(random)
-    assert words.dtype == torch.int32 and words.shape == (3, 5, 16)
-    assert torch.equal(unpack_weight_words(words), random)
-    assert torch.equal(weights_for_kernel(random, words=True), words.view(torch.uint8))
-    assert torch.equal(weights_for_kernel(words, words=False), random)
-    assert weights_for_kernel(random, words=False) is random
+    plain = torch.randint(0, 256, (3, 32, 128), dtype=torch.uint8, generator=gen)  # K = 256
+    words = pack_weight_words(plain)
+    assert words.dtype == torch.int32 and words.shape == (3, 32, 32)
+    assert torch.equal(unpack_weight_words(words), plain)
+    flat = words.reshape(3, -1)  # [E, 1024 words] per expert
+    for group, run in ((0, 0), (0, 1), (1, 0), (1, 1)):
+        start = (group * 2 + run) * 16 * 16  # runs of 16 rows x 16 words
+        chunk = flat[:, start:start + 256].reshape(3, 16, 16)
+        rows = plain[:, 16 * group:16 * group + 16, 64 * run:64 * run + 64]
+        assert torch.equal(unpack_bits(chunk), rows)
+    assert torch.equal(weight_operand(words, "plain"), plain)
+    assert weight_operand(plain, "plain") is plain
+    assert torch.equal(weight_operand(plain, "words"), words.view(torch.uint8))
+    assert torch.equal(weight_operand(words, "words"), words.view(torch.uint8))
+    tiled = weight_operand(words, "tiled")  # ModelOpt's bits, tiled: the interpreter's operand
+    assert torch.equal(tiled.reshape(3, -1)[:, :1024].reshape(3, 16, 64), plain[:, :16, :64])
+    assert torch.equal(weight_operand(plain, "tiled"), tiled)
+
+
+def test_scale_forms_convert_exactly() -> None:
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 256, (2, 16, 16), dtype=torch.uint8, generator=gen)
+    e4m3, bf16 = codes.view(torch.float8_e4m3fn), predecode_block_scales(codes)
+    for stored in (e4m3, bf16, tile_scales(e4m3), tile_scales(bf16)):
+        assert torch.equal(scale_operand(stored, predecoded=False, tiled=False), codes)
+        assert torch.equal(scale_operand(stored, predecoded=True, tiled=False),
+                           bf16.view(torch.int16))
+        assert torch.equal(scale_operand(stored, True, tiled=True), tile_scales(bf16))
+        assert torch.equal(scale_operand(stored, False, tiled=True), tile_scales(e4m3))
+    tiled = tile_scales(e4m3)
+    assert tiled.dtype == torch.uint8 and tile_scales(bf16).dtype == torch.int16
+    assert torch.equal(tiled.reshape(2, -1)[:, :128].reshape(2, 16, 8), codes[:, :, :8])
+    assert torch.equal(untile_scales(tiled).view(torch.uint8), codes)
+    assert torch.equal(untile_scales(tile_scales(bf16)), bf16)
 
 
 def test_words_decode_equals_v3_decode_bit_for_bit() -> None:
@@ -74,15 +113,22 @@ def test_words_decode_equals_v3_decode_bit_for_bit() -> None:
     scale_bytes[:256] = torch.arange(256, dtype=torch.int32).to(torch.uint8)  # every E4M3 code
     pairs = scale_pairs_emulated(scale_bytes)
     v3 = decode_pairs_emulated(words_of_bytes(everything), pairs)
-    v5 = decode_words_emulated(pack_weight_words(everything).reshape(-1).long(), pairs)
+    v5 = decode_words_emulated(pack_bits(everything).reshape(-1).long(), pairs)
     assert torch.equal(v5.view(torch.int16), v3.view(torch.int16))
     assert (v3.float().abs() > 0).any()  # not all zeros (NaN scale codes give NaN rows)
 
 
 def test_bad_input_is_named() -> None:
-    with pytest.raises(ValueError, match="pack_weight_words: expected uint8"):
-        pack_weight_words(torch.zeros(2, 8, dtype=torch.int8))
+    with pytest.raises(ValueError, match="pack_bits: expected uint8"):
+        pack_bits(torch.zeros(2, 8, dtype=torch.int8))
     with pytest.raises(ValueError, match="K/2 % 4 == 0"):
-        pack_weight_words(torch.zeros(2, 6, dtype=torch.uint8))
+        pack_bits(torch.zeros(2, 6, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"pack_weight_words: needs .* N % 16 == 0 and K % 128"):
+        pack_weight_words(torch.zeros(16, 32, dtype=torch.uint8))  # K = 64
     with pytest.raises(ValueError, match="unpack_weight_words: expected int32"):
-        unpack_weight_words(torch.zeros(2, 2, dtype=torch.int64))
+        unpack_weight_words(torch.zeros(16, 16, dtype=torch.int64))
+    with pytest.raises(ValueError, match="tile_scales: expected float8_e4m3fn or bf16"):
+        tile_scales(torch.zeros(16, 8))
+    with pytest.raises(ValueError, match="weight_operand: form must be"):
+        weight_operand(torch.zeros(16, 64, dtype=torch.uint8), "packed")
+    assert can_pack(512, 2048) and can_pack(2048, 512) and not can_pack(2816, 704)

@@ -21,8 +21,7 @@ from dlmc.custom_ops.nvfp4_moe import (
     nvfp4_moe,
     nvfp4_moe_reference,
 )
-from dlmc.custom_ops.nvfp4_scales import e4m3_of_predecoded, predecode_block_scales
-from dlmc.custom_ops.nvfp4_words import pack_weight_words, weights_for_kernel
+from dlmc.custom_ops.nvfp4_words import can_pack, pack_weight_words, scale_operand, weight_operand
 from dlmc.quant.nvfp4_format import GROUP_SIZE, dequantize_nvfp4
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -54,8 +53,9 @@ class NVFP4Experts(nn.Module):
       `[E, H, I/2]` (E2M1 codes, low nibble = even element).
     - `<proj>_weight_scale`: float8_e4m3fn `[E, out, in/16]` (row-major, unswizzled), as loaded;
       `prepare_for_kernel()` (a load-time step) replaces it, for kernels v4/v6, by the same
-      scales as bf16 `scale * 2^119` (exact; `custom_ops/nvfp4_scales.py`), and for v5/v6 the
-      weights by int32 words `[E, out, in/8]` (exact; `custom_ops/nvfp4_words.py`).
+      scales as bf16 `scale * 2^119` (exact; `custom_ops/nvfp4_scales.py`), and for v5/v6 by
+      `nvfp4_words`' tiled forms: weights int32 words `[E, out, in/8]`, scales uint8 (E4M3) or
+      int16 (pre-decoded) bit patterns (exact; `custom_ops/nvfp4_words.py`).
     - `<proj>_weight_scale_2`: fp32 `[E]` global scales; `<proj>_input_scale`: fp32 `[E]`
       activation scales (only used with `emulate_w4a4`; 1.0 until loaded).
 
@@ -108,17 +108,23 @@ class NVFP4Experts(nn.Module):
         """Load-time step into the form the selected kernel (`DLMC_NVFP4_KERNEL`) reads, one
         projection at a time, freeing the old copy (the reference and `dequantize_to_bf16`
         convert back exactly when asked): v4/v6 get the E4M3 block scales as bf16
-        `scale * 2^119` (`nvfp4_scales`), v5/v6 the weights as int32 words (`nvfp4_words`).
-        Does nothing for the reference path or kernels v1-v3. Returns whether it converted."""
-        scales, words = kernel_reads_predecoded_scales(), kernel_reads_weight_words()
-        if self.use_reference or not (scales or words):
+        `scale * 2^119` (`nvfp4_scales`), v5/v6 weights and scales in `nvfp4_words`' tiled
+        layout (int32 words; uint8 / int16 scales) where the shapes allow (else v3/v4's forms,
+        which those shapes then run). Does nothing for the reference path or kernels v1-v3.
+        Returns whether it converted."""
+        H, I = self.hidden_size, self.intermediate_size
+        scales = kernel_reads_predecoded_scales()
+        tiled = kernel_reads_weight_words() and can_pack(I, H) and can_pack(H, I)
+        if self.use_reference or not (scales or tiled):
             return False
         for proj in PROJECTIONS:
             name = f"{proj}_weight_scale"
-            if scales and self._buffers[name].dtype == torch.float8_e4m3fn:
-                self._buffers[name] = predecode_block_scales(self._buffers[name])
+            self._buffers[name] = scale_operand(self._buffers[name], scales, tiled)
+            if not tiled:  # plain: the checkpoint's dtypes (E4M3, or bf16 pre-decoded)
+                self._buffers[name] = self._buffers[name].view(
+                    torch.bfloat16 if scales else torch.float8_e4m3fn)
             name = f"{proj}_weight"
-            if words and self._buffers[name].dtype == torch.uint8:
+            if tiled and self._buffers[name].dtype == torch.uint8:
                 self._buffers[name] = pack_weight_words(self._buffers[name])
         return True
 
@@ -188,10 +194,9 @@ class NVFP4Experts(nn.Module):
         """
         result = {}
         for proj in PROJECTIONS:
-            packed = weights_for_kernel(getattr(self, f"{proj}_weight"), words=False)
-            scale = getattr(self, f"{proj}_weight_scale")  # [E, out, in/16]
-            if scale.dtype == torch.bfloat16:  # pre-decoded for kernel v4
-                scale = e4m3_of_predecoded(scale)
+            packed = weight_operand(getattr(self, f"{proj}_weight"), "plain")  # [E, out, in/2]
+            scale = scale_operand(getattr(self, f"{proj}_weight_scale"), predecoded=False,
+                                  tiled=False).view(torch.float8_e4m3fn)  # [E, out, in/16]
             scale_2 = getattr(self, f"{proj}_weight_scale_2")  # [E]
             out = torch.empty(
                 (*packed.shape[:-1], packed.shape[-1] * 2), dtype=torch.bfloat16,
