@@ -116,13 +116,13 @@ ops)
     "tests/custom_ops/test_moe_align.py::test_compile_and_graph_replay" \
     "tests/custom_ops/test_paged_attention.py::test_compile_and_cuda_graph_replay" ;;
 words)  # session 14: nvfp4_moe v5/v6 (nvfp4_words' layout) against v3/v4, tiles, GPU tests
-  timeout 100 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 50 --kernels v3 v4 v5 v6 \
+  timeout 100 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 50 --kernels ${OP_KERNELS:-v3 v4 v5 v6} \
     --shared-expert --out "$OUT/nvfp4_op_v3_to_v6.json" > "$OUT/nvfp4_op_v3_to_v6.txt" 2>&1
   echo "nvfp4 op v3-v6 rc=$?"; grep -E "tokens=32" "$OUT/nvfp4_op_v3_to_v6.txt" | head -8
   for kern in gate_up down; do
     timeout 110 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 30 --tile-kernel $kern \
       --kernels ${SWEEP_KERNELS:-v5 v6} --tiles ${NVFP4_TILES:-64,128,4,3 64,128,4,4 \
-      128,128,4,3 128,128,4,4 64,128,4,5 128,64,4,4} --out "$OUT/nvfp4_sweep_$kern.json" \
+      128,128,4,3 128,128,4,4 64,128,4,5 32,128,4,4} --out "$OUT/nvfp4_sweep_$kern.json" \
       > "$OUT/nvfp4_sweep_$kern.txt" 2>&1
     echo "nvfp4 sweep $kern rc=$?"; grep "tile=" "$OUT/nvfp4_sweep_$kern.txt"
   done
