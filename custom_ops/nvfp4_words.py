@@ -169,21 +169,25 @@ def weight_operand(weight: torch.Tensor, form: str) -> torch.Tensor:
     operand `form` names, exactly: "plain" (ModelOpt bytes: kernels v1-v4 and the reference),
     "words" (the tiled words viewed as uint8: v5/v6 compiled) or "tiled" (ModelOpt's bits in the
     tiled arrangement: v5/v6 under the interpreter, which decodes bytes)."""
-    plain = unpack_weight_words(weight) if weight.dtype == torch.int32 else weight
-    if form == "plain":
-        return plain
-    if form == "tiled":
-        return _tile(plain, CHUNK_K // 2)
-    if form == "words":
+    if form == "words":  # the stored words themselves: a free view (no per-call work)
         words = weight if weight.dtype == torch.int32 else pack_weight_words(weight)
         return words.view(torch.uint8)
-    raise ValueError(f"weight_operand: form must be plain, words or tiled, got {form!r}")
+    if form not in ("plain", "tiled"):
+        raise ValueError(f"weight_operand: form must be plain, words or tiled, got {form!r}")
+    plain = unpack_weight_words(weight) if weight.dtype == torch.int32 else weight
+    return plain if form == "plain" else _tile(plain, CHUNK_K // 2)
 
 
 def scale_operand(scale: torch.Tensor, predecoded: bool, tiled: bool) -> torch.Tensor:
     """Block scales in any stored form (float8_e4m3fn, bf16 pre-decoded, or `tile_scales`' uint8
     / int16) as the op operand: bit patterns, uint8 E4M3 or (`predecoded`) int16 bf16, in the
-    tiled arrangement when `tiled`. Exact both ways."""
+    tiled arrangement when `tiled`. Exact both ways; the stored form the operand asks for is
+    returned as is (a view: no per-call work)."""
+    bits = torch.int16 if predecoded else torch.uint8
+    if tiled and scale.dtype == bits:
+        return scale
+    if not tiled and scale.dtype == (torch.bfloat16 if predecoded else torch.float8_e4m3fn):
+        return scale.view(bits)
     if scale.dtype in (torch.uint8, torch.int16):
         scale = untile_scales(scale)
     if predecoded and scale.dtype != torch.bfloat16:

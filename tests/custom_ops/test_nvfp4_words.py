@@ -132,3 +132,19 @@ def test_bad_input_is_named() -> None:
     with pytest.raises(ValueError, match="weight_operand: form must be"):
         weight_operand(torch.zeros(16, 64, dtype=torch.uint8), "packed")
     assert can_pack(512, 2048) and can_pack(2048, 512) and not can_pack(2816, 704)
+
+
+def test_stored_forms_the_kernel_reads_pass_through_without_copies() -> None:
+    """Per call the op asks for the form the module stored: a view, never a repack (a copy
+    here would be captured into every graph round)."""
+    gen = torch.Generator().manual_seed(5)
+    plain = torch.randint(0, 256, (2, 16, 64), dtype=torch.uint8, generator=gen)
+    words = pack_weight_words(plain)
+    assert weight_operand(words, "words").data_ptr() == words.data_ptr()
+    e4m3 = torch.randint(0, 256, (2, 16, 8), dtype=torch.uint8, generator=gen)
+    for stored, predecoded, tiled in (
+            (e4m3.view(torch.float8_e4m3fn), False, False),
+            (predecode_block_scales(e4m3), True, False),
+            (tile_scales(e4m3.view(torch.float8_e4m3fn)), False, True),
+            (tile_scales(predecode_block_scales(e4m3)), True, True)):
+        assert scale_operand(stored, predecoded, tiled).data_ptr() == stored.data_ptr()
