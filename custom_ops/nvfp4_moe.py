@@ -36,7 +36,7 @@ __all__ = ["nvfp4_moe", "nvfp4_moe_reference"]
 # Read at import. Triton 3.6's CPU interpreter multiplies bf16 as raw uint16 and truncates
 # fp32 -> bf16; under TRITON_INTERPRET=1 the kernels dot in fp32 (exact for these operands) and
 # round to bf16 by hand (`nvfp4_tiles.round_bf16`). Compiled kernels take the plain bf16 paths.
-# Kernel variant, DLMC_NVFP4_KERNEL: "v3" (default: v2 with the bf16x2 inline-asm decode of
+# Kernel variant, DLMC_NVFP4_KERNEL: "v3" (v2 with the bf16x2 inline-asm decode of
 # `nvfp4_bf16x2`, two weights per instruction; 0.156 ms/layer = 44 % of copy bandwidth on the
 # H200 with routing prep in `moe_align`, perf/results/nvfp4_op_v3_sweep_h200.json), "v2"
 # (vectorized N-major weight loads, one E4M3 decode per 16 weights; 0.307 ms/layer = 22.6 % with
@@ -44,10 +44,11 @@ __all__ = ["nvfp4_moe", "nvfp4_moe_reference"]
 # block scales pre-decoded to bf16 (`nvfp4_scales`; modules convert at load), bit-identical to v3.
 # "v5": v3 with weights and block scales repacked at load into `nvfp4_words`' layout (16-row x
 # 128-K chunks of 1 KB, and 8 integer ops per 8 weights instead of 14), bit-identical to v3;
-# "v6": v5 with v4's pre-decoded scales. Shapes the layout cannot take (N % 16, K % 128) run
-# v3 / v4 instead (`_effective_variant`).
+# the default: 0.133 ms/layer against v3's 0.154 in one run (H200, perf/results/s14/call3);
+# "v6": v5 with v4's pre-decoded scales (same time, 11 % more bytes). Shapes the layout cannot
+# take (N % 16, K % 128) run v3 / v4 instead (`_effective_variant`).
 _KERNELS = {"v1": 1, "v2": 2, "v3": 3, "v4": 4, "v5": 5, "v6": 6}
-_KERNEL_NAME = os.environ.get("DLMC_NVFP4_KERNEL", "v3")
+_KERNEL_NAME = os.environ.get("DLMC_NVFP4_KERNEL", "v5")
 if _KERNEL_NAME not in _KERNELS:
     raise ValueError(f"DLMC_NVFP4_KERNEL must be one of {sorted(_KERNELS)}, got {_KERNEL_NAME!r}")
 _VARIANT = _KERNELS[_KERNEL_NAME]
@@ -177,7 +178,9 @@ def _block_n(dim: int, widest: int) -> int:
 # Widest N-tile of each kernel. v3 on the H200 (profiles of two graph-replayed NVFP4 rounds,
 # perf/results/round_nvfp4_v3_fp8_h200*.json): gate/up 92.0 us/layer at 64 vs 101.5 at 128,
 # down 44.3 us at 128 vs 50.5 at 64. v1/v2 were tuned at 64.
-_GATE_UP_BLOCK_N = 64
+# BLOCK_N by variant. v5/v6 gate/up: 128 (0.1168 against 0.1194 ms/layer for the op at 64,
+# H200 sweep in perf/results/s14/call3/sweep_gate_up.json).
+_GATE_UP_BLOCK_N = {1: 64, 2: 64, 3: 64, 4: 64, 5: 128, 6: 128}
 _DOWN_BLOCK_N = {1: 64, 2: 64, 3: 128, 4: 128, 5: 128, 6: 128}  # by variant, looked up per call
 # K-tile of the shared expert's BF16 programs in each launch, the widest that keeps the FP4
 # kernels' registers and shared memory (sm_90, LLaDA2.1-mini shapes, v3; cubin resource usage).
@@ -260,7 +263,7 @@ def _nvfp4_moe_impl(
         a_row_div = 1
     g_w, u_w, d_w = (shared_gate, shared_up, shared_down) if has_shared else (x, x, x)
     h = torch.empty((num_blocks * block_m, I), dtype=torch.bfloat16, device=x.device)
-    block_n1, block_k1, launch = _launch_config(I, H, _GATE_UP_BLOCK_N, "gate_up")
+    block_n1, block_k1, launch = _launch_config(I, H, _GATE_UP_BLOCK_N[variant], "gate_up")
     _check_tiled_tile(variant, block_k1)
     wrap_triton(_gate_up_kernel)[(num_blocks, triton.cdiv(I, block_n1))](
         a, sorted_pair, expert_of_block, gate_weight, gate_weight_scale,
