@@ -27,7 +27,12 @@ from dlmc.custom_ops.moe_align import (
     route_pairs,
 )
 from dlmc.custom_ops.nvfp4_bf16x2 import ACC_SCALE
-from dlmc.custom_ops.nvfp4_tiles import nvfp4_tile_dot, nvfp4_tile_dot_v2, round_bf16
+from dlmc.custom_ops.nvfp4_tiles import (
+    nvfp4_down_tiles_flat,
+    nvfp4_tile_dot,
+    nvfp4_tile_dot_v2,
+    round_bf16,
+)
 from dlmc.custom_ops.nvfp4_words import can_pack, scale_operand, weight_operand
 from dlmc.quant.nvfp4_format import dequantize_blocks, fake_quantize_activation
 
@@ -141,15 +146,28 @@ def _down_kernel(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, do
                  y_ptr, num_pairs, H: tl.constexpr, I: tl.constexpr, stride_h, stride_y,
                  shared_down_w, shared_id, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, VARIANT: tl.constexpr,
-                 SHARED: tl.constexpr, SHARED_BLOCK_K: tl.constexpr):
-    """y[pair, n] = bf16(alpha * h[slot] @ down[n]^T) for one M-block and one N-tile of H.
-    `SHARED`: blocks of expert `shared_id` are the BF16 shared expert's (`bf16_down_block`)."""
+                 SHARED: tl.constexpr, SHARED_BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """y[pair, n] = bf16(alpha * h[slot] @ down[n]^T) for one M-block and `GROUP` N-tiles of H
+    (`GROUP` > 1: one flat loop, `nvfp4_down_tiles_flat`). `SHARED`: blocks of expert
+    `shared_id` are the BF16 shared expert's (`bf16_down_block`)."""
     pid_m = _block_index(SHARED)
     pid_n = tl.program_id(1)
     expert = tl.load(expert_of_block_ptr + pid_m)
     if SHARED and expert == shared_id:
-        bf16_down_block(h_ptr, sorted_pair_ptr, shared_down_w, y_ptr, num_pairs, pid_m, pid_n,
-                        H, I, stride_h, stride_y, BLOCK_M, BLOCK_N, SHARED_BLOCK_K, INTERPRETED)
+        for t in tl.static_range(GROUP):
+            bf16_down_block(h_ptr, sorted_pair_ptr, shared_down_w, y_ptr, num_pairs, pid_m,
+                            pid_n * GROUP + t, H, I, stride_h, stride_y, BLOCK_M, BLOCK_N,
+                            SHARED_BLOCK_K, INTERPRETED)
+    elif GROUP > 1 and expert >= 0:
+        slots, pairs, row_mask, _, _, _ = block_rows(
+            sorted_pair_ptr, num_pairs, 1, pid_m, 0, H, BLOCK_M, BLOCK_N)
+        e64 = expert.to(tl.int64)
+        acc_scale = ACC_SCALE if VARIANT >= 3 and not INTERPRETED else 1.0
+        nvfp4_down_tiles_flat(h_ptr, slots, pairs, row_mask, stride_h,
+                              down_w + e64 * H * (I // 2), down_s + e64 * H * (I // 16),
+                              tl.load(down_alpha_ptr + expert) * acc_scale, y_ptr, stride_y,
+                              pid_n * GROUP, H, I, BLOCK_M, BLOCK_N, BLOCK_K, GROUP,
+                              INTERPRETED, VARIANT)
     elif expert >= 0:
         slots, pairs, row_mask, _, n_offs, n_mask = block_rows(
             sorted_pair_ptr, num_pairs, 1, pid_m, pid_n, H, BLOCK_M, BLOCK_N)
@@ -203,6 +221,28 @@ def _launch_config(n: int, k: int, widest: int,
     while block_k > 32 and block_k > k:
         block_k //= 2
     return block_n, block_k, {"num_warps": num_warps, "num_stages": num_stages}
+
+
+# N-tiles per down program in one flat loop (`nvfp4_tiles.nvfp4_down_tiles_flat`), for the
+# tiled variants: down's K (the expert width, 512) is only 4 K-tiles, so separate programs each
+# pay a pipeline fill. 1 = a program per tile (as v3). `_DOWN_GROUP_OVERRIDE` (int or None):
+# DLMC_NVFP4_DOWN_GROUP at import, or sweeps (perf/bench_nvfp4_moe.py --down-groups).
+_DOWN_GROUP = {5: 1, 6: 1}
+_DOWN_GROUP_OVERRIDE: int | None = None
+if os.environ.get("DLMC_NVFP4_DOWN_GROUP"):
+    try:
+        _DOWN_GROUP_OVERRIDE = int(os.environ["DLMC_NVFP4_DOWN_GROUP"])
+        if _DOWN_GROUP_OVERRIDE < 1:
+            raise ValueError
+    except ValueError:
+        raise ValueError("DLMC_NVFP4_DOWN_GROUP must be a positive integer, got "
+                         f"{os.environ['DLMC_NVFP4_DOWN_GROUP']!r}") from None
+
+
+def _down_group(variant: int, k: int, block_k: int) -> int:
+    if variant not in _DOWN_GROUP or k % block_k:
+        return 1
+    return _DOWN_GROUP_OVERRIDE or _DOWN_GROUP[variant]
 
 
 def _check_tiled_tile(variant: int, block_k: int) -> None:
@@ -284,12 +324,13 @@ def _nvfp4_moe_impl(
     y = torch.empty((num_pairs, H), dtype=torch.bfloat16, device=x.device)
     block_n2, block_k2, launch = _launch_config(H, I, _DOWN_BLOCK_N[variant], "down")
     _check_tiled_tile(variant, block_k2)
-    wrap_triton(_down_kernel)[(num_blocks, triton.cdiv(H, block_n2))](
+    group = _down_group(variant, I, block_k2)
+    wrap_triton(_down_kernel)[(num_blocks, triton.cdiv(H, block_n2 * group))](
         h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
         _alphas(down_weight_scale_2, down_input_scale), y, num_pairs, H, I, h.stride(0),
         y.stride(0), d_w, E, BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=block_k2,
         INTERPRETED=_INTERPRETED, VARIANT=variant, SHARED=has_shared,
-        SHARED_BLOCK_K=_shared_block_k(I, "down"), **launch,
+        SHARED_BLOCK_K=_shared_block_k(I, "down"), GROUP=group, **launch,
     )
     return combine_pairs(y, topk_weights, out, has_shared)  # [T, H]
 

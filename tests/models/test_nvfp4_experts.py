@@ -12,9 +12,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:Runt
 E, H, I = 4, 32, 48
 
 
-def filled_experts() -> tuple[NVFP4Experts, dict[str, torch.Tensor]]:
+def filled_experts(hidden: int = H, inter: int = I) -> tuple[NVFP4Experts, dict[str, torch.Tensor]]:
     """Quantize random BF16 experts and stack them as the loader does."""
     gen = torch.Generator().manual_seed(0)
+    H, I = hidden, inter  # noqa: N806 (the module's names)
     experts = NVFP4Experts(E, H, I)
     bf16 = {}
     for proj, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
@@ -172,13 +173,15 @@ def test_prepare_for_kernel_v5_v6_packs_weight_words() -> None:
     import dlmc.custom_ops.nvfp4_moe as op_module
 
     gen = torch.Generator().manual_seed(2)
-    x = torch.randn(5, H, generator=gen).bfloat16()
+    x = torch.randn(5, 128, generator=gen).bfloat16()
     ids = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(5)])
     weights = torch.rand(5, 2, generator=gen)
     previous = op_module._VARIANT
     try:
+        op_module._VARIANT = 5  # a shape the tiled layout cannot take: left as it is (v3 runs)
+        assert not filled_experts()[0].prepare_for_kernel()
         for variant in (5, 6):
-            experts, _ = filled_experts()
+            experts, _ = filled_experts(128, 128)
             op_module._VARIANT = 3
             v3, deq = experts(x, ids, weights), experts.dequantize_to_bf16()
             op_module._VARIANT = variant
@@ -186,10 +189,10 @@ def test_prepare_for_kernel_v5_v6_packs_weight_words() -> None:
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 weight = getattr(experts, f"{proj}_weight")
                 assert weight.dtype == torch.int32
-                assert weight.shape[-1] == (I if proj == "down_proj" else H) // 8
-                scale = getattr(experts, f"{proj}_weight_scale")
-                assert scale.dtype == (torch.bfloat16 if variant == 6 else torch.float8_e4m3fn)
-            assert sum(b.dtype == torch.uint8 for b in experts.buffers()) == 0
+                assert weight.shape[-1] == 128 // 8
+                scale = getattr(experts, f"{proj}_weight_scale")  # tiled bit patterns
+                assert scale.dtype == (torch.int16 if variant == 6 else torch.uint8)
+            assert sum(b.dtype == torch.float8_e4m3fn for b in experts.buffers()) == 0
             assert torch.equal(experts(x, ids, weights), v3)
             for proj, tensor in experts.dequantize_to_bf16().items():
                 assert torch.equal(tensor, deq[proj])
