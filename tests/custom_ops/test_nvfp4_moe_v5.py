@@ -97,7 +97,6 @@ def test_grouped_down_tiles_equal_v3(group: int, shared: bool,
     bit, the shared expert's BF16 tail blocks looping over the group too (H 640: 5 tiles of
     128, so the last group is partly masked)."""
     import dlmc.custom_ops.nvfp4_moe as module
-
     from tests.custom_ops.test_nvfp4_moe import shared_expert
 
     gen = torch.Generator().manual_seed(21 + group)
