@@ -83,7 +83,8 @@ def _effective_variant(H: int, I: int) -> int:
 
 # Launch-config override for tuning sweeps (perf/bench_nvfp4_moe.py --tiles):
 # (BLOCK_N, BLOCK_K, num_warps, num_stages), or None for the defaults below.
-_TILE: tuple[int, int, int, int] | None = None
+# A fifth entry, if given, is ptxas's register cap per thread (`maxnreg`).
+_TILE: tuple[int, ...] | None = None
 _TILE_KERNEL = "both"  # which kernel the override applies to: "gate_up", "down" or "both"
 
 
@@ -215,12 +216,13 @@ def _launch_config(n: int, k: int, widest: int,
     """(BLOCK_N, BLOCK_K, launch kwargs) for an output width `n` and reduction length `k`."""
     if _TILE is None or _INTERPRETED or _TILE_KERNEL not in ("both", kernel):
         return _block_n(n, widest), 128 if k >= 128 else 32, {}
-    block_n, block_k, num_warps, num_stages = _TILE
+    block_n, block_k, num_warps, num_stages = _TILE[:4]
     while block_n > 16 and block_n > n:
         block_n //= 2
     while block_k > 32 and block_k > k:
         block_k //= 2
-    return block_n, block_k, {"num_warps": num_warps, "num_stages": num_stages}
+    launch = {"num_warps": num_warps, "num_stages": num_stages}
+    return block_n, block_k, launch | ({"maxnreg": _TILE[4]} if len(_TILE) > 4 else {})
 
 
 # N-tiles per down program in one flat loop (`nvfp4_tiles.nvfp4_down_tiles_flat`), for the

@@ -135,8 +135,8 @@ def main() -> None:
                         help="a BF16 shared expert per layer: timed as the op's tail blocks and "
                              "separately (cuBLAS SwiGLU + bf16 add)")
     parser.add_argument("--tiles", nargs="*", default=[],
-                        help="launch configs to sweep, each BLOCK_N,BLOCK_K,num_warps,num_stages "
-                             "(default: the op's own choice)")
+                        help="launch configs to sweep, each BLOCK_N,BLOCK_K,num_warps,num_stages"
+                             "[,maxnreg] (default: the op's own choice)")
     parser.add_argument("--kernels", nargs="+", choices=sorted(_KERNELS), default=[_KERNEL_NAME],
                         help="kernel variants to time one after the other in this process "
                              "(default: DLMC_NVFP4_KERNEL's)")
