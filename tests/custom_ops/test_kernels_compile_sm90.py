@@ -189,8 +189,9 @@ def resource_usage(compiled: triton.compiler.CompiledKernel) -> dict[str, int]:
 
 
 def check_nvfp4_moe_v3() -> None:
-    """The v3/v4 kernels' inline asm (bf16x2 decode) assembles for sm_90; v2 compiles too. v4
-    reads the pre-decoded scales as int16: fewer fp32 -> bf16x2 conversions than v3 (only the
+    """The v3-v6 kernels' inline asm (bf16x2 decode; v5/v6 the words' decode and tiled loads,
+    v5's down kernel with grouped tiles) assembles for sm_90; v2 compiles too. v4/v6 read the
+    pre-decoded scales as int16: fewer fp32 -> bf16x2 conversions than v3/v5 (only the
     epilogue's are left; v3 converts each E4M3 scale too). Each also with the shared expert's
     BF16 branch (`SHARED`)."""
     shared = {"sorted_pair_ptr": "*i32", "expert_of_block_ptr": "*i32"}
@@ -202,19 +203,22 @@ def check_nvfp4_moe_v3() -> None:
     for kernel, pointers in ((_gate_up_kernel, gate_up), (_down_kernel, down)):
         for block_n, has_shared in ((64, False), (128, False), (64, True)):
             conversions = {}
-            for variant in (2, 3, 4):
+            for variant in (2, 3, 4, 5, 6):
                 types = {name: pointers.get(name, "i32") for name in kernel.arg_names}
-                if variant == 4:
+                if variant in (4, 6):
                     types |= {name: "*i16" for name in ("gate_s", "up_s", "down_s")
                               if name in types}
+                group = {"GROUP": 2 if variant == 5 else 1} if kernel is _down_kernel else {}
                 ptx = compile_sm90(kernel, types, {
-                    "H": 272, "I": 80, "BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": 128,
+                    "H": 256, "I": 128, "BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": 128,
                     "INTERPRETED": False, "VARIANT": variant, "SHARED": has_shared,
-                    "SHARED_BLOCK_K": 64}, 4).asm["ptx"]
+                    "SHARED_BLOCK_K": 64} | group, 4).asm["ptx"]
                 assert ("mul.rn.bf16x2" in ptx) == (variant >= 3)
+                assert ("shf.r.wrap.b32" in ptx) == (variant >= 5)  # the words' decode
                 conversions[variant] = ptx.count("cvt.rn.bf16x2.f32")
             assert conversions[4] < conversions[3], conversions
-    for variant in (3, 4):
+            assert conversions[6] < conversions[5], conversions
+    for variant in (3, 4, 5):
         check_shared_branch_resources(variant, gate_up, down)
 
 
@@ -235,8 +239,8 @@ def check_shared_branch_resources(variant: int, gate_up: dict[str, str],
             compiled = compile_sm90(kernel, types, {
                 "H": 2048, "I": 512, "BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": 128,
                 "INTERPRETED": False, "VARIANT": variant, "SHARED": has_shared,
-                "SHARED_BLOCK_K": nvfp4_moe_module._SHARED_BLOCK_K[name]}, 4, divisible,
-                num_stages=3)
+                "SHARED_BLOCK_K": nvfp4_moe_module._SHARED_BLOCK_K[name]}
+                | ({"GROUP": 1} if name == "down" else {}), 4, divisible, num_stages=3)
             usage[has_shared] = resource_usage(compiled) | {"smem": compiled.metadata.shared}
         print(f"nvfp4_moe v{variant} {name}: FP4 only {usage[False]}, with the shared branch "
               f"{usage[True]}")
