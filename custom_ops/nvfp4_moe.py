@@ -33,7 +33,12 @@ from dlmc.custom_ops.nvfp4_tiles import (
     nvfp4_tile_dot_v2,
     round_bf16,
 )
-from dlmc.custom_ops.nvfp4_words import can_pack, scale_operand, weight_operand
+from dlmc.custom_ops.nvfp4_words import (
+    can_pack,
+    projection_operands,
+    scale_operand,
+    weight_operand,
+)
 from dlmc.quant.nvfp4_format import dequantize_blocks, fake_quantize_activation
 
 __all__ = ["nvfp4_moe", "nvfp4_moe_reference"]
@@ -52,11 +57,19 @@ __all__ = ["nvfp4_moe", "nvfp4_moe_reference"]
 # the default: 0.133 ms/layer against v3's 0.154 in one run (H200, perf/results/s14/call3);
 # "v6": v5 with v4's pre-decoded scales (same time, 11 % more bytes). Shapes the layout cannot
 # take (N % 16, K % 128) run v3 / v4 instead (`_effective_variant`).
-_KERNELS = {"v1": 1, "v2": 2, "v3": 3, "v4": 4, "v5": 5, "v6": 6}
+# "v7": v5 with one-byte scale codes whose bf16x2 pair is one multiply-add
+# (`nvfp4_scale_codes`; negative / zero scales folded into the weights at load): v6's decode
+# at v5's bytes. Not measured yet.
+_KERNELS = {"v1": 1, "v2": 2, "v3": 3, "v4": 4, "v5": 5, "v6": 6, "v7": 7}
 _KERNEL_NAME = os.environ.get("DLMC_NVFP4_KERNEL", "v5")
 if _KERNEL_NAME not in _KERNELS:
     raise ValueError(f"DLMC_NVFP4_KERNEL must be one of {sorted(_KERNELS)}, got {_KERNEL_NAME!r}")
 _VARIANT = _KERNELS[_KERNEL_NAME]
+
+
+def kernel_variant() -> int:
+    """The selected kernel variant (`DLMC_NVFP4_KERNEL`, 1-7)."""
+    return _VARIANT
 
 
 def kernel_reads_predecoded_scales() -> bool:
@@ -70,14 +83,14 @@ def kernel_reads_weight_words() -> bool:
     weights and scales at load where the shapes allow (`nvfp4_words.can_pack`). Under the
     interpreter the op hands it ModelOpt's bits in the tiled arrangement (the asm decode needs a
     GPU)."""
-    return _VARIANT in (5, 6)
+    return _VARIANT in (5, 6, 7)
 
 
 def _effective_variant(H: int, I: int) -> int:
     """The selected variant, or v3 / v4 for v5 / v6 when a projection cannot take the tiled
     layout."""
-    if _VARIANT in (5, 6) and not (can_pack(I, H) and can_pack(H, I)):
-        return _VARIANT - 2
+    if _VARIANT in (5, 6, 7) and not (can_pack(I, H) and can_pack(H, I)):
+        return {5: 3, 6: 4, 7: 3}[_VARIANT]
     return _VARIANT
 
 
@@ -222,8 +235,8 @@ def _block_n(dim: int, widest: int) -> int:
 # down 44.3 us at 128 vs 50.5 at 64. v1/v2 were tuned at 64.
 # BLOCK_N by variant. v5/v6 gate/up: 128 (0.1168 against 0.1194 ms/layer for the op at 64,
 # H200 sweep in perf/results/s14/call3/sweep_gate_up.json).
-_GATE_UP_BLOCK_N = {1: 64, 2: 64, 3: 64, 4: 64, 5: 128, 6: 128}
-_DOWN_BLOCK_N = {1: 64, 2: 64, 3: 128, 4: 128, 5: 128, 6: 128}  # by variant, looked up per call
+_GATE_UP_BLOCK_N = {1: 64, 2: 64, 3: 64, 4: 64, 5: 128, 6: 128, 7: 128}
+_DOWN_BLOCK_N = {1: 64, 2: 64, 3: 128, 4: 128, 5: 128, 6: 128, 7: 128}  # looked up per call
 # K-tile of the shared expert's BF16 programs in each launch, the widest that keeps the FP4
 # kernels' registers and shared memory (sm_90, LLaDA2.1-mini shapes, v3; cubin resource usage).
 # The kernels take the shared expert's arguments after all others: placed before them, the
@@ -252,7 +265,7 @@ def _launch_config(n: int, k: int, widest: int,
 # tiled variants: down's K (the expert width, 512) is only 4 K-tiles, so separate programs each
 # pay a pipeline fill. 1 = a program per tile (as v3). `_DOWN_GROUP_OVERRIDE` (int or None):
 # DLMC_NVFP4_DOWN_GROUP at import, or sweeps (perf/bench_nvfp4_moe.py --down-groups).
-_DOWN_GROUP = {5: 1, 6: 1}
+_DOWN_GROUP = {5: 1, 6: 1, 7: 1}
 _DOWN_GROUP_OVERRIDE: int | None = None
 if os.environ.get("DLMC_NVFP4_DOWN_GROUP"):
     try:
@@ -369,7 +382,7 @@ def _nvfp4_moe_fake(x: torch.Tensor, *args: object, **kwargs: object) -> torch.T
 _nvfp4_moe_op = traced_triton_op("dlmc::nvfp4_moe", _nvfp4_moe_impl, _nvfp4_moe_fake)
 
 
-_SCALE_FORMS = (torch.bfloat16, torch.uint8, torch.int16)  # besides float8_e4m3fn
+_SCALE_FORMS = (torch.bfloat16, torch.uint8, torch.int16, torch.int8)  # besides float8_e4m3fn
 
 
 def _check(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -409,7 +422,7 @@ def _check(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         if tuple(tensor.shape) != shape or tensor.dtype != dtype:
             raise ValueError(f"nvfp4_moe: {name} must be {dtype} {shape}, got "
                              f"{tensor.dtype} {tuple(tensor.shape)}")
-        if tensor.dtype in (torch.int32, torch.uint8, torch.int16) and name.endswith(
+        if tensor.dtype in (torch.int32, torch.uint8, torch.int16, torch.int8) and name.endswith(
                 ("_weight", "_weight_scale")) and tensor.dtype != expected[name][1]:
             n, k = tensor.shape[1], (H if name.startswith(("gate", "up")) else I)
             if not can_pack(n, k):
@@ -501,11 +514,11 @@ def nvfp4_moe(
     # Weights likewise: uint8 ModelOpt bytes, or v5/v6's tiled words viewed as bytes (tiled
     # ModelOpt bytes under the interpreter), `nvfp4_words`. Each stored form converts exactly.
     variant = _effective_variant(x.shape[1], weights["gate_weight"].shape[1])
-    predecoded, tiled = variant in (4, 6), variant in (5, 6)
-    form = "plain" if not tiled else "tiled" if _INTERPRETED else "words"
-    op_args = [scale_operand(t, predecoded, tiled) if name.endswith("_weight_scale")
-               else weight_operand(t, form) if name.endswith("_weight") else t
-               for name, t in weights.items()]
+    op_args = []
+    for proj in ("gate", "up", "down"):
+        op_args += [*projection_operands(weights[f"{proj}_weight"],
+                                         weights[f"{proj}_weight_scale"], variant, _INTERPRETED),
+                    weights[f"{proj}_weight_scale_2"]]
     if routing is not None:
         check_pair_routing("nvfp4_moe", routing)
     return _nvfp4_moe_op(x, topk_ids, topk_weights, *op_args, a1, a2, *shared,

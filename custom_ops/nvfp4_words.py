@@ -39,10 +39,12 @@ import triton
 import triton.language as tl
 
 from dlmc.custom_ops.nvfp4_bf16x2 import BF16_MASK, _bf16x2_mul
+from dlmc.custom_ops.nvfp4_scale_codes import decode_block_scales, encode_block_scales
 from dlmc.custom_ops.nvfp4_scales import e4m3_of_predecoded, predecode_block_scales
 
-__all__ = ["can_pack", "pack_weight_words", "scale_operand", "tile_scales", "unpack_weight_words",
-           "untile_scales", "weight_operand"]
+__all__ = ["can_pack", "pack_weight_words", "projection_operands", "scale_operand",
+           "stored_forms", "tile_scales", "unpack_weight_words", "untile_scales",
+           "weight_operand"]
 
 ROWS, CHUNK_K = 16, 128  # one chunk: 16 rows x 128 K (64 weight bytes, 8 scales per row)
 
@@ -182,12 +184,17 @@ def scale_operand(scale: torch.Tensor, predecoded: bool, tiled: bool) -> torch.T
     """Block scales in any stored form (float8_e4m3fn, bf16 pre-decoded, or `tile_scales`' uint8
     / int16) as the op operand: bit patterns, uint8 E4M3 or (`predecoded`) int16 bf16, in the
     tiled arrangement when `tiled`. Exact both ways; the stored form the operand asks for is
-    returned as is (a view: no per-call work)."""
+    returned as is (a view: no per-call work). v7's int8 codes (`nvfp4_scale_codes`) decode to
+    the positive scales their folded weights go with: pass those weights along (the module
+    stores both; `projection_operands` converts a pair)."""
     bits = torch.int16 if predecoded else torch.uint8
     if tiled and scale.dtype == bits:
         return scale
     if not tiled and scale.dtype == (torch.bfloat16 if predecoded else torch.float8_e4m3fn):
         return scale.view(bits)
+    if scale.dtype == torch.int8:
+        _check_packable("scale_operand", scale, 16)
+        scale = decode_block_scales(_untile(scale, CHUNK_K // 16))
     if scale.dtype in (torch.uint8, torch.int16):
         scale = untile_scales(scale)
     if predecoded and scale.dtype != torch.bfloat16:
@@ -197,6 +204,42 @@ def scale_operand(scale: torch.Tensor, predecoded: bool, tiled: bool) -> torch.T
     if tiled:
         return tile_scales(scale)
     return scale.view(torch.int16 if predecoded else torch.uint8)
+
+
+def stored_forms(weight: torch.Tensor, scale: torch.Tensor, variant: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One projection's weights and block scales, in any stored form, as the module stores them
+    for kernel `variant` (a shape the tiled layout takes, for v5-v7): v1-v3 ModelOpt's (uint8,
+    float8_e4m3fn), v4 bf16 scales, v5 tiled words and uint8 scales, v6 tiled words and int16
+    (bf16) scales, v7 tiled words with `nvfp4_scale_codes`' int8 codes (negative and zero
+    scales folded into the words). Exact: every form dequantizes to the same weights."""
+    if variant == 7:
+        if weight.dtype == torch.int32 and scale.dtype == torch.int8:
+            return weight, scale
+        folded, codes = encode_block_scales(
+            weight_operand(weight, "plain"),
+            scale_operand(scale, predecoded=False, tiled=False).view(torch.float8_e4m3fn))
+        return pack_weight_words(folded), _tile(codes, CHUNK_K // 16)
+    predecoded, tiled = variant in (4, 6), variant in (5, 6)
+    scale = scale_operand(scale, predecoded, tiled)
+    if not tiled:
+        scale = scale.view(torch.bfloat16 if predecoded else torch.float8_e4m3fn)
+    return weight_operand(weight, "words").view(torch.int32) if tiled else weight_operand(
+        weight, "plain"), scale
+
+
+def projection_operands(weight: torch.Tensor, scale: torch.Tensor, variant: int,
+                        interpreted: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's operands for one projection (uint8 weight bytes, uint8 / int16 scale bit
+    patterns) in the form kernel `variant` reads: under the interpreter (`interpreted`) the
+    tiled variants read ModelOpt's bits tiled and E4M3 scales (v2's decode). Views of the
+    stored forms `stored_forms` makes, else converted exactly."""
+    if variant == 7 and not interpreted:
+        words, codes = stored_forms(weight, scale, 7)
+        return words.view(torch.uint8), codes.view(torch.uint8)
+    predecoded, tiled = variant in (4, 6), variant >= 5
+    form = "plain" if not tiled else "tiled" if interpreted else "words"
+    return weight_operand(weight, form), scale_operand(scale, predecoded, tiled)
 
 
 def _pair_ops(out: str, j: int) -> str:

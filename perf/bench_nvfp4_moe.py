@@ -42,7 +42,7 @@ if not torch.cuda.is_available():  # --smoke on a CPU machine: Triton's interpre
 import dlmc.custom_ops.nvfp4_moe as nvfp4_module
 from dlmc.bench.timing import copy_bandwidth_gbps, cuda_times
 from dlmc.custom_ops.nvfp4_moe import _KERNEL_NAME, _KERNELS, nvfp4_moe, nvfp4_moe_reference
-from dlmc.custom_ops.nvfp4_words import can_pack, pack_weight_words, scale_operand
+from dlmc.custom_ops.nvfp4_words import can_pack, stored_forms
 from dlmc.quant.nvfp4_format import dequantize_nvfp4
 
 PROJ_SHAPES = {"gate": ("I", "H"), "up": ("I", "H"), "down": ("H", "I")}
@@ -65,18 +65,14 @@ def make_layer(E: int, H: int, I: int, device: str, gen: torch.Generator) -> lis
 
 def kernel_layer(layer: list[torch.Tensor], kernel: str) -> list[torch.Tensor]:
     """The layer's op arguments in the form `kernel` reads, as `NVFP4Experts.prepare_for_kernel`
-    stores them (v4/v6: block scales pre-decoded; v5/v6: `nvfp4_words`' tiled layout)."""
-    predecoded, tiled = kernel in ("v4", "v6"), kernel in ("v5", "v6")
+    stores them (`nvfp4_words.stored_forms`)."""
+    variant = _KERNELS[kernel]
     inter, hidden = layer[0].shape[1], layer[0].shape[2] * 2  # gate weight [E, I, H/2]
-    tiled = tiled and can_pack(inter, hidden) and can_pack(hidden, inter)  # else v3/v4 run
+    if variant >= 5 and not (can_pack(inter, hidden) and can_pack(hidden, inter)):
+        variant = {5: 3, 6: 4, 7: 3}[variant]  # what the op then runs
     out = []
-    for t in layer:
-        if t.dtype == torch.float8_e4m3fn:
-            t = scale_operand(t, predecoded, tiled)
-            out.append(t if tiled else t.view(torch.bfloat16 if predecoded
-                                              else torch.float8_e4m3fn))
-        else:
-            out.append(pack_weight_words(t) if tiled and t.dtype == torch.uint8 else t)
+    for p in range(3):  # (weight, block scale, global scale) per projection
+        out += [*stored_forms(layer[3 * p], layer[3 * p + 1], variant), layer[3 * p + 2]]
     return out
 
 
@@ -184,7 +180,7 @@ def main() -> None:
         if kernel not in converted:  # once per kernel (v4: the load-time scale conversion)
             converted = {kernel: [kernel_layer(layer, kernel) for layer in layers]}
         kernel_layers = converted[kernel]
-        scale_bytes = 2 if kernel in ("v4", "v6") else 1
+        scale_bytes = 2 if kernel in ("v4", "v6") else 1  # v7's codes: one byte
         expert_bytes = 3 * (I * H // 2 + I * H // 16 * scale_bytes)  # packed + block scales
         touched = [int(ids.unique().numel()) for ids, _ in routing]
         nbytes = [t * expert_bytes + shared_bytes + 2 * T * H * 2 for t in touched]

@@ -203,7 +203,7 @@ def check_nvfp4_moe_v3() -> None:
     for kernel, pointers in ((_gate_up_kernel, gate_up), (_down_kernel, down)):
         for block_n, has_shared in ((64, False), (128, False), (64, True)):
             conversions = {}
-            for variant in (2, 3, 4, 5, 6):
+            for variant in (2, 3, 4, 5, 6, 7):
                 types = {name: pointers.get(name, "i32") for name in kernel.arg_names}
                 if variant in (4, 6):
                     types |= {name: "*i16" for name in ("gate_s", "up_s", "down_s")
@@ -218,7 +218,8 @@ def check_nvfp4_moe_v3() -> None:
                 conversions[variant] = ptx.count("cvt.rn.bf16x2.f32")
             assert conversions[4] < conversions[3], conversions
             assert conversions[6] < conversions[5], conversions
-    for variant in (3, 4, 5):
+            assert conversions[7] == conversions[6], conversions  # v7: no scale conversion
+    for variant in (3, 4, 5, 7):
         check_shared_branch_resources(variant, gate_up, down)
 
 

@@ -282,9 +282,9 @@ def test_kernel_matches_reference_gpu(variant: int, seed: int, tokens: int, num_
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [3, 4, 5, 6])
+@pytest.mark.parametrize("variant", [3, 4, 5, 6, 7])
 def test_v3_single_code_weights_are_exact_gpu(variant: int) -> None:
-    """v3 (and v4-v6, their scales / weights converted per call here) and the reference agree
+    """v3 (and v4-v7, their scales / weights converted per call here) and the reference agree
     bit for bit on power-of-two data (incl. subnormal scales)."""
     for scale_byte in (0x01, 0x38, 0x7E):
         experts = random_experts(torch.Generator().manual_seed(2), 2, 32, 16)
@@ -314,26 +314,22 @@ def test_v3_single_code_weights_are_exact_gpu(variant: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shared", [False, True])
-@pytest.mark.parametrize("variant", [3, 4, 5, 6])
+@pytest.mark.parametrize("variant", [3, 4, 5, 6, 7])
 def test_compile_and_cuda_graph_replay(variant: int, shared: bool,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """v3, and v4-v6 with the block scales / weights as `NVFP4Experts` stores them; compiled
+    """v3, and v4-v7 with the block scales / weights as `NVFP4Experts` stores them; compiled
     (fullgraph), replayed as a CUDA graph with new routing and x copied in. `shared`: with the
     shared expert's BF16 tail blocks."""
     import dlmc.custom_ops.nvfp4_moe as module
-    from dlmc.custom_ops.nvfp4_scales import predecode_block_scales
-    from dlmc.custom_ops.nvfp4_words import pack_weight_words, tile_scales
+    from dlmc.custom_ops.nvfp4_words import stored_forms
 
     monkeypatch.setattr(module, "_VARIANT", variant)
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(6)
-    experts = random_experts(gen, 16, 256, 128)
-    if variant in (4, 6):
-        experts |= {name: predecode_block_scales(t) for name, t in experts.items()
-                    if name.endswith("_weight_scale")}
-    if variant in (5, 6):  # the tiled layout (H 256, I 128 can take it)
-        experts |= {name: pack_weight_words(t) if name.endswith("_weight") else tile_scales(t)
-                    for name, t in experts.items() if name.endswith(("_weight", "_scale"))}
+    experts = random_experts(gen, 16, 256, 128)  # a shape the tiled layout (v5-v7) takes
+    for proj in ("gate", "up", "down"):
+        w, s = f"{proj}_weight", f"{proj}_weight_scale"
+        experts[w], experts[s] = stored_forms(experts[w], experts[s], variant)
     x = torch.randn(32, 256, generator=gen).bfloat16().cuda()
     ids, w = random_routing(gen, 32, 16, 4, skew=False)
     args = op_args(x, ids, w, experts)

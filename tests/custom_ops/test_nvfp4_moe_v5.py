@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
-from dlmc.custom_ops.nvfp4_words import can_pack, pack_weight_words, tile_scales
+from dlmc.custom_ops.nvfp4_words import can_pack, stored_forms
 from tests.custom_ops.test_nvfp4_moe import (
     DEVICE,
     assert_matches_reference,
@@ -39,13 +39,15 @@ WEIGHTS = ("gate_weight", "up_weight", "down_weight")
 
 def stored(experts: dict[str, torch.Tensor], variant: int) -> dict[str, torch.Tensor]:
     """What `NVFP4Experts.prepare_for_kernel` stores for `variant` (5: tiled words and E4M3
-    scales; 6: scales pre-decoded too), or v3/v4's forms where the shapes cannot be tiled."""
-    out = predecoded(experts) if variant == 6 else dict(experts)
+    scales; 6: scales pre-decoded too; 7: one-byte scale codes), or v3/v4's forms where the
+    shapes cannot be tiled."""
     inter, hidden = experts["gate_weight"].shape[1], experts["down_weight"].shape[1]
     if not (can_pack(inter, hidden) and can_pack(hidden, inter)):
-        return out
-    return out | {name: pack_weight_words(experts[name]) for name in WEIGHTS} | {
-        name: tile_scales(out[name]) for name in SCALES}
+        return predecoded(experts) if variant == 6 else dict(experts)
+    out = dict(experts)
+    for weight, scale in zip(WEIGHTS, SCALES, strict=True):
+        out[weight], out[scale] = stored_forms(experts[weight], experts[scale], variant)
+    return out
 
 
 def v3_v5_case(variant: int, seed: int, tokens: int, num_experts: int, top_k: int, hidden: int,
@@ -74,7 +76,7 @@ FUZZ = given(  # 128 x 128 and 256 x 128 take the tiled layout, the others fall 
 )
 
 
-@pytest.mark.parametrize("variant", [5, 6])
+@pytest.mark.parametrize("variant", [5, 6, 7])
 @settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
 @FUZZ
 def test_v5_v6_equal_v3_cpu(variant: int, seed: int, tokens: int, num_experts: int, top_k: int,
@@ -83,7 +85,7 @@ def test_v5_v6_equal_v3_cpu(variant: int, seed: int, tokens: int, num_experts: i
                ALL_CODES)
 
 
-@pytest.mark.parametrize("variant", [5, 6])
+@pytest.mark.parametrize("variant", [5, 6, 7])
 def test_v5_v6_tiled_equal_v3_cpu(variant: int) -> None:
     """A shape the tiled layout takes, every code, experts with no tokens: the tiled loads."""
     v3_v5_case(variant, 7, 17, 5, 2, 256, 128, True, ALL_CODES)
@@ -119,15 +121,16 @@ def test_words_run_under_every_variant_and_the_reference() -> None:
     experts = random_experts(gen, 3, 128, 128)  # a shape the tiled layout takes
     x = torch.randn(4, 128, generator=gen).bfloat16().to(DEVICE)
     ids, w = random_routing(gen, 4, 3, 2, skew=False)
-    packed = stored(experts, 6)
-    assert packed["gate_weight"].dtype == torch.int32 and packed["up_weight_scale"].dtype == (
-        torch.int16)
     ref = nvfp4_moe_reference(*op_args(x, ids, w, experts))
-    assert torch.equal(bits(nvfp4_moe_reference(*op_args(x, ids, w, packed))), bits(ref))
-    for variant in (1, 2, 3, 4):
-        with kernel_variant(variant):
-            assert torch.equal(bits(nvfp4_moe(*op_args(x, ids, w, packed))),
-                               bits(nvfp4_moe(*op_args(x, ids, w, experts))))
+    for form, scale_dtype in ((6, torch.int16), (7, torch.int8)):
+        packed = stored(experts, form)
+        assert packed["gate_weight"].dtype == torch.int32
+        assert packed["up_weight_scale"].dtype == scale_dtype
+        assert torch.equal(bits(nvfp4_moe_reference(*op_args(x, ids, w, packed))), bits(ref))
+        for variant in (1, 2, 3, 4, 5, 6, 7):
+            with kernel_variant(variant):
+                assert torch.equal(bits(nvfp4_moe(*op_args(x, ids, w, packed))),
+                                   bits(nvfp4_moe(*op_args(x, ids, w, experts))))
     with kernel_variant(5):
         assert_matches_reference(nvfp4_moe(*op_args(x, ids, w, packed)), ref)
 
@@ -156,7 +159,7 @@ GPU_FUZZ = given(
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [5, 6])
+@pytest.mark.parametrize("variant", [5, 6, 7])
 @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
 @GPU_FUZZ
 def test_v5_v6_equal_v3_gpu(variant: int, seed: int, tokens: int, num_experts: int, top_k: int,
@@ -168,7 +171,7 @@ def test_v5_v6_equal_v3_gpu(variant: int, seed: int, tokens: int, num_experts: i
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [5, 6])
+@pytest.mark.parametrize("variant", [5, 6, 7])
 def test_v5_v6_w4a4_and_negative_scales_gpu(variant: int) -> None:
     gen = torch.Generator().manual_seed(11)
     scales = {f"{p}_input_scale": (torch.rand(8, generator=gen) * 0.01 + 1e-3).to(DEVICE)

@@ -168,8 +168,8 @@ def test_forward_takes_a_precomputed_routing(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_prepare_for_kernel_v5_v6_packs_weight_words() -> None:
-    """v5/v6: int32 weight words (v6: bf16 scales too), uint8 copies freed, forward bit for bit
-    v3's, exact dequantization unchanged."""
+    """v5-v7: int32 weight words (tiled scales: E4M3, bf16 or v7's codes), the checkpoint's
+    forms freed, forward bit for bit v3's, exact dequantization unchanged."""
     import dlmc.custom_ops.nvfp4_moe as op_module
 
     gen = torch.Generator().manual_seed(2)
@@ -180,7 +180,7 @@ def test_prepare_for_kernel_v5_v6_packs_weight_words() -> None:
     try:
         op_module._VARIANT = 5  # a shape the tiled layout cannot take: left as it is (v3 runs)
         assert not filled_experts()[0].prepare_for_kernel()
-        for variant in (5, 6):
+        for variant in (5, 6, 7):
             experts, _ = filled_experts(128, 128)
             op_module._VARIANT = 3
             v3, deq = experts(x, ids, weights), experts.dequantize_to_bf16()
@@ -191,7 +191,7 @@ def test_prepare_for_kernel_v5_v6_packs_weight_words() -> None:
                 assert weight.dtype == torch.int32
                 assert weight.shape[-1] == 128 // 8
                 scale = getattr(experts, f"{proj}_weight_scale")  # tiled bit patterns
-                assert scale.dtype == (torch.int16 if variant == 6 else torch.uint8)
+                assert scale.dtype == {5: torch.uint8, 6: torch.int16, 7: torch.int8}[variant]
             assert sum(b.dtype == torch.float8_e4m3fn for b in experts.buffers()) == 0
             assert torch.equal(experts(x, ids, weights), v3)
             for proj, tensor in experts.dequantize_to_bf16().items():

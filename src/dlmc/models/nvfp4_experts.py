@@ -15,13 +15,8 @@ import torch
 from torch import nn
 
 from dlmc.custom_ops.moe_align import PairRouting
-from dlmc.custom_ops.nvfp4_moe import (
-    kernel_reads_predecoded_scales,
-    kernel_reads_weight_words,
-    nvfp4_moe,
-    nvfp4_moe_reference,
-)
-from dlmc.custom_ops.nvfp4_words import can_pack, pack_weight_words, scale_operand, weight_operand
+from dlmc.custom_ops.nvfp4_moe import kernel_variant, nvfp4_moe, nvfp4_moe_reference
+from dlmc.custom_ops.nvfp4_words import can_pack, scale_operand, stored_forms, weight_operand
 from dlmc.quant.nvfp4_format import GROUP_SIZE, dequantize_nvfp4
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -108,24 +103,21 @@ class NVFP4Experts(nn.Module):
         """Load-time step into the form the selected kernel (`DLMC_NVFP4_KERNEL`) reads, one
         projection at a time, freeing the old copy (the reference and `dequantize_to_bf16`
         convert back exactly when asked): v4/v6 get the E4M3 block scales as bf16
-        `scale * 2^119` (`nvfp4_scales`), v5/v6 weights and scales in `nvfp4_words`' tiled
-        layout (int32 words; uint8 / int16 scales) where the shapes allow (else v3/v4's forms,
-        which those shapes then run). Does nothing for the reference path or kernels v1-v3.
-        Returns whether it converted."""
+        `scale * 2^119` (`nvfp4_scales`), v5-v7 weights and scales in `nvfp4_words`' tiled
+        layout (int32 words; uint8 / int16 / int8 scales, v7's codes with negative and zero
+        scales folded into the words) where the shapes allow (else v3/v4's forms, which those
+        shapes then run; `nvfp4_words.stored_forms`). Does nothing for the reference path or
+        kernels v1-v3. Returns whether it converted."""
         H, I = self.hidden_size, self.intermediate_size
-        scales = kernel_reads_predecoded_scales()
-        tiled = kernel_reads_weight_words() and can_pack(I, H) and can_pack(H, I)
-        if self.use_reference or not (scales or tiled):
+        variant = kernel_variant()
+        if variant in (5, 6, 7) and not (can_pack(I, H) and can_pack(H, I)):
+            variant = {5: 3, 6: 4, 7: 3}[variant]  # what the op then runs
+        if self.use_reference or variant < 4:
             return False
         for proj in PROJECTIONS:
-            name = f"{proj}_weight_scale"
-            self._buffers[name] = scale_operand(self._buffers[name], scales, tiled)
-            if not tiled:  # plain: the checkpoint's dtypes (E4M3, or bf16 pre-decoded)
-                self._buffers[name] = self._buffers[name].view(
-                    torch.bfloat16 if scales else torch.float8_e4m3fn)
-            name = f"{proj}_weight"
-            if tiled and self._buffers[name].dtype == torch.uint8:
-                self._buffers[name] = pack_weight_words(self._buffers[name])
+            w, s = f"{proj}_weight", f"{proj}_weight_scale"
+            self._buffers[w], self._buffers[s] = stored_forms(self._buffers[w],
+                                                              self._buffers[s], variant)
         return True
 
     def _op_args(self) -> list[torch.Tensor]:
