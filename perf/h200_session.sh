@@ -11,6 +11,8 @@
 #                                      # static occupancy table), paged attention,
 #                                      # the kernels' GPU tests
 #   bash perf/h200_session.sh words    # nvfp4_moe v3-v6 alone, v5/v6 tile sweeps, their GPU tests
+#   bash perf/h200_session.sh codes    # session 15's first call: v7 (one-byte scale codes) against
+#                                      # v5 alone and in the NVFP4 round, v7's GPU tests
 #   bash perf/h200_session.sh moe      # dlmc::bf16_moe alone, launch-config sweeps (MOE_CONFIGS)
 #   bash perf/h200_session.sh gemm     # dlmc::small_m_linear vs cuBLAS, sweeps (GEMM_CONFIGS)
 #   bash perf/h200_session.sh share    # NVFP4+FP8 graph round at PREFIX (4096) + profile, then
@@ -129,6 +131,17 @@ words)  # session 14: nvfp4_moe v5/v6 (nvfp4_words' layout) against v3/v4, tiles
   gpu_tests words "tests/custom_ops/test_nvfp4_moe.py::test_v3_single_code_weights_are_exact_gpu" \
     "tests/custom_ops/test_nvfp4_moe.py::test_compile_and_cuda_graph_replay" \
     "tests/custom_ops/test_nvfp4_moe_v5.py::test_v5_v6_w4a4_and_negative_scales_gpu" \
+    "tests/custom_ops/test_nvfp4_moe_v5.py::test_v5_v6_equal_v3_gpu" ;;
+codes)  # nvfp4_moe v7 against v5 (same bytes, 15-20 % fewer instructions), then the rounds
+  timeout 90 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 50 --kernels v3 v5 v7 \
+    --out "$OUT/nvfp4_op_v3_v5_v7.json" > "$OUT/nvfp4_op_v3_v5_v7.txt" 2>&1
+  echo "nvfp4 op v3 v5 v7 rc=$?"; grep -E "tokens=32" "$OUT/nvfp4_op_v3_v5_v7.txt" | cut -c1-260
+  round round_nvfp4_v5 "${NVFP4_TIMEOUT:-170}" --precision nvfp4 --kv-cache-dtype fp8 \
+    --modes graph --no-loop
+  DLMC_NVFP4_KERNEL=v7 round round_nvfp4_v7 120 --precision nvfp4 --kv-cache-dtype fp8 \
+    --modes graph --no-loop
+  gpu_tests codes "tests/custom_ops/test_nvfp4_moe_v5.py::test_v5_v6_w4a4_and_negative_scales_gpu" \
+    "tests/custom_ops/test_nvfp4_moe.py::test_compile_and_cuda_graph_replay" \
     "tests/custom_ops/test_nvfp4_moe_v5.py::test_v5_v6_equal_v3_gpu" ;;
 moe)  # dlmc::bf16_moe alone: launch-config sweeps of each kernel, against copy and read ceilings
   for kern in gate_up down; do
