@@ -79,7 +79,7 @@ def kernel_reads_predecoded_scales() -> bool:
 
 
 def kernel_reads_weight_words() -> bool:
-    """Whether the selected kernel (v5, v6) reads `nvfp4_words`' tiled layout: modules then pack
+    """Whether the selected kernel (v5-v7) reads `nvfp4_words`' tiled layout: modules then pack
     weights and scales at load where the shapes allow (`nvfp4_words.can_pack`). Under the
     interpreter the op hands it ModelOpt's bits in the tiled arrangement (the asm decode needs a
     GPU)."""
@@ -480,7 +480,7 @@ def nvfp4_moe(
       (routed scaling already folded in).
     - `{gate,up}_weight` uint8 `[E, I, H/2]`, `down_weight` uint8 `[E, H, I/2]`: E2M1 codes, low
       nibble = even element (or int32 `[E, out, in/8]` words of `nvfp4_words.pack_weight_words`,
-      what kernels v5/v6 read; each form is converted exactly to the other when needed);
+      what kernels v5-v7 read; each form is converted exactly to the other when needed);
       `*_weight_scale` float8_e4m3fn `[E, out, in/16]` (row-major, not
       swizzled), or bf16 of the same shape pre-decoded by `nvfp4_scales.predecode_block_scales`
       (what kernel v4 reads; each form is converted exactly to the other when needed);
@@ -511,7 +511,7 @@ def nvfp4_moe(
     a1, a2 = _input_scales(gate_input_scale, up_input_scale, down_input_scale, emulate_w4a4)
     # The op takes the block scales as bit patterns (free views; opcheck's schema test cannot
     # compare fp8 tensors on CPU): uint8 E4M3 bytes, or int16 pre-decoded bf16 for v4.
-    # Weights likewise: uint8 ModelOpt bytes, or v5/v6's tiled words viewed as bytes (tiled
+    # Weights likewise: uint8 ModelOpt bytes, or v5-v7's tiled words viewed as bytes (tiled
     # ModelOpt bytes under the interpreter), `nvfp4_words`. Each stored form converts exactly.
     variant = _effective_variant(x.shape[1], weights["gate_weight"].shape[1])
     op_args = []

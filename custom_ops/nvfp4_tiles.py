@@ -93,7 +93,7 @@ def _load_a_split(a_ptr, a_rows, row_mask, stride_a, k0, K: tl.constexpr, BLOCK_
 def _load_w_bytes(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, TILED: tl.constexpr):
     """One K-tile of packed weights, N-major (K contiguous): bytes `[BN, BK/16, 8]` (two codes
-    each) and their block-scale bit patterns `[BN, BK/16]`. `TILED` (v5, v6; BLOCK_K 128, N % 16
+    each) and their block-scale bit patterns `[BN, BK/16]`. `TILED` (v5-v7; BLOCK_K 128, N % 16
     == 0, K % 128 == 0): `nvfp4_words`' chunks, a row's tile at `(n // 16) * 16 * K/2 +
     (k0 / 128) * 1 KB + (n % 16) * 64` (scales: / 8), so 16 rows read 1 KB in one run."""
     HALF: tl.constexpr = BLOCK_K // 2
@@ -184,7 +184,7 @@ def _load_w_tiles(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl
                   BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, VARIANT: tl.constexpr):
     """Low/high-nibble weight tiles: the bf16x2 inline-asm decode (`w * 2^-7`) for `VARIANT` 3
     to 6 when compiled, else `_load_w_split` (exact; widened to fp32 under the interpreter,
-    which gets ModelOpt's bits for every variant, tiled for v5/v6). v4/v6's scales are
+    which gets ModelOpt's bits for every variant, tiled for v5-v7). v4/v6's scales are
     pre-decoded (`nvfp4_scales`), v2/v3/v5 read E4M3 bytes, v7 `nvfp4_scale_codes`' bytes
     (E4M3 under the interpreter); v5-v7 read `nvfp4_words`' tiled layout (words when
     compiled)."""

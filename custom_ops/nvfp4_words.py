@@ -1,4 +1,4 @@
-"""Kernel v5/v6 NVFP4 layout, made once at load: each 16 rows x 128 K of a weight matrix one
+"""Kernel v5-v7 NVFP4 layout, made once at load: each 16 rows x 128 K of a weight matrix one
 contiguous 1 KB chunk, and the bits of 8 E2M1 codes arranged per 32-bit word so that the bf16x2
 decode takes 8 integer instructions per 8 weights (v3: 14).
 
@@ -169,8 +169,8 @@ def untile_scales(tiled: torch.Tensor) -> torch.Tensor:
 def weight_operand(weight: torch.Tensor, form: str) -> torch.Tensor:
     """A weight matrix in any stored form (uint8 ModelOpt bytes, int32 tiled words) as the op
     operand `form` names, exactly: "plain" (ModelOpt bytes: kernels v1-v4 and the reference),
-    "words" (the tiled words viewed as uint8: v5/v6 compiled) or "tiled" (ModelOpt's bits in the
-    tiled arrangement: v5/v6 under the interpreter, which decodes bytes)."""
+    "words" (the tiled words viewed as uint8: v5-v7 compiled) or "tiled" (ModelOpt's bits in the
+    tiled arrangement: v5-v7 under the interpreter, which decodes bytes)."""
     if form == "words":  # the stored words themselves: a free view (no per-call work)
         words = weight if weight.dtype == torch.int32 else pack_weight_words(weight)
         return words.view(torch.uint8)

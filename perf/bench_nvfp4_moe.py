@@ -137,7 +137,7 @@ def main() -> None:
                         help="kernel variants to time one after the other in this process "
                              "(default: DLMC_NVFP4_KERNEL's)")
     parser.add_argument("--down-groups", type=int, nargs="*", default=[],
-                        help="N-tiles per down program (flat loop; v5/v6), each timed in turn")
+                        help="N-tiles per down program (flat loop; v5-v7), each timed in turn")
     parser.add_argument("--tile-kernel", choices=["both", "gate_up", "down"], default="both",
                         help="which kernel --tiles applies to (the other keeps its default)")
     args = parser.parse_args()

@@ -189,7 +189,7 @@ def resource_usage(compiled: triton.compiler.CompiledKernel) -> dict[str, int]:
 
 
 def check_nvfp4_moe_v3() -> None:
-    """The v3-v6 kernels' inline asm (bf16x2 decode; v5/v6 the words' decode and tiled loads,
+    """The v3-v7 kernels' inline asm (bf16x2 decode; v5-v7 the words' decode and tiled loads,
     v5's down kernel with grouped tiles) assembles for sm_90; v2 compiles too. v4/v6 read the
     pre-decoded scales as int16: fewer fp32 -> bf16x2 conversions than v3/v5 (only the
     epilogue's are left; v3 converts each E4M3 scale too). Each also with the shared expert's

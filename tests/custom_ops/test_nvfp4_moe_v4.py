@@ -10,7 +10,7 @@ test_nvfp4_moe.py.)
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -65,10 +65,15 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)  # compares NaN and -0 bit for bit too
 
 
-def v3_v4_case(seed: int, tokens: int, num_experts: int, top_k: int, hidden: int, inter: int,
-               skew: bool, codes: torch.Tensor,
-               scale_2_log2: tuple[float, float] = (-4.0, 1.0), **kwargs: object) -> None:
-    """v4 (pre-decoded scales, and fp8 scales converted per call) == v3, bit for bit."""
+Experts = dict[str, torch.Tensor]
+
+
+def variant_equals_v3(variant: int, store: Callable[[Experts], Experts],
+                      seed: int, tokens: int, num_experts: int, top_k: int, hidden: int,
+                      inter: int, skew: bool, codes: torch.Tensor,
+                      scale_2_log2: tuple[float, float] = (-4.0, 1.0), **kwargs: object) -> None:
+    """Kernel `variant` on the experts in its stored form (`store`), and on ModelOpt's forms
+    converted per call, == v3, bit for bit."""
     gen = torch.Generator().manual_seed(seed)
     experts = random_experts(gen, num_experts, hidden, inter, scale_2_log2=scale_2_log2)
     experts = with_scale_codes(experts, gen, codes)
@@ -76,11 +81,16 @@ def v3_v4_case(seed: int, tokens: int, num_experts: int, top_k: int, hidden: int
     ids, w = random_routing(gen, tokens, num_experts, top_k, skew)
     with kernel_variant(3):
         v3 = nvfp4_moe(*op_args(x, ids, w, experts), **kwargs)
-    with kernel_variant(4):
-        v4 = nvfp4_moe(*op_args(x, ids, w, predecoded(experts)), **kwargs)
-        v4_per_call = nvfp4_moe(*op_args(x, ids, w, experts), **kwargs)
-    assert torch.equal(bits(v4), bits(v3))
-    assert torch.equal(bits(v4_per_call), bits(v3))
+    with kernel_variant(variant):
+        stored = nvfp4_moe(*op_args(x, ids, w, store(experts)), **kwargs)
+        per_call = nvfp4_moe(*op_args(x, ids, w, experts), **kwargs)
+    assert torch.equal(bits(stored), bits(v3))
+    assert torch.equal(bits(per_call), bits(v3))
+
+
+def v3_v4_case(*case: object, **kwargs: object) -> None:
+    """v4 (pre-decoded scales, and fp8 scales converted per call) == v3, bit for bit."""
+    variant_equals_v3(4, predecoded, *case, **kwargs)
 
 
 FUZZ = given(

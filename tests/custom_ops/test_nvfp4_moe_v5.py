@@ -1,5 +1,6 @@
-"""Kernels v5/v6 of `dlmc::nvfp4_moe` (weights repacked at load into `nvfp4_words`' layout; v6
-with v4's pre-decoded scales too): bit for bit v3's output.
+"""Kernels v5-v7 of `dlmc::nvfp4_moe` (weights repacked at load into `nvfp4_words`' layout; v6
+with v4's pre-decoded scales too, v7 with `nvfp4_scale_codes`' one-byte codes): bit for bit v3's
+output.
 
 On CPU the kernels run under `TRITON_INTERPRET=1` with the v2 decode, so the op hands them
 ModelOpt bytes (the words unpacked per call, exact): these tests check the storage forms and
@@ -30,7 +31,7 @@ from tests.custom_ops.test_nvfp4_moe_v4 import (
     bits,
     kernel_variant,
     predecoded,
-    with_scale_codes,
+    variant_equals_v3,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -50,22 +51,9 @@ def stored(experts: dict[str, torch.Tensor], variant: int) -> dict[str, torch.Te
     return out
 
 
-def v3_v5_case(variant: int, seed: int, tokens: int, num_experts: int, top_k: int, hidden: int,
-               inter: int, skew: bool, codes: torch.Tensor,
-               scale_2_log2: tuple[float, float] = (-4.0, 1.0), **kwargs: object) -> None:
-    """v5/v6 from their stored forms, and from ModelOpt's converted per call, == v3."""
-    gen = torch.Generator().manual_seed(seed)
-    experts = random_experts(gen, num_experts, hidden, inter, scale_2_log2=scale_2_log2)
-    experts = with_scale_codes(experts, gen, codes)
-    x = torch.randn(tokens, hidden, generator=gen).bfloat16().to(DEVICE)
-    ids, w = random_routing(gen, tokens, num_experts, top_k, skew)
-    with kernel_variant(3):
-        v3 = nvfp4_moe(*op_args(x, ids, w, experts), **kwargs)
-    with kernel_variant(variant):
-        new = nvfp4_moe(*op_args(x, ids, w, stored(experts, variant)), **kwargs)
-        per_call = nvfp4_moe(*op_args(x, ids, w, experts), **kwargs)
-    assert torch.equal(bits(new), bits(v3))
-    assert torch.equal(bits(per_call), bits(v3))
+def v3_v5_case(variant: int, *case: object, **kwargs: object) -> None:
+    """v5-v7 from their stored forms, and from ModelOpt's converted per call, == v3."""
+    variant_equals_v3(variant, lambda experts: stored(experts, variant), *case, **kwargs)
 
 
 FUZZ = given(  # 128 x 128 and 256 x 128 take the tiled layout, the others fall back to v3/v4
@@ -116,7 +104,7 @@ def test_grouped_down_tiles_equal_v3(group: int, shared: bool,
 
 
 def test_words_run_under_every_variant_and_the_reference() -> None:
-    """A module packed for v5/v6 still runs under v1-v4 and the reference (unpacked exactly)."""
+    """A module packed for v6/v7 runs under every variant and the reference (converted exactly)."""
     gen = torch.Generator().manual_seed(13)
     experts = random_experts(gen, 3, 128, 128)  # a shape the tiled layout takes
     x = torch.randn(4, 128, generator=gen).bfloat16().to(DEVICE)

@@ -48,9 +48,10 @@ class NVFP4Experts(nn.Module):
       `[E, H, I/2]` (E2M1 codes, low nibble = even element).
     - `<proj>_weight_scale`: float8_e4m3fn `[E, out, in/16]` (row-major, unswizzled), as loaded;
       `prepare_for_kernel()` (a load-time step) replaces it, for kernels v4/v6, by the same
-      scales as bf16 `scale * 2^119` (exact; `custom_ops/nvfp4_scales.py`), and for v5/v6 by
+      scales as bf16 `scale * 2^119` (exact; `custom_ops/nvfp4_scales.py`), and for v5-v7 by
       `nvfp4_words`' tiled forms: weights int32 words `[E, out, in/8]`, scales uint8 (E4M3) or
-      int16 (pre-decoded) bit patterns (exact; `custom_ops/nvfp4_words.py`).
+      int16 (pre-decoded) bit patterns, or v7's int8 codes (exact; `custom_ops/nvfp4_words.py`,
+      `custom_ops/nvfp4_scale_codes.py`).
     - `<proj>_weight_scale_2`: fp32 `[E]` global scales; `<proj>_input_scale`: fp32 `[E]`
       activation scales (only used with `emulate_w4a4`; 1.0 until loaded).
 
