@@ -165,3 +165,20 @@ def test_v5_v6_w4a4_and_negative_scales_gpu(variant: int) -> None:
     scales = {f"{p}_input_scale": (torch.rand(8, generator=gen) * 0.01 + 1e-3).to(DEVICE)
               for p in ("gate", "up", "down")}
     v3_v5_case(variant, 12, 5, 8, 2, 32, 48, False, ALL_FINITE, emulate_w4a4=True, **scales)
+
+
+@pytest.mark.parametrize("variant", [5, 7])
+def test_stored_forms_trace_fullgraph(variant: int) -> None:
+    """The op on a module's stored forms (int32 words, tiled uint8 / int8 scales) traces without
+    graph breaks, as compiled rounds need, and gives v3's output."""
+    gen = torch.Generator().manual_seed(9)
+    experts = random_experts(gen, 3, 128, 128)
+    x = torch.randn(5, 128, generator=gen).bfloat16().to(DEVICE)
+    ids, w = random_routing(gen, 5, 3, 2, skew=False)
+    with kernel_variant(3):
+        v3 = nvfp4_moe(*op_args(x, ids, w, experts))
+    args = op_args(x, ids, w, stored(experts, variant))
+    torch._dynamo.reset()
+    with kernel_variant(variant):
+        compiled = torch.compile(nvfp4_moe, backend="aot_eager", fullgraph=True)
+        assert torch.equal(bits(compiled(*args)), bits(v3))
