@@ -99,8 +99,10 @@ def _untile(t: torch.Tensor, run: int) -> torch.Tensor:
 
 
 def _check_packable(name: str, t: torch.Tensor, k_per_col: int) -> None:
+    if t.dim() < 2:
+        raise ValueError(f"{name}: needs [..., N, ...], got {t.dtype} {tuple(t.shape)}")
     n, k = t.shape[-2], t.shape[-1] * k_per_col
-    if t.dim() < 2 or not can_pack(n, k):
+    if not can_pack(n, k):
         raise ValueError(f"{name}: needs [..., N, ...] with N % {ROWS} == 0 and K % {CHUNK_K} == 0"
                          f", got {t.dtype} {tuple(t.shape)} (N={n}, K={k})")
 

@@ -125,6 +125,8 @@ def test_bad_input_is_named() -> None:
         pack_bits(torch.zeros(2, 6, dtype=torch.uint8))
     with pytest.raises(ValueError, match=r"pack_weight_words: needs .* N % 16 == 0 and K % 128"):
         pack_weight_words(torch.zeros(16, 32, dtype=torch.uint8))  # K = 64
+    with pytest.raises(ValueError, match=r"pack_weight_words: needs \[\.\.\., N, \.\.\.\], got"):
+        pack_weight_words(torch.zeros(64, dtype=torch.uint8))
     with pytest.raises(ValueError, match="unpack_weight_words: expected int32"):
         unpack_weight_words(torch.zeros(16, 16, dtype=torch.int64))
     with pytest.raises(ValueError, match="tile_scales: expected float8_e4m3fn or bf16"):
