@@ -4,7 +4,9 @@ Each (token, k) pair is sent to expert `topk_ids[t, k]`; the expert computes
 `down(silu(gate(x)) * up(x))` with weights dequantized exactly in registers (E2M1 x FP8 block scale
 -> BF16, BF16 MMA, fp32 accumulation, the global scales applied per output row in the epilogue), and
 the bf16 expert outputs are combined in fp32: `out[t] = sum_k topk_weights[t, k] * y[t, k]`.
-Design in docs/nvfp4.md §3.2; the maths is defined by `nvfp4_moe_reference`.
+Design in docs/nvfp4.md §3.2; the maths is defined by `nvfp4_moe_reference`. The Triton kernels
+are in `_nvfp4_moe_kernels`; the weight decodes and tile loops in `nvfp4_tiles`; the load-time
+layouts of kernels v4-v7 in `nvfp4_scales`, `nvfp4_words` and `nvfp4_scale_codes`.
 """
 
 from __future__ import annotations
@@ -13,25 +15,16 @@ import os
 
 import torch
 import triton
-import triton.language as tl
 from torch.library import wrap_triton
 
+from dlmc.custom_ops._nvfp4_moe_kernels import _down_kernel, _gate_up_kernel
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
-from dlmc.custom_ops.bf16_moe import bf16_down_block, bf16_gate_up_block
 from dlmc.custom_ops.moe_align import (
     PairRouting,
-    block_rows,
     check_pair_routing,
     combine_pairs,
     route_pairs,
-)
-from dlmc.custom_ops.nvfp4_bf16x2 import ACC_SCALE
-from dlmc.custom_ops.nvfp4_tiles import (
-    nvfp4_down_tiles_flat,
-    nvfp4_tile_dot,
-    nvfp4_tile_dot_v2,
-    round_bf16,
 )
 from dlmc.custom_ops.nvfp4_words import (
     can_pack,
@@ -99,130 +92,6 @@ def _effective_variant(H: int, I: int) -> int:
 # A fifth entry, if given, is ptxas's register cap per thread (`maxnreg`).
 _TILE: tuple[int, ...] | None = None
 _TILE_KERNEL = "both"  # which kernel the override applies to: "gate_up", "down" or "both"
-
-
-@triton.jit
-def _block_index(SHARED: tl.constexpr):
-    """The M-block of this program. With the shared expert the blocks run in reverse order: its
-    BF16 tail blocks, heavier than an FP4 block (2 vs 0.5625 bytes per weight), start first
-    instead of last (the unused blocks before them exit at once)."""
-    if SHARED:
-        return tl.num_programs(0) - 1 - tl.program_id(0)
-    return tl.program_id(0)
-
-
-@triton.jit
-def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s, up_w, up_s,
-                    gate_alpha_ptr, up_alpha_ptr, h_ptr, num_pairs, a_row_div, H: tl.constexpr,
-                    I: tl.constexpr, stride_a, stride_h, shared_gate_w, shared_up_w, shared_id,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    INTERPRETED: tl.constexpr, VARIANT: tl.constexpr, SHARED: tl.constexpr,
-                    SHARED_BLOCK_K: tl.constexpr):
-    """h[slot, n] = silu(gate) * up for the slots of one M-block and one N-tile of I. `SHARED`:
-    blocks of expert `shared_id` are the BF16 shared expert's (`bf16_moe.bf16_gate_up_block`)."""
-    pid_m = _block_index(SHARED)
-    pid_n = tl.program_id(1)
-    expert = tl.load(expert_of_block_ptr + pid_m)
-    if SHARED and expert == shared_id:
-        bf16_gate_up_block(a_ptr, sorted_pair_ptr, shared_gate_w, shared_up_w, h_ptr,
-                           num_pairs, a_row_div, pid_m, pid_n, H, I, stride_a, stride_h, BLOCK_M,
-                           BLOCK_N, SHARED_BLOCK_K, INTERPRETED)
-    elif expert >= 0:
-        slots, _, row_mask, a_rows, n_offs, n_mask = block_rows(
-            sorted_pair_ptr, num_pairs, a_row_div, pid_m, pid_n, I, BLOCK_M, BLOCK_N)
-        e64 = expert.to(tl.int64)
-        gate_w += e64 * I * (H // 2)
-        gate_s += e64 * I * (H // 16)
-        up_w += e64 * I * (H // 2)
-        up_s += e64 * I * (H // 16)
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        # v3/v4 accumulate w * 2^-7 when compiled (ACC_SCALE restores it with the global scale).
-        acc_scale = ACC_SCALE if VARIANT >= 3 and not INTERPRETED else 1.0
-        if VARIANT >= 2:
-            acc_g, acc_u = nvfp4_tile_dot_v2(acc_g, acc_u, a_ptr, a_rows, row_mask, stride_a,
-                                             gate_w, gate_s, up_w, up_s, n_offs, n_mask, H,
-                                             BLOCK_N, BLOCK_K, INTERPRETED, True, VARIANT)
-        else:
-            acc_g = nvfp4_tile_dot(acc_g, a_ptr, a_rows, row_mask, stride_a, gate_w, gate_s,
-                                   n_offs, n_mask, H, BLOCK_K, INTERPRETED)
-            acc_u = nvfp4_tile_dot(acc_u, a_ptr, a_rows, row_mask, stride_a, up_w, up_s,
-                                   n_offs, n_mask, H, BLOCK_K, INTERPRETED)
-        g = acc_g * (tl.load(gate_alpha_ptr + expert) * acc_scale)
-        u = acc_u * (tl.load(up_alpha_ptr + expert) * acc_scale)
-        h = g * tl.sigmoid(g) * u
-        h_ptrs = h_ptr + slots[:, None] * stride_h + n_offs[None, :]
-        tl.store(h_ptrs, round_bf16(h, INTERPRETED), mask=row_mask[:, None] & n_mask[None, :])
-
-
-@triton.jit
-def _down_kernel(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, down_alpha_ptr,
-                 y_ptr, num_pairs, H: tl.constexpr, I: tl.constexpr, stride_h, stride_y,
-                 shared_down_w, shared_id, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, VARIANT: tl.constexpr,
-                 SHARED: tl.constexpr, SHARED_BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    """y[pair, n] = bf16(alpha * h[slot] @ down[n]^T) for one M-block and `GROUP` N-tiles of H
-    (`GROUP` > 1: one flat loop, `nvfp4_down_tiles_flat`). `SHARED`: blocks of expert
-    `shared_id` are the BF16 shared expert's (`bf16_down_block`)."""
-    pid_m = _block_index(SHARED)
-    pid_n = tl.program_id(1)
-    expert = tl.load(expert_of_block_ptr + pid_m)
-    if SHARED and expert == shared_id:
-        for t in tl.static_range(GROUP):
-            bf16_down_block(h_ptr, sorted_pair_ptr, shared_down_w, y_ptr, num_pairs, pid_m,
-                            pid_n * GROUP + t, H, I, stride_h, stride_y, BLOCK_M, BLOCK_N,
-                            SHARED_BLOCK_K, INTERPRETED)
-    elif expert >= 0:
-        if GROUP > 1:  # constexpr: the other branch is not compiled
-            _down_group_block(h_ptr, sorted_pair_ptr, down_w, down_s, down_alpha_ptr, y_ptr,
-                              num_pairs, H, I, stride_h, stride_y, expert, pid_m, pid_n, BLOCK_M,
-                              BLOCK_N, BLOCK_K, INTERPRETED, VARIANT, GROUP)
-        else:
-            _down_tile_block(h_ptr, sorted_pair_ptr, down_w, down_s, down_alpha_ptr, y_ptr,
-                             num_pairs, H, I, stride_h, stride_y, expert, pid_m, pid_n, BLOCK_M,
-                             BLOCK_N, BLOCK_K, INTERPRETED, VARIANT)
-
-
-@triton.jit
-def _down_group_block(h_ptr, sorted_pair_ptr, down_w, down_s, down_alpha_ptr, y_ptr, num_pairs,
-                      H: tl.constexpr, I: tl.constexpr, stride_h, stride_y, expert, pid_m, pid_n,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      INTERPRETED: tl.constexpr, VARIANT: tl.constexpr, GROUP: tl.constexpr):
-    """`GROUP` N-tiles of M-block `pid_m` in one flat loop (`nvfp4_down_tiles_flat`)."""
-    slots, pairs, row_mask, _, _, _ = block_rows(
-        sorted_pair_ptr, num_pairs, 1, pid_m, 0, H, BLOCK_M, BLOCK_N)
-    e64 = expert.to(tl.int64)
-    acc_scale = ACC_SCALE if VARIANT >= 3 and not INTERPRETED else 1.0
-    nvfp4_down_tiles_flat(h_ptr, slots, pairs, row_mask, stride_h,
-                          down_w + e64 * H * (I // 2), down_s + e64 * H * (I // 16),
-                          tl.load(down_alpha_ptr + expert) * acc_scale, y_ptr, stride_y,
-                          pid_n * GROUP, H, I, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, INTERPRETED,
-                          VARIANT)
-
-
-@triton.jit
-def _down_tile_block(h_ptr, sorted_pair_ptr, down_w, down_s, down_alpha_ptr, y_ptr, num_pairs,
-                     H: tl.constexpr, I: tl.constexpr, stride_h, stride_y, expert, pid_m, pid_n,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     INTERPRETED: tl.constexpr, VARIANT: tl.constexpr):
-    """One N-tile of M-block `pid_m`: `y[pair, n] = bf16(alpha * h[slot] @ down[n]^T)`."""
-    slots, pairs, row_mask, _, n_offs, n_mask = block_rows(
-        sorted_pair_ptr, num_pairs, 1, pid_m, pid_n, H, BLOCK_M, BLOCK_N)
-    e64 = expert.to(tl.int64)
-    down_w += e64 * H * (I // 2)
-    down_s += e64 * H * (I // 16)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_scale = ACC_SCALE if VARIANT >= 3 and not INTERPRETED else 1.0
-    if VARIANT >= 2:
-        acc, _ = nvfp4_tile_dot_v2(acc, acc, h_ptr, slots, row_mask, stride_h, down_w,
-                                   down_s, down_w, down_s, n_offs, n_mask, I, BLOCK_N,
-                                   BLOCK_K, INTERPRETED, False, VARIANT)
-    else:
-        acc = nvfp4_tile_dot(acc, h_ptr, slots, row_mask, stride_h, down_w, down_s,
-                             n_offs, n_mask, I, BLOCK_K, INTERPRETED)
-    y = acc * (tl.load(down_alpha_ptr + expert) * acc_scale)
-    y_ptrs = y_ptr + pairs[:, None].to(tl.int64) * stride_y + n_offs[None, :]
-    tl.store(y_ptrs, round_bf16(y, INTERPRETED), mask=row_mask[:, None] & n_mask[None, :])
 
 
 def _block_n(dim: int, widest: int) -> int:
