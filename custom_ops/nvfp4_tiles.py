@@ -13,9 +13,10 @@ from dlmc.custom_ops.nvfp4_bf16x2 import (
     e4m3_bf16x2_pair,
 )
 from dlmc.custom_ops.nvfp4_scale_codes import PAIR_ADD, PAIR_MUL
-from dlmc.custom_ops.nvfp4_words import decode_e2m1_words, decode_e2m1_words_predecoded
+from dlmc.custom_ops.nvfp4_words import ROWS, decode_e2m1_words, decode_e2m1_words_predecoded
 
 _PAIR_MUL, _PAIR_ADD = tl.constexpr(PAIR_MUL), tl.constexpr(PAIR_ADD)  # v7's scale-code pair
+_ROWS = tl.constexpr(ROWS)  # rows per contiguous run of the tiled layout (`nvfp4_words`)
 
 
 @triton.jit
@@ -93,18 +94,19 @@ def _load_a_split(a_ptr, a_rows, row_mask, stride_a, k0, K: tl.constexpr, BLOCK_
 def _load_w_bytes(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, TILED: tl.constexpr):
     """One K-tile of packed weights, N-major (K contiguous): bytes `[BN, BK/16, 8]` (two codes
-    each) and their block-scale bit patterns `[BN, BK/16]`. `TILED` (v5-v7; BLOCK_K 128, N % 16
-    == 0, K % 128 == 0): `nvfp4_words`' chunks, a row's tile at `(n // 16) * 16 * K/2 +
-    (k0 / 128) * 1 KB + (n % 16) * 64` (scales: / 8), so 16 rows read 1 KB in one run."""
+    each) and their block-scale bit patterns `[BN, BK/16]`. `TILED` (v5-v7; BLOCK_K 128, N % R
+    == 0, K % 128 == 0, R = `nvfp4_words.ROWS`): `nvfp4_words`' chunks, a row's tile at
+    `(n // R) * R * K/2 + (k0 / 128) * R * 64 + (n % R) * 64` (scales: / 8), so R rows read
+    R * 64 bytes in one run."""
     HALF: tl.constexpr = BLOCK_K // 2
     BLOCKS: tl.constexpr = BLOCK_K // 16
     if TILED:
         tl.static_assert(BLOCK_K == 128, "the tiled layout's chunks are 128 K wide")
-        row = (n_offs // 16) * (16 * (K // 2)) + (n_offs % 16) * HALF  # [BN]
-        packed = tl.load(w_ptr + row[:, None] + (k0 // 128) * (16 * HALF)
+        row = (n_offs // _ROWS) * (_ROWS * (K // 2)) + (n_offs % _ROWS) * HALF  # [BN]
+        packed = tl.load(w_ptr + row[:, None] + (k0 // 128) * (_ROWS * HALF)
                          + tl.arange(0, HALF)[None, :], mask=n_mask[:, None], other=0)
-        srow = (n_offs // 16) * (16 * (K // 16)) + (n_offs % 16) * BLOCKS  # [BN]
-        scale_bytes = tl.load(s_ptr + srow[:, None] + (k0 // 128) * (16 * BLOCKS)
+        srow = (n_offs // _ROWS) * (_ROWS * (K // 16)) + (n_offs % _ROWS) * BLOCKS  # [BN]
+        scale_bytes = tl.load(s_ptr + srow[:, None] + (k0 // 128) * (_ROWS * BLOCKS)
                               + tl.arange(0, BLOCKS)[None, :], mask=n_mask[:, None], other=0)
     else:
         kbyte = k0 // 2 + tl.arange(0, HALF)

@@ -34,6 +34,8 @@ any kernel the form it reads, exactly. `decode_words_emulated` is the asm's spec
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -41,12 +43,25 @@ import triton.language as tl
 from dlmc.custom_ops.nvfp4_bf16x2 import BF16_MASK, _bf16x2_mul
 from dlmc.custom_ops.nvfp4_scale_codes import decode_block_scales, encode_block_scales
 from dlmc.custom_ops.nvfp4_scales import e4m3_of_predecoded, predecode_block_scales
+from dlmc.errors import ConfigError
 
 __all__ = ["can_pack", "pack_weight_words", "projection_operands", "scale_operand",
            "stored_forms", "tile_scales", "unpack_weight_words", "untile_scales",
            "weight_operand"]
 
-ROWS, CHUNK_K = 16, 128  # one chunk: 16 rows x 128 K (64 weight bytes, 8 scales per row)
+
+
+def _rows_from_env() -> int:
+    """DLMC_NVFP4_TILE_ROWS (read at import): rows per contiguous run, 16 (default, measured) or
+    32 / 64 / 128 (one run per gate/up program's K-tile at BLOCK_N 128; not measured yet)."""
+    value = os.environ.get("DLMC_NVFP4_TILE_ROWS", "16")
+    if value not in ("16", "32", "64", "128"):
+        raise ConfigError(f"DLMC_NVFP4_TILE_ROWS={value!r}: expected 16, 32, 64 or 128")
+    return int(value)
+
+
+# One chunk: ROWS rows x 128 K (64 weight bytes, 8 scales per row), contiguous.
+ROWS, CHUNK_K = _rows_from_env(), 128
 
 ROT_1, ROT_2 = 3, 6  # pairs 1 and 2: right-rotations of the word
 MUL_MASK, MUL = 0x001B001B, 0x1084  # pair 3: L = bits 0,1,3,4,16,17,19,20; shifts 2, 7, 12
@@ -80,12 +95,12 @@ def _codes(packed: torch.Tensor) -> torch.Tensor:
 
 
 def can_pack(n: int, k: int) -> bool:
-    """Whether an `[n, k]` weight matrix can take this layout (16-row x 128-K chunks)."""
+    """Whether an `[n, k]` weight matrix can take this layout (ROWS-row x 128-K chunks)."""
     return n % ROWS == 0 and k % CHUNK_K == 0
 
 
 def _tile(t: torch.Tensor, run: int) -> torch.Tensor:
-    """`[..., N, C]` -> the same shape, rows grouped by 16 and columns cut into runs of `run`,
+    """`[..., N, C]` -> the same shape, rows grouped by ROWS and columns cut into runs of `run`,
     each (group, run) contiguous, runs of a group consecutive."""
     *lead, n, c = t.shape
     grouped = t.reshape(*lead, n // ROWS, ROWS, c // run, run).transpose(-3, -2)

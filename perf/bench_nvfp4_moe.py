@@ -42,7 +42,7 @@ if not torch.cuda.is_available():  # --smoke on a CPU machine: Triton's interpre
 import dlmc.custom_ops.nvfp4_moe as nvfp4_module
 from dlmc.bench.timing import copy_bandwidth_gbps, cuda_times
 from dlmc.custom_ops.nvfp4_moe import _KERNEL_NAME, _KERNELS, nvfp4_moe, nvfp4_moe_reference
-from dlmc.custom_ops.nvfp4_words import can_pack, stored_forms
+from dlmc.custom_ops.nvfp4_words import ROWS, can_pack, stored_forms
 from dlmc.quant.nvfp4_format import dequantize_nvfp4
 
 PROJ_SHAPES = {"gate": ("I", "H"), "up": ("I", "H"), "down": ("H", "I")}
@@ -153,6 +153,7 @@ def main() -> None:
     report: dict[str, object] = {
         "command": " ".join(sys.argv), "settings": vars(args) | {"out": str(args.out)},
         "kernel": args.kernels[0] if len(args.kernels) == 1 else args.kernels,
+        "tile_rows": ROWS,  # rows per contiguous run of v5-v7's layout (DLMC_NVFP4_TILE_ROWS)
         "torch": torch.__version__, "python": platform.python_version(), "results": [],
     }
     if device == "cuda":

@@ -132,14 +132,20 @@ words)  # session 14: nvfp4_moe v5/v6 (nvfp4_words' layout) against v3/v4, tiles
     "tests/custom_ops/test_nvfp4_moe.py::test_compile_and_cuda_graph_replay" \
     "tests/custom_ops/test_nvfp4_moe_v5.py::test_v5_v6_w4a4_and_negative_scales_gpu" \
     "tests/custom_ops/test_nvfp4_moe_v5.py::test_v5_v6_equal_v3_gpu" ;;
-codes)  # nvfp4_moe v7 against v5 (same bytes, 15-20 % fewer instructions), then the rounds
+codes)  # nvfp4_moe v7 against v5 (same bytes, 15-20 % fewer instructions), 16- against
+  # 128-row runs (DLMC_NVFP4_TILE_ROWS, a second process), then the rounds
   timeout 90 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 50 --kernels v3 v5 v7 \
     --out "$OUT/nvfp4_op_v3_v5_v7.json" > "$OUT/nvfp4_op_v3_v5_v7.txt" 2>&1
   echo "nvfp4 op v3 v5 v7 rc=$?"; grep -E "tokens=32" "$OUT/nvfp4_op_v3_v5_v7.txt" | cut -c1-260
+  DLMC_NVFP4_TILE_ROWS=128 timeout 70 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 50 \
+    --kernels v5 v7 --out "$OUT/nvfp4_op_rows128.json" > "$OUT/nvfp4_op_rows128.txt" 2>&1
+  echo "nvfp4 op rows 128 rc=$?"; grep -E "tokens=32" "$OUT/nvfp4_op_rows128.txt" | cut -c1-260
   round round_nvfp4_v5 "${NVFP4_TIMEOUT:-170}" --precision nvfp4 --kv-cache-dtype fp8 \
     --modes graph --no-loop
-  DLMC_NVFP4_KERNEL=v7 round round_nvfp4_v7 120 --precision nvfp4 --kv-cache-dtype fp8 \
+  DLMC_NVFP4_KERNEL=v7 round round_nvfp4_v7 100 --precision nvfp4 --kv-cache-dtype fp8 \
     --modes graph --no-loop
+  DLMC_NVFP4_KERNEL=v7 DLMC_NVFP4_TILE_ROWS=128 round round_nvfp4_v7_rows128 100 \
+    --precision nvfp4 --kv-cache-dtype fp8 --modes graph --no-loop
   gpu_tests codes "tests/custom_ops/test_nvfp4_moe_v5.py::test_v5_v6_w4a4_and_negative_scales_gpu" \
     "tests/custom_ops/test_nvfp4_moe.py::test_compile_and_cuda_graph_replay" \
     "tests/custom_ops/test_nvfp4_moe_v5.py::test_v5_v6_equal_v3_gpu" ;;

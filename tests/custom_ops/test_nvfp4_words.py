@@ -150,3 +150,50 @@ def test_stored_forms_the_kernel_reads_pass_through_without_copies() -> None:
             (tile_scales(e4m3.view(torch.float8_e4m3fn)), False, True),
             (tile_scales(predecode_block_scales(e4m3)), True, True)):
         assert scale_operand(stored, predecoded, tiled).data_ptr() == stored.data_ptr()
+
+
+_ROWS_128_CHECK = """
+import torch
+import dlmc.custom_ops.nvfp4_moe as module
+from dlmc.custom_ops.nvfp4_moe import nvfp4_moe
+from dlmc.custom_ops.nvfp4_words import ROWS, can_pack, pack_weight_words, unpack_bits
+from tests.custom_ops.test_nvfp4_moe import op_args, random_experts, random_routing
+from tests.custom_ops.test_nvfp4_moe_v5 import stored
+
+assert ROWS == 128 and not can_pack(64, 128) and can_pack(128, 128)
+plain = torch.randint(0, 256, (128, 64), dtype=torch.uint8)  # one run: 128 rows x 64 bytes
+assert torch.equal(unpack_bits(pack_weight_words(plain).reshape(128, 16)), plain)
+gen = torch.Generator().manual_seed(3)
+experts = random_experts(gen, 4, 256, 128)
+x = torch.randn(6, 256, generator=gen).bfloat16()
+ids, w = random_routing(gen, 6, 4, 2, skew=True)
+module._VARIANT = 3
+v3 = nvfp4_moe(*op_args(x, ids, w, experts))
+for variant in (5, 7):
+    module._VARIANT = variant
+    packed = stored(experts, variant)
+    assert packed["gate_weight"].dtype == torch.int32
+    out = nvfp4_moe(*op_args(x, ids, w, packed))
+    assert torch.equal(out.view(torch.int16), v3.view(torch.int16)), variant
+print("ok")
+"""
+
+
+def test_128_row_runs_equal_v3_in_a_fresh_process() -> None:
+    """DLMC_NVFP4_TILE_ROWS=128 (read at import, so a fresh interpreter process): one run per
+    128 rows, the kernels' tiled loads follow it, v5 and v7 stay bit for bit v3's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, DLMC_NVFP4_TILE_ROWS="128", TRITON_INTERPRET="1",
+               PYTHONPATH=str(root))
+    result = subprocess.run([sys.executable, "-c", _ROWS_128_CHECK], env=env, cwd=root,
+                            capture_output=True, text=True, timeout=600, check=False)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+    env["DLMC_NVFP4_TILE_ROWS"] = "100"
+    bad = subprocess.run([sys.executable, "-c", "import dlmc.custom_ops.nvfp4_words"], env=env,
+                         cwd=root, capture_output=True, text=True, timeout=300, check=False)
+    assert bad.returncode != 0 and "DLMC_NVFP4_TILE_ROWS='100'" in bad.stderr
