@@ -49,7 +49,7 @@ __all__ = ["nvfp4_moe", "nvfp4_moe_reference"]
 # 128-K chunks of 1 KB, and 8 integer ops per 8 weights instead of 14), bit-identical to v3;
 # the default: 0.133 ms/layer against v3's 0.154 in one run (H200, perf/results/s14/call3);
 # "v6": v5 with v4's pre-decoded scales (same time, 11 % more bytes). Shapes the layout cannot
-# take (N % 16, K % 128) run v3 / v4 instead (`_effective_variant`).
+# take (N % 16, K % 128) run v3 / v4 instead (`effective_variant`).
 # "v7": v5 with one-byte scale codes whose bf16x2 pair is one multiply-add
 # (`nvfp4_scale_codes`; negative / zero scales folded into the weights at load): v6's decode
 # at v5's bytes. Not measured yet.
@@ -60,31 +60,14 @@ if _KERNEL_NAME not in _KERNELS:
 _VARIANT = _KERNELS[_KERNEL_NAME]
 
 
-def kernel_variant() -> int:
-    """The selected kernel variant (`DLMC_NVFP4_KERNEL`, 1-7)."""
-    return _VARIANT
-
-
-def kernel_reads_predecoded_scales() -> bool:
-    """Whether the selected kernel (v4) reads block scales pre-decoded to bf16 (`nvfp4_scales`):
-    modules holding NVFP4 experts then convert their E4M3 scales once, at load."""
-    return _VARIANT in (4, 6)
-
-
-def kernel_reads_weight_words() -> bool:
-    """Whether the selected kernel (v5-v7) reads `nvfp4_words`' tiled layout: modules then pack
-    weights and scales at load where the shapes allow (`nvfp4_words.can_pack`). Under the
-    interpreter the op hands it ModelOpt's bits in the tiled arrangement (the asm decode needs a
-    GPU)."""
-    return _VARIANT in (5, 6, 7)
-
-
-def _effective_variant(H: int, I: int) -> int:
-    """The selected variant, or v3 / v4 for v5 / v6 when a projection cannot take the tiled
-    layout."""
-    if _VARIANT in (5, 6, 7) and not (can_pack(I, H) and can_pack(H, I)):
-        return {5: 3, 6: 4, 7: 3}[_VARIANT]
-    return _VARIANT
+def effective_variant(H: int, I: int, variant: int | None = None) -> int:
+    """The kernel that runs experts of hidden size H and width I: `variant` (default: the
+    selected one), or v3 / v4 / v3 for v5 / v6 / v7 when a projection cannot take the tiled
+    layout (`nvfp4_words.can_pack`)."""
+    variant = _VARIANT if variant is None else variant
+    if variant in (5, 6, 7) and not (can_pack(I, H) and can_pack(H, I)):
+        return {5: 3, 6: 4, 7: 3}[variant]
+    return variant
 
 
 # Launch-config override for tuning sweeps (perf/bench_nvfp4_moe.py --tiles):
@@ -189,7 +172,7 @@ def _nvfp4_moe_impl(
     T, H = x.shape
     K = topk_ids.shape[1]
     E, I = gate_weight.shape[0], gate_weight.shape[1]
-    variant = _effective_variant(H, I)
+    variant = effective_variant(H, I)
     has_shared = shared_gate is not None and shared_up is not None and shared_down is not None
     shared = int(has_shared)  # an int: a bool in symbolic-shape arithmetic fails to trace
     pairs_per_token = K + shared  # the shared expert's pair of token t: t*(K+1) + K
@@ -382,7 +365,7 @@ def nvfp4_moe(
     # compare fp8 tensors on CPU): uint8 E4M3 bytes, or int16 pre-decoded bf16 for v4.
     # Weights likewise: uint8 ModelOpt bytes, or v5-v7's tiled words viewed as bytes (tiled
     # ModelOpt bytes under the interpreter), `nvfp4_words`. Each stored form converts exactly.
-    variant = _effective_variant(x.shape[1], weights["gate_weight"].shape[1])
+    variant = effective_variant(x.shape[1], weights["gate_weight"].shape[1])
     op_args = []
     for proj in ("gate", "up", "down"):
         op_args += [*projection_operands(weights[f"{proj}_weight"],

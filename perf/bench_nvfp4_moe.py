@@ -41,8 +41,14 @@ if not torch.cuda.is_available():  # --smoke on a CPU machine: Triton's interpre
 
 import dlmc.custom_ops.nvfp4_moe as nvfp4_module
 from dlmc.bench.timing import copy_bandwidth_gbps, cuda_times
-from dlmc.custom_ops.nvfp4_moe import _KERNEL_NAME, _KERNELS, nvfp4_moe, nvfp4_moe_reference
-from dlmc.custom_ops.nvfp4_words import ROWS, can_pack, stored_forms
+from dlmc.custom_ops.nvfp4_moe import (
+    _KERNEL_NAME,
+    _KERNELS,
+    effective_variant,
+    nvfp4_moe,
+    nvfp4_moe_reference,
+)
+from dlmc.custom_ops.nvfp4_words import ROWS, stored_forms
 from dlmc.quant.nvfp4_format import dequantize_nvfp4
 
 PROJ_SHAPES = {"gate": ("I", "H"), "up": ("I", "H"), "down": ("H", "I")}
@@ -66,10 +72,8 @@ def make_layer(E: int, H: int, I: int, device: str, gen: torch.Generator) -> lis
 def kernel_layer(layer: list[torch.Tensor], kernel: str) -> list[torch.Tensor]:
     """The layer's op arguments in the form `kernel` reads, as `NVFP4Experts.prepare_for_kernel`
     stores them (`nvfp4_words.stored_forms`)."""
-    variant = _KERNELS[kernel]
     inter, hidden = layer[0].shape[1], layer[0].shape[2] * 2  # gate weight [E, I, H/2]
-    if variant >= 5 and not (can_pack(inter, hidden) and can_pack(hidden, inter)):
-        variant = {5: 3, 6: 4, 7: 3}[variant]  # what the op then runs
+    variant = effective_variant(hidden, inter, _KERNELS[kernel])  # what the op then runs
     out = []
     for p in range(3):  # (weight, block scale, global scale) per projection
         out += [*stored_forms(layer[3 * p], layer[3 * p + 1], variant), layer[3 * p + 2]]

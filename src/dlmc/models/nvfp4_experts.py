@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from dlmc.custom_ops.moe_align import PairRouting
-from dlmc.custom_ops.nvfp4_moe import kernel_variant, nvfp4_moe, nvfp4_moe_reference
-from dlmc.custom_ops.nvfp4_words import can_pack, scale_operand, stored_forms, weight_operand
+from dlmc.custom_ops.nvfp4_moe import effective_variant, nvfp4_moe, nvfp4_moe_reference
+from dlmc.custom_ops.nvfp4_words import scale_operand, stored_forms, weight_operand
 from dlmc.quant.nvfp4_format import GROUP_SIZE, dequantize_nvfp4
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -109,10 +109,7 @@ class NVFP4Experts(nn.Module):
         scales folded into the words) where the shapes allow (else v3/v4's forms, which those
         shapes then run; `nvfp4_words.stored_forms`). Does nothing for the reference path or
         kernels v1-v3. Returns whether it converted."""
-        H, I = self.hidden_size, self.intermediate_size
-        variant = kernel_variant()
-        if variant in (5, 6, 7) and not (can_pack(I, H) and can_pack(H, I)):
-            variant = {5: 3, 6: 4, 7: 3}[variant]  # what the op then runs
+        variant = effective_variant(self.hidden_size, self.intermediate_size)
         if self.use_reference or variant < 4:
             return False
         for proj in PROJECTIONS:
