@@ -12,12 +12,7 @@ import triton.language as tl
 from dlmc.custom_ops.bf16_moe import bf16_down_block, bf16_gate_up_block
 from dlmc.custom_ops.moe_align import block_rows
 from dlmc.custom_ops.nvfp4_bf16x2 import ACC_SCALE
-from dlmc.custom_ops.nvfp4_tiles import (
-    nvfp4_down_tiles_flat,
-    nvfp4_tile_dot,
-    nvfp4_tile_dot_v2,
-    round_bf16,
-)
+from dlmc.custom_ops.nvfp4_tiles import nvfp4_tile_dot, nvfp4_tile_dot_v2, round_bf16
 
 
 @triton.jit
@@ -79,66 +74,30 @@ def _down_kernel(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, do
                  y_ptr, num_pairs, H: tl.constexpr, I: tl.constexpr, stride_h, stride_y,
                  shared_down_w, shared_id, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, VARIANT: tl.constexpr,
-                 SHARED: tl.constexpr, SHARED_BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    """y[pair, n] = bf16(alpha * h[slot] @ down[n]^T) for one M-block and `GROUP` N-tiles of H
-    (`GROUP` > 1: one flat loop, `nvfp4_down_tiles_flat`). `SHARED`: blocks of expert
-    `shared_id` are the BF16 shared expert's (`bf16_down_block`)."""
+                 SHARED: tl.constexpr, SHARED_BLOCK_K: tl.constexpr):
+    """y[pair, n] = bf16(alpha * h[slot] @ down[n]^T) for one M-block and one N-tile of H.
+    `SHARED`: blocks of expert `shared_id` are the BF16 shared expert's (`bf16_down_block`)."""
     pid_m = _block_index(SHARED)
     pid_n = tl.program_id(1)
     expert = tl.load(expert_of_block_ptr + pid_m)
     if SHARED and expert == shared_id:
-        for t in tl.static_range(GROUP):
-            bf16_down_block(h_ptr, sorted_pair_ptr, shared_down_w, y_ptr, num_pairs, pid_m,
-                            pid_n * GROUP + t, H, I, stride_h, stride_y, BLOCK_M, BLOCK_N,
-                            SHARED_BLOCK_K, INTERPRETED)
+        bf16_down_block(h_ptr, sorted_pair_ptr, shared_down_w, y_ptr, num_pairs, pid_m, pid_n,
+                        H, I, stride_h, stride_y, BLOCK_M, BLOCK_N, SHARED_BLOCK_K, INTERPRETED)
     elif expert >= 0:
-        if GROUP > 1:  # constexpr: the other branch is not compiled
-            _down_group_block(h_ptr, sorted_pair_ptr, down_w, down_s, down_alpha_ptr, y_ptr,
-                              num_pairs, H, I, stride_h, stride_y, expert, pid_m, pid_n, BLOCK_M,
-                              BLOCK_N, BLOCK_K, INTERPRETED, VARIANT, GROUP)
+        slots, pairs, row_mask, _, n_offs, n_mask = block_rows(
+            sorted_pair_ptr, num_pairs, 1, pid_m, pid_n, H, BLOCK_M, BLOCK_N)
+        e64 = expert.to(tl.int64)
+        down_w += e64 * H * (I // 2)
+        down_s += e64 * H * (I // 16)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_scale = ACC_SCALE if VARIANT >= 3 and not INTERPRETED else 1.0
+        if VARIANT >= 2:
+            acc, _ = nvfp4_tile_dot_v2(acc, acc, h_ptr, slots, row_mask, stride_h, down_w,
+                                       down_s, down_w, down_s, n_offs, n_mask, I, BLOCK_N,
+                                       BLOCK_K, INTERPRETED, False, VARIANT)
         else:
-            _down_tile_block(h_ptr, sorted_pair_ptr, down_w, down_s, down_alpha_ptr, y_ptr,
-                             num_pairs, H, I, stride_h, stride_y, expert, pid_m, pid_n, BLOCK_M,
-                             BLOCK_N, BLOCK_K, INTERPRETED, VARIANT)
-
-
-@triton.jit
-def _down_group_block(h_ptr, sorted_pair_ptr, down_w, down_s, down_alpha_ptr, y_ptr, num_pairs,
-                      H: tl.constexpr, I: tl.constexpr, stride_h, stride_y, expert, pid_m, pid_n,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      INTERPRETED: tl.constexpr, VARIANT: tl.constexpr, GROUP: tl.constexpr):
-    """`GROUP` N-tiles of M-block `pid_m` in one flat loop (`nvfp4_down_tiles_flat`)."""
-    slots, pairs, row_mask, _, _, _ = block_rows(
-        sorted_pair_ptr, num_pairs, 1, pid_m, 0, H, BLOCK_M, BLOCK_N)
-    e64 = expert.to(tl.int64)
-    acc_scale = ACC_SCALE if VARIANT >= 3 and not INTERPRETED else 1.0
-    nvfp4_down_tiles_flat(h_ptr, slots, pairs, row_mask, stride_h,
-                          down_w + e64 * H * (I // 2), down_s + e64 * H * (I // 16),
-                          tl.load(down_alpha_ptr + expert) * acc_scale, y_ptr, stride_y,
-                          pid_n * GROUP, H, I, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, INTERPRETED,
-                          VARIANT)
-
-
-@triton.jit
-def _down_tile_block(h_ptr, sorted_pair_ptr, down_w, down_s, down_alpha_ptr, y_ptr, num_pairs,
-                     H: tl.constexpr, I: tl.constexpr, stride_h, stride_y, expert, pid_m, pid_n,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     INTERPRETED: tl.constexpr, VARIANT: tl.constexpr):
-    """One N-tile of M-block `pid_m`: `y[pair, n] = bf16(alpha * h[slot] @ down[n]^T)`."""
-    slots, pairs, row_mask, _, n_offs, n_mask = block_rows(
-        sorted_pair_ptr, num_pairs, 1, pid_m, pid_n, H, BLOCK_M, BLOCK_N)
-    e64 = expert.to(tl.int64)
-    down_w += e64 * H * (I // 2)
-    down_s += e64 * H * (I // 16)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_scale = ACC_SCALE if VARIANT >= 3 and not INTERPRETED else 1.0
-    if VARIANT >= 2:
-        acc, _ = nvfp4_tile_dot_v2(acc, acc, h_ptr, slots, row_mask, stride_h, down_w,
-                                   down_s, down_w, down_s, n_offs, n_mask, I, BLOCK_N,
-                                   BLOCK_K, INTERPRETED, False, VARIANT)
-    else:
-        acc = nvfp4_tile_dot(acc, h_ptr, slots, row_mask, stride_h, down_w, down_s,
-                             n_offs, n_mask, I, BLOCK_K, INTERPRETED)
-    y = acc * (tl.load(down_alpha_ptr + expert) * acc_scale)
-    y_ptrs = y_ptr + pairs[:, None].to(tl.int64) * stride_y + n_offs[None, :]
-    tl.store(y_ptrs, round_bf16(y, INTERPRETED), mask=row_mask[:, None] & n_mask[None, :])
+            acc = nvfp4_tile_dot(acc, h_ptr, slots, row_mask, stride_h, down_w, down_s,
+                                 n_offs, n_mask, I, BLOCK_K, INTERPRETED)
+        y = acc * (tl.load(down_alpha_ptr + expert) * acc_scale)
+        y_ptrs = y_ptr + pairs[:, None].to(tl.int64) * stride_y + n_offs[None, :]
+        tl.store(y_ptrs, round_bf16(y, INTERPRETED), mask=row_mask[:, None] & n_mask[None, :])

@@ -27,9 +27,11 @@ from dlmc.custom_ops.moe_align import (
     route_pairs,
 )
 from dlmc.custom_ops.nvfp4_words import (
+    CHUNK_K,
+    ROWS,
     can_pack,
+    e4m3_scales,
     projection_operands,
-    scale_operand,
     weight_operand,
 )
 from dlmc.quant.nvfp4_format import dequantize_blocks, fake_quantize_activation
@@ -113,28 +115,6 @@ def _launch_config(n: int, k: int, widest: int,
     return block_n, block_k, launch | ({"maxnreg": _TILE[4]} if len(_TILE) > 4 else {})
 
 
-# N-tiles per down program in one flat loop (`nvfp4_tiles.nvfp4_down_tiles_flat`), for the
-# tiled variants: down's K (the expert width, 512) is only 4 K-tiles, so separate programs each
-# pay a pipeline fill. 1 = a program per tile (as v3). `_DOWN_GROUP_OVERRIDE` (int or None):
-# DLMC_NVFP4_DOWN_GROUP at import, or sweeps (perf/bench_nvfp4_moe.py --down-groups).
-_DOWN_GROUP = {5: 1, 6: 1, 7: 1}
-_DOWN_GROUP_OVERRIDE: int | None = None
-if os.environ.get("DLMC_NVFP4_DOWN_GROUP"):
-    try:
-        _DOWN_GROUP_OVERRIDE = int(os.environ["DLMC_NVFP4_DOWN_GROUP"])
-        if _DOWN_GROUP_OVERRIDE < 1:
-            raise ValueError
-    except ValueError:
-        raise ValueError("DLMC_NVFP4_DOWN_GROUP must be a positive integer, got "
-                         f"{os.environ['DLMC_NVFP4_DOWN_GROUP']!r}") from None
-
-
-def _down_group(variant: int, k: int, block_k: int) -> int:
-    if variant not in _DOWN_GROUP or k % block_k:
-        return 1
-    return _DOWN_GROUP_OVERRIDE or _DOWN_GROUP[variant]
-
-
 def _check_tiled_tile(variant: int, block_k: int) -> None:
     if variant >= 5 and block_k != 128:
         raise ValueError(f"nvfp4_moe: kernel v{variant} reads 128-K chunks (nvfp4_words); a "
@@ -214,13 +194,12 @@ def _nvfp4_moe_impl(
     y = torch.empty((num_pairs, H), dtype=torch.bfloat16, device=x.device)
     block_n2, block_k2, launch = _launch_config(H, I, _DOWN_BLOCK_N[variant], "down")
     _check_tiled_tile(variant, block_k2)
-    group = _down_group(variant, I, block_k2)
-    wrap_triton(_down_kernel)[(num_blocks, triton.cdiv(H, block_n2 * group))](
+    wrap_triton(_down_kernel)[(num_blocks, triton.cdiv(H, block_n2))](
         h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
         _alphas(down_weight_scale_2, down_input_scale), y, num_pairs, H, I, h.stride(0),
         y.stride(0), d_w, E, BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=block_k2,
         INTERPRETED=_INTERPRETED, VARIANT=variant, SHARED=has_shared,
-        SHARED_BLOCK_K=_shared_block_k(I, "down"), GROUP=group, **launch,
+        SHARED_BLOCK_K=_shared_block_k(I, "down"), **launch,
     )
     return combine_pairs(y, topk_weights, out, has_shared)  # [T, H]
 
@@ -279,7 +258,8 @@ def _check(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
             n, k = tensor.shape[1], (H if name.startswith(("gate", "up")) else I)
             if not can_pack(n, k):
                 raise ValueError(f"nvfp4_moe: {name} is in the tiled layout of nvfp4_words, "
-                                 f"which needs N % 16 == 0 and K % 128 == 0 (N={n}, K={k})")
+                                 f"which needs N % {ROWS} == 0 and K % {CHUNK_K} == 0 "
+                                 f"(N={n}, K={k})")
         if not tensor.is_contiguous():
             raise ValueError(f"nvfp4_moe: {name} must be contiguous")
 
@@ -399,8 +379,7 @@ def nvfp4_moe_reference(
     K = topk_ids.shape[1]
     a1, a2 = _input_scales(gate_input_scale, up_input_scale, down_input_scale, emulate_w4a4)
     gate_weight_scale, up_weight_scale, down_weight_scale = (
-        scale_operand(s, predecoded=False, tiled=False).view(torch.float8_e4m3fn)
-        for s in (gate_weight_scale, up_weight_scale, down_weight_scale))
+        e4m3_scales(s) for s in (gate_weight_scale, up_weight_scale, down_weight_scale))
     gate_weight, up_weight, down_weight = (weight_operand(w, "plain")
                                            for w in (gate_weight, up_weight, down_weight))
     y = torch.zeros((T * K, H), dtype=torch.bfloat16, device=x.device)

@@ -229,35 +229,3 @@ def nvfp4_tile_dot_v2(acc0, acc1, a_ptr, a_rows, row_mask, stride_a, w0_ptr, s0_
             acc1 = tl.dot(a_odd, w_hi, acc1)
     return acc0, acc1
 
-
-@triton.jit
-def nvfp4_down_tiles_flat(h_ptr, slots, pairs, row_mask, stride_h, w_ptr, s_ptr, alpha, y_ptr,
-                          stride_y, first_tile, N: tl.constexpr, K: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          GROUP: tl.constexpr, INTERPRETED: tl.constexpr,
-                          VARIANT: tl.constexpr):
-    """`GROUP` consecutive N-tiles of one M-block from `first_tile`, as ONE loop over (tile,
-    K-tile) so that the software pipeline prefetches the next tile's weights while this tile
-    finishes (a short K, e.g. down's 512 = 4 K-tiles, otherwise pays a pipeline fill per
-    tile). Each tile: `y[pairs, n] = bf16(alpha * acc)`, stored when its last K-tile is done.
-    `alpha` includes `ACC_SCALE` when compiled with the asm decode (as `nvfp4_tile_dot_v2`)."""
-    K_TILES: tl.constexpr = K // BLOCK_K
-    tl.static_assert(K % BLOCK_K == 0, "the flat loop needs whole K-tiles")
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for it in range(0, GROUP * K_TILES):
-        kt = it % K_TILES
-        n_offs = (first_tile + it // K_TILES) * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_mask = n_offs < N
-        a_even, a_odd = _load_a_split(h_ptr, slots, row_mask, stride_h, kt * BLOCK_K, K,
-                                      BLOCK_K)
-        if INTERPRETED:
-            a_even, a_odd = a_even.to(tl.float32), a_odd.to(tl.float32)
-        w_lo, w_hi = _load_w_tiles(w_ptr, s_ptr, n_offs, n_mask, kt * BLOCK_K, K, BLOCK_N,
-                                   BLOCK_K, INTERPRETED, VARIANT)
-        acc = tl.dot(a_even, w_lo, acc)
-        acc = tl.dot(a_odd, w_hi, acc)
-        if kt == K_TILES - 1:
-            y_ptrs = y_ptr + pairs[:, None].to(tl.int64) * stride_y + n_offs[None, :]
-            tl.store(y_ptrs, round_bf16(acc * alpha, INTERPRETED),
-                     mask=row_mask[:, None] & n_mask[None, :])
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

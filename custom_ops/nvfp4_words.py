@@ -45,7 +45,7 @@ from dlmc.custom_ops.nvfp4_scale_codes import decode_block_scales, encode_block_
 from dlmc.custom_ops.nvfp4_scales import e4m3_of_predecoded, predecode_block_scales
 from dlmc.errors import ConfigError
 
-__all__ = ["can_pack", "pack_weight_words", "projection_operands", "scale_operand",
+__all__ = ["can_pack", "e4m3_scales", "pack_weight_words", "projection_operands", "scale_operand",
            "stored_forms", "tile_scales", "unpack_weight_words", "untile_scales",
            "weight_operand"]
 
@@ -223,6 +223,12 @@ def scale_operand(scale: torch.Tensor, predecoded: bool, tiled: bool) -> torch.T
     return scale.view(torch.int16 if predecoded else torch.uint8)
 
 
+def e4m3_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Block scales in any stored form as plain float8_e4m3fn `[..., N, K/16]` (exact): what
+    the reference and the exact dequantization read."""
+    return scale_operand(scale, predecoded=False, tiled=False).view(torch.float8_e4m3fn)
+
+
 def stored_forms(weight: torch.Tensor, scale: torch.Tensor, variant: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """One projection's weights and block scales, in any stored form, as the module stores them
@@ -234,8 +240,7 @@ def stored_forms(weight: torch.Tensor, scale: torch.Tensor, variant: int
         if weight.dtype == torch.int32 and scale.dtype == torch.int8:
             return weight, scale
         folded, codes = encode_block_scales(
-            weight_operand(weight, "plain"),
-            scale_operand(scale, predecoded=False, tiled=False).view(torch.float8_e4m3fn))
+            weight_operand(weight, "plain"), e4m3_scales(scale))
         return pack_weight_words(folded), _tile(codes, CHUNK_K // 16)
     predecoded, tiled = variant in (4, 6), variant in (5, 6)
     scale = scale_operand(scale, predecoded, tiled)

@@ -140,8 +140,6 @@ def main() -> None:
     parser.add_argument("--kernels", nargs="+", choices=sorted(_KERNELS), default=[_KERNEL_NAME],
                         help="kernel variants to time one after the other in this process "
                              "(default: DLMC_NVFP4_KERNEL's)")
-    parser.add_argument("--down-groups", type=int, nargs="*", default=[],
-                        help="N-tiles per down program (flat loop; v5-v7), each timed in turn")
     parser.add_argument("--tile-kernel", choices=["both", "gate_up", "down"], default="both",
                         help="which kernel --tiles applies to (the other keeps its default)")
     args = parser.parse_args()
@@ -167,16 +165,12 @@ def main() -> None:
                    "triton": triton.__version__}
         report["copy_GBps"] = copy_bandwidth_gbps(1 << 30, 30)
     tiles = [tuple(int(v) for v in t.split(",")) for t in args.tiles] or [None]
-    # a tile with its down group: (BLOCK_N, BLOCK_K, warps, stages) or None, and the group
-    tiles = [(t, g) for t in tiles for g in (args.down_groups or [None])]
     nvfp4_module._TILE_KERNEL = args.tile_kernel
     inputs = {}  # per token count: the same routing and x for every kernel
     converted: dict[str, list[list[torch.Tensor]]] = {}
     first_outputs: dict[tuple, torch.Tensor] = {}
-    for kernel, T, (tile, group) in ((k, T, t) for k in args.kernels for T in args.tokens
-                                     for t in tiles):
+    for kernel, T, tile in ((k, T, t) for k in args.kernels for T in args.tokens for t in tiles):
         nvfp4_module._TILE = tile
-        nvfp4_module._DOWN_GROUP_OVERRIDE = group
         nvfp4_module._VARIANT = _KERNELS[kernel]
         if T not in inputs:
             inputs[T] = ([make_routing(T, E, K, device, gen) for _ in range(L)],
@@ -204,7 +198,6 @@ def main() -> None:
         ref = nvfp4_moe_reference(x, *routing[0], *layers[0], **shared[0])
         err = ((outs[0].float() - ref.float()).abs().max() / ref.float().abs().max()).item()
         row: dict[str, object] = {"kernel": kernel, "tokens": T, "tile": tile or "default",
-                                  "down_group": group or "default",
                                   "tile_kernel": args.tile_kernel,
                                   "touched_experts_mean": sum(touched) / L,
                                   "bytes_per_layer": sum(nbytes) / L, "max_rel_err_vs_ref": err}
@@ -229,7 +222,7 @@ def main() -> None:
                         "fused_minus_separate_ms_per_layer": ms - sms}
             if len(tiles) > 1:  # a sweep: the op alone
                 report["results"].append(row)
-                print(f"kernel={kernel} tile={tile} group={group} ms/layer={ms:.4f} "
+                print(f"kernel={kernel} tile={tile} ms/layer={ms:.4f} "
                       f"of_copy={row['fraction_of_copy']:.3f} err={err:.2e}", flush=True)
                 continue
             ids0, w0 = routing[0]

@@ -43,8 +43,7 @@ DOWN = {"h_ptr": "*bf16", "sorted_pair_ptr": "*i32", "expert_of_block_ptr": "*i3
         "down_w": "*u8", "down_s": "*u8", "down_alpha_ptr": "*fp32", "shared_down_w": "*bf16",
         "y_ptr": "*bf16", "num_pairs": "i32", "shared_id": "i32", "H": "constexpr",
         "I": "constexpr", "stride_h": "i32", "stride_y": "i32"}
-META = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "INTERPRETED", "VARIANT", "SHARED", "SHARED_BLOCK_K",
-        "GROUP")
+META = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "INTERPRETED", "VARIANT", "SHARED", "SHARED_BLOCK_K")
 DIVISIBLE = ("num_pairs", "stride_a", "stride_h", "stride_y")
 RESOURCE = re.compile(r"\b(REG|STACK|LOCAL):(\d+)")
 SCALE_ARGS = ("gate_s", "up_s", "down_s")  # v4, v6: int16 bit patterns of the pre-decoded bf16
@@ -53,7 +52,7 @@ SCALE_ARGS = ("gate_s", "up_s", "down_s")  # v4, v6: int16 bit patterns of the p
 def sass(kernel: object, signature: dict[str, str], constants: dict[str, object],
          options: dict[str, int]) -> tuple[str, dict[str, int]]:
     """(SASS text, {registers, local, stack, shared}) of one kernel compiled for sm_90."""
-    signature = signature | dict.fromkeys((m for m in META if m in kernel.arg_names), "constexpr")
+    signature = signature | dict.fromkeys(META, "constexpr")
     if constants["VARIANT"] in (4, 6):
         signature |= {name: "*i16" for name in SCALE_ARGS if name in signature}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
@@ -99,8 +98,6 @@ def main() -> None:
     parser.add_argument("--num-warps", type=int, default=4)
     parser.add_argument("--num-stages", type=int, default=3)
     parser.add_argument("--variants", type=int, nargs="+", default=[1, 2, 3, 4])
-    parser.add_argument("--down-group", type=int, default=1,
-                        help="N-tiles per down program (flat loop, variants 5/6)")
     parser.add_argument("--dump", type=Path, default=None, help="write each kernel's SASS here")
     parser.add_argument("--shared", action="store_true",
                         help="the kernels with the shared expert's BF16 branch (SHARED=True): "
@@ -119,8 +116,6 @@ def main() -> None:
                          "BLOCK_N": block_n, "BLOCK_K": args.block_k,
                          "INTERPRETED": False, "VARIANT": variant, "SHARED": args.shared,
                          "SHARED_BLOCK_K": op._SHARED_BLOCK_K[name]}
-            if name == "down":
-                constants["GROUP"] = args.down_group if variant >= 5 else 1
             text, resources = sass(kernel, signature, constants, options)
             if args.dump:
                 args.dump.mkdir(parents=True, exist_ok=True)

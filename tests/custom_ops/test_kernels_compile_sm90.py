@@ -189,8 +189,8 @@ def resource_usage(compiled: triton.compiler.CompiledKernel) -> dict[str, int]:
 
 
 def check_nvfp4_moe_v3() -> None:
-    """The v3-v7 kernels' inline asm (bf16x2 decode; v5-v7 the words' decode and tiled loads,
-    v5's down kernel with grouped tiles) assembles for sm_90; v2 compiles too. v4/v6 read the
+    """The v3-v7 kernels' inline asm (bf16x2 decode; v5-v7 the words' decode and tiled loads)
+    assembles for sm_90; v2 compiles too. v4/v6 read the
     pre-decoded scales as int16: fewer fp32 -> bf16x2 conversions than v3/v5 (only the
     epilogue's are left; v3 converts each E4M3 scale too). Each also with the shared expert's
     BF16 branch (`SHARED`)."""
@@ -208,11 +208,10 @@ def check_nvfp4_moe_v3() -> None:
                 if variant in (4, 6):
                     types |= {name: "*i16" for name in ("gate_s", "up_s", "down_s")
                               if name in types}
-                group = {"GROUP": 2 if variant == 5 else 1} if kernel is _down_kernel else {}
                 ptx = compile_sm90(kernel, types, {
                     "H": 256, "I": 128, "BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": 128,
                     "INTERPRETED": False, "VARIANT": variant, "SHARED": has_shared,
-                    "SHARED_BLOCK_K": 64} | group, 4).asm["ptx"]
+                    "SHARED_BLOCK_K": 64}, 4).asm["ptx"]
                 assert ("mul.rn.bf16x2" in ptx) == (variant >= 3)
                 assert ("shf.r.wrap.b32" in ptx) == (variant >= 5)  # the words' decode
                 conversions[variant] = ptx.count("cvt.rn.bf16x2.f32")
@@ -240,8 +239,8 @@ def check_shared_branch_resources(variant: int, gate_up: dict[str, str],
             compiled = compile_sm90(kernel, types, {
                 "H": 2048, "I": 512, "BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": 128,
                 "INTERPRETED": False, "VARIANT": variant, "SHARED": has_shared,
-                "SHARED_BLOCK_K": nvfp4_moe_module._SHARED_BLOCK_K[name]}
-                | ({"GROUP": 1} if name == "down" else {}), 4, divisible, num_stages=3)
+                "SHARED_BLOCK_K": nvfp4_moe_module._SHARED_BLOCK_K[name]}, 4, divisible,
+                num_stages=3)
             usage[has_shared] = resource_usage(compiled) | {"smem": compiled.metadata.shared}
         print(f"nvfp4_moe v{variant} {name}: FP4 only {usage[False]}, with the shared branch "
               f"{usage[True]}")

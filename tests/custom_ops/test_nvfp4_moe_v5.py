@@ -79,30 +79,6 @@ def test_v5_v6_tiled_equal_v3_cpu(variant: int) -> None:
     v3_v5_case(variant, 7, 17, 5, 2, 256, 128, True, ALL_CODES)
 
 
-@pytest.mark.parametrize("group", [2, 4])
-@pytest.mark.parametrize("shared", [False, True])
-def test_grouped_down_tiles_equal_v3(group: int, shared: bool,
-                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """Several down N-tiles per program in one flat loop (`_DOWN_GROUP`): v3's output bit for
-    bit, the shared expert's BF16 tail blocks looping over the group too (H 640: 5 tiles of
-    128, so the last group is partly masked)."""
-    import dlmc.custom_ops.nvfp4_moe as module
-    from tests.custom_ops.test_nvfp4_moe import shared_expert
-
-    gen = torch.Generator().manual_seed(21 + group)
-    experts = random_experts(gen, 6, 640, 128)
-    x = torch.randn(9, 640, generator=gen).bfloat16().to(DEVICE)
-    ids, w = random_routing(gen, 9, 6, 2, skew=True)
-    args = op_args(x, ids, w, experts)
-    kwargs = shared_expert(gen, x, nvfp4_moe_reference(*args), 640, 128) if shared else {}
-    with kernel_variant(3):
-        v3 = nvfp4_moe(*args, **kwargs)
-    monkeypatch.setattr(module, "_DOWN_GROUP_OVERRIDE", group)
-    with kernel_variant(5):
-        grouped = nvfp4_moe(*op_args(x, ids, w, stored(experts, 5)), **kwargs)
-    assert torch.equal(bits(grouped), bits(v3))
-
-
 def test_words_run_under_every_variant_and_the_reference() -> None:
     """A module packed for v6/v7 runs under every variant and the reference (converted exactly)."""
     gen = torch.Generator().manual_seed(13)

@@ -63,8 +63,7 @@ def use_nvfp4_experts(model: nn.Module, config: LLaDA2Config, on_gpu: bool) -> N
 def prepare_experts_for_kernel(model: nn.Module) -> None:
     """precision="nvfp4": the kernel's load-time form of the experts (v4/v6: pre-decoded bf16
     block scales, v5-v7: tiled weight words, v7 with scale codes, all exact; v1-v3 keep
-    ModelOpt's), one projection at a
-    time (`NVFP4Experts.prepare_for_kernel`)."""
+    ModelOpt's), one projection at a time (`NVFP4Experts.prepare_for_kernel`)."""
     from dlmc.models.nvfp4_experts import NVFP4Experts
 
     for module in model.modules():

@@ -16,7 +16,7 @@ from torch import nn
 
 from dlmc.custom_ops.moe_align import PairRouting
 from dlmc.custom_ops.nvfp4_moe import effective_variant, nvfp4_moe, nvfp4_moe_reference
-from dlmc.custom_ops.nvfp4_words import scale_operand, stored_forms, weight_operand
+from dlmc.custom_ops.nvfp4_words import e4m3_scales, stored_forms, weight_operand
 from dlmc.quant.nvfp4_format import GROUP_SIZE, dequantize_nvfp4
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -185,8 +185,7 @@ class NVFP4Experts(nn.Module):
         result = {}
         for proj in PROJECTIONS:
             packed = weight_operand(getattr(self, f"{proj}_weight"), "plain")  # [E, out, in/2]
-            scale = scale_operand(getattr(self, f"{proj}_weight_scale"), predecoded=False,
-                                  tiled=False).view(torch.float8_e4m3fn)  # [E, out, in/16]
+            scale = e4m3_scales(getattr(self, f"{proj}_weight_scale"))  # [E, out, in/16]
             scale_2 = getattr(self, f"{proj}_weight_scale_2")  # [E]
             out = torch.empty(
                 (*packed.shape[:-1], packed.shape[-1] * 2), dtype=torch.bfloat16,

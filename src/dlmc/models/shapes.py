@@ -81,5 +81,5 @@ def use_random_nvfp4_experts(model: LLaDA2ForDiffusion, seed: int = 0) -> None:
                 buf.copy_(scales.to(torch.float8_e4m3fn))
             elif name.endswith("weight_scale_2"):
                 buf.fill_(0.02)
-        experts.prepare_for_kernel()  # the load-time step (kernels v4-v6)
+        experts.prepare_for_kernel()  # the load-time step (kernels v4-v7)
         module.experts = experts
