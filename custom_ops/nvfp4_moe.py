@@ -48,15 +48,16 @@ __all__ = ["nvfp4_moe", "nvfp4_moe_reference"]
 # the old torch routing prep) or "v1" (K-major tiles; 0.441 ms/layer, 15.7 %). "v4": v3 with the
 # block scales pre-decoded to bf16 (`nvfp4_scales`; modules convert at load), bit-identical to v3.
 # "v5": v3 with weights and block scales repacked at load into `nvfp4_words`' layout (16-row x
-# 128-K chunks of 1 KB, and 8 integer ops per 8 weights instead of 14), bit-identical to v3;
-# the default: 0.133 ms/layer against v3's 0.154 in one run (H200, perf/results/s14/call3);
+# 128-K chunks, and 8 integer ops per 8 weights instead of 14), bit-identical to v3:
+# 0.133 ms/layer against v3's 0.154 in one run (H200, perf/results/s14/call3);
 # "v6": v5 with v4's pre-decoded scales (same time, 11 % more bytes). Shapes the layout cannot
-# take (N % 16, K % 128) run v3 / v4 instead (`effective_variant`).
-# "v7": v5 with one-byte scale codes whose bf16x2 pair is one multiply-add
+# take (N % TILE_ROWS, K % 128) run v3 / v4 instead (`effective_variant`).
+# "v7", the default: v5 with one-byte scale codes whose bf16x2 pair is one multiply-add
 # (`nvfp4_scale_codes`; negative / zero scales folded into the weights at load): v6's decode
-# at v5's bytes. Not measured yet.
+# at v5's bytes. 0.1121 ms/layer against v5's 0.1163 and v3's 0.1515 in one run, 0.1101 with
+# 128-row runs (now the default; v5 0.1162), H200, perf/results/s15/call1.
 _KERNELS = {"v1": 1, "v2": 2, "v3": 3, "v4": 4, "v5": 5, "v6": 6, "v7": 7}
-_KERNEL_NAME = os.environ.get("DLMC_NVFP4_KERNEL", "v5")
+_KERNEL_NAME = os.environ.get("DLMC_NVFP4_KERNEL", "v7")
 if _KERNEL_NAME not in _KERNELS:
     raise ValueError(f"DLMC_NVFP4_KERNEL must be one of {sorted(_KERNELS)}, got {_KERNEL_NAME!r}")
 _VARIANT = _KERNELS[_KERNEL_NAME]

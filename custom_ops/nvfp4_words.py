@@ -1,14 +1,16 @@
-"""Kernel v5-v7 NVFP4 layout, made once at load: each 16 rows x 128 K of a weight matrix one
-contiguous 1 KB chunk, and the bits of 8 E2M1 codes arranged per 32-bit word so that the bf16x2
-decode takes 8 integer instructions per 8 weights (v3: 14).
+"""Kernel v5-v7 NVFP4 layout, made once at load: each R rows x 128 K of a weight matrix one
+contiguous chunk (R = ROWS, `DLMC_NVFP4_TILE_ROWS`, 128 by default: 8 KB), and the bits of 8 E2M1
+codes arranged per 32-bit word so that the bf16x2 decode takes 8 integer instructions per 8
+weights (v3: 14).
 
 Chunks. ModelOpt's row-major bytes give a program 64 bytes per row per 128-K tile, rows 1 KB
-apart (gate/up): scattered 64-byte reads. Tiled, one program's tile is BLOCK_N / 16 runs of 1 KB;
-block scales likewise (16 rows x 8 scales = 128 B runs, 256 B pre-decoded). The arrangement of a
-`[..., N, C]` tensor keeps its shape: rows grouped by 16, each group's columns cut into runs of
-C_RUN (64 weight bytes, 16 words, 8 scales), run r of group g at `[16 g : 16 g + 16]` flattened
-position `(g * C / C_RUN + r) * 16 * C_RUN`. It needs N % 16 == 0 and K % 128 == 0
-(`can_pack`); other shapes keep ModelOpt's layout (and kernels v3/v4).
+apart (gate/up): scattered 64-byte reads. Tiled, one program's tile is BLOCK_N / R runs of
+R x 64 bytes (one run at BLOCK_N = R = 128); block scales likewise (R x 8 scales per run, twice
+that pre-decoded). The arrangement of a `[..., N, C]` tensor keeps its shape: rows grouped by R,
+each group's columns cut into runs of C_RUN (64 weight bytes, 16 words, 8 scales), run r of
+group g at `[R g : R g + R]` flattened position `(g * C / C_RUN + r) * R * C_RUN`. It needs
+N % R == 0 and K % 128 == 0 (`can_pack`); other shapes keep ModelOpt's layout (and kernels
+v3/v4).
 
 Words. v3 decodes ModelOpt's packing (low nibble = even element) with 2 `prmt` and 3 integer
 ops per bf16x2 pair. Here each pair's bits sit where one or two ops put them at bf16 bits 15
@@ -52,9 +54,11 @@ __all__ = ["can_pack", "e4m3_scales", "pack_weight_words", "projection_operands"
 
 
 def _rows_from_env() -> int:
-    """DLMC_NVFP4_TILE_ROWS (read at import): rows per contiguous run, 16 (default, measured) or
-    32 / 64 / 128 (one run per gate/up program's K-tile at BLOCK_N 128; not measured yet)."""
-    value = os.environ.get("DLMC_NVFP4_TILE_ROWS", "16")
+    """DLMC_NVFP4_TILE_ROWS (read at import): rows per contiguous run, 128 (the default: one run
+    per program's K-tile at BLOCK_N 128; v7 0.1101 vs 0.1121 ms/layer at 16 on the H200,
+    perf/results/s15/call1) or 16 / 32 / 64. Every shape the layout takes has N and K both
+    multiples of 128 (gate/up's N is down's K and the other way round), so 128 excludes none."""
+    value = os.environ.get("DLMC_NVFP4_TILE_ROWS", "128")
     if value not in ("16", "32", "64", "128"):
         raise ConfigError(f"DLMC_NVFP4_TILE_ROWS={value!r}: expected 16, 32, 64 or 128")
     return int(value)

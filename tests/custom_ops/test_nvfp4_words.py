@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dlmc.custom_ops import nvfp4_words
 from dlmc.custom_ops.nvfp4_bf16x2 import (
     BF16_MASK,
     decode_pairs_emulated,
@@ -28,6 +29,14 @@ from dlmc.custom_ops.nvfp4_words import (
     untile_scales,
     weight_operand,
 )
+
+
+@pytest.fixture(params=[16, 128])
+def rows(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """The layout functions at 16-row runs and at the default 128 (the kernels read the
+    setting at import; these functions read it per call)."""
+    monkeypatch.setattr(nvfp4_words, "ROWS", request.param)
+    return request.param
 
 
 def every_code_everywhere() -> torch.Tensor:
@@ -66,32 +75,33 @@ def test_bit_pack_round_trip_is_exact() -> None:
     assert torch.equal(unpack_bits(pack_bits(everything)), everything)
 
 
-def test_tiled_words_round_trip_and_chunks() -> None:
-    """[N, K/2] bytes -> tiled words: exact both ways; each 16 rows x 128 K are one 1 KB run
-    in row order, runs of a row group consecutive."""
+def test_tiled_words_round_trip_and_chunks(rows: int) -> None:
+    """[N, K/2] bytes -> tiled words: exact both ways; each `rows` rows x 128 K are one run
+    (rows x 64 bytes) in row order, runs of a row group consecutive."""
     gen = torch.Generator().manual_seed(0)
-    plain = torch.randint(0, 256, (3, 32, 128), dtype=torch.uint8, generator=gen)  # K = 256
+    plain = torch.randint(0, 256, (3, 2 * rows, 128), dtype=torch.uint8, generator=gen)  # K 256
     words = pack_weight_words(plain)
-    assert words.dtype == torch.int32 and words.shape == (3, 32, 32)
+    assert words.dtype == torch.int32 and words.shape == (3, 2 * rows, 32)
     assert torch.equal(unpack_weight_words(words), plain)
-    flat = words.reshape(3, -1)  # [E, 1024 words] per expert
+    flat = words.reshape(3, -1)  # [E, 64 * rows words] per expert
     for group, run in ((0, 0), (0, 1), (1, 0), (1, 1)):
-        start = (group * 2 + run) * 16 * 16  # runs of 16 rows x 16 words
-        chunk = flat[:, start:start + 256].reshape(3, 16, 16)
-        rows = plain[:, 16 * group:16 * group + 16, 64 * run:64 * run + 64]
-        assert torch.equal(unpack_bits(chunk), rows)
+        start = (group * 2 + run) * rows * 16  # runs of `rows` rows x 16 words
+        chunk = flat[:, start:start + rows * 16].reshape(3, rows, 16)
+        expected = plain[:, rows * group:rows * group + rows, 64 * run:64 * run + 64]
+        assert torch.equal(unpack_bits(chunk), expected)
     assert torch.equal(weight_operand(words, "plain"), plain)
     assert weight_operand(plain, "plain") is plain
     assert torch.equal(weight_operand(plain, "words"), words.view(torch.uint8))
     assert torch.equal(weight_operand(words, "words"), words.view(torch.uint8))
     tiled = weight_operand(words, "tiled")  # ModelOpt's bits, tiled: the interpreter's operand
-    assert torch.equal(tiled.reshape(3, -1)[:, :1024].reshape(3, 16, 64), plain[:, :16, :64])
+    assert torch.equal(tiled.reshape(3, -1)[:, :64 * rows].reshape(3, rows, 64),
+                      plain[:, :rows, :64])
     assert torch.equal(weight_operand(plain, "tiled"), tiled)
 
 
-def test_scale_forms_convert_exactly() -> None:
+def test_scale_forms_convert_exactly(rows: int) -> None:
     gen = torch.Generator().manual_seed(3)
-    codes = torch.randint(0, 256, (2, 16, 16), dtype=torch.uint8, generator=gen)
+    codes = torch.randint(0, 256, (2, rows, 16), dtype=torch.uint8, generator=gen)
     e4m3, bf16 = codes.view(torch.float8_e4m3fn), predecode_block_scales(codes)
     for stored in (e4m3, bf16, tile_scales(e4m3), tile_scales(bf16)):
         assert torch.equal(scale_operand(stored, predecoded=False, tiled=False), codes)
@@ -101,7 +111,7 @@ def test_scale_forms_convert_exactly() -> None:
         assert torch.equal(scale_operand(stored, False, tiled=True), tile_scales(e4m3))
     tiled = tile_scales(e4m3)
     assert tiled.dtype == torch.uint8 and tile_scales(bf16).dtype == torch.int16
-    assert torch.equal(tiled.reshape(2, -1)[:, :128].reshape(2, 16, 8), codes[:, :, :8])
+    assert torch.equal(tiled.reshape(2, -1)[:, :8 * rows].reshape(2, rows, 8), codes[:, :, :8])
     assert torch.equal(untile_scales(tiled).view(torch.uint8), codes)
     assert torch.equal(untile_scales(tile_scales(bf16)), bf16)
 
@@ -118,13 +128,14 @@ def test_words_decode_equals_v3_decode_bit_for_bit() -> None:
     assert (v3.float().abs() > 0).any()  # not all zeros (NaN scale codes give NaN rows)
 
 
-def test_bad_input_is_named() -> None:
+def test_bad_input_is_named(rows: int) -> None:
     with pytest.raises(ValueError, match="pack_bits: expected uint8"):
         pack_bits(torch.zeros(2, 8, dtype=torch.int8))
     with pytest.raises(ValueError, match="K/2 % 4 == 0"):
         pack_bits(torch.zeros(2, 6, dtype=torch.uint8))
-    with pytest.raises(ValueError, match=r"pack_weight_words: needs .* N % 16 == 0 and K % 128"):
-        pack_weight_words(torch.zeros(16, 32, dtype=torch.uint8))  # K = 64
+    with pytest.raises(ValueError,
+                       match=rf"pack_weight_words: needs .* N % {rows} == 0 and K % 128"):
+        pack_weight_words(torch.zeros(rows, 32, dtype=torch.uint8))  # K = 64
     with pytest.raises(ValueError, match=r"pack_weight_words: needs \[\.\.\., N, \.\.\.\], got"):
         pack_weight_words(torch.zeros(64, dtype=torch.uint8))
     with pytest.raises(ValueError, match="unpack_weight_words: expected int32"):
@@ -136,14 +147,14 @@ def test_bad_input_is_named() -> None:
     assert can_pack(512, 2048) and can_pack(2048, 512) and not can_pack(2816, 704)
 
 
-def test_stored_forms_the_kernel_reads_pass_through_without_copies() -> None:
+def test_stored_forms_the_kernel_reads_pass_through_without_copies(rows: int) -> None:
     """Per call the op asks for the form the module stored: a view, never a repack (a copy
     here would be captured into every graph round)."""
     gen = torch.Generator().manual_seed(5)
-    plain = torch.randint(0, 256, (2, 16, 64), dtype=torch.uint8, generator=gen)
+    plain = torch.randint(0, 256, (2, rows, 64), dtype=torch.uint8, generator=gen)
     words = pack_weight_words(plain)
     assert weight_operand(words, "words").data_ptr() == words.data_ptr()
-    e4m3 = torch.randint(0, 256, (2, 16, 8), dtype=torch.uint8, generator=gen)
+    e4m3 = torch.randint(0, 256, (2, rows, 8), dtype=torch.uint8, generator=gen)
     for stored, predecoded, tiled in (
             (e4m3.view(torch.float8_e4m3fn), False, False),
             (predecode_block_scales(e4m3), True, False),
@@ -152,7 +163,7 @@ def test_stored_forms_the_kernel_reads_pass_through_without_copies() -> None:
         assert scale_operand(stored, predecoded, tiled).data_ptr() == stored.data_ptr()
 
 
-_ROWS_128_CHECK = """
+_ROWS_16_CHECK = """
 import torch
 import dlmc.custom_ops.nvfp4_moe as module
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe
@@ -160,9 +171,9 @@ from dlmc.custom_ops.nvfp4_words import ROWS, can_pack, pack_weight_words, unpac
 from tests.custom_ops.test_nvfp4_moe import op_args, random_experts, random_routing
 from tests.custom_ops.test_nvfp4_moe_v5 import stored
 
-assert ROWS == 128 and not can_pack(64, 128) and can_pack(128, 128)
-plain = torch.randint(0, 256, (128, 64), dtype=torch.uint8)  # one run: 128 rows x 64 bytes
-assert torch.equal(unpack_bits(pack_weight_words(plain).reshape(128, 16)), plain)
+assert ROWS == 16 and can_pack(16, 128) and not can_pack(8, 128)
+plain = torch.randint(0, 256, (16, 64), dtype=torch.uint8)  # one run: 16 rows x 64 bytes
+assert torch.equal(unpack_bits(pack_weight_words(plain).reshape(16, 16)), plain)
 gen = torch.Generator().manual_seed(3)
 experts = random_experts(gen, 4, 256, 128)
 x = torch.randn(6, 256, generator=gen).bfloat16()
@@ -179,18 +190,19 @@ print("ok")
 """
 
 
-def test_128_row_runs_equal_v3_in_a_fresh_process() -> None:
-    """DLMC_NVFP4_TILE_ROWS=128 (read at import, so a fresh interpreter process): one run per
-    128 rows, the kernels' tiled loads follow it, v5 and v7 stay bit for bit v3's."""
+def test_16_row_runs_equal_v3_in_a_fresh_process() -> None:
+    """DLMC_NVFP4_TILE_ROWS=16 (read at import, so a fresh interpreter process; the default is
+    128): one run per 16 rows, the kernels' tiled loads follow it, v5 and v7 stay bit for bit
+    v3's."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, DLMC_NVFP4_TILE_ROWS="128", TRITON_INTERPRET="1",
+    env = dict(os.environ, DLMC_NVFP4_TILE_ROWS="16", TRITON_INTERPRET="1",
                PYTHONPATH=str(root))
-    result = subprocess.run([sys.executable, "-c", _ROWS_128_CHECK], env=env, cwd=root,
+    result = subprocess.run([sys.executable, "-c", _ROWS_16_CHECK], env=env, cwd=root,
                             capture_output=True, text=True, timeout=600, check=False)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
     env["DLMC_NVFP4_TILE_ROWS"] = "100"
