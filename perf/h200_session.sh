@@ -15,6 +15,7 @@
 #                                      # v5 alone and in the NVFP4 round, v7's GPU tests
 #   bash perf/h200_session.sh prefetch # v7 (128-row runs) by L2 prefetch distance (PREFETCHES),
 #                                      # v7's GPU fuzz, Nsight Compute of v7
+#   bash perf/h200_session.sh defaults # v7's GPU fuzz, NVFP4 + FP8 and BF16 rounds at the defaults
 #   bash perf/h200_session.sh moe      # dlmc::bf16_moe alone, launch-config sweeps (MOE_CONFIGS)
 #   bash perf/h200_session.sh gemm     # dlmc::small_m_linear vs cuBLAS, sweeps (GEMM_CONFIGS)
 #   bash perf/h200_session.sh share    # NVFP4+FP8 graph round at PREFIX (4096) + profile, then
@@ -171,6 +172,13 @@ prefetch)  # session 15: v7 with 128-row runs and DLMC_NVFP4_PREFETCH chunks of 
     > "$OUT/ncu_v7_source.csv" 2>&1
   grep -E "Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy" \
     "$OUT/ncu_v7_details.txt" | head -16 ;;
+defaults)  # session 15's last call: v7's GPU fuzz (200 tiled examples), then the NVFP4 + FP8
+  # round at the defaults (v7, 128-row runs) and the BF16 round, one after the other
+  TEST_TIMEOUT=${FUZZ_TIMEOUT:-200} gpu_tests fuzz_v7 \
+    "tests/custom_ops/test_nvfp4_moe_v5.py::test_v5_v6_equal_v3_gpu[7]"
+  round round_nvfp4_default "${NVFP4_TIMEOUT:-170}" --precision nvfp4 --kv-cache-dtype fp8 \
+    --modes graph --no-loop
+  round round_bf16_default "${ROUND_TIMEOUT:-150}" --precision bf16 --modes graph --no-loop ;;
 moe)  # dlmc::bf16_moe alone: launch-config sweeps of each kernel, against copy and read ceilings
   for kern in gate_up down; do
     timeout 120 python3 perf/bench_bf16_moe.py --kernel $kern --configs ${MOE_CONFIGS:-128,128,4,3 \
@@ -209,5 +217,5 @@ rope)  # why the rope tables are computed 10-11 times per round: Inductor's outp
     | head -120 > "$OUT/rope_call_sites.txt"; wc -l "$OUT/rope_call_sites.txt"
   gzip -f "$OUT/output_code.txt" ;;
 lib) ;;  # `source perf/h200_session.sh lib`: install and define round/gpu_tests/ncu_run only
-*) echo "usage: $0 final|rounds|repeat|variants|ops|words|codes|prefetch|moe|gemm|share|tests|rope|lib|ncu" >&2; exit 2 ;;
+*) echo "usage: $0 final|rounds|repeat|variants|ops|words|codes|prefetch|defaults|moe|gemm|share|tests|rope|lib|ncu" >&2; exit 2 ;;
 esac

@@ -114,17 +114,17 @@ def test_words_of_the_wrong_shape_are_named() -> None:
         nvfp4_moe(*op_args(x[:, :48].contiguous(), ids, w, bad))
 
 
-GPU_FUZZ = given(
+GPU_FUZZ = given(  # shapes the tiled layout takes (others run v3 itself: nothing to compare)
     seed=st.integers(0, 2**31 - 1), tokens=st.integers(1, 300), num_experts=st.integers(1, 64),
-    top_k=st.integers(1, 8), hidden=st.sampled_from([16, 48, 128, 272, 2048]),
-    inter=st.sampled_from([16, 80, 128, 512]), skew=st.booleans(),
+    top_k=st.integers(1, 8), hidden=st.sampled_from([128, 256, 2048]),
+    inter=st.sampled_from([128, 512]), skew=st.booleans(),
     scale_2_log2=st.sampled_from([(-4.0, 1.0), (-24.0, -20.0), (6.0, 8.0)]),
 )
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", [5, 6, 7])
-@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 @GPU_FUZZ
 def test_v5_v6_equal_v3_gpu(variant: int, seed: int, tokens: int, num_experts: int, top_k: int,
                             hidden: int, inter: int, skew: bool,
