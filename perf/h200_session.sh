@@ -172,10 +172,18 @@ prefetch)  # session 15: v7 with 128-row runs and DLMC_NVFP4_PREFETCH chunks of 
     > "$OUT/ncu_v7_source.csv" 2>&1
   grep -E "Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy" \
     "$OUT/ncu_v7_details.txt" | head -16 ;;
+v7tests)  # v7 at the defaults (128-row runs): W4A4 + negative scales, compile + graph replay at
+  # LLaDA2.1-mini shapes with and without the shared tail, then the fuzz (examples counted)
+  gpu_tests v7 "tests/custom_ops/test_nvfp4_moe_v5.py::test_v5_v6_w4a4_and_negative_scales_gpu[7]" \
+    tests/custom_ops/test_nvfp4_moe.py -k "w4a4 or (compile_and_cuda_graph_replay and 7)"
+  TEST_TIMEOUT=${FUZZ_TIMEOUT:-200} gpu_tests fuzz_v7 -s \
+    "tests/custom_ops/test_nvfp4_moe_v5.py::test_v5_v6_equal_v3_gpu[7]"
+  grep -c "v7 == v3" "$OUT/gpu_tests_fuzz_v7.txt"; tail -3 "$OUT/gpu_tests_fuzz_v7.txt" ;;
 defaults)  # session 15's last call: v7's GPU fuzz (200 tiled examples), then the NVFP4 + FP8
   # round at the defaults (v7, 128-row runs) and the BF16 round, one after the other
-  TEST_TIMEOUT=${FUZZ_TIMEOUT:-200} gpu_tests fuzz_v7 \
+  TEST_TIMEOUT=${FUZZ_TIMEOUT:-200} gpu_tests fuzz_v7 -s \
     "tests/custom_ops/test_nvfp4_moe_v5.py::test_v5_v6_equal_v3_gpu[7]"
+  grep -c "v7 == v3" "$OUT/gpu_tests_fuzz_v7.txt"
   round round_nvfp4_default "${NVFP4_TIMEOUT:-170}" --precision nvfp4 --kv-cache-dtype fp8 \
     --modes graph --no-loop
   round round_bf16_default "${ROUND_TIMEOUT:-150}" --precision bf16 --modes graph --no-loop ;;
@@ -217,5 +225,5 @@ rope)  # why the rope tables are computed 10-11 times per round: Inductor's outp
     | head -120 > "$OUT/rope_call_sites.txt"; wc -l "$OUT/rope_call_sites.txt"
   gzip -f "$OUT/output_code.txt" ;;
 lib) ;;  # `source perf/h200_session.sh lib`: install and define round/gpu_tests/ncu_run only
-*) echo "usage: $0 final|rounds|repeat|variants|ops|words|codes|prefetch|defaults|moe|gemm|share|tests|rope|lib|ncu" >&2; exit 2 ;;
+*) echo "usage: $0 final|rounds|repeat|variants|ops|words|codes|prefetch|defaults|v7tests|moe|gemm|share|tests|rope|lib|ncu" >&2; exit 2 ;;
 esac

@@ -115,7 +115,7 @@ def test_words_of_the_wrong_shape_are_named() -> None:
 
 
 GPU_FUZZ = given(  # shapes the tiled layout takes (others run v3 itself: nothing to compare)
-    seed=st.integers(0, 2**31 - 1), tokens=st.integers(1, 300), num_experts=st.integers(1, 64),
+    seed=st.integers(0, 2**31 - 1), tokens=st.integers(1, 300), num_experts=st.integers(1, 24),
     top_k=st.integers(1, 8), hidden=st.sampled_from([128, 256, 2048]),
     inter=st.sampled_from([128, 512]), skew=st.booleans(),
     scale_2_log2=st.sampled_from([(-4.0, 1.0), (-24.0, -20.0), (6.0, 8.0)]),
@@ -132,6 +132,9 @@ def test_v5_v6_equal_v3_gpu(variant: int, seed: int, tokens: int, num_experts: i
     """The compiled asm paths: bit for bit v3, every E4M3 and E2M1 code."""
     v3_v5_case(variant, seed, tokens, num_experts, min(top_k, num_experts), hidden, inter, skew,
                ALL_CODES, scale_2_log2=scale_2_log2)
+    # progress for `pytest -s` runs with a time limit (perf/README.md records the count)
+    print(f"v{variant} == v3: tokens={tokens} experts={num_experts} top_k={top_k} "
+          f"hidden={hidden} inter={inter} skew={skew} scale_2_log2={scale_2_log2}", flush=True)
 
 
 @pytest.mark.gpu
