@@ -4,8 +4,6 @@
 fp32 -> bf16, so interpreted kernels dot in fp32 (exact for these operands) and round by hand.
 """
 
-import os
-
 import triton
 import triton.language as tl
 
@@ -16,28 +14,9 @@ from dlmc.custom_ops.nvfp4_bf16x2 import (
 )
 from dlmc.custom_ops.nvfp4_scale_codes import PAIR_ADD, PAIR_MUL
 from dlmc.custom_ops.nvfp4_words import ROWS, decode_e2m1_words, decode_e2m1_words_predecoded
-from dlmc.errors import ConfigError
 
 _PAIR_MUL, _PAIR_ADD = tl.constexpr(PAIR_MUL), tl.constexpr(PAIR_ADD)  # v7's scale-code pair
 _ROWS = tl.constexpr(ROWS)  # rows per contiguous run of the tiled layout (`nvfp4_words`)
-
-
-def _prefetch_from_env() -> int:
-    """DLMC_NVFP4_PREFETCH (read at import): K-chunks of weights and scales that a compiled
-    v5-v7 program asks L2 for ahead of its loads (`cp.async.bulk.prefetch`), 0 (default) = off.
-    Only where a program's N-tile is one run of the tiled layout (BLOCK_N == TILE_ROWS)."""
-    value = os.environ.get("DLMC_NVFP4_PREFETCH", "0")
-    if not value.isdigit() or int(value) > 16:
-        raise ConfigError(f"DLMC_NVFP4_PREFETCH={value!r}: expected chunks ahead, 0 to 16")
-    return int(value)
-
-
-PREFETCH = _prefetch_from_env()
-_PREFETCH = tl.constexpr(PREFETCH)
-# One thread asks L2 for $2 bytes at $1 (sm_90 bulk prefetch: 16-byte aligned, multiple of 16).
-_BULK_PREFETCH = tl.constexpr(
-    "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-    "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }")
 
 
 @triton.jit
@@ -224,27 +203,6 @@ def _load_w_tiles(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl
 
 
 @triton.jit
-def _prefetch_chunks(w_ptr, s_ptr, n0, first, count, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                     SCALE_BYTES: tl.constexpr):
-    """L2 prefetch of K-chunks `first .. first+count-1` (clamped to the last) of the N-tile at
-    row `n0` of the tiled layout: one contiguous run of weights and one of scales when
-    BLOCK_N == TILE_ROWS (else nothing). A hint only: the loads that follow read the same
-    bytes either way."""
-    if BLOCK_N == _ROWS:
-        CHUNKS: tl.constexpr = K // 128
-        first = tl.minimum(first, CHUNKS - 1)
-        count = tl.minimum(count, CHUNKS - first)
-        tl.inline_asm_elementwise(
-            _BULK_PREFETCH, "=r,l,r",
-            [w_ptr + n0 * (K // 2) + first * (BLOCK_N * 64), count * (BLOCK_N * 64)],
-            dtype=tl.int32, is_pure=False, pack=1)
-        tl.inline_asm_elementwise(
-            _BULK_PREFETCH, "=r,l,r",
-            [s_ptr + n0 * (K // 16) + first * (BLOCK_N * 8), count * (BLOCK_N * 8 * SCALE_BYTES)],
-            dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def nvfp4_tile_dot_v2(acc0, acc1, a_ptr, a_rows, row_mask, stride_a, w0_ptr, s0_ptr, w1_ptr,
                       s1_ptr, n_offs, n_mask, K: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, DUAL: tl.constexpr,
@@ -256,20 +214,7 @@ def nvfp4_tile_dot_v2(acc0, acc1, a_ptr, a_rows, row_mask, stride_a, w0_ptr, s0_
     the block scales pre-decoded, `nvfp4_scales`); the compiled accumulators then hold the result
     times 2^-7 (`nvfp4_bf16x2.ACC_SCALE`). `VARIANT` 2: the decode of `_load_w_split`.
     """
-    PREFETCHING: tl.constexpr = _PREFETCH > 0 and VARIANT >= 5 and not INTERPRETED
-    SCALE_BYTES: tl.constexpr = 2 if VARIANT == 6 else 1
-    if PREFETCHING:  # the first chunks, then one chunk `_PREFETCH` ahead per step
-        n0 = tl.min(n_offs, axis=0)
-        _prefetch_chunks(w0_ptr, s0_ptr, n0, 0, _PREFETCH, K, BLOCK_N, SCALE_BYTES)
-        if DUAL:
-            _prefetch_chunks(w1_ptr, s1_ptr, n0, 0, _PREFETCH, K, BLOCK_N, SCALE_BYTES)
     for k0 in range(0, K, BLOCK_K):
-        if PREFETCHING:
-            _prefetch_chunks(w0_ptr, s0_ptr, n0, k0 // 128 + _PREFETCH, 1, K, BLOCK_N,
-                             SCALE_BYTES)
-            if DUAL:
-                _prefetch_chunks(w1_ptr, s1_ptr, n0, k0 // 128 + _PREFETCH, 1, K, BLOCK_N,
-                                 SCALE_BYTES)
         a_even, a_odd = _load_a_split(a_ptr, a_rows, row_mask, stride_a, k0, K, BLOCK_K)
         if INTERPRETED:
             a_even, a_odd = a_even.to(tl.float32), a_odd.to(tl.float32)

@@ -13,8 +13,6 @@
 #   bash perf/h200_session.sh words    # nvfp4_moe v3-v6 alone, v5/v6 tile sweeps, their GPU tests
 #   bash perf/h200_session.sh codes    # session 15's first call: v7 (one-byte scale codes) against
 #                                      # v5 alone and in the NVFP4 round, v7's GPU tests
-#   bash perf/h200_session.sh prefetch # v7 (128-row runs) by L2 prefetch distance (PREFETCHES),
-#                                      # v7's GPU fuzz, Nsight Compute of v7
 #   bash perf/h200_session.sh defaults # v7's GPU fuzz, NVFP4 + FP8 and BF16 rounds at the defaults
 #   bash perf/h200_session.sh moe      # dlmc::bf16_moe alone, launch-config sweeps (MOE_CONFIGS)
 #   bash perf/h200_session.sh gemm     # dlmc::small_m_linear vs cuBLAS, sweeps (GEMM_CONFIGS)
@@ -152,33 +150,6 @@ codes)  # nvfp4_moe v7 against v5 (same bytes, 15-20 % fewer instructions), 16- 
   gpu_tests codes "tests/custom_ops/test_nvfp4_moe_v5.py::test_v5_v6_w4a4_and_negative_scales_gpu" \
     "tests/custom_ops/test_nvfp4_moe.py::test_compile_and_cuda_graph_replay" \
     "tests/custom_ops/test_nvfp4_moe_v5.py::test_v5_v6_equal_v3_gpu" ;;
-prefetch)  # session 15: v7 with 128-row runs and DLMC_NVFP4_PREFETCH chunks of L2 prefetch
-  # (one process per setting: read at import), v7's GPU fuzz, Nsight Compute of v7 (128 rows)
-  for pf in ${PREFETCHES:-0 2 4 8}; do
-    DLMC_NVFP4_TILE_ROWS=128 DLMC_NVFP4_PREFETCH=$pf timeout 75 python3 perf/bench_nvfp4_moe.py \
-      --tokens 32 --iters 40 --kernels v3 v7 --out "$OUT/nvfp4_op_v7_pf$pf.json" \
-      > "$OUT/nvfp4_op_v7_pf$pf.txt" 2>&1
-    echo "nvfp4 op v7 rows 128 prefetch $pf rc=$?"
-    grep -E "tokens=32" "$OUT/nvfp4_op_v7_pf$pf.txt" | cut -c1-260
-  done
-  gpu_tests fuzz_v7 "tests/custom_ops/test_nvfp4_moe_v5.py::test_v5_v6_equal_v3_gpu[7]"
-  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-  DLMC_NVFP4_TILE_ROWS=128 timeout 150 "$ncu" -k "regex:_gate_up_kernel|_down_kernel" -c 2 \
-    --set full --import-source no -f -o "$OUT/ncu_v7" python3 perf/bench_nvfp4_moe.py \
-    --tokens 32 --iters 1 --layers 1 --kernels v7 > "$OUT/ncu_v7_log.txt" 2>&1
-  echo "ncu v7 rc=$?"
-  "$ncu" -i "$OUT/ncu_v7.ncu-rep" --page details > "$OUT/ncu_v7_details.txt" 2>&1
-  "$ncu" -i "$OUT/ncu_v7.ncu-rep" --page source --print-source sass --csv \
-    > "$OUT/ncu_v7_source.csv" 2>&1
-  grep -E "Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy" \
-    "$OUT/ncu_v7_details.txt" | head -16 ;;
-v7tests)  # v7 at the defaults (128-row runs): W4A4 + negative scales, compile + graph replay at
-  # LLaDA2.1-mini shapes with and without the shared tail, then the fuzz (examples counted)
-  gpu_tests v7 "tests/custom_ops/test_nvfp4_moe_v5.py::test_v5_v6_w4a4_and_negative_scales_gpu[7]" \
-    tests/custom_ops/test_nvfp4_moe.py -k "w4a4 or (compile_and_cuda_graph_replay and 7)"
-  TEST_TIMEOUT=${FUZZ_TIMEOUT:-200} gpu_tests fuzz_v7 -s \
-    "tests/custom_ops/test_nvfp4_moe_v5.py::test_v5_v6_equal_v3_gpu[7]"
-  grep -c "v7 == v3" "$OUT/gpu_tests_fuzz_v7.txt"; tail -3 "$OUT/gpu_tests_fuzz_v7.txt" ;;
 defaults)  # session 15's last call: v7's GPU fuzz (200 tiled examples), then the NVFP4 + FP8
   # round at the defaults (v7, 128-row runs) and the BF16 round, one after the other
   TEST_TIMEOUT=${FUZZ_TIMEOUT:-200} gpu_tests fuzz_v7 -s \
@@ -225,5 +196,5 @@ rope)  # why the rope tables are computed 10-11 times per round: Inductor's outp
     | head -120 > "$OUT/rope_call_sites.txt"; wc -l "$OUT/rope_call_sites.txt"
   gzip -f "$OUT/output_code.txt" ;;
 lib) ;;  # `source perf/h200_session.sh lib`: install and define round/gpu_tests/ncu_run only
-*) echo "usage: $0 final|rounds|repeat|variants|ops|words|codes|prefetch|defaults|v7tests|moe|gemm|share|tests|rope|lib|ncu" >&2; exit 2 ;;
+*) echo "usage: $0 final|rounds|repeat|variants|ops|words|codes|defaults|v7tests|moe|gemm|share|tests|rope|lib|ncu" >&2; exit 2 ;;
 esac
