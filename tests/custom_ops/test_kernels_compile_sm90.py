@@ -263,11 +263,16 @@ def check_moe_align(tokens: int, top_k: int, num_experts: int, block_m: int, num
 
 
 def check_qk_norm_rope(float_type: str) -> None:
-    pointers = {name: "*bf16" for name in ("qkv_ptr", "q_w_ptr", "k_w_ptr", "cos_ptr", "sin_ptr",
-                                           "q_ptr", "k_ptr", "v_ptr")}
-    types = pointers | {"eps": float_type, "stride_t": "i32"}
-    compile_sm90(_qk_norm_rope_kernel, types, {
+    pointers = {name: "*bf16" for name in ("qkv_ptr", "q_w_ptr", "k_w_ptr", "q_ptr", "k_ptr",
+                                           "v_ptr")}
+    types = pointers | {"pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "eps": float_type,
+                        "stride_t": "i32"}
+    compiled = compile_sm90(_qk_norm_rope_kernel, types, {
         "NUM_Q": 16, "NUM_KV": 4, "HEAD_DIM": 128, "ROTARY": 64}, 1)
+    ptx = compiled.asm["ptx"]
+    # the rotary angles' cos/sin are libdevice's (eager PyTorch's cosf/sinf), not the
+    # approximate PTX instructions, whose error would change the bf16 tables
+    assert "cos.approx" not in ptx and "sin.approx" not in ptx
 
 
 def check_moe_route(float_type: str, splits: int) -> None:

@@ -8,12 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dlmc.custom_ops.qk_norm_rope import apply_partial_rope, rms_norm
+from dlmc.custom_ops.qk_norm_rope import apply_partial_rope, rms_norm, rope_inv_freq, rope_tables
 from dlmc.custom_ops.small_m_linear import MAX_TOKENS, small_m_linear
 from dlmc.errors import ConfigError
 
 __all__ = ["RMSNorm", "SwiGLUMLP", "apply_partial_rope", "env_choice", "fuse_gate_up_projections",
-           "linear", "rms_norm", "rope_cos_sin", "small_m_gemm"]
+           "linear", "rms_norm", "rope_cos_sin", "rope_inv_freq", "small_m_gemm"]
 
 
 def env_choice(env: str, default: str, allowed: tuple[str, ...]) -> str:
@@ -59,13 +59,9 @@ def rope_cos_sin(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables `[T, rotary_dim]` for absolute `positions [T]`, computed in fp32.
 
-    `inv_freq[i] = theta^(-2i/rotary_dim)`; the table is `cat(angles, angles)`.
+    `inv_freq[i] = theta^(-2i/rotary_dim)`; the table is `cat(angles, angles)` (`rope_tables`).
     """
-    exponent = torch.arange(0, rotary_dim, 2, device=positions.device, dtype=torch.float32)
-    inv_freq = 1.0 / (theta ** (exponent / rotary_dim))  # [rotary_dim/2]
-    angles = positions.float()[:, None] * inv_freq[None, :]  # [T, rotary_dim/2]
-    table = torch.cat([angles, angles], dim=-1)  # [T, rotary_dim]
-    return table.cos().to(dtype), table.sin().to(dtype)
+    return rope_tables(positions, rope_inv_freq(rotary_dim, theta, positions.device), dtype)
 
 
 class SwiGLUMLP(nn.Module):
