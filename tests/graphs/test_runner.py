@@ -145,12 +145,19 @@ def test_graph_replay_with_the_shared_expert_fused_on_cuda(tiny_dir):
 
 def test_compile_options_from_the_environment(monkeypatch):
     monkeypatch.delenv("DLMC_MAX_AUTOTUNE_GEMM", raising=False)
-    assert compile_options() == {}
+    monkeypatch.delenv("DLMC_UNROLL_REDUCTIONS", raising=False)
+    assert compile_options() == {"unroll_reductions_threshold": 16}
     monkeypatch.setenv("DLMC_MAX_AUTOTUNE_GEMM", "1")
-    assert compile_options() == {"max_autotune_gemm": True}
+    monkeypatch.setenv("DLMC_UNROLL_REDUCTIONS", "8")
+    assert compile_options() == {"max_autotune_gemm": True, "unroll_reductions_threshold": 8}
     monkeypatch.setenv("DLMC_MAX_AUTOTUNE_GEMM", "yes")
     with pytest.raises(ConfigError, match="DLMC_MAX_AUTOTUNE_GEMM='yes'"):
         compile_options()
+    monkeypatch.setenv("DLMC_MAX_AUTOTUNE_GEMM", "0")
+    for bad in ("0", "x", "65"):
+        monkeypatch.setenv("DLMC_UNROLL_REDUCTIONS", bad)
+        with pytest.raises(ConfigError, match=f"DLMC_UNROLL_REDUCTIONS='{bad}'"):
+            compile_options()
 
 
 def _paged_decode(llm, monkeypatch, fused: str):
