@@ -3,9 +3,10 @@
 Same structure as `dlmc::nvfp4_moe` (docs/nvfp4.md §3.2) with plain BF16 weight tiles: (token, k)
 pairs are grouped per expert into M-blocks (`moe_align`), one kernel computes
 `h = silu(x @ gate^T) * (x @ up^T)` per M-block and N-tile of the expert width, a second computes
-`y = h @ down^T`; the bf16 pair outputs are weighted and combined in fp32. Each touched expert's
-weights are streamed once per round. A shared expert stacked last (`shared_expert=True`) runs in the
-same two kernels, as blocks of all tokens after the routed ones. The maths is `bf16_moe_reference`.
+`y = h @ down^T`; the bf16 pair outputs are weighted and combined in fp32 (`moe_combine`). Each
+touched expert's weights are streamed once per round. A shared expert stacked last
+(`shared_expert=True`) runs in the same two kernels, as blocks of all tokens after the routed ones.
+The maths is `bf16_moe_reference`.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from dlmc.custom_ops.moe_align import (
     append_shared_column,
     block_rows,
     check_pair_routing,
-    combine_pairs,
     route_pairs,
 )
+from dlmc.custom_ops.moe_combine import combine_pairs
 from dlmc.custom_ops.nvfp4_tiles import round_bf16
 
 __all__ = ["bf16_down_block", "bf16_gate_up_block", "bf16_moe", "bf16_moe_reference",

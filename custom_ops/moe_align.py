@@ -26,7 +26,7 @@ from dlmc.custom_ops._registration import traced_triton_op
 
 __all__ = ["PairRouting", "aligned_blocks", "align_pairs_to_blocks",
            "align_pairs_to_blocks_reference", "append_shared_column", "block_rows",
-           "combine_pairs", "moe_block_size", "route_block_m", "route_pairs"]
+           "moe_block_size", "route_block_m", "route_pairs"]
 
 # One program holds all pair keys and per-expert counts in registers; larger routings take the
 # torch path.
@@ -291,13 +291,3 @@ def route_pairs(topk_ids: torch.Tensor, num_experts: int,
     return PairRouting(block_m, *align_pairs_to_blocks(topk_ids, num_experts, block_m,
                                                        shared_expert))
 
-
-def combine_pairs(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor,
-                  shared_expert: bool = False) -> torch.Tensor:
-    """`out[t] = sum_k w[t, k] * y[t*K + k]` in fp32: y bf16 `[T*K, H]`, w `[T, K]` -> out.
-    `shared_expert`: y holds `K+1` rows per token, the last (the shared expert's) weighted 1."""
-    if shared_expert:
-        topk_weights = append_shared_column(topk_weights, 1.0)  # [T, K+1]
-    tokens, top_k = topk_weights.shape
-    combined = (y.view(tokens, top_k, -1).float() * topk_weights.float()[..., None]).sum(dim=1)
-    return out.copy_(combined)

@@ -3,7 +3,8 @@
 Each (token, k) pair is sent to expert `topk_ids[t, k]`; the expert computes
 `down(silu(gate(x)) * up(x))` with weights dequantized exactly in registers (E2M1 x FP8 block scale
 -> BF16, BF16 MMA, fp32 accumulation, the global scales applied per output row in the epilogue), and
-the bf16 expert outputs are combined in fp32: `out[t] = sum_k topk_weights[t, k] * y[t, k]`.
+the bf16 expert outputs are combined in fp32: `out[t] = sum_k topk_weights[t, k] * y[t, k]`
+(`moe_combine.combine_pairs`).
 Design in docs/nvfp4.md §3.2; the maths is defined by `nvfp4_moe_reference`. The Triton kernels
 are in `_nvfp4_moe_kernels`; the weight decodes and tile loops in `nvfp4_tiles`; the load-time
 layouts of kernels v4-v7 in `nvfp4_scales`, `nvfp4_words` and `nvfp4_scale_codes`.
@@ -23,9 +24,9 @@ from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.moe_align import (
     PairRouting,
     check_pair_routing,
-    combine_pairs,
     route_pairs,
 )
+from dlmc.custom_ops.moe_combine import combine_pairs
 from dlmc.custom_ops.nvfp4_words import (
     CHUNK_K,
     ROWS,
