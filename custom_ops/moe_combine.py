@@ -8,9 +8,15 @@ order. Inductor's reduction for the torch form of this sum varied between compil
 a fixed launch: one program per token and `BLOCK_H` columns, the `P` rows read coalesced along H.
 `combine_pairs` launches it inside the traced bodies of the MoE ops; `moe_combine` is the same
 kernel as a registered op. The maths is `moe_combine_reference`.
+
+`DLMC_MOE_COMBINE` (read at import) picks what the MoE bodies run: "triton" (this kernel) or
+"inductor" (the reference's torch ops, which the compile site's unrolled small reductions let
+Inductor fuse into the residual add and the next RMSNorm: no launch of its own).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -26,6 +32,9 @@ __all__ = ["combine_pairs", "moe_combine", "moe_combine_reference"]
 
 MAX_BLOCK_H = 1024  # columns per program
 NUM_WARPS = 4
+COMBINE = os.environ.get("DLMC_MOE_COMBINE", "triton")
+if COMBINE not in ("triton", "inductor"):
+    raise ValueError(f"DLMC_MOE_COMBINE={COMBINE!r}: expected triton or inductor")
 
 
 @triton.jit
@@ -58,7 +67,15 @@ def combine_pairs(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor
     of each token is the shared expert's, weight 1.0); topk_weights fp32 `[T, K]`; out bf16
     `[T, H]` with unit stride along H, written and returned. Unchecked (the callers' bodies
     check); callable inside traced Triton ops (`wrap_triton`). T == 0 launches nothing.
+    With `DLMC_MOE_COMBINE=inductor`, `moe_combine_reference`'s torch ops instead.
     """
+    if COMBINE == "inductor":
+        return out.copy_(moe_combine_reference(y, topk_weights, shared_expert))
+    return _launch(y, topk_weights, out, shared_expert)
+
+
+def _launch(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor,
+            shared_expert: bool) -> torch.Tensor:
     tokens, top_k = topk_weights.shape
     hidden = out.shape[1]
     if tokens == 0 or hidden == 0:
@@ -75,7 +92,7 @@ def _moe_combine_impl(y: torch.Tensor, topk_weights: torch.Tensor,
                       shared_expert: bool = False) -> torch.Tensor:
     out = torch.empty((topk_weights.shape[0], y.shape[1]), dtype=torch.bfloat16,
                       device=y.device)
-    return combine_pairs(y, topk_weights, out, shared_expert)
+    return _launch(y, topk_weights, out, shared_expert)  # the kernel, whatever COMBINE says
 
 
 def _moe_combine_fake(y: torch.Tensor, topk_weights: torch.Tensor,
