@@ -4,11 +4,7 @@ Triton launch.
 The fused `query_key_value` projection gives `[T, (Hq + 2·Hkv)·D]`. Every query and key head is
 RMS-normalised over its `D` dims (fp32 statistics, `w * bf16(x * rsqrt(mean(x²) + eps))`), then
 its first `R` dims are rotated (`y·cos + rotate_half(y)·sin`, each product rounded to bf16 as
-eager PyTorch does); value heads are copied out. The rotary angles are made in the kernel from
-the token positions and the inverse frequencies (`rope_inv_freq`), as `rope_tables` makes them
-(fp32 angle, fp32 cos/sin, rounded to bf16): no table is built per round. (Built in the
-compiled round, the tables took ten Inductor launches per round, 0.028 ms on the H200,
-perf/README.md session 15.) Inductor makes four to six kernels of this
+eager PyTorch does); value heads are copied out. Inductor makes four to six kernels of this
 (a statistics reduction and a rotary pass per q and k, plus copies) because the rotation reads
 across the reduced row; here one program holds a head's row and does all of it.
 The maths is `qk_norm_rope_reference` (`rms_norm` + `apply_partial_rope`, which the model's
@@ -26,8 +22,7 @@ from dlmc.custom_ops._registration import traced_triton_op
 
 QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
-__all__ = ["apply_partial_rope", "qk_norm_rope", "qk_norm_rope_reference", "rms_norm",
-           "rope_inv_freq", "rope_tables"]
+__all__ = ["apply_partial_rope", "qk_norm_rope", "qk_norm_rope_reference", "rms_norm"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -45,21 +40,6 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, rotary_dim]
     return torch.cat([rot * cos + rotated * sin, rest], dim=-1)
-
-
-def rope_inv_freq(rotary_dim: int, theta: float, device: torch.device | str) -> torch.Tensor:
-    """fp32 `[rotary_dim / 2]`: `inv_freq[i] = theta^(-2i / rotary_dim)`."""
-    exponent = torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float32)
-    return 1.0 / (theta ** (exponent / rotary_dim))
-
-
-def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables `[T, 2 * len(inv_freq)]` in `dtype` for absolute `positions [T]`: fp32
-    angles `position * inv_freq`, the table `cat(angles, angles)`, fp32 cos/sin."""
-    angles = positions.float()[:, None] * inv_freq.float()[None, :]  # [T, R/2]
-    table = torch.cat([angles, angles], dim=-1)  # [T, R]
-    return table.cos().to(dtype), table.sin().to(dtype)
 
 
 @triton.jit
@@ -85,8 +65,8 @@ def _normed(x_row_ptr, w_ptr, d, rstd):
 
 
 @triton.jit
-def _qk_norm_rope_kernel(qkv_ptr, q_w_ptr, k_w_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_ptr, v_ptr,
-                         eps, stride_t, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr,
+def _qk_norm_rope_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, eps,
+                         stride_t, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr,
                          HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr):
     eps = tl.cast(eps, tl.float32)  # Inductor passes Python floats as fp64
     token = tl.program_id(0)
@@ -109,12 +89,8 @@ def _qk_norm_rope_kernel(qkv_ptr, q_w_ptr, k_w_ptr, pos_ptr, inv_freq_ptr, q_ptr
             partner = tl.where(rot, partner, d)
             y_p = _normed(row, w_ptr, partner, rstd)
             y_p = tl.where(d < half, -y_p, y_p)  # rotate_half
-            # `rope_tables`' entry [token, d]: the angle of frequency d mod R/2, fp32 cos/sin
-            # (libdevice's cosf/sinf when compiled, not the approximate PTX), rounded to bf16.
-            freq = tl.load(inv_freq_ptr + tl.where(d < half, d, d - half), mask=rot, other=0.0)
-            angle = tl.load(pos_ptr + token).to(tl.float32) * freq
-            c = _bf16_rne(tl.cos(angle))
-            s = _bf16_rne(tl.sin(angle))
+            c = tl.load(cos_ptr + token * ROTARY + d, mask=rot, other=0.0).to(tl.float32)
+            s = tl.load(sin_ptr + token * ROTARY + d, mask=rot, other=0.0).to(tl.float32)
             y = tl.where(rot, _bf16_rne(_bf16_rne(y * c) + _bf16_rne(y_p * s)), y)
         out_row = tl.where(is_q, q_ptr + (token * NUM_Q + head) * HEAD_DIM,
                            k_ptr + (token * NUM_KV + head - NUM_Q) * HEAD_DIM)
@@ -122,7 +98,7 @@ def _qk_norm_rope_kernel(qkv_ptr, q_w_ptr, k_w_ptr, pos_ptr, inv_freq_ptr, q_ptr
 
 
 def _qk_norm_rope_impl(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                       positions: torch.Tensor, inv_freq: torch.Tensor, num_q_heads: int,
+                       cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int,
                        num_kv_heads: int, eps: float) -> QKV:
     tokens = qkv.shape[0]
     head_dim = q_weight.shape[0]
@@ -131,14 +107,14 @@ def _qk_norm_rope_impl(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torc
     v = qkv.new_empty((tokens, num_kv_heads, head_dim))
     if tokens:
         wrap_triton(_qk_norm_rope_kernel)[(tokens, num_q_heads + 2 * num_kv_heads)](
-            qkv, q_weight, k_weight, positions, inv_freq, q, k, v, eps, qkv.stride(0),
-            NUM_Q=num_q_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim,
-            ROTARY=2 * inv_freq.shape[0], num_warps=1)
+            qkv, q_weight, k_weight, cos, sin, q, k, v, eps, qkv.stride(0), NUM_Q=num_q_heads,
+            NUM_KV=num_kv_heads, HEAD_DIM=head_dim, ROTARY=cos.shape[1],
+            num_warps=1)
     return q, k, v
 
 
 def _qk_norm_rope_fake(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                       positions: torch.Tensor, inv_freq: torch.Tensor, num_q_heads: int,
+                       cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int,
                        num_kv_heads: int, eps: float) -> QKV:
     tokens, head_dim = qkv.shape[0], q_weight.shape[0]
     return (qkv.new_empty((tokens, num_q_heads, head_dim)),
@@ -150,16 +126,15 @@ _qk_norm_rope_op = traced_triton_op("dlmc::qk_norm_rope", _qk_norm_rope_impl, _q
 
 
 def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                 positions: torch.Tensor, inv_freq: torch.Tensor, num_q_heads: int,
-                 num_kv_heads: int, eps: float) -> QKV:
+                 cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+                 eps: float) -> QKV:
     """Per-head RMSNorm of queries and keys, then partial rotary embedding (Triton).
 
     qkv bf16 `[T, (Hq + 2·Hkv)·D]` with unit stride in the last dim; q_weight, k_weight bf16
-    `[D]` (D a power of two); positions int `[T]` (absolute); inv_freq fp32 `[R/2]`
-    (`rope_inv_freq`; `R` at most D, 0: no rotation). Returns contiguous bf16 `(q [T, Hq, D],
-    k [T, Hkv, D], v [T, Hkv, D])`, equal to `qk_norm_rope_reference` up to one bf16 step where
-    the fp32 statistics (summed in another order, `rsqrt` approximate on the GPU) round the
-    other way. No host sync.
+    `[D]` (D a power of two); cos, sin bf16 `[T, R]` (`R` even, at most D; 0 columns: no
+    rotation). Returns contiguous bf16 `(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D])`, equal to
+    `qk_norm_rope_reference` up to one bf16 step where the fp32 statistics (summed in another
+    order, `rsqrt` approximate on the GPU) round the other way. No host sync.
     """
     head_dim = q_weight.shape[0]
     width = (num_q_heads + 2 * num_kv_heads) * head_dim
@@ -169,27 +144,24 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
     if head_dim & (head_dim - 1) or k_weight.shape != q_weight.shape:
         raise ValueError(f"qk_norm_rope: q/k norm weights must be [D] with D a power of two, "
                          f"got {tuple(q_weight.shape)} / {tuple(k_weight.shape)}")
-    if positions.shape != (qkv.shape[0],) or positions.dtype.is_floating_point:
-        raise ValueError(f"qk_norm_rope: positions must be integer [T={qkv.shape[0]}], got "
-                         f"{positions.dtype} {tuple(positions.shape)}")
-    if inv_freq.dim() != 1 or 2 * inv_freq.shape[0] > head_dim or inv_freq.dtype != torch.float32:
-        raise ValueError(f"qk_norm_rope: inv_freq must be fp32 [R/2] with R <= {head_dim}, got "
-                         f"{inv_freq.dtype} {tuple(inv_freq.shape)}")
+    rotary = cos.shape[1]
+    if cos.shape != sin.shape or cos.shape[0] != qkv.shape[0] or rotary % 2 or rotary > head_dim:
+        raise ValueError(f"qk_norm_rope: cos/sin must be [T={qkv.shape[0]}, R] with R even and "
+                         f"<= {head_dim}, got {tuple(cos.shape)} / {tuple(sin.shape)}")
     return _qk_norm_rope_op(qkv if qkv.stride(1) == 1 else qkv.contiguous(),
                             q_weight.to(torch.bfloat16), k_weight.to(torch.bfloat16),
-                            positions.contiguous(), inv_freq.contiguous(), num_q_heads,
-                            num_kv_heads, float(eps))
+                            cos.to(torch.bfloat16).contiguous(),
+                            sin.to(torch.bfloat16).contiguous(), num_q_heads, num_kv_heads,
+                            float(eps))
 
 
 def qk_norm_rope_reference(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                           positions: torch.Tensor, inv_freq: torch.Tensor, num_q_heads: int,
+                           cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int,
                            num_kv_heads: int, eps: float
                            ) -> QKV:
-    """The maths of `qk_norm_rope` in eager PyTorch (LLaDA2's RMSNorm + partial rope, the
-    tables of `rope_tables` in qkv's dtype)."""
+    """The maths of `qk_norm_rope` in eager PyTorch (LLaDA2's RMSNorm + partial rope)."""
     head_dim = q_weight.shape[0]
     heads = qkv.view(qkv.shape[0], -1, head_dim)  # [T, Hq+2Hkv, D]
     q, k, v = heads.split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)
-    cos, sin = rope_tables(positions, inv_freq, qkv.dtype)  # [T, R]
     return (apply_partial_rope(rms_norm(q, q_weight, eps), cos, sin),
             apply_partial_rope(rms_norm(k, k_weight, eps), cos, sin), v.contiguous())

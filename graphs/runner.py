@@ -54,15 +54,16 @@ def compile_options() -> dict[str, Any]:
 
     - `DLMC_MAX_AUTOTUNE_GEMM=1` lets Inductor time its Triton GEMM templates against cuBLAS for
       every matmul shape (slower first start; the choices land in the autotune cache).
-    - `DLMC_UNROLL_REDUCTIONS=N` (default 16; Inductor's own default is 8): reductions of at
-      most N elements become unrolled pointwise sums. The MoE combine sums K + 1 = 9 expert
-      outputs per token (LLaDA2.1-mini with its shared expert): unrolled, Inductor fuses it into
-      the residual add and the next RMSNorm instead of launching a reduction kernel per layer.
+    - `DLMC_UNROLL_REDUCTIONS=N` (default 8, Inductor's own): reductions of at most N elements
+      become unrolled pointwise sums. At 16 the torch form of the MoE combine (K + 1 = 9 terms,
+      `DLMC_MOE_COMBINE=inductor`) is unrolled, but Inductor then launches it as a pointwise
+      kernel of its own instead of fusing it into the next RMSNorm: no gain on the H200
+      (3.330 vs 3.299 ms queued, perf/results/s16/call1).
     """
     flag = os.environ.get("DLMC_MAX_AUTOTUNE_GEMM", "0")
     if flag not in ("0", "1"):
         raise ConfigError(f"DLMC_MAX_AUTOTUNE_GEMM={flag!r}: expected 0 or 1")
-    unroll = os.environ.get("DLMC_UNROLL_REDUCTIONS", "16")
+    unroll = os.environ.get("DLMC_UNROLL_REDUCTIONS", "8")
     if not unroll.isdigit() or not 1 <= int(unroll) <= 64:
         raise ConfigError(f"DLMC_UNROLL_REDUCTIONS={unroll!r}: expected an integer 1..64")
     options: dict[str, Any] = {"unroll_reductions_threshold": int(unroll)}

@@ -37,6 +37,7 @@ from dlmc.custom_ops.moe_route import moe_route_kernel
 from dlmc.custom_ops.moe_route_align import _num_warps, moe_route_align_kernel
 from dlmc.custom_ops.nvfp4_moe import _down_kernel, _gate_up_kernel
 from dlmc.custom_ops.qk_norm_rope import _qk_norm_rope_kernel
+from dlmc.custom_ops.rope_tables import rope_tables_kernel
 from dlmc.custom_ops.router_gemm import _CONFIG as ROUTER_GEMM_CONFIG
 from dlmc.custom_ops.router_gemm import router_gemm_kernel, router_splits
 from dlmc.custom_ops.small_m_linear import _small_m_linear_kernel
@@ -263,15 +264,19 @@ def check_moe_align(tokens: int, top_k: int, num_experts: int, block_m: int, num
 
 
 def check_qk_norm_rope(float_type: str) -> None:
-    pointers = {name: "*bf16" for name in ("qkv_ptr", "q_w_ptr", "k_w_ptr", "q_ptr", "k_ptr",
-                                           "v_ptr")}
-    types = pointers | {"pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "eps": float_type,
-                        "stride_t": "i32"}
-    compiled = compile_sm90(_qk_norm_rope_kernel, types, {
+    pointers = {name: "*bf16" for name in ("qkv_ptr", "q_w_ptr", "k_w_ptr", "cos_ptr", "sin_ptr",
+                                           "q_ptr", "k_ptr", "v_ptr")}
+    types = pointers | {"eps": float_type, "stride_t": "i32"}
+    compile_sm90(_qk_norm_rope_kernel, types, {
         "NUM_Q": 16, "NUM_KV": 4, "HEAD_DIM": 128, "ROTARY": 64}, 1)
+
+
+def check_rope_tables() -> None:
+    compiled = compile_sm90(rope_tables_kernel, {
+        "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "cos_ptr": "*bf16", "sin_ptr": "*bf16"},
+        {"HALF": 32, "HALF_PAD": 32, "INTERPRETED": False}, 1)
     ptx = compiled.asm["ptx"]
-    # the rotary angles' cos/sin are libdevice's (eager PyTorch's cosf/sinf), not the
-    # approximate PTX instructions, whose error would change the bf16 tables
+    # cos/sin are libdevice's (eager PyTorch's cosf/sinf), not the approximate PTX instructions
     assert "cos.approx" not in ptx and "sin.approx" not in ptx
 
 
@@ -351,6 +356,7 @@ if __name__ == "__main__":
     check_moe_align(512, 8, 256, 32, 16, shared_expert=True)
     check_qk_norm_rope("fp64")  # Inductor passes Python floats as fp64
     check_qk_norm_rope("fp32")
+    check_rope_tables()
     check_moe_route("fp64", 1)
     check_moe_route("fp32", 8)  # router_gemm's split-K partials
     check_moe_route_align(32, 1, shared_expert=False)  # a diffusion block, cuBLAS logits

@@ -12,13 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlmc.custom_ops.qk_norm_rope import (
-    qk_norm_rope,
-    qk_norm_rope_reference,
-    rope_inv_freq,
-    rope_tables,
-)
-from dlmc.models.layers import apply_partial_rope, rms_norm
+from dlmc.custom_ops.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
+from dlmc.models.layers import rope_cos_sin
 
 from .graph_capture import compile_and_capture
 
@@ -34,9 +29,8 @@ def make_case(tokens: int, num_q: int, num_kv: int, head_dim: int, rotary: int, 
     q_w = (1.0 + 0.1 * torch.randn(head_dim, generator=gen)).to(BF16)
     k_w = (1.0 + 0.1 * torch.randn(head_dim, generator=gen)).to(BF16)
     positions = torch.randint(0, 30000, (tokens,), generator=gen)
-    inv_freq = rope_inv_freq(rotary, 600000.0, "cpu")
-    return tuple(t.to(DEVICE) for t in (qkv, q_w, k_w, positions, inv_freq)) + (
-        num_q, num_kv, 1e-6)
+    cos, sin = rope_cos_sin(positions, rotary, 600000.0, BF16)
+    return tuple(t.to(DEVICE) for t in (qkv, q_w, k_w, cos, sin)) + (num_q, num_kv, 1e-6)
 
 
 def assert_close_heads(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -78,42 +72,21 @@ def test_llada2_mini_head_shapes_mostly_bit_exact() -> None:
     assert_matches(case)
 
 
-def test_reference_is_the_models_norm_and_rope_of_the_tables() -> None:
-    """The reference = `rms_norm` + `apply_partial_rope` over `rope_tables` (what the model's
-    CPU path computes), written out here once."""
-    qkv, q_w, k_w, pos, inv_freq, nq, nkv, eps = make_case(5, 4, 2, 16, 8, 1.0, 3)
-    cos, sin = rope_tables(pos, inv_freq, BF16)
-    heads = qkv.view(5, -1, 16)
-    q, k, v = qk_norm_rope_reference(qkv, q_w, k_w, pos, inv_freq, nq, nkv, eps)
-    assert torch.equal(q, apply_partial_rope(rms_norm(heads[:, :4], q_w, eps), cos, sin))
-    assert torch.equal(k, apply_partial_rope(rms_norm(heads[:, 4:6], k_w, eps), cos, sin))
-    assert torch.equal(v, heads[:, 6:])
-    angle = pos[2].float() * inv_freq[1]  # table column 1 and R/2 + 1: frequency 1
-    assert cos[2, 1] == cos[2, 5] == torch.cos(angle).to(BF16)
-    assert sin[2, 1] == sin[2, 5] == torch.sin(angle).to(BF16)
-
-
 def test_bad_shapes_name_the_tensor() -> None:
-    qkv, q_w, k_w, pos, inv_freq, nq, nkv, eps = make_case(3, 4, 2, 16, 8, 1.0, 0)
+    qkv, q_w, k_w, cos, sin, nq, nkv, eps = make_case(3, 4, 2, 16, 8, 1.0, 0)
     with pytest.raises(ValueError, match=r"qkv must be bf16 \[T, 128\]"):
-        qk_norm_rope(qkv[:, :64], q_w, k_w, pos, inv_freq, nq, nkv, eps)
-    with pytest.raises(ValueError, match=r"positions must be integer \[T=3\]"):
-        qk_norm_rope(qkv, q_w, k_w, pos[:2], inv_freq, nq, nkv, eps)
-    with pytest.raises(ValueError, match="positions must be integer"):
-        qk_norm_rope(qkv, q_w, k_w, pos.float(), inv_freq, nq, nkv, eps)
-    with pytest.raises(ValueError, match=r"inv_freq must be fp32 \[R/2\] with R <= 16"):
-        qk_norm_rope(qkv, q_w, k_w, pos, torch.ones(9, device=DEVICE), nq, nkv, eps)
-    with pytest.raises(ValueError, match="inv_freq must be fp32"):
-        qk_norm_rope(qkv, q_w, k_w, pos, inv_freq.double(), nq, nkv, eps)
+        qk_norm_rope(qkv[:, :64], q_w, k_w, cos, sin, nq, nkv, eps)
+    with pytest.raises(ValueError, match="cos/sin must be"):
+        qk_norm_rope(qkv, q_w, k_w, cos[:, :3], sin[:, :3], nq, nkv, eps)
     with pytest.raises(ValueError, match="power of two"):
         qk_norm_rope(torch.zeros(3, 96, dtype=BF16, device=DEVICE), q_w[:12], k_w[:12],
-                     pos, inv_freq, nq, nkv, eps)
+                     cos, sin, nq, nkv, eps)
 
 
 def test_opcheck() -> None:
-    qkv, q_w, k_w, pos, inv_freq, nq, nkv, eps = make_case(3, 4, 2, 16, 8, 1.0, 1)
+    qkv, q_w, k_w, cos, sin, nq, nkv, eps = make_case(3, 4, 2, 16, 8, 1.0, 1)
     torch.library.opcheck(torch.ops.dlmc.qk_norm_rope.default,
-                          (qkv, q_w, k_w, pos, inv_freq, nq, nkv, eps),
+                          (qkv, q_w, k_w, cos, sin, nq, nkv, eps),
                           test_utils=("test_schema", "test_faketensor"))
 
 

@@ -146,10 +146,10 @@ def test_graph_replay_with_the_shared_expert_fused_on_cuda(tiny_dir):
 def test_compile_options_from_the_environment(monkeypatch):
     monkeypatch.delenv("DLMC_MAX_AUTOTUNE_GEMM", raising=False)
     monkeypatch.delenv("DLMC_UNROLL_REDUCTIONS", raising=False)
-    assert compile_options() == {"unroll_reductions_threshold": 16}
+    assert compile_options() == {"unroll_reductions_threshold": 8}
     monkeypatch.setenv("DLMC_MAX_AUTOTUNE_GEMM", "1")
-    monkeypatch.setenv("DLMC_UNROLL_REDUCTIONS", "8")
-    assert compile_options() == {"max_autotune_gemm": True, "unroll_reductions_threshold": 8}
+    monkeypatch.setenv("DLMC_UNROLL_REDUCTIONS", "16")
+    assert compile_options() == {"max_autotune_gemm": True, "unroll_reductions_threshold": 16}
     monkeypatch.setenv("DLMC_MAX_AUTOTUNE_GEMM", "yes")
     with pytest.raises(ConfigError, match="DLMC_MAX_AUTOTUNE_GEMM='yes'"):
         compile_options()

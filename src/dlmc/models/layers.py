@@ -8,12 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dlmc.custom_ops.qk_norm_rope import apply_partial_rope, rms_norm, rope_inv_freq, rope_tables
+from dlmc.custom_ops.qk_norm_rope import apply_partial_rope, rms_norm
+from dlmc.custom_ops.rope_tables import rope_inv_freq, rope_tables, rope_tables_reference
 from dlmc.custom_ops.small_m_linear import MAX_TOKENS, small_m_linear
 from dlmc.errors import ConfigError
 
 __all__ = ["RMSNorm", "SwiGLUMLP", "apply_partial_rope", "env_choice", "fuse_gate_up_projections",
-           "linear", "rms_norm", "rope_cos_sin", "rope_inv_freq", "small_m_gemm"]
+           "linear", "rms_norm", "rope_cos_sin", "small_m_gemm"]
 
 
 def env_choice(env: str, default: str, allowed: tuple[str, ...]) -> str:
@@ -59,9 +60,14 @@ def rope_cos_sin(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables `[T, rotary_dim]` for absolute `positions [T]`, computed in fp32.
 
-    `inv_freq[i] = theta^(-2i/rotary_dim)`; the table is `cat(angles, angles)` (`rope_tables`).
+    `inv_freq[i] = theta^(-2i/rotary_dim)`; the table is `cat(angles, angles)`. Bf16 tables of
+    CUDA positions come from one `dlmc::rope_tables` launch (the same values), others from the
+    torch ops of `rope_tables_reference`.
     """
-    return rope_tables(positions, rope_inv_freq(rotary_dim, theta, positions.device), dtype)
+    inv_freq = rope_inv_freq(rotary_dim, theta, positions.device)
+    if positions.is_cuda and dtype == torch.bfloat16:
+        return rope_tables(positions, inv_freq)
+    return rope_tables_reference(positions, inv_freq, dtype)
 
 
 class SwiGLUMLP(nn.Module):

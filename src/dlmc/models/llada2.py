@@ -15,7 +15,7 @@ from torch import nn
 
 from dlmc.custom_ops.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
 from dlmc.models.config import LLaDA2Config
-from dlmc.models.layers import RMSNorm, SwiGLUMLP, linear, rope_inv_freq, small_m_gemm
+from dlmc.models.layers import RMSNorm, SwiGLUMLP, linear, rope_cos_sin, small_m_gemm
 from dlmc.models.moe import MoEBlock
 
 
@@ -46,17 +46,14 @@ class Attention(nn.Module):
         self.gemm = small_m_gemm()
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-        ctx: AttentionContext,
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
-        """x `[T, H]` at absolute `positions [T]`; `inv_freq` fp32 `[R/2]` (`rope_inv_freq`)."""
         tokens = x.shape[0]
         qkv = linear(x, self.query_key_value.weight, self.gemm)  # [T, (Hq+2Hkv)*D]
         norm_rope = qk_norm_rope if qkv.is_cuda and qkv.dtype == torch.bfloat16 else (
             qk_norm_rope_reference)  # one Triton launch on the GPU; eager maths elsewhere
-        q, k, v = norm_rope(qkv, self.query_layernorm.weight, self.key_layernorm.weight,
-                            positions, inv_freq, self.num_heads, self.num_kv_heads,
-                            self.query_layernorm.eps)
+        q, k, v = norm_rope(qkv, self.query_layernorm.weight, self.key_layernorm.weight, cos,
+                            sin, self.num_heads, self.num_kv_heads, self.query_layernorm.eps)
         out = ctx.attend(self.layer_idx, q, k, v)  # q [T, Hq, D], k/v [T, Hkv, D]
         return linear(out.reshape(tokens, -1), self.dense.weight, self.gemm)
 
@@ -74,10 +71,9 @@ class DecoderLayer(nn.Module):
         )
 
     def forward(
-        self, h: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-        ctx: AttentionContext,
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
-        h = h + self.attention(self.input_layernorm(h), positions, inv_freq, ctx)
+        h = h + self.attention(self.input_layernorm(h), cos, sin, ctx)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -116,10 +112,9 @@ class LLaDA2ForDiffusion(nn.Module):
         """input_ids `[T]` int64, positions `[T]` (absolute canvas indices) -> `[T, V]` fp32
         (only rows `logits_from:` when set: `[T - logits_from, V]`)."""
         h = self.model.word_embeddings(input_ids)  # [T, H]
-        # Rotary angles are made where they are used (`qk_norm_rope`), from the positions.
-        inv_freq = rope_inv_freq(self.config.rotary_dim, self.config.rope_theta, h.device)
+        cos, sin = rope_cos_sin(positions, self.config.rotary_dim, self.config.rope_theta, h.dtype)
         for layer in self.model.layers:
-            h = layer(h, positions, inv_freq, ctx)
+            h = layer(h, cos, sin, ctx)
         if not compute_logits:
             return None
         return self.lm_head(self.model.norm(h[logits_from:])).float()
