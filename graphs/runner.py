@@ -7,6 +7,7 @@ Buckets: the key length (cache slots a round may attend to) is rounded up to a p
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -30,12 +31,27 @@ MAX_STEPS = 4096
 _compiled: dict[str, Callable[..., Any]] = {}
 
 
+def kernel_switches() -> str:
+    """The `DLMC_*` kernel switches of this process (`DLMC_CACHE` aside), `NAME=value` sorted
+    and joined by spaces; empty when none is set."""
+    return " ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
+                    if k.startswith("DLMC_") and k != "DLMC_CACHE")
+
+
 def inductor_cache_dir() -> str:
     """Inductor's FX-graph and autotune caches persist in dlmc's cache directory (unless
-    TORCHINDUCTOR_CACHE_DIR is set), so a second start of the same model and shapes is fast."""
+    TORCHINDUCTOR_CACHE_DIR is set), so a second start of the same model and shapes is fast.
+
+    One directory per set of `kernel_switches()`: the switches choose code inside the bodies of
+    dlmc's Triton ops, which Inductor expands after computing its FX-graph cache key, so one
+    directory for all of them served a graph compiled under other switches (perf/results/s16/
+    call1: `DLMC_MOE_COMBINE=inductor` replayed the `triton` graph)."""
     from dlmc.loading.hub import dlmc_cache_dir
 
-    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(dlmc_cache_dir() / "inductor"))
+    switches = kernel_switches()
+    name = "inductor" + (f"-{hashlib.sha256(switches.encode()).hexdigest()[:12]}" if switches
+                         else "")
+    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(dlmc_cache_dir() / name))
 
 
 def _compile(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,13 +1,20 @@
 """The round function: eager and compiled give identical tokens; compiled with fullgraph=True
 (which fails on any host sync or graph break inside the round)."""
 
+import os
+
 import pytest
 import torch
 
 from dlmc.engine.block_decoder import BlockDecoder
 from dlmc.engine.decode_config import DecodeConfig
 from dlmc.errors import ConfigError
-from dlmc.graphs.runner import RoundRunner, compile_options
+from dlmc.graphs.runner import (
+    RoundRunner,
+    compile_options,
+    inductor_cache_dir,
+    kernel_switches,
+)
 from dlmc.kv.paged_cache import KVCacheConfig, PagedKVCache
 
 
@@ -213,3 +220,25 @@ def test_fused_kv_append_graph_rounds_match_the_separate_append_on_cuda(tiny_dir
     for kv_cache_dtype in ("fp8", "bf16"):
         on, off = results["on", kv_cache_dtype], results["off", kv_cache_dtype]
         assert on.token_ids == off.token_ids and on.num_forwards == off.num_forwards
+
+
+def test_inductor_cache_dir_is_per_kernel_switches(monkeypatch, tmp_path):
+    """Switches that change the bodies of dlmc's ops get their own Inductor cache."""
+    for name in [k for k in os.environ if k.startswith("DLMC_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("DLMC_CACHE", str(tmp_path))
+    dirs = []
+    for switches in ({}, {"DLMC_MOE_COMBINE": "inductor"}, {"DLMC_MOE_COMBINE": "triton"},
+                     {"DLMC_MOE_COMBINE": "triton", "DLMC_NVFP4_KERNEL": "v5"}):
+        for name in ("DLMC_MOE_COMBINE", "DLMC_NVFP4_KERNEL"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in switches.items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        assert kernel_switches() == " ".join(f"{k}={v}" for k, v in sorted(switches.items()))
+        dirs.append(inductor_cache_dir())
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == dirs[-1]
+        assert dirs[-1].startswith(str(tmp_path))
+    assert dirs[0].endswith("inductor") and len(set(dirs)) == 4
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")  # the user's choice wins
+    assert inductor_cache_dir() == "/elsewhere"
