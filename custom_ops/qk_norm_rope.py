@@ -26,8 +26,8 @@ from dlmc.custom_ops._registration import traced_triton_op
 
 QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
-__all__ = ["apply_partial_rope", "qk_norm_rope", "qk_norm_rope_reference", "rms_norm",
-           "rope_inv_freq", "rope_tables"]
+__all__ = ["apply_partial_rope", "qk_norm_rope", "qk_norm_rope_args", "qk_norm_rope_reference",
+           "qk_norm_rope_row", "rms_norm", "rope_inv_freq", "rope_tables"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -85,17 +85,18 @@ def _normed(x_row_ptr, w_ptr, d, rstd):
 
 
 @triton.jit
-def _qk_norm_rope_kernel(qkv_ptr, q_w_ptr, k_w_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_ptr, v_ptr,
-                         eps, stride_t, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr):
+def qk_norm_rope_row(qkv_ptr, q_w_ptr, k_w_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_ptr, v_ptr, eps,
+                     stride_t, token, head, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr):
+    """The work of program (token, head) of `_qk_norm_rope_kernel` (heads: q, then k, then v):
+    stores the row of q, k or v and returns it, bf16 `[HEAD_DIM]` (for kernels that also
+    store it elsewhere, `dlmc::qk_norm_rope_append`)."""
     eps = tl.cast(eps, tl.float32)  # Inductor passes Python floats as fp64
-    token = tl.program_id(0)
-    head = tl.program_id(1)  # q heads, then k heads, then v heads
     d = tl.arange(0, HEAD_DIM)
     row = qkv_ptr + token * stride_t + head * HEAD_DIM
     if head >= NUM_Q + NUM_KV:  # value head: copied out contiguous
-        out = v_ptr + (token * NUM_KV + head - NUM_Q - NUM_KV) * HEAD_DIM
-        tl.store(out + d, tl.load(row + d))
+        out_row = v_ptr + (token * NUM_KV + head - NUM_Q - NUM_KV) * HEAD_DIM
+        out = tl.load(row + d)
     else:
         x = tl.load(row + d).to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)  # as torch.rsqrt on CUDA
@@ -118,7 +119,18 @@ def _qk_norm_rope_kernel(qkv_ptr, q_w_ptr, k_w_ptr, pos_ptr, inv_freq_ptr, q_ptr
             y = tl.where(rot, _bf16_rne(_bf16_rne(y * c) + _bf16_rne(y_p * s)), y)
         out_row = tl.where(is_q, q_ptr + (token * NUM_Q + head) * HEAD_DIM,
                            k_ptr + (token * NUM_KV + head - NUM_Q) * HEAD_DIM)
-        tl.store(out_row + d, y.to(tl.bfloat16))  # exact: y holds a bf16 value
+        out = y.to(tl.bfloat16)  # exact: y holds a bf16 value
+    tl.store(out_row + d, out)
+    return out
+
+
+@triton.jit
+def _qk_norm_rope_kernel(qkv_ptr, q_w_ptr, k_w_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_ptr, v_ptr,
+                         eps, stride_t, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr):
+    qk_norm_rope_row(qkv_ptr, q_w_ptr, k_w_ptr, pos_ptr, inv_freq_ptr, q_ptr, k_ptr, v_ptr, eps,
+                     stride_t, tl.program_id(0), tl.program_id(1), NUM_Q, NUM_KV, HEAD_DIM,
+                     ROTARY)
 
 
 def _qk_norm_rope_impl(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
@@ -149,6 +161,30 @@ def _qk_norm_rope_fake(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torc
 _qk_norm_rope_op = traced_triton_op("dlmc::qk_norm_rope", _qk_norm_rope_impl, _qk_norm_rope_fake)
 
 
+def qk_norm_rope_args(op: str, qkv: torch.Tensor, q_weight: torch.Tensor,
+                      k_weight: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                      num_q_heads: int, num_kv_heads: int, eps: float) -> tuple:
+    """`qk_norm_rope`'s inputs checked (a `ValueError` prefixed by `op` names the bad tensor)
+    and laid out as its kernel reads them; shared with `dlmc::qk_norm_rope_append`."""
+    head_dim = q_weight.shape[0]
+    width = (num_q_heads + 2 * num_kv_heads) * head_dim
+    if qkv.dtype != torch.bfloat16 or qkv.dim() != 2 or qkv.shape[1] != width:
+        raise ValueError(f"{op}: qkv must be bf16 [T, {width}], got {qkv.dtype} "
+                         f"{tuple(qkv.shape)}")
+    if head_dim & (head_dim - 1) or k_weight.shape != q_weight.shape:
+        raise ValueError(f"{op}: q/k norm weights must be [D] with D a power of two, "
+                         f"got {tuple(q_weight.shape)} / {tuple(k_weight.shape)}")
+    if positions.shape != (qkv.shape[0],) or positions.dtype.is_floating_point:
+        raise ValueError(f"{op}: positions must be integer [T={qkv.shape[0]}], got "
+                         f"{positions.dtype} {tuple(positions.shape)}")
+    if inv_freq.dim() != 1 or 2 * inv_freq.shape[0] > head_dim or inv_freq.dtype != torch.float32:
+        raise ValueError(f"{op}: inv_freq must be fp32 [R/2] with R <= {head_dim}, got "
+                         f"{inv_freq.dtype} {tuple(inv_freq.shape)}")
+    return (qkv if qkv.stride(1) == 1 else qkv.contiguous(), q_weight.to(torch.bfloat16),
+            k_weight.to(torch.bfloat16), positions.contiguous(), inv_freq.contiguous(),
+            num_q_heads, num_kv_heads, float(eps))
+
+
 def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                  positions: torch.Tensor, inv_freq: torch.Tensor, num_q_heads: int,
                  num_kv_heads: int, eps: float) -> QKV:
@@ -161,24 +197,9 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
     the fp32 statistics (summed in another order, `rsqrt` approximate on the GPU) round the
     other way. No host sync.
     """
-    head_dim = q_weight.shape[0]
-    width = (num_q_heads + 2 * num_kv_heads) * head_dim
-    if qkv.dtype != torch.bfloat16 or qkv.dim() != 2 or qkv.shape[1] != width:
-        raise ValueError(f"qk_norm_rope: qkv must be bf16 [T, {width}], got {qkv.dtype} "
-                         f"{tuple(qkv.shape)}")
-    if head_dim & (head_dim - 1) or k_weight.shape != q_weight.shape:
-        raise ValueError(f"qk_norm_rope: q/k norm weights must be [D] with D a power of two, "
-                         f"got {tuple(q_weight.shape)} / {tuple(k_weight.shape)}")
-    if positions.shape != (qkv.shape[0],) or positions.dtype.is_floating_point:
-        raise ValueError(f"qk_norm_rope: positions must be integer [T={qkv.shape[0]}], got "
-                         f"{positions.dtype} {tuple(positions.shape)}")
-    if inv_freq.dim() != 1 or 2 * inv_freq.shape[0] > head_dim or inv_freq.dtype != torch.float32:
-        raise ValueError(f"qk_norm_rope: inv_freq must be fp32 [R/2] with R <= {head_dim}, got "
-                         f"{inv_freq.dtype} {tuple(inv_freq.shape)}")
-    return _qk_norm_rope_op(qkv if qkv.stride(1) == 1 else qkv.contiguous(),
-                            q_weight.to(torch.bfloat16), k_weight.to(torch.bfloat16),
-                            positions.contiguous(), inv_freq.contiguous(), num_q_heads,
-                            num_kv_heads, float(eps))
+    return _qk_norm_rope_op(*qk_norm_rope_args("qk_norm_rope", qkv, q_weight, k_weight,
+                                                positions, inv_freq, num_q_heads, num_kv_heads,
+                                                eps))
 
 
 def qk_norm_rope_reference(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
