@@ -127,9 +127,33 @@ def kv_append_fake(
     """Fake function: the op only mutates the caches (nothing to allocate, no data read)."""
 
 
-def _check(cond: bool, message: str) -> None:
+def _check(cond: bool, message: str, op: str = "kv_append") -> None:
     if not cond:
-        raise ConfigError(f"kv_append: {message}")
+        raise ConfigError(f"{op}: {message}")
+
+
+def check_cache_args(
+    op: str, num_kv_heads: int, head_dim: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    page_table: torch.Tensor, offset: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+) -> None:
+    """The checks of `kv_append`'s cache arguments for K/V of `[T, num_kv_heads, head_dim]`
+    (a `ConfigError` prefixed by `op` names the bad tensor); shared with the ops that append
+    from their own kernel (`dlmc::qk_norm_rope_append`)."""
+    _check(k_cache.dim() == 4 and tuple(k_cache.shape[2:]) == (num_kv_heads, head_dim)
+           and k_cache.dtype in (torch.float8_e4m3fn, torch.bfloat16),
+           f"k_cache must be [num_pages, page_size, {num_kv_heads}, {head_dim}] float8_e4m3fn "
+           f"or bfloat16, got {tuple(k_cache.shape)} {k_cache.dtype}", op)
+    _check(v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype
+           and v_cache.stride() == k_cache.stride(), "v_cache must match k_cache", op)
+    _check(k_cache.stride(-1) == 1, "the caches must be contiguous in the head dim", op)
+    _check(page_table.dim() == 1 and page_table.dtype == torch.int32,
+           f"page_table must be 1-D int32, got {tuple(page_table.shape)} {page_table.dtype}", op)
+    _check(offset.numel() == 1 and offset.dtype == torch.int32,
+           f"offset must be a 1-element int32 tensor, got {tuple(offset.shape)} {offset.dtype}",
+           op)
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        _check(t.numel() == 1 and t.dtype == torch.float32,
+               f"{name} must be a 1-element float32 tensor, got {tuple(t.shape)} {t.dtype}", op)
 
 
 def kv_append(
@@ -151,21 +175,9 @@ def kv_append(
     _check(k.dim() == 3 and k.dtype == torch.bfloat16 and v.shape == k.shape
            and v.dtype == k.dtype, f"k and v must be [T, Hkv, D] bfloat16, got "
            f"{tuple(k.shape)} {k.dtype} and {tuple(v.shape)} {v.dtype}")
-    _check(k_cache.dim() == 4 and k_cache.shape[2:] == k.shape[1:]
-           and k_cache.dtype in (torch.float8_e4m3fn, torch.bfloat16),
-           f"k_cache must be [num_pages, page_size, {k.shape[1]}, {k.shape[2]}] float8_e4m3fn "
-           f"or bfloat16, got {tuple(k_cache.shape)} {k_cache.dtype}")
-    _check(v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype
-           and v_cache.stride() == k_cache.stride(), "v_cache must match k_cache")
-    _check(k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride(-1) == 1,
-           "k, v and the caches must be contiguous in the head dim")
-    _check(page_table.dim() == 1 and page_table.dtype == torch.int32,
-           f"page_table must be 1-D int32, got {tuple(page_table.shape)} {page_table.dtype}")
-    _check(offset.numel() == 1 and offset.dtype == torch.int32,
-           f"offset must be a 1-element int32 tensor, got {tuple(offset.shape)} {offset.dtype}")
-    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
-        _check(t.numel() == 1 and t.dtype == torch.float32,
-               f"{name} must be a 1-element float32 tensor, got {tuple(t.shape)} {t.dtype}")
+    _check(k.stride(-1) == 1 and v.stride(-1) == 1, "k and v must be contiguous in the head dim")
+    check_cache_args("kv_append", k.shape[1], k.shape[2], k_cache, v_cache, page_table, offset,
+                     k_scale, v_scale)
     if num_tokens == 0:
         return
     torch.ops.dlmc.kv_append(k, v, k_cache, v_cache, page_table, offset.reshape(1),

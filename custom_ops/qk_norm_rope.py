@@ -4,7 +4,8 @@ Triton launch.
 The fused `query_key_value` projection gives `[T, (Hq + 2·Hkv)·D]`. Every query and key head is
 RMS-normalised over its `D` dims (fp32 statistics, `w * bf16(x * rsqrt(mean(x²) + eps))`), then
 its first `R` dims are rotated (`y·cos + rotate_half(y)·sin`, each product rounded to bf16 as
-eager PyTorch does); value heads are copied out. Inductor makes four to six kernels of this
+eager PyTorch does) with the round's cos/sin tables (`dlmc::rope_tables`); value heads are
+copied out. Inductor makes four to six kernels of this
 (a statistics reduction and a rotary pass per q and k, plus copies) because the rotation reads
 across the reduced row; here one program holds a head's row and does all of it.
 The maths is `qk_norm_rope_reference` (`rms_norm` + `apply_partial_rope`, which the model's
@@ -22,7 +23,8 @@ from dlmc.custom_ops._registration import traced_triton_op
 
 QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
-__all__ = ["apply_partial_rope", "qk_norm_rope", "qk_norm_rope_reference", "rms_norm"]
+__all__ = ["apply_partial_rope", "qk_norm_rope", "qk_norm_rope_args", "qk_norm_rope_reference",
+           "qk_norm_rope_row", "rms_norm"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -65,17 +67,18 @@ def _normed(x_row_ptr, w_ptr, d, rstd):
 
 
 @triton.jit
-def _qk_norm_rope_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, eps,
-                         stride_t, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr):
+def qk_norm_rope_row(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, eps,
+                     stride_t, token, head, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr):
+    """The work of program (token, head) of `_qk_norm_rope_kernel` (heads: q, then k, then v):
+    stores the row of q, k or v and returns it, bf16 `[HEAD_DIM]` (for kernels that also
+    store it elsewhere, `dlmc::qk_norm_rope_append`)."""
     eps = tl.cast(eps, tl.float32)  # Inductor passes Python floats as fp64
-    token = tl.program_id(0)
-    head = tl.program_id(1)  # q heads, then k heads, then v heads
     d = tl.arange(0, HEAD_DIM)
     row = qkv_ptr + token * stride_t + head * HEAD_DIM
     if head >= NUM_Q + NUM_KV:  # value head: copied out contiguous
-        out = v_ptr + (token * NUM_KV + head - NUM_Q - NUM_KV) * HEAD_DIM
-        tl.store(out + d, tl.load(row + d))
+        out_row = v_ptr + (token * NUM_KV + head - NUM_Q - NUM_KV) * HEAD_DIM
+        out = tl.load(row + d)
     else:
         x = tl.load(row + d).to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)  # as torch.rsqrt on CUDA
@@ -94,7 +97,18 @@ def _qk_norm_rope_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, q_ptr, k_p
             y = tl.where(rot, _bf16_rne(_bf16_rne(y * c) + _bf16_rne(y_p * s)), y)
         out_row = tl.where(is_q, q_ptr + (token * NUM_Q + head) * HEAD_DIM,
                            k_ptr + (token * NUM_KV + head - NUM_Q) * HEAD_DIM)
-        tl.store(out_row + d, y.to(tl.bfloat16))  # exact: y holds a bf16 value
+        out = y.to(tl.bfloat16)  # exact: y holds a bf16 value
+    tl.store(out_row + d, out)
+    return out
+
+
+@triton.jit
+def _qk_norm_rope_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr,
+                         eps, stride_t, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr):
+    qk_norm_rope_row(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, eps,
+                     stride_t, tl.program_id(0), tl.program_id(1), NUM_Q, NUM_KV, HEAD_DIM,
+                     ROTARY)
 
 
 def _qk_norm_rope_impl(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
@@ -107,8 +121,8 @@ def _qk_norm_rope_impl(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torc
     v = qkv.new_empty((tokens, num_kv_heads, head_dim))
     if tokens:
         wrap_triton(_qk_norm_rope_kernel)[(tokens, num_q_heads + 2 * num_kv_heads)](
-            qkv, q_weight, k_weight, cos, sin, q, k, v, eps, qkv.stride(0), NUM_Q=num_q_heads,
-            NUM_KV=num_kv_heads, HEAD_DIM=head_dim, ROTARY=cos.shape[1],
+            qkv, q_weight, k_weight, cos, sin, q, k, v, eps, qkv.stride(0),
+            NUM_Q=num_q_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, ROTARY=cos.shape[1],
             num_warps=1)
     return q, k, v
 
@@ -125,6 +139,28 @@ def _qk_norm_rope_fake(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torc
 _qk_norm_rope_op = traced_triton_op("dlmc::qk_norm_rope", _qk_norm_rope_impl, _qk_norm_rope_fake)
 
 
+def qk_norm_rope_args(op: str, qkv: torch.Tensor, q_weight: torch.Tensor,
+                      k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      num_q_heads: int, num_kv_heads: int, eps: float) -> tuple:
+    """`qk_norm_rope`'s inputs checked (a `ValueError` prefixed by `op` names the bad tensor)
+    and laid out as its kernel reads them; shared with `dlmc::qk_norm_rope_append`."""
+    head_dim = q_weight.shape[0]
+    width = (num_q_heads + 2 * num_kv_heads) * head_dim
+    if qkv.dtype != torch.bfloat16 or qkv.dim() != 2 or qkv.shape[1] != width:
+        raise ValueError(f"{op}: qkv must be bf16 [T, {width}], got {qkv.dtype} "
+                         f"{tuple(qkv.shape)}")
+    if head_dim & (head_dim - 1) or k_weight.shape != q_weight.shape:
+        raise ValueError(f"{op}: q/k norm weights must be [D] with D a power of two, "
+                         f"got {tuple(q_weight.shape)} / {tuple(k_weight.shape)}")
+    rotary = cos.shape[1]
+    if cos.shape != sin.shape or cos.shape[0] != qkv.shape[0] or rotary % 2 or rotary > head_dim:
+        raise ValueError(f"{op}: cos/sin must be [T={qkv.shape[0]}, R] with R even and "
+                         f"<= {head_dim}, got {tuple(cos.shape)} / {tuple(sin.shape)}")
+    return (qkv if qkv.stride(1) == 1 else qkv.contiguous(), q_weight.to(torch.bfloat16),
+            k_weight.to(torch.bfloat16), cos.to(torch.bfloat16).contiguous(),
+            sin.to(torch.bfloat16).contiguous(), num_q_heads, num_kv_heads, float(eps))
+
+
 def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                  cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int, num_kv_heads: int,
                  eps: float) -> QKV:
@@ -132,27 +168,13 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
 
     qkv bf16 `[T, (Hq + 2·Hkv)·D]` with unit stride in the last dim; q_weight, k_weight bf16
     `[D]` (D a power of two); cos, sin bf16 `[T, R]` (`R` even, at most D; 0 columns: no
-    rotation). Returns contiguous bf16 `(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D])`, equal to
-    `qk_norm_rope_reference` up to one bf16 step where the fp32 statistics (summed in another
-    order, `rsqrt` approximate on the GPU) round the other way. No host sync.
+    rotation; `dlmc::rope_tables`). Returns contiguous bf16 `(q [T, Hq, D], k [T, Hkv, D],
+    v [T, Hkv, D])`, equal to `qk_norm_rope_reference` up to one bf16 step where the fp32
+    statistics (summed in another order, `rsqrt` approximate on the GPU) round the other way.
+    No host sync.
     """
-    head_dim = q_weight.shape[0]
-    width = (num_q_heads + 2 * num_kv_heads) * head_dim
-    if qkv.dtype != torch.bfloat16 or qkv.dim() != 2 or qkv.shape[1] != width:
-        raise ValueError(f"qk_norm_rope: qkv must be bf16 [T, {width}], got {qkv.dtype} "
-                         f"{tuple(qkv.shape)}")
-    if head_dim & (head_dim - 1) or k_weight.shape != q_weight.shape:
-        raise ValueError(f"qk_norm_rope: q/k norm weights must be [D] with D a power of two, "
-                         f"got {tuple(q_weight.shape)} / {tuple(k_weight.shape)}")
-    rotary = cos.shape[1]
-    if cos.shape != sin.shape or cos.shape[0] != qkv.shape[0] or rotary % 2 or rotary > head_dim:
-        raise ValueError(f"qk_norm_rope: cos/sin must be [T={qkv.shape[0]}, R] with R even and "
-                         f"<= {head_dim}, got {tuple(cos.shape)} / {tuple(sin.shape)}")
-    return _qk_norm_rope_op(qkv if qkv.stride(1) == 1 else qkv.contiguous(),
-                            q_weight.to(torch.bfloat16), k_weight.to(torch.bfloat16),
-                            cos.to(torch.bfloat16).contiguous(),
-                            sin.to(torch.bfloat16).contiguous(), num_q_heads, num_kv_heads,
-                            float(eps))
+    return _qk_norm_rope_op(*qk_norm_rope_args("qk_norm_rope", qkv, q_weight, k_weight,
+                                                cos, sin, num_q_heads, num_kv_heads, eps))
 
 
 def qk_norm_rope_reference(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,

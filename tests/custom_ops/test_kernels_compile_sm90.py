@@ -37,6 +37,7 @@ from dlmc.custom_ops.moe_route import moe_route_kernel
 from dlmc.custom_ops.moe_route_align import _num_warps, moe_route_align_kernel
 from dlmc.custom_ops.nvfp4_moe import _down_kernel, _gate_up_kernel
 from dlmc.custom_ops.qk_norm_rope import _qk_norm_rope_kernel
+from dlmc.custom_ops.qk_norm_rope_append import qk_norm_rope_append_kernel
 from dlmc.custom_ops.rope_tables import rope_tables_kernel
 from dlmc.custom_ops.router_gemm import _CONFIG as ROUTER_GEMM_CONFIG
 from dlmc.custom_ops.router_gemm import router_gemm_kernel, router_splits
@@ -280,6 +281,25 @@ def check_rope_tables() -> None:
     assert "cos.approx" not in ptx and "sin.approx" not in ptx
 
 
+def check_qk_norm_rope_append(float_type: str, kv_type: str) -> None:
+    """`dlmc::qk_norm_rope_append` as its launcher passes the arguments: qk_norm_rope's, the
+    pools `kv_type`, the page table, offset and scales, int strides; the FP8 store rounds as
+    kv_append's does."""
+    pointers = {name: "*bf16" for name in ("qkv_ptr", "q_w_ptr", "k_w_ptr", "cos_ptr", "sin_ptr",
+                                           "q_ptr", "k_ptr", "v_ptr")}
+    types = pointers | {"k_cache_ptr": kv_type,
+                        "v_cache_ptr": kv_type, "page_table_ptr": "*i32", "offset_ptr": "*i32",
+                        "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "eps": float_type}
+    types = {name: types.get(name, "i32") for name in qk_norm_rope_append_kernel.arg_names}
+    fp8 = kv_type == "*fp8e4nv"
+    compiled = compile_sm90(qk_norm_rope_append_kernel, types, {
+        "NUM_Q": 16, "NUM_KV": 4, "HEAD_DIM": 128, "ROTARY": 64, "PAGE_SIZE": 16,
+        "MAX_TOKENS": 4096, "QUANTIZE": fp8, "EMULATE_FP8": False}, 1)
+    ptx = compiled.asm["ptx"]
+    if fp8:
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx
+
+
 def check_moe_route(float_type: str, splits: int) -> None:
     types = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64",
              "weights_ptr": "*fp32", "stride_split": "i32", "stride_logits": "i32",
@@ -357,6 +377,8 @@ if __name__ == "__main__":
     check_qk_norm_rope("fp64")  # Inductor passes Python floats as fp64
     check_qk_norm_rope("fp32")
     check_rope_tables()
+    check_qk_norm_rope_append("fp64", "*fp8e4nv")  # as Inductor calls it
+    check_qk_norm_rope_append("fp32", "*bf16")
     check_moe_route("fp64", 1)
     check_moe_route("fp32", 8)  # router_gemm's split-K partials
     check_moe_route_align(32, 1, shared_expert=False)  # a diffusion block, cuBLAS logits

@@ -167,14 +167,17 @@ def test_compile_options_from_the_environment(monkeypatch):
             compile_options()
 
 
-def _paged_decode(llm, monkeypatch, fused: str):
+def _paged_decode(llm, monkeypatch, fused: str, rope_append: str = "off"):
     """A paged FP8 decode of the tiny model on the Triton backend (the interpreter on CPU) with
-    DLMC_FUSED_KV_APPEND=`fused`: a prefill, a round, and a round fused with the refresh."""
+    DLMC_FUSED_KV_APPEND=`fused` and DLMC_ROPE_KV_APPEND=`rope_append`: a prefill, a round,
+    and a round fused with the refresh."""
     monkeypatch.setenv("DLMC_FUSED_KV_APPEND", fused)
+    monkeypatch.setenv("DLMC_ROPE_KV_APPEND", rope_append)
     monkeypatch.setattr("dlmc.kv.paged_cache.default_backend", lambda device: "triton")
     dec = BlockDecoder(llm.model, llm.special_ids.mask_token_id, llm.special_ids.eos_token_id,
                        64, torch.device("cpu"), torch.bfloat16, kv_cache_dtype="fp8")
     assert dec.cache.backend == "triton" and dec.cache.fused_append == (fused == "on")
+    assert dec.cache.rope_append == (fused != "on" and rope_append == "on")
     cfg = DecodeConfig(algorithm="threshold", threshold=0.9, steps=1, block_length=8,
                        max_new_tokens=16)  # one round per block
     gen = dec.decode(list(range(60, 68)), cfg, rounds=True)
@@ -186,20 +189,53 @@ def _paged_decode(llm, monkeypatch, fused: str):
             return stop.value, events, dec.cache
 
 
+def _assert_same_decode(mine, theirs) -> None:
+    """Two `_paged_decode` results: the same tokens, round events and FP8 cache bytes."""
+    (result, events, cache), (other, other_events, other_cache) = mine, theirs
+    assert result.total_forwards == other.total_forwards == 3
+    assert result.answer_ids == other.answer_ids and events == other_events
+    for a, b in zip(cache.k + cache.v, other_cache.k + other_cache.v, strict=True):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert cache.length == 24 and cache.k[0].view(torch.uint8).any()
+
+
 def test_fused_kv_append_rounds_match_the_separate_append(tiny_dir, monkeypatch):
     """The round with the K/V stored by the attention's kernel (the Triton default) gives the
     tokens, round events and FP8 cache bytes of kv_append + attention."""
     from dlmc import LLM
 
     llm = LLM(tiny_dir, device="cpu", dtype="bf16")
-    fused, fused_events, fused_cache = _paged_decode(llm, monkeypatch, "on")
-    separate, separate_events, separate_cache = _paged_decode(llm, monkeypatch, "off")
-    assert fused.total_forwards == separate.total_forwards == 3 and fused.fused_rounds == 1
-    assert fused.answer_ids == separate.answer_ids and fused_events == separate_events
-    for mine, theirs in zip(fused_cache.k + fused_cache.v, separate_cache.k + separate_cache.v,
-                            strict=True):
-        assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8))
-    assert fused_cache.length == 24 and fused_cache.k[0].view(torch.uint8).any()
+    fused = _paged_decode(llm, monkeypatch, "on")
+    separate = _paged_decode(llm, monkeypatch, "off")
+    assert fused[0].fused_rounds == 1
+    _assert_same_decode(fused, separate)
+
+
+def test_rope_kv_append_rounds_match_the_separate_append(tiny_dir, monkeypatch):
+    """With DLMC_ROPE_KV_APPEND=on (the FP8 default) the K/V stored by the norm/rope launch
+    (`qk_norm_rope_append`) give the tokens, round events and FP8 cache bytes of
+    qk_norm_rope + kv_append. On CPU the separate path's norm/rope is the eager reference (the
+    kernel only runs on CUDA), so both runs take the Triton `qk_norm_rope` maths here, as on the
+    GPU: what differs is only where the K/V are stored from."""
+    from dlmc import LLM
+    from dlmc.custom_ops.qk_norm_rope import qk_norm_rope
+    from dlmc.custom_ops.qk_norm_rope_append import qk_norm_rope_append
+
+    calls = {"append": 0}
+
+    def counted(*args):
+        calls["append"] += 1
+        return qk_norm_rope_append(*args)
+
+    monkeypatch.setattr("dlmc.models.llada2.qk_norm_rope_append", counted)
+    monkeypatch.setattr("dlmc.models.llada2.qk_norm_rope_reference", qk_norm_rope)
+    llm = LLM(tiny_dir, device="cpu", dtype="bf16")
+    layers = llm.model.config.num_hidden_layers
+    folded = _paged_decode(llm, monkeypatch, "off", rope_append="on")
+    assert calls["append"] == 3 * layers  # every forward, every layer
+    separate = _paged_decode(llm, monkeypatch, "off", rope_append="off")
+    assert calls["append"] == 3 * layers
+    _assert_same_decode(folded, separate)
 
 
 @pytest.mark.gpu
@@ -222,6 +258,22 @@ def test_fused_kv_append_graph_rounds_match_the_separate_append_on_cuda(tiny_dir
         assert on.token_ids == off.token_ids and on.num_forwards == off.num_forwards
 
 
+@pytest.mark.gpu
+def test_rope_kv_append_graph_rounds_match_the_separate_append_on_cuda(tiny_dir, monkeypatch):
+    """On CUDA, compiled + graph-replayed FP8 rounds with DLMC_ROPE_KV_APPEND on and off: the
+    same tokens (qk_norm_rope_append stores kv_append's bytes and returns qk_norm_rope's q/k/v)."""
+    from dlmc import LLM
+
+    monkeypatch.delenv("DLMC_FUSED_KV_APPEND", raising=False)
+    kwargs = {"prompt_token_ids": list(range(50, 111)), "max_new_tokens": 70}
+    results = {}
+    for rope_append in ("on", "off"):
+        monkeypatch.setenv("DLMC_ROPE_KV_APPEND", rope_append)
+        llm = LLM(tiny_dir, device="cuda", dtype="bf16", mode="graph", kv_cache_dtype="fp8")
+        assert llm._decoder.cache.rope_append == (rope_append == "on")
+        results[rope_append] = llm.generate(**kwargs)
+    assert results["on"].token_ids == results["off"].token_ids
+    assert results["on"].num_forwards == results["off"].num_forwards
 def test_inductor_cache_dir_is_per_kernel_switches(monkeypatch, tmp_path):
     """Switches that change the bodies of dlmc's ops get their own Inductor cache."""
     for name in [k for k in os.environ if k.startswith("DLMC_")]:

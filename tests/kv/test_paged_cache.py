@@ -181,3 +181,26 @@ def test_fused_append_switch_from_the_environment(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(ConfigError,
                        match="DLMC_FUSED_KV_APPEND='yes': expected one of auto, on, off"):
         make_cache("fp8", "triton")
+
+
+def test_rope_append_switch_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DLMC_ROPE_KV_APPEND ("on" by default): a Triton cache whose attention does not store the
+    K/V (FP8 by default) offers `qk_norm_rope_append` the layer's pools, table, prefix length
+    and scales; BF16 (fused), the reference backend and "off" offer nothing."""
+    monkeypatch.delenv("DLMC_FUSED_KV_APPEND", raising=False)
+    monkeypatch.delenv("DLMC_ROPE_KV_APPEND", raising=False)
+    cache = make_cache("fp8", "triton")
+    assert cache.rope_append
+    target = cache.rope_append_target(1)
+    want = (cache.k[1], cache.v[1], cache.page_table, cache.prefix_len, cache.k_scale[1],
+            cache.v_scale[1])
+    assert [(t.data_ptr(), t.shape, t.dtype) for t in target] == [
+        (t.data_ptr(), t.shape, t.dtype) for t in want]  # the same tensors (views)
+    assert make_cache("bf16", "triton").rope_append_target(0) is None  # the attention stores
+    assert make_cache("bf16", "triton", fused_append=False).rope_append
+    assert not make_cache("fp8", "reference").rope_append
+    monkeypatch.setenv("DLMC_ROPE_KV_APPEND", "off")
+    assert make_cache("fp8", "triton").rope_append_target(0) is None
+    monkeypatch.setenv("DLMC_ROPE_KV_APPEND", "yes")
+    with pytest.raises(ConfigError, match="DLMC_ROPE_KV_APPEND='yes': expected one of on, off"):
+        make_cache("fp8", "triton")

@@ -9,7 +9,9 @@ Usage per denoising round (all layers share the prefix length):
 or, storing the block's K/V in every forward (as dlmc's rounds do; the next forward overwrites
 them until `advance`), `out = cache.append_and_attend(layer, q, k, v, softmax_scale=...)`: one
 launch on the Triton backend for BF16 caches (`dlmc::paged_attention_append`; `fused_kv_append`
-says when), else `kv_append` then `attend`.
+says when), else `kv_append` then `attend`. When `rope_append_target(layer)` gives the
+arguments (FP8 caches on the Triton backend), the model stores the block's K/V from its
+`qk_norm_rope_append` launch instead and calls `attend`, which does not append.
 `attend` and `append` read the prefix length from a device tensor and never sync, so a round
 that calls them can be captured once in a CUDA graph and replayed at any prefix length.
 """
@@ -30,6 +32,7 @@ from dlmc.models.layers import env_choice
 
 BACKENDS = ("auto", "triton", "flashinfer", "reference")
 FUSED_KV_APPEND = ("auto", "on", "off")
+ROPE_KV_APPEND = ("on", "off")
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
@@ -76,6 +79,15 @@ def fused_kv_append(dtype: str) -> bool:
     return choice == "on" or (choice == "auto" and dtype == "bf16")
 
 
+def rope_kv_append() -> bool:
+    """`DLMC_ROPE_KV_APPEND` ("on", the default, or "off"): whether a Triton cache that does not
+    store K/V from the attention's kernel (`fused_append` False: FP8 caches by default) has them
+    stored by the model's `dlmc::qk_norm_rope_append` launch instead of a `dlmc::kv_append`
+    launch (one launch less per layer: `kv_append` took 2.8 µs per layer of LLaDA2.1-mini's FP8
+    round on the H200; the folded launch is not measured yet). Read once per cache."""
+    return env_choice("DLMC_ROPE_KV_APPEND", "on", ROPE_KV_APPEND) == "on"
+
+
 def default_backend(device: torch.device) -> str:
     """The fastest measured backend: Triton on CUDA (perf/README.md), the reference on CPU."""
     return "triton" if device.type == "cuda" else "reference"
@@ -91,6 +103,8 @@ class PagedKVCache:
         page_table: `[num_pages]` int32; pages are handed out in order (one sequence).
         fused_append: whether `append_and_attend` is one launch (the Triton backend with
             `fused_kv_append(dtype)`, or the constructor's `fused_append`).
+        rope_append: whether the append may be folded into `qk_norm_rope_append` (the Triton
+            backend without `fused_append`, and `rope_kv_append()`); see `rope_append_target`.
     """
 
     def __init__(
@@ -106,6 +120,8 @@ class PagedKVCache:
         if fused_append is None:  # FlashInfer and the reference append, then attend
             fused_append = fused_kv_append(config.dtype)
         self.fused_append = fused_append and self.backend == "triton"
+        self.rope_append = (self.backend == "triton" and not self.fused_append
+                            and rope_kv_append())
         # One allocation per layer, not views of one 5-D pool: Inductor turns a kernel's write
         # into a view of a graph input into a copy of the whole pool (and that path crashed
         # with FP8 pools on the H200, perf/results/round_nvfp4_fp8_h200_crash.txt).
@@ -183,6 +199,16 @@ class PagedKVCache:
         append = kv_append_reference if self.backend == "reference" else kv_append
         append(k, v, self.k[layer], self.v[layer], self.page_table, self.prefix_len,
                k_scale=self.k_scale[layer], v_scale=self.v_scale[layer])
+
+    def rope_append_target(self, layer: int) -> tuple[torch.Tensor, ...] | None:
+        """The cache arguments of `layer` for `qk_norm_rope_append`, `(k_cache, v_cache,
+        page_table, offset, k_scale, v_scale)` (offset `prefix_len`), when `rope_append`; else
+        None. Whoever stores the block's K/V with them calls `attend`, not `append_and_attend`.
+        """
+        if not self.rope_append:
+            return None
+        return (self.k[layer], self.v[layer], self.page_table, self.prefix_len,
+                self.k_scale[layer], self.v_scale[layer])
 
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,

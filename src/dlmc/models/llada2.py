@@ -2,8 +2,9 @@
 
 Attention goes through one seam: the attention module computes q, k, v of the tokens it is
 given and calls `ctx.attend(layer_idx, q, k, v)`; the engine's context object decides which
-keys they see (the block-causal mask, a KV cache, a paged FP8 cache). The MoE seam is the
-`experts` module inside `MoEBlock` (see moe.py).
+keys they see (the block-causal mask, a KV cache, a paged FP8 cache); a context whose cache can
+take the block's K/V from the norm/rope launch says so through `rope_append_target` (see
+`AttentionContext`). The MoE seam is the `experts` module inside `MoEBlock` (see moe.py).
 """
 
 from __future__ import annotations
@@ -13,14 +14,24 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from dlmc.custom_ops._registration import INTERPRETED
 from dlmc.custom_ops.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
+from dlmc.custom_ops.qk_norm_rope_append import qk_norm_rope_append
 from dlmc.models.config import LLaDA2Config
 from dlmc.models.layers import RMSNorm, SwiGLUMLP, linear, rope_cos_sin, small_m_gemm
 from dlmc.models.moe import MoEBlock
 
 
 class AttentionContext(Protocol):
-    """What the model needs from the engine: attention of new tokens over whatever keys apply."""
+    """What the model needs from the engine: attention of new tokens over whatever keys apply.
+
+    Optionally (looked up with `getattr`, so other contexts need neither) a context that stores
+    the new tokens' K/V in a paged cache may let the model store them from its norm/rope launch
+    (`dlmc::qk_norm_rope_append`, bf16 on CUDA or under Triton's interpreter):
+    `rope_append_target(layer_idx)` gives that layer's `(k_cache, v_cache, page_table, offset,
+    k_scale, v_scale)`, or None to keep `attend`; with a target the model calls
+    `attend_appended(layer_idx, q, k, v)` (as `attend`, without storing K/V) instead of `attend`.
+    """
 
     def attend(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -50,12 +61,27 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = linear(x, self.query_key_value.weight, self.gemm)  # [T, (Hq+2Hkv)*D]
-        norm_rope = qk_norm_rope if qkv.is_cuda and qkv.dtype == torch.bfloat16 else (
-            qk_norm_rope_reference)  # one Triton launch on the GPU; eager maths elsewhere
-        q, k, v = norm_rope(qkv, self.query_layernorm.weight, self.key_layernorm.weight, cos,
-                            sin, self.num_heads, self.num_kv_heads, self.query_layernorm.eps)
-        out = ctx.attend(self.layer_idx, q, k, v)  # q [T, Hq, D], k/v [T, Hkv, D]
+        args = (qkv, self.query_layernorm.weight, self.key_layernorm.weight, cos, sin,
+                self.num_heads, self.num_kv_heads, self.query_layernorm.eps)
+        target = self._rope_append_target(qkv, ctx)
+        if target is not None:  # the context's K/V append done by the norm/rope launch
+            q, k, v = qk_norm_rope_append(*args, *target)
+            out = ctx.attend_appended(self.layer_idx, q, k, v)
+        else:
+            norm_rope = qk_norm_rope if qkv.is_cuda and qkv.dtype == torch.bfloat16 else (
+                qk_norm_rope_reference)  # one Triton launch on the GPU; eager maths elsewhere
+            q, k, v = norm_rope(*args)
+            out = ctx.attend(self.layer_idx, q, k, v)  # q [T, Hq, D], k/v [T, Hkv, D]
         return linear(out.reshape(tokens, -1), self.dense.weight, self.gemm)
+
+    def _rope_append_target(self, qkv: torch.Tensor, ctx: AttentionContext
+                            ) -> tuple[torch.Tensor, ...] | None:
+        """The context's `rope_append_target` of this layer, where it has one and the Triton
+        kernel runs (bf16 on CUDA, or under the interpreter); else None."""
+        target = getattr(ctx, "rope_append_target", None)
+        if target is None or qkv.dtype != torch.bfloat16 or not (qkv.is_cuda or INTERPRETED):
+            return None
+        return target(self.layer_idx)
 
 
 class DecoderLayer(nn.Module):
