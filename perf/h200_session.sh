@@ -23,6 +23,7 @@
 #   source perf/h200_session.sh lib   # install, then call round / gpu_tests / ncu_run by hand
 #   bash perf/h200_session.sh ncu      # Nsight Compute of nvfp4_moe and paged attention
 #   bash perf/h200_session.sh repeat   # the BF16 graph round in REPEATS (3) fresh processes
+#   bash perf/h200_session.sh s16      # session 16's rounds (each change off in turn) + GPU tests
 #   bash perf/h200_session.sh variants # graph round + profile per VARIANTS entry, each
 #                                      # "name:ENV=VAL,...:flag,flag" (commas for spaces);
 #                                      # PRECISION (bf16) and KV_DTYPE (bf16) for all of them
@@ -195,6 +196,18 @@ rope)  # why the rope tables are computed 10-11 times per round: Inductor's outp
   echo "output code rc=$?"; grep -n -B3 "_sin[_0-9]*\.run(" "$OUT/output_code.txt" \
     | head -120 > "$OUT/rope_call_sites.txt"; wc -l "$OUT/rope_call_sites.txt"
   gzip -f "$OUT/output_code.txt" ;;
+s16)  # session 16: NVFP4 + FP8 rounds at the new defaults (rope tables in one launch, Triton
+  # combine, K/V stored by the norm/rope launch) against each change switched off, each in its
+  # own Inductor cache (runner.inductor_cache_dir); then the new ops' GPU tests
+  for v in default:: ropeappend_off:DLMC_ROPE_KV_APPEND=off: combine_inductor:DLMC_MOE_COMBINE=inductor:; do
+    IFS=: read -r name envs _ <<< "$v"
+    ( for e in ${envs//,/ }; do export "$e"; done
+      round "round_nvfp4_$name" "${ROUND_TIMEOUT:-150}" --precision nvfp4 --kv-cache-dtype fp8 \
+        --modes graph --no-loop )
+  done
+  TEST_TIMEOUT=${TEST_TIMEOUT:-170} gpu_tests s16 tests/custom_ops/test_rope_tables.py \
+    tests/custom_ops/test_qk_norm_rope.py tests/custom_ops/test_qk_norm_rope_append.py \
+    tests/graphs/test_runner.py tests/engine/test_fp8_kv.py ;;
 lib) ;;  # `source perf/h200_session.sh lib`: install and define round/gpu_tests/ncu_run only
-*) echo "usage: $0 final|rounds|repeat|variants|ops|words|codes|defaults|v7tests|moe|gemm|share|tests|rope|lib|ncu" >&2; exit 2 ;;
+*) echo "usage: $0 final|rounds|repeat|variants|ops|words|codes|defaults|v7tests|moe|gemm|share|tests|rope|lib|ncu|s16" >&2; exit 2 ;;
 esac
