@@ -38,20 +38,29 @@ def kernel_switches() -> str:
                     if k.startswith("DLMC_") and k != "DLMC_CACHE")
 
 
+# The user's TORCHINDUCTOR_CACHE_DIR, read at import: Inductor sets the variable to its own
+# default the first time it looks for a cache, so a later read cannot tell the two apart.
+USER_INDUCTOR_CACHE_DIR = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+
+
 def inductor_cache_dir() -> str:
-    """Inductor's FX-graph and autotune caches persist in dlmc's cache directory (unless
-    TORCHINDUCTOR_CACHE_DIR is set), so a second start of the same model and shapes is fast.
+    """Inductor's FX-graph and autotune caches persist in dlmc's cache directory (unless the
+    user set TORCHINDUCTOR_CACHE_DIR), so a second start of the same model and shapes is fast.
 
     One directory per set of `kernel_switches()`: the switches choose code inside the bodies of
     dlmc's Triton ops, which Inductor expands after computing its FX-graph cache key, so one
     directory for all of them served a graph compiled under other switches (perf/results/s16/
-    call1: `DLMC_MOE_COMBINE=inductor` replayed the `triton` graph)."""
+    call1 and call2: `DLMC_MOE_COMBINE=inductor` replayed the `triton` graph)."""
+    if USER_INDUCTOR_CACHE_DIR:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = USER_INDUCTOR_CACHE_DIR
+        return USER_INDUCTOR_CACHE_DIR
     from dlmc.loading.hub import dlmc_cache_dir
 
     switches = kernel_switches()
     name = "inductor" + (f"-{hashlib.sha256(switches.encode()).hexdigest()[:12]}" if switches
                          else "")
-    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(dlmc_cache_dir() / name))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = path = str(dlmc_cache_dir() / name)
+    return path
 
 
 def _compile(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:

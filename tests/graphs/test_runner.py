@@ -279,6 +279,7 @@ def test_inductor_cache_dir_is_per_kernel_switches(monkeypatch, tmp_path):
     for name in [k for k in os.environ if k.startswith("DLMC_")]:
         monkeypatch.delenv(name)
     monkeypatch.setenv("DLMC_CACHE", str(tmp_path))
+    monkeypatch.setattr("dlmc.graphs.runner.USER_INDUCTOR_CACHE_DIR", None)  # the user's: none
     dirs = []
     for switches in ({}, {"DLMC_MOE_COMBINE": "inductor"}, {"DLMC_MOE_COMBINE": "triton"},
                      {"DLMC_MOE_COMBINE": "triton", "DLMC_NVFP4_KERNEL": "v5"}):
@@ -286,11 +287,12 @@ def test_inductor_cache_dir_is_per_kernel_switches(monkeypatch, tmp_path):
             monkeypatch.delenv(name, raising=False)
         for name, value in switches.items():
             monkeypatch.setenv(name, value)
-        monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        # set by Inductor itself to its default: not the user's choice, replaced
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/torchinductor_default")
         assert kernel_switches() == " ".join(f"{k}={v}" for k, v in sorted(switches.items()))
         dirs.append(inductor_cache_dir())
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == dirs[-1]
         assert dirs[-1].startswith(str(tmp_path))
     assert dirs[0].endswith("inductor") and len(set(dirs)) == 4
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")  # the user's choice wins
-    assert inductor_cache_dir() == "/elsewhere"
+    monkeypatch.setattr("dlmc.graphs.runner.USER_INDUCTOR_CACHE_DIR", "/elsewhere")
+    assert inductor_cache_dir() == "/elsewhere" == os.environ["TORCHINDUCTOR_CACHE_DIR"]
