@@ -208,6 +208,28 @@ s16)  # session 16: NVFP4 + FP8 rounds at the new defaults (rope tables in one l
   TEST_TIMEOUT=${TEST_TIMEOUT:-170} gpu_tests s16 tests/custom_ops/test_rope_tables.py \
     tests/custom_ops/test_qk_norm_rope.py tests/custom_ops/test_qk_norm_rope_append.py \
     tests/graphs/test_runner.py tests/engine/test_fp8_kv.py ;;
+s16b)  # session 16, call 3: the default NVFP4 round with Inductor's output code (what the
+  # pointwise kernel `add_mul_slice` beside the Triton combine is), the Inductor combine in its
+  # own cache directory, then the GPU tests (verbose)
+  env | grep -i -E "inductor|triton" >> "$OUT/versions.txt"
+  TORCHINDUCTOR_CACHE_DIR=/tmp/ind-default TORCH_LOGS=output_code timeout 200 dlmc bench round \
+    --shape llada2.1-mini --block-length 32 --prefix 1024 --routing uniform --rounds 60 \
+    --profile --precision nvfp4 --kv-cache-dtype fp8 --modes graph --no-loop \
+    --out "$OUT/round_nvfp4_default.json" > "$OUT/round_nvfp4_default.txt" 2> "$OUT/output_code.txt"
+  echo "default rc=$?"; grep -E "│ +graph" "$OUT/round_nvfp4_default.txt"
+  grep -n -B2 -A45 "def triton_poi_fused_add_mul_slice" "$OUT/output_code.txt" | head -120 \
+    > "$OUT/add_mul_slice.txt"
+  grep -n -B3 -A3 "triton_poi_fused_add_mul_slice_6.run" "$OUT/output_code.txt" | head -40 \
+    >> "$OUT/add_mul_slice.txt"
+  gzip -f "$OUT/output_code.txt"
+  ( export DLMC_MOE_COMBINE=inductor TORCHINDUCTOR_CACHE_DIR=/tmp/ind-combine
+    round round_nvfp4_combine_inductor 170 --precision nvfp4 --kv-cache-dtype fp8 --modes graph \
+      --no-loop )
+  timeout "${TEST_TIMEOUT:-230}" python3 -m pytest -v -p no:cacheprovider -rf -m gpu \
+    tests/custom_ops/test_rope_tables.py tests/custom_ops/test_qk_norm_rope.py \
+    tests/custom_ops/test_qk_norm_rope_append.py tests/graphs/test_runner.py \
+    tests/engine/test_fp8_kv.py > "$OUT/gpu_tests_s16b.txt" 2>&1
+  echo "gpu tests rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests_s16b.txt" | tail -25 ;;
 lib) ;;  # `source perf/h200_session.sh lib`: install and define round/gpu_tests/ncu_run only
-*) echo "usage: $0 final|rounds|repeat|variants|ops|words|codes|defaults|v7tests|moe|gemm|share|tests|rope|lib|ncu|s16" >&2; exit 2 ;;
+*) echo "usage: $0 final|rounds|repeat|variants|ops|words|codes|defaults|v7tests|moe|gemm|share|tests|rope|lib|ncu|s16|s16b" >&2; exit 2 ;;
 esac
