@@ -230,6 +230,16 @@ s16b)  # session 16, call 3: the default NVFP4 round with Inductor's output code
     tests/custom_ops/test_qk_norm_rope_append.py tests/graphs/test_runner.py \
     tests/engine/test_fp8_kv.py > "$OUT/gpu_tests_s16b.txt" 2>&1
   echo "gpu tests rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests_s16b.txt" | tail -25 ;;
+s16c)  # session 16, call 4: the record at the defaults (uniform routing without its extra
+  # launch, bench.round_bench.UniformRoutingMoE), the GPU tests call 3 did not reach, BF16 last
+  TORCHINDUCTOR_CACHE_DIR=/tmp/ind-nvfp4 round round_nvfp4_final 130 --precision nvfp4 \
+    --kv-cache-dtype fp8 --modes graph --no-loop
+  timeout 130 python3 -m pytest -v -p no:cacheprovider -rf -m gpu \
+    "tests/graphs/test_runner.py::test_rope_kv_append_graph_rounds_match_the_separate_append_on_cuda" \
+    tests/engine/test_fp8_kv.py > "$OUT/gpu_tests_s16c.txt" 2>&1
+  echo "gpu tests rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests_s16c.txt" | tail -8
+  TORCHINDUCTOR_CACHE_DIR=/tmp/ind-bf16 round round_bf16_final 150 --precision bf16 \
+    --modes graph --no-loop ;;
 lib) ;;  # `source perf/h200_session.sh lib`: install and define round/gpu_tests/ncu_run only
-*) echo "usage: $0 final|rounds|repeat|variants|ops|words|codes|defaults|v7tests|moe|gemm|share|tests|rope|lib|ncu|s16|s16b" >&2; exit 2 ;;
+*) echo "usage: $0 final|rounds|repeat|variants|ops|words|codes|defaults|v7tests|moe|gemm|share|tests|rope|lib|ncu|s16|s16b|s16c" >&2; exit 2 ;;
 esac

@@ -36,17 +36,30 @@ def test_uniform_routing_and_touched_bytes_with_the_shared_expert_fused(tiny_dir
     and the same bytes touched (the shared expert is one more touched expert)."""
     import torch
 
-    from dlmc.bench.round_bench import touched_bytes, use_uniform_routing
+    from dlmc.bench.round_bench import (
+        FixedRouter,
+        UniformRoutingMoE,
+        touched_bytes,
+        use_uniform_routing,
+    )
     from dlmc.engine.attention import MaskedAttention, block_causal_mask
     from dlmc.loading.loader import load_model
-    from dlmc.models.moe import fuse_shared_experts
+    from dlmc.models.moe import MoEBlock, fuse_shared_experts
 
     model = load_model(tiny_dir, torch.device("cpu"), torch.float32).model
     use_uniform_routing(model, max_tokens=64, seed=0)
+    wrappers = [layer.mlp for layer in model.model.layers
+                if isinstance(layer.mlp, UniformRoutingMoE)]
+    assert wrappers and all(isinstance(w.block, MoEBlock) and isinstance(w.block.gate, FixedRouter)
+                            for w in wrappers)
+    real_calls = []  # the model's own routers still run, once per block and forward
+    for w in wrappers:
+        w.block.gate.router.register_forward_hook(lambda *a: real_calls.append(1))
     tokens, positions = torch.arange(16), torch.arange(48, 64)
     mask = block_causal_mask(positions, positions, 16, torch.float32)
     with torch.inference_mode():
         want = model(tokens, positions, MaskedAttention(mask))
+    assert len(real_calls) == len(wrappers)
     before = touched_bytes(model, tokens, positions, prefix=48)
     assert fuse_shared_experts(model) > 0
     with torch.inference_mode():

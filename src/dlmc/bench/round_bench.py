@@ -32,13 +32,10 @@ class RoundBenchConfig:
 class FixedRouter(nn.Module):
     """Uniform routing: each token draws top-k distinct experts uniformly (seeded, fixed).
 
-    The model's own router still runs every round (its GEMM and selection are part of the
-    round's cost); its weights enter the result multiplied by zero, which no compiler folds
-    away (0 * x is not 0 for inf/NaN), so the work cannot be eliminated. Where the block routes
-    and aligns in one launch (`route_align`, `DLMC_FUSED_ROUTE_ALIGN=on` on CUDA), that launch
-    runs too, and the experts get the fixed ids' alignment, made once here for the token counts
-    in `align_tokens` (with and without a shared expert), so a round has the model's launches
-    and no more; other token counts align in the forward (one `moe_align` launch more).
+    `forward` / `route_align` give the fixed ids and weights (and, for `route_align`, the ids'
+    alignment, made once here for the token counts in `align_tokens`, with and without a shared
+    expert; other counts align in the forward: one `moe_align` launch more). The model's own
+    router still runs every round, through `real_weights`, which `UniformRoutingMoE` calls.
     """
 
     def __init__(self, router: nn.Module, num_experts: int, top_k: int, max_tokens: int,
@@ -54,35 +51,59 @@ class FixedRouter(nn.Module):
                            for tokens in align_tokens for shared in (False, True)}
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        _, real_weights = self.router(x)  # [T, K]
-        return self._fixed(x.shape[0], real_weights)
+        tokens = x.shape[0]
+        return self.ids[:tokens], self.weights[:tokens]
 
     def route_align(self, x: torch.Tensor,
                     shared_expert: bool) -> tuple[torch.Tensor, torch.Tensor, PairRouting]:
-        """`Router.route_align` with the fixed ids: the model's launch, then the ids' own
-        alignment (`route_pairs`)."""
-        _, real_weights, _ = self.router.route_align(x, shared_expert)
-        tokens = x.shape[0]
-        ids, weights = self._fixed(tokens, real_weights)
-        routing = self.alignments.get((tokens, shared_expert))
+        """`Router.route_align` with the fixed ids and their prepared alignment."""
+        ids, weights = self.forward(x)
+        routing = self.alignments.get((x.shape[0], shared_expert))
         return ids, weights, routing or route_pairs(ids, self.num_experts, shared_expert)
 
-    def _fixed(self, tokens: int, real_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.ids[:tokens], self.weights[:tokens] + 0.0 * real_weights
+    def real_weights(self, x: torch.Tensor, fused: bool, shared_expert: bool) -> torch.Tensor:
+        """The model's router on `x` (its launches: `route_align` when the block `fused`s
+        routing and alignment, else the two-launch path); its weights `[T, K]`."""
+        if fused:
+            return self.router.route_align(x, shared_expert)[1]
+        return self.router(x)[1]
+
+
+class UniformRoutingMoE(nn.Module):
+    """A MoE block with a `FixedRouter` whose model router still runs every round: the block's
+    output plus `0 * w` of one real routing weight `w` (0 * x is not 0 for inf/NaN, so no
+    compiler removes the router's work). The scalar enters the next layer's residual-add +
+    RMSNorm kernel, so the round has the model's launches and no more. (Adding `0 * w` to the
+    fixed weights instead cost a pointwise launch of its own per layer, 1.1 µs on the H200,
+    once the MoE combine became a Triton kernel: perf/results/s16/call3/add_mul_slice.txt.)"""
+
+    def __init__(self, block: MoEBlock) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        block = self.block
+        real = block.gate.real_weights(x, block._fuses_route_align(x),
+                                       block.shared_expert_id is not None)  # [T, K]
+        out = block(x)  # [T, H]
+        return out + 0.0 * real[:1, :1].to(out.dtype)
 
 
 def use_uniform_routing(model: nn.Module, max_tokens: int, seed: int,
                         align_tokens: tuple[int, ...] = ()) -> None:
     """Every MoE block's router becomes a `FixedRouter` (uniform routing), with the fixed ids'
-    alignment made once for blocks of each size in `align_tokens`."""
+    alignment made once for blocks of each size in `align_tokens`; the block is wrapped in a
+    `UniformRoutingMoE`, which keeps the model's router running."""
     cfg = model.config
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    for module in model.modules():
-        if isinstance(module, MoEBlock):
-            device = module.gate.weight.device
-            module.gate = FixedRouter(module.gate, cfg.num_experts, cfg.num_experts_per_tok,
-                                      max_tokens, cfg.routed_scaling_factor, device, gen,
-                                      align_tokens)
+    for layer in list(model.modules()):
+        block = getattr(layer, "mlp", None)
+        if isinstance(block, MoEBlock):
+            device = block.gate.weight.device
+            block.gate = FixedRouter(block.gate, cfg.num_experts, cfg.num_experts_per_tok,
+                                     max_tokens, cfg.routed_scaling_factor, device, gen,
+                                     align_tokens)
+            layer.mlp = UniformRoutingMoE(block)
 
 
 def touched_bytes(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor,
