@@ -23,8 +23,8 @@ from dlmc.custom_ops._registration import traced_triton_op
 
 QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
-__all__ = ["apply_partial_rope", "qk_norm_rope", "qk_norm_rope_args", "qk_norm_rope_reference",
-           "qk_norm_rope_row", "rms_norm"]
+__all__ = ["apply_partial_rope", "new_qkv", "qk_norm_rope", "qk_norm_rope_args",
+           "qk_norm_rope_reference", "qk_norm_rope_row", "rms_norm"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -111,14 +111,19 @@ def _qk_norm_rope_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, q_ptr, k_p
                      ROTARY)
 
 
+def new_qkv(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: int) -> QKV:
+    """Uninitialised bf16 outputs `(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D])` for `qkv`."""
+    tokens = qkv.shape[0]
+    return (qkv.new_empty((tokens, num_q_heads, head_dim)),
+            qkv.new_empty((tokens, num_kv_heads, head_dim)),
+            qkv.new_empty((tokens, num_kv_heads, head_dim)))
+
+
 def _qk_norm_rope_impl(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                        cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int,
                        num_kv_heads: int, eps: float) -> QKV:
-    tokens = qkv.shape[0]
-    head_dim = q_weight.shape[0]
-    q = qkv.new_empty((tokens, num_q_heads, head_dim))
-    k = qkv.new_empty((tokens, num_kv_heads, head_dim))
-    v = qkv.new_empty((tokens, num_kv_heads, head_dim))
+    tokens, head_dim = qkv.shape[0], q_weight.shape[0]
+    q, k, v = new_qkv(qkv, num_q_heads, num_kv_heads, head_dim)
     if tokens:
         wrap_triton(_qk_norm_rope_kernel)[(tokens, num_q_heads + 2 * num_kv_heads)](
             qkv, q_weight, k_weight, cos, sin, q, k, v, eps, qkv.stride(0),
@@ -130,10 +135,7 @@ def _qk_norm_rope_impl(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torc
 def _qk_norm_rope_fake(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
                        cos: torch.Tensor, sin: torch.Tensor, num_q_heads: int,
                        num_kv_heads: int, eps: float) -> QKV:
-    tokens, head_dim = qkv.shape[0], q_weight.shape[0]
-    return (qkv.new_empty((tokens, num_q_heads, head_dim)),
-            qkv.new_empty((tokens, num_kv_heads, head_dim)),
-            qkv.new_empty((tokens, num_kv_heads, head_dim)))
+    return new_qkv(qkv, num_q_heads, num_kv_heads, q_weight.shape[0])
 
 
 _qk_norm_rope_op = traced_triton_op("dlmc::qk_norm_rope", _qk_norm_rope_impl, _qk_norm_rope_fake)

@@ -27,6 +27,7 @@ from dlmc.custom_ops.kv_append import (
 )
 from dlmc.custom_ops.qk_norm_rope import (
     QKV,
+    new_qkv,
     qk_norm_rope_args,
     qk_norm_rope_reference,
     qk_norm_rope_row,
@@ -68,9 +69,7 @@ def _qk_norm_rope_append_op(
     k_scale: torch.Tensor, v_scale: torch.Tensor,
 ) -> QKV:
     tokens, head_dim = qkv.shape[0], q_weight.shape[0]
-    q = qkv.new_empty((tokens, num_q_heads, head_dim))
-    k = qkv.new_empty((tokens, num_kv_heads, head_dim))
-    v = qkv.new_empty((tokens, num_kv_heads, head_dim))
+    q, k, v = new_qkv(qkv, num_q_heads, num_kv_heads, head_dim)
     num_pages, page_size = k_cache.shape[:2]
     quantize = k_cache.dtype == torch.float8_e4m3fn
     if tokens:
@@ -92,10 +91,7 @@ def _qk_norm_rope_append_fake(
     k_scale: torch.Tensor, v_scale: torch.Tensor,
 ) -> QKV:
     """Fake function: new q, k, v (the caches are mutated in place, nothing to allocate)."""
-    tokens, head_dim = qkv.shape[0], q_weight.shape[0]
-    return (qkv.new_empty((tokens, num_q_heads, head_dim)),
-            qkv.new_empty((tokens, num_kv_heads, head_dim)),
-            qkv.new_empty((tokens, num_kv_heads, head_dim)))
+    return new_qkv(qkv, num_q_heads, num_kv_heads, q_weight.shape[0])
 
 
 def qk_norm_rope_append(
