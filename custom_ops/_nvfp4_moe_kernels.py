@@ -1,7 +1,8 @@
 """The two Triton kernels of `dlmc::nvfp4_moe` (gate/up with SiLU-mul, down), one program per
 M-block of sorted (token, expert) pairs and N-tile; the launch, variants and maths live in
 `nvfp4_moe`. `VARIANT` selects the weight decode (`nvfp4_tiles`); `SHARED` runs the BF16 shared
-expert's tail blocks (`bf16_moe`) in the same launch.
+expert in the same launch, as the extra programs after the routing's blocks
+(`moe_shared_parts`; the routing's own shared blocks then have nothing to do).
 """
 
 from __future__ import annotations
@@ -9,8 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from dlmc.custom_ops.bf16_moe import bf16_down_block, bf16_gate_up_block
 from dlmc.custom_ops.moe_align import block_rows
+from dlmc.custom_ops.moe_shared_parts import shared_down_part, shared_gate_up_part
 from dlmc.custom_ops.nvfp4_bf16x2 import ACC_SCALE
 from dlmc.custom_ops.nvfp4_tiles import nvfp4_tile_dot, nvfp4_tile_dot_v2, round_bf16
 
@@ -18,8 +19,8 @@ from dlmc.custom_ops.nvfp4_tiles import nvfp4_tile_dot, nvfp4_tile_dot_v2, round
 @triton.jit
 def _block_index(SHARED: tl.constexpr):
     """The M-block of this program. With the shared expert the blocks run in reverse order: its
-    BF16 tail blocks, heavier than an FP4 block (2 vs 0.5625 bytes per weight), start first
-    instead of last (the unused blocks before them exit at once)."""
+    BF16 parts (the last rows of the grid), heavier per byte than FP4 blocks, start first instead
+    of last (the unused blocks before them exit at once)."""
     if SHARED:
         return tl.num_programs(0) - 1 - tl.program_id(0)
     return tl.program_id(0)
@@ -29,21 +30,46 @@ def _block_index(SHARED: tl.constexpr):
 def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s, up_w, up_s,
                     gate_alpha_ptr, up_alpha_ptr, h_ptr, num_pairs, a_row_div, H: tl.constexpr,
                     I: tl.constexpr, stride_a, stride_h, shared_gate_w, shared_up_w, shared_id,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    INTERPRETED: tl.constexpr, VARIANT: tl.constexpr, SHARED: tl.constexpr,
-                    SHARED_BLOCK_K: tl.constexpr):
+                    num_blocks, pairs_per_token, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, VARIANT: tl.constexpr,
+                    SHARED: tl.constexpr, SHARED_BLOCK_K: tl.constexpr,
+                    SHARED_SPLIT: tl.constexpr):
     """h[slot, n] = silu(gate) * up for the slots of one M-block and one N-tile of I. `SHARED`:
-    blocks of expert `shared_id` are the BF16 shared expert's (`bf16_moe.bf16_gate_up_block`)."""
+    programs past the `num_blocks` routing blocks are the BF16 shared expert's parts
+    (`moe_shared_parts`, h rows from `num_blocks * BLOCK_M` on); blocks of expert `shared_id`
+    exit."""
     pid_m = _block_index(SHARED)
     pid_n = tl.program_id(1)
+    if SHARED and pid_m >= num_blocks:
+        shared_gate_up_part(a_ptr, shared_gate_w, shared_up_w, h_ptr, pid_m - num_blocks, pid_n,
+                            num_pairs, pairs_per_token, a_row_div, num_blocks * BLOCK_M, H, I,
+                            stride_a, stride_h, BLOCK_M, BLOCK_N, SHARED_SPLIT, SHARED_BLOCK_K,
+                            INTERPRETED)
+    else:
+        _gate_up_block(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s, up_w, up_s,
+                       gate_alpha_ptr, up_alpha_ptr, h_ptr, num_pairs, a_row_div, H, I, stride_a,
+                       stride_h, shared_id, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETED,
+                       VARIANT)
+
+
+@triton.jit
+def _gate_up_block(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s, up_w, up_s,
+                   gate_alpha_ptr, up_alpha_ptr, h_ptr, num_pairs, a_row_div, H: tl.constexpr,
+                   I: tl.constexpr, stride_a, stride_h, shared_id, pid_m, pid_n,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   INTERPRETED: tl.constexpr, VARIANT: tl.constexpr):
+    """The FP4 gate/up of routing block `pid_m` (nothing for unused and shared blocks)."""
     expert = tl.load(expert_of_block_ptr + pid_m)
-    if SHARED and expert == shared_id:
-        bf16_gate_up_block(a_ptr, sorted_pair_ptr, shared_gate_w, shared_up_w, h_ptr,
-                           num_pairs, a_row_div, pid_m, pid_n, H, I, stride_a, stride_h, BLOCK_M,
-                           BLOCK_N, SHARED_BLOCK_K, INTERPRETED)
-    elif expert >= 0:
-        slots, _, row_mask, a_rows, n_offs, n_mask = block_rows(
-            sorted_pair_ptr, num_pairs, a_row_div, pid_m, pid_n, I, BLOCK_M, BLOCK_N)
+    # The block's pairs are loaded next to the expert id, not after it: the A rows (and so the
+    # pipeline's first loads) wait for one global load instead of two in a row.
+    slots, _, row_mask, a_rows, n_offs, n_mask = block_rows(
+        sorted_pair_ptr, num_pairs, a_row_div, pid_m, pid_n, I, BLOCK_M, BLOCK_N)
+    if expert >= 0 and expert != shared_id:
+        # v3/v4 accumulate w * 2^-7 when compiled (ACC_SCALE restores it with the global scale).
+        # The global scales are loaded before the K loop, so the epilogue waits for nothing.
+        acc_scale = ACC_SCALE if VARIANT >= 3 and not INTERPRETED else 1.0
+        alpha_g = tl.load(gate_alpha_ptr + expert) * acc_scale
+        alpha_u = tl.load(up_alpha_ptr + expert) * acc_scale
         e64 = expert.to(tl.int64)
         gate_w += e64 * I * (H // 2)
         gate_s += e64 * I * (H // 16)
@@ -51,8 +77,6 @@ def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s,
         up_s += e64 * I * (H // 16)
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        # v3/v4 accumulate w * 2^-7 when compiled (ACC_SCALE restores it with the global scale).
-        acc_scale = ACC_SCALE if VARIANT >= 3 and not INTERPRETED else 1.0
         if VARIANT >= 2:
             acc_g, acc_u = nvfp4_tile_dot_v2(acc_g, acc_u, a_ptr, a_rows, row_mask, stride_a,
                                              gate_w, gate_s, up_w, up_s, n_offs, n_mask, H,
@@ -62,8 +86,8 @@ def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s,
                                    n_offs, n_mask, H, BLOCK_K, INTERPRETED)
             acc_u = nvfp4_tile_dot(acc_u, a_ptr, a_rows, row_mask, stride_a, up_w, up_s,
                                    n_offs, n_mask, H, BLOCK_K, INTERPRETED)
-        g = acc_g * (tl.load(gate_alpha_ptr + expert) * acc_scale)
-        u = acc_u * (tl.load(up_alpha_ptr + expert) * acc_scale)
+        g = acc_g * alpha_g
+        u = acc_u * alpha_u
         h = g * tl.sigmoid(g) * u
         h_ptrs = h_ptr + slots[:, None] * stride_h + n_offs[None, :]
         tl.store(h_ptrs, round_bf16(h, INTERPRETED), mask=row_mask[:, None] & n_mask[None, :])
@@ -72,32 +96,51 @@ def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s,
 @triton.jit
 def _down_kernel(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, down_alpha_ptr,
                  y_ptr, num_pairs, H: tl.constexpr, I: tl.constexpr, stride_h, stride_y,
-                 shared_down_w, shared_id, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, VARIANT: tl.constexpr,
-                 SHARED: tl.constexpr, SHARED_BLOCK_K: tl.constexpr):
+                 shared_down_w, shared_id, num_blocks, pairs_per_token, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+                 VARIANT: tl.constexpr, SHARED: tl.constexpr, SHARED_BLOCK_K: tl.constexpr,
+                 SHARED_SPLIT: tl.constexpr):
     """y[pair, n] = bf16(alpha * h[slot] @ down[n]^T) for one M-block and one N-tile of H.
-    `SHARED`: blocks of expert `shared_id` are the BF16 shared expert's (`bf16_down_block`)."""
+    `SHARED`: programs past the `num_blocks` routing blocks are the BF16 shared expert's parts
+    (`moe_shared_parts`); blocks of expert `shared_id` exit."""
     pid_m = _block_index(SHARED)
     pid_n = tl.program_id(1)
+    if SHARED and pid_m >= num_blocks:
+        shared_down_part(h_ptr, shared_down_w, y_ptr, pid_m - num_blocks, pid_n, num_pairs,
+                         pairs_per_token, num_blocks * BLOCK_M, H, I, stride_h, stride_y,
+                         BLOCK_M, BLOCK_N, SHARED_SPLIT, SHARED_BLOCK_K, INTERPRETED)
+    else:
+        _down_block(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, down_alpha_ptr,
+                    y_ptr, num_pairs, H, I, stride_h, stride_y, shared_id, pid_m, pid_n,
+                    BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETED, VARIANT)
+
+
+@triton.jit
+def _down_block(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, down_alpha_ptr,
+                y_ptr, num_pairs, H: tl.constexpr, I: tl.constexpr, stride_h, stride_y,
+                shared_id, pid_m, pid_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, VARIANT: tl.constexpr):
+    """The FP4 down projection of routing block `pid_m` (nothing for unused and shared blocks)."""
     expert = tl.load(expert_of_block_ptr + pid_m)
-    if SHARED and expert == shared_id:
-        bf16_down_block(h_ptr, sorted_pair_ptr, shared_down_w, y_ptr, num_pairs, pid_m, pid_n,
-                        H, I, stride_h, stride_y, BLOCK_M, BLOCK_N, SHARED_BLOCK_K, INTERPRETED)
-    elif expert >= 0:
+    if expert >= 0 and expert != shared_id:
         slots, pairs, row_mask, _, n_offs, n_mask = block_rows(
             sorted_pair_ptr, num_pairs, 1, pid_m, pid_n, H, BLOCK_M, BLOCK_N)
+        acc_scale = ACC_SCALE if VARIANT >= 3 and not INTERPRETED else 1.0
+        alpha = tl.load(down_alpha_ptr + expert) * acc_scale  # before the loop (see gate/up)
         e64 = expert.to(tl.int64)
         down_w += e64 * H * (I // 2)
         down_s += e64 * H * (I // 16)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_scale = ACC_SCALE if VARIANT >= 3 and not INTERPRETED else 1.0
+        # h has a row for every slot (padding rows hold garbage that only reaches their own,
+        # unstored output rows), so its loads need no row mask and so no wait for the pairs.
+        all_rows = slots >= 0
         if VARIANT >= 2:
-            acc, _ = nvfp4_tile_dot_v2(acc, acc, h_ptr, slots, row_mask, stride_h, down_w,
+            acc, _ = nvfp4_tile_dot_v2(acc, acc, h_ptr, slots, all_rows, stride_h, down_w,
                                        down_s, down_w, down_s, n_offs, n_mask, I, BLOCK_N,
                                        BLOCK_K, INTERPRETED, False, VARIANT)
         else:
-            acc = nvfp4_tile_dot(acc, h_ptr, slots, row_mask, stride_h, down_w, down_s,
+            acc = nvfp4_tile_dot(acc, h_ptr, slots, all_rows, stride_h, down_w, down_s,
                                  n_offs, n_mask, I, BLOCK_K, INTERPRETED)
-        y = acc * (tl.load(down_alpha_ptr + expert) * acc_scale)
+        y = acc * alpha
         y_ptrs = y_ptr + pairs[:, None].to(tl.int64) * stride_y + n_offs[None, :]
         tl.store(y_ptrs, round_bf16(y, INTERPRETED), mask=row_mask[:, None] & n_mask[None, :])

@@ -31,8 +31,8 @@ from dlmc.custom_ops.moe_align import (
 from dlmc.custom_ops.moe_combine import combine_pairs
 from dlmc.custom_ops.nvfp4_tiles import round_bf16
 
-__all__ = ["bf16_down_block", "bf16_gate_up_block", "bf16_moe", "bf16_moe_reference",
-           "bf16_tile_dot"]
+__all__ = ["bf16_down_block", "bf16_down_rows", "bf16_gate_up_block", "bf16_gate_up_rows",
+           "bf16_moe", "bf16_moe_reference", "bf16_tile_dot"]
 
 # Launch config of each kernel: (BLOCK_N, BLOCK_K, num_warps, num_stages). Tuning overrides:
 # DLMC_BF16_MOE_TILES="n,k,w,s;n,k,w,s" (gate_up; down), or "n1,k1,n2,k2" (Triton's default
@@ -79,16 +79,13 @@ def bf16_tile_dot(acc, a_ptr, a_rows, row_mask, stride_a, w_ptr, n_offs, n_mask,
 
 
 @triton.jit
-def bf16_gate_up_block(a_ptr, sorted_pair_ptr, gate_w, up_w, h_ptr, num_pairs, a_row_div, pid_m,
-                       pid_n, H: tl.constexpr, I: tl.constexpr, stride_a, stride_h,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       INTERPRETED: tl.constexpr):
-    """h = bf16(bf16(silu(g)) * u) for one M-block and N-tile, `g`, `u` the bf16-rounded
-    projections by one expert's gate/up `[I, H]` (the bf16 maths of `SwiGLUMLP`). Also the
-    BF16 shared expert's blocks inside `dlmc::nvfp4_moe`."""
-    slots, _, row_mask, a_rows, n_offs, n_mask = block_rows(
-        sorted_pair_ptr, num_pairs, a_row_div, pid_m, pid_n, I, BLOCK_M, BLOCK_N)
-    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+def bf16_gate_up_rows(a_ptr, a_rows, row_mask, gate_w, up_w, h_ptr, h_rows, n_offs, n_mask,
+                      H: tl.constexpr, stride_a, stride_h, BLOCK_K: tl.constexpr,
+                      INTERPRETED: tl.constexpr):
+    """h[h_rows, n_offs] = bf16(bf16(silu(g)) * u) for A rows `a_rows` (`row_mask`: the rows
+    to compute and store), `g`, `u` the bf16-rounded projections by gate/up `[I, H]` (the bf16
+    maths of `SwiGLUMLP`)."""
+    zeros = tl.zeros((a_rows.shape[0], n_offs.shape[0]), dtype=tl.float32)
     acc_g = bf16_tile_dot(zeros, a_ptr, a_rows, row_mask, stride_a, gate_w, n_offs, n_mask, H,
                           BLOCK_K, INTERPRETED)
     acc_u = bf16_tile_dot(zeros, a_ptr, a_rows, row_mask, stride_a, up_w, n_offs, n_mask, H,
@@ -96,8 +93,32 @@ def bf16_gate_up_block(a_ptr, sorted_pair_ptr, gate_w, up_w, h_ptr, num_pairs, a
     g = round_bf16(acc_g, INTERPRETED).to(tl.float32)
     u = round_bf16(acc_u, INTERPRETED).to(tl.float32)
     h = round_bf16(g * tl.sigmoid(g), INTERPRETED).to(tl.float32) * u
-    tl.store(h_ptr + slots[:, None] * stride_h + n_offs[None, :], round_bf16(h, INTERPRETED),
+    tl.store(h_ptr + h_rows[:, None] * stride_h + n_offs[None, :], round_bf16(h, INTERPRETED),
              mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def bf16_down_rows(h_ptr, h_rows, row_mask, down_w, y_ptr, y_rows, n_offs, n_mask,
+                   I: tl.constexpr, stride_h, stride_y, BLOCK_K: tl.constexpr,
+                   INTERPRETED: tl.constexpr):
+    """y[y_rows, n_offs] = bf16(h[h_rows] @ down^T), down `[H, I]`, rows masked by `row_mask`."""
+    acc = bf16_tile_dot(tl.zeros((h_rows.shape[0], n_offs.shape[0]), dtype=tl.float32), h_ptr,
+                        h_rows, row_mask, stride_h, down_w, n_offs, n_mask, I, BLOCK_K,
+                        INTERPRETED)
+    tl.store(y_ptr + y_rows[:, None].to(tl.int64) * stride_y + n_offs[None, :],
+             round_bf16(acc, INTERPRETED), mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def bf16_gate_up_block(a_ptr, sorted_pair_ptr, gate_w, up_w, h_ptr, num_pairs, a_row_div, pid_m,
+                       pid_n, H: tl.constexpr, I: tl.constexpr, stride_a, stride_h,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       INTERPRETED: tl.constexpr):
+    """`bf16_gate_up_rows` for one M-block and N-tile of one expert's gate/up `[I, H]`."""
+    slots, _, row_mask, a_rows, n_offs, n_mask = block_rows(
+        sorted_pair_ptr, num_pairs, a_row_div, pid_m, pid_n, I, BLOCK_M, BLOCK_N)
+    bf16_gate_up_rows(a_ptr, a_rows, row_mask, gate_w, up_w, h_ptr, slots, n_offs, n_mask, H,
+                      stride_a, stride_h, BLOCK_K, INTERPRETED)
 
 
 @triton.jit
@@ -107,10 +128,8 @@ def bf16_down_block(h_ptr, sorted_pair_ptr, down_w, y_ptr, num_pairs, pid_m, pid
     """y[pair] = bf16(h[slot] @ down^T) for one M-block and N-tile, down `[H, I]` one expert's."""
     slots, pairs, row_mask, _, n_offs, n_mask = block_rows(
         sorted_pair_ptr, num_pairs, 1, pid_m, pid_n, H, BLOCK_M, BLOCK_N)
-    acc = bf16_tile_dot(tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), h_ptr, slots, row_mask,
-                        stride_h, down_w, n_offs, n_mask, I, BLOCK_K, INTERPRETED)
-    tl.store(y_ptr + pairs[:, None].to(tl.int64) * stride_y + n_offs[None, :],
-             round_bf16(acc, INTERPRETED), mask=row_mask[:, None] & n_mask[None, :])
+    bf16_down_rows(h_ptr, slots, row_mask, down_w, y_ptr, pairs, n_offs, n_mask, I, stride_h,
+                   stride_y, BLOCK_K, INTERPRETED)
 
 
 @triton.jit

@@ -27,6 +27,7 @@ from dlmc.custom_ops.moe_align import (
     route_pairs,
 )
 from dlmc.custom_ops.moe_combine import combine_pairs
+from dlmc.custom_ops.moe_shared_parts import shared_parts, shared_split
 from dlmc.custom_ops.nvfp4_words import (
     CHUNK_K,
     ROWS,
@@ -93,14 +94,25 @@ def _block_n(dim: int, widest: int) -> int:
 # H200 sweep in perf/results/s14/call3/sweep_gate_up.json).
 _GATE_UP_BLOCK_N = {1: 64, 2: 64, 3: 64, 4: 64, 5: 128, 6: 128, 7: 128}
 _DOWN_BLOCK_N = {1: 64, 2: 64, 3: 128, 4: 128, 5: 128, 6: 128, 7: 128}  # looked up per call
-# K-tile of the shared expert's BF16 programs in each launch, the widest that keeps the FP4
-# kernels' registers and shared memory (sm_90, LLaDA2.1-mini shapes, v3; cubin resource usage).
-# The kernels take the shared expert's arguments after all others: placed before them, the
-# unused arguments alone changed ptxas's allocation of the FP4-only down kernel at BLOCK_N 64
-# (v3: 80 -> 96 registers). Measured:
-# gate_up 105 regs / 26 KB before, 101 / 26 KB with the BF16 branch at 64 (128 regs + 8 B stack
-# at 32, 40 KB at 128); down 128 regs / 26 KB before and at 32 (36 KB at 64, 72 KB at 128).
-_SHARED_BLOCK_K = {"gate_up": 64, "down": 32}
+# K-tile of the shared expert's BF16 parts (`moe_shared_parts`: 32 columns per program at
+# BLOCK_N 128), gate_up then down; `DLMC_NVFP4_SHARED_BLOCK_K="gate_up,down"` (read at import)
+# overrides. At 128 (both) the parts read 16 / 8 KB of weights per step, and ptxas keeps the
+# FP4-only kernels' registers and shared memory (sm_90, LLaDA2.1-mini shapes, v7: gate/up 149
+# registers / 44 KB, down 124 / 26 KB, `perf/sass_nvfp4_moe.py --shared`). As whole tail blocks
+# (BLOCK_N wide) it had been 64 / 32, the widest that kept those.
+def _shared_block_k_from_env() -> dict[str, int]:
+    spec = os.environ.get("DLMC_NVFP4_SHARED_BLOCK_K", "128,128")
+    try:
+        values = [int(v) for v in spec.split(",")]
+        if len(values) != 2 or any(v < 16 or v & (v - 1) for v in values):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"DLMC_NVFP4_SHARED_BLOCK_K={spec!r}: expected 'gate_up,down', two "
+                         "powers of two >= 16") from None
+    return dict(zip(("gate_up", "down"), values, strict=True))
+
+
+_SHARED_BLOCK_K = _shared_block_k_from_env()
 
 
 def _launch_config(n: int, k: int, widest: int,
@@ -148,7 +160,7 @@ def _nvfp4_moe_impl(
     their uint8 bit patterns (v4: int16 patterns of the pre-decoded bf16, `nvfp4_scales`) and the
     W4A4 activation scales come pre-combined: `gate_up_input_scale` fp32 `[E]` (shared by gate
     and up) and `down_input_scale` fp32 `[E]` (None: no emulation).
-    `shared_*` (all three or none): the BF16 shared expert, run as the dense tail blocks.
+    `shared_*` (all three or none): the BF16 shared expert, run as extra programs (parts).
     `sorted_pair` / `expert_of_block` at `block_m`: the pairs' alignment if already made (with
     the shared expert's tail when `shared_*` are given; None: aligned here)."""
     T, H = x.shape
@@ -174,34 +186,39 @@ def _nvfp4_moe_impl(
             a = torch.cat([a.view(T, K, H), x[:, None]], dim=1).reshape(num_pairs, H)
         a_row_div = 1
     g_w, u_w, d_w = (shared_gate, shared_up, shared_down) if has_shared else (x, x, x)
-    h = torch.empty((num_blocks * block_m, I), dtype=torch.bfloat16, device=x.device)
+    # h: a row per routing slot, then (shared expert) a row per token (`moe_shared_parts`).
+    routed_rows = num_blocks * block_m
+    h = torch.empty((routed_rows + shared * -(-T // block_m) * block_m, I), dtype=torch.bfloat16,
+                    device=x.device)
     block_n1, block_k1, launch = _launch_config(I, H, _GATE_UP_BLOCK_N[variant], "gate_up")
     _check_tiled_tile(variant, block_k1)
-    wrap_triton(_gate_up_kernel)[(num_blocks, triton.cdiv(I, block_n1))](
+    parts1 = shared_parts(T, block_m, block_n1) if has_shared else 0
+    wrap_triton(_gate_up_kernel)[(num_blocks + parts1, triton.cdiv(I, block_n1))](
         a, sorted_pair, expert_of_block, gate_weight, gate_weight_scale,
         up_weight, up_weight_scale,
         _alphas(gate_weight_scale_2, gate_up_input_scale),
         _alphas(up_weight_scale_2, gate_up_input_scale), h, num_pairs, a_row_div, H, I,
-        a.stride(0), h.stride(0), g_w, u_w, E, BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=block_k1,
-        INTERPRETED=_INTERPRETED, VARIANT=variant, SHARED=has_shared,
-        SHARED_BLOCK_K=_shared_block_k(H, "gate_up"), **launch,
+        a.stride(0), h.stride(0), g_w, u_w, E, num_blocks, pairs_per_token, BLOCK_M=block_m,
+        BLOCK_N=block_n1, BLOCK_K=block_k1, INTERPRETED=_INTERPRETED, VARIANT=variant,
+        SHARED=has_shared, SHARED_BLOCK_K=_shared_block_k(H, "gate_up"),
+        SHARED_SPLIT=shared_split(block_n1), **launch,
     )
-    if down_input_scale is not None:
+    if down_input_scale is not None:  # the routed rows; the shared expert's (after) stay bf16
         slot_expert = expert_of_block.long().clamp(0, E - 1).repeat_interleave(block_m)  # [S]
-        quantized = fake_quantize_activation(h, down_input_scale.float()[slot_expert])
-        if has_shared:  # the shared expert's rows stay bf16
-            is_shared = (expert_of_block == E).repeat_interleave(block_m)  # [S]
-            quantized = torch.where(is_shared[:, None], h, quantized)
-        h = quantized
+        quantized = fake_quantize_activation(h[:routed_rows],
+                                             down_input_scale.float()[slot_expert])
+        h = torch.cat([quantized, h[routed_rows:]])
     y = torch.empty((num_pairs, H), dtype=torch.bfloat16, device=x.device)
     block_n2, block_k2, launch = _launch_config(H, I, _DOWN_BLOCK_N[variant], "down")
     _check_tiled_tile(variant, block_k2)
-    wrap_triton(_down_kernel)[(num_blocks, triton.cdiv(H, block_n2))](
+    parts2 = shared_parts(T, block_m, block_n2) if has_shared else 0
+    wrap_triton(_down_kernel)[(num_blocks + parts2, triton.cdiv(H, block_n2))](
         h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
         _alphas(down_weight_scale_2, down_input_scale), y, num_pairs, H, I, h.stride(0),
-        y.stride(0), d_w, E, BLOCK_M=block_m, BLOCK_N=block_n2, BLOCK_K=block_k2,
-        INTERPRETED=_INTERPRETED, VARIANT=variant, SHARED=has_shared,
-        SHARED_BLOCK_K=_shared_block_k(I, "down"), **launch,
+        y.stride(0), d_w, E, num_blocks, pairs_per_token, BLOCK_M=block_m, BLOCK_N=block_n2,
+        BLOCK_K=block_k2, INTERPRETED=_INTERPRETED, VARIANT=variant, SHARED=has_shared,
+        SHARED_BLOCK_K=_shared_block_k(I, "down"), SHARED_SPLIT=shared_split(block_n2),
+        **launch,
     )
     return combine_pairs(y, topk_weights, out, has_shared)  # [T, H]
 
@@ -322,8 +339,9 @@ def nvfp4_moe(
     - `*_input_scale` fp32 `[E]`: used only with `emulate_w4a4=True`, which fake-quantizes the
       activations as W4A4 kernels do (gate/up input: per-expert max of the two scales, as vLLM).
     - `shared_gate`, `shared_up` bf16 `[I, H]`, `shared_down` bf16 `[H, I]` (all three or none): a
-      BF16 shared expert that every token also takes with weight 1.0. Its `T` rows run as the
-      dense tail blocks of the same two launches (`route_pairs(..., shared_expert=True)`) with
+      BF16 shared expert that every token also takes with weight 1.0. Its `T` rows run in the
+      same two launches, as extra programs of a few columns each (`moe_shared_parts`; the
+      routing keeps its shared tail, `route_pairs(..., shared_expert=True)`), with
       `bf16_moe`'s tile dot and epilogue: `bf16(down(bf16(bf16(silu(g)) * u)))` with `g`, `u` the
       bf16-rounded projections, i.e. `SwiGLUMLP`'s bf16 maths; it reads x unquantized with
       `emulate_w4a4`.

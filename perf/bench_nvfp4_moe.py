@@ -119,6 +119,19 @@ def grouped_bf16(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
     return (out.view(T, K, -1).float() * w[..., None]).sum(1).to(torch.bfloat16)
 
 
+def kernel_times(run: object, layers: int, reps: int = 5) -> dict[str, float]:
+    """Each CUDA kernel's time per layer in µs (mean of `reps` eager runs of `layers` layers)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            run()
+        torch.cuda.synchronize()
+    return {event.key[:80]: round(event.device_time_total / (reps * layers), 3)
+            for event in prof.key_averages() if event.device_time_total > 0}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[32, 128])
@@ -140,6 +153,8 @@ def main() -> None:
     parser.add_argument("--kernels", nargs="+", choices=sorted(_KERNELS), default=[_KERNEL_NAME],
                         help="kernel variants to time one after the other in this process "
                              "(default: DLMC_NVFP4_KERNEL's)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also record each kernel's CUDA time per layer (torch.profiler)")
     parser.add_argument("--tile-kernel", choices=["both", "gate_up", "down"], default="both",
                         help="which kernel --tiles applies to (the other keeps its default)")
     args = parser.parse_args()
@@ -212,6 +227,8 @@ def main() -> None:
             row |= {"nvfp4_ms_per_layer": ms, "nvfp4_GBps": row["bytes_per_layer"] / ms / 1e6}
             row["fraction_of_copy"] = row["nvfp4_GBps"] / report["copy_GBps"]
             row["eager_ms_per_layer"] = statistics.median(cuda_times(run_all, 10)) / L
+            if args.profile:
+                row["kernel_us_per_layer"] = kernel_times(run_all, L)
             if args.shared_expert:  # today's unfused block, same layers, same run
                 separate = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(separate):
@@ -222,8 +239,10 @@ def main() -> None:
                         "fused_minus_separate_ms_per_layer": ms - sms}
             if len(tiles) > 1:  # a sweep: the op alone
                 report["results"].append(row)
-                print(f"kernel={kernel} tile={tile} ms/layer={ms:.4f} "
-                      f"of_copy={row['fraction_of_copy']:.3f} err={err:.2e}", flush=True)
+                print(f"kernel={kernel} T={T} tile={tile} ms/layer={ms:.4f} "
+                      f"of_copy={row['fraction_of_copy']:.3f} err={err:.2e} "
+                      f"experts={row['touched_experts_mean']:.1f} "
+                      f"kernels={row.get('kernel_us_per_layer', '')}", flush=True)
                 continue
             ids0, w0 = routing[0]
             bf16 = dict(zip(("gate", "up", "down"), (

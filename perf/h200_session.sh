@@ -24,6 +24,7 @@
 #   bash perf/h200_session.sh ncu      # Nsight Compute of nvfp4_moe and paged attention
 #   bash perf/h200_session.sh repeat   # the BF16 graph round in REPEATS (3) fresh processes
 #   bash perf/h200_session.sh s16      # session 16's rounds (each change off in turn) + GPU tests
+#   bash perf/h200_session.sh s17      # session 17: the op per token count, old vs new kernels
 #   bash perf/h200_session.sh variants # graph round + profile per VARIANTS entry, each
 #                                      # "name:ENV=VAL,...:flag,flag" (commas for spaces);
 #                                      # PRECISION (bf16) and KV_DTYPE (bf16) for all of them
@@ -240,6 +241,49 @@ s16c)  # session 16, call 4: the record at the defaults (uniform routing without
   echo "gpu tests rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests_s16c.txt" | tail -8
   TORCHINDUCTOR_CACHE_DIR=/tmp/ind-bf16 round round_bf16_final 150 --precision bf16 \
     --modes graph --no-loop ;;
+s17)  # session 17, call 1: the op alone per token count (waves) with kernel times, down at 2
+  # warps; the early-load kernels against the previous ones (.ab/kernels_old.py, carried);
+  # the NVFP4 + FP8 round at the defaults
+  timeout 200 python3 perf/bench_nvfp4_moe.py --tokens 8 12 16 20 24 32 40 48 64 --iters 40 \
+    --profile --tile-kernel down --tiles 128,128,4,3 128,128,2,3 --out "$OUT/op_sweep.json" \
+    2>&1 | grep "^kernel=" > "$OUT/op_sweep.txt"; cut -c1-90 "$OUT/op_sweep.txt"
+  cp custom_ops/_nvfp4_moe_kernels.py /tmp/kernels_new.py
+  for side in old new; do
+    if [ "$side" = old ]; then cp .ab/kernels_old.py custom_ops/_nvfp4_moe_kernels.py; fi
+    if [ "$side" = new ]; then cp /tmp/kernels_new.py custom_ops/_nvfp4_moe_kernels.py; fi
+    timeout 120 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 60 --profile \
+      --out "$OUT/op_$side.json" > "$OUT/op_$side.txt" 2>&1
+    grep -o '"nvfp4_ms_per_layer": [0-9.]*\|"fraction_of_copy": [0-9.]*' "$OUT/op_$side.json"
+  done
+  TORCHINDUCTOR_CACHE_DIR=/tmp/ind-nvfp4 round round_nvfp4_default 200 --precision nvfp4 \
+    --kv-cache-dtype fp8 --modes graph --no-loop ;;
+s17b)  # session 17, call 3: the shared expert as parts (moe_shared_parts) against the tail
+  # blocks (.ab: the previous kernels and launch, carried), the round, the GPU tests
+  cp custom_ops/_nvfp4_moe_kernels.py /tmp/k_new.py; cp custom_ops/nvfp4_moe.py /tmp/m_new.py
+  for side in tail parts_k64 parts; do  # parts_k64: the parts at the tail blocks' K-tiles
+    if [ "$side" = tail ]; then
+      cp .ab/kernels_early.py custom_ops/_nvfp4_moe_kernels.py
+      cp .ab/nvfp4_moe_head.py custom_ops/nvfp4_moe.py
+    else
+      cp /tmp/k_new.py custom_ops/_nvfp4_moe_kernels.py; cp /tmp/m_new.py custom_ops/nvfp4_moe.py
+    fi
+    k=128,128; [ "$side" = parts_k64 ] && k=64,32
+    DLMC_NVFP4_SHARED_BLOCK_K=$k timeout 120 python3 perf/bench_nvfp4_moe.py --tokens 16 32 64 \
+      --iters 60 --profile --shared-expert --out "$OUT/op_shared_$side.json" \
+      > "$OUT/op_shared_$side.txt" 2>&1
+    echo "$side rc=$?"
+  done
+  timeout 100 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 40 --tile-kernel down \
+    --tiles 128,128,4,3 128,128,4,3,96 128,128,4,3,80 --out "$OUT/down_maxnreg.json" 2>&1 \
+    | grep "^kernel=" | cut -c1-100
+  TORCHINDUCTOR_CACHE_DIR=/tmp/ind-nvfp4 round round_nvfp4_parts 200 --precision nvfp4 \
+    --kv-cache-dtype fp8 --modes graph --no-loop
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -rf -m gpu \
+    "tests/custom_ops/test_nvfp4_moe.py::test_compile_and_cuda_graph_replay" \
+    "tests/custom_ops/test_nvfp4_moe_v5.py::test_v5_v6_w4a4_and_negative_scales_gpu" \
+    "tests/custom_ops/test_nvfp4_moe.py::test_shared_expert_tail_matches_reference_gpu" \
+    > "$OUT/gpu_tests_s17b.txt" 2>&1
+  echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests_s17b.txt" ;;
 lib) ;;  # `source perf/h200_session.sh lib`: install and define round/gpu_tests/ncu_run only
-*) echo "usage: $0 final|rounds|repeat|variants|ops|words|codes|defaults|v7tests|moe|gemm|share|tests|rope|lib|ncu|s16|s16b|s16c" >&2; exit 2 ;;
+*) echo "usage: $0 final|rounds|repeat|variants|ops|words|codes|defaults|v7tests|moe|gemm|share|tests|rope|lib|ncu|s16|s16b|s16c|s17|s17b" >&2; exit 2 ;;
 esac

@@ -29,6 +29,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from dlmc.custom_ops import nvfp4_moe as op
+from dlmc.custom_ops.moe_shared_parts import shared_split
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")
@@ -38,12 +39,14 @@ GATE_UP = {"a_ptr": "*bf16", "sorted_pair_ptr": "*i32", "expert_of_block_ptr": "
            "gate_alpha_ptr": "*fp32", "up_alpha_ptr": "*fp32", "shared_gate_w": "*bf16",
            "shared_up_w": "*bf16", "h_ptr": "*bf16", "num_pairs": "i32", "a_row_div": "i32",
            "shared_id": "i32", "H": "constexpr", "I": "constexpr", "stride_a": "i32",
-           "stride_h": "i32"}
+           "stride_h": "i32", "num_blocks": "i32", "pairs_per_token": "i32"}
 DOWN = {"h_ptr": "*bf16", "sorted_pair_ptr": "*i32", "expert_of_block_ptr": "*i32",
         "down_w": "*u8", "down_s": "*u8", "down_alpha_ptr": "*fp32", "shared_down_w": "*bf16",
         "y_ptr": "*bf16", "num_pairs": "i32", "shared_id": "i32", "H": "constexpr",
-        "I": "constexpr", "stride_h": "i32", "stride_y": "i32"}
-META = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "INTERPRETED", "VARIANT", "SHARED", "SHARED_BLOCK_K")
+        "I": "constexpr", "stride_h": "i32", "stride_y": "i32", "num_blocks": "i32",
+        "pairs_per_token": "i32"}
+META = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "INTERPRETED", "VARIANT", "SHARED", "SHARED_BLOCK_K",
+        "SHARED_SPLIT")
 DIVISIBLE = ("num_pairs", "stride_a", "stride_h", "stride_y")
 RESOURCE = re.compile(r"\b(REG|STACK|LOCAL):(\d+)")
 SCALE_ARGS = ("gate_s", "up_s", "down_s")  # v4, v6: int16 bit patterns of the pre-decoded bf16
@@ -115,7 +118,8 @@ def main() -> None:
             constants = {"H": args.hidden, "I": args.inter, "BLOCK_M": args.block_m,
                          "BLOCK_N": block_n, "BLOCK_K": args.block_k,
                          "INTERPRETED": False, "VARIANT": variant, "SHARED": args.shared,
-                         "SHARED_BLOCK_K": op._SHARED_BLOCK_K[name]}
+                         "SHARED_BLOCK_K": op._SHARED_BLOCK_K[name],
+                         "SHARED_SPLIT": shared_split(block_n)}
             text, resources = sass(kernel, signature, constants, options)
             if args.dump:
                 args.dump.mkdir(parents=True, exist_ok=True)

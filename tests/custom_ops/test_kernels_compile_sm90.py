@@ -35,6 +35,7 @@ from dlmc.custom_ops.kv_append import kv_append_kernel
 from dlmc.custom_ops.moe_align import align_launch, aligned_blocks, moe_align_kernel, route_block_m
 from dlmc.custom_ops.moe_route import moe_route_kernel
 from dlmc.custom_ops.moe_route_align import _num_warps, moe_route_align_kernel
+from dlmc.custom_ops.moe_shared_parts import shared_split
 from dlmc.custom_ops.nvfp4_moe import _down_kernel, _gate_up_kernel
 from dlmc.custom_ops.qk_norm_rope import _qk_norm_rope_kernel
 from dlmc.custom_ops.qk_norm_rope_append import qk_norm_rope_append_kernel
@@ -213,7 +214,7 @@ def check_nvfp4_moe_v3() -> None:
                 ptx = compile_sm90(kernel, types, {
                     "H": 256, "I": 128, "BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": 128,
                     "INTERPRETED": False, "VARIANT": variant, "SHARED": has_shared,
-                    "SHARED_BLOCK_K": 64}, 4).asm["ptx"]
+                    "SHARED_BLOCK_K": 64, "SHARED_SPLIT": 4}, 4).asm["ptx"]
                 assert ("mul.rn.bf16x2" in ptx) == (variant >= 3)
                 assert ("shf.r.wrap.b32" in ptx) == (variant >= 5)  # the words' decode
                 conversions[variant] = ptx.count("cvt.rn.bf16x2.f32")
@@ -241,7 +242,8 @@ def check_shared_branch_resources(variant: int, gate_up: dict[str, str],
             compiled = compile_sm90(kernel, types, {
                 "H": 2048, "I": 512, "BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": 128,
                 "INTERPRETED": False, "VARIANT": variant, "SHARED": has_shared,
-                "SHARED_BLOCK_K": nvfp4_moe_module._SHARED_BLOCK_K[name]}, 4, divisible,
+                "SHARED_BLOCK_K": nvfp4_moe_module._SHARED_BLOCK_K[name],
+                "SHARED_SPLIT": shared_split(block_n)}, 4, divisible,
                 num_stages=3)
             usage[has_shared] = resource_usage(compiled) | {"smem": compiled.metadata.shared}
         print(f"nvfp4_moe v{variant} {name}: FP4 only {usage[False]}, with the shared branch "

@@ -110,8 +110,8 @@ def test_matches_reference_cpu(seed: int, tokens: int, num_experts: int, top_k: 
 def run_shared_case(seed: int, tokens: int, num_experts: int, used: int, top_k: int,
                     hidden: int, inter: int, emulate_w4a4: bool = False,
                     alone: bool = False) -> None:
-    """The shared expert as the dense tail blocks against the reference; tokens routed only to
-    the first `used` experts (the others get none)."""
+    """The shared expert (the BF16 parts of `moe_shared_parts`) against the reference; tokens
+    routed only to the first `used` experts (the others get none)."""
     gen = torch.Generator().manual_seed(seed)
     experts = random_experts(gen, num_experts, hidden, inter)
     x = torch.randn(tokens, hidden, generator=gen).bfloat16().to(DEVICE)
@@ -319,7 +319,7 @@ def test_compile_and_cuda_graph_replay(variant: int, shared: bool,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """v3, and v4-v7 with the block scales / weights as `NVFP4Experts` stores them; compiled
     (fullgraph), replayed as a CUDA graph with new routing and x copied in. `shared`: with the
-    shared expert's BF16 tail blocks."""
+    shared expert's BF16 parts."""
     import dlmc.custom_ops.nvfp4_moe as module
     from dlmc.custom_ops.nvfp4_words import stored_forms
 
@@ -356,7 +356,7 @@ def test_compile_and_cuda_graph_replay(variant: int, shared: bool,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [2, 3, 4])
+@pytest.mark.parametrize("variant", [2, 3, 4, 7])
 @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 2**31 - 1), tokens=st.integers(1, 300), num_experts=st.integers(1, 64),
        used=st.integers(1, 64), top_k=st.integers(1, 8),
@@ -364,7 +364,8 @@ def test_compile_and_cuda_graph_replay(variant: int, shared: bool,
 def test_shared_expert_tail_matches_reference_gpu(variant: int, seed: int, tokens: int,
                                                   num_experts: int, used: int, top_k: int,
                                                   hidden: int, inter: int) -> None:
-    """The compiled kernels' BF16 branch (next to v2's, v3's and v4's FP4 paths), full size too."""
+    """The compiled kernels' BF16 parts (next to v2's, v3's, v4's and v7's FP4 paths; v7 runs v3
+    on shapes its layout cannot take), full size too."""
     import dlmc.custom_ops.nvfp4_moe as module
 
     used = min(used, num_experts)
