@@ -284,6 +284,42 @@ s17b)  # session 17, call 3: the shared expert as parts (moe_shared_parts) again
     "tests/custom_ops/test_nvfp4_moe.py::test_shared_expert_tail_matches_reference_gpu" \
     > "$OUT/gpu_tests_s17b.txt" 2>&1
   echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests_s17b.txt" ;;
+s17c)  # session 17, call 4: the op alone with and without the shared expert (parts), wider
+  # tiles with 8 warps for each kernel, v7's shared-expert fuzz, the NVFP4 + FP8 round at the
+  # defaults with its profile; everything tarred (a call returns at most 8 files)
+  for shared in "" --shared-expert; do
+    timeout 100 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 60 --profile $shared \
+      --out "$OUT/op${shared:+_shared}.json" > "$OUT/op${shared:+_shared}.txt" 2>&1
+    grep -o '"nvfp4_ms_per_layer": [0-9.]*\|"fraction_of_copy": [0-9.]*' \
+      "$OUT/op${shared:+_shared}.json"
+  done
+  for kernel in down gate_up; do
+    timeout 100 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 40 --tile-kernel $kernel \
+      --tiles 128,128,4,3 256,128,8,3 256,128,8,4 128,128,8,3 --out "$OUT/wide_$kernel.json" \
+      2>&1 | grep "^kernel=" | cut -c1-100
+  done
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -rf -m gpu \
+    "tests/custom_ops/test_nvfp4_moe.py::test_shared_expert_tail_matches_reference_gpu[7]" \
+    > "$OUT/gpu_tests_s17c.txt" 2>&1
+  echo "gpu tests rc=$?"; tail -2 "$OUT/gpu_tests_s17c.txt"
+  TORCHINDUCTOR_CACHE_DIR=/tmp/ind-nvfp4 round round_nvfp4_default 200 --precision nvfp4 \
+    --kv-cache-dtype fp8 --modes graph --no-loop
+  tar -C "$OUT" -czf /tmp/s17c.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/s17c.tgz "$OUT/" ;;
+s17d)  # session 17, call 5: GPU tests of the changed kernels (each under its own limit, -s so
+  # the fuzz tests' progress lines count the examples that ran), tarred
+  t() {  # t NAME LIMIT PYTEST-ARGS...
+    local name=$1 limit=$2; shift 2
+    timeout "$limit" python3 -m pytest -q -s -p no:cacheprovider -rf "$@" \
+      > "$OUT/gpu_tests_$name.txt" 2>&1
+    echo "$name rc=$? examples=$(grep -c '^v[0-9]' "$OUT/gpu_tests_$name.txt")"
+    grep -E "passed|failed|error" "$OUT/gpu_tests_$name.txt" | tail -1
+  }
+  t loading 60 -m gpu tests/loading/test_nvfp4_loading.py
+  t shared_fuzz_v7 170 -m gpu \
+    "tests/custom_ops/test_nvfp4_moe.py::test_shared_expert_tail_matches_reference_gpu[7]"
+  t fuzz_v7 230 -m gpu "tests/custom_ops/test_nvfp4_moe_v5.py::test_v5_v6_equal_v3_gpu[7]"
+  t bf16_moe 90 tests/custom_ops/test_bf16_moe.py
+  tar -C "$OUT" -czf /tmp/s17d.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/s17d.tgz "$OUT/" ;;
 lib) ;;  # `source perf/h200_session.sh lib`: install and define round/gpu_tests/ncu_run only
-*) echo "usage: $0 final|rounds|repeat|variants|ops|words|codes|defaults|v7tests|moe|gemm|share|tests|rope|lib|ncu|s16|s16b|s16c|s17|s17b" >&2; exit 2 ;;
+*) echo "usage: $0 final|rounds|repeat|variants|ops|words|codes|defaults|v7tests|moe|gemm|share|tests|rope|lib|ncu|s16|s16b|s16c|s17|s17b|s17c|s17d" >&2; exit 2 ;;
 esac

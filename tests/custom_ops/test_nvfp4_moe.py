@@ -374,6 +374,9 @@ def test_shared_expert_tail_matches_reference_gpu(variant: int, seed: int, token
         run_shared_case(seed, tokens, num_experts, used, min(top_k, used), hidden, inter)
     finally:
         module._VARIANT = previous
+    # progress for `pytest -s` runs with a time limit (perf/README.md records the count)
+    print(f"v{variant} shared: tokens={tokens} experts={num_experts} used={used} top_k={top_k} "
+          f"hidden={hidden} inter={inter}", flush=True)
 
 
 @pytest.mark.parametrize("variant", [1, 2, 3])
