@@ -8,8 +8,11 @@ pair `t * (K+1) + K`. The routing's shared blocks (`moe_align`'s tail) then have
 
 Why: as whole M-block x N-tile programs (one per routing block), each LLaDA2.1-mini shared
 gate/up program read 1 MB of BF16 weights against 288 KB for an FP4 one, and the kernel waited
-for them: gate/up 65.8 against 58.7 µs per layer without the shared expert, whose bytes take
-about 1 µs at copy bandwidth (H200, `perf/results/s17/call2`).
+for them: gate/up 65.8 against 58.7 µs per layer without the shared expert, whose gate/up bytes
+take about 1 µs at copy bandwidth (H200, `perf/results/s17/call2`, `call1`). As parts the op
+with the shared expert takes 104.7 against 109.6 µs per layer at 32 tokens (same run,
+`perf/results/s17/call3`); at 64 tokens 1.8 µs more than the whole blocks (four token chunks
+read the same columns).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ KERNEL_ENV = ("DLMC_ROUTER_GEMM", "DLMC_SMALL_M_GEMM", "DLMC_ATTENTION_VARIANT",
               "DLMC_NVFP4_KERNEL", "DLMC_BF16_MOE_TILES", "DLMC_MAX_AUTOTUNE_GEMM",
               "DLMC_FUSED_KV_APPEND", "DLMC_FUSED_ROUTE_ALIGN", "DLMC_NVFP4_SHARED",
               "DLMC_NVFP4_TILE_ROWS", "DLMC_UNROLL_REDUCTIONS",
-              "DLMC_MOE_COMBINE", "DLMC_ROPE_KV_APPEND")
+              "DLMC_MOE_COMBINE", "DLMC_ROPE_KV_APPEND", "DLMC_NVFP4_SHARED_BLOCK_K")
 
 
 @bench.command("round", short_help="Time one denoising round: eager, compiled, CUDA graph.")
