@@ -12,13 +12,14 @@ from torch.library import triton_op
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def traced_triton_op(name: str, impl: Callable[..., Any], fake: Callable[..., Any]) -> Any:
+def traced_triton_op(name: str, impl: Callable[..., Any], fake: Callable[..., Any],
+                     mutates_args: tuple[str, ...] = ()) -> Any:
     """`triton_op(name)` over `impl`: torch.compile traces through the body (its kernels and
     torch ops). Under `TRITON_INTERPRET=1` (CPU tests) interpreted kernels cannot be traced, so
     the same body is registered as an opaque custom op with `fake` as its fake function and
-    torch.compile calls it eagerly."""
+    torch.compile calls it eagerly. `mutates_args`: the arguments the body writes in place."""
     if INTERPRETED:
-        op = torch.library.custom_op(name, mutates_args=())(impl)
+        op = torch.library.custom_op(name, mutates_args=mutates_args)(impl)
         op.register_fake(fake)
         return op
-    return triton_op(name, mutates_args=())(impl)
+    return triton_op(name, mutates_args=mutates_args)(impl)

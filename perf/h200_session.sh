@@ -25,6 +25,7 @@
 #   bash perf/h200_session.sh repeat   # the BF16 graph round in REPEATS (3) fresh processes
 #   bash perf/h200_session.sh s16      # session 16's rounds (each change off in turn) + GPU tests
 #   bash perf/h200_session.sh s17      # session 17: the op per token count, old vs new kernels
+#   bash perf/h200_session.sh s18      # DLMC_FUSED_ROUTE_ALIGN=last vs default, its GPU tests
 #   bash perf/h200_session.sh variants # graph round + profile per VARIANTS entry, each
 #                                      # "name:ENV=VAL,...:flag,flag" (commas for spaces);
 #                                      # PRECISION (bf16) and KV_DTYPE (bf16) for all of them
@@ -320,6 +321,22 @@ s17d)  # session 17, call 5: GPU tests of the changed kernels (each under its ow
   t fuzz_v7 230 -m gpu "tests/custom_ops/test_nvfp4_moe_v5.py::test_v5_v6_equal_v3_gpu[7]"
   t bf16_moe 90 tests/custom_ops/test_bf16_moe.py
   tar -C "$OUT" -czf /tmp/s17d.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/s17d.tgz "$OUT/" ;;
+s18)  # prepared in session 17 for the next GPU session: the route launch whose last program
+  # aligns (DLMC_FUSED_ROUTE_ALIGN=last) against the default in the NVFP4 + FP8 round, then its
+  # GPU tests (the programs race for the tickets there); tarred
+  for v in default last; do
+    (  # the switch stays in this subshell; Inductor's cache is per switch set (graphs.runner)
+      [ "$v" = last ] && export DLMC_FUSED_ROUTE_ALIGN=last
+      round "round_nvfp4_route_$v" 200 --precision nvfp4 --kv-cache-dtype fp8 --modes graph \
+        --no-loop
+    )
+  done
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -rf -m gpu \
+    tests/custom_ops/test_moe_route_last_align.py \
+    "tests/models/test_llada2.py::test_generate_equal_with_fused_route_align_on_and_off" \
+    > "$OUT/gpu_tests_s18.txt" 2>&1
+  echo "gpu tests rc=$?"; tail -2 "$OUT/gpu_tests_s18.txt"
+  tar -C "$OUT" -czf /tmp/s18.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/s18.tgz "$OUT/" ;;
 lib) ;;  # `source perf/h200_session.sh lib`: install and define round/gpu_tests/ncu_run only
-*) echo "usage: $0 final|rounds|repeat|variants|ops|words|codes|defaults|v7tests|moe|gemm|share|tests|rope|lib|ncu|s16|s16b|s16c|s17|s17b|s17c|s17d" >&2; exit 2 ;;
+*) echo "usage: $0 final|rounds|repeat|variants|ops|words|codes|defaults|v7tests|moe|gemm|share|tests|rope|lib|ncu|s16|s16b|s16c|s17|s17b|s17c|s17d|s18" >&2; exit 2 ;;
 esac

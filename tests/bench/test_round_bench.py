@@ -78,9 +78,9 @@ def test_uniform_routing_and_touched_bytes_with_the_shared_expert_fused(tiny_dir
 
 def test_uniform_routing_through_the_fused_route_align_path(tiny_dir, monkeypatch):
     """The CUDA code path (Triton's interpreter on CPU): FixedRouter routes and aligns through
-    `route_align`, so a bench round with `DLMC_FUSED_ROUTE_ALIGN=on` gives the outputs and the
-    bytes of the two-launch path, with and without the shared expert fused; `touched_bytes`
-    counts the experts' ids whichever router path made them."""
+    `route_align`, so a bench round with `DLMC_FUSED_ROUTE_ALIGN=on` (or `last`) gives the
+    outputs and the bytes of the two-launch path, with and without the shared expert fused;
+    `touched_bytes` counts the experts' ids whichever router path made them."""
     import torch
 
     import dlmc.custom_ops.moe_route_align as fused_module
@@ -123,15 +123,19 @@ def test_uniform_routing_through_the_fused_route_align_path(tiny_dir, monkeypatc
         assert len(calls) == 2 * len(blocks)  # "off": no fused launch
         assert torch.equal(fused, two_launches)
         assert fused_bytes == two_launch_bytes and fused_bytes[1] > 0
+        last, last_bytes = run("last")  # the model router's launch with the block's ticket
+        assert torch.equal(last, two_launches) and last_bytes == two_launch_bytes
+        assert all(b.route_ticket.tolist() == [0] for b in blocks)
         assert not aligned
         compiled = torch.compile(model, fullgraph=True)  # each switch its own graph
         outputs = {}
-        for switch in ("off", "on"):
+        for switch in ("off", "on", "last"):
             for block in blocks:
                 block.route_align = switch
             with torch.inference_mode():
                 outputs[switch] = compiled(tokens, positions, MaskedAttention(mask))
         assert torch.equal(outputs["on"], outputs["off"])
+        assert torch.equal(outputs["last"], outputs["off"])
         assert not aligned  # "on" took the prepared alignment (the experts align for "off")
         fixed_ids = blocks[0].gate.ids[:16]
         assert fused_bytes[1] == sum(b.gate.ids[:16].unique().numel() for b in blocks) / len(

@@ -35,6 +35,7 @@ from dlmc.custom_ops.kv_append import kv_append_kernel
 from dlmc.custom_ops.moe_align import align_launch, aligned_blocks, moe_align_kernel, route_block_m
 from dlmc.custom_ops.moe_route import moe_route_kernel
 from dlmc.custom_ops.moe_route_align import _num_warps, moe_route_align_kernel
+from dlmc.custom_ops.moe_route_last_align import moe_route_last_align_kernel
 from dlmc.custom_ops.moe_shared_parts import shared_split
 from dlmc.custom_ops.nvfp4_moe import _down_kernel, _gate_up_kernel
 from dlmc.custom_ops.qk_norm_rope import _qk_norm_rope_kernel
@@ -328,6 +329,24 @@ def check_moe_route_align(tokens: int, splits: int, shared_expert: bool) -> None
     assert "bar.sync" in compiled.asm["ptx"]  # the barrier between routing and the sort
 
 
+def check_moe_route_last_align(tokens: int, splits: int, shared_expert: bool) -> None:
+    """Per-token programs whose last aligns: the ticket is one acquire-release atomic at GPU
+    scope (LLaDA2.1-mini's routing)."""
+    types = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64",
+             "weights_ptr": "*fp32", "sorted_pair_ptr": "*i32", "expert_of_block_ptr": "*i32",
+             "ticket_ptr": "*i32", "stride_split": "i32", "stride_logits": "i32",
+             "routed_scaling_factor": "fp64", "shared_expert": "i32"}
+    block_m = route_block_m(tokens, 8, 256, shared_expert)
+    align_constants, align_warps = align_launch(tokens, 8, 256, block_m, shared_expert)
+    compiled = compile_sm90(moe_route_last_align_kernel, types, {
+        "NUM_SPLITS": splits, "NUM_EXPERTS": 256, "GROUP_SIZE": 32, "GROUPS_PAD": 8,
+        "GROUP_PAD": 32, "TOPK_GROUP": 4, "TOP_K": 8, "TOP_K_PAD": 8, "NORM_TOPK_PROB": True,
+        **align_constants}, align_warps)
+    ptx = compiled.asm["ptx"]
+    assert ptx.count("atom.global.gpu.acq_rel.add") == 1, "one ticket per program"
+    assert compiled.metadata.shared <= 48 * 1024
+
+
 def check_small_m_linear() -> None:
     types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "tokens": "i32",
              "stride_x": "i32", "stride_y": "i32"}
@@ -387,5 +406,7 @@ if __name__ == "__main__":
     check_moe_route_align(32, 8, shared_expert=True)  # router_gemm's partials, shared fused
     check_moe_route_align(64, 8, shared_expert=True)  # the largest one-program block
     check_moe_route_align(1, 8, shared_expert=False)
+    check_moe_route_last_align(32, 8, shared_expert=True)
+    check_moe_route_last_align(64, 1, shared_expert=False)
     check_router_gemm()
     check_small_m_linear()

@@ -137,7 +137,7 @@ def test_fused_shared_expert_logits_match_unfused(tiny_dir):
 
 
 def _logits_by_switch(model_dir, device, fuse_shared):
-    """bf16 logits of the loaded tiny model with DLMC_FUSED_ROUTE_ALIGN=on and =off."""
+    """bf16 logits of the loaded tiny model with DLMC_FUSED_ROUTE_ALIGN=off, on and last."""
     from dlmc.loading.loader import load_model
     from dlmc.models.moe import MoEBlock, fuse_shared_experts
 
@@ -149,32 +149,37 @@ def _logits_by_switch(model_dir, device, fuse_shared):
         fuse_shared_experts(loaded.model)
     blocks = [m for m in loaded.model.modules() if isinstance(m, MoEBlock)]
     logits = {}
-    for switch in ("off", "on"):
+    for switch in ("off", "on", "last"):
         for block in blocks:
             block.route_align = switch  # as read from the environment at construction
         with torch.inference_mode():
             logits[switch] = loaded.model(ids, pos, MaskedAttention(mask))
-    return logits["on"], logits["off"]
+    return logits
 
 
 def test_logits_equal_with_fused_route_align_on_and_off(tiny_dir, monkeypatch):
-    """DLMC_FUSED_ROUTE_ALIGN=on vs off through the CUDA MoE path (Triton's interpreter on
-    CPU): routing in one launch changes no logit and so no token."""
+    """DLMC_FUSED_ROUTE_ALIGN=on and =last vs off through the CUDA MoE path (Triton's
+    interpreter on CPU): routing in one launch changes no logit and so no token."""
     import dlmc.custom_ops.moe_route_align as fused_module
+    import dlmc.custom_ops.moe_route_last_align as last_module
     import dlmc.models.moe as moe
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     monkeypatch.setattr(moe, "_kernel_path", lambda x: True)
-    calls = []
-    op = fused_module._moe_route_align_op
-    monkeypatch.setattr(fused_module, "_moe_route_align_op", lambda *a: calls.append(a) or op(*a))
+    calls = {"on": [], "last": []}
+    for switch, module, name in (("on", fused_module, "_moe_route_align_op"),
+                                 ("last", last_module, "_moe_route_last_align_op")):
+        op = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, op=op, c=calls[switch]: c.append(a) or op(*a))
     for fuse_shared in (False, True):
-        calls.clear()
-        fused, two_launches = _logits_by_switch(tiny_dir, device, fuse_shared)
-        assert len(calls) == 2  # the tiny model's two MoE layers, once each
-        assert calls[0][-1] is fuse_shared  # shared_expert
-        assert torch.equal(fused, two_launches)
-        assert torch.equal(fused.argmax(-1), two_launches.argmax(-1))
+        for c in calls.values():
+            c.clear()
+        logits = _logits_by_switch(tiny_dir, device, fuse_shared)
+        for switch in ("on", "last"):
+            assert len(calls[switch]) == 2  # the tiny model's two MoE layers, once each
+            assert calls[switch][0][-1] is fuse_shared  # shared_expert
+            assert torch.equal(logits[switch], logits["off"]), switch
+            assert torch.equal(logits[switch].argmax(-1), logits["off"].argmax(-1))
 
 
 @pytest.mark.gpu
@@ -183,11 +188,12 @@ def test_generate_equal_with_fused_route_align_on_and_off(tiny_dir, monkeypatch)
     from dlmc import LLM
 
     results = {}
-    for switch in ("off", "on"):
+    for switch in ("off", "on", "last"):
         monkeypatch.setenv("DLMC_FUSED_ROUTE_ALIGN", switch)
         llm = LLM(tiny_dir, device="cuda", dtype="bf16", mode="graph")
         res = llm.generate(prompt="The capital of France is", max_new_tokens=64)
         results[switch] = (res.token_ids, llm.logits(res.prompt_token_ids + res.token_ids))
         del llm
-    assert results["on"][0] == results["off"][0]
-    assert torch.equal(results["on"][1], results["off"][1])
+    for switch in ("on", "last"):
+        assert results[switch][0] == results["off"][0], switch
+        assert torch.equal(results[switch][1], results["off"][1]), switch

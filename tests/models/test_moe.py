@@ -121,6 +121,8 @@ def test_random_model_keeps_the_router_weight_fp32():
     gate = model.model.layers[cfg.first_k_dense_replace].mlp.gate
     assert gate.weight.dtype == gate.expert_bias.dtype == torch.float32
     assert 0.5 < gate.weight.std().item() * cfg.hidden_size**0.5 < 2.0  # like the parameters
+    ticket = model.model.layers[cfg.first_k_dense_replace].mlp.route_ticket  # runtime state
+    assert ticket.dtype == torch.int32 and ticket.tolist() == [0]
 
 
 def test_bf16_experts_match_per_token_loop():

@@ -54,18 +54,22 @@ class FixedRouter(nn.Module):
         tokens = x.shape[0]
         return self.ids[:tokens], self.weights[:tokens]
 
-    def route_align(self, x: torch.Tensor,
-                    shared_expert: bool) -> tuple[torch.Tensor, torch.Tensor, PairRouting]:
-        """`Router.route_align` with the fixed ids and their prepared alignment."""
+    def route_align(self, x: torch.Tensor, shared_expert: bool,
+                    ticket: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, PairRouting]:
+        """`Router.route_align` with the fixed ids and their prepared alignment (no launch: the
+        `ticket` of `DLMC_FUSED_ROUTE_ALIGN=last` is the model router's, `real_weights`)."""
         ids, weights = self.forward(x)
         routing = self.alignments.get((x.shape[0], shared_expert))
         return ids, weights, routing or route_pairs(ids, self.num_experts, shared_expert)
 
-    def real_weights(self, x: torch.Tensor, fused: bool, shared_expert: bool) -> torch.Tensor:
+    def real_weights(self, x: torch.Tensor, fused: bool, shared_expert: bool,
+                     ticket: torch.Tensor | None = None) -> torch.Tensor:
         """The model's router on `x` (its launches: `route_align` when the block `fused`s
-        routing and alignment, else the two-launch path); its weights `[T, K]`."""
+        routing and alignment, with the block's `ticket` for "last", else the two-launch path);
+        its weights `[T, K]`."""
         if fused:
-            return self.router.route_align(x, shared_expert)[1]
+            return self.router.route_align(x, shared_expert, ticket)[1]
         return self.router(x)[1]
 
 
@@ -83,8 +87,9 @@ class UniformRoutingMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         block = self.block
+        ticket = block.route_ticket if block.route_align == "last" else None
         real = block.gate.real_weights(x, block._fuses_route_align(x),
-                                       block.shared_expert_id is not None)  # [T, K]
+                                       block.shared_expert_id is not None, ticket)  # [T, K]
         out = block(x)  # [T, H]
         return out + 0.0 * real[:1, :1].to(out.dtype)
 

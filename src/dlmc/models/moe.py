@@ -8,7 +8,9 @@ a `takes_pair_routing(x)` that says True also take `routing=` the pairs' alignme
 (`dlmc::moe_route_align`, opt-in with `DLMC_FUSED_ROUTE_ALIGN=on`) instead of the experts
 aligning the router's picks again (`off`, the default: `dlmc::moe_route`, then `moe_align` in
 the experts; on the H200 the one-program fused launch took 27.6 µs per layer against 4.7 + 3.6
-µs for the two launches, perf/README.md session 13).
+µs for the two launches, perf/README.md session 13). `last`: `dlmc::moe_route_last_align`,
+moe_route's per-token programs in one launch whose last program aligns the pairs (a ticket
+counter per layer, `MoEBlock.route_ticket`; not yet timed on the GPU).
 
 `fuse_shared_experts(model)` (after loading; off unless called) moves each shared expert into
 its layer's experts module as one more expert, id E, which every token takes with weight 1.0
@@ -34,6 +36,7 @@ from dlmc.custom_ops.bf16_moe import bf16_moe, bf16_moe_reference  # noqa: F401 
 from dlmc.custom_ops.moe_align import PairRouting, append_shared_column
 from dlmc.custom_ops.moe_route import moe_route, moe_route_reference
 from dlmc.custom_ops.moe_route_align import moe_route_align
+from dlmc.custom_ops.moe_route_last_align import moe_route_last_align
 from dlmc.custom_ops.router_gemm import MAX_TOKENS as ROUTER_GEMM_MAX_TOKENS
 from dlmc.custom_ops.router_gemm import router_gemm
 from dlmc.models.config import LLaDA2Config
@@ -78,14 +81,18 @@ class Router(nn.Module):
         return route(self._logits(x), self.expert_bias.float(), cfg.n_group, cfg.topk_group,
                      cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routed_scaling_factor)
 
-    def route_align(self, x: torch.Tensor,
-                    shared_expert: bool) -> tuple[torch.Tensor, torch.Tensor, PairRouting]:
+    def route_align(self, x: torch.Tensor, shared_expert: bool,
+                    ticket: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, PairRouting]:
         """`forward`'s routing and its alignment for the grouped expert kernels
-        (`shared_expert`: with expert E for every token), one `dlmc::moe_route_align` launch."""
+        (`shared_expert`: with expert E for every token), one `dlmc::moe_route_align` launch,
+        or with `ticket` (int32 `[1]` zeros) one `dlmc::moe_route_last_align` launch."""
         cfg = self.config
-        return moe_route_align(self._logits(x), self.expert_bias.float(), cfg.n_group,
-                               cfg.topk_group, cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                               cfg.routed_scaling_factor, shared_expert)
+        args = (cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok, cfg.norm_topk_prob,
+                cfg.routed_scaling_factor, shared_expert)
+        if ticket is not None:
+            return moe_route_last_align(self._logits(x), self.expert_bias.float(), ticket, *args)
+        return moe_route_align(self._logits(x), self.expert_bias.float(), *args)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         if self._split_gemm(x):
@@ -185,8 +192,10 @@ class MoEBlock(nn.Module):
 
     `shared_expert_id` is None, or (after `fuse_shared_expert`) the expert id of the shared
     expert inside `experts`, with `shared_experts` then None. `route_align` (from
-    `DLMC_FUSED_ROUTE_ALIGN`, "off" (default) or "on"): whether CUDA runs route and align the
-    pairs in one launch for experts that take a `routing` (module docstring).
+    `DLMC_FUSED_ROUTE_ALIGN`, "off" (default), "on" or "last"): whether CUDA runs route and
+    align the pairs in one launch for experts that take a `routing` (module docstring);
+    `route_ticket` is the int32 `[1]` counter of "last" (a non-persistent buffer, always 0
+    between launches).
     """
 
     def __init__(self, config: LLaDA2Config, experts: nn.Module | None = None) -> None:
@@ -201,16 +210,19 @@ class MoEBlock(nn.Module):
             else None
         )
         self.shared_expert_id: int | None = None
-        # "on": dlmc::moe_route_align on CUDA; "off": moe_route, then moe_align in the experts
-        self.route_align = env_choice("DLMC_FUSED_ROUTE_ALIGN", "off", ("off", "on"))
+        # "on": dlmc::moe_route_align on CUDA; "last": dlmc::moe_route_last_align; "off":
+        # moe_route, then moe_align in the experts
+        self.route_align = env_choice("DLMC_FUSED_ROUTE_ALIGN", "off", ("off", "on", "last"))
+        self.register_buffer("route_ticket", torch.zeros(1, dtype=torch.int32), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         expert_kwargs: dict[str, object] = {}
         if self.shared_expert_id is not None:  # the last expert, every token with weight 1.0
             expert_kwargs["shared_expert"] = True
         if self._fuses_route_align(x):
+            ticket = self.route_ticket if self.route_align == "last" else None
             topk_ids, topk_weights, expert_kwargs["routing"] = self.gate.route_align(
-                x, self.shared_expert_id is not None)  # [T, K], [T, K], the pairs' blocks
+                x, self.shared_expert_id is not None, ticket)  # [T, K], [T, K], the pairs' blocks
         else:
             topk_ids, topk_weights = self.gate(x)  # [T, K]
         routed = self.experts(x, topk_ids, topk_weights, **expert_kwargs)
@@ -218,8 +230,8 @@ class MoEBlock(nn.Module):
 
     def _fuses_route_align(self, x: torch.Tensor) -> bool:
         takes_routing = getattr(self.experts, "takes_pair_routing", None)
-        return (self.route_align == "on" and _kernel_path(x) and takes_routing is not None
-                and takes_routing(x))
+        return (self.route_align in ("on", "last") and _kernel_path(x)
+                and takes_routing is not None and takes_routing(x))
 
     @torch.no_grad()
     def fuse_shared_expert(self) -> bool:
