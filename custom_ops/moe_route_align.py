@@ -43,7 +43,8 @@ from dlmc.custom_ops.moe_route import (
     route_warps_per_token,
 )
 
-__all__ = ["moe_route_align", "moe_route_align_reference"]
+__all__ = ["moe_route_align", "moe_route_align_reference", "route_align_outputs",
+           "route_align_setup"]
 
 MAX_FUSED_TILE = 16384  # T_PAD * G_PAD * S_PAD fp32 routing values: 16 per thread at 32 warps
 MAX_WARPS = 32
@@ -74,6 +75,30 @@ def moe_route_align_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, sorted_pa
                 FILL)
 
 
+def route_align_outputs(logits: torch.Tensor, top_k: int, block_m: int, shared_expert: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uninitialised `topk_ids` int64 `[T, K]`, `topk_weights` fp32 `[T, K]`, `sorted_pair` int32
+    `[B * block_m]` and `expert_of_block` int32 `[B]` for logits `[..., T, E]` (also fake)."""
+    tokens, num_experts = logits.shape[-2], logits.shape[-1]
+    num_blocks = aligned_blocks(tokens, top_k, num_experts, block_m, shared_expert)
+    return (logits.new_empty((tokens, top_k), dtype=torch.int64),
+            logits.new_empty((tokens, top_k), dtype=torch.float32),
+            logits.new_empty(num_blocks * block_m, dtype=torch.int32),
+            logits.new_empty(num_blocks, dtype=torch.int32))
+
+
+def route_align_setup(logits: torch.Tensor, top_k: int, block_m: int, shared_expert: bool
+                      ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], dict[str, int], int]:
+    """What a fused routing launch needs: the logits as `[S, T, E]`, `route_align_outputs`, and
+    `align_launch`'s constexprs and warps (`{}` and 0 for an empty block: nothing to launch)."""
+    logits = logits if logits.dim() == 3 else logits.unsqueeze(0)  # [S, T, E]
+    _, tokens, num_experts = logits.shape
+    outputs = route_align_outputs(logits, top_k, block_m, shared_expert)
+    if tokens == 0:
+        return logits, outputs, {}, 0
+    return logits, outputs, *align_launch(tokens, top_k, num_experts, block_m, shared_expert)
+
+
 def _num_warps(tokens: int, num_experts: int, n_group: int, align_warps: int) -> int:
     """A warp group per token (moe_route's), up to MAX_WARPS, and at least moe_align's."""
     route_warps = triton.next_power_of_2(tokens) * route_warps_per_token(num_experts, n_group)
@@ -84,18 +109,12 @@ def _moe_route_align_impl(
     logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
     norm_topk_prob: bool, routed_scaling_factor: float, block_m: int, shared_expert: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    logits = logits if logits.dim() == 3 else logits.unsqueeze(0)  # [S, T, E]
+    logits, outputs, align_constants, align_warps = route_align_setup(logits, top_k, block_m,
+                                                                      shared_expert)
+    if not align_constants:  # no token
+        return outputs
     _, tokens, num_experts = logits.shape
-    device = logits.device
-    num_blocks = aligned_blocks(tokens, top_k, num_experts, block_m, shared_expert)
-    topk_ids = torch.empty((tokens, top_k), dtype=torch.int64, device=device)
-    topk_weights = torch.empty((tokens, top_k), dtype=torch.float32, device=device)
-    sorted_pair = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
-    expert_of_block = torch.empty(num_blocks, dtype=torch.int32, device=device)
-    if tokens == 0:
-        return topk_ids, topk_weights, sorted_pair, expert_of_block
-    align_constants, align_warps = align_launch(tokens, top_k, num_experts, block_m,
-                                                shared_expert)
+    topk_ids, topk_weights, sorted_pair, expert_of_block = outputs
     wrap_triton(moe_route_align_kernel)[(1,)](
         logits, expert_bias, topk_ids, topk_weights, sorted_pair, expert_of_block, tokens,
         logits.stride(0), logits.stride(1), routed_scaling_factor, num_experts,
@@ -109,12 +128,7 @@ def _moe_route_align_fake(
     logits: torch.Tensor, expert_bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
     norm_topk_prob: bool, routed_scaling_factor: float, block_m: int, shared_expert: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    tokens, num_experts = logits.shape[-2], logits.shape[-1]
-    num_blocks = aligned_blocks(tokens, top_k, num_experts, block_m, shared_expert)
-    return (logits.new_empty((tokens, top_k), dtype=torch.int64),
-            logits.new_empty((tokens, top_k), dtype=torch.float32),
-            logits.new_empty(num_blocks * block_m, dtype=torch.int32),
-            logits.new_empty(num_blocks, dtype=torch.int32))
+    return route_align_outputs(logits, top_k, block_m, shared_expert)
 
 
 _moe_route_align_op = traced_triton_op("dlmc::moe_route_align", _moe_route_align_impl,

@@ -30,9 +30,7 @@ from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.moe_align import (
     PairRouting,
-    align_launch,
     align_pairs,
-    aligned_blocks,
     route_block_m,
     route_pairs,
 )
@@ -43,6 +41,7 @@ from dlmc.custom_ops.moe_route import (
     route_tokens,
     route_warps_per_token,
 )
+from dlmc.custom_ops.moe_route_align import route_align_outputs, route_align_setup
 
 __all__ = ["last_align_applies", "moe_route_last_align"]
 
@@ -77,25 +76,17 @@ def _moe_route_last_align_impl(
     topk_group: int, top_k: int, norm_topk_prob: bool, routed_scaling_factor: float,
     block_m: int, shared_expert: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    logits = logits if logits.dim() == 3 else logits.unsqueeze(0)  # [S, T, E]
-    _, tokens, num_experts = logits.shape
-    device = logits.device
-    num_blocks = aligned_blocks(tokens, top_k, num_experts, block_m, shared_expert)
-    topk_ids = torch.empty((tokens, top_k), dtype=torch.int64, device=device)
-    topk_weights = torch.empty((tokens, top_k), dtype=torch.float32, device=device)
-    sorted_pair = torch.empty(num_blocks * block_m, dtype=torch.int32, device=device)
-    expert_of_block = torch.empty(num_blocks, dtype=torch.int32, device=device)
-    if tokens == 0:
-        return topk_ids, topk_weights, sorted_pair, expert_of_block
-    align_constants, align_warps = align_launch(tokens, top_k, num_experts, block_m,
-                                                shared_expert)
-    wrap_triton(moe_route_last_align_kernel)[(tokens,)](
-        logits, expert_bias, topk_ids, topk_weights, sorted_pair, expert_of_block, ticket,
-        logits.stride(0), logits.stride(1), routed_scaling_factor, num_experts,
-        **route_constants(logits, n_group, topk_group, top_k, norm_topk_prob),
-        **align_constants,
-        num_warps=max(align_warps, route_warps_per_token(num_experts, n_group)))
-    return topk_ids, topk_weights, sorted_pair, expert_of_block
+    logits, outputs, align_constants, align_warps = route_align_setup(logits, top_k, block_m,
+                                                                      shared_expert)
+    if not align_constants:  # no token
+        return outputs
+    num_experts = logits.shape[-1]
+    warps = max(align_warps, route_warps_per_token(num_experts, n_group))
+    wrap_triton(moe_route_last_align_kernel)[(logits.shape[1],)](  # a program per token
+        logits, expert_bias, *outputs, ticket, logits.stride(0), logits.stride(1),
+        routed_scaling_factor, num_experts, **align_constants,
+        **route_constants(logits, n_group, topk_group, top_k, norm_topk_prob), num_warps=warps)
+    return outputs
 
 
 def _moe_route_last_align_fake(
@@ -103,12 +94,7 @@ def _moe_route_last_align_fake(
     topk_group: int, top_k: int, norm_topk_prob: bool, routed_scaling_factor: float,
     block_m: int, shared_expert: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    tokens, num_experts = logits.shape[-2], logits.shape[-1]
-    num_blocks = aligned_blocks(tokens, top_k, num_experts, block_m, shared_expert)
-    return (logits.new_empty((tokens, top_k), dtype=torch.int64),
-            logits.new_empty((tokens, top_k), dtype=torch.float32),
-            logits.new_empty(num_blocks * block_m, dtype=torch.int32),
-            logits.new_empty(num_blocks, dtype=torch.int32))
+    return route_align_outputs(logits, top_k, block_m, shared_expert)
 
 
 # Inductor traces through the body (four allocations + the kernel, the ticket written in

@@ -312,12 +312,16 @@ def check_moe_route(float_type: str, splits: int) -> None:
         "GROUP_PAD": 32, "TOPK_GROUP": 4, "TOP_K": 8, "TOP_K_PAD": 8, "NORM_TOPK_PROB": True}, 4)
 
 
+# The arguments both fused routing kernels share (besides their token count or ticket).
+ROUTE_ALIGN_TYPES = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64",
+                     "weights_ptr": "*fp32", "sorted_pair_ptr": "*i32",
+                     "expert_of_block_ptr": "*i32", "stride_split": "i32", "stride_logits": "i32",
+                     "routed_scaling_factor": "fp64", "shared_expert": "i32"}
+
+
 def check_moe_route_align(tokens: int, splits: int, shared_expert: bool) -> None:
     """One program for the whole block at LLaDA2.1-mini's routing (E 256, top-8 of 4 groups)."""
-    types = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64",
-             "weights_ptr": "*fp32", "sorted_pair_ptr": "*i32", "expert_of_block_ptr": "*i32",
-             "num_tokens": "i32", "stride_split": "i32", "stride_logits": "i32",
-             "routed_scaling_factor": "fp64", "shared_expert": "i32"}
+    types = ROUTE_ALIGN_TYPES | {"num_tokens": "i32"}
     block_m = route_block_m(tokens, 8, 256, shared_expert)
     align_constants, align_warps = align_launch(tokens, 8, 256, block_m, shared_expert)
     compiled = compile_sm90(moe_route_align_kernel, types, {
@@ -332,10 +336,7 @@ def check_moe_route_align(tokens: int, splits: int, shared_expert: bool) -> None
 def check_moe_route_last_align(tokens: int, splits: int, shared_expert: bool) -> None:
     """Per-token programs whose last aligns: the ticket is one acquire-release atomic at GPU
     scope (LLaDA2.1-mini's routing)."""
-    types = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64",
-             "weights_ptr": "*fp32", "sorted_pair_ptr": "*i32", "expert_of_block_ptr": "*i32",
-             "ticket_ptr": "*i32", "stride_split": "i32", "stride_logits": "i32",
-             "routed_scaling_factor": "fp64", "shared_expert": "i32"}
+    types = ROUTE_ALIGN_TYPES | {"ticket_ptr": "*i32"}
     block_m = route_block_m(tokens, 8, 256, shared_expert)
     align_constants, align_warps = align_launch(tokens, 8, 256, block_m, shared_expert)
     compiled = compile_sm90(moe_route_last_align_kernel, types, {
