@@ -90,7 +90,7 @@ def route_align_outputs(logits: torch.Tensor, top_k: int, block_m: int, shared_e
 def route_align_setup(logits: torch.Tensor, top_k: int, block_m: int, shared_expert: bool
                       ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...], dict[str, int], int]:
     """What a fused routing launch needs: the logits as `[S, T, E]`, `route_align_outputs`, and
-    `align_launch`'s constexprs and warps (`{}` and 0 for an empty block: nothing to launch)."""
+    `align_launch`'s constexprs and warps (`{}` and 0 for an empty block, which has no launch)."""
     logits = logits if logits.dim() == 3 else logits.unsqueeze(0)  # [S, T, E]
     _, tokens, num_experts = logits.shape
     outputs = route_align_outputs(logits, top_k, block_m, shared_expert)
@@ -111,17 +111,16 @@ def _moe_route_align_impl(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     logits, outputs, align_constants, align_warps = route_align_setup(logits, top_k, block_m,
                                                                       shared_expert)
-    if not align_constants:  # no token
-        return outputs
     _, tokens, num_experts = logits.shape
-    topk_ids, topk_weights, sorted_pair, expert_of_block = outputs
+    if tokens == 0:
+        return outputs
     wrap_triton(moe_route_align_kernel)[(1,)](
-        logits, expert_bias, topk_ids, topk_weights, sorted_pair, expert_of_block, tokens,
-        logits.stride(0), logits.stride(1), routed_scaling_factor, num_experts,
+        logits, expert_bias, *outputs, tokens, logits.stride(0), logits.stride(1),
+        routed_scaling_factor, num_experts,
         TOKENS_PAD=triton.next_power_of_2(tokens),
         **route_constants(logits, n_group, topk_group, top_k, norm_topk_prob),
         **align_constants, num_warps=_num_warps(tokens, num_experts, n_group, align_warps))
-    return topk_ids, topk_weights, sorted_pair, expert_of_block
+    return outputs
 
 
 def _moe_route_align_fake(

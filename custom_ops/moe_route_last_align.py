@@ -78,11 +78,11 @@ def _moe_route_last_align_impl(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     logits, outputs, align_constants, align_warps = route_align_setup(logits, top_k, block_m,
                                                                       shared_expert)
-    if not align_constants:  # no token
+    _, tokens, num_experts = logits.shape
+    if tokens == 0:
         return outputs
-    num_experts = logits.shape[-1]
     warps = max(align_warps, route_warps_per_token(num_experts, n_group))
-    wrap_triton(moe_route_last_align_kernel)[(logits.shape[1],)](  # a program per token
+    wrap_triton(moe_route_last_align_kernel)[(tokens,)](  # a program per token
         logits, expert_bias, *outputs, ticket, logits.stride(0), logits.stride(1),
         routed_scaling_factor, num_experts, **align_constants,
         **route_constants(logits, n_group, topk_group, top_k, norm_topk_prob), num_warps=warps)

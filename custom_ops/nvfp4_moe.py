@@ -207,7 +207,7 @@ def _nvfp4_moe_impl(
         slot_expert = expert_of_block.long().clamp(0, E - 1).repeat_interleave(block_m)  # [S]
         quantized = fake_quantize_activation(h[:routed_rows],
                                              down_input_scale.float()[slot_expert])
-        h = torch.cat([quantized, h[routed_rows:]])
+        h = torch.cat([quantized, h[routed_rows:]]) if has_shared else quantized
     y = torch.empty((num_pairs, H), dtype=torch.bfloat16, device=x.device)
     block_n2, block_k2, launch = _launch_config(H, I, _DOWN_BLOCK_N[variant], "down")
     _check_tiled_tile(variant, block_k2)
