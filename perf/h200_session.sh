@@ -331,6 +331,13 @@ s18)  # prepared in session 17 for the next GPU session: the route launch whose 
         --no-loop
     )
   done
+  timeout 60 python3 perf/probe_pdl.py --out "$OUT/pdl_probe.json" > "$OUT/pdl_probe.txt" 2>&1
+  echo "pdl probe rc=$?"; cat "$OUT/pdl_probe.txt"
+  (  # Inductor's own kernels with programmatic dependent launch, where this torch has it
+    export TORCHINDUCTOR_ENABLE_PDL=1
+    round round_nvfp4_inductor_pdl 200 --precision nvfp4 --kv-cache-dtype fp8 --modes graph \
+      --no-loop
+  )
   timeout 150 python3 -m pytest -q -p no:cacheprovider -rf -m gpu \
     tests/custom_ops/test_moe_route_last_align.py \
     "tests/models/test_llada2.py::test_generate_equal_with_fused_route_align_on_and_off" \
