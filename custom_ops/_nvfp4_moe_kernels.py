@@ -10,6 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from dlmc.custom_ops._pdl import pdl_enter
 from dlmc.custom_ops.moe_align import block_rows
 from dlmc.custom_ops.moe_shared_parts import shared_down_part, shared_gate_up_part
 from dlmc.custom_ops.nvfp4_bf16x2 import ACC_SCALE
@@ -33,11 +34,12 @@ def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s,
                     num_blocks, pairs_per_token, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, VARIANT: tl.constexpr,
                     SHARED: tl.constexpr, SHARED_BLOCK_K: tl.constexpr,
-                    SHARED_SPLIT: tl.constexpr):
+                    SHARED_SPLIT: tl.constexpr, PDL: tl.constexpr = False):
     """h[slot, n] = silu(gate) * up for the slots of one M-block and one N-tile of I. `SHARED`:
     programs past the `num_blocks` routing blocks are the BF16 shared expert's parts
     (`moe_shared_parts`, h rows from `num_blocks * BLOCK_M` on); blocks of expert `shared_id`
     exit."""
+    pdl_enter(PDL)
     pid_m = _block_index(SHARED)
     pid_n = tl.program_id(1)
     if SHARED and pid_m >= num_blocks:
@@ -99,10 +101,11 @@ def _down_kernel(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, do
                  shared_down_w, shared_id, num_blocks, pairs_per_token, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
                  VARIANT: tl.constexpr, SHARED: tl.constexpr, SHARED_BLOCK_K: tl.constexpr,
-                 SHARED_SPLIT: tl.constexpr):
+                 SHARED_SPLIT: tl.constexpr, PDL: tl.constexpr = False):
     """y[pair, n] = bf16(alpha * h[slot] @ down[n]^T) for one M-block and one N-tile of H.
     `SHARED`: programs past the `num_blocks` routing blocks are the BF16 shared expert's parts
     (`moe_shared_parts`); blocks of expert `shared_id` exit."""
+    pdl_enter(PDL)
     pid_m = _block_index(SHARED)
     pid_n = tl.program_id(1)
     if SHARED and pid_m >= num_blocks:

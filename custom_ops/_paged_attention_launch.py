@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 import triton
-from torch.library import wrap_triton
 
+from dlmc.custom_ops._pdl import launcher, pdl_active
 from dlmc.custom_ops._registration import INTERPRETED
 from dlmc.errors import ConfigError
 
@@ -210,8 +210,8 @@ def launch_paged_attention(
                                             / block_n) * block_n)
     num_stages = variant.num_stages or (3 if head_dim <= 128 else 2)
     interleaved = variant.split_order == "interleaved"
-    pdl = variant.pdl and not INTERPRETED
-    if pdl and torch.compiler.is_compiling():
+    pdl = (variant.pdl or pdl_active(q.device)) and not INTERPRETED
+    if variant.pdl and torch.compiler.is_compiling():
         raise ConfigError("PagedAttentionVariant: pdl=True launches cannot be traced by "
                           "torch.compile (Inductor drops launch_pdl); call it eagerly or capture "
                           "it in a CUDA graph")
@@ -223,7 +223,7 @@ def launch_paged_attention(
     out = torch.empty_like(q)  # [Tq, Hq, D]
     grid = (triton.cdiv(num_rows, block_m), num_kv_heads, parts)
     launch = {"launch_pdl": True} if pdl else {}
-    wrap_triton(paged_attention_split_kernel)[grid](
+    launcher(paged_attention_split_kernel)[grid](
         q, k_new, v_new, k_cache, v_cache, page_table, prefix_len, k_scale, v_scale,
         o_part, lse_part,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
@@ -242,7 +242,7 @@ def launch_paged_attention(
     merge_args = (o_part, lse_part, out, prefix_len, out.stride(0), out.stride(1), num_rows,
                   capacity, window)
     if variant.merge == "chunked":
-        wrap_triton(paged_attention_merge_kernel)[(num_rows, num_kv_heads)](
+        launcher(paged_attention_merge_kernel)[(num_rows, num_kv_heads)](
             *merge_args, GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
             MIN_SPLIT_KEYS=min_split_keys, BLOCK_N=block_n, CHUNK=merge_chunk(num_splits),
             LOOP_WHILE=INTERPRETED, num_warps=4 if head_dim <= 256 else 8,
@@ -250,7 +250,7 @@ def launch_paged_attention(
         return out
     rows = variant.merge_rows
     chunk, merge_warps = flat_merge_config(num_splits, rows, head_dim)
-    wrap_triton(paged_attention_merge_flat_kernel)[(triton.cdiv(num_rows, rows), num_kv_heads)](
+    launcher(paged_attention_merge_flat_kernel)[(triton.cdiv(num_rows, rows), num_kv_heads)](
         *merge_args, GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
         MIN_SPLIT_KEYS=min_split_keys, BLOCK_N=block_n, INTERLEAVED=interleaved,
         SPECULATIVE=variant.merge == "speculative", ROWS=rows, CHUNK=chunk, PDL=pdl,

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
+from dlmc.custom_ops._pdl import launcher, pdl_enter
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.moe_align import (
@@ -136,7 +136,8 @@ def bf16_down_block(h_ptr, sorted_pair_ptr, down_w, y_ptr, num_pairs, pid_m, pid
 def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, up_w, h_ptr, num_pairs,
                     a_row_div, H: tl.constexpr, I: tl.constexpr, stride_a, stride_h,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    INTERPRETED: tl.constexpr):
+                    INTERPRETED: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     expert = tl.load(expert_of_block_ptr + pid_m)
     if expert >= 0:
@@ -149,7 +150,9 @@ def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, up_w, h
 @triton.jit
 def _down_kernel(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, y_ptr, num_pairs,
                  H: tl.constexpr, I: tl.constexpr, stride_h, stride_y, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     pid_m = tl.program_id(0)
     expert = tl.load(expert_of_block_ptr + pid_m)
     if expert >= 0:
@@ -178,12 +181,12 @@ def _bf16_moe_impl(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     n1, k1, w1, s1 = _LAUNCH["gate_up"]
     n2, k2, w2, s2 = _LAUNCH["down"]
     h = torch.empty((num_blocks * block_m, inter), dtype=torch.bfloat16, device=x.device)
-    wrap_triton(_gate_up_kernel)[(num_blocks, triton.cdiv(inter, n1))](
+    launcher(_gate_up_kernel)[(num_blocks, triton.cdiv(inter, n1))](
         x, sorted_pair, expert_of_block, gate_proj, up_proj, h, num_pairs, pairs_per_token,
         hidden, inter, x.stride(0), h.stride(0), BLOCK_M=block_m, BLOCK_N=n1, BLOCK_K=k1,
         INTERPRETED=_INTERPRETED, num_warps=w1, num_stages=s1)
     y = torch.empty((num_pairs, hidden), dtype=torch.bfloat16, device=x.device)
-    wrap_triton(_down_kernel)[(num_blocks, triton.cdiv(hidden, n2))](
+    launcher(_down_kernel)[(num_blocks, triton.cdiv(hidden, n2))](
         h, sorted_pair, expert_of_block, down_proj, y, num_pairs, hidden, inter, h.stride(0),
         y.stride(0), BLOCK_M=block_m, BLOCK_N=n2, BLOCK_K=k2, INTERPRETED=_INTERPRETED,
         num_warps=w2, num_stages=s2)

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
 
-from dlmc.custom_ops._registration import INTERPRETED
+from dlmc.custom_ops._pdl import launcher
+from dlmc.custom_ops._registration import INTERPRETED, traced_triton_op
 from dlmc.errors import ConfigError
 
 FP8_MAX = 448.0
@@ -100,8 +100,7 @@ def kv_append_kernel(
                   EMULATE_FP8)
 
 
-@triton_op("dlmc::kv_append", mutates_args={"k_cache", "v_cache"})
-def _kv_append_op(
+def _kv_append_impl(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     page_table: torch.Tensor, offset: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
 ) -> None:
@@ -110,7 +109,7 @@ def _kv_append_op(
     capacity = min(num_pages, page_table.numel()) * page_size
     block_t = 16 if head_dim <= 256 else 8
     quantize = k_cache.dtype == torch.float8_e4m3fn
-    wrap_triton(kv_append_kernel)[(triton.cdiv(num_tokens, block_t), num_kv_heads)](
+    launcher(kv_append_kernel)[(triton.cdiv(num_tokens, block_t), num_kv_heads)](
         k, v, k_cache, v_cache, page_table, offset, k_scale, v_scale,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), num_tokens,
@@ -119,12 +118,15 @@ def _kv_append_op(
     )
 
 
-@_kv_append_op.register_fake
 def kv_append_fake(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     page_table: torch.Tensor, offset: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
 ) -> None:
     """Fake function: the op only mutates the caches (nothing to allocate, no data read)."""
+
+
+_kv_append_op = traced_triton_op("dlmc::kv_append", _kv_append_impl, kv_append_fake,
+                                 mutates_args=("k_cache", "v_cache"))
 
 
 def _check(cond: bool, message: str, op: str = "kv_append") -> None:

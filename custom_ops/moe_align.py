@@ -19,8 +19,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
+from dlmc.custom_ops._pdl import launcher, pdl_enter
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
 
@@ -138,7 +138,8 @@ def align_pairs(ids_ptr, sorted_pair_ptr, expert_of_block_ptr, num_pairs, top_k,
 def moe_align_kernel(ids_ptr, sorted_pair_ptr, expert_of_block_ptr, num_pairs, top_k,
                      shared_expert, NUM_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr,
                      LOG_PAIRS_PAD: tl.constexpr, EXPERTS_PAD: tl.constexpr,
-                     SHARED_BLOCKS: tl.constexpr, FILL: tl.constexpr):
+                     SHARED_BLOCKS: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     align_pairs(ids_ptr, sorted_pair_ptr, expert_of_block_ptr, num_pairs, top_k, shared_expert,
                 NUM_BLOCKS, BLOCK_M, LOG_PAIRS_PAD, EXPERTS_PAD, SHARED_BLOCKS, FILL)
 
@@ -153,7 +154,7 @@ def _moe_align_impl(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     if num_pairs == 0:
         return sorted_pair, expert_of_block
     constants, num_warps = align_launch(tokens, top_k, num_experts, block_m, shared_expert)
-    wrap_triton(moe_align_kernel)[(1,)](
+    launcher(moe_align_kernel)[(1,)](
         topk_ids.reshape(-1), sorted_pair, expert_of_block, num_pairs, top_k, num_experts,
         **constants, num_warps=num_warps)
     return sorted_pair, expert_of_block

@@ -22,8 +22,8 @@ import os
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
+from dlmc.custom_ops._pdl import launcher, pdl_enter
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.moe_align import append_shared_column
@@ -41,9 +41,10 @@ if COMBINE not in ("triton", "inductor"):
 @triton.jit
 def moe_combine_kernel(y_ptr, w_ptr, out_ptr, hidden, stride_y, stride_wt, stride_wk,
                        stride_out, TOP_K: tl.constexpr, SHARED: tl.constexpr,
-                       BLOCK_H: tl.constexpr, INTERPRETED: tl.constexpr):
+                       BLOCK_H: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr = False):
     """out[t, cols] = bf16(sum_k w[t, k] * y[t*P + k, cols]) (+ y[t*P + K, cols] if SHARED), in
     fp32 in pair order; program (t, column block)."""
+    pdl_enter(PDL)
     token = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BH]
     mask = cols < hidden
@@ -67,7 +68,7 @@ def combine_pairs(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor
     y bf16 `[T*P, H]` with unit stride along H (P = K, or K+1 with `shared_expert`: the last row
     of each token is the shared expert's, weight 1.0); topk_weights fp32 `[T, K]`; out bf16
     `[T, H]` with unit stride along H, written and returned. Unchecked (the callers' bodies
-    check); callable inside traced Triton ops (`wrap_triton`). T == 0 launches nothing.
+    check); callable inside traced Triton ops (`_pdl.launcher`). T == 0 launches nothing.
     With `DLMC_MOE_COMBINE=inductor`, `moe_combine_reference`'s torch ops instead.
     """
     if COMBINE == "inductor":
@@ -82,7 +83,7 @@ def _launch(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor,
     if tokens == 0 or hidden == 0:
         return out
     block_h = min(triton.next_power_of_2(hidden), MAX_BLOCK_H)
-    wrap_triton(moe_combine_kernel)[(tokens, triton.cdiv(hidden, block_h))](
+    launcher(moe_combine_kernel)[(tokens, triton.cdiv(hidden, block_h))](
         y, topk_weights, out, hidden, y.stride(0), topk_weights.stride(0),
         topk_weights.stride(1), out.stride(0), TOP_K=top_k, SHARED=bool(shared_expert),
         BLOCK_H=block_h, INTERPRETED=_INTERPRETED, num_warps=NUM_WARPS)

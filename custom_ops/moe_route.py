@@ -20,8 +20,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
+from dlmc.custom_ops._pdl import launcher, pdl_enter
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
 
@@ -108,7 +108,9 @@ def moe_route_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, stride_split, s
                      routed_scaling_factor, NUM_SPLITS: tl.constexpr, NUM_EXPERTS: tl.constexpr,
                      GROUP_SIZE: tl.constexpr, GROUPS_PAD: tl.constexpr,
                      GROUP_PAD: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                     TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, NORM_TOPK_PROB: tl.constexpr):
+                     TOP_K: tl.constexpr, TOP_K_PAD: tl.constexpr, NORM_TOPK_PROB: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     token = tl.program_id(0).to(tl.int64) + tl.arange(0, 1)  # [1]: one token per program
     route_tokens(logits_ptr, bias_ptr, ids_ptr, weights_ptr, token, token >= 0, stride_split,
                  stride_logits, routed_scaling_factor, NUM_SPLITS, NUM_EXPERTS, GROUP_SIZE,
@@ -124,7 +126,7 @@ def _moe_route_impl(logits: torch.Tensor, expert_bias: torch.Tensor, n_group: in
     topk_weights = torch.empty((tokens, top_k), dtype=torch.float32, device=logits.device)
     if tokens == 0:
         return topk_ids, topk_weights
-    wrap_triton(moe_route_kernel)[(tokens,)](
+    launcher(moe_route_kernel)[(tokens,)](
         logits, expert_bias, topk_ids, topk_weights, logits.stride(0), logits.stride(1),
         routed_scaling_factor, **route_constants(logits, n_group, topk_group, top_k,
                                                  norm_topk_prob),

@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
 from dlmc.custom_ops import moe_align as _align
 from dlmc.custom_ops import moe_route as _route
+from dlmc.custom_ops._pdl import launcher
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.moe_align import (
@@ -114,7 +114,7 @@ def _moe_route_align_impl(
     _, tokens, num_experts = logits.shape
     if tokens == 0:
         return outputs
-    wrap_triton(moe_route_align_kernel)[(1,)](
+    launcher(moe_route_align_kernel)[(1,)](
         logits, expert_bias, *outputs, tokens, logits.stride(0), logits.stride(1),
         routed_scaling_factor, num_experts,
         TOKENS_PAD=triton.next_power_of_2(tokens),

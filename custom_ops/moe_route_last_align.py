@@ -22,10 +22,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
 from dlmc.custom_ops import moe_align as _align
 from dlmc.custom_ops import moe_route as _route
+from dlmc.custom_ops._pdl import launcher
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.moe_align import (
@@ -82,7 +82,7 @@ def _moe_route_last_align_impl(
     if tokens == 0:
         return outputs
     warps = max(align_warps, route_warps_per_token(num_experts, n_group))
-    wrap_triton(moe_route_last_align_kernel)[(tokens,)](  # a program per token
+    launcher(moe_route_last_align_kernel)[(tokens,)](  # a program per token
         logits, expert_bias, *outputs, ticket, logits.stride(0), logits.stride(1),
         routed_scaling_factor, num_experts, **align_constants,
         **route_constants(logits, n_group, topk_group, top_k, norm_topk_prob), num_warps=warps)

@@ -16,9 +16,9 @@ import os
 
 import torch
 import triton
-from torch.library import wrap_triton
 
 from dlmc.custom_ops._nvfp4_moe_kernels import _down_kernel, _gate_up_kernel
+from dlmc.custom_ops._pdl import launcher
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.moe_align import (
@@ -193,7 +193,7 @@ def _nvfp4_moe_impl(
     block_n1, block_k1, launch = _launch_config(I, H, _GATE_UP_BLOCK_N[variant], "gate_up")
     _check_tiled_tile(variant, block_k1)
     parts1 = shared_parts(T, block_m, block_n1) if has_shared else 0
-    wrap_triton(_gate_up_kernel)[(num_blocks + parts1, triton.cdiv(I, block_n1))](
+    launcher(_gate_up_kernel)[(num_blocks + parts1, triton.cdiv(I, block_n1))](
         a, sorted_pair, expert_of_block, gate_weight, gate_weight_scale,
         up_weight, up_weight_scale,
         _alphas(gate_weight_scale_2, gate_up_input_scale),
@@ -212,7 +212,7 @@ def _nvfp4_moe_impl(
     block_n2, block_k2, launch = _launch_config(H, I, _DOWN_BLOCK_N[variant], "down")
     _check_tiled_tile(variant, block_k2)
     parts2 = shared_parts(T, block_m, block_n2) if has_shared else 0
-    wrap_triton(_down_kernel)[(num_blocks + parts2, triton.cdiv(H, block_n2))](
+    launcher(_down_kernel)[(num_blocks + parts2, triton.cdiv(H, block_n2))](
         h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
         _alphas(down_weight_scale_2, down_input_scale), y, num_pairs, H, I, h.stride(0),
         y.stride(0), d_w, E, num_blocks, pairs_per_token, BLOCK_M=block_m, BLOCK_N=block_n2,

@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch.library import triton_op
 
+from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.kv_append import kv_append_reference
 from dlmc.errors import ConfigError
 
@@ -56,11 +56,6 @@ def _launch_op(append: bool) -> Callable[..., torch.Tensor]:
     return launch
 
 
-_paged_attention_op = triton_op("dlmc::paged_attention", mutates_args=())(_launch_op(False))
-_paged_attention_append_op = triton_op(
-    "dlmc::paged_attention_append", mutates_args={"k_cache", "v_cache"})(_launch_op(True))
-
-
 def paged_attention_fake(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, page_table: torch.Tensor, prefix_len: torch.Tensor,
@@ -72,8 +67,11 @@ def paged_attention_fake(
     return torch.empty_like(q)
 
 
-_paged_attention_op.register_fake(paged_attention_fake)
-_paged_attention_append_op.register_fake(paged_attention_fake)
+_paged_attention_op = traced_triton_op("dlmc::paged_attention", _launch_op(False),
+                                       paged_attention_fake)
+_paged_attention_append_op = traced_triton_op(
+    "dlmc::paged_attention_append", _launch_op(True), paged_attention_fake,
+    mutates_args=("k_cache", "v_cache"))
 
 
 def _check(cond: bool, message: str) -> None:

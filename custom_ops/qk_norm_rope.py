@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
+from dlmc.custom_ops._pdl import launcher
 from dlmc.custom_ops._registration import traced_triton_op
 
 QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -125,7 +125,7 @@ def _qk_norm_rope_impl(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torc
     tokens, head_dim = qkv.shape[0], q_weight.shape[0]
     q, k, v = new_qkv(qkv, num_q_heads, num_kv_heads, head_dim)
     if tokens:
-        wrap_triton(_qk_norm_rope_kernel)[(tokens, num_q_heads + 2 * num_kv_heads)](
+        launcher(_qk_norm_rope_kernel)[(tokens, num_q_heads + 2 * num_kv_heads)](
             qkv, q_weight, k_weight, cos, sin, q, k, v, eps, qkv.stride(0),
             NUM_Q=num_q_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim, ROTARY=cos.shape[1],
             num_warps=1)

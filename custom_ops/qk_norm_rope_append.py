@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import triton_op, wrap_triton
 
-from dlmc.custom_ops._registration import INTERPRETED
+from dlmc.custom_ops._pdl import launcher, pdl_enter
+from dlmc.custom_ops._registration import INTERPRETED, traced_triton_op
 from dlmc.custom_ops.kv_append import (
     _store_cache_tile,
     cache_slots,
@@ -43,7 +43,9 @@ def qk_norm_rope_append_kernel(
     stride_cs, stride_ch, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
     ROTARY: tl.constexpr, PAGE_SIZE: tl.constexpr, MAX_TOKENS: tl.constexpr,
     QUANTIZE: tl.constexpr, EMULATE_FP8: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)  # q heads, then k heads, then v heads
     row = qk_norm_rope_row(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr,
@@ -61,8 +63,7 @@ def qk_norm_rope_append_kernel(
                           tl.where(is_v, v_scale_ptr, k_scale_ptr), valid, QUANTIZE, EMULATE_FP8)
 
 
-@triton_op("dlmc::qk_norm_rope_append", mutates_args={"k_cache", "v_cache"})
-def _qk_norm_rope_append_op(
+def _qk_norm_rope_append_impl(
     qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
     sin: torch.Tensor, num_q_heads: int, num_kv_heads: int, eps: float,
     k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, offset: torch.Tensor,
@@ -73,7 +74,7 @@ def _qk_norm_rope_append_op(
     num_pages, page_size = k_cache.shape[:2]
     quantize = k_cache.dtype == torch.float8_e4m3fn
     if tokens:
-        wrap_triton(qk_norm_rope_append_kernel)[(tokens, num_q_heads + 2 * num_kv_heads)](
+        launcher(qk_norm_rope_append_kernel)[(tokens, num_q_heads + 2 * num_kv_heads)](
             qkv, q_weight, k_weight, cos, sin, q, k, v, k_cache, v_cache, page_table,
             offset, k_scale, v_scale, eps, qkv.stride(0), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), NUM_Q=num_q_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim,
@@ -83,7 +84,6 @@ def _qk_norm_rope_append_op(
     return q, k, v
 
 
-@_qk_norm_rope_append_op.register_fake
 def _qk_norm_rope_append_fake(
     qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
     sin: torch.Tensor, num_q_heads: int, num_kv_heads: int, eps: float,
@@ -92,6 +92,11 @@ def _qk_norm_rope_append_fake(
 ) -> QKV:
     """Fake function: new q, k, v (the caches are mutated in place, nothing to allocate)."""
     return new_qkv(qkv, num_q_heads, num_kv_heads, q_weight.shape[0])
+
+
+_qk_norm_rope_append_op = traced_triton_op(
+    "dlmc::qk_norm_rope_append", _qk_norm_rope_append_impl, _qk_norm_rope_append_fake,
+    mutates_args=("k_cache", "v_cache"))
 
 
 def qk_norm_rope_append(

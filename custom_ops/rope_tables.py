@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
+from dlmc.custom_ops._pdl import launcher
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.nvfp4_tiles import round_bf16
@@ -62,7 +62,7 @@ def _rope_tables_impl(positions: torch.Tensor, inv_freq: torch.Tensor
     cos = positions.new_empty((tokens, 2 * half), dtype=torch.bfloat16)
     sin = torch.empty_like(cos)
     if tokens and half:
-        wrap_triton(rope_tables_kernel)[(tokens,)](
+        launcher(rope_tables_kernel)[(tokens,)](
             positions, inv_freq, cos, sin, HALF=half, HALF_PAD=triton.next_power_of_2(half),
             INTERPRETED=_INTERPRETED, num_warps=1)
     return cos, sin

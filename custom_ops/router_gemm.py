@@ -31,8 +31,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
+from dlmc.custom_ops._pdl import launcher, pdl_enter
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.nvfp4_tiles import round_bf16
@@ -70,8 +70,9 @@ def _split_dot(acc, x, w, INTERPRETED: tl.constexpr):
 def router_gemm_kernel(x_ptr, w_ptr, part_ptr, tokens, stride_x, N: tl.constexpr,
                        K: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_T: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       INTERPRETED: tl.constexpr):
+                       INTERPRETED: tl.constexpr, PDL: tl.constexpr = False):
     """part[split, t, n] = sum over k in split's K range of x[t, k] * w[n, k]."""
+    pdl_enter(PDL)
     split = tl.program_id(1)
     t = tl.arange(0, BLOCK_T)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -104,7 +105,7 @@ def _router_gemm_impl(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if not tokens:
         return partial
     block_n, _, block_k, num_warps, num_stages = _CONFIG
-    wrap_triton(router_gemm_kernel)[(triton.cdiv(features, block_n), splits)](
+    launcher(router_gemm_kernel)[(triton.cdiv(features, block_n), splits)](
         x, weight, partial, tokens, x.stride(0), N=features, K=inner, K_PER_SPLIT=per_split,
         BLOCK_T=max(16, triton.next_power_of_2(tokens)), BLOCK_N=block_n, BLOCK_K=block_k,
         INTERPRETED=_INTERPRETED, num_warps=num_warps, num_stages=num_stages)

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch.library import wrap_triton
 
+from dlmc.custom_ops._pdl import launcher
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.nvfp4_tiles import round_bf16
@@ -59,7 +59,7 @@ def _small_m_linear_impl(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if not tokens:
         return y
     block_n, block_k, num_warps, num_stages = _CONFIG
-    wrap_triton(_small_m_linear_kernel)[(triton.cdiv(features, block_n),)](
+    launcher(_small_m_linear_kernel)[(triton.cdiv(features, block_n),)](
         x, weight, y, tokens, x.stride(0), y.stride(0), N=features, K=weight.shape[1],
         BLOCK_T=max(16, triton.next_power_of_2(tokens)), BLOCK_N=block_n, BLOCK_K=block_k,
         INTERPRETED=_INTERPRETED, num_warps=num_warps, num_stages=num_stages)

@@ -25,7 +25,9 @@
 #   bash perf/h200_session.sh repeat   # the BF16 graph round in REPEATS (3) fresh processes
 #   bash perf/h200_session.sh s16      # session 16's rounds (each change off in turn) + GPU tests
 #   bash perf/h200_session.sh s17      # session 17: the op per token count, old vs new kernels
-#   bash perf/h200_session.sh s18      # DLMC_FUSED_ROUTE_ALIGN=last vs default, its GPU tests
+#   bash perf/h200_session.sh s18      # DLMC_FUSED_ROUTE_ALIGN=last vs default, its GPU tests,
+#                                      # perf/probe_pdl.py, a round with Inductor's PDL
+#   bash perf/h200_session.sh s18b     # DLMC_PDL=1 vs default, its GPU test
 #   bash perf/h200_session.sh variants # graph round + profile per VARIANTS entry, each
 #                                      # "name:ENV=VAL,...:flag,flag" (commas for spaces);
 #                                      # PRECISION (bf16) and KV_DTYPE (bf16) for all of them
@@ -88,6 +90,16 @@ repeat)  # the BF16 graph round in REPEATS fresh processes (Inductor cache warm 
   for i in $(seq 1 "${REPEATS:-3}"); do
     round "round_bf16_repeat$i" "${ROUND_TIMEOUT:-200}" --precision bf16 --modes graph --no-loop
   done ;;
+s18b)  # session 18, call 2: DLMC_PDL=1 (every dlmc kernel of the round and Inductor's own with
+  # programmatic dependent launch) against the default, same machine; its GPU tests; tarred
+  for v in default pdl; do
+    (
+      [ "$v" = pdl ] && export DLMC_PDL=1
+      round "round_nvfp4_$v" 200 --precision nvfp4 --kv-cache-dtype fp8 --modes graph --no-loop
+    )
+  done
+  gpu_tests s18b tests/custom_ops/test_pdl.py
+  tar -C "$OUT" -czf /tmp/s18b.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/s18b.tgz "$OUT/" ;;
 variants)  # e.g. VARIANTS="base:: gemm:DLMC_SMALL_M_GEMM=triton: dense::--kv-layout,dense"
   for v in ${VARIANTS:-base:: gemm:DLMC_SMALL_M_GEMM=triton: dense::--kv-layout,dense}; do
     IFS=: read -r name envs flags <<< "$v"

@@ -14,6 +14,7 @@ both chains are compared element for element. Also prints whether this torch's I
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 
@@ -94,7 +95,8 @@ def main() -> None:
         for pdl in (False, True):
             bufs = [torch.empty_like(x), torch.empty_like(x)]
             name = f"{'prefetch' if prefetch else 'plain'}_{'pdl' if pdl else 'serial'}"
-            times = time_graph(lambda: chain(x, w, bufs, args.chain, pdl, prefetch), args.reps)
+            times = time_graph(functools.partial(chain, x, w, bufs, args.chain, pdl, prefetch),
+                               args.reps)
             outs[name] = chain(x, w, bufs, args.chain, pdl, prefetch).clone()
             med = statistics.median(times)
             result["runs"][name] = {"median_us": med, "min_us": min(times), "max_us": max(times),

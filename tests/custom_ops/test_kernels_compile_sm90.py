@@ -51,13 +51,21 @@ SM90 = GPUTarget("cuda", 90, 32)
 def compile_sm90(kernel: triton.JITFunction, types: dict[str, str], constexprs: dict[str, object],
                  num_warps: int, divisible: tuple[str, ...] = (),
                  **options: object) -> triton.compiler.CompiledKernel:
-    """`divisible`: arguments the launcher would mark 16-divisible (as it does at run time)."""
+    """`divisible`: arguments the launcher would mark 16-divisible (as it does at run time).
+    Kernels that take `PDL` compile as `DLMC_PDL=1` launches them unless `constexprs` says
+    otherwise: their PTX must then wait for the previous grid (griddepcontrol)."""
     names = kernel.arg_names
+    if "PDL" in names and "PDL" not in constexprs:
+        constexprs = constexprs | {"PDL": True}
     signature = {name: "constexpr" if name in constexprs else types[name] for name in names}
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in divisible}
     source = ASTSource(fn=kernel, signature=signature, attrs=attrs,
                        constexprs={(names.index(k),): v for k, v in constexprs.items()})
-    return triton.compile(source, target=SM90, options={"num_warps": num_warps, **options})
+    compiled = triton.compile(source, target=SM90, options={"num_warps": num_warps, **options})
+    if constexprs.get("PDL"):
+        ptx = compiled.asm["ptx"]
+        assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+    return compiled
 
 
 SPLIT_ARGS = paged_attention_split_kernel.arg_names

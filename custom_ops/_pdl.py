@@ -1,0 +1,87 @@
+"""Programmatic dependent launch (PDL) of dlmc's Triton kernels, opt-in with `DLMC_PDL=1`.
+
+With PDL (sm_90+), a kernel may start while the kernel before it in the stream is finishing:
+its programs are scheduled as the previous kernel's programs leave, and wait at `gdc_wait` until
+that kernel has completed and its writes are visible. Inside a CUDA graph this hides most of
+each launch's start-up behind the previous kernel's tail (`perf/probe_pdl.py`).
+
+Rules of the kernels that take a `PDL` constexpr: `pdl_enter(PDL)` is their first statement, so
+nothing is read or written before the previous kernel is complete; it then lets the next
+kernel launch. Kernels without the parameter launch as usual.
+
+Inductor cannot launch a traced kernel with the PDL attribute, so with `DLMC_PDL=1` the ops of
+`_registration.traced_triton_op` are registered as opaque custom ops (as under the CPU
+interpreter) and `launcher` launches their kernels itself; `graphs.runner` also asks Inductor to
+emit PDL for its own kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+from dlmc.errors import ConfigError
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pdl_requested() -> bool:
+    """`DLMC_PDL`: "0" (default) or "1"; never under the CPU interpreter."""
+    flag = os.environ.get("DLMC_PDL", "0")
+    if flag not in ("0", "1"):
+        raise ConfigError(f"DLMC_PDL={flag!r}: expected 0 or 1")
+    return flag == "1" and not INTERPRETED
+
+
+PDL = pdl_requested()
+
+
+@functools.cache
+def _device_has_pdl(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_active(device: torch.device) -> bool:
+    """Whether launches on `device` use PDL: `DLMC_PDL=1` and a CUDA device of sm_90+."""
+    return PDL and device.type == "cuda" and _device_has_pdl(
+        device.index if device.index is not None else torch.cuda.current_device())
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """A PDL kernel's first statement: wait for the previous kernel, then let the next launch."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+class _Launcher:
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self.takes_pdl = "PDL" in getattr(kernel, "arg_names", ())
+
+    def __getitem__(self, grid: Any) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> Any:
+            if self.takes_pdl and "PDL" not in kwargs:  # else the caller chose
+                kwargs["PDL"] = PDL and _device_has_pdl(torch.cuda.current_device())
+                if kwargs["PDL"]:
+                    kwargs["launch_pdl"] = True
+            if PDL:
+                return self.kernel[grid](*args, **kwargs)
+            return wrap_triton(self.kernel)[grid](*args, **kwargs)
+
+        return launch
+
+
+def launcher(kernel: Any) -> _Launcher:
+    """`wrap_triton(kernel)` (Inductor traces the launch), or with `DLMC_PDL=1` the kernel
+    launched directly, with the PDL attribute where it takes a `PDL` constexpr (sm_90+) and
+    the caller passes none.
+    Use as `launcher(kernel)[grid](*args, **meta)`."""
+    return _Launcher(kernel)
