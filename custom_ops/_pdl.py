@@ -11,8 +11,8 @@ kernel launch. Kernels without the parameter launch as usual.
 
 Inductor cannot launch a traced kernel with the PDL attribute, so with `DLMC_PDL=1` the ops of
 `_registration.traced_triton_op` are registered as opaque custom ops (as under the CPU
-interpreter) and `launcher` launches their kernels itself; `graphs.runner` also asks Inductor to
-emit PDL for its own kernels.
+interpreter) and `launcher` launches their kernels itself. Inductor's own kernels are another
+switch (`TORCHINDUCTOR_ENABLE_PDL=1`, torch's).
 """
 
 from __future__ import annotations
@@ -31,15 +31,24 @@ from dlmc.errors import ConfigError
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def pdl_requested() -> bool:
-    """`DLMC_PDL`: "0" (default) or "1"; never under the CPU interpreter."""
+def pdl_mode() -> str:
+    """`DLMC_PDL`: "0" (default), "1", or "opaque" (the ops registered and launched as with
+    "1", without the PDL attribute: isolates PDL from the opaque registration). "0" under the
+    CPU interpreter."""
     flag = os.environ.get("DLMC_PDL", "0")
-    if flag not in ("0", "1"):
-        raise ConfigError(f"DLMC_PDL={flag!r}: expected 0 or 1")
-    return flag == "1" and not INTERPRETED
+    if flag not in ("0", "1", "opaque"):
+        raise ConfigError(f"DLMC_PDL={flag!r}: expected 0, 1 or opaque")
+    return "0" if INTERPRETED else flag
 
 
-PDL = pdl_requested()
+def pdl_requested() -> bool:
+    """Whether the kernels that take it launch with PDL (`DLMC_PDL=1`)."""
+    return pdl_mode() == "1"
+
+
+MODE = pdl_mode()
+PDL = MODE == "1"
+OPAQUE = MODE != "0"  # the ops are registered opaque and launch their kernels themselves
 
 
 @functools.cache
@@ -72,7 +81,7 @@ class _Launcher:
                 kwargs["PDL"] = PDL and _device_has_pdl(torch.cuda.current_device())
                 if kwargs["PDL"]:
                     kwargs["launch_pdl"] = True
-            if PDL:
+            if OPAQUE:
                 return self.kernel[grid](*args, **kwargs)
             return wrap_triton(self.kernel)[grid](*args, **kwargs)
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.library import triton_op
 
-from dlmc.custom_ops._pdl import PDL
+from dlmc.custom_ops._pdl import OPAQUE
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -20,8 +20,9 @@ def traced_triton_op(name: str, impl: Callable[..., Any], fake: Callable[..., An
     torch ops). Under `TRITON_INTERPRET=1` (CPU tests) interpreted kernels cannot be traced, so
     the same body is registered as an opaque custom op with `fake` as its fake function and
     torch.compile calls it eagerly; so it is with `DLMC_PDL=1`, whose launches Inductor cannot
-    make (`_pdl`). `mutates_args`: the arguments the body writes in place."""
-    if INTERPRETED or PDL:
+    make (`_pdl`, also
+    `DLMC_PDL=opaque`). `mutates_args`: the arguments the body writes in place."""
+    if INTERPRETED or OPAQUE:
         op = torch.library.custom_op(name, mutates_args=mutates_args)(impl)
         op.register_fake(fake)
         return op

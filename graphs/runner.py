@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import torch._inductor.config
 
-from dlmc.custom_ops._pdl import PDL
 from dlmc.engine.kv_cache import DenseKVCache
 from dlmc.errors import ConfigError
 from dlmc.graphs.round import RoundBuffers, denoise_round, denoise_round_fused, fill_kv
@@ -85,8 +84,6 @@ def compile_options() -> dict[str, Any]:
       `DLMC_MOE_COMBINE=inductor`) is unrolled, but Inductor then launches it as a pointwise
       kernel of its own instead of fusing it into the next RMSNorm: no gain on the H200
       (3.330 vs 3.299 ms queued, perf/results/s16/call1).
-    - `DLMC_PDL=1` (`custom_ops._pdl`): Inductor's own kernels also use programmatic dependent
-      launch, where this torch has `triton.enable_pdl`.
     """
     flag = os.environ.get("DLMC_MAX_AUTOTUNE_GEMM", "0")
     if flag not in ("0", "1"):
@@ -95,8 +92,6 @@ def compile_options() -> dict[str, Any]:
     if not unroll.isdigit() or not 1 <= int(unroll) <= 64:
         raise ConfigError(f"DLMC_UNROLL_REDUCTIONS={unroll!r}: expected an integer 1..64")
     options: dict[str, Any] = {"unroll_reductions_threshold": int(unroll)}
-    if PDL and hasattr(torch._inductor.config.triton, "enable_pdl"):
-        options["triton.enable_pdl"] = True
     return options | ({"max_autotune_gemm": True} if flag == "1" else {})
 
 

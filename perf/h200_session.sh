@@ -28,6 +28,7 @@
 #   bash perf/h200_session.sh s18      # DLMC_FUSED_ROUTE_ALIGN=last vs default, its GPU tests,
 #                                      # perf/probe_pdl.py, a round with Inductor's PDL
 #   bash perf/h200_session.sh s18b     # DLMC_PDL=1 vs default, its GPU test
+#   bash perf/h200_session.sh s18c     # tokens of a tiny NVFP4 model per launch switch
 #   bash perf/h200_session.sh variants # graph round + profile per VARIANTS entry, each
 #                                      # "name:ENV=VAL,...:flag,flag" (commas for spaces);
 #                                      # PRECISION (bf16) and KV_DTYPE (bf16) for all of them
@@ -100,6 +101,23 @@ s18b)  # session 18, call 2: DLMC_PDL=1 (every dlmc kernel of the round and Indu
   done
   gpu_tests s18b tests/custom_ops/test_pdl.py
   tar -C "$OUT" -czf /tmp/s18b.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/s18b.tgz "$OUT/" ;;
+s18c)  # session 18, call 3: which switch changes the tiny NVFP4 model's tokens (perf/check_pdl.py):
+  # traced ops, eager, opaque ops without PDL, DLMC_PDL=1 twice, Inductor's PDL alone
+  M=/tmp/pdl-model; python3 perf/check_pdl.py --model $M --write
+  names=""
+  for v in base:: eager::eager opaque:DLMC_PDL=opaque: pdl:DLMC_PDL=1: pdl2:DLMC_PDL=1: \
+           inductor:TORCHINDUCTOR_ENABLE_PDL=1:; do
+    IFS=: read -r name envs mode <<< "$v"
+    (
+      for e in ${envs//,/ }; do export "$e"; done
+      timeout 150 python3 perf/check_pdl.py --model $M --out "$OUT/check_$name" \
+        --mode "${mode:-graph}" > "$OUT/check_$name.txt" 2>&1
+      echo "$name rc=$?"; tail -1 "$OUT/check_$name.txt"
+    )
+    names="$names $OUT/check_$name"
+  done
+  python3 perf/check_pdl.py --compare $names | tee "$OUT/check_compare.txt"
+  tar -C "$OUT" -czf /tmp/s18c.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/s18c.tgz "$OUT/" ;;
 variants)  # e.g. VARIANTS="base:: gemm:DLMC_SMALL_M_GEMM=triton: dense::--kv-layout,dense"
   for v in ${VARIANTS:-base:: gemm:DLMC_SMALL_M_GEMM=triton: dense::--kv-layout,dense}; do
     IFS=: read -r name envs flags <<< "$v"
