@@ -102,10 +102,11 @@ s18b)  # session 18, call 2: DLMC_PDL=1 (every dlmc kernel of the round and Indu
   gpu_tests s18b tests/custom_ops/test_pdl.py
   tar -C "$OUT" -czf /tmp/s18b.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/s18b.tgz "$OUT/" ;;
 s18c)  # session 18, call 3: which switch changes the tiny NVFP4 model's tokens (perf/check_pdl.py):
-  # traced ops, eager, opaque ops without PDL, DLMC_PDL=1 twice, Inductor's PDL alone
+  # traced ops, eager, opaque ops without PDL, DLMC_PDL=1, Inductor's PDL alone; then the
+  # NVFP4 round with DLMC_PDL=1 (our kernels only) against the default
   M=/tmp/pdl-model; python3 perf/check_pdl.py --model $M --write
   names=""
-  for v in base:: eager::eager opaque:DLMC_PDL=opaque: pdl:DLMC_PDL=1: pdl2:DLMC_PDL=1: \
+  for v in base:: eager::eager opaque:DLMC_PDL=opaque: pdl:DLMC_PDL=1: \
            inductor:TORCHINDUCTOR_ENABLE_PDL=1:; do
     IFS=: read -r name envs mode <<< "$v"
     (
@@ -117,6 +118,12 @@ s18c)  # session 18, call 3: which switch changes the tiny NVFP4 model's tokens 
     names="$names $OUT/check_$name"
   done
   python3 perf/check_pdl.py --compare $names | tee "$OUT/check_compare.txt"
+  for v in default pdl; do  # now without Inductor's PDL
+    (
+      [ "$v" = pdl ] && export DLMC_PDL=1
+      round "round_nvfp4_$v" 150 --precision nvfp4 --kv-cache-dtype fp8 --modes graph --no-loop
+    )
+  done
   tar -C "$OUT" -czf /tmp/s18c.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/s18c.tgz "$OUT/" ;;
 variants)  # e.g. VARIANTS="base:: gemm:DLMC_SMALL_M_GEMM=triton: dense::--kv-layout,dense"
   for v in ${VARIANTS:-base:: gemm:DLMC_SMALL_M_GEMM=triton: dense::--kv-layout,dense}; do
