@@ -38,9 +38,21 @@ def kernel_switches() -> str:
                     if k.startswith("DLMC_") and k != "DLMC_CACHE")
 
 
-# The user's TORCHINDUCTOR_CACHE_DIR, read at import: Inductor sets the variable to its own
-# default the first time it looks for a cache, so a later read cannot tell the two apart.
-USER_INDUCTOR_CACHE_DIR = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+def user_inductor_cache_dir() -> str | None:
+    """The user's TORCHINDUCTOR_CACHE_DIR, or None. Importing torch._dynamo (torch.library and
+    torch._inductor.config do) sets the variable to Inductor's default directory, before this
+    module can read it: a value equal to that default counts as unset. (Reading the variable
+    alone made every process share the default directory, whatever its switches: session 18
+    found a `DLMC_PDL=1` round replaying the graph compiled without it.)"""
+    value = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if value is None:
+        return None
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return None if os.path.abspath(value) == os.path.abspath(default_cache_dir()) else value
+
+
+USER_INDUCTOR_CACHE_DIR = user_inductor_cache_dir()  # read at import, before any compile
 
 
 def inductor_cache_dir() -> str:

@@ -1,7 +1,10 @@
 """The round function: eager and compiled give identical tokens; compiled with fullgraph=True
 (which fails on any host sync or graph break inside the round)."""
 
+import hashlib
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -296,3 +299,33 @@ def test_inductor_cache_dir_is_per_kernel_switches(monkeypatch, tmp_path):
     assert dirs[0].endswith("inductor") and len(set(dirs)) == 4
     monkeypatch.setattr("dlmc.graphs.runner.USER_INDUCTOR_CACHE_DIR", "/elsewhere")
     assert inductor_cache_dir() == "/elsewhere" == os.environ["TORCHINDUCTOR_CACHE_DIR"]
+
+
+_IMPORT_RUNNER = """
+import os, sys
+import dlmc.graphs.runner as runner
+print(repr(runner.USER_INDUCTOR_CACHE_DIR))
+os.environ["DLMC_CACHE"] = sys.argv[1]
+print(runner.inductor_cache_dir())
+"""
+
+
+@pytest.mark.parametrize("user_dir", [None, "elsewhere"])
+def test_a_fresh_process_tells_the_users_cache_dir_from_inductors_default(tmp_path, user_dir):
+    """Importing torch._dynamo sets TORCHINDUCTOR_CACHE_DIR to Inductor's default before the
+    runner reads it: unset by the user, the process still gets dlmc's per-switch directory."""
+    env = {k: v for k, v in os.environ.items()
+           if k != "TORCHINDUCTOR_CACHE_DIR" and not k.startswith("DLMC_")}
+    if user_dir:
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / user_dir)
+    env["DLMC_PDL"] = "opaque"
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_RUNNER, str(tmp_path / "dlmc")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    seen, used = proc.stdout.strip().splitlines()[-2:]
+    if user_dir:
+        assert seen == repr(str(tmp_path / user_dir)) and used == str(tmp_path / user_dir)
+    else:
+        assert seen == "None"
+        digest = hashlib.sha256(b"DLMC_PDL=opaque").hexdigest()[:12]
+        assert used == str(tmp_path / "dlmc" / f"inductor-{digest}")
