@@ -4,6 +4,10 @@
     python3 perf/check_pdl.py --model DIR --write          # the checkpoint, once
     DLMC_PDL=1 python3 perf/check_pdl.py --model DIR --out NAME --mode graph
     python3 perf/check_pdl.py --compare NAME...            # tokens / logits against the first
+
+Two processes that each compile the model need not agree bit for bit (session 18: the default's
+first token differed between two calls); set one TORCHINDUCTOR_CACHE_DIR for processes whose
+compiled graphs should be the same (tests/custom_ops/test_pdl.py does).
 """
 
 from __future__ import annotations

@@ -78,8 +78,10 @@ print(json.dumps({"pdl": _pdl.PDL, "tokens": res.token_ids}))
 @pytest.mark.gpu
 def test_graph_generate_equal_with_pdl_on_and_off(tmp_path):
     """A tiny NVFP4 checkpoint with an FP8 paged cache, graph mode, in two processes (the switch
-    is read at import): every dlmc kernel of the round launched with PDL gives the same tokens
-    and logits as the traced launches."""
+    is read at import): opaque ops launched without, then with PDL give the same tokens and
+    logits. Both processes share one Inductor cache, so the second replays the first's compiled
+    kernels: two separate compiles of this tiny model need not agree bit for bit (session 18:
+    the default's first token differed between calls), and that would hide what PDL does."""
     from dlmc.loading.tiny import write_tiny_checkpoint
     from dlmc.quant.export import export_nvfp4
 
@@ -87,8 +89,9 @@ def test_graph_generate_equal_with_pdl_on_and_off(tmp_path):
     model = tmp_path / "nvfp4"
     export_nvfp4(src, model, kv_scales={layer: (0.5, 0.25) for layer in range(3)})
     results = {}
-    for flag in ("0", "1"):
-        env = os.environ | {"DLMC_PDL": flag, "DLMC_CACHE": str(tmp_path / "cache")}
+    for flag in ("opaque", "1"):
+        env = os.environ | {"DLMC_PDL": flag, "DLMC_CACHE": str(tmp_path / "cache"),
+                            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
         logits_file = tmp_path / f"logits{flag}.pt"
         proc = subprocess.run([sys.executable, "-c", _GENERATE, str(model), str(logits_file)],
                               env=env, capture_output=True, text=True, timeout=600)
@@ -96,6 +99,6 @@ def test_graph_generate_equal_with_pdl_on_and_off(tmp_path):
         out = json.loads(proc.stdout.strip().splitlines()[-1])
         assert out["pdl"] is (flag == "1")
         results[flag] = (out["tokens"], torch.load(logits_file))
-    assert len(results["0"][0]) == 64
-    assert results["1"][0] == results["0"][0]
-    assert torch.equal(results["1"][1], results["0"][1])
+    assert len(results["opaque"][0]) == 64
+    assert results["1"][0] == results["opaque"][0]
+    assert torch.equal(results["1"][1], results["opaque"][1])
