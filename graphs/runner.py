@@ -96,14 +96,26 @@ def compile_options() -> dict[str, Any]:
       `DLMC_MOE_COMBINE=inductor`) is unrolled, but Inductor then launches it as a pointwise
       kernel of its own instead of fusing it into the next RMSNorm: no gain on the H200
       (3.330 vs 3.299 ms queued, perf/results/s16/call1).
+    - `DLMC_DETERMINISTIC_COMPILE=1`: Inductor's deterministic mode (no timing-based choice of
+      a reduction's block or warps), so that two compiles of one model give the same numbers.
+      Without it two processes' graphs of the tiny NVFP4 model gave different first tokens
+      (perf/README.md, session 18). Opt-in until its cost in a round is measured.
     """
     flag = os.environ.get("DLMC_MAX_AUTOTUNE_GEMM", "0")
     if flag not in ("0", "1"):
         raise ConfigError(f"DLMC_MAX_AUTOTUNE_GEMM={flag!r}: expected 0 or 1")
+    deterministic = os.environ.get("DLMC_DETERMINISTIC_COMPILE", "0")
+    if deterministic not in ("0", "1"):
+        raise ConfigError(f"DLMC_DETERMINISTIC_COMPILE={deterministic!r}: expected 0 or 1")
+    if deterministic == "1" and not hasattr(torch._inductor.config, "deterministic"):
+        raise ConfigError("DLMC_DETERMINISTIC_COMPILE=1 needs a torch whose Inductor has a "
+                          f"deterministic mode (2.10 or later; this is {torch.__version__})")
     unroll = os.environ.get("DLMC_UNROLL_REDUCTIONS", "8")
     if not unroll.isdigit() or not 1 <= int(unroll) <= 64:
         raise ConfigError(f"DLMC_UNROLL_REDUCTIONS={unroll!r}: expected an integer 1..64")
     options: dict[str, Any] = {"unroll_reductions_threshold": int(unroll)}
+    if deterministic == "1":
+        options["deterministic"] = True
     return options | ({"max_autotune_gemm": True} if flag == "1" else {})
 
 

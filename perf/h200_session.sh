@@ -29,6 +29,8 @@
 #                                      # perf/probe_pdl.py, a round with Inductor's PDL
 #   bash perf/h200_session.sh s18b     # DLMC_PDL=1 vs default, its GPU test
 #   bash perf/h200_session.sh s18c     # tokens of a tiny NVFP4 model per launch switch
+#   bash perf/h200_session.sh s19      # DLMC_DETERMINISTIC_COMPILE=1 vs default, DLMC_PDL's test
+#   bash perf/h200_session.sh s19b     # three fresh compiles' tokens, deterministic mode or not
 #   bash perf/h200_session.sh variants # graph round + profile per VARIANTS entry, each
 #                                      # "name:ENV=VAL,...:flag,flag" (commas for spaces);
 #                                      # PRECISION (bf16) and KV_DTYPE (bf16) for all of them
@@ -125,6 +127,31 @@ s18c)  # session 18, call 3: which switch changes the tiny NVFP4 model's tokens 
     )
   done
   tar -C "$OUT" -czf /tmp/s18c.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/s18c.tgz "$OUT/" ;;
+s19)  # prepared in session 18: the NVFP4 round with Inductor's deterministic mode against the
+  # default (same machine, own caches), then DLMC_PDL's revised GPU test; tarred
+  for v in default deterministic; do
+    (
+      [ "$v" = deterministic ] && export DLMC_DETERMINISTIC_COMPILE=1
+      round "round_nvfp4_$v" 200 --precision nvfp4 --kv-cache-dtype fp8 --modes graph --no-loop
+    )
+  done
+  gpu_tests s19 tests/custom_ops/test_pdl.py
+  tar -C "$OUT" -czf /tmp/s19.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/s19.tgz "$OUT/" ;;
+s19b)  # do separate compiles agree? The tiny NVFP4 model's tokens from three fresh caches, with
+  # and without DLMC_DETERMINISTIC_COMPILE=1 (perf/check_pdl.py); tarred
+  M=/tmp/det-model; python3 perf/check_pdl.py --model $M --write
+  for det in 0 1; do
+    names=""
+    for i in 1 2 3; do
+      DLMC_DETERMINISTIC_COMPILE=$det DLMC_CACHE=/tmp/det-cache-$det-$i timeout 150 \
+        python3 perf/check_pdl.py --model $M --out "$OUT/det${det}_$i" --rounds 1 \
+        > "$OUT/det${det}_$i.txt" 2>&1
+      echo "det=$det run $i rc=$?"; tail -1 "$OUT/det${det}_$i.txt"
+      names="$names $OUT/det${det}_$i"
+    done
+    python3 perf/check_pdl.py --compare $names | tee "$OUT/det${det}_compare.txt"
+  done
+  tar -C "$OUT" -czf /tmp/s19b.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/s19b.tgz "$OUT/" ;;
 variants)  # e.g. VARIANTS="base:: gemm:DLMC_SMALL_M_GEMM=triton: dense::--kv-layout,dense"
   for v in ${VARIANTS:-base:: gemm:DLMC_SMALL_M_GEMM=triton: dense::--kv-layout,dense}; do
     IFS=: read -r name envs flags <<< "$v"

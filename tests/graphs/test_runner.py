@@ -156,6 +156,7 @@ def test_graph_replay_with_the_shared_expert_fused_on_cuda(tiny_dir):
 def test_compile_options_from_the_environment(monkeypatch):
     monkeypatch.delenv("DLMC_MAX_AUTOTUNE_GEMM", raising=False)
     monkeypatch.delenv("DLMC_UNROLL_REDUCTIONS", raising=False)
+    monkeypatch.delenv("DLMC_DETERMINISTIC_COMPILE", raising=False)
     assert compile_options() == {"unroll_reductions_threshold": 8}
     monkeypatch.setenv("DLMC_MAX_AUTOTUNE_GEMM", "1")
     monkeypatch.setenv("DLMC_UNROLL_REDUCTIONS", "16")
@@ -168,6 +169,22 @@ def test_compile_options_from_the_environment(monkeypatch):
         monkeypatch.setenv("DLMC_UNROLL_REDUCTIONS", bad)
         with pytest.raises(ConfigError, match=f"DLMC_UNROLL_REDUCTIONS='{bad}'"):
             compile_options()
+
+
+
+def test_deterministic_compile_switch(monkeypatch):
+    """DLMC_DETERMINISTIC_COMPILE=1 turns on Inductor's deterministic mode, an option this torch
+    has and that changes Inductor's cache key (so it also gets its own cache directory)."""
+    monkeypatch.delenv("DLMC_MAX_AUTOTUNE_GEMM", raising=False)
+    monkeypatch.delenv("DLMC_UNROLL_REDUCTIONS", raising=False)
+    monkeypatch.setenv("DLMC_DETERMINISTIC_COMPILE", "1")
+    options = compile_options()
+    assert options == {"unroll_reductions_threshold": 8, "deterministic": True}
+    assert all(hasattr(torch._inductor.config, name) for name in options)
+    assert "DLMC_DETERMINISTIC_COMPILE=1" in kernel_switches()
+    monkeypatch.setenv("DLMC_DETERMINISTIC_COMPILE", "on")
+    with pytest.raises(ConfigError, match="DLMC_DETERMINISTIC_COMPILE='on'"):
+        compile_options()
 
 
 def _paged_decode(llm, monkeypatch, fused: str, rope_append: str = "off"):
