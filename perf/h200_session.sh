@@ -62,6 +62,20 @@ gpu_tests() {
   echo "gpu tests $name rc=$?"; tail -3 "$OUT/gpu_tests_$name.txt"
 }
 
+# ab_rounds ENV=VALUE NAME [LIMIT]: the NVFP4 + FP8 graph round at the defaults
+# (round_nvfp4_default) and with ENV=VALUE (round_nvfp4_NAME), one after the other
+ab_rounds() {
+  local setting=$1 name=$2 limit=${3:-200}
+  local args=(--precision nvfp4 --kv-cache-dtype fp8 --modes graph --no-loop)
+  round round_nvfp4_default "$limit" "${args[@]}"
+  ( export "$setting"; round "round_nvfp4_$name" "$limit" "${args[@]}" )
+}
+
+# tar_out NAME: everything in $OUT as $OUT/NAME.tgz (a call returns at most 8 files)
+tar_out() {
+  tar -C "$OUT" -czf "/tmp/$1.tgz" . && rm -rf "${OUT:?}"/* && mv "/tmp/$1.tgz" "$OUT/"
+}
+
 # ncu_run NAME KERNEL_REGEX COUNT COMMAND...: Nsight Compute sections into $OUT/ncu_NAME.txt
 ncu_run() {
   local name=$1 kernels=$2 count=$3; shift 3
@@ -95,14 +109,9 @@ repeat)  # the BF16 graph round in REPEATS fresh processes (Inductor cache warm 
   done ;;
 s18b)  # session 18, call 2: DLMC_PDL=1 (every dlmc kernel of the round and Inductor's own with
   # programmatic dependent launch) against the default, same machine; its GPU tests; tarred
-  for v in default pdl; do
-    (
-      [ "$v" = pdl ] && export DLMC_PDL=1
-      round "round_nvfp4_$v" 200 --precision nvfp4 --kv-cache-dtype fp8 --modes graph --no-loop
-    )
-  done
+  ab_rounds DLMC_PDL=1 pdl
   gpu_tests s18b tests/custom_ops/test_pdl.py
-  tar -C "$OUT" -czf /tmp/s18b.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/s18b.tgz "$OUT/" ;;
+  tar_out s18b ;;
 s18c)  # session 18, call 3: which switch changes the tiny NVFP4 model's tokens (perf/check_pdl.py):
   # traced ops, eager, opaque ops without PDL, DLMC_PDL=1, Inductor's PDL alone; then the
   # NVFP4 round with DLMC_PDL=1 (our kernels only) against the default
@@ -120,23 +129,13 @@ s18c)  # session 18, call 3: which switch changes the tiny NVFP4 model's tokens 
     names="$names $OUT/check_$name"
   done
   python3 perf/check_pdl.py --compare $names | tee "$OUT/check_compare.txt"
-  for v in default pdl; do  # now without Inductor's PDL
-    (
-      [ "$v" = pdl ] && export DLMC_PDL=1
-      round "round_nvfp4_$v" 150 --precision nvfp4 --kv-cache-dtype fp8 --modes graph --no-loop
-    )
-  done
-  tar -C "$OUT" -czf /tmp/s18c.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/s18c.tgz "$OUT/" ;;
+  ab_rounds DLMC_PDL=1 pdl 150  # now without Inductor's PDL
+  tar_out s18c ;;
 s19)  # prepared in session 18: the NVFP4 round with Inductor's deterministic mode against the
   # default (same machine, own caches), then DLMC_PDL's revised GPU test; tarred
-  for v in default deterministic; do
-    (
-      [ "$v" = deterministic ] && export DLMC_DETERMINISTIC_COMPILE=1
-      round "round_nvfp4_$v" 200 --precision nvfp4 --kv-cache-dtype fp8 --modes graph --no-loop
-    )
-  done
+  ab_rounds DLMC_DETERMINISTIC_COMPILE=1 deterministic
   gpu_tests s19 tests/custom_ops/test_pdl.py
-  tar -C "$OUT" -czf /tmp/s19.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/s19.tgz "$OUT/" ;;
+  tar_out s19 ;;
 s19b)  # do separate compiles agree? The tiny NVFP4 model's tokens from three fresh caches, with
   # and without DLMC_DETERMINISTIC_COMPILE=1 (perf/check_pdl.py); tarred
   M=/tmp/det-model; python3 perf/check_pdl.py --model $M --write
@@ -151,7 +150,7 @@ s19b)  # do separate compiles agree? The tiny NVFP4 model's tokens from three fr
     done
     python3 perf/check_pdl.py --compare $names | tee "$OUT/det${det}_compare.txt"
   done
-  tar -C "$OUT" -czf /tmp/s19b.tgz . && rm -rf "${OUT:?}"/* && mv /tmp/s19b.tgz "$OUT/" ;;
+  tar_out s19b ;;
 variants)  # e.g. VARIANTS="base:: gemm:DLMC_SMALL_M_GEMM=triton: dense::--kv-layout,dense"
   for v in ${VARIANTS:-base:: gemm:DLMC_SMALL_M_GEMM=triton: dense::--kv-layout,dense}; do
     IFS=: read -r name envs flags <<< "$v"
