@@ -33,7 +33,7 @@ from torch.library import wrap_triton
 
 from dlmc.errors import ConfigError
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # (re-exported by `_registration`)
 
 
 def pdl_mode() -> str:
@@ -44,11 +44,6 @@ def pdl_mode() -> str:
     if flag not in ("0", "1", "opaque"):
         raise ConfigError(f"DLMC_PDL={flag!r}: expected 0, 1 or opaque")
     return "0" if INTERPRETED else flag
-
-
-def pdl_requested() -> bool:
-    """Whether the kernels that take it launch with PDL (`DLMC_PDL=1`)."""
-    return pdl_mode() == "1"
 
 
 MODE = pdl_mode()
@@ -83,7 +78,7 @@ class _Launcher:
     def __getitem__(self, grid: Any) -> Any:
         def launch(*args: Any, **kwargs: Any) -> Any:
             if self.takes_pdl and "PDL" not in kwargs:  # else the caller chose
-                kwargs["PDL"] = PDL and _device_has_pdl(torch.cuda.current_device())
+                kwargs["PDL"] = pdl_active(torch.device("cuda"))
                 if kwargs["PDL"]:
                     kwargs["launch_pdl"] = True
             if OPAQUE:

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.library import triton_op
 
-from dlmc.custom_ops._pdl import OPAQUE
+from dlmc.custom_ops._pdl import INTERPRETED, OPAQUE
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+__all__ = ["INTERPRETED", "traced_triton_op"]
 
 
 def traced_triton_op(name: str, impl: Callable[..., Any], fake: Callable[..., Any],
@@ -19,9 +18,8 @@ def traced_triton_op(name: str, impl: Callable[..., Any], fake: Callable[..., An
     """`triton_op(name)` over `impl`: torch.compile traces through the body (its kernels and
     torch ops). Under `TRITON_INTERPRET=1` (CPU tests) interpreted kernels cannot be traced, so
     the same body is registered as an opaque custom op with `fake` as its fake function and
-    torch.compile calls it eagerly; so it is with `DLMC_PDL=1`, whose launches Inductor cannot
-    make (`_pdl`, also
-    `DLMC_PDL=opaque`). `mutates_args`: the arguments the body writes in place."""
+    torch.compile calls it eagerly. So it is with `DLMC_PDL=1` or `opaque` (`_pdl`), whose
+    launches Inductor cannot make. `mutates_args`: the arguments the body writes in place."""
     if INTERPRETED or OPAQUE:
         op = torch.library.custom_op(name, mutates_args=mutates_args)(impl)
         op.register_fake(fake)

@@ -35,16 +35,15 @@ def _add_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
 def test_bad_switch_values_are_named(monkeypatch, value):
     monkeypatch.setenv("DLMC_PDL", value)
     with pytest.raises(ConfigError, match="DLMC_PDL"):
-        _pdl.pdl_requested()
+        _pdl.pdl_mode()
 
 
 def test_switch_is_off_by_default_and_under_the_interpreter(monkeypatch):
     monkeypatch.delenv("DLMC_PDL", raising=False)
-    assert _pdl.pdl_requested() is False and _pdl.pdl_mode() == "0"
+    assert _pdl.pdl_mode() == "0"
     monkeypatch.setenv("DLMC_PDL", "1")
-    assert _pdl.pdl_requested() is (not _pdl.INTERPRETED)
+    assert _pdl.pdl_mode() == ("0" if _pdl.INTERPRETED else "1")
     monkeypatch.setenv("DLMC_PDL", "opaque")
-    assert _pdl.pdl_requested() is False
     assert _pdl.pdl_mode() == ("0" if _pdl.INTERPRETED else "opaque")
     assert _pdl.pdl_active(torch.device("cpu")) is False
 
