@@ -31,6 +31,7 @@
 #   bash perf/h200_session.sh s18c     # tokens of a tiny NVFP4 model per launch switch
 #   bash perf/h200_session.sh s19      # DLMC_DETERMINISTIC_COMPILE=1 vs default, DLMC_PDL's test
 #   bash perf/h200_session.sh s19b     # three fresh compiles' tokens, deterministic mode or not
+#   bash perf/h200_session.sh s19p     # L2 prefetch probe, the down tile's prefetch, their tests
 #   bash perf/h200_session.sh variants # graph round + profile per VARIANTS entry, each
 #                                      # "name:ENV=VAL,...:flag,flag" (commas for spaces);
 #                                      # PRECISION (bf16) and KV_DTYPE (bf16) for all of them
@@ -151,6 +152,19 @@ s19b)  # do separate compiles agree? The tiny NVFP4 model's tokens from three fr
     python3 perf/check_pdl.py --compare $names | tee "$OUT/det${det}_compare.txt"
   done
   tar_out s19b ;;
+s19p)  # session 19's first call: does asking L2 for a weight early help (perf/probe_l2_prefetch.py
+  # with cuBLAS GEMMs; nvfp4_moe's down tile, DLMC_NVFP4_DOWN_PREFETCH, with and without PDL),
+  # the prefetch's and DLMC_PDL's GPU tests; tarred
+  timeout 120 python3 perf/probe_l2_prefetch.py --out "$OUT/probe_l2_prefetch.json" \
+    > "$OUT/probe_l2_prefetch.txt" 2>&1; echo "probe rc=$?"; grep -v "^    " "$OUT/probe_l2_prefetch.txt" | tail -8
+  for pdl in 0 1; do
+    DLMC_PDL=$pdl timeout 150 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 50 \
+      --down-prefetch 0 1 --profile --out "$OUT/op_prefetch_pdl$pdl.json" \
+      > "$OUT/op_prefetch_pdl$pdl.txt" 2>&1
+    echo "op pdl=$pdl rc=$?"; grep -E "^kernel=" "$OUT/op_prefetch_pdl$pdl.txt" | cut -c1-200
+  done
+  gpu_tests s19p tests/custom_ops/test_l2_prefetch.py tests/custom_ops/test_pdl.py
+  tar_out s19p ;;
 variants)  # e.g. VARIANTS="base:: gemm:DLMC_SMALL_M_GEMM=triton: dense::--kv-layout,dense"
   for v in ${VARIANTS:-base:: gemm:DLMC_SMALL_M_GEMM=triton: dense::--kv-layout,dense}; do
     IFS=: read -r name envs flags <<< "$v"
