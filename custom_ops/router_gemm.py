@@ -38,7 +38,7 @@ from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.nvfp4_tiles import round_bf16
 from dlmc.custom_ops.small_m_linear import check_small_m_operands
 
-__all__ = ["MAX_TOKENS", "router_gemm", "router_gemm_reference", "router_splits"]
+__all__ = ["MAX_TOKENS", "k_splits", "router_gemm", "router_gemm_reference", "router_splits"]
 
 MAX_TOKENS = 64  # one [BLOCK_T, BLOCK_K] tile of tokens per program
 # (BLOCK_N, SPLITS, BLOCK_K, num_warps, num_stages): 256 experts in 16 N tiles x 16 K splits =
@@ -70,8 +70,10 @@ def _split_dot(acc, x, w, INTERPRETED: tl.constexpr):
 def router_gemm_kernel(x_ptr, w_ptr, part_ptr, tokens, stride_x, N: tl.constexpr,
                        K: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_T: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       INTERPRETED: tl.constexpr, PDL: tl.constexpr = False):
-    """part[split, t, n] = sum over k in split's K range of x[t, k] * w[n, k]."""
+                       INTERPRETED: tl.constexpr, PDL: tl.constexpr = False,
+                       FP32_WEIGHT: tl.constexpr = True):
+    """part[split, t, n] = sum over k in split's K range of x[t, k] * w[n, k]. `FP32_WEIGHT`:
+    fp32 w through the exact three-way split; else bf16 w in one dot (`dlmc::split_k_linear`)."""
     pdl_enter(PDL)
     split = tl.program_id(1)
     t = tl.arange(0, BLOCK_T)
@@ -85,17 +87,26 @@ def router_gemm_kernel(x_ptr, w_ptr, part_ptr, tokens, stride_x, N: tl.constexpr
                     mask=(t[:, None] < tokens) & (kk[None, :] < K), other=0.0)  # [BT, BK]
         w = tl.load(w_ptr + n[None, :].to(tl.int64) * K + kk[:, None],
                     mask=(n[None, :] < N) & (kk[:, None] < K), other=0.0)  # [BK, BN]
-        acc = _split_dot(acc, x, w, INTERPRETED)
+        if FP32_WEIGHT:
+            acc = _split_dot(acc, x, w, INTERPRETED)
+        elif INTERPRETED:  # the interpreter's bf16 dot is wrong: widen (exact products)
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
     out = part_ptr + (split * tokens + t[:, None]).to(tl.int64) * N + n[None, :]
     tl.store(out, acc, mask=(t[:, None] < tokens) & (n[None, :] < N))
 
 
-def router_splits(inner: int) -> tuple[int, int]:
-    """(S, K range per split) for a K of `inner` under `_CONFIG`: the range is a multiple of
-    BLOCK_K and no split is empty."""
-    _, splits, block_k, _, _ = _CONFIG
+def k_splits(inner: int, splits: int, block_k: int) -> tuple[int, int]:
+    """(S, K range per split) for a K of `inner` in at most `splits` splits: the range is a
+    multiple of `block_k` and no split is empty."""
     per_split = triton.cdiv(triton.cdiv(inner, splits), block_k) * block_k
     return triton.cdiv(inner, per_split), per_split
+
+
+def router_splits(inner: int) -> tuple[int, int]:
+    """`k_splits` under `_CONFIG`."""
+    return k_splits(inner, _CONFIG[1], _CONFIG[2])
 
 
 def _router_gemm_impl(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ import triton
 import dlmc.custom_ops.moe_route_align as mra
 import dlmc.custom_ops.router_gemm as rg
 import dlmc.custom_ops.small_m_linear as sml
+import dlmc.custom_ops.split_k_linear as skl
 from dlmc.bench.timing import copy_bandwidth_gbps, cuda_times
 
 SHAPES = {"qkv": (3072, 2048, torch.bfloat16), "o_proj": (2048, 2048, torch.bfloat16),
@@ -108,13 +109,37 @@ def router_rows(x: torch.Tensor, ws: list[torch.Tensor], ref: torch.Tensor,
     return rows
 
 
+def split_k_rows(x: torch.Tensor, ws: list[torch.Tensor], ref: torch.Tensor,
+                 configs: list[tuple[str, tuple[int, ...]]], copies: int,
+                 iters: int) -> dict[str, float]:
+    """`dlmc::split_k_linear` per config: the partials alone (their sum rides in the consumer's
+    kernel in a round) and with the sum as its own kernel."""
+    rows = {}
+    default = skl._CONFIG
+    for label, config in configs:
+        skl._CONFIG = config
+        try:
+            out = skl.split_k_linear(x, ws[0]).sum(0)
+            rows[f"err splitk {label}"] = float((out - ref).abs().max() / ref.abs().max())
+            rows[f"splitk {label}"] = graph_us(lambda i: skl.split_k_linear(x, ws[i]), copies,
+                                               iters)
+            rows[f"splitk {label} + sum"] = graph_us(
+                lambda i: skl.split_k_linear(x, ws[i]).sum(0).to(torch.bfloat16), copies, iters)
+        except Exception as error:  # noqa: BLE001 (a config that does not compile)
+            print(f"splitk {label} failed: {str(error).splitlines()[0][:120]}")
+        finally:
+            skl._CONFIG = default
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--copies", type=int, default=20)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--configs", nargs="*", default=[],
-                   help="bf16:BLOCK_N,BLOCK_K,num_warps,num_stages (dlmc::small_m_linear), or "
+                   help="bf16:BLOCK_N,BLOCK_K,num_warps,num_stages (dlmc::small_m_linear), "
+                   "splitk:BLOCK_N,SPLITS,BLOCK_K,num_warps,num_stages (dlmc::split_k_linear), or "
                    "fp32split:BLOCK_N,SPLITS,BLOCK_K,num_warps,num_stages (dlmc::router_gemm)")
     p.add_argument("--fused-warps", type=int, nargs="*", default=[],
                    help="also time dlmc::moe_route_align at these num_warps (default: its own)")
@@ -136,6 +161,9 @@ def main() -> None:
     configs = [("default", sml._CONFIG)] + [
         (c, tuple(int(v) for v in c.split(":")[1].split(",")))
         for c in args.configs if c.startswith("bf16:")]
+    split_k_configs = [("default", skl._CONFIG)] + [
+        (c, tuple(int(v) for v in c.split(":")[1].split(",")))
+        for c in args.configs if c.startswith("splitk:")]
     default = sml._CONFIG
     for name, (n, k, dtype) in SHAPES.items():
         ws = [torch.randn(n, k, device="cuda").to(dtype) * 0.02 for _ in range(args.copies)]
@@ -156,6 +184,8 @@ def main() -> None:
                 continue
             rows[f"err {label}"] = err
         sml._CONFIG = default
+        if dtype == torch.bfloat16:
+            rows |= split_k_rows(xi, ws, ref, split_k_configs, args.copies, args.iters)
         if name == "router":
             rows |= router_rows(xi, ws, ref, split_configs, args.copies, args.iters)
             bias = torch.randn(n, device="cuda") * 0.1

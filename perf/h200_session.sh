@@ -32,6 +32,7 @@
 #   bash perf/h200_session.sh s19      # DLMC_DETERMINISTIC_COMPILE=1 vs default, DLMC_PDL's test
 #   bash perf/h200_session.sh s19b     # three fresh compiles' tokens, deterministic mode or not
 #   bash perf/h200_session.sh s19p     # L2 prefetch probe, the down tile's prefetch, their tests
+#   bash perf/h200_session.sh s19q     # split-K linear sweep, round with DLMC_SMALL_M_GEMM=splitk
 #   bash perf/h200_session.sh variants # graph round + profile per VARIANTS entry, each
 #                                      # "name:ENV=VAL,...:flag,flag" (commas for spaces);
 #                                      # PRECISION (bf16) and KV_DTYPE (bf16) for all of them
@@ -165,6 +166,16 @@ s19p)  # session 19's first call: does asking L2 for a weight early help (perf/p
   done
   gpu_tests s19p tests/custom_ops/test_l2_prefetch.py tests/custom_ops/test_pdl.py
   tar_out s19p ;;
+s19q)  # session 19's second call: dlmc::split_k_linear against cuBLAS (sweep), the NVFP4 round
+  # with DLMC_SMALL_M_GEMM=splitk against the default, its GPU test; tarred
+  timeout 150 python3 perf/bench_small_m_linear.py --copies 20 --iters 40 --configs \
+    splitk:16,4,128,4,4 splitk:64,4,128,4,4 splitk:32,8,128,4,3 splitk:64,8,128,4,3 \
+    splitk:32,2,128,4,4 splitk:32,4,256,4,2 --out "$OUT/split_k_linear.json" \
+    > "$OUT/split_k_linear.txt" 2>&1
+  echo "bench rc=$?"; grep -E "^(qkv|o_proj|mlp)" "$OUT/split_k_linear.txt" | grep -v "err"
+  ab_rounds DLMC_SMALL_M_GEMM=splitk splitk 190
+  gpu_tests s19q tests/custom_ops/test_split_k_linear.py
+  tar_out s19q ;;
 variants)  # e.g. VARIANTS="base:: gemm:DLMC_SMALL_M_GEMM=triton: dense::--kv-layout,dense"
   for v in ${VARIANTS:-base:: gemm:DLMC_SMALL_M_GEMM=triton: dense::--kv-layout,dense}; do
     IFS=: read -r name envs flags <<< "$v"

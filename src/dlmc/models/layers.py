@@ -11,6 +11,7 @@ from torch import nn
 from dlmc.custom_ops.qk_norm_rope import apply_partial_rope, rms_norm
 from dlmc.custom_ops.rope_tables import rope_inv_freq, rope_tables, rope_tables_reference
 from dlmc.custom_ops.small_m_linear import MAX_TOKENS, small_m_linear
+from dlmc.custom_ops.split_k_linear import split_k_linear
 from dlmc.errors import ConfigError
 
 __all__ = ["RMSNorm", "SwiGLUMLP", "apply_partial_rope", "env_choice", "fuse_gate_up_projections",
@@ -29,16 +30,19 @@ def env_choice(env: str, default: str, allowed: tuple[str, ...]) -> str:
 
 def small_m_gemm() -> str:
     """How the dense projections of a few bf16 tokens run on CUDA, from `DLMC_SMALL_M_GEMM`:
-    "cublas" (`F.linear`, the default: faster for qkv and the MLPs on the H200, perf/README.md)
-    or "triton" (`dlmc::small_m_linear`)."""
-    return env_choice("DLMC_SMALL_M_GEMM", "cublas", ("cublas", "triton"))
+    "cublas" (`F.linear`, the default: faster for qkv and the MLPs on the H200, perf/README.md),
+    "triton" (`dlmc::small_m_linear`) or "splitk" (`dlmc::split_k_linear`'s partials, summed
+    where the product is used: Inductor fuses the sum into the next kernel it makes)."""
+    return env_choice("DLMC_SMALL_M_GEMM", "cublas", ("cublas", "triton", "splitk"))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, gemm: str) -> torch.Tensor:
-    """`F.linear(x, weight)`, through `dlmc::small_m_linear` when `gemm` is "triton" and `x` is
-    a bf16 CUDA tensor of at most 64 rows."""
-    if (gemm == "triton" and x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2
+    """`F.linear(x, weight)` (bf16), through `dlmc::small_m_linear` or `dlmc::split_k_linear`
+    when `gemm` is "triton" or "splitk" and `x` is a bf16 CUDA tensor of at most 64 rows."""
+    if (gemm != "cublas" and x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2
             and x.shape[0] <= MAX_TOKENS):
+        if gemm == "splitk":  # one rounding of the fp32 sum, as F.linear's accumulator
+            return split_k_linear(x, weight).sum(0).to(torch.bfloat16)
         return small_m_linear(x, weight)
     return F.linear(x, weight)
 
