@@ -11,7 +11,6 @@ import triton
 import triton.language as tl
 
 from dlmc.custom_ops._pdl import pdl_enter
-from dlmc.custom_ops.l2_prefetch import l2_prefetch
 from dlmc.custom_ops.moe_align import block_rows
 from dlmc.custom_ops.moe_shared_parts import shared_down_part, shared_gate_up_part
 from dlmc.custom_ops.nvfp4_bf16x2 import ACC_SCALE
@@ -102,21 +101,13 @@ def _down_kernel(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, do
                  shared_down_w, shared_id, num_blocks, pairs_per_token, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
                  VARIANT: tl.constexpr, SHARED: tl.constexpr, SHARED_BLOCK_K: tl.constexpr,
-                 SHARED_SPLIT: tl.constexpr, PDL: tl.constexpr = False,
-                 PREFETCH: tl.constexpr = False):
+                 SHARED_SPLIT: tl.constexpr, PDL: tl.constexpr = False):
     """y[pair, n] = bf16(alpha * h[slot] @ down[n]^T) for one M-block and one N-tile of H.
     `SHARED`: programs past the `num_blocks` routing blocks are the BF16 shared expert's parts
-    (`moe_shared_parts`); blocks of expert `shared_id` exit. `PREFETCH`: the program first asks
-    L2 for its whole weight tile (`_prefetch_rows`); with `PDL` that happens before the wait for
-    gate/up, whose last programs are then still running."""
+    (`moe_shared_parts`); blocks of expert `shared_id` exit."""
+    pdl_enter(PDL)
     pid_m = _block_index(SHARED)
     pid_n = tl.program_id(1)
-    if PREFETCH and not (SHARED and pid_m >= num_blocks):
-        # expert_of_block was written two launches back (moe_align), complete before gate/up
-        # let this launch start (gate/up waits for moe_align before its launch_dependents).
-        _prefetch_rows(expert_of_block_ptr, pid_m, pid_n, down_w, down_s, shared_id, H, I,
-                       BLOCK_N, VARIANT == 4 or VARIANT == 6, INTERPRETED)
-    pdl_enter(PDL)
     if SHARED and pid_m >= num_blocks:
         shared_down_part(h_ptr, shared_down_w, y_ptr, pid_m - num_blocks, pid_n, num_pairs,
                          pairs_per_token, num_blocks * BLOCK_M, H, I, stride_h, stride_y,
@@ -156,21 +147,3 @@ def _down_block(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, dow
         y = acc * alpha
         y_ptrs = y_ptr + pairs[:, None].to(tl.int64) * stride_y + n_offs[None, :]
         tl.store(y_ptrs, round_bf16(y, INTERPRETED), mask=row_mask[:, None] & n_mask[None, :])
-
-
-@triton.jit
-def _prefetch_rows(expert_of_block_ptr, pid_m, pid_n, w_ptr, s_ptr, shared_id, N: tl.constexpr,
-                   K: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_SCALES: tl.constexpr,
-                   INTERPRETED: tl.constexpr):
-    """Ask L2 for the packed weights and block scales of rows `[pid_n * BLOCK_N, +BLOCK_N)` of
-    block `pid_m`'s expert (nothing for unused and shared blocks). The rows are one contiguous
-    range in the plain layout, and in `nvfp4_words`' tiled one when BLOCK_N is a multiple of
-    its run length (the launch checks). `WIDE_SCALES`: 2-byte scales (v4, v6)."""
-    expert = tl.load(expert_of_block_ptr + pid_m)
-    if expert >= 0 and expert != shared_id:
-        rows = tl.minimum(BLOCK_N, N - pid_n * BLOCK_N)
-        first = expert.to(tl.int64) * N + pid_n * BLOCK_N  # the tile's first row
-        l2_prefetch(w_ptr + first * (K // 2), rows * (K // 2), 0, 1, not INTERPRETED)
-        scale_bytes = 2 if WIDE_SCALES else 1
-        l2_prefetch(s_ptr + first * (K // 16), rows * (K // 16) * scale_bytes, 0, 1,
-                    not INTERPRETED)

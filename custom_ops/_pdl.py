@@ -23,6 +23,7 @@ test (opaque without vs with PDL, one shared Inductor cache) is not yet passed.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from typing import Any
 
@@ -70,6 +71,15 @@ def pdl_enter(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+def with_defaults(kernel: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`kwargs` plus the default of every parameter of `kernel` that neither `args` nor `kwargs`
+    gives: Inductor's trace of a launch (`wrap_triton`) does not apply a kernel's defaults and
+    fails on a missing constexpr (session 19)."""
+    names = list(inspect.signature(kernel.fn).parameters.items())
+    return {name: param.default for name, param in names[len(args):]
+            if name not in kwargs and param.default is not inspect.Parameter.empty} | kwargs
+
+
 class _Launcher:
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
@@ -83,7 +93,8 @@ class _Launcher:
                     kwargs["launch_pdl"] = True
             if OPAQUE:
                 return self.kernel[grid](*args, **kwargs)
-            return wrap_triton(self.kernel)[grid](*args, **kwargs)
+            return wrap_triton(self.kernel)[grid](*args,
+                                                  **with_defaults(self.kernel, args, kwargs))
 
         return launch
 

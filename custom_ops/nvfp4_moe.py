@@ -63,12 +63,6 @@ _KERNEL_NAME = os.environ.get("DLMC_NVFP4_KERNEL", "v7")
 if _KERNEL_NAME not in _KERNELS:
     raise ValueError(f"DLMC_NVFP4_KERNEL must be one of {sorted(_KERNELS)}, got {_KERNEL_NAME!r}")
 _VARIANT = _KERNELS[_KERNEL_NAME]
-# DLMC_NVFP4_DOWN_PREFETCH=1: each down program first asks L2 for its weight tile
-# (`_nvfp4_moe_kernels._prefetch_rows`); with DLMC_PDL=1 that overlaps gate/up's last programs.
-if os.environ.get("DLMC_NVFP4_DOWN_PREFETCH", "0") not in ("0", "1"):
-    raise ValueError("DLMC_NVFP4_DOWN_PREFETCH must be 0 or 1, got "
-                     f"{os.environ['DLMC_NVFP4_DOWN_PREFETCH']!r}")
-_DOWN_PREFETCH = os.environ.get("DLMC_NVFP4_DOWN_PREFETCH", "0") == "1"
 
 
 def effective_variant(H: int, I: int, variant: int | None = None) -> int:
@@ -224,7 +218,7 @@ def _nvfp4_moe_impl(
         y.stride(0), d_w, E, num_blocks, pairs_per_token, BLOCK_M=block_m, BLOCK_N=block_n2,
         BLOCK_K=block_k2, INTERPRETED=_INTERPRETED, VARIANT=variant, SHARED=has_shared,
         SHARED_BLOCK_K=_shared_block_k(I, "down"), SHARED_SPLIT=shared_split(block_n2),
-        PREFETCH=_DOWN_PREFETCH and (variant < 5 or block_n2 % ROWS == 0), **launch,
+        **launch,
     )
     return combine_pairs(y, topk_weights, out, has_shared)  # [T, H]
 

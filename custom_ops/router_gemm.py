@@ -71,9 +71,10 @@ def router_gemm_kernel(x_ptr, w_ptr, part_ptr, tokens, stride_x, N: tl.constexpr
                        K: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_T: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        INTERPRETED: tl.constexpr, PDL: tl.constexpr = False,
-                       FP32_WEIGHT: tl.constexpr = True):
-    """part[split, t, n] = sum over k in split's K range of x[t, k] * w[n, k]. `FP32_WEIGHT`:
-    fp32 w through the exact three-way split; else bf16 w in one dot (`dlmc::split_k_linear`)."""
+                       BF16_WEIGHT: tl.constexpr = False):
+    """part[split, t, n] = sum over k in split's K range of x[t, k] * w[n, k]: fp32 w through
+    the exact three-way split, or (`BF16_WEIGHT`, `dlmc::split_k_linear`) bf16 w in one dot.
+    (Constexpr defaults are False: Inductor's trace of a kernel does not apply them.)"""
     pdl_enter(PDL)
     split = tl.program_id(1)
     t = tl.arange(0, BLOCK_T)
@@ -87,7 +88,7 @@ def router_gemm_kernel(x_ptr, w_ptr, part_ptr, tokens, stride_x, N: tl.constexpr
                     mask=(t[:, None] < tokens) & (kk[None, :] < K), other=0.0)  # [BT, BK]
         w = tl.load(w_ptr + n[None, :].to(tl.int64) * K + kk[:, None],
                     mask=(n[None, :] < N) & (kk[:, None] < K), other=0.0)  # [BK, BN]
-        if FP32_WEIGHT:
+        if not BF16_WEIGHT:
             acc = _split_dot(acc, x, w, INTERPRETED)
         elif INTERPRETED:  # the interpreter's bf16 dot is wrong: widen (exact products)
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
@@ -119,7 +120,8 @@ def _router_gemm_impl(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     launcher(router_gemm_kernel)[(triton.cdiv(features, block_n), splits)](
         x, weight, partial, tokens, x.stride(0), N=features, K=inner, K_PER_SPLIT=per_split,
         BLOCK_T=max(16, triton.next_power_of_2(tokens)), BLOCK_N=block_n, BLOCK_K=block_k,
-        INTERPRETED=_INTERPRETED, num_warps=num_warps, num_stages=num_stages)
+        INTERPRETED=_INTERPRETED, BF16_WEIGHT=False, num_warps=num_warps,
+        num_stages=num_stages)
     return partial
 
 

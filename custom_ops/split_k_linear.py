@@ -47,7 +47,7 @@ def _split_k_linear_impl(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     launcher(router_gemm_kernel)[(triton.cdiv(features, block_n), splits)](
         x, weight, partial, tokens, x.stride(0), N=features, K=inner, K_PER_SPLIT=per_split,
         BLOCK_T=max(16, triton.next_power_of_2(tokens)), BLOCK_N=block_n, BLOCK_K=block_k,
-        INTERPRETED=_INTERPRETED, FP32_WEIGHT=False, num_warps=num_warps,
+        INTERPRETED=_INTERPRETED, BF16_WEIGHT=True, num_warps=num_warps,
         num_stages=num_stages)
     return partial
 

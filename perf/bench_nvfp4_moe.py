@@ -155,10 +155,6 @@ def main() -> None:
                              "(default: DLMC_NVFP4_KERNEL's)")
     parser.add_argument("--profile", action="store_true",
                         help="also record each kernel's CUDA time per layer (torch.profiler)")
-    parser.add_argument("--down-prefetch", type=int, nargs="+", choices=[0, 1],
-                        default=[int(nvfp4_module._DOWN_PREFETCH)],
-                        help="down programs ask L2 for their weight tile first (each value "
-                             "a row; DLMC_NVFP4_DOWN_PREFETCH)")
     parser.add_argument("--tile-kernel", choices=["both", "gate_up", "down"], default="both",
                         help="which kernel --tiles applies to (the other keeps its default)")
     args = parser.parse_args()
@@ -188,10 +184,8 @@ def main() -> None:
     inputs = {}  # per token count: the same routing and x for every kernel
     converted: dict[str, list[list[torch.Tensor]]] = {}
     first_outputs: dict[tuple, torch.Tensor] = {}
-    for kernel, T, tile, prefetch in ((k, T, t, p) for k in args.kernels for T in args.tokens
-                                      for t in tiles for p in args.down_prefetch):
+    for kernel, T, tile in ((k, T, t) for k in args.kernels for T in args.tokens for t in tiles):
         nvfp4_module._TILE = tile
-        nvfp4_module._DOWN_PREFETCH = bool(prefetch)
         nvfp4_module._VARIANT = _KERNELS[kernel]
         if T not in inputs:
             inputs[T] = ([make_routing(T, E, K, device, gen) for _ in range(L)],
@@ -219,7 +213,6 @@ def main() -> None:
         ref = nvfp4_moe_reference(x, *routing[0], *layers[0], **shared[0])
         err = ((outs[0].float() - ref.float()).abs().max() / ref.float().abs().max()).item()
         row: dict[str, object] = {"kernel": kernel, "tokens": T, "tile": tile or "default",
-                                  "down_prefetch": prefetch,
                                   "tile_kernel": args.tile_kernel,
                                   "touched_experts_mean": sum(touched) / L,
                                   "bytes_per_layer": sum(nbytes) / L, "max_rel_err_vs_ref": err}
@@ -244,10 +237,9 @@ def main() -> None:
                 row |= {"separate_shared_ms_per_layer": sms,
                         "separate_shared_GBps": row["bytes_per_layer"] / sms / 1e6,
                         "fused_minus_separate_ms_per_layer": ms - sms}
-            if len(tiles) > 1 or len(args.down_prefetch) > 1:  # a sweep: the op alone
+            if len(tiles) > 1:  # a sweep: the op alone
                 report["results"].append(row)
-                print(f"kernel={kernel} T={T} tile={tile} prefetch={prefetch} "
-                      f"ms/layer={ms:.4f} equal={row[f'equal_to_{args.kernels[0]}']} "
+                print(f"kernel={kernel} T={T} tile={tile} ms/layer={ms:.4f} "
                       f"of_copy={row['fraction_of_copy']:.3f} err={err:.2e} "
                       f"experts={row['touched_experts_mean']:.1f} "
                       f"kernels={row.get('kernel_us_per_layer', '')}", flush=True)

@@ -33,6 +33,7 @@
 #   bash perf/h200_session.sh s19b     # three fresh compiles' tokens, deterministic mode or not
 #   bash perf/h200_session.sh s19p     # L2 prefetch probe, the down tile's prefetch, their tests
 #   bash perf/h200_session.sh s19q     # split-K linear sweep, round with DLMC_SMALL_M_GEMM=splitk
+#   bash perf/h200_session.sh s19r     # split-K tests, rounds default / splitk / splitk + PDL
 #   bash perf/h200_session.sh variants # graph round + profile per VARIANTS entry, each
 #                                      # "name:ENV=VAL,...:flag,flag" (commas for spaces);
 #                                      # PRECISION (bf16) and KV_DTYPE (bf16) for all of them
@@ -176,6 +177,15 @@ s19q)  # session 19's second call: dlmc::split_k_linear against cuBLAS (sweep), 
   ab_rounds DLMC_SMALL_M_GEMM=splitk splitk 190
   gpu_tests s19q tests/custom_ops/test_split_k_linear.py
   tar_out s19q ;;
+s19r)  # session 19's third call: the split-K GPU tests (+ router_gemm's, whose kernel it shares),
+  # then NVFP4 rounds: default, DLMC_SMALL_M_GEMM=splitk (o_proj), that + both PDL switches
+  gpu_tests s19r tests/custom_ops/test_split_k_linear.py tests/custom_ops/test_router_gemm.py
+  args=(--precision nvfp4 --kv-cache-dtype fp8 --modes graph --no-loop)
+  round round_nvfp4_default 170 "${args[@]}"
+  ( export DLMC_SMALL_M_GEMM=splitk; round round_nvfp4_splitk 150 "${args[@]}" )
+  ( export DLMC_SMALL_M_GEMM=splitk DLMC_PDL=1 TORCHINDUCTOR_ENABLE_PDL=1
+    round round_nvfp4_splitk_pdl 150 "${args[@]}" )
+  tar_out s19r ;;
 variants)  # e.g. VARIANTS="base:: gemm:DLMC_SMALL_M_GEMM=triton: dense::--kv-layout,dense"
   for v in ${VARIANTS:-base:: gemm:DLMC_SMALL_M_GEMM=triton: dense::--kv-layout,dense}; do
     IFS=: read -r name envs flags <<< "$v"

@@ -14,6 +14,12 @@ round's norms and attention launches. Reported: each case's graph time minus the
 (median of `--iters` replays, CUDA events) and each kernel's mean time (profiler).
 
     python3 perf/probe_l2_prefetch.py --out perf/results/s19/probe_l2_prefetch.json
+
+`l2_prefetch` asks L2 for a byte range (`cp.async.bulk.prefetch.L2.global`, sm_90): the programs
+of a grid share it, each program's first thread asking for its share in pieces of at most
+`PIECE` bytes. Measured on the H200 (session 19, perf/README.md): the GEMM from a warm L2 is
+only 1.3-2 µs faster and the kernel that asks gets about 1 µs slower, so nothing is gained; an
+`nvfp4_moe` down program asking for its own tile first was slower too, and both were removed.
 """
 
 from __future__ import annotations
@@ -28,7 +34,27 @@ import torch
 import triton
 import triton.language as tl
 
-from dlmc.custom_ops.l2_prefetch import l2_prefetch
+PIECE = 65536  # bytes per prefetch instruction at most
+_PIECE_UNITS = tl.constexpr(PIECE // 16)
+
+
+@triton.jit
+def l2_prefetch(base_ptr, nbytes, program, programs, ENABLED: tl.constexpr):
+    """Ask L2 for bytes `[0, nbytes)` from `base_ptr` (16-byte aligned; a tail of under 16
+    bytes is left out), as participant `program` of `programs`: its share, in pieces of at most
+    `PIECE` bytes, each asked for by the program's first thread."""
+    if ENABLED:
+        total = (nbytes // 16).to(tl.int64)  # 16-byte units
+        share = (total + programs - 1) // programs
+        start = program * share
+        end = tl.minimum(start + share, total)
+        base = base_ptr.to(tl.pointer_type(tl.int8))
+        for unit in range(start, end, _PIECE_UNITS):
+            size = (tl.minimum(unit + _PIECE_UNITS, end) - unit).to(tl.int32) * 16
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
+                "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
+                "=r,l,r", [base + unit * 16, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

@@ -44,6 +44,8 @@ from dlmc.custom_ops.rope_tables import rope_tables_kernel
 from dlmc.custom_ops.router_gemm import _CONFIG as ROUTER_GEMM_CONFIG
 from dlmc.custom_ops.router_gemm import router_gemm_kernel, router_splits
 from dlmc.custom_ops.small_m_linear import _small_m_linear_kernel
+from dlmc.custom_ops.split_k_linear import _CONFIG as SPLIT_K_LINEAR_CONFIG
+from dlmc.custom_ops.split_k_linear import linear_splits
 
 SM90 = GPUTarget("cuda", 90, 32)
 
@@ -262,25 +264,6 @@ def check_shared_branch_resources(variant: int, gate_up: dict[str, str],
         assert usage[True]["REG"] <= usage[False]["REG"] + 8, usage
 
 
-def check_down_prefetch() -> None:
-    """`PREFETCH` (DLMC_NVFP4_DOWN_PREFETCH): the down kernel asks L2 for its tile (weights and
-    scales) before it waits for gate/up (PDL), and the rest of the kernel is unchanged."""
-    pointers = {"sorted_pair_ptr": "*i32", "expert_of_block_ptr": "*i32", "h_ptr": "*bf16",
-                "down_w": "*u8", "down_s": "*u8", "down_alpha_ptr": "*fp32",
-                "shared_down_w": "*bf16", "y_ptr": "*bf16"}
-    types = {name: pointers.get(name, "i32") for name in _down_kernel.arg_names}
-    ptx = {}
-    for prefetch in (False, True):
-        ptx[prefetch] = compile_sm90(_down_kernel, types, {
-            "H": 2048, "I": 512, "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128,
-            "INTERPRETED": False, "VARIANT": 7, "SHARED": True, "SHARED_BLOCK_K": 128,
-            "SHARED_SPLIT": shared_split(128), "PREFETCH": prefetch}, 4).asm["ptx"]
-    asks = ptx[True].count("cp.async.bulk.prefetch.L2.global")
-    assert asks >= 2 and "cp.async.bulk.prefetch" not in ptx[False]
-    assert ptx[True].rindex("cp.async.bulk.prefetch.L2") < ptx[True].index("griddepcontrol.wait")
-    assert ptx[True].count("mma.sync") == ptx[False].count("mma.sync")
-
-
 def check_moe_align(tokens: int, top_k: int, num_experts: int, block_m: int, num_warps: int,
                     shared_expert: bool = False) -> None:
     types = {"ids_ptr": "*i64", "sorted_pair_ptr": "*i32", "expert_of_block_ptr": "*i32",
@@ -394,10 +377,18 @@ def check_router_gemm() -> None:
     for block_t in (16, 32, 64):
         compiled = compile_sm90(router_gemm_kernel, types, {
             "N": 256, "K": 2048, "K_PER_SPLIT": router_splits(2048)[1], "BLOCK_T": block_t,
-            "BLOCK_N": block_n, "BLOCK_K": block_k, "INTERPRETED": False}, num_warps)
+            "BLOCK_N": block_n, "BLOCK_K": block_k, "INTERPRETED": False,
+            "BF16_WEIGHT": False}, num_warps)
         ptx = compiled.asm["ptx"]
         assert "mma" in ptx and ".bf16" in ptx and "tf32" not in ptx
         assert "cvt.rn.bf16" in ptx  # the weight split rounds to nearest even
+    # dlmc::split_k_linear: bf16 weights, one dot, no split of the weight
+    block_n, _, block_k, num_warps, num_stages = SPLIT_K_LINEAR_CONFIG
+    ptx = compile_sm90(router_gemm_kernel, types | {"w_ptr": "*bf16"}, {
+        "N": 2048, "K": 2048, "K_PER_SPLIT": linear_splits(2048)[1], "BLOCK_T": 32,
+        "BLOCK_N": block_n, "BLOCK_K": block_k, "INTERPRETED": False, "BF16_WEIGHT": True},
+        num_warps, num_stages=num_stages).asm["ptx"]
+    assert "mma" in ptx and "cvt.rn.bf16" not in ptx
 
 
 def test_kernels_compile_for_sm90() -> None:
@@ -419,7 +410,6 @@ if __name__ == "__main__":
     check_appending_split(512, "*fp8e4nv", interleaved=False, causal_block=32)  # prefill chunk
     check_kv_append()
     check_nvfp4_moe_v3()
-    check_down_prefetch()
     check_moe_align(32, 8, 256, 16, 4)  # a diffusion block
     check_moe_align(32, 8, 256, 16, 4, shared_expert=True)  # ... with the shared expert fused
     check_moe_align(512, 8, 16, 64, 16)  # a prefill chunk

@@ -101,3 +101,19 @@ def test_graph_generate_equal_with_pdl_on_and_off(tmp_path):
     assert len(results["opaque"][0]) == 64
     assert results["1"][0] == results["opaque"][0]
     assert torch.equal(results["1"][1], results["opaque"][1])
+
+
+@triton.jit
+def _defaults_kernel(x_ptr, n, A: tl.constexpr, B: tl.constexpr = 3, C: tl.constexpr = False):
+    pass
+
+
+def test_traced_launches_get_every_default():
+    """Inductor's trace needs every constexpr passed: the launcher adds the defaults the call
+    leaves out (positional or keyword), and keeps what it gives."""
+    from dlmc.custom_ops._pdl import with_defaults
+
+    assert with_defaults(_defaults_kernel, ("x", 4), {"A": 1}) == {"A": 1, "B": 3, "C": False}
+    assert with_defaults(_defaults_kernel, ("x", 4, 1, 5), {}) == {"C": False}
+    assert with_defaults(_defaults_kernel, ("x",), {"n": 2, "A": 1, "C": True}) == {
+        "n": 2, "A": 1, "B": 3, "C": True}

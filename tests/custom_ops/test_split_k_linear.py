@@ -94,3 +94,48 @@ def test_compile_and_cuda_graph_replay() -> None:
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(replayed, eager)
+
+
+def test_switch_applies_to_o_proj_and_dense_down_only() -> None:
+    """DLMC_SMALL_M_GEMM=splitk: qkv and the dense MLP's gate/up stay cuBLAS (`wide_gemm`);
+    CPU tensors always take F.linear."""
+    from dlmc.models.layers import linear, wide_gemm
+
+    assert wide_gemm("splitk") == "cublas"
+    assert wide_gemm("triton") == "triton" and wide_gemm("cublas") == "cublas"
+    x, weight = make_case(3, 16, 32, 2)
+    torch.testing.assert_close(linear(x.cpu(), weight.cpu(), "splitk"),
+                               F.linear(x.cpu(), weight.cpu()))
+
+
+@pytest.mark.gpu
+def test_tiny_model_logits_and_graph_tokens_with_split_k(tiny_dir, monkeypatch) -> None:
+    """The tiny LLaDA2 model with DLMC_SMALL_M_GEMM=splitk: logits within bf16 rounding of
+    cuBLAS's (sums in another order), and graph-mode generation replays itself."""
+    import dlmc.models.layers as layers
+    from dlmc import LLM
+
+    shapes = []  # the weights that went through split_k_linear (recorded while tracing)
+    op = layers.split_k_linear
+    monkeypatch.setattr(layers, "split_k_linear",
+                        lambda x, w: shapes.append(tuple(w.shape)) or op(x, w))
+    logits, tokens = {}, {}
+    for switch in ("cublas", "splitk"):
+        monkeypatch.setenv("DLMC_SMALL_M_GEMM", switch)
+        llm = LLM(tiny_dir, device="cuda", dtype="bf16", mode="graph")
+        runs = [llm.generate(prompt="The capital of France is", max_new_tokens=32).token_ids
+                for _ in range(2)]
+        assert runs[0] == runs[1]
+        tokens[switch] = runs[0]
+        logits[switch] = llm.logits(list(range(40, 90)))
+        del llm
+    diff = (logits["splitk"] - logits["cublas"]).norm() / logits["cublas"].norm()
+    assert diff < 2e-2, diff
+    import json
+    from pathlib import Path
+
+    cfg = json.loads((Path(tiny_dir) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    o_proj = (cfg["hidden_size"], cfg["num_attention_heads"] * head_dim)
+    qkv_rows = (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * head_dim
+    assert o_proj in shapes and all(rows != qkv_rows for rows, _ in shapes), shapes

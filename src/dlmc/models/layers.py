@@ -15,7 +15,7 @@ from dlmc.custom_ops.split_k_linear import split_k_linear
 from dlmc.errors import ConfigError
 
 __all__ = ["RMSNorm", "SwiGLUMLP", "apply_partial_rope", "env_choice", "fuse_gate_up_projections",
-           "linear", "rms_norm", "rope_cos_sin", "small_m_gemm"]
+           "linear", "rms_norm", "rope_cos_sin", "small_m_gemm", "wide_gemm"]
 
 
 def env_choice(env: str, default: str, allowed: tuple[str, ...]) -> str:
@@ -32,8 +32,16 @@ def small_m_gemm() -> str:
     """How the dense projections of a few bf16 tokens run on CUDA, from `DLMC_SMALL_M_GEMM`:
     "cublas" (`F.linear`, the default: faster for qkv and the MLPs on the H200, perf/README.md),
     "triton" (`dlmc::small_m_linear`) or "splitk" (`dlmc::split_k_linear`'s partials, summed
-    where the product is used: Inductor fuses the sum into the next kernel it makes)."""
+    where the product is used: Inductor fuses the sum into the next kernel it makes; only for
+    o_proj and the dense MLP's down projection, see `wide_gemm`)."""
     return env_choice("DLMC_SMALL_M_GEMM", "cublas", ("cublas", "triton", "splitk"))
+
+
+def wide_gemm(gemm: str) -> str:
+    """The choice for qkv and the dense MLP's gate/up under `gemm`: "splitk" is "cublas" there
+    (qkv's product goes to a Triton kernel, which cannot take the sum in; gate/up's
+    [10240, 2048] runs faster in cuBLAS: perf/README.md, session 19)."""
+    return "cublas" if gemm == "splitk" else gemm
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, gemm: str) -> torch.Tensor:
@@ -92,10 +100,10 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
-            gate, up = linear(x, self.gate_up_weight, self.gemm).chunk(2, dim=-1)  # [T, I] each
-        else:
-            gate = linear(x, self.gate_proj.weight, self.gemm)
-            up = linear(x, self.up_proj.weight, self.gemm)
+            gate, up = linear(x, self.gate_up_weight, wide_gemm(self.gemm)).chunk(2, dim=-1)
+        else:  # [T, I] each
+            gate = linear(x, self.gate_proj.weight, wide_gemm(self.gemm))
+            up = linear(x, self.up_proj.weight, wide_gemm(self.gemm))
         return linear(F.silu(gate) * up, self.down_proj.weight, self.gemm)
 
     @torch.no_grad()

@@ -18,7 +18,14 @@ from dlmc.custom_ops._registration import INTERPRETED
 from dlmc.custom_ops.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
 from dlmc.custom_ops.qk_norm_rope_append import qk_norm_rope_append
 from dlmc.models.config import LLaDA2Config
-from dlmc.models.layers import RMSNorm, SwiGLUMLP, linear, rope_cos_sin, small_m_gemm
+from dlmc.models.layers import (
+    RMSNorm,
+    SwiGLUMLP,
+    linear,
+    rope_cos_sin,
+    small_m_gemm,
+    wide_gemm,
+)
 from dlmc.models.moe import MoEBlock
 
 
@@ -60,7 +67,7 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        qkv = linear(x, self.query_key_value.weight, self.gemm)  # [T, (Hq+2Hkv)*D]
+        qkv = linear(x, self.query_key_value.weight, wide_gemm(self.gemm))  # [T, (Hq+2Hkv)*D]
         args = (qkv, self.query_layernorm.weight, self.key_layernorm.weight, cos, sin,
                 self.num_heads, self.num_kv_heads, self.query_layernorm.eps)
         target = self._rope_append_target(qkv, ctx)
