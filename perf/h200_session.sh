@@ -34,6 +34,7 @@
 #   bash perf/h200_session.sh s19p     # L2 prefetch probe, the down tile's prefetch, their tests
 #   bash perf/h200_session.sh s19q     # split-K linear sweep, round with DLMC_SMALL_M_GEMM=splitk
 #   bash perf/h200_session.sh s19r     # split-K tests, rounds default / splitk / splitk + PDL
+#   bash perf/h200_session.sh s19d     # fresh compiles' tokens with/without deterministic mode
 #   bash perf/h200_session.sh variants # graph round + profile per VARIANTS entry, each
 #                                      # "name:ENV=VAL,...:flag,flag" (commas for spaces);
 #                                      # PRECISION (bf16) and KV_DTYPE (bf16) for all of them
@@ -186,6 +187,25 @@ s19r)  # session 19's third call: the split-K GPU tests (+ router_gemm's, whose 
   ( export DLMC_SMALL_M_GEMM=splitk DLMC_PDL=1 TORCHINDUCTOR_ENABLE_PDL=1
     round round_nvfp4_splitk_pdl 150 "${args[@]}" )
   tar_out s19r ;;
+s19d)  # session 19's fourth call: do separate compiles of the tiny NVFP4 model agree, without
+  # and with DLMC_DETERMINISTIC_COMPILE=1 (two fresh caches each; eager as a third reference),
+  # then the NVFP4 round at the defaults against deterministic mode; tarred
+  M=/tmp/det-model; python3 perf/check_pdl.py --model $M --write > "$OUT/det_write.txt" 2>&1
+  timeout 90 python3 perf/check_pdl.py --model $M --out "$OUT/eager" --rounds 1 --mode eager \
+    > "$OUT/eager.txt" 2>&1; echo "eager rc=$?"; tail -1 "$OUT/eager.txt"
+  for det in 0 1; do
+    names="$OUT/eager"
+    for i in 1 2; do
+      DLMC_DETERMINISTIC_COMPILE=$det TORCHINDUCTOR_CACHE_DIR=/tmp/det-ind-$det-$i \
+        DLMC_CACHE=/tmp/det-cache-$det-$i timeout 120 python3 perf/check_pdl.py --model $M \
+        --out "$OUT/det${det}_$i" --rounds 2 > "$OUT/det${det}_$i.txt" 2>&1
+      echo "det=$det run $i rc=$?"; tail -1 "$OUT/det${det}_$i.txt"
+      names="$names $OUT/det${det}_$i"
+    done
+    python3 perf/check_pdl.py --compare $names | tee "$OUT/det${det}_compare.txt"
+  done
+  ab_rounds DLMC_DETERMINISTIC_COMPILE=1 deterministic 170
+  tar_out s19d ;;
 variants)  # e.g. VARIANTS="base:: gemm:DLMC_SMALL_M_GEMM=triton: dense::--kv-layout,dense"
   for v in ${VARIANTS:-base:: gemm:DLMC_SMALL_M_GEMM=triton: dense::--kv-layout,dense}; do
     IFS=: read -r name envs flags <<< "$v"

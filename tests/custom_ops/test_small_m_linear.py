@@ -64,7 +64,7 @@ def test_opcheck() -> None:
 def test_switch_and_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DLMC_SMALL_M_GEMM", raising=False)
     monkeypatch.delenv("DLMC_ROUTER_GEMM", raising=False)
-    assert small_m_gemm() == "cublas"
+    assert small_m_gemm() == "splitk"
     monkeypatch.setenv("DLMC_SMALL_M_GEMM", "auto")  # the projections have no auto (the router)
     with pytest.raises(ConfigError, match="DLMC_SMALL_M_GEMM='auto'"):
         SwiGLUMLP(16, 8)
