@@ -35,6 +35,7 @@
 #   bash perf/h200_session.sh s19q     # split-K linear sweep, round with DLMC_SMALL_M_GEMM=splitk
 #   bash perf/h200_session.sh s19r     # split-K tests, rounds default / splitk / splitk + PDL
 #   bash perf/h200_session.sh s19d     # fresh compiles' tokens with/without deterministic mode
+#   bash perf/h200_session.sh s19e     # model GPU tests, tiny tokens again, BF16 splitk vs cublas
 #   bash perf/h200_session.sh variants # graph round + profile per VARIANTS entry, each
 #                                      # "name:ENV=VAL,...:flag,flag" (commas for spaces);
 #                                      # PRECISION (bf16) and KV_DTYPE (bf16) for all of them
@@ -206,6 +207,20 @@ s19d)  # session 19's fourth call: do separate compiles of the tiny NVFP4 model 
   done
   ab_rounds DLMC_DETERMINISTIC_COMPILE=1 deterministic 170
   tar_out s19d ;;
+s19e)  # session 19's last call: GPU tests of the model paths the split-K default touches; the
+  # tiny model's tokens again (against call 4's, another fresh start); BF16 rounds splitk vs cublas
+  gpu_tests s19e tests/graphs/test_runner.py tests/models/test_llada2.py
+  M=/tmp/det-model; python3 perf/check_pdl.py --model $M --write > "$OUT/det_write.txt" 2>&1
+  for det in 0 1; do
+    DLMC_DETERMINISTIC_COMPILE=$det TORCHINDUCTOR_CACHE_DIR=/tmp/det-ind-$det \
+      DLMC_CACHE=/tmp/det-cache-$det timeout 100 python3 perf/check_pdl.py --model $M \
+      --out "$OUT/det${det}_3" --rounds 2 > "$OUT/det${det}_3.txt" 2>&1
+    echo "det=$det rc=$?"; tail -1 "$OUT/det${det}_3.txt"
+  done
+  args=(--precision bf16 --modes graph --no-loop)
+  round round_bf16_default 170 "${args[@]}"
+  ( export DLMC_SMALL_M_GEMM=cublas; round round_bf16_cublas 150 "${args[@]}" )
+  tar_out s19e ;;
 variants)  # e.g. VARIANTS="base:: gemm:DLMC_SMALL_M_GEMM=triton: dense::--kv-layout,dense"
   for v in ${VARIANTS:-base:: gemm:DLMC_SMALL_M_GEMM=triton: dense::--kv-layout,dense}; do
     IFS=: read -r name envs flags <<< "$v"
