@@ -16,8 +16,9 @@ switch (`TORCHINDUCTOR_ENABLE_PDL=1`, torch's).
 
 Measured on the H200 (perf/README.md, session 18): a chain of trivial kernels in a graph, 1.04
 -> 0.79 µs per kernel; the NVFP4 + FP8 round, 3.070 -> 3.056 ms queued (the kernels of a round
-take 2-60 µs, so a launch gap of about 0.25 µs is little of them). Off by default; its GPU
-test (opaque without vs with PDL, one shared Inductor cache) is not yet passed.
+take 2-60 µs, so a launch gap of about 0.25 µs is little of them); the op alone 98.3 -> 96.6
+µs per layer (session 19). Off by default; its GPU test (opaque without vs with PDL, one shared
+Inductor cache) passed on the H200 in session 19.
 """
 
 from __future__ import annotations

@@ -7,9 +7,11 @@
 
 Two processes that each compile the model need not agree bit for bit (session 18: the default's
 first token differed between two calls); set one TORCHINDUCTOR_CACHE_DIR for processes whose
-compiled graphs should be the same (tests/custom_ops/test_pdl.py does). The logits compared are
-those of one fixed sequence (`FIXED_IDS`; before session 19 they were of each run's own tokens,
-so runs whose tokens differed also differed there by construction).
+compiled graphs should be the same (tests/custom_ops/test_pdl.py does). The tokens compare the
+rounds (eager, or compiled and graph-replayed). The logits are `LLM.logits` of one fixed
+sequence (`FIXED_IDS`), a plain eager forward: they check that each process loaded the same
+model, not the compiled rounds. (Before session 19 they were of each run's own tokens, so runs
+whose tokens differed also differed there by construction.)
 """
 
 from __future__ import annotations
