@@ -38,7 +38,8 @@ from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.nvfp4_tiles import round_bf16
 from dlmc.custom_ops.small_m_linear import check_small_m_operands
 
-__all__ = ["MAX_TOKENS", "k_splits", "router_gemm", "router_gemm_reference", "router_splits"]
+__all__ = ["MAX_TOKENS", "k_splits", "launch_split_k", "router_gemm", "router_gemm_reference",
+           "router_splits", "split_k_fake"]
 
 MAX_TOKENS = 64  # one [BLOCK_T, BLOCK_K] tile of tokens per program
 # (BLOCK_N, SPLITS, BLOCK_K, num_warps, num_stages): 256 experts in 16 N tiles x 16 K splits =
@@ -110,24 +111,37 @@ def router_splits(inner: int) -> tuple[int, int]:
     return k_splits(inner, _CONFIG[1], _CONFIG[2])
 
 
-def _router_gemm_impl(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def launch_split_k(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, ...],
+                   bf16_weight: bool) -> torch.Tensor:
+    """The partials `[S, T, N]` fp32 of `x @ weight^T` under `config` (BLOCK_N, SPLITS,
+    BLOCK_K, num_warps, num_stages), fp32 or (`bf16_weight`) bf16 weights: the body of this op
+    and of `dlmc::split_k_linear`."""
     tokens, (features, inner) = x.shape[0], weight.shape
-    splits, per_split = router_splits(inner)
+    block_n, splits, block_k, num_warps, num_stages = config
+    splits, per_split = k_splits(inner, splits, block_k)
     partial = torch.empty((splits, tokens, features), dtype=torch.float32, device=x.device)
     if not tokens:
         return partial
-    block_n, _, block_k, num_warps, num_stages = _CONFIG
     launcher(router_gemm_kernel)[(triton.cdiv(features, block_n), splits)](
         x, weight, partial, tokens, x.stride(0), N=features, K=inner, K_PER_SPLIT=per_split,
         BLOCK_T=max(16, triton.next_power_of_2(tokens)), BLOCK_N=block_n, BLOCK_K=block_k,
-        INTERPRETED=_INTERPRETED, BF16_WEIGHT=False, num_warps=num_warps,
+        INTERPRETED=_INTERPRETED, BF16_WEIGHT=bf16_weight, num_warps=num_warps,
         num_stages=num_stages)
     return partial
 
 
-def _router_gemm_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    splits, _ = router_splits(weight.shape[1])
+def split_k_fake(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, ...]) -> torch.Tensor:
+    """Fake of `launch_split_k`: the partials' shape under `config`."""
+    splits, _ = k_splits(weight.shape[1], config[1], config[2])
     return x.new_empty((splits, x.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
+def _router_gemm_impl(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return launch_split_k(x, weight, _CONFIG, bf16_weight=False)
+
+
+def _router_gemm_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return split_k_fake(x, weight, _CONFIG)
 
 
 _router_gemm_op = traced_triton_op("dlmc::router_gemm", _router_gemm_impl, _router_gemm_fake)

@@ -17,12 +17,10 @@ values are exact in fp32; only the order of the fp32 sums differs).
 from __future__ import annotations
 
 import torch
-import triton
 
-from dlmc.custom_ops._pdl import launcher
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
-from dlmc.custom_ops.router_gemm import k_splits, router_gemm_kernel
+from dlmc.custom_ops.router_gemm import k_splits, launch_split_k, split_k_fake
 from dlmc.custom_ops.small_m_linear import check_small_m_operands
 
 __all__ = ["MAX_TOKENS", "linear_splits", "split_k_linear", "split_k_linear_reference"]
@@ -38,23 +36,11 @@ def linear_splits(inner: int) -> tuple[int, int]:
 
 
 def _split_k_linear_impl(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    tokens, (features, inner) = x.shape[0], weight.shape
-    splits, per_split = linear_splits(inner)
-    partial = torch.empty((splits, tokens, features), dtype=torch.float32, device=x.device)
-    if not tokens:
-        return partial
-    block_n, _, block_k, num_warps, num_stages = _CONFIG
-    launcher(router_gemm_kernel)[(triton.cdiv(features, block_n), splits)](
-        x, weight, partial, tokens, x.stride(0), N=features, K=inner, K_PER_SPLIT=per_split,
-        BLOCK_T=max(16, triton.next_power_of_2(tokens)), BLOCK_N=block_n, BLOCK_K=block_k,
-        INTERPRETED=_INTERPRETED, BF16_WEIGHT=True, num_warps=num_warps,
-        num_stages=num_stages)
-    return partial
+    return launch_split_k(x, weight, _CONFIG, bf16_weight=True)
 
 
 def _split_k_linear_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    splits, _ = linear_splits(weight.shape[1])
-    return x.new_empty((splits, x.shape[0], weight.shape[0]), dtype=torch.float32)
+    return split_k_fake(x, weight, _CONFIG)
 
 
 _split_k_linear_op = traced_triton_op("dlmc::split_k_linear", _split_k_linear_impl,
