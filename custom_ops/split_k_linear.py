@@ -2,7 +2,7 @@
 
 A round multiplies 32 tokens by LLaDA2.1-mini's attention weights (qkv `[3072, 2048]`, o_proj
 `[2048, 2048]`, 12.6 and 8.4 MB): 3 and 2 µs at copy speed, 6.2 µs each in cuBLAS in the round
-(its 64x16 tiles give 64-96 programs that each walk all of K; from a warm L2 still 5.8-6.5 µs,
+(its 64x16 tiles give 64-96 programs that each walk all of K; even from a warm L2 about 5 µs,
 perf/results/s19/call1/probe_l2_prefetch.json). Here K is split too, as `dlmc::router_gemm` does:
 program `(n_tile, split)` multiplies its `BLOCK_N` rows' K range and writes fp32 partials
 `[S, T, N]`; whoever consumes the product sums them in a fixed order (s = 0, 1, ...), inside a
