@@ -72,13 +72,20 @@ def pdl_enter(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+@functools.cache
+def _defaults(fn: Any) -> tuple[tuple[int, str, Any], ...]:
+    """(position, name, default) of each parameter of `fn` that has a default."""
+    return tuple((i, name, p.default) for i, (name, p)
+                 in enumerate(inspect.signature(fn).parameters.items())
+                 if p.default is not inspect.Parameter.empty)
+
+
 def with_defaults(kernel: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
     """`kwargs` plus the default of every parameter of `kernel` that neither `args` nor `kwargs`
     gives: Inductor's trace of a launch (`wrap_triton`) does not apply a kernel's defaults and
     fails on a missing constexpr (session 19)."""
-    names = list(inspect.signature(kernel.fn).parameters.items())
-    return {name: param.default for name, param in names[len(args):]
-            if name not in kwargs and param.default is not inspect.Parameter.empty} | kwargs
+    return {name: default for i, name, default in _defaults(kernel.fn)
+            if i >= len(args) and name not in kwargs} | kwargs
 
 
 class _Launcher:

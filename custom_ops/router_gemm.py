@@ -74,8 +74,7 @@ def router_gemm_kernel(x_ptr, w_ptr, part_ptr, tokens, stride_x, N: tl.constexpr
                        INTERPRETED: tl.constexpr, PDL: tl.constexpr = False,
                        BF16_WEIGHT: tl.constexpr = False):
     """part[split, t, n] = sum over k in split's K range of x[t, k] * w[n, k]: fp32 w through
-    the exact three-way split, or (`BF16_WEIGHT`, `dlmc::split_k_linear`) bf16 w in one dot.
-    (Constexpr defaults are False: Inductor's trace of a kernel does not apply them.)"""
+    the exact three-way split, or (`BF16_WEIGHT`, `dlmc::split_k_linear`) bf16 w in one dot."""
     pdl_enter(PDL)
     split = tl.program_id(1)
     t = tl.arange(0, BLOCK_T)

@@ -31,7 +31,7 @@
 #   bash perf/h200_session.sh s18c     # tokens of a tiny NVFP4 model per launch switch
 #   bash perf/h200_session.sh s19      # DLMC_DETERMINISTIC_COMPILE=1 vs default, DLMC_PDL's test
 #   bash perf/h200_session.sh s19b     # three fresh compiles' tokens, deterministic mode or not
-#   bash perf/h200_session.sh s19p     # L2 prefetch probe, the down tile's prefetch, their tests
+#   bash perf/h200_session.sh s19p     # the L2 prefetch probe, DLMC_PDL's GPU test
 #   bash perf/h200_session.sh s19q     # split-K linear sweep, round with DLMC_SMALL_M_GEMM=splitk
 #   bash perf/h200_session.sh s19r     # split-K tests, rounds default / splitk / splitk + PDL
 #   bash perf/h200_session.sh s19d     # fresh compiles' tokens with/without deterministic mode
@@ -157,17 +157,11 @@ s19b)  # do separate compiles agree? The tiny NVFP4 model's tokens from three fr
   done
   tar_out s19b ;;
 s19p)  # session 19's first call: does asking L2 for a weight early help (perf/probe_l2_prefetch.py
-  # with cuBLAS GEMMs; nvfp4_moe's down tile, DLMC_NVFP4_DOWN_PREFETCH, with and without PDL),
-  # the prefetch's and DLMC_PDL's GPU tests; tarred
+  # with cuBLAS GEMMs), and DLMC_PDL's GPU test; tarred. (The call also timed nvfp4_moe's
+  # down-tile prefetch, DLMC_NVFP4_DOWN_PREFETCH, as of commit e7784da; removed since: slower.)
   timeout 120 python3 perf/probe_l2_prefetch.py --out "$OUT/probe_l2_prefetch.json" \
     > "$OUT/probe_l2_prefetch.txt" 2>&1; echo "probe rc=$?"; grep -v "^    " "$OUT/probe_l2_prefetch.txt" | tail -8
-  for pdl in 0 1; do
-    DLMC_PDL=$pdl timeout 150 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 50 \
-      --down-prefetch 0 1 --profile --out "$OUT/op_prefetch_pdl$pdl.json" \
-      > "$OUT/op_prefetch_pdl$pdl.txt" 2>&1
-    echo "op pdl=$pdl rc=$?"; grep -E "^kernel=" "$OUT/op_prefetch_pdl$pdl.txt" | cut -c1-200
-  done
-  gpu_tests s19p tests/custom_ops/test_l2_prefetch.py tests/custom_ops/test_pdl.py
+  gpu_tests s19p tests/custom_ops/test_pdl.py
   tar_out s19p ;;
 s19q)  # session 19's second call: dlmc::split_k_linear against cuBLAS (sweep), the NVFP4 round
   # with DLMC_SMALL_M_GEMM=splitk against the default, its GPU test; tarred
