@@ -73,20 +73,16 @@ def _gate_up_block(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s, 
         alpha_g = tl.load(gate_alpha_ptr + expert) * acc_scale
         alpha_u = tl.load(up_alpha_ptr + expert) * acc_scale
         e64 = expert.to(tl.int64)
-        # v8: the TMA row of the program's first chunk (32-bit: TMA coordinates)
-        w_row = ((expert * I + pid_n * BLOCK_N) * (H // 128)).to(tl.int32)
-        if VARIANT != 8:  # v8's are descriptors of all experts
-            gate_w += e64 * I * (H // 2)
-            gate_s += e64 * I * (H // 16)
-            up_w += e64 * I * (H // 2)
-            up_s += e64 * I * (H // 16)
+        gate_w += e64 * I * (H // 2)
+        gate_s += e64 * I * (H // 16)
+        up_w += e64 * I * (H // 2)
+        up_s += e64 * I * (H // 16)
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if VARIANT >= 2:
             acc_g, acc_u = nvfp4_tile_dot_v2(acc_g, acc_u, a_ptr, a_rows, row_mask, stride_a,
                                              gate_w, gate_s, up_w, up_s, n_offs, n_mask, H,
-                                             BLOCK_N, BLOCK_K, INTERPRETED, True, VARIANT,
-                                             w_row)
+                                             BLOCK_N, BLOCK_K, INTERPRETED, True, VARIANT)
         else:
             acc_g = nvfp4_tile_dot(acc_g, a_ptr, a_rows, row_mask, stride_a, gate_w, gate_s,
                                    n_offs, n_mask, H, BLOCK_K, INTERPRETED)
@@ -135,10 +131,8 @@ def _down_block(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, dow
         acc_scale = ACC_SCALE if VARIANT >= 3 and not INTERPRETED else 1.0
         alpha = tl.load(down_alpha_ptr + expert) * acc_scale  # before the loop (see gate/up)
         e64 = expert.to(tl.int64)
-        w_row = ((expert * H + pid_n * BLOCK_N) * (I // 128)).to(tl.int32)  # v8 (see gate/up)
-        if VARIANT != 8:  # v8's are descriptors of all experts
-            down_w += e64 * H * (I // 2)
-            down_s += e64 * H * (I // 16)
+        down_w += e64 * H * (I // 2)
+        down_s += e64 * H * (I // 16)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         # h has a row for every slot (padding rows hold garbage that only reaches their own,
         # unstored output rows), so its loads need no row mask and so no wait for the pairs.
@@ -146,7 +140,7 @@ def _down_block(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, dow
         if VARIANT >= 2:
             acc, _ = nvfp4_tile_dot_v2(acc, acc, h_ptr, slots, all_rows, stride_h, down_w,
                                        down_s, down_w, down_s, n_offs, n_mask, I, BLOCK_N,
-                                       BLOCK_K, INTERPRETED, False, VARIANT, w_row)
+                                       BLOCK_K, INTERPRETED, False, VARIANT)
         else:
             acc = nvfp4_tile_dot(acc, h_ptr, slots, all_rows, stride_h, down_w, down_s,
                                  n_offs, n_mask, I, BLOCK_K, INTERPRETED)

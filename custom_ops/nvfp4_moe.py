@@ -58,10 +58,7 @@ __all__ = ["nvfp4_moe", "nvfp4_moe_reference"]
 # (`nvfp4_scale_codes`; negative / zero scales folded into the weights at load): v6's decode
 # at v5's bytes. 0.1121 ms/layer against v5's 0.1163 and v3's 0.1515 in one run, 0.1101 with
 # 128-row runs (now the default; v5 0.1162), H200, perf/results/s15/call1.
-# "v8": v7 with each 128-row x 128-K chunk and its scales copied by TMA (host-built tensor
-# descriptors, `_tma_operands`) instead of per-thread asynchronous copies; needs 128-row runs
-# and BLOCK_N 128 (else v7).
-_KERNELS = {"v1": 1, "v2": 2, "v3": 3, "v4": 4, "v5": 5, "v6": 6, "v7": 7, "v8": 8}
+_KERNELS = {"v1": 1, "v2": 2, "v3": 3, "v4": 4, "v5": 5, "v6": 6, "v7": 7}
 _KERNEL_NAME = os.environ.get("DLMC_NVFP4_KERNEL", "v7")
 if _KERNEL_NAME not in _KERNELS:
     raise ValueError(f"DLMC_NVFP4_KERNEL must be one of {sorted(_KERNELS)}, got {_KERNEL_NAME!r}")
@@ -70,13 +67,12 @@ _VARIANT = _KERNELS[_KERNEL_NAME]
 
 def effective_variant(H: int, I: int, variant: int | None = None) -> int:
     """The kernel that runs experts of hidden size H and width I: `variant` (default: the
-    selected one), or v3 / v4 / v3 / v3 for v5 / v6 / v7 / v8 when a projection cannot take
-    the tiled layout (`nvfp4_words.can_pack`); v8 runs as v7 unless the layout's runs are 128
-    rows (`DLMC_NVFP4_TILE_ROWS`)."""
+    selected one), or v3 / v4 / v3 for v5 / v6 / v7 when a projection cannot take the tiled
+    layout (`nvfp4_words.can_pack`)."""
     variant = _VARIANT if variant is None else variant
-    if variant in (5, 6, 7, 8) and not (can_pack(I, H) and can_pack(H, I)):
-        return {5: 3, 6: 4, 7: 3, 8: 3}[variant]
-    return 7 if variant == 8 and ROWS != 128 else variant
+    if variant in (5, 6, 7) and not (can_pack(I, H) and can_pack(H, I)):
+        return {5: 3, 6: 4, 7: 3}[variant]
+    return variant
 
 
 # Launch-config override for tuning sweeps (perf/bench_nvfp4_moe.py --tiles):
@@ -96,8 +92,8 @@ def _block_n(dim: int, widest: int) -> int:
 # down 44.3 us at 128 vs 50.5 at 64. v1/v2 were tuned at 64.
 # BLOCK_N by variant. v5/v6 gate/up: 128 (0.1168 against 0.1194 ms/layer for the op at 64,
 # H200 sweep in perf/results/s14/call3/sweep_gate_up.json).
-_GATE_UP_BLOCK_N = {1: 64, 2: 64, 3: 64, 4: 64, 5: 128, 6: 128, 7: 128, 8: 128}
-_DOWN_BLOCK_N = {1: 64, 2: 64, 3: 128, 4: 128, 5: 128, 6: 128, 7: 128, 8: 128}  # per call
+_GATE_UP_BLOCK_N = {1: 64, 2: 64, 3: 64, 4: 64, 5: 128, 6: 128, 7: 128}
+_DOWN_BLOCK_N = {1: 64, 2: 64, 3: 128, 4: 128, 5: 128, 6: 128, 7: 128}  # looked up per call
 # K-tile of the shared expert's BF16 parts (`moe_shared_parts`: 32 columns per program at
 # BLOCK_N 128), gate_up then down; `DLMC_NVFP4_SHARED_BLOCK_K="gate_up,down"` (read at import)
 # overrides. At 128 (both) the parts read 16 / 8 KB of weights per step, and ptxas keeps the
@@ -133,29 +129,10 @@ def _launch_config(n: int, k: int, widest: int,
     return block_n, block_k, launch | ({"maxnreg": _TILE[4]} if len(_TILE) > 4 else {})
 
 
-def _check_tiled_tile(variant: int, block_n: int, block_k: int) -> None:
+def _check_tiled_tile(variant: int, block_k: int) -> None:
     if variant >= 5 and block_k != 128:
         raise ValueError(f"nvfp4_moe: kernel v{variant} reads 128-K chunks (nvfp4_words); a "
                          f"launch-config override gave BLOCK_K {block_k}")
-    if variant == 8 and block_n != 128:
-        raise ValueError(f"nvfp4_moe: kernel v8 copies 128-row chunks by TMA; a launch-config "
-                         f"override gave BLOCK_N {block_n}")
-
-
-def _tma_operands(variant: int, *pairs: torch.Tensor) -> list[object]:
-    """v8: each (weight, block scale) operand pair (tiled uint8 views, `nvfp4_words`) as two
-    host-built TMA descriptors of all experts: weights as rows of 64 bytes (one row's 128-K
-    chunk, box 128 rows), scales as rows of 16 bytes (two rows' 8, box 64). Other variants:
-    the tensors themselves."""
-    if variant != 8:
-        return list(pairs)
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    out: list[object] = []
-    for weight, scale in zip(pairs[::2], pairs[1::2], strict=True):
-        out += [TensorDescriptor.from_tensor(weight.view(-1, 64), [128, 64]),
-                TensorDescriptor.from_tensor(scale.view(-1, 16), [64, 16])]
-    return out
 
 
 def _shared_block_k(k: int, kernel: str) -> int:
@@ -214,13 +191,12 @@ def _nvfp4_moe_impl(
     h = torch.empty((routed_rows + shared * -(-T // block_m) * block_m, I), dtype=torch.bfloat16,
                     device=x.device)
     block_n1, block_k1, launch = _launch_config(I, H, _GATE_UP_BLOCK_N[variant], "gate_up")
-    _check_tiled_tile(variant, block_n1, block_k1)
-    gate_w, gate_s, up_w, up_s, down_w, down_s = _tma_operands(
-        variant, gate_weight, gate_weight_scale, up_weight, up_weight_scale, down_weight,
-        down_weight_scale)
+    _check_tiled_tile(variant, block_k1)
     parts1 = shared_parts(T, block_m, block_n1) if has_shared else 0
     launcher(_gate_up_kernel)[(num_blocks + parts1, triton.cdiv(I, block_n1))](
-        a, sorted_pair, expert_of_block, gate_w, gate_s, up_w, up_s, _alphas(gate_weight_scale_2, gate_up_input_scale),
+        a, sorted_pair, expert_of_block, gate_weight, gate_weight_scale,
+        up_weight, up_weight_scale,
+        _alphas(gate_weight_scale_2, gate_up_input_scale),
         _alphas(up_weight_scale_2, gate_up_input_scale), h, num_pairs, a_row_div, H, I,
         a.stride(0), h.stride(0), g_w, u_w, E, num_blocks, pairs_per_token, BLOCK_M=block_m,
         BLOCK_N=block_n1, BLOCK_K=block_k1, INTERPRETED=_INTERPRETED, VARIANT=variant,
@@ -234,10 +210,11 @@ def _nvfp4_moe_impl(
         h = torch.cat([quantized, h[routed_rows:]]) if has_shared else quantized
     y = torch.empty((num_pairs, H), dtype=torch.bfloat16, device=x.device)
     block_n2, block_k2, launch = _launch_config(H, I, _DOWN_BLOCK_N[variant], "down")
-    _check_tiled_tile(variant, block_n2, block_k2)
+    _check_tiled_tile(variant, block_k2)
     parts2 = shared_parts(T, block_m, block_n2) if has_shared else 0
     launcher(_down_kernel)[(num_blocks + parts2, triton.cdiv(H, block_n2))](
-        h, sorted_pair, expert_of_block, down_w, down_s, _alphas(down_weight_scale_2, down_input_scale), y, num_pairs, H, I, h.stride(0),
+        h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
+        _alphas(down_weight_scale_2, down_input_scale), y, num_pairs, H, I, h.stride(0),
         y.stride(0), d_w, E, num_blocks, pairs_per_token, BLOCK_M=block_m, BLOCK_N=block_n2,
         BLOCK_K=block_k2, INTERPRETED=_INTERPRETED, VARIANT=variant, SHARED=has_shared,
         SHARED_BLOCK_K=_shared_block_k(I, "down"), SHARED_SPLIT=shared_split(block_n2),

@@ -92,23 +92,15 @@ def _load_a_split(a_ptr, a_rows, row_mask, stride_a, k0, K: tl.constexpr, BLOCK_
 
 @triton.jit
 def _load_w_bytes(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, TILED: tl.constexpr, TMA: tl.constexpr, w_row):
+                  BLOCK_K: tl.constexpr, TILED: tl.constexpr):
     """One K-tile of packed weights, N-major (K contiguous): bytes `[BN, BK/16, 8]` (two codes
-    each) and their block-scale bit patterns `[BN, BK/16]`. `TILED` (v5-v8; BLOCK_K 128, N % R
+    each) and their block-scale bit patterns `[BN, BK/16]`. `TILED` (v5-v7; BLOCK_K 128, N % R
     == 0, K % 128 == 0, R = `nvfp4_words.ROWS`): `nvfp4_words`' chunks, a row's tile at
     `(n // R) * R * K/2 + (k0 / 128) * R * 64 + (n % R) * 64` (scales: / 8), so R rows read
-    R * 64 bytes in one run. `TMA` (v8; BLOCK_N == R == 128): the chunk is one tensor-memory
-    copy of the descriptor `w_ptr` (the weights as rows of 64 bytes, box [128, 64]) at row
-    `w_row + (k0 / 128) * 128` (`w_row`: the chunk row of the program's first chunk), its
-    scales one of `s_ptr` (rows of 16 bytes, two weight rows each, box [64, 16]) at half that."""
+    R * 64 bytes in one run."""
     HALF: tl.constexpr = BLOCK_K // 2
     BLOCKS: tl.constexpr = BLOCK_K // 16
-    if TMA:
-        tl.static_assert(BLOCK_K == 128 and BLOCK_N == 128, "v8 copies 128 x 128-K chunks")
-        row = w_row + (k0 // 128) * BLOCK_N
-        packed = w_ptr.load([row, 0])  # [BN, HALF]
-        scale_bytes = tl.reshape(s_ptr.load([row // 2, 0]), (BLOCK_N, BLOCKS))
-    elif TILED:
+    if TILED:
         tl.static_assert(BLOCK_K == 128, "the tiled layout's chunks are 128 K wide")
         row = (n_offs // _ROWS) * (_ROWS * (K // 2)) + (n_offs % _ROWS) * HALF  # [BN]
         packed = tl.load(w_ptr + row[:, None] + (k0 // 128) * (_ROWS * HALF)
@@ -144,13 +136,12 @@ def _split_tiles(packed, scale, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _load_w_split(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, PREDECODED: tl.constexpr, TILED: tl.constexpr,
-                  TMA: tl.constexpr, w_row):
+                  BLOCK_K: tl.constexpr, PREDECODED: tl.constexpr, TILED: tl.constexpr):
     """Low/high-nibble weight tiles `[BK/2, BN]` bf16 (exact), loaded N-major (K contiguous),
     one scale decode per 16-weight block: E4M3 bytes, or (`PREDECODED`, v4) int16 bit patterns
     of `bf16(scale * 2^119)` made `scale * 2^14` by two exact fp32 steps."""
     packed, scale_bits = _load_w_bytes(w_ptr, s_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K,
-                                       TILED, TMA, w_row)
+                                       TILED)
     if PREDECODED:
         scale = (scale_bits.to(tl.int32) << 16).to(tl.float32, bitcast=True) * 2.0**-105
     else:
@@ -161,7 +152,7 @@ def _load_w_split(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl
 @triton.jit
 def _load_w_split_v3(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, PREDECODED: tl.constexpr, WORDS: tl.constexpr,
-                     CODES: tl.constexpr, TMA: tl.constexpr, w_row):
+                     CODES: tl.constexpr):
     """`_load_w_split` with the bf16x2 decode: tiles `[BK/2, BN]` of `w * 2^-7` (exact). The
     scale pair comes from the E4M3 byte (v3, v5) or from the pre-decoded bf16 (`PREDECODED`, v4,
     v6); `WORDS` (v5-v7): `nvfp4_words`' tiled words (chunked loads, shorter asm); `CODES`
@@ -169,7 +160,7 @@ def _load_w_split_v3(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N:
     HALF: tl.constexpr = BLOCK_K // 2
     BLOCKS: tl.constexpr = BLOCK_K // 16
     packed, scale_bits = _load_w_bytes(w_ptr, s_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K,
-                                       WORDS, TMA, w_row)
+                                       WORDS)
     if PREDECODED:  # the asm reads the 16-bit scales in place (no pair to build)
         scale = tl.broadcast_to(scale_bits[:, :, None], (BLOCK_N, BLOCKS, 8))
         if WORDS:
@@ -192,22 +183,20 @@ def _load_w_split_v3(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N:
 
 @triton.jit
 def _load_w_tiles(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, VARIANT: tl.constexpr,
-                  w_row):
+                  BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, VARIANT: tl.constexpr):
     """Low/high-nibble weight tiles: the bf16x2 inline-asm decode (`w * 2^-7`) for `VARIANT` 3
     to 6 when compiled, else `_load_w_split` (exact; widened to fp32 under the interpreter,
     which gets ModelOpt's bits for every variant, tiled for v5-v7). v4/v6's scales are
     pre-decoded (`nvfp4_scales`), v2/v3/v5 read E4M3 bytes, v7 `nvfp4_scale_codes`' bytes
     (E4M3 under the interpreter); v5-v7 read `nvfp4_words`' tiled layout (words when
-    compiled); v8 is v7 with its chunks copied by TMA (descriptors `w_ptr`, `s_ptr`)."""
+    compiled)."""
     PREDECODED: tl.constexpr = VARIANT == 4 or VARIANT == 6
-    TMA: tl.constexpr = VARIANT == 8
     if VARIANT >= 3 and not INTERPRETED:
         w_lo, w_hi = _load_w_split_v3(w_ptr, s_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K,
-                                      PREDECODED, VARIANT >= 5, VARIANT >= 7, TMA, w_row)
+                                      PREDECODED, VARIANT >= 5, VARIANT == 7)
     else:
         w_lo, w_hi = _load_w_split(w_ptr, s_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K,
-                                   PREDECODED, VARIANT >= 5, TMA, w_row)
+                                   PREDECODED, VARIANT >= 5)
         if INTERPRETED:
             w_lo, w_hi = w_lo.to(tl.float32), w_hi.to(tl.float32)
     return w_lo, w_hi
@@ -217,26 +206,25 @@ def _load_w_tiles(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl
 def nvfp4_tile_dot_v2(acc0, acc1, a_ptr, a_rows, row_mask, stride_a, w0_ptr, s0_ptr, w1_ptr,
                       s1_ptr, n_offs, n_mask, K: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, DUAL: tl.constexpr,
-                      VARIANT: tl.constexpr, w_row):
+                      VARIANT: tl.constexpr):
     """Like `nvfp4_tile_dot` for one (`DUAL=False`) or two weight matrices sharing the A loads.
 
     Vectorized N-major weight loads, scales decoded once per 16 weights, A loaded contiguously
     and split in registers. `VARIANT` 3 and 4: the inline-asm decode of `nvfp4_bf16x2` (v4 with
     the block scales pre-decoded, `nvfp4_scales`); the compiled accumulators then hold the result
-    times 2^-7 (`nvfp4_bf16x2.ACC_SCALE`). `VARIANT` 2: the decode of `_load_w_split`. `VARIANT` 8: the weights and scales are TMA
-    descriptors and `w_row` the chunk row of the program's first chunk (`_load_w_bytes`).
+    times 2^-7 (`nvfp4_bf16x2.ACC_SCALE`). `VARIANT` 2: the decode of `_load_w_split`.
     """
     for k0 in range(0, K, BLOCK_K):
         a_even, a_odd = _load_a_split(a_ptr, a_rows, row_mask, stride_a, k0, K, BLOCK_K)
         if INTERPRETED:
             a_even, a_odd = a_even.to(tl.float32), a_odd.to(tl.float32)
         w_lo, w_hi = _load_w_tiles(w0_ptr, s0_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K,
-                                   INTERPRETED, VARIANT, w_row)
+                                   INTERPRETED, VARIANT)
         acc0 = tl.dot(a_even, w_lo, acc0)
         acc0 = tl.dot(a_odd, w_hi, acc0)
         if DUAL:
             w_lo, w_hi = _load_w_tiles(w1_ptr, s1_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K,
-                                       INTERPRETED, VARIANT, w_row)
+                                       INTERPRETED, VARIANT)
             acc1 = tl.dot(a_even, w_lo, acc1)
             acc1 = tl.dot(a_odd, w_hi, acc1)
     return acc0, acc1

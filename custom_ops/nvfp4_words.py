@@ -240,7 +240,7 @@ def stored_forms(weight: torch.Tensor, scale: torch.Tensor, variant: int
     float8_e4m3fn), v4 bf16 scales, v5 tiled words and uint8 scales, v6 tiled words and int16
     (bf16) scales, v7 tiled words with `nvfp4_scale_codes`' int8 codes (negative and zero
     scales folded into the words). Exact: every form dequantizes to the same weights."""
-    if variant in (7, 8):  # v8 reads v7's forms (by TMA)
+    if variant == 7:
         if weight.dtype == torch.int32 and scale.dtype == torch.int8:
             return weight, scale
         folded, codes = encode_block_scales(
@@ -260,7 +260,7 @@ def projection_operands(weight: torch.Tensor, scale: torch.Tensor, variant: int,
     patterns) in the form kernel `variant` reads: under the interpreter (`interpreted`) the
     tiled variants read ModelOpt's bits tiled and E4M3 scales (v2's decode). Views of the
     stored forms `stored_forms` makes, else converted exactly."""
-    if variant in (7, 8) and not interpreted:
+    if variant == 7 and not interpreted:
         words, codes = stored_forms(weight, scale, 7)
         return words.view(torch.uint8), codes.view(torch.uint8)
     predecoded, tiled = variant in (4, 6), variant >= 5

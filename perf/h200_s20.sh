@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Session 20's H200 calls (helpers of perf/h200_session.sh). Each call's output is tarred in $OUT.
 #   bash perf/h200_s20.sh tma    # nvfp4_moe v8 (TMA chunk copies) against v7 alone, v8's GPU
-#                                # tests, then (only if v8 is faster alone) the NVFP4 round A/B
+#                                # tests, then (only if v8 is faster alone) the NVFP4 round A/B.
+#                                # Call 1; v8 was slower and was removed: it needs commit e14e6e2.
 set -u
 source "$(dirname "$0")/h200_session.sh" lib
 

@@ -58,10 +58,6 @@ def sass(kernel: object, signature: dict[str, str], constants: dict[str, object]
     signature = signature | dict.fromkeys(META, "constexpr")
     if constants["VARIANT"] in (4, 6):
         signature |= {name: "*i16" for name in SCALE_ARGS if name in signature}
-    if constants["VARIANT"] == 8:  # host-built TMA descriptors (nvfp4_moe._tma_operands)
-        signature |= {name: f"tensordesc<u8[{'64, 16' if name in SCALE_ARGS else '128, 64'}]>"
-                      for name in ("gate_w", "gate_s", "up_w", "up_s", "down_w", "down_s")
-                      if name in signature}
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
              for name, kind in signature.items() if kind.startswith("*") or name in DIVISIBLE}
     compiled = triton.compile(ASTSource(kernel, signature, constants, attrs),
