@@ -27,6 +27,7 @@ from dlmc.custom_ops.moe_align import (
     route_pairs,
 )
 from dlmc.custom_ops.moe_combine import combine_pairs
+from dlmc.custom_ops.moe_overlap import counters, overlap_active
 from dlmc.custom_ops.moe_shared_parts import shared_parts, shared_split
 from dlmc.custom_ops.nvfp4_words import (
     CHUNK_K,
@@ -193,15 +194,22 @@ def _nvfp4_moe_impl(
     block_n1, block_k1, launch = _launch_config(I, H, _GATE_UP_BLOCK_N[variant], "gate_up")
     _check_tiled_tile(variant, block_k1)
     parts1 = shared_parts(T, block_m, block_n1) if has_shared else 0
-    launcher(_gate_up_kernel)[(num_blocks + parts1, triton.cdiv(I, block_n1))](
+    # `moe_overlap`: down programs wait per slot (routing block, shared token chunk), not for
+    # the whole gate/up launch; both grids then run a slot's N-tiles one after the other.
+    overlap = overlap_active(x.device) and down_input_scale is None
+    num_slots = num_blocks + shared * -(-T // block_m)
+    count = counters(x.device, num_slots) if overlap else expert_of_block  # (unread if not)
+    tiles1 = triton.cdiv(I, block_n1)
+    grid1 = (tiles1, num_blocks + parts1) if overlap else (num_blocks + parts1, tiles1)
+    launcher(_gate_up_kernel)[grid1](
         a, sorted_pair, expert_of_block, gate_weight, gate_weight_scale,
         up_weight, up_weight_scale,
         _alphas(gate_weight_scale_2, gate_up_input_scale),
         _alphas(up_weight_scale_2, gate_up_input_scale), h, num_pairs, a_row_div, H, I,
-        a.stride(0), h.stride(0), g_w, u_w, E, num_blocks, pairs_per_token, BLOCK_M=block_m,
-        BLOCK_N=block_n1, BLOCK_K=block_k1, INTERPRETED=_INTERPRETED, VARIANT=variant,
-        SHARED=has_shared, SHARED_BLOCK_K=_shared_block_k(H, "gate_up"),
-        SHARED_SPLIT=shared_split(block_n1), **launch,
+        a.stride(0), h.stride(0), g_w, u_w, E, num_blocks, pairs_per_token, count,
+        BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=block_k1, INTERPRETED=_INTERPRETED,
+        VARIANT=variant, SHARED=has_shared, SHARED_BLOCK_K=_shared_block_k(H, "gate_up"),
+        SHARED_SPLIT=shared_split(block_n1), OVERLAP=overlap, **launch,
     )
     if down_input_scale is not None:  # the routed rows; the shared expert's (after) stay bf16
         slot_expert = expert_of_block.long().clamp(0, E - 1).repeat_interleave(block_m)  # [S]
@@ -212,13 +220,16 @@ def _nvfp4_moe_impl(
     block_n2, block_k2, launch = _launch_config(H, I, _DOWN_BLOCK_N[variant], "down")
     _check_tiled_tile(variant, block_k2)
     parts2 = shared_parts(T, block_m, block_n2) if has_shared else 0
-    launcher(_down_kernel)[(num_blocks + parts2, triton.cdiv(H, block_n2))](
+    tiles2 = triton.cdiv(H, block_n2)
+    grid2 = (tiles2, num_blocks + parts2) if overlap else (num_blocks + parts2, tiles2)
+    launcher(_down_kernel)[grid2](
         h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
         _alphas(down_weight_scale_2, down_input_scale), y, num_pairs, H, I, h.stride(0),
-        y.stride(0), d_w, E, num_blocks, pairs_per_token, BLOCK_M=block_m, BLOCK_N=block_n2,
-        BLOCK_K=block_k2, INTERPRETED=_INTERPRETED, VARIANT=variant, SHARED=has_shared,
-        SHARED_BLOCK_K=_shared_block_k(I, "down"), SHARED_SPLIT=shared_split(block_n2),
-        **launch,
+        y.stride(0), d_w, E, num_blocks, pairs_per_token, count, num_slots, BLOCK_M=block_m,
+        BLOCK_N=block_n2, BLOCK_K=block_k2, INTERPRETED=_INTERPRETED, VARIANT=variant,
+        SHARED=has_shared, SHARED_BLOCK_K=_shared_block_k(I, "down"),
+        SHARED_SPLIT=shared_split(block_n2), GATE_UP_TILES=tiles1,
+        GATE_UP_SPLIT=shared_split(block_n1), OVERLAP=overlap, **launch,
     )
     return combine_pairs(y, topk_weights, out, has_shared)  # [T, H]
 

@@ -3,6 +3,7 @@
 #   bash perf/h200_s20.sh tma    # nvfp4_moe v8 (TMA chunk copies) against v7 alone, v8's GPU
 #                                # tests, then (only if v8 is faster alone) the NVFP4 round A/B.
 #                                # Call 1; v8 was slower and was removed: it needs commit e14e6e2.
+#   bash perf/h200_s20.sh overlap  # nvfp4_moe with per-slot down waits (moe_overlap) and PDL
 set -u
 source "$(dirname "$0")/h200_session.sh" lib
 
@@ -23,5 +24,23 @@ print(int(r[1]['nvfp4_ms_per_layer'] < 0.99 * r[0]['nvfp4_ms_per_layer']))" 2>/d
       echo "fuzz rc=$?"; grep -c "v8 == v3" "$OUT/fuzz_v8.txt"; tail -2 "$OUT/fuzz_v8.txt" )
   fi
   tar_out s20_tma ;;
-*) echo "usage: bash perf/h200_s20.sh tma"; exit 2 ;;
+overlap)  # call 2: nvfp4_moe's down programs waiting per slot (moe_overlap) with PDL, alone:
+  # default / DLMC_PDL=1 without the counters / DLMC_PDL=1 with them, routed only and with the
+  # BF16 shared expert (parts); then moe_overlap's tests on the GPU
+  for shared in "" "--shared-expert"; do
+    for cfg in "default:DLMC_PDL=0" "pdl:DLMC_PDL=1,DLMC_NVFP4_OVERLAP=0" \
+               "overlap:DLMC_PDL=1,DLMC_NVFP4_OVERLAP=auto"; do
+      name=op_${cfg%%:*}${shared:+_shared}
+      envs=${cfg#*:}
+      ( export ${envs//,/ }
+        timeout 120 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 60 --profile $shared \
+          --out "$OUT/$name.json" > "$OUT/$name.txt" 2>&1; echo "$name rc=$?" )
+      python3 -c "import json; r = json.load(open('$OUT/$name.json'))['results'][0]
+print('$name', round(r['nvfp4_ms_per_layer'] * 1e3, 2), 'us', round(r['fraction_of_copy'], 4),
+      {k[:20]: v for k, v in r['kernel_us_per_layer'].items()})" 2>&1 | tail -1
+    done
+  done
+  TEST_TIMEOUT=200 gpu_tests s20_overlap tests/custom_ops/test_moe_overlap.py
+  tar_out s20_overlap ;;
+*) echo "usage: bash perf/h200_s20.sh tma|overlap"; exit 2 ;;
 esac

@@ -39,14 +39,14 @@ GATE_UP = {"a_ptr": "*bf16", "sorted_pair_ptr": "*i32", "expert_of_block_ptr": "
            "gate_alpha_ptr": "*fp32", "up_alpha_ptr": "*fp32", "shared_gate_w": "*bf16",
            "shared_up_w": "*bf16", "h_ptr": "*bf16", "num_pairs": "i32", "a_row_div": "i32",
            "shared_id": "i32", "H": "constexpr", "I": "constexpr", "stride_a": "i32",
-           "stride_h": "i32", "num_blocks": "i32", "pairs_per_token": "i32"}
+           "stride_h": "i32", "num_blocks": "i32", "pairs_per_token": "i32", "count_ptr": "*i32"}
 DOWN = {"h_ptr": "*bf16", "sorted_pair_ptr": "*i32", "expert_of_block_ptr": "*i32",
         "down_w": "*u8", "down_s": "*u8", "down_alpha_ptr": "*fp32", "shared_down_w": "*bf16",
         "y_ptr": "*bf16", "num_pairs": "i32", "shared_id": "i32", "H": "constexpr",
         "I": "constexpr", "stride_h": "i32", "stride_y": "i32", "num_blocks": "i32",
-        "pairs_per_token": "i32"}
+        "pairs_per_token": "i32", "count_ptr": "*i32", "num_slots": "i32"}
 META = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "INTERPRETED", "VARIANT", "SHARED", "SHARED_BLOCK_K",
-        "SHARED_SPLIT")
+        "SHARED_SPLIT", "OVERLAP")
 DIVISIBLE = ("num_pairs", "stride_a", "stride_h", "stride_y")
 RESOURCE = re.compile(r"\b(REG|STACK|LOCAL):(\d+)")
 SCALE_ARGS = ("gate_s", "up_s", "down_s")  # v4, v6: int16 bit patterns of the pre-decoded bf16
@@ -106,6 +106,8 @@ def main() -> None:
                         help="the kernels with the shared expert's BF16 branch (SHARED=True): "
                              "registers/spills/shared memory; the loop counts then include the "
                              "BF16 branch's loops")
+    parser.add_argument("--overlap", action="store_true",
+                        help="the kernels with moe_overlap's per-slot counters (OVERLAP=True)")
     args = parser.parse_args()
     options = {"num_warps": args.num_warps, "num_stages": args.num_stages}
     threads = 32 * args.num_warps
@@ -119,7 +121,12 @@ def main() -> None:
                          "BLOCK_N": block_n, "BLOCK_K": args.block_k,
                          "INTERPRETED": False, "VARIANT": variant, "SHARED": args.shared,
                          "SHARED_BLOCK_K": op._SHARED_BLOCK_K[name],
-                         "SHARED_SPLIT": shared_split(block_n)}
+                         "SHARED_SPLIT": shared_split(block_n), "OVERLAP": args.overlap}
+            if name == "down":  # the gate/up launch's tiles (same BLOCK_N) for the waits
+                constants |= {"GATE_UP_TILES": -(-args.inter // block_n),
+                              "GATE_UP_SPLIT": shared_split(block_n)}
+                signature = signature | dict.fromkeys(("GATE_UP_TILES", "GATE_UP_SPLIT"),
+                                                      "constexpr")
             text, resources = sass(kernel, signature, constants, options)
             if args.dump:
                 args.dump.mkdir(parents=True, exist_ok=True)
@@ -130,7 +137,8 @@ def main() -> None:
             weights = matrices * block_n * args.block_k / threads
             scale_decode = sum(mix[k] for k in ("HADD2", "FMUL", "F2FP"))
             top = ", ".join(f"{k} {v / weights:.2f}" for k, v in mix.most_common(8))
-            label = f"v{variant}{'+shared' if args.shared else ''}"
+            label = (f"v{variant}{'+shared' if args.shared else ''}"
+                     f"{'+overlap' if args.overlap else ''}")
             print(f"{label} {name:8s} BLOCK_N {block_n:3d}: loop instructions per weight per "
                   f"thread {count / weights:5.2f}; HADD2+FMUL+F2FP {scale_decode / weights:4.2f}; "
                   f"registers {resources['registers']}, spills (local/stack bytes) "

@@ -1,0 +1,151 @@
+"""`moe_overlap`: `nvfp4_moe`'s down programs waiting per slot for the gate/up programs.
+
+On CPU the interpreter runs the gate/up launch to its end before the down launch, so every wait
+is satisfied on arrival: these tests check that the counted launches (slot-major grids, the
+signals, the waits, the last reader's reset) give the uncounted launches' output bit for bit
+and leave every counter zero. The GPU test runs them with PDL, where the waits really wait.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dlmc.custom_ops import moe_overlap
+from dlmc.custom_ops.nvfp4_moe import nvfp4_moe
+from dlmc.errors import ConfigError
+from tests.custom_ops.test_nvfp4_moe import (
+    DEVICE,
+    op_args,
+    random_experts,
+    random_routing,
+    shared_expert,
+)
+from tests.custom_ops.test_nvfp4_moe_v4 import bits, kernel_variant
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+
+def _outputs(monkeypatch: pytest.MonkeyPatch, seed: int, tokens: int, num_experts: int,
+             top_k: int, hidden: int, inter: int, shared: bool, skew: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op without and with the counters (same inputs)."""
+    gen = torch.Generator().manual_seed(seed)
+    experts = random_experts(gen, num_experts, hidden, inter)
+    x = torch.randn(tokens, hidden, generator=gen).bfloat16().to(DEVICE)
+    ids, w = random_routing(gen, tokens, num_experts, top_k, skew)
+    args = op_args(x, ids, w, experts)
+    extra = shared_expert(gen, x, x, hidden, inter) if shared else {}
+    monkeypatch.setattr(moe_overlap, "MODE", "0")
+    plain = nvfp4_moe(*args, **extra)
+    monkeypatch.setattr(moe_overlap, "MODE", "1")
+    assert moe_overlap.overlap_active(x.device)
+    return plain, nvfp4_moe(*args, **extra)
+
+
+def _counters_zero(device: torch.device) -> bool:
+    held = moe_overlap._COUNTERS.get(device)
+    return held is not None and not bool(held.any())
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**31 - 1), tokens=st.sampled_from([1, 5, 17, 40]),
+       num_experts=st.integers(1, 6), top_k=st.integers(1, 3), shared=st.booleans(),
+       skew=st.booleans(), shape=st.sampled_from([(32, 48), (64, 16), (48, 32)]))
+def test_counted_launches_equal_the_plain_ones(monkeypatch: pytest.MonkeyPatch, seed: int,
+                                               tokens: int, num_experts: int, top_k: int,
+                                               shared: bool, skew: bool,
+                                               shape: tuple[int, int]) -> None:
+    """Several N-tiles per slot, experts with no tokens, the shared expert's chunks."""
+    with kernel_variant(3):
+        plain, counted = _outputs(monkeypatch, seed, tokens, num_experts,
+                                  min(top_k, num_experts), *shape, shared, skew)
+    assert torch.equal(bits(counted), bits(plain))
+    assert _counters_zero(counted.device)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_tiled_layout_with_counters(monkeypatch: pytest.MonkeyPatch, shared: bool) -> None:
+    """The default kernel (v7; its tiled layout at a 256 x 128 shape), 2 x 2 tiles per slot."""
+    plain, counted = _outputs(monkeypatch, 5, 17, 5, 2, 256, 128, shared)
+    assert torch.equal(bits(counted), bits(plain))
+    assert _counters_zero(counted.device)
+
+
+def test_counter_buffer_is_kept_and_grows() -> None:
+    device = torch.device(DEVICE)
+    moe_overlap._COUNTERS.pop(device, None)
+    first = moe_overlap.counters(device, 10)
+    assert first.numel() >= 20 and first.dtype == torch.int32 and not first.any()
+    assert moe_overlap.counters(device, 100).data_ptr() == first.data_ptr()
+    bigger = moe_overlap.counters(device, first.numel())
+    assert bigger.numel() >= 2 * first.numel() and moe_overlap._COUNTERS[device] is bigger
+
+
+@pytest.mark.parametrize("value", ["2", "on", ""])
+def test_bad_switch_values_are_named(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("DLMC_NVFP4_OVERLAP", value)
+    with pytest.raises(ConfigError, match="DLMC_NVFP4_OVERLAP"):
+        moe_overlap._mode()
+
+
+def test_off_where_inductor_traces_the_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A traced op (no interpreter, no DLMC_PDL) cannot hand its counters to Inductor."""
+    monkeypatch.setattr(moe_overlap, "INTERPRETED", False)
+    monkeypatch.setattr(moe_overlap, "OPAQUE", False)
+    monkeypatch.setattr(moe_overlap, "MODE", "1")
+    assert not moe_overlap.overlap_active(torch.device(DEVICE))
+    monkeypatch.setattr(moe_overlap, "OPAQUE", True)
+    assert moe_overlap.overlap_active(torch.device(DEVICE))
+    monkeypatch.setattr(moe_overlap, "MODE", "0")
+    assert not moe_overlap.overlap_active(torch.device(DEVICE))
+
+
+_GPU_SCRIPT = r"""
+import json, sys, torch
+from dlmc.custom_ops import moe_overlap
+from tests.custom_ops.test_nvfp4_moe import op_args, random_experts, random_routing, shared_expert
+from dlmc.custom_ops.nvfp4_moe import nvfp4_moe
+gen = torch.Generator().manual_seed(3)
+experts = random_experts(gen, 64, 2048, 512)
+x = torch.randn(32, 2048, generator=gen).bfloat16().cuda()
+ids, w = random_routing(gen, 32, 64, 8, False)
+args = op_args(x, ids, w, experts)
+shared = shared_expert(gen, x, x, 2048, 512)
+outs = [nvfp4_moe(*args, **shared) for _ in range(20)]
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):
+    replayed = nvfp4_moe(*args, **shared)
+for _ in range(20):
+    graph.replay()
+torch.cuda.synchronize()
+held = moe_overlap._COUNTERS.get(x.device)
+print(json.dumps({"overlap": moe_overlap.overlap_active(x.device),
+                  "out": outs[0].view(torch.int16).flatten().tolist(),
+                  "repeat_equal": all(torch.equal(o, outs[0]) for o in outs),
+                  "graph_equal": torch.equal(replayed, outs[0]),
+                  "counters_zero": held is None or not bool(held.any())}))
+"""
+
+
+@pytest.mark.gpu
+def test_overlap_with_pdl_gives_the_default_output_gpu() -> None:
+    """`DLMC_PDL=1` (the waits really wait: down starts during gate/up) against `DLMC_PDL=0`,
+    LLaDA2.1-mini expert shapes with the shared expert, 20 eager calls and 20 graph replays."""
+    results = {}
+    for pdl in ("0", "1"):
+        env = dict(os.environ, DLMC_PDL=pdl, DLMC_NVFP4_OVERLAP="auto")
+        done = subprocess.run([sys.executable, "-c", _GPU_SCRIPT], env=env, check=True,
+                              capture_output=True, text=True, timeout=600)
+        results[pdl] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert results["0"]["overlap"] is False and results["1"]["overlap"] is True
+    for result in results.values():
+        assert result["repeat_equal"] and result["graph_equal"] and result["counters_zero"]
+    assert results["1"]["out"] == results["0"]["out"]
