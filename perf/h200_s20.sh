@@ -4,6 +4,7 @@
 #                                # tests, then (only if v8 is faster alone) the NVFP4 round A/B.
 #                                # Call 1; v8 was slower and was removed: it needs commit e14e6e2.
 #   bash perf/h200_s20.sh overlap  # nvfp4_moe with per-slot down waits (moe_overlap) and PDL
+#   bash perf/h200_s20.sh rounds   # its GPU test, NVFP4 rounds default / PDL + waits / PDL
 set -u
 source "$(dirname "$0")/h200_session.sh" lib
 
@@ -42,5 +43,13 @@ print('$name', round(r['nvfp4_ms_per_layer'] * 1e3, 2), 'us', round(r['fraction_
   done
   TEST_TIMEOUT=200 gpu_tests s20_overlap tests/custom_ops/test_moe_overlap.py
   tar_out s20_overlap ;;
-*) echo "usage: bash perf/h200_s20.sh tma|overlap"; exit 2 ;;
+rounds)  # call 3: moe_overlap's GPU test (stderr shown), then NVFP4 + FP8 rounds: default,
+  # DLMC_PDL=1 (with the per-slot down waits), DLMC_PDL=1 without them
+  TEST_TIMEOUT=90 gpu_tests s20_rounds tests/custom_ops/test_moe_overlap.py
+  args=(--precision nvfp4 --kv-cache-dtype fp8 --modes graph --no-loop)
+  round round_nvfp4_default 170 "${args[@]}"
+  ( export DLMC_PDL=1; round round_nvfp4_pdl_overlap 150 "${args[@]}" )
+  ( export DLMC_PDL=1 DLMC_NVFP4_OVERLAP=0; round round_nvfp4_pdl 150 "${args[@]}" )
+  tar_out s20_rounds ;;
+*) echo "usage: bash perf/h200_s20.sh tma|overlap|rounds"; exit 2 ;;
 esac
