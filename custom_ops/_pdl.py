@@ -58,10 +58,16 @@ def _device_has_pdl(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
+def device_has_pdl(device: torch.device) -> bool:
+    """Whether kernels on `device` can launch with PDL: a CUDA device of sm_90+ (not under the
+    CPU interpreter)."""
+    return not INTERPRETED and device.type == "cuda" and _device_has_pdl(
+        device.index if device.index is not None else torch.cuda.current_device())
+
+
 def pdl_active(device: torch.device) -> bool:
     """Whether launches on `device` use PDL: `DLMC_PDL=1` and a CUDA device of sm_90+."""
-    return PDL and device.type == "cuda" and _device_has_pdl(
-        device.index if device.index is not None else torch.cuda.current_device())
+    return PDL and device_has_pdl(device)
 
 
 @triton.jit
@@ -89,8 +95,9 @@ def with_defaults(kernel: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str,
 
 
 class _Launcher:
-    def __init__(self, kernel: Any) -> None:
+    def __init__(self, kernel: Any, direct: bool) -> None:
         self.kernel = kernel
+        self.direct = direct or OPAQUE
         self.takes_pdl = "PDL" in getattr(kernel, "arg_names", ())
 
     def __getitem__(self, grid: Any) -> Any:
@@ -99,7 +106,7 @@ class _Launcher:
                 kwargs["PDL"] = pdl_active(torch.device("cuda"))
                 if kwargs["PDL"]:
                     kwargs["launch_pdl"] = True
-            if OPAQUE:
+            if self.direct:
                 return self.kernel[grid](*args, **kwargs)
             return wrap_triton(self.kernel)[grid](*args,
                                                   **with_defaults(self.kernel, args, kwargs))
@@ -107,9 +114,10 @@ class _Launcher:
         return launch
 
 
-def launcher(kernel: Any) -> _Launcher:
-    """`wrap_triton(kernel)` (Inductor traces the launch), or with `DLMC_PDL=1` the kernel
-    launched directly, with the PDL attribute where it takes a `PDL` constexpr (sm_90+) and
-    the caller passes none.
+def launcher(kernel: Any, direct: bool = False) -> _Launcher:
+    """`wrap_triton(kernel)` (Inductor traces the launch), or with `DLMC_PDL=1` (or `direct`:
+    an opaque op's own launches, which may pass `PDL=True, launch_pdl=True` themselves) the
+    kernel launched directly, with the PDL attribute where it takes a `PDL` constexpr (sm_90+)
+    and the caller passes none.
     Use as `launcher(kernel)[grid](*args, **meta)`."""
-    return _Launcher(kernel)
+    return _Launcher(kernel, direct)

@@ -1,7 +1,7 @@
 """Down programs of `dlmc::nvfp4_moe` that start before the gate/up launch has finished.
 
-With programmatic dependent launch (`_pdl`, `DLMC_PDL=1`) the down launch may start once every
-gate/up program has started. Its programs then fill the SMs that gate/up's last programs leave
+Launched with programmatic dependent launch (PDL, sm_90+: `_pdl`), the down launch may start
+once every gate/up program has started. Its programs then fill the SMs that gate/up's last programs leave
 idle, instead of waiting for the whole launch (`gdc_wait`): each waits only for the `h` rows it
 reads. Per slot (a routing block, or a token chunk of the shared expert's parts,
 `moe_shared_parts`) the gate/up programs that write its rows count themselves done (`signal`:
@@ -14,10 +14,11 @@ Both launches then order their programs slot by slot (N-tile fastest, `program`)
 slots are complete first. Without PDL (and under the CPU interpreter, which runs programs one
 after the other) the waits are satisfied on arrival: the same results, bit for bit.
 
-`DLMC_NVFP4_OVERLAP` (read at import): "auto" (the default: on whenever PDL is), "1" (on
-without PDL too: tests and timing of the counters alone) or "0". Only where the op's kernels are
-launched directly (the CPU interpreter, `DLMC_PDL=1` or `opaque`): the counters are a buffer of
-the op's own, which a traced op could not hand to Inductor.
+`DLMC_NVFP4_OVERLAP` (read at import): "1" (the default) or "0". With "1" `nvfp4_moe` is
+registered as an opaque op (`OPAQUE_OP`: Inductor cannot launch with PDL, and the counters are
+a buffer of the op's own) that launches its gate/up and down kernels with PDL and the counters
+on sm_90+ (`overlap_active`, `overlap_pdl`), and with the counters alone under the CPU
+interpreter (tests). The other dlmc ops stay traced (`DLMC_PDL` is the switch for all of them).
 """
 
 from __future__ import annotations
@@ -28,27 +29,33 @@ import torch
 import triton
 import triton.language as tl
 
-from dlmc.custom_ops._pdl import INTERPRETED, OPAQUE, pdl_active
+from dlmc.custom_ops._pdl import INTERPRETED, device_has_pdl
 from dlmc.errors import ConfigError
 
-__all__ = ["counters", "overlap_active", "program", "signal", "wait"]
+__all__ = ["OPAQUE_OP", "counters", "overlap_active", "overlap_pdl", "program", "signal",
+           "wait"]
 
 
 def _mode() -> str:
-    value = os.environ.get("DLMC_NVFP4_OVERLAP", "auto")
-    if value not in ("auto", "0", "1"):
-        raise ConfigError(f"DLMC_NVFP4_OVERLAP={value!r}: expected auto, 0 or 1")
+    value = os.environ.get("DLMC_NVFP4_OVERLAP", "1")
+    if value not in ("0", "1"):
+        raise ConfigError(f"DLMC_NVFP4_OVERLAP={value!r}: expected 1 (the default) or 0")
     return value
 
 
 MODE = _mode()
+OPAQUE_OP = MODE == "1"  # nvfp4_moe registered opaque (at import)
 
 
 def overlap_active(device: torch.device) -> bool:
-    """Whether `nvfp4_moe` on `device` uses the per-slot counters (see the module docstring)."""
-    if not (INTERPRETED or OPAQUE) or MODE == "0":
-        return False
-    return MODE == "1" or pdl_active(device)
+    """Whether `nvfp4_moe` on `device` uses the per-slot counters: `DLMC_NVFP4_OVERLAP=1` on a
+    device with PDL, or under the interpreter (see the module docstring)."""
+    return MODE == "1" and (INTERPRETED or device_has_pdl(device))
+
+
+def overlap_pdl(device: torch.device) -> bool:
+    """Whether the counted launches on `device` also use PDL (sm_90+, not interpreted)."""
+    return overlap_active(device) and device_has_pdl(device)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}

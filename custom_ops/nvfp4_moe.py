@@ -27,7 +27,7 @@ from dlmc.custom_ops.moe_align import (
     route_pairs,
 )
 from dlmc.custom_ops.moe_combine import combine_pairs
-from dlmc.custom_ops.moe_overlap import counters, overlap_active
+from dlmc.custom_ops.moe_overlap import OPAQUE_OP, counters, overlap_active, overlap_pdl
 from dlmc.custom_ops.moe_shared_parts import shared_parts, shared_split
 from dlmc.custom_ops.nvfp4_words import (
     CHUNK_K,
@@ -197,11 +197,12 @@ def _nvfp4_moe_impl(
     # `moe_overlap`: down programs wait per slot (routing block, shared token chunk), not for
     # the whole gate/up launch; both grids then run a slot's N-tiles one after the other.
     overlap = overlap_active(x.device) and down_input_scale is None
+    pdl = {"PDL": True, "launch_pdl": True} if overlap and overlap_pdl(x.device) else {}
     num_slots = num_blocks + shared * -(-T // block_m)
     count = counters(x.device, num_slots) if overlap else expert_of_block  # (unread if not)
     tiles1 = triton.cdiv(I, block_n1)
     grid1 = (tiles1, num_blocks + parts1) if overlap else (num_blocks + parts1, tiles1)
-    launcher(_gate_up_kernel)[grid1](
+    launcher(_gate_up_kernel, direct=overlap)[grid1](
         a, sorted_pair, expert_of_block, gate_weight, gate_weight_scale,
         up_weight, up_weight_scale,
         _alphas(gate_weight_scale_2, gate_up_input_scale),
@@ -209,7 +210,7 @@ def _nvfp4_moe_impl(
         a.stride(0), h.stride(0), g_w, u_w, E, num_blocks, pairs_per_token, count,
         BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=block_k1, INTERPRETED=_INTERPRETED,
         VARIANT=variant, SHARED=has_shared, SHARED_BLOCK_K=_shared_block_k(H, "gate_up"),
-        SHARED_SPLIT=shared_split(block_n1), OVERLAP=overlap, **launch,
+        SHARED_SPLIT=shared_split(block_n1), OVERLAP=overlap, **pdl, **launch,
     )
     if down_input_scale is not None:  # the routed rows; the shared expert's (after) stay bf16
         slot_expert = expert_of_block.long().clamp(0, E - 1).repeat_interleave(block_m)  # [S]
@@ -222,14 +223,14 @@ def _nvfp4_moe_impl(
     parts2 = shared_parts(T, block_m, block_n2) if has_shared else 0
     tiles2 = triton.cdiv(H, block_n2)
     grid2 = (tiles2, num_blocks + parts2) if overlap else (num_blocks + parts2, tiles2)
-    launcher(_down_kernel)[grid2](
+    launcher(_down_kernel, direct=overlap)[grid2](
         h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
         _alphas(down_weight_scale_2, down_input_scale), y, num_pairs, H, I, h.stride(0),
         y.stride(0), d_w, E, num_blocks, pairs_per_token, count, num_slots, BLOCK_M=block_m,
         BLOCK_N=block_n2, BLOCK_K=block_k2, INTERPRETED=_INTERPRETED, VARIANT=variant,
         SHARED=has_shared, SHARED_BLOCK_K=_shared_block_k(I, "down"),
         SHARED_SPLIT=shared_split(block_n2), GATE_UP_TILES=tiles1,
-        GATE_UP_SPLIT=shared_split(block_n1), OVERLAP=overlap, **launch,
+        GATE_UP_SPLIT=shared_split(block_n1), OVERLAP=overlap, **pdl, **launch,
     )
     return combine_pairs(y, topk_weights, out, has_shared)  # [T, H]
 
@@ -239,8 +240,10 @@ def _nvfp4_moe_fake(x: torch.Tensor, *args: object, **kwargs: object) -> torch.T
 
 
 # Inductor traces through the body (the routing-prep kernel, the two grouped kernels and the
-# combine); an opaque op under the interpreter.
-_nvfp4_moe_op = traced_triton_op("dlmc::nvfp4_moe", _nvfp4_moe_impl, _nvfp4_moe_fake)
+# combine); an opaque op under the interpreter and with `DLMC_NVFP4_OVERLAP=1` (the default:
+# its kernels launch with PDL and the per-slot counters, `moe_overlap`).
+_nvfp4_moe_op = traced_triton_op("dlmc::nvfp4_moe", _nvfp4_moe_impl, _nvfp4_moe_fake,
+                                 opaque=OPAQUE_OP)
 
 
 _SCALE_FORMS = (torch.bfloat16, torch.uint8, torch.int16, torch.int8)  # besides float8_e4m3fn

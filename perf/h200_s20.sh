@@ -5,6 +5,7 @@
 #                                # Call 1; v8 was slower and was removed: it needs commit e14e6e2.
 #   bash perf/h200_s20.sh overlap  # nvfp4_moe with per-slot down waits (moe_overlap) and PDL
 #   bash perf/h200_s20.sh rounds   # its GPU test, NVFP4 rounds default / PDL + waits / PDL
+#   bash perf/h200_s20.sh default  # the waits as the default (nvfp4_moe alone opaque, PDL)
 set -u
 source "$(dirname "$0")/h200_session.sh" lib
 
@@ -51,5 +52,14 @@ rounds)  # call 3: moe_overlap's GPU test (stderr shown), then NVFP4 + FP8 round
   ( export DLMC_PDL=1; round round_nvfp4_pdl_overlap 150 "${args[@]}" )
   ( export DLMC_PDL=1 DLMC_NVFP4_OVERLAP=0; round round_nvfp4_pdl 150 "${args[@]}" )
   tar_out s20_rounds ;;
-*) echo "usage: bash perf/h200_s20.sh tma|overlap|rounds"; exit 2 ;;
+default)  # call 4: DLMC_NVFP4_OVERLAP=1 as the default (only nvfp4_moe opaque, PDL + counters):
+  # its GPU tests, then NVFP4 + FP8 rounds: default against DLMC_NVFP4_OVERLAP=0
+  TEST_TIMEOUT=100 gpu_tests s20_overlap tests/custom_ops/test_moe_overlap.py \
+    tests/custom_ops/test_nvfp4_moe.py
+  args=(--precision nvfp4 --kv-cache-dtype fp8 --modes graph --no-loop)
+  round round_nvfp4_default 170 "${args[@]}"
+  ( export DLMC_NVFP4_OVERLAP=0; round round_nvfp4_overlap0 150 "${args[@]}" )
+  TEST_TIMEOUT=120 gpu_tests s20_models tests/models/test_llada2.py tests/graphs/test_runner.py
+  tar_out s20_default ;;
+*) echo "usage: bash perf/h200_s20.sh tma|overlap|rounds|default"; exit 2 ;;
 esac

@@ -4,6 +4,7 @@ On CPU the interpreter runs the gate/up launch to its end before the down launch
 is satisfied on arrival: these tests check that the counted launches (slot-major grids, the
 signals, the waits, the last reader's reset) give the uncounted launches' output bit for bit
 and leave every counter zero. The GPU test runs them with PDL, where the waits really wait.
+`DLMC_NVFP4_OVERLAP` is read at import; the tests patch `moe_overlap.MODE`.
 """
 
 from __future__ import annotations
@@ -89,32 +90,36 @@ def test_counter_buffer_is_kept_and_grows() -> None:
     assert bigger.numel() >= 2 * first.numel() and moe_overlap._COUNTERS[device] is bigger
 
 
-@pytest.mark.parametrize("value", ["2", "on", ""])
+@pytest.mark.parametrize("value", ["2", "on", "auto", ""])
 def test_bad_switch_values_are_named(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv("DLMC_NVFP4_OVERLAP", value)
     with pytest.raises(ConfigError, match="DLMC_NVFP4_OVERLAP"):
         moe_overlap._mode()
 
 
-def test_off_where_inductor_traces_the_op(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A traced op (no interpreter, no DLMC_PDL) cannot hand its counters to Inductor."""
-    monkeypatch.setattr(moe_overlap, "INTERPRETED", False)
-    monkeypatch.setattr(moe_overlap, "OPAQUE", False)
+def test_on_by_default_where_pdl_is_and_under_the_interpreter(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DLMC_NVFP4_OVERLAP", raising=False)
+    assert moe_overlap._mode() == "1"
     monkeypatch.setattr(moe_overlap, "MODE", "1")
-    assert not moe_overlap.overlap_active(torch.device(DEVICE))
-    monkeypatch.setattr(moe_overlap, "OPAQUE", True)
-    assert moe_overlap.overlap_active(torch.device(DEVICE))
+    cpu = torch.device("cpu")
+    assert moe_overlap.overlap_active(cpu) == moe_overlap.INTERPRETED
+    assert not moe_overlap.overlap_pdl(cpu)  # no PDL on a CPU, interpreted or not
+    monkeypatch.setattr(moe_overlap, "INTERPRETED", False)
+    assert not moe_overlap.overlap_active(cpu)
+    monkeypatch.setattr(moe_overlap, "INTERPRETED", True)
     monkeypatch.setattr(moe_overlap, "MODE", "0")
-    assert not moe_overlap.overlap_active(torch.device(DEVICE))
+    assert not moe_overlap.overlap_active(cpu)
 
 
 _GPU_SCRIPT = r"""
 import json, sys, torch
 from dlmc.custom_ops import moe_overlap
 from tests.custom_ops.test_nvfp4_moe import op_args, random_experts, random_routing, shared_expert
+from tests.custom_ops.test_nvfp4_moe_v5 import stored
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe
 gen = torch.Generator().manual_seed(3)
-experts = random_experts(gen, 64, 2048, 512)
+experts = stored(random_experts(gen, 64, 2048, 512), 7)  # as loaded: no conversion per call
 x = torch.randn(32, 2048, generator=gen).bfloat16().cuda()
 ids, w = random_routing(gen, 32, 64, 8, False)
 args = op_args(x, ids, w, experts)
@@ -127,7 +132,7 @@ for _ in range(20):
     graph.replay()
 torch.cuda.synchronize()
 held = moe_overlap._COUNTERS.get(x.device)
-print(json.dumps({"overlap": moe_overlap.overlap_active(x.device),
+print(json.dumps({"overlap": moe_overlap.overlap_pdl(x.device),
                   "out": outs[0].view(torch.int16).flatten().tolist(),
                   "repeat_equal": all(torch.equal(o, outs[0]) for o in outs),
                   "graph_equal": torch.equal(replayed, outs[0]),
@@ -136,15 +141,16 @@ print(json.dumps({"overlap": moe_overlap.overlap_active(x.device),
 
 
 @pytest.mark.gpu
-def test_overlap_with_pdl_gives_the_default_output_gpu() -> None:
-    """`DLMC_PDL=1` (the waits really wait: down starts during gate/up) against `DLMC_PDL=0`,
-    LLaDA2.1-mini expert shapes with the shared expert, 20 eager calls and 20 graph replays."""
+def test_overlap_with_pdl_gives_the_plain_output_gpu() -> None:
+    """`DLMC_NVFP4_OVERLAP=1` (PDL: the waits really wait, down starts during gate/up) against
+    `0`, LLaDA2.1-mini expert shapes with the shared expert, 20 eager calls and 20 graph
+    replays each, bit for bit."""
     results = {}
     for pdl in ("0", "1"):
-        env = dict(os.environ, DLMC_PDL=pdl, DLMC_NVFP4_OVERLAP="auto")
+        env = dict(os.environ, DLMC_PDL="0", DLMC_NVFP4_OVERLAP=pdl)
         done = subprocess.run([sys.executable, "-c", _GPU_SCRIPT], env=env,
                               capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, f"DLMC_PDL={pdl}: {done.stderr[-3000:]}"
+        assert done.returncode == 0, f"DLMC_NVFP4_OVERLAP={pdl}: {done.stderr[-3000:]}"
         results[pdl] = json.loads(done.stdout.strip().splitlines()[-1])
     assert results["0"]["overlap"] is False and results["1"]["overlap"] is True
     for result in results.values():
