@@ -6,6 +6,7 @@
 #   bash perf/h200_s20.sh overlap  # nvfp4_moe with per-slot down waits (moe_overlap) and PDL
 #   bash perf/h200_s20.sh rounds   # its GPU test, NVFP4 rounds default / PDL + waits / PDL
 #   bash perf/h200_s20.sh default  # the waits as the default (nvfp4_moe alone opaque, PDL)
+#   bash perf/h200_s20.sh final    # GPU tests of the new default, the op alone with/without it
 set -u
 source "$(dirname "$0")/h200_session.sh" lib
 
@@ -61,5 +62,18 @@ default)  # call 4: DLMC_NVFP4_OVERLAP=1 as the default (only nvfp4_moe opaque, 
   ( export DLMC_NVFP4_OVERLAP=0; round round_nvfp4_overlap0 150 "${args[@]}" )
   TEST_TIMEOUT=120 gpu_tests s20_models tests/models/test_llada2.py tests/graphs/test_runner.py
   tar_out s20_default ;;
-*) echo "usage: bash perf/h200_s20.sh tma|overlap|rounds|default"; exit 2 ;;
+final)  # call 5: the GPU tests the new default touches (each file under its own limit), the op
+  # alone with the shared expert: default against DLMC_NVFP4_OVERLAP=0
+  TEST_TIMEOUT=120 gpu_tests s20_overlap tests/custom_ops/test_moe_overlap.py
+  TEST_TIMEOUT=110 gpu_tests s20_loading tests/loading/test_nvfp4_loading.py
+  for cfg in default overlap0; do
+    ( [ $cfg = overlap0 ] && export DLMC_NVFP4_OVERLAP=0
+      timeout 100 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 60 --profile \
+        --shared-expert --out "$OUT/op_$cfg.json" > "$OUT/op_$cfg.txt" 2>&1
+      echo "op_$cfg rc=$?"; grep -E "^kernel=" "$OUT/op_$cfg.txt" | cut -c1-330 )
+  done
+  TEST_TIMEOUT=100 gpu_tests s20_pdl tests/custom_ops/test_pdl.py
+  TEST_TIMEOUT=130 gpu_tests s20_compile tests/custom_ops/test_nvfp4_moe.py -k compile_and_cuda
+  tar_out s20_final ;;
+*) echo "usage: bash perf/h200_s20.sh tma|overlap|rounds|default|final"; exit 2 ;;
 esac
