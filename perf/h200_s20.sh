@@ -7,6 +7,7 @@
 #   bash perf/h200_s20.sh rounds   # its GPU test, NVFP4 rounds default / PDL + waits / PDL
 #   bash perf/h200_s20.sh default  # the waits as the default (nvfp4_moe alone opaque, PDL)
 #   bash perf/h200_s20.sh final    # GPU tests of the new default, the op alone with/without it
+#   bash perf/h200_s20.sh overhead # the op's host time per call (perf/probe_op_overhead.py)
 set -u
 source "$(dirname "$0")/h200_session.sh" lib
 
@@ -75,5 +76,12 @@ final)  # call 5: the GPU tests the new default touches (each file under its own
   TEST_TIMEOUT=100 gpu_tests s20_pdl tests/custom_ops/test_pdl.py
   TEST_TIMEOUT=130 gpu_tests s20_compile tests/custom_ops/test_nvfp4_moe.py -k compile_and_cuda
   tar_out s20_final ;;
-*) echo "usage: bash perf/h200_s20.sh tma|overlap|rounds|default|final"; exit 2 ;;
+overhead)  # call 6: the op's host time per call, counters on/off, opaque and traced registration;
+  # test_pdl.py's GPU test (timed out at 100 s in call 5)
+  timeout 60 python3 perf/probe_op_overhead.py --out "$OUT/overhead_opaque.json" 2>&1 | tail -2
+  DLMC_NVFP4_OVERLAP=0 timeout 60 python3 perf/probe_op_overhead.py \
+    --out "$OUT/overhead_traced.json" 2>&1 | tail -2
+  TEST_TIMEOUT=170 gpu_tests s20_pdl tests/custom_ops/test_pdl.py
+  tar_out s20_overhead ;;
+*) echo "usage: bash perf/h200_s20.sh tma|overlap|rounds|default|final|overhead"; exit 2 ;;
 esac

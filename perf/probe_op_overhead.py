@@ -1,0 +1,77 @@
+"""Host time of one `dlmc::nvfp4_moe` call, with and without `moe_overlap`'s counted PDL launches.
+
+Session 20: `perf/bench_nvfp4_moe.py`'s eager figure per layer went from 0.34 to 0.72 ms with
+the counted launches (the graph-replayed op got faster). This times the op's host side alone on
+LLaDA2.1-mini expert shapes (one layer, stored forms as loaded): the mean host time per call of
+100 calls launched back to back (synchronized after), in this process's registration (opaque
+unless `DLMC_NVFP4_OVERLAP=0`), with the counters on and off (`moe_overlap.MODE`), and the GPU
+time of those 100 calls. Run it once per registration:
+
+    python3 perf/probe_op_overhead.py --out perf/results/s20/overhead_opaque.json
+    DLMC_NVFP4_OVERLAP=0 python3 perf/probe_op_overhead.py --out .../overhead_traced.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from dlmc.custom_ops import moe_overlap
+from dlmc.custom_ops.nvfp4_moe import nvfp4_moe
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.custom_ops.test_nvfp4_moe import (  # noqa: E402
+    op_args,
+    random_experts,
+    random_routing,
+    shared_expert,
+)
+from tests.custom_ops.test_nvfp4_moe_v5 import stored  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=100)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    experts = stored(random_experts(gen, 256, 2048, 512), 7)
+    x = torch.randn(32, 2048, generator=gen).bfloat16().cuda()
+    ids, w = random_routing(gen, 32, 256, 8, False)
+    op = op_args(x, ids, w, experts)
+    shared = shared_expert(gen, x, x, 2048, 512)
+    report: dict[str, object] = {"command": " ".join(sys.argv), "torch": torch.__version__,
+                                 "gpu": torch.cuda.get_device_name(),
+                                 "DLMC_NVFP4_OVERLAP": os.environ.get("DLMC_NVFP4_OVERLAP"),
+                                 "opaque_registration": moe_overlap.OPAQUE_OP, "rows": []}
+    for mode in ("0", "1"):
+        moe_overlap.MODE = mode
+        for _ in range(10):
+            nvfp4_moe(*op, **shared)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        for _ in range(args.calls):
+            nvfp4_moe(*op, **shared)
+        end.record()
+        host = (time.perf_counter() - t0) / args.calls * 1e6
+        torch.cuda.synchronize()
+        row = {"counters": mode, "active": moe_overlap.overlap_active(x.device),
+               "host_us_per_call": round(host, 1),
+               "gpu_us_per_call": round(start.elapsed_time(end) * 1e3 / args.calls, 1)}
+        report["rows"].append(row)
+        print(row, flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
