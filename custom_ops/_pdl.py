@@ -23,9 +23,12 @@ Inductor cache) passed on the H200 in session 19.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import inspect
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -94,6 +97,23 @@ def with_defaults(kernel: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str,
             if i >= len(args) and name not in kwargs} | kwargs
 
 
+# Set while an opaque op's body runs (`_registration.traced_triton_op`): its kernels launch
+# directly. `wrap_triton` outside a traced `triton_op` goes through the higher-order op's eager
+# path, which cost about 90 µs of host time per launch on the H200 (perf/probe_op_overhead.py,
+# session 20: 927 against 284 µs per `nvfp4_moe` call, traced registration).
+_DIRECT = contextvars.ContextVar("dlmc_direct_launches", default=False)
+
+
+@contextlib.contextmanager
+def direct_launches() -> Iterator[None]:
+    """Within this block every `launcher` launches its kernel directly (an opaque op's body)."""
+    token = _DIRECT.set(True)
+    try:
+        yield
+    finally:
+        _DIRECT.reset(token)
+
+
 class _Launcher:
     def __init__(self, kernel: Any, direct: bool) -> None:
         self.kernel = kernel
@@ -106,7 +126,7 @@ class _Launcher:
                 kwargs["PDL"] = pdl_active(torch.device("cuda"))
                 if kwargs["PDL"]:
                     kwargs["launch_pdl"] = True
-            if self.direct:
+            if self.direct or _DIRECT.get():
                 return self.kernel[grid](*args, **kwargs)
             return wrap_triton(self.kernel)[grid](*args,
                                                   **with_defaults(self.kernel, args, kwargs))
