@@ -1,9 +1,9 @@
 """Down programs of `dlmc::nvfp4_moe` that start before the gate/up launch has finished.
 
 Launched with programmatic dependent launch (PDL, sm_90+: `_pdl`), the down launch may start
-once every gate/up program has started. Its programs then fill the SMs that gate/up's last programs leave
-idle, instead of waiting for the whole launch (`gdc_wait`): each waits only for the `h` rows it
-reads. Per slot (a routing block, or a token chunk of the shared expert's parts,
+once every gate/up program has started. Its programs then fill the SMs that gate/up's last
+programs leave idle, instead of waiting for the whole launch (`gdc_wait`): each waits only
+for the `h` rows it reads. Per slot (a routing block, or a token chunk of the shared expert's parts,
 `moe_shared_parts`) the gate/up programs that write its rows count themselves done (`signal`:
 all threads' stores, a block barrier, then a release increment, CUTLASS's semaphore pattern);
 a down program of that slot spins until the count is complete (`wait`: acquire reads). The last
@@ -79,11 +79,13 @@ def program(SHARED: tl.constexpr, OVERLAP: tl.constexpr):
     """(M-block or part row, N-tile) of this program. Without `OVERLAP` the grid is (rows,
     tiles), with it (tiles, rows): a row's tiles start one after the other. With the shared
     expert the rows run in reverse order (`_nvfp4_moe_kernels`)."""
-    AXIS: tl.constexpr = 1 if OVERLAP else 0
-    pid_m = tl.program_id(AXIS)
+    if OVERLAP:
+        pid_m, pid_n, rows = tl.program_id(1), tl.program_id(0), tl.num_programs(1)
+    else:
+        pid_m, pid_n, rows = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
     if SHARED:
-        pid_m = tl.num_programs(AXIS) - 1 - pid_m
-    return pid_m, tl.program_id(1 - AXIS)
+        pid_m = rows - 1 - pid_m
+    return pid_m, pid_n
 
 
 @triton.jit

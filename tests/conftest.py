@@ -35,6 +35,19 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory):
 
 
 @pytest.fixture(scope="session")
+def nvfp4_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny NVFP4 checkpoint in the ModelOpt format (exported from a tiny BF16 one, FP8 KV
+    scales 0.5 / 0.25). Tests copy it before they change it."""
+    from dlmc.loading.tiny import write_tiny_checkpoint
+    from dlmc.quant.export import export_nvfp4
+
+    src = write_tiny_checkpoint(tmp_path_factory.mktemp("bf16"), seed=4, shards=1)
+    out = tmp_path_factory.mktemp("nvfp4")
+    export_nvfp4(src, out, kv_scales={layer: (0.5, 0.25) for layer in range(3)})
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_llm(tiny_dir):
     """The tiny checkpoint loaded in fp32 on the CPU."""
     from dlmc import LLM

@@ -55,10 +55,14 @@ def compile_sm90(kernel: triton.JITFunction, types: dict[str, str], constexprs: 
                  **options: object) -> triton.compiler.CompiledKernel:
     """`divisible`: arguments the launcher would mark 16-divisible (as it does at run time).
     Kernels that take `PDL` compile as `DLMC_PDL=1` launches them unless `constexprs` says
-    otherwise: their PTX must then wait for the previous grid (griddepcontrol)."""
+    otherwise: their PTX must then wait for the previous grid (griddepcontrol); `nvfp4_moe`'s
+    down kernel with `OVERLAP` waits per slot instead. `nvfp4_moe`'s `moe_overlap` parameters
+    default to off."""
     names = kernel.arg_names
     if "PDL" in names and "PDL" not in constexprs:
         constexprs = constexprs | {"PDL": True}
+    overlap = {"OVERLAP": False, "GATE_UP_TILES": 1, "GATE_UP_SPLIT": 1}
+    constexprs = {k: v for k, v in overlap.items() if k in names} | constexprs
     signature = {name: "constexpr" if name in constexprs else types[name] for name in names}
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in divisible}
     source = ASTSource(fn=kernel, signature=signature, attrs=attrs,
@@ -66,7 +70,9 @@ def compile_sm90(kernel: triton.JITFunction, types: dict[str, str], constexprs: 
     compiled = triton.compile(source, target=SM90, options={"num_warps": num_warps, **options})
     if constexprs.get("PDL"):
         ptx = compiled.asm["ptx"]
-        assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+        slot_waits = constexprs.get("OVERLAP") and "GATE_UP_TILES" in names
+        assert ("griddepcontrol.wait" in ptx) != slot_waits
+        assert "griddepcontrol.launch_dependents" in ptx
     return compiled
 
 
@@ -234,6 +240,23 @@ def check_nvfp4_moe_v3() -> None:
             assert conversions[7] == conversions[6], conversions  # v7: no scale conversion
     for variant in (3, 4, 5, 7):
         check_shared_branch_resources(variant, gate_up, down)
+    check_nvfp4_moe_overlap(gate_up, down)
+
+
+def check_nvfp4_moe_overlap(gate_up: dict[str, str], down: dict[str, str]) -> None:
+    """`moe_overlap`'s counted launches (v7, the shared expert's parts, PDL): gate/up releases
+    its slot's count, down acquires it and, with PDL, no longer waits for the whole grid."""
+    for kernel, pointers in ((_gate_up_kernel, gate_up), (_down_kernel, down)):
+        types = {n: pointers.get(n, "i32") for n in kernel.arg_names} | {"count_ptr": "*i32"}
+        consts = {"H": 2048, "I": 512, "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128,
+                  "INTERPRETED": False, "VARIANT": 7, "SHARED": True, "SHARED_BLOCK_K": 128,
+                  "SHARED_SPLIT": 4, "OVERLAP": True}
+        if kernel is _down_kernel:
+            consts |= {"GATE_UP_TILES": 4, "GATE_UP_SPLIT": 4}
+        ptx = compile_sm90(kernel, types, consts, 4).asm["ptx"]
+        release, acquire = ".gpu.release." in ptx, ".gpu.acquire." in ptx
+        assert (release, acquire) == ((True, False) if kernel is _gate_up_kernel
+                                      else (False, True)), (release, acquire)
 
 
 def check_shared_branch_resources(variant: int, gate_up: dict[str, str],

@@ -30,7 +30,7 @@ from tests.custom_ops.test_nvfp4_moe import (
     shared_expert,
 )
 from tests.custom_ops.test_nvfp4_moe_v4 import bits, kernel_variant
-from tests.loading.test_nvfp4_loading import nvfp4_dir  # noqa: F401 (a fixture)
+from tests.loading.test_nvfp4_loading import graph_tokens_and_logits
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
@@ -163,16 +163,11 @@ def test_overlap_with_pdl_gives_the_plain_output_gpu() -> None:
 def test_graph_rounds_equal_with_the_waits_on_and_off(nvfp4_dir, monkeypatch):
     """A tiny NVFP4 model in graph mode (the op opaque inside Inductor's graph, its kernels
     launched with PDL and the counters): the tokens and logits of the plain launches."""
-    from dlmc import LLM
-
     assert moe_overlap.OPAQUE_OP  # the default registration
     results = {}
     for mode in ("0", "1"):
         monkeypatch.setattr(moe_overlap, "MODE", mode)
         monkeypatch.setenv("DLMC_NVFP4_OVERLAP", mode)  # (its own Inductor cache directory)
-        llm = LLM(nvfp4_dir, device="cuda", precision="nvfp4", mode="graph")
-        res = llm.generate(prompt_token_ids=list(range(60, 110)), max_new_tokens=64)
-        results[mode] = (res.token_ids, llm.logits(res.prompt_token_ids + res.token_ids))
-        del llm
+        results[mode] = graph_tokens_and_logits(nvfp4_dir)
     assert results["1"][0] == results["0"][0]
     assert torch.equal(results["1"][1], results["0"][1])

@@ -10,15 +10,6 @@ from safetensors.torch import load_file, save_file
 from dlmc import LLM
 from dlmc.errors import CheckpointError, ConfigError
 from dlmc.loading.tiny import write_tiny_checkpoint
-from dlmc.quant.export import export_nvfp4
-
-
-@pytest.fixture(scope="module")
-def nvfp4_dir(tmp_path_factory):
-    src = write_tiny_checkpoint(tmp_path_factory.mktemp("bf16"), seed=4, shards=1)
-    out = tmp_path_factory.mktemp("nvfp4")
-    export_nvfp4(src, out, kv_scales={layer: (0.5, 0.25) for layer in range(3)})
-    return out
 
 
 def test_nvfp4_logits_equal_dequantized_bf16(nvfp4_dir):
@@ -163,6 +154,14 @@ def test_declared_fp8_kv_is_the_auto_cache_where_it_runs(nvfp4_dir):
         LLM(nvfp4_dir, device="cpu", dtype="bf16", mode="compile", kv_cache_dtype="fp8")
 
 
+def graph_tokens_and_logits(model_dir) -> tuple[list[int], torch.Tensor]:
+    """An NVFP4 model in graph mode on CUDA: 64 generated tokens and the eager logits of the
+    whole sequence."""
+    llm = LLM(model_dir, device="cuda", precision="nvfp4", mode="graph")
+    res = llm.generate(prompt_token_ids=list(range(60, 110)), max_new_tokens=64)
+    return res.token_ids, llm.logits(res.prompt_token_ids + res.token_ids)
+
+
 @pytest.mark.gpu
 def test_nvfp4_generate_equal_with_fused_route_align_on_and_off(nvfp4_dir, monkeypatch):
     """NVFP4 experts (shared expert separate) take dlmc::moe_route_align's alignment on CUDA in
@@ -170,9 +169,6 @@ def test_nvfp4_generate_equal_with_fused_route_align_on_and_off(nvfp4_dir, monke
     results = {}
     for switch in ("off", "on"):
         monkeypatch.setenv("DLMC_FUSED_ROUTE_ALIGN", switch)
-        llm = LLM(nvfp4_dir, device="cuda", precision="nvfp4", mode="graph")
-        res = llm.generate(prompt_token_ids=list(range(60, 110)), max_new_tokens=64)
-        results[switch] = (res.token_ids, llm.logits(res.prompt_token_ids + res.token_ids))
-        del llm
+        results[switch] = graph_tokens_and_logits(nvfp4_dir)
     assert results["on"][0] == results["off"][0]
     assert torch.equal(results["on"][1], results["off"][1])
