@@ -115,9 +115,8 @@ def direct_launches() -> Iterator[None]:
 
 
 class _Launcher:
-    def __init__(self, kernel: Any, direct: bool) -> None:
+    def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
-        self.direct = direct or OPAQUE
         self.takes_pdl = "PDL" in getattr(kernel, "arg_names", ())
 
     def __getitem__(self, grid: Any) -> Any:
@@ -126,7 +125,7 @@ class _Launcher:
                 kwargs["PDL"] = pdl_active(torch.device("cuda"))
                 if kwargs["PDL"]:
                     kwargs["launch_pdl"] = True
-            if self.direct or _DIRECT.get():
+            if OPAQUE or _DIRECT.get():
                 return self.kernel[grid](*args, **kwargs)
             return wrap_triton(self.kernel)[grid](*args,
                                                   **with_defaults(self.kernel, args, kwargs))
@@ -134,10 +133,10 @@ class _Launcher:
         return launch
 
 
-def launcher(kernel: Any, direct: bool = False) -> _Launcher:
-    """`wrap_triton(kernel)` (Inductor traces the launch), or with `DLMC_PDL=1` (or `direct`:
-    an opaque op's own launches, which may pass `PDL=True, launch_pdl=True` themselves) the
-    kernel launched directly, with the PDL attribute where it takes a `PDL` constexpr (sm_90+)
-    and the caller passes none.
+def launcher(kernel: Any) -> _Launcher:
+    """`wrap_triton(kernel)` (Inductor traces the launch), or with `DLMC_PDL=1` and inside an
+    opaque op's body (`direct_launches`; such a body may pass `PDL=True, launch_pdl=True`
+    itself) the kernel launched directly, with the PDL attribute where it takes a `PDL`
+    constexpr (sm_90+) and the caller passes none.
     Use as `launcher(kernel)[grid](*args, **meta)`."""
-    return _Launcher(kernel, direct)
+    return _Launcher(kernel)

@@ -48,9 +48,10 @@ OPAQUE_OP = MODE == "1"  # nvfp4_moe registered opaque (at import)
 
 
 def overlap_active(device: torch.device) -> bool:
-    """Whether `nvfp4_moe` on `device` uses the per-slot counters: `DLMC_NVFP4_OVERLAP=1` on a
-    device with PDL, or under the interpreter (see the module docstring)."""
-    return MODE == "1" and (INTERPRETED or device_has_pdl(device))
+    """Whether `nvfp4_moe` on `device` uses the per-slot counters: `DLMC_NVFP4_OVERLAP=1` with
+    the op registered opaque (its body launches the kernels itself) on a device with PDL, or
+    under the interpreter (see the module docstring)."""
+    return MODE == "1" and (INTERPRETED or (OPAQUE_OP and device_has_pdl(device)))
 
 
 def overlap_pdl(device: torch.device) -> bool:

@@ -202,7 +202,7 @@ def _nvfp4_moe_impl(
     count = counters(x.device, num_slots) if overlap else expert_of_block  # (unread if not)
     tiles1 = triton.cdiv(I, block_n1)
     grid1 = (tiles1, num_blocks + parts1) if overlap else (num_blocks + parts1, tiles1)
-    launcher(_gate_up_kernel, direct=overlap)[grid1](
+    launcher(_gate_up_kernel)[grid1](
         a, sorted_pair, expert_of_block, gate_weight, gate_weight_scale,
         up_weight, up_weight_scale,
         _alphas(gate_weight_scale_2, gate_up_input_scale),
@@ -223,7 +223,7 @@ def _nvfp4_moe_impl(
     parts2 = shared_parts(T, block_m, block_n2) if has_shared else 0
     tiles2 = triton.cdiv(H, block_n2)
     grid2 = (tiles2, num_blocks + parts2) if overlap else (num_blocks + parts2, tiles2)
-    launcher(_down_kernel, direct=overlap)[grid2](
+    launcher(_down_kernel)[grid2](
         h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
         _alphas(down_weight_scale_2, down_input_scale), y, num_pairs, H, I, h.stride(0),
         y.stride(0), d_w, E, num_blocks, pairs_per_token, count, num_slots, BLOCK_M=block_m,
