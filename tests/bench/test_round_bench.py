@@ -127,16 +127,17 @@ def test_uniform_routing_through_the_fused_route_align_path(tiny_dir, monkeypatc
         assert torch.equal(last, two_launches) and last_bytes == two_launch_bytes
         assert all(b.route_ticket.tolist() == [0] for b in blocks)
         assert not aligned
-        compiled = torch.compile(model, fullgraph=True)  # each switch its own graph
-        outputs = {}
-        for switch in ("off", "on", "last"):
-            for block in blocks:
-                block.route_align = switch
-            with torch.inference_mode():
-                outputs[switch] = compiled(tokens, positions, MaskedAttention(mask))
-        assert torch.equal(outputs["on"], outputs["off"])
-        assert torch.equal(outputs["last"], outputs["off"])
-        assert not aligned  # "on" took the prepared alignment (the experts align for "off")
+        if fuse_shared:  # compiled once (Inductor on CPU is the slow part): the fused model
+            compiled = torch.compile(model, fullgraph=True)  # each switch its own graph
+            outputs = {}
+            for switch in ("off", "on", "last"):
+                for block in blocks:
+                    block.route_align = switch
+                with torch.inference_mode():
+                    outputs[switch] = compiled(tokens, positions, MaskedAttention(mask))
+            assert torch.equal(outputs["on"], outputs["off"])
+            assert torch.equal(outputs["last"], outputs["off"])
+            assert not aligned  # "on" took the prepared alignment (the experts align for "off")
         fixed_ids = blocks[0].gate.ids[:16]
         assert fused_bytes[1] == sum(b.gate.ids[:16].unique().numel() for b in blocks) / len(
             blocks) and fixed_ids.shape == (16, model.config.num_experts_per_tok)
