@@ -19,7 +19,7 @@ import pytest
 
 def _interpret_without_overflow_asserts() -> None:
     """Triton's interpreter checks every int32 add/sub/mul for overflow (a device_assert the
-    compiled kernels drop): about a third of a kernel test's CPU time, on shapes far too small
+    compiled kernels drop): about half of a kernel test's CPU time, on shapes far too small
     to overflow. DLMC_TEST_SANITIZE_OVERFLOW=1 keeps the checks."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
