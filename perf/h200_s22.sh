@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Session 22's H200 calls (helpers of perf/h200_session.sh). Each call's output is tarred in $OUT.
+#   bash perf/h200_s22.sh check   # call 1: what sessions 20-21 changed without a GPU run: the
+#                                 # op's host time (both registrations), the op alone with the
+#                                 # shared expert, GPU tests of moe_overlap / the model / the
+#                                 # runner, the NVFP4 + FP8 round at the defaults
+set -u
+source "$(dirname "$0")/h200_session.sh" lib
+
+op_alone() {  # op_alone NAME [ENV=VAL...]: nvfp4_moe alone with the shared expert, 32 tokens
+  local name=$1; shift
+  ( [ $# -gt 0 ] && export "$@"
+    timeout 100 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 60 --profile \
+      --shared-expert --out "$OUT/op_$name.json" > "$OUT/op_$name.txt" 2>&1
+    echo "op_$name rc=$?"; grep -E "^kernel=" "$OUT/op_$name.txt" | cut -c1-330 )
+}
+
+case "${1:-}" in
+check)
+  timeout 60 python3 perf/probe_op_overhead.py --out "$OUT/overhead_opaque.json" 2>&1 | tail -2
+  DLMC_NVFP4_OVERLAP=0 timeout 60 python3 perf/probe_op_overhead.py \
+    --out "$OUT/overhead_traced.json" 2>&1 | tail -2
+  op_alone default
+  round round_nvfp4_default 170 --precision nvfp4 --kv-cache-dtype fp8 --modes graph --no-loop
+  TEST_TIMEOUT=120 gpu_tests s22_overlap tests/custom_ops/test_moe_overlap.py
+  TEST_TIMEOUT=150 gpu_tests s22_models tests/models/test_llada2.py tests/graphs/test_runner.py
+  tar_out s22_check ;;
+*) echo "usage: bash perf/h200_s22.sh check"; exit 2 ;;
+esac
