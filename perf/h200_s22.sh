@@ -4,6 +4,8 @@
 #                                 # op's host time (both registrations), the op alone with the
 #                                 # shared expert, GPU tests of moe_overlap / the model / the
 #                                 # runner, the NVFP4 + FP8 round at the defaults
+#   bash perf/h200_s22.sh sweep   # call 2: each kernel's launch configs with the per-slot waits,
+#                                 # the model / runner GPU tests under xdist (carry .whl)
 set -u
 source "$(dirname "$0")/h200_session.sh" lib
 
@@ -25,5 +27,20 @@ check)
   TEST_TIMEOUT=120 gpu_tests s22_overlap tests/custom_ops/test_moe_overlap.py
   TEST_TIMEOUT=150 gpu_tests s22_models tests/models/test_llada2.py tests/graphs/test_runner.py
   tar_out s22_check ;;
-*) echo "usage: bash perf/h200_s22.sh check"; exit 2 ;;
+sweep)  # call 2: launch-config sweeps of each kernel with the per-slot waits (never swept
+  # since session 20 made them the default; session 14 tried 4 warps, 3-4 stages, BLOCK_N
+  # 64/128 only), then the model / runner GPU tests under pytest-xdist (carried .whl/)
+  python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
+  for kernel in down gate_up; do
+    timeout 150 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 60 --profile \
+      --shared-expert --tile-kernel $kernel --tiles 128,128,4,3 128,128,4,2 128,128,8,3 \
+      128,128,8,4 256,128,8,3 256,128,4,3 64,128,2,3 128,128,4,3,128 \
+      --out "$OUT/sweep_$kernel.json" > "$OUT/sweep_$kernel.txt" 2>&1
+    echo "sweep $kernel rc=$?"; grep -E "^kernel=" "$OUT/sweep_$kernel.txt" | cut -c1-100
+  done
+  timeout 250 python3 -m pytest -q -p no:cacheprovider -rf -m gpu -n 6 \
+    tests/models/test_llada2.py tests/graphs/test_runner.py > "$OUT/gpu_tests_s22_models.txt" 2>&1
+  echo "gpu tests models rc=$?"; tail -3 "$OUT/gpu_tests_s22_models.txt"
+  tar_out s22_sweep ;;
+*) echo "usage: bash perf/h200_s22.sh check|sweep"; exit 2 ;;
 esac
