@@ -6,6 +6,8 @@
 #                                 # runner, the NVFP4 + FP8 round at the defaults
 #   bash perf/h200_s22.sh sweep   # call 2: each kernel's launch configs with the per-slot waits,
 #                                 # the model / runner GPU tests under xdist (carry .whl)
+#   bash perf/h200_s22.sh fuzz    # call 3: cProfile of the op's host time, the op's GPU tests
+#                                 # (200-example fuzzes) under xdist (carry .whl)
 set -u
 source "$(dirname "$0")/h200_session.sh" lib
 
@@ -42,5 +44,18 @@ sweep)  # call 2: launch-config sweeps of each kernel with the per-slot waits (n
     tests/models/test_llada2.py tests/graphs/test_runner.py > "$OUT/gpu_tests_s22_models.txt" 2>&1
   echo "gpu tests models rc=$?"; tail -3 "$OUT/gpu_tests_s22_models.txt"
   tar_out s22_sweep ;;
-*) echo "usage: bash perf/h200_s22.sh check|sweep"; exit 2 ;;
+fuzz)  # call 3: where the op's host time goes (cProfile of perf/probe_op_overhead.py), then
+  # every gpu-marked test of the op's two test files (the 200-example fuzzes of v2/v3 against
+  # the reference and of v5-v7 against v3) with the per-slot waits on, under pytest-xdist
+  python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
+  timeout 90 python3 -m cProfile -o "$OUT/op_host.prof" perf/probe_op_overhead.py --calls 300 \
+    > "$OUT/op_host.txt" 2>&1; echo "cprofile rc=$?"; tail -2 "$OUT/op_host.txt"
+  python3 -c "import pstats; s = pstats.Stats('$OUT/op_host.prof'); s.sort_stats('tottime')
+s.print_stats(45); s.sort_stats('cumulative'); s.print_stats(60)" > "$OUT/op_host_stats.txt" 2>&1
+  timeout 420 python3 -m pytest -q -p no:cacheprovider -rf -m gpu -n 4 \
+    tests/custom_ops/test_nvfp4_moe.py tests/custom_ops/test_nvfp4_moe_v5.py \
+    > "$OUT/gpu_tests_s22_fuzz.txt" 2>&1
+  echo "gpu tests fuzz rc=$?"; tail -3 "$OUT/gpu_tests_s22_fuzz.txt"
+  tar_out s22_fuzz ;;
+*) echo "usage: bash perf/h200_s22.sh check|sweep|fuzz"; exit 2 ;;
 esac
