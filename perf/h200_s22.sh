@@ -8,6 +8,8 @@
 #                                 # the model / runner GPU tests under xdist (carry .whl)
 #   bash perf/h200_s22.sh fuzz    # call 3: cProfile of the op's host time, the op's GPU tests
 #                                 # (200-example fuzzes) under xdist (carry .whl)
+#   bash perf/h200_s22.sh fuzz2   # call 4: the fuzzes call 3 left unfinished (v7 vs v3, the op
+#                                 # vs the reference), two processes side by side
 set -u
 source "$(dirname "$0")/h200_session.sh" lib
 
@@ -57,5 +59,20 @@ s.print_stats(45); s.sort_stats('cumulative'); s.print_stats(60)" > "$OUT/op_hos
     > "$OUT/gpu_tests_s22_fuzz.txt" 2>&1
   echo "gpu tests fuzz rc=$?"; tail -3 "$OUT/gpu_tests_s22_fuzz.txt"
   tar_out s22_fuzz ;;
-*) echo "usage: bash perf/h200_s22.sh check|sweep|fuzz"; exit 2 ;;
+fuzz2)  # call 4: the fuzzes call 3 left unfinished, two processes side by side: v7 bit for bit
+  # against v3 (-s: one progress line per example), and the op against the reference (plain
+  # and with the shared expert as parts, v7) with -v
+  ( timeout 280 python3 -m pytest -q -s -p no:cacheprovider -m gpu \
+      "tests/custom_ops/test_nvfp4_moe_v5.py::test_v5_v6_equal_v3_gpu[7]" \
+      > "$OUT/gpu_tests_s22_fuzz_v7.txt" 2>&1; echo "v7 fuzz rc=$?" >> "$OUT/gpu_tests_s22_fuzz_v7.txt" ) &
+  timeout 280 python3 -m pytest -v -p no:cacheprovider -m gpu \
+    tests/custom_ops/test_nvfp4_moe.py::test_matches_reference_gpu \
+    "tests/custom_ops/test_nvfp4_moe.py::test_shared_expert_tail_matches_reference_gpu[7]" \
+    > "$OUT/gpu_tests_s22_fuzz_ref.txt" 2>&1
+  echo "reference fuzz rc=$?"; grep -E "PASSED|FAILED|passed|failed" "$OUT/gpu_tests_s22_fuzz_ref.txt" | tail -4
+  wait
+  tail -1 "$OUT/gpu_tests_s22_fuzz_v7.txt"; echo "v7 examples: $(grep -c 'v7 == v3' "$OUT/gpu_tests_s22_fuzz_v7.txt")"
+  grep -E "passed|failed" "$OUT/gpu_tests_s22_fuzz_v7.txt" | tail -1
+  tar_out s22_fuzz2 ;;
+*) echo "usage: bash perf/h200_s22.sh check|sweep|fuzz|fuzz2"; exit 2 ;;
 esac
