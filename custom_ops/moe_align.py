@@ -146,6 +146,12 @@ def moe_align_kernel(ids_ptr, sorted_pair_ptr, expert_of_block_ptr, num_pairs, t
 
 def _moe_align_impl(topk_ids: torch.Tensor, num_experts: int, block_m: int,
                     shared_expert: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    return _align(topk_ids, num_experts, block_m, shared_expert, {})
+
+
+def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int, shared_expert: bool,
+           launch: dict[str, bool]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's body; `launch`: extra launch options (`{"PDL": True, "launch_pdl": True}`)."""
     tokens, top_k = topk_ids.shape
     num_pairs = tokens * top_k
     num_blocks = aligned_blocks(tokens, top_k, num_experts, block_m, shared_expert)
@@ -156,7 +162,7 @@ def _moe_align_impl(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     constants, num_warps = align_launch(tokens, top_k, num_experts, block_m, shared_expert)
     launcher(moe_align_kernel)[(1,)](
         topk_ids.reshape(-1), sorted_pair, expert_of_block, num_pairs, top_k, num_experts,
-        **constants, num_warps=num_warps)
+        **constants, num_warps=num_warps, **launch)
     return sorted_pair, expert_of_block
 
 
@@ -192,7 +198,8 @@ def _kernel_applies(topk_ids: torch.Tensor, num_experts: int) -> bool:
 
 
 def align_pairs_to_blocks(
-    topk_ids: torch.Tensor, num_experts: int, block_m: int, shared_expert: bool = False
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, shared_expert: bool = False,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Group (token, k) pairs per expert, each expert's segment padded to `block_m` slots.
 
@@ -205,8 +212,12 @@ def align_pairs_to_blocks(
     ids `t*(K+1) + k`, `T*(K+1)` for padding; the shared expert's `ceil(T / block_m)` blocks
     right after the routed ones) in `B = aligned_blocks(..., shared_expert=True)` blocks.
     One Triton program (`dlmc::moe_align`) on CUDA and under `TRITON_INTERPRET=1`, the torch
-    reference otherwise.
+    reference otherwise. `pdl` (the body of an opaque op on sm_90+ only, `_pdl.launcher`):
+    the kernel launches with programmatic dependent launch.
     """
+    if _kernel_applies(topk_ids, num_experts) and pdl and not _INTERPRETED:
+        return _align(topk_ids.contiguous(), num_experts, block_m, shared_expert,
+                      {"PDL": True, "launch_pdl": True})
     if _kernel_applies(topk_ids, num_experts):  # opaque op when interpreted, else traced body
         align = _moe_align_op if _INTERPRETED else _moe_align_impl
         return align(topk_ids.contiguous(), num_experts, block_m, shared_expert)
@@ -285,10 +296,10 @@ def route_block_m(tokens: int, top_k: int, num_experts: int, shared_expert: bool
 
 
 def route_pairs(topk_ids: torch.Tensor, num_experts: int,
-                shared_expert: bool = False) -> PairRouting:
+                shared_expert: bool = False, pdl: bool = False) -> PairRouting:
     """`(block_m, sorted_pair, expert_of_block)` for the grouped MoE kernels (see above), block_m
-    from `route_block_m`."""
+    from `route_block_m`; `pdl` as in `align_pairs_to_blocks`."""
     block_m = route_block_m(*topk_ids.shape, num_experts, shared_expert)
     return PairRouting(block_m, *align_pairs_to_blocks(topk_ids, num_experts, block_m,
-                                                       shared_expert))
+                                                       shared_expert, pdl))
 

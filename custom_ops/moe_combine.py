@@ -62,22 +62,24 @@ def moe_combine_kernel(y_ptr, w_ptr, out_ptr, hidden, stride_y, stride_wt, strid
 
 
 def combine_pairs(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor,
-                  shared_expert: bool = False) -> torch.Tensor:
+                  shared_expert: bool = False, pdl: bool = False) -> torch.Tensor:
     """Launch `moe_combine_kernel`: `out[t] = sum_k w[t, k] * y[t*P + k]` in fp32, cast to bf16.
 
     y bf16 `[T*P, H]` with unit stride along H (P = K, or K+1 with `shared_expert`: the last row
     of each token is the shared expert's, weight 1.0); topk_weights fp32 `[T, K]`; out bf16
     `[T, H]` with unit stride along H, written and returned. Unchecked (the callers' bodies
     check); callable inside traced Triton ops (`_pdl.launcher`). T == 0 launches nothing.
-    With `DLMC_MOE_COMBINE=inductor`, `moe_combine_reference`'s torch ops instead.
+    With `DLMC_MOE_COMBINE=inductor`, `moe_combine_reference`'s torch ops instead. `pdl` (the
+    body of an opaque op on sm_90+ only): the kernel launches with programmatic dependent launch.
     """
     if COMBINE == "inductor":
         return out.copy_(moe_combine_reference(y, topk_weights, shared_expert))
-    return _launch(y, topk_weights, out, shared_expert)
+    return _launch(y, topk_weights, out, shared_expert,
+                   {"PDL": True, "launch_pdl": True} if pdl and not _INTERPRETED else {})
 
 
 def _launch(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor,
-            shared_expert: bool) -> torch.Tensor:
+            shared_expert: bool, launch: dict[str, bool] | None = None) -> torch.Tensor:
     tokens, top_k = topk_weights.shape
     hidden = out.shape[1]
     if tokens == 0 or hidden == 0:
@@ -86,7 +88,7 @@ def _launch(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor,
     launcher(moe_combine_kernel)[(tokens, triton.cdiv(hidden, block_h))](
         y, topk_weights, out, hidden, y.stride(0), topk_weights.stride(0),
         topk_weights.stride(1), out.stride(0), TOP_K=top_k, SHARED=bool(shared_expert),
-        BLOCK_H=block_h, INTERPRETED=_INTERPRETED, num_warps=NUM_WARPS)
+        BLOCK_H=block_h, INTERPRETED=_INTERPRETED, num_warps=NUM_WARPS, **(launch or {}))
     return out
 
 

@@ -19,6 +19,10 @@ registered as an opaque op (`OPAQUE_OP`: Inductor cannot launch with PDL, and th
 a buffer of the op's own) that launches its gate/up and down kernels with PDL and the counters
 on sm_90+ (`overlap_active`, `overlap_pdl`), and with the counters alone under the CPU
 interpreter (tests). The other dlmc ops stay traced (`DLMC_PDL` is the switch for all of them).
+
+`DLMC_NVFP4_PDL_EDGES` (read at import): "1" also launches the op's first and last kernels
+(`moe_align`, `moe_combine`) with PDL where the counted launches use it (`edge_pdl`), so their
+start-up overlaps the kernel before them; "0" (the default until it is measured on a GPU).
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ import triton.language as tl
 from dlmc.custom_ops._pdl import INTERPRETED, device_has_pdl
 from dlmc.errors import ConfigError
 
-__all__ = ["OPAQUE_OP", "counters", "overlap_active", "overlap_pdl", "program", "signal",
-           "wait"]
+__all__ = ["OPAQUE_OP", "counters", "edge_pdl", "overlap_active", "overlap_pdl", "program",
+           "signal", "wait"]
 
 
 def _mode() -> str:
@@ -47,6 +51,16 @@ MODE = _mode()
 OPAQUE_OP = MODE == "1"  # nvfp4_moe registered opaque (at import)
 
 
+def _edges() -> bool:
+    value = os.environ.get("DLMC_NVFP4_PDL_EDGES", "0")
+    if value not in ("0", "1"):
+        raise ConfigError(f"DLMC_NVFP4_PDL_EDGES={value!r}: expected 0 (the default) or 1")
+    return value == "1"
+
+
+EDGES = _edges()
+
+
 def overlap_active(device: torch.device) -> bool:
     """Whether `nvfp4_moe` on `device` uses the per-slot counters: `DLMC_NVFP4_OVERLAP=1` with
     the op registered opaque (its body launches the kernels itself) on a device with PDL, or
@@ -57,6 +71,12 @@ def overlap_active(device: torch.device) -> bool:
 def overlap_pdl(device: torch.device) -> bool:
     """Whether the counted launches on `device` also use PDL (sm_90+, not interpreted)."""
     return overlap_active(device) and device_has_pdl(device)
+
+
+def edge_pdl(device: torch.device) -> bool:
+    """Whether `nvfp4_moe`'s alignment and combine launches on `device` use PDL:
+    `DLMC_NVFP4_PDL_EDGES=1` where `overlap_pdl` holds."""
+    return EDGES and overlap_pdl(device)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}

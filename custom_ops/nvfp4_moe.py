@@ -27,7 +27,13 @@ from dlmc.custom_ops.moe_align import (
     route_pairs,
 )
 from dlmc.custom_ops.moe_combine import combine_pairs
-from dlmc.custom_ops.moe_overlap import OPAQUE_OP, counters, overlap_active, overlap_pdl
+from dlmc.custom_ops.moe_overlap import (
+    OPAQUE_OP,
+    counters,
+    edge_pdl,
+    overlap_active,
+    overlap_pdl,
+)
 from dlmc.custom_ops.moe_shared_parts import shared_parts, shared_split
 from dlmc.custom_ops.nvfp4_words import (
     CHUNK_K,
@@ -175,8 +181,9 @@ def _nvfp4_moe_impl(
     if T == 0:
         return out
     num_pairs = T * pairs_per_token
+    edges = edge_pdl(x.device) and down_input_scale is None  # alignment and combine with PDL
     if sorted_pair is None or expert_of_block is None:  # else aligned by dlmc::moe_route_align
-        block_m, sorted_pair, expert_of_block = route_pairs(topk_ids, E, has_shared)
+        block_m, sorted_pair, expert_of_block = route_pairs(topk_ids, E, has_shared, edges)
     num_blocks = expert_of_block.shape[0]
     a, a_row_div = x.contiguous(), pairs_per_token
     if gate_up_input_scale is not None:  # W4A4 emulation: quantize each routed pair's row
@@ -232,7 +239,7 @@ def _nvfp4_moe_impl(
         SHARED_SPLIT=shared_split(block_n2), GATE_UP_TILES=tiles1,
         GATE_UP_SPLIT=shared_split(block_n1), OVERLAP=overlap, **pdl, **launch,
     )
-    return combine_pairs(y, topk_weights, out, has_shared)  # [T, H]
+    return combine_pairs(y, topk_weights, out, has_shared, edges)  # [T, H]
 
 
 def _nvfp4_moe_fake(x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:

@@ -10,8 +10,10 @@
 #                                 # (200-example fuzzes) under xdist (carry .whl)
 #   bash perf/h200_s22.sh fuzz2   # call 4: the fuzzes call 3 left unfinished (v7 vs v3, the op
 #                                 # vs the reference), two processes side by side
-#   bash perf/h200_s22.sh overhead  # next session: the op's host time per launch
-#                                 # (probe_op_overhead.py --per-launch), the shared-expert fuzz
+#   bash perf/h200_s22.sh edges   # next session: DLMC_NVFP4_PDL_EDGES=1 against the default,
+#                                 # the op alone and the NVFP4 round
+#   bash perf/h200_s22.sh overhead  # next session: moe_overlap's GPU tests (edges too), the op's
+#                                 # host time per launch, the shared-expert fuzz
 set -u
 source "$(dirname "$0")/h200_session.sh" lib
 
@@ -76,8 +78,16 @@ fuzz2)  # call 4: the fuzzes call 3 left unfinished, two processes side by side:
   tail -1 "$OUT/gpu_tests_s22_fuzz_v7.txt"; echo "v7 examples: $(grep -c 'v7 == v3' "$OUT/gpu_tests_s22_fuzz_v7.txt")"
   grep -E "passed|failed" "$OUT/gpu_tests_s22_fuzz_v7.txt" | tail -1
   tar_out s22_fuzz2 ;;
-overhead)  # prepared for the next session (not run): the op's host time split per launch,
-  # then the shared-expert fuzz that call 4 left unfinished (100 examples, v7)
+edges)  # prepared for the next session (not run): DLMC_NVFP4_PDL_EDGES=1 (the op's alignment
+  # and combine launched with PDL) against the default, the op alone (one process each) and
+  # the NVFP4 + FP8 round (ab_rounds)
+  op_alone default
+  op_alone edges DLMC_NVFP4_PDL_EDGES=1
+  ab_rounds DLMC_NVFP4_PDL_EDGES=1 edges 200
+  tar_out s22_edges ;;
+overhead)  # prepared for the next session (not run): the edges' GPU test (bit for bit), the
+  # op's host time split per launch, the shared-expert fuzz call 4 left unfinished (v7)
+  TEST_TIMEOUT=200 gpu_tests edges tests/custom_ops/test_moe_overlap.py
   timeout 60 python3 perf/probe_op_overhead.py --per-launch --out "$OUT/overhead_launches.json" \
     2>&1 | tail -3
   timeout 300 python3 -m pytest -v -p no:cacheprovider -m gpu \
@@ -85,5 +95,5 @@ overhead)  # prepared for the next session (not run): the op's host time split p
     > "$OUT/gpu_tests_shared_fuzz.txt" 2>&1; echo "shared fuzz rc=$?"
   tail -1 "$OUT/gpu_tests_shared_fuzz.txt"
   tar_out s22_overhead ;;
-*) echo "usage: bash perf/h200_s22.sh check|sweep|fuzz|fuzz2|overhead"; exit 2 ;;
+*) echo "usage: bash perf/h200_s22.sh check|sweep|fuzz|fuzz2|edges|overhead"; exit 2 ;;
 esac

@@ -113,6 +113,62 @@ def test_on_by_default_where_pdl_is_and_under_the_interpreter(
     assert not moe_overlap.overlap_active(cpu)
 
 
+@pytest.mark.parametrize("value", ["2", "on", ""])
+def test_bad_edge_switch_values_are_named(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("DLMC_NVFP4_PDL_EDGES", value)
+    with pytest.raises(ConfigError, match="DLMC_NVFP4_PDL_EDGES"):
+        moe_overlap._edges()
+
+
+def test_edge_pdl_needs_the_switch_and_the_counted_pdl(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DLMC_NVFP4_PDL_EDGES", raising=False)
+    assert moe_overlap._edges() is False  # off by default
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(moe_overlap, "EDGES", True)
+    assert not moe_overlap.edge_pdl(cpu)  # no PDL on a CPU
+    monkeypatch.setattr(moe_overlap, "overlap_pdl", lambda device: True)
+    assert moe_overlap.edge_pdl(cpu)
+    monkeypatch.setattr(moe_overlap, "EDGES", False)
+    assert not moe_overlap.edge_pdl(cpu)
+
+
+class _Recorder:
+    """A `launcher` stand-in: records each launch's keyword arguments, runs nothing."""
+
+    def __init__(self) -> None:
+        self.launches: list[dict[str, object]] = []
+
+    def __call__(self, kernel: object) -> _Recorder:
+        return self
+
+    def __getitem__(self, grid: object) -> object:
+        return lambda *args, **kwargs: self.launches.append(kwargs)
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_edge_launches_ask_for_pdl(monkeypatch: pytest.MonkeyPatch, pdl: bool) -> None:
+    """`route_pairs(..., pdl)` and `combine_pairs(..., pdl)` pass the PDL launch options to
+    their kernels when compiled, and nothing else changes in the launch."""
+    from dlmc.custom_ops import moe_align, moe_combine
+
+    recorders = {}
+    for module in (moe_align, moe_combine):
+        recorders[module] = _Recorder()
+        monkeypatch.setattr(module, "launcher", recorders[module])
+        monkeypatch.setattr(module, "_INTERPRETED", False)
+    monkeypatch.setattr(moe_align, "_kernel_applies", lambda ids, experts: True)
+    monkeypatch.setattr(moe_combine, "COMBINE", "triton")
+    ids = torch.tensor([[0, 2], [1, 2]])
+    moe_align.route_pairs(ids, 4, False, pdl)
+    y, weights = torch.zeros(4, 8, dtype=torch.bfloat16), torch.ones(2, 2)
+    moe_combine.combine_pairs(y, weights, torch.empty(2, 8, dtype=torch.bfloat16), False, pdl)
+    for recorder in recorders.values():
+        (kwargs,) = recorder.launches
+        assert (kwargs.get("PDL"), kwargs.get("launch_pdl")) == ((True, True) if pdl
+                                                                 else (None, None))
+        assert "num_warps" in kwargs
+
+
 _GPU_SCRIPT = r"""
 import json, sys, torch
 from dlmc.custom_ops import moe_overlap
@@ -134,6 +190,7 @@ for _ in range(20):
 torch.cuda.synchronize()
 held = moe_overlap._COUNTERS.get(x.device)
 print(json.dumps({"overlap": moe_overlap.overlap_pdl(x.device),
+                  "edges": moe_overlap.edge_pdl(x.device),
                   "out": outs[0].view(torch.int16).flatten().tolist(),
                   "repeat_equal": all(torch.equal(o, outs[0]) for o in outs),
                   "graph_equal": torch.equal(replayed, outs[0]),
@@ -143,20 +200,23 @@ print(json.dumps({"overlap": moe_overlap.overlap_pdl(x.device),
 
 @pytest.mark.gpu
 def test_overlap_with_pdl_gives_the_plain_output_gpu() -> None:
-    """`DLMC_NVFP4_OVERLAP=1` (PDL: the waits really wait, down starts during gate/up) against
-    `0`, LLaDA2.1-mini expert shapes with the shared expert, 20 eager calls and 20 graph
-    replays each, bit for bit."""
+    """`DLMC_NVFP4_OVERLAP=1` (PDL: the waits really wait, down starts during gate/up), also
+    with `DLMC_NVFP4_PDL_EDGES=1` (the alignment and combine launched with PDL), against `0`,
+    LLaDA2.1-mini expert shapes with the shared expert, 20 eager calls and 20 graph replays
+    each, bit for bit."""
     results = {}
-    for pdl in ("0", "1"):
-        env = dict(os.environ, DLMC_PDL="0", DLMC_NVFP4_OVERLAP=pdl)
+    for overlap, edges in (("0", "0"), ("1", "0"), ("1", "1")):
+        env = dict(os.environ, DLMC_PDL="0", DLMC_NVFP4_OVERLAP=overlap,
+                   DLMC_NVFP4_PDL_EDGES=edges)
         done = subprocess.run([sys.executable, "-c", _GPU_SCRIPT], env=env,
                               capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, f"DLMC_NVFP4_OVERLAP={pdl}: {done.stderr[-3000:]}"
-        results[pdl] = json.loads(done.stdout.strip().splitlines()[-1])
-    assert results["0"]["overlap"] is False and results["1"]["overlap"] is True
+        assert done.returncode == 0, f"OVERLAP={overlap} EDGES={edges}: {done.stderr[-3000:]}"
+        results[overlap + edges] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [(r["overlap"], r["edges"]) for r in results.values()] == [
+        (False, False), (True, False), (True, True)]
     for result in results.values():
         assert result["repeat_equal"] and result["graph_equal"] and result["counters_zero"]
-    assert results["1"]["out"] == results["0"]["out"]
+    assert results["10"]["out"] == results["00"]["out"] == results["11"]["out"]
 
 
 @pytest.mark.gpu
