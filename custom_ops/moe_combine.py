@@ -13,6 +13,9 @@ kernel as a registered op. The maths is `moe_combine_reference`.
 `DLMC_MOE_COMBINE` (read at import) picks what the MoE bodies run: "triton" (this kernel, the
 default) or "inductor" (the reference's torch ops, compiled by Inductor into a reduction kernel
 of its own: 6.5 µs per layer in the same H200 call, round 3.275 against 3.237 ms queued).
+"outside" (opt-in, not yet timed on a GPU): `NVFP4Experts` takes the op's pair rows and sums
+them with `combine_pointwise`, pointwise torch ops that Inductor can fuse into the residual add
+and RMSNorm after the MoE block (no combine launch); the MoE ops' own bodies run the kernel.
 """
 
 from __future__ import annotations
@@ -29,13 +32,13 @@ from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.moe_align import append_shared_column
 from dlmc.custom_ops.nvfp4_tiles import round_bf16
 
-__all__ = ["combine_pairs", "moe_combine", "moe_combine_reference"]
+__all__ = ["combine_pairs", "combine_pointwise", "moe_combine", "moe_combine_reference"]
 
 MAX_BLOCK_H = 1024  # columns per program
 NUM_WARPS = 4
 COMBINE = os.environ.get("DLMC_MOE_COMBINE", "triton")
-if COMBINE not in ("triton", "inductor"):
-    raise ValueError(f"DLMC_MOE_COMBINE={COMBINE!r}: expected triton or inductor")
+if COMBINE not in ("triton", "inductor", "outside"):
+    raise ValueError(f"DLMC_MOE_COMBINE={COMBINE!r}: expected triton, inductor or outside")
 
 
 @triton.jit
@@ -151,3 +154,20 @@ def moe_combine_reference(y: torch.Tensor, topk_weights: torch.Tensor,
     rows = y.view(tokens, pairs, y.shape[1]).float()  # [T, P, H]
     products = rows * topk_weights.float()[..., None]  # [T, P, H]
     return products.sum(dim=1).to(torch.bfloat16)  # [T, H]
+
+
+def combine_pointwise(y: torch.Tensor, topk_weights: torch.Tensor,
+                      shared_expert: bool = False) -> torch.Tensor:
+    """`moe_combine`'s sum as one pointwise expression (no reduction): `w[t, 0] * y[t, 0]`, plus
+    each next pair in pair order, plus the shared expert's row, in fp32, then bf16, the order
+    of the kernel's loop. Inductor fuses such an expression into the kernel that consumes it
+    (`DLMC_MOE_COMBINE=outside`). Shapes as in `moe_combine`; K >= 1."""
+    tokens, top_k = topk_weights.shape
+    rows = y.view(tokens, top_k + int(shared_expert), y.shape[1])  # [T, P, H]
+    weights = topk_weights.float()
+    acc = weights[:, 0:1] * rows[:, 0].float()  # [T, H]
+    for k in range(1, top_k):
+        acc = acc + weights[:, k:k + 1] * rows[:, k].float()
+    if shared_expert:
+        acc = acc + rows[:, top_k].float()
+    return acc.to(torch.bfloat16)

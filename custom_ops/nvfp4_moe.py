@@ -12,6 +12,7 @@ layouts of kernels v4-v7 in `nvfp4_scales`, `nvfp4_words` and `nvfp4_scale_codes
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -162,6 +163,7 @@ def _nvfp4_moe_impl(
     shared_gate: torch.Tensor | None = None, shared_up: torch.Tensor | None = None,
     shared_down: torch.Tensor | None = None, block_m: int = 0,
     sorted_pair: torch.Tensor | None = None, expert_of_block: torch.Tensor | None = None,
+    pairs: bool = False,
 ) -> torch.Tensor:
     """Body of `dlmc::nvfp4_moe`. Same tensors as `nvfp4_moe`, except that the block scales are
     their uint8 bit patterns (v4: int16 patterns of the pre-decoded bf16, `nvfp4_scales`) and the
@@ -169,7 +171,8 @@ def _nvfp4_moe_impl(
     and up) and `down_input_scale` fp32 `[E]` (None: no emulation).
     `shared_*` (all three or none): the BF16 shared expert, run as extra programs (parts).
     `sorted_pair` / `expert_of_block` at `block_m`: the pairs' alignment if already made (with
-    the shared expert's tail when `shared_*` are given; None: aligned here)."""
+    the shared expert's tail when `shared_*` are given; None: aligned here). `pairs`: return
+    the pair rows `[T*P, H]` uncombined (`nvfp4_moe`)."""
     T, H = x.shape
     K = topk_ids.shape[1]
     E, I = gate_weight.shape[0], gate_weight.shape[1]
@@ -179,7 +182,7 @@ def _nvfp4_moe_impl(
     pairs_per_token = K + shared  # the shared expert's pair of token t: t*(K+1) + K
     out = torch.empty((T, H), dtype=torch.bfloat16, device=x.device)
     if T == 0:
-        return out
+        return out  # ([0, H] whether combined or not)
     num_pairs = T * pairs_per_token
     edges = edge_pdl(x.device) and down_input_scale is None  # alignment and combine with PDL
     if sorted_pair is None or expert_of_block is None:  # else aligned by dlmc::moe_route_align
@@ -239,11 +242,20 @@ def _nvfp4_moe_impl(
         SHARED_SPLIT=shared_split(block_n2), GATE_UP_TILES=tiles1,
         GATE_UP_SPLIT=shared_split(block_n1), OVERLAP=overlap, **pdl, **launch,
     )
+    if pairs:
+        return y  # [T*P, H]
     return combine_pairs(y, topk_weights, out, has_shared, edges)  # [T, H]
 
 
-def _nvfp4_moe_fake(x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-    return x.new_empty(x.shape, dtype=torch.bfloat16)
+def _nvfp4_moe_fake(x: torch.Tensor, topk_ids: torch.Tensor, *args: object,
+                    **kwargs: object) -> torch.Tensor:
+    """`[T, H]`, or with `pairs` `[T*P, H]` (the body's arguments, positional or by name)."""
+    names = list(inspect.signature(_nvfp4_moe_impl).parameters)[2:]
+    given = dict(zip(names, args, strict=False)) | kwargs
+    rows = x.shape[0]
+    if given.get("pairs", False):
+        rows *= topk_ids.shape[1] + int(given.get("shared_gate") is not None)
+    return x.new_empty((rows, x.shape[1]), dtype=torch.bfloat16)
 
 
 # Inductor traces through the body (the routing-prep kernel, the two grouped kernels and the
@@ -344,6 +356,7 @@ def nvfp4_moe(
     down_input_scale: torch.Tensor | None = None, emulate_w4a4: bool = False,
     shared_gate: torch.Tensor | None = None, shared_up: torch.Tensor | None = None,
     shared_down: torch.Tensor | None = None, routing: PairRouting | None = None,
+    pairs: bool = False,
 ) -> torch.Tensor:
     """Routed-expert MoE with NVFP4 experts (Triton, `dlmc::nvfp4_moe`).
 
@@ -370,7 +383,9 @@ def nvfp4_moe(
       e.g. by `moe_route_align`); None aligns them here.
     Returns bf16 `[T, H]`: `sum_k topk_weights[t, k] * bf16(expert_k(x[t]))` (+ the shared
     expert's bf16 output), summed in fp32. All tensors on one device, contiguous. No host sync:
-    capturable in a CUDA graph.
+    capturable in a CUDA graph. `pairs=True` returns the uncombined rows instead, bf16
+    `[T*P, H]` (row `t*P + k`: pair (t, k); P = K, or K+1 with the shared expert's row last),
+    which `moe_combine.combine_pointwise` (or `moe_combine`) sums to the same `[T, H]`.
     """
     weights = {"gate_weight": gate_weight, "gate_weight_scale": gate_weight_scale,
                    "gate_weight_scale_2": gate_weight_scale_2, "up_weight": up_weight,
@@ -395,7 +410,7 @@ def nvfp4_moe(
     if routing is not None:
         check_pair_routing("nvfp4_moe", routing)
     return _nvfp4_moe_op(x, topk_ids, topk_weights, *op_args, a1, a2, *shared,
-                         *(routing or (0, None, None)))
+                         *(routing or (0, None, None)), pairs)
 
 
 def nvfp4_moe_reference(

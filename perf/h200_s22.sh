@@ -11,7 +11,7 @@
 #   bash perf/h200_s22.sh fuzz2   # call 4: the fuzzes call 3 left unfinished (v7 vs v3, the op
 #                                 # vs the reference), two processes side by side
 #   bash perf/h200_s22.sh edges   # next session: DLMC_NVFP4_PDL_EDGES=1 against the default,
-#                                 # the op alone and the NVFP4 round
+#                                 # the op alone and the NVFP4 round; DLMC_MOE_COMBINE=outside
 #   bash perf/h200_s22.sh overhead  # next session: moe_overlap's GPU tests (edges too), the op's
 #                                 # host time per launch, the shared-expert fuzz
 set -u
@@ -80,17 +80,21 @@ fuzz2)  # call 4: the fuzzes call 3 left unfinished, two processes side by side:
   tar_out s22_fuzz2 ;;
 edges)  # prepared for the next session (not run): DLMC_NVFP4_PDL_EDGES=1 (the op's alignment
   # and combine launched with PDL) against the default, the op alone (one process each) and
-  # the NVFP4 + FP8 round (ab_rounds)
+  # the NVFP4 + FP8 round (ab_rounds); then the round with DLMC_MOE_COMBINE=outside (the
+  # combine as pointwise ops that Inductor fuses into the residual add + RMSNorm)
   op_alone default
   op_alone edges DLMC_NVFP4_PDL_EDGES=1
-  ab_rounds DLMC_NVFP4_PDL_EDGES=1 edges 200
+  ab_rounds DLMC_NVFP4_PDL_EDGES=1 edges 170
+  ( export DLMC_MOE_COMBINE=outside
+    round round_nvfp4_outside 170 --precision nvfp4 --kv-cache-dtype fp8 --modes graph --no-loop )
   tar_out s22_edges ;;
 overhead)  # prepared for the next session (not run): the edges' GPU test (bit for bit), the
   # op's host time split per launch, the shared-expert fuzz call 4 left unfinished (v7)
-  TEST_TIMEOUT=200 gpu_tests edges tests/custom_ops/test_moe_overlap.py
+  TEST_TIMEOUT=200 gpu_tests edges tests/custom_ops/test_moe_overlap.py \
+    tests/custom_ops/test_moe_combine.py
   timeout 60 python3 perf/probe_op_overhead.py --per-launch --out "$OUT/overhead_launches.json" \
     2>&1 | tail -3
-  timeout 300 python3 -m pytest -v -p no:cacheprovider -m gpu \
+  timeout 250 python3 -m pytest -v -p no:cacheprovider -m gpu \
     "tests/custom_ops/test_nvfp4_moe.py::test_shared_expert_tail_matches_reference_gpu[7]" \
     > "$OUT/gpu_tests_shared_fuzz.txt" 2>&1; echo "shared fuzz rc=$?"
   tail -1 "$OUT/gpu_tests_shared_fuzz.txt"

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlmc.custom_ops.moe_align import append_shared_column
-from dlmc.custom_ops.moe_combine import moe_combine, moe_combine_reference
+from dlmc.custom_ops.moe_combine import combine_pointwise, moe_combine, moe_combine_reference
 
 from .graph_capture import compile_and_capture
 
@@ -63,6 +63,7 @@ def test_fuzz_against_reference(tokens: int, top_k: int, hidden: int, shared: bo
                                 spread: int, seed: int) -> None:
     y, w = make_case(tokens, top_k, hidden, shared, seed, spread)
     assert_combined(moe_combine(y, w, shared), y, w, shared)
+    assert_combined(combine_pointwise(y, w, shared), y, w, shared)  # DLMC_MOE_COMBINE=outside
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -80,6 +81,7 @@ def test_exact_sums_are_bit_exact(hidden: int, shared: bool) -> None:
     y, w = y.bfloat16().to(DEVICE), w.to(DEVICE)
     out = moe_combine(y, w, shared)
     assert torch.equal(out.view(torch.int16), moe_combine_reference(y, w, shared).view(torch.int16))
+    assert torch.equal(combine_pointwise(y, w, shared).view(torch.int16), out.view(torch.int16))
 
 
 def test_no_tokens() -> None:

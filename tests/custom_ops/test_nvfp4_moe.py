@@ -222,8 +222,8 @@ def test_rejects_bad_shapes() -> None:
         nvfp4_moe(*op_args(x, ids, w.double(), experts))
 
 
-@pytest.mark.parametrize("shared", [False, True])
-def test_opcheck(shared: bool) -> None:
+@pytest.mark.parametrize(("shared", "pairs"), [(False, False), (True, False), (True, True)])
+def test_opcheck(shared: bool, pairs: bool) -> None:
     gen = torch.Generator().manual_seed(5)
     experts = random_experts(gen, 3, 32, 16)
     x = torch.randn(4, 32, generator=gen).bfloat16().to(DEVICE)
@@ -232,7 +232,32 @@ def test_opcheck(shared: bool) -> None:
             for t in op_args(x, ids, w, experts)]  # the op takes the scales' bit patterns
     if shared:  # (gate_up_input_scale, down_input_scale, shared_gate, shared_up, shared_down)
         args += [None, None, *shared_expert(gen, x, x, 32, 16).values()]
+    if pairs:  # (block_m, sorted_pair, expert_of_block: aligned in the op), pairs
+        args += [0, None, None, True]
     torch.library.opcheck(torch.ops.dlmc.nvfp4_moe.default, args)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_pair_rows_combine_to_the_output(shared: bool) -> None:
+    """`pairs=True` returns the rows the op combines: `moe_combine` of them is the op's output
+    bit for bit, and `combine_pointwise` (`DLMC_MOE_COMBINE=outside`) within one bf16 rounding
+    of their fp32 sum."""
+    from dlmc.custom_ops.moe_combine import combine_pointwise, moe_combine
+    from tests.custom_ops.test_moe_combine import assert_combined
+
+    gen = torch.Generator().manual_seed(12)
+    experts = random_experts(gen, 6, 32, 16)
+    x = torch.randn(7, 32, generator=gen).bfloat16().to(DEVICE)
+    ids, w = random_routing(gen, 7, 6, 3, skew=True)
+    extra = shared_expert(gen, x, x, 32, 16) if shared else {}
+    args = op_args(x, ids, w, experts)
+    rows = nvfp4_moe(*args, **extra, pairs=True)
+    assert rows.shape == (7 * (3 + int(shared)), 32) and rows.dtype == torch.bfloat16
+    out = nvfp4_moe(*args, **extra)
+    weights = args[2]
+    assert torch.equal(moe_combine(rows, weights, shared).view(torch.int16),
+                       out.view(torch.int16))
+    assert_combined(combine_pointwise(rows, weights, shared), rows, weights, shared)
 
 
 @pytest.mark.gpu

@@ -287,6 +287,30 @@ def test_fused_nvfp4_shared_expert_matches_unfused(monkeypatch, use_reference):
     assert (got - want).abs().amax() > 0  # the roundings do differ somewhere
 
 
+@torch.no_grad()
+def test_nvfp4_combine_outside_matches_the_kernel(monkeypatch):
+    """`DLMC_MOE_COMBINE=outside`: the NVFP4 experts return the op's pair rows and sum them
+    with pointwise torch ops (for Inductor to fuse into the residual add and RMSNorm). Under the
+    interpreter both sums round each product and each add in fp32 in pair order: the same
+    values; compiled (fullgraph, AOT with the op's fake) too."""
+    from dlmc.custom_ops import moe_combine
+
+    monkeypatch.delenv("DLMC_NVFP4_SHARED", raising=False)
+    cfg, block, x = _nvfp4_block()
+    assert block.fuse_shared_expert()
+    want = block(x)
+    monkeypatch.setattr(moe_combine, "COMBINE", "outside")
+    calls, pointwise = [], moe_combine.combine_pointwise
+    monkeypatch.setattr(moe_combine, "combine_pointwise",
+                        lambda rows, *args: calls.append(rows.shape) or pointwise(rows, *args))
+    assert torch.equal(block(x), want)
+    assert calls == [(x.shape[0] * (cfg.num_experts_per_tok + 1), x.shape[1])]  # pairs
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x), want)
+    torch._dynamo.reset()
+
+
 def bf16_ulp(t):
     """The bf16 spacing at each value of `t` (normal range)."""
     return torch.exp2(torch.floor(torch.log2(t.abs().clamp_min(2.0**-126))) - 7)

@@ -14,6 +14,7 @@ import re
 import torch
 from torch import nn
 
+from dlmc.custom_ops import moe_combine
 from dlmc.custom_ops.moe_align import PairRouting
 from dlmc.custom_ops.nvfp4_moe import effective_variant, nvfp4_moe, nvfp4_moe_reference
 from dlmc.custom_ops.nvfp4_words import e4m3_scales, stored_forms, weight_operand
@@ -172,6 +173,11 @@ class NVFP4Experts(nn.Module):
                 raise ValueError("NVFP4Experts: shared_expert=True needs set_shared_expert first")
             kwargs |= {f"shared_{p}": getattr(self, f"shared_{p}_proj_weight")
                        for p in ("gate", "up", "down")}
+        if moe_combine.COMBINE == "outside" and not self.use_reference:
+            # The pair rows, summed by pointwise ops that Inductor fuses into their consumer.
+            rows = moe(x, topk_ids, topk_weights, *self._op_args(),
+                       emulate_w4a4=self.emulate_w4a4, pairs=True, **kwargs)
+            return moe_combine.combine_pointwise(rows, topk_weights, shared_expert)
         return moe(
             x, topk_ids, topk_weights, *self._op_args(), emulate_w4a4=self.emulate_w4a4, **kwargs
         )
