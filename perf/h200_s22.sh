@@ -90,11 +90,11 @@ edges)  # prepared for the next session (not run): DLMC_NVFP4_PDL_EDGES=1 (the o
   tar_out s22_edges ;;
 overhead)  # prepared for the next session (not run): the edges' GPU test (bit for bit), the
   # op's host time split per launch, the shared-expert fuzz call 4 left unfinished (v7)
-  TEST_TIMEOUT=200 gpu_tests edges tests/custom_ops/test_moe_overlap.py \
+  TEST_TIMEOUT=240 gpu_tests edges tests/custom_ops/test_moe_overlap.py \
     tests/custom_ops/test_moe_combine.py
   timeout 60 python3 perf/probe_op_overhead.py --per-launch --out "$OUT/overhead_launches.json" \
     2>&1 | tail -3
-  timeout 250 python3 -m pytest -v -p no:cacheprovider -m gpu \
+  timeout 220 python3 -m pytest -v -p no:cacheprovider -m gpu \
     "tests/custom_ops/test_nvfp4_moe.py::test_shared_expert_tail_matches_reference_gpu[7]" \
     > "$OUT/gpu_tests_shared_fuzz.txt" 2>&1; echo "shared fuzz rc=$?"
   tail -1 "$OUT/gpu_tests_shared_fuzz.txt"
