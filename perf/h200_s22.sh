@@ -12,8 +12,9 @@
 #                                 # vs the reference), two processes side by side
 #   bash perf/h200_s22.sh edges   # next session: DLMC_NVFP4_PDL_EDGES=1 against the default,
 #                                 # the op alone and the NVFP4 round; DLMC_MOE_COMBINE=outside
-#   bash perf/h200_s22.sh overhead  # next session: moe_overlap's GPU tests (edges too), the op's
-#                                 # host time per launch, the shared-expert fuzz
+#   bash perf/h200_s22.sh overhead  # next session (carry .whl): the GPU tests of moe_overlap
+#                                 # (edges too) and moe_combine (outside too), the op's host time
+#                                 # per launch, the shared-expert fuzz
 set -u
 source "$(dirname "$0")/h200_session.sh" lib
 
@@ -90,8 +91,11 @@ edges)  # prepared for the next session (not run): DLMC_NVFP4_PDL_EDGES=1 (the o
   tar_out s22_edges ;;
 overhead)  # prepared for the next session (not run): the edges' GPU test (bit for bit), the
   # op's host time split per launch, the shared-expert fuzz call 4 left unfinished (v7)
-  TEST_TIMEOUT=240 gpu_tests edges tests/custom_ops/test_moe_overlap.py \
-    tests/custom_ops/test_moe_combine.py
+  python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
+  timeout 240 python3 -m pytest -v -p no:cacheprovider -rf -m gpu -n 3 \
+    tests/custom_ops/test_moe_overlap.py tests/custom_ops/test_moe_combine.py \
+    > "$OUT/gpu_tests_edges.txt" 2>&1
+  echo "gpu tests edges rc=$?"; grep -E "PASSED|FAILED|passed|failed" "$OUT/gpu_tests_edges.txt" | tail -8
   timeout 60 python3 perf/probe_op_overhead.py --per-launch --out "$OUT/overhead_launches.json" \
     2>&1 | tail -3
   timeout 220 python3 -m pytest -v -p no:cacheprovider -m gpu \
