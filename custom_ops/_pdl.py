@@ -97,6 +97,10 @@ def with_defaults(kernel: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str,
             if i >= len(args) and name not in kwargs} | kwargs
 
 
+# The launch options with which an opaque op's body launches a kernel that takes a `PDL`
+# constexpr with programmatic dependent launch (`launcher` passes them through as given).
+PDL_LAUNCH = {"PDL": True, "launch_pdl": True}
+
 # Set while an opaque op's body runs (`_registration.traced_triton_op`): its kernels launch
 # directly. `wrap_triton` outside a traced `triton_op` goes through the higher-order op's eager
 # path, which cost about 90 µs of host time per launch on the H200 (perf/probe_op_overhead.py,

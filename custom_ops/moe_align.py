@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dlmc.custom_ops._pdl import launcher, pdl_enter
+from dlmc.custom_ops._pdl import PDL_LAUNCH, launcher, pdl_enter
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
 
@@ -151,7 +151,7 @@ def _moe_align_impl(topk_ids: torch.Tensor, num_experts: int, block_m: int,
 
 def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int, shared_expert: bool,
            launch: dict[str, bool]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op's body; `launch`: extra launch options (`{"PDL": True, "launch_pdl": True}`)."""
+    """The op's body; `launch`: extra launch options (`_pdl.PDL_LAUNCH` or none)."""
     tokens, top_k = topk_ids.shape
     num_pairs = tokens * top_k
     num_blocks = aligned_blocks(tokens, top_k, num_experts, block_m, shared_expert)
@@ -215,10 +215,10 @@ def align_pairs_to_blocks(
     reference otherwise. `pdl` (the body of an opaque op on sm_90+ only, `_pdl.launcher`):
     the kernel launches with programmatic dependent launch.
     """
-    if _kernel_applies(topk_ids, num_experts) and pdl and not _INTERPRETED:
-        return _align(topk_ids.contiguous(), num_experts, block_m, shared_expert,
-                      {"PDL": True, "launch_pdl": True})
     if _kernel_applies(topk_ids, num_experts):  # opaque op when interpreted, else traced body
+        if pdl and not _INTERPRETED:
+            return _align(topk_ids.contiguous(), num_experts, block_m, shared_expert,
+                          PDL_LAUNCH)
         align = _moe_align_op if _INTERPRETED else _moe_align_impl
         return align(topk_ids.contiguous(), num_experts, block_m, shared_expert)
     return align_pairs_to_blocks_reference(topk_ids, num_experts, block_m, shared_expert)

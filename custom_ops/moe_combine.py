@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dlmc.custom_ops._pdl import launcher, pdl_enter
+from dlmc.custom_ops._pdl import PDL_LAUNCH, launcher, pdl_enter
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.moe_align import append_shared_column
@@ -78,7 +78,7 @@ def combine_pairs(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor
     if COMBINE == "inductor":
         return out.copy_(moe_combine_reference(y, topk_weights, shared_expert))
     return _launch(y, topk_weights, out, shared_expert,
-                   {"PDL": True, "launch_pdl": True} if pdl and not _INTERPRETED else {})
+                   PDL_LAUNCH if pdl and not _INTERPRETED else {})
 
 
 def _launch(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor,

@@ -19,7 +19,7 @@ import torch
 import triton
 
 from dlmc.custom_ops._nvfp4_moe_kernels import _down_kernel, _gate_up_kernel
-from dlmc.custom_ops._pdl import launcher
+from dlmc.custom_ops._pdl import PDL_LAUNCH, launcher
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.moe_align import (
@@ -207,7 +207,7 @@ def _nvfp4_moe_impl(
     # `moe_overlap`: down programs wait per slot (routing block, shared token chunk), not for
     # the whole gate/up launch; both grids then run a slot's N-tiles one after the other.
     overlap = overlap_active(x.device) and down_input_scale is None
-    pdl = {"PDL": True, "launch_pdl": True} if overlap and overlap_pdl(x.device) else {}
+    pdl = PDL_LAUNCH if overlap and overlap_pdl(x.device) else {}
     num_slots = num_blocks + shared * -(-T // block_m)
     count = counters(x.device, num_slots) if overlap else expert_of_block  # (unread if not)
     tiles1 = triton.cdiv(I, block_n1)
@@ -247,11 +247,13 @@ def _nvfp4_moe_impl(
     return combine_pairs(y, topk_weights, out, has_shared, edges)  # [T, H]
 
 
+_BODY_ARGS = list(inspect.signature(_nvfp4_moe_impl).parameters)[2:]  # after x, topk_ids
+
+
 def _nvfp4_moe_fake(x: torch.Tensor, topk_ids: torch.Tensor, *args: object,
                     **kwargs: object) -> torch.Tensor:
     """`[T, H]`, or with `pairs` `[T*P, H]` (the body's arguments, positional or by name)."""
-    names = list(inspect.signature(_nvfp4_moe_impl).parameters)[2:]
-    given = dict(zip(names, args, strict=False)) | kwargs
+    given = dict(zip(_BODY_ARGS, args, strict=False)) | kwargs
     rows = x.shape[0]
     if given.get("pairs", False):
         rows *= topk_ids.shape[1] + int(given.get("shared_gate") is not None)

@@ -132,13 +132,10 @@ def test_outside_combine_in_graph_rounds(nvfp4_dir, monkeypatch: pytest.MonkeyPa
     into the kernel that consumes it): the tiny NVFP4 model's tokens as with the kernel, and its
     logits up to the sum's rounding (the same order; FMA contraction may differ)."""
     from dlmc.custom_ops import moe_combine as combine_module
-    from tests.loading.test_nvfp4_loading import graph_tokens_and_logits
+    from tests.loading.test_nvfp4_loading import graph_results_by_switch
 
-    results = {}
-    for mode in ("triton", "outside"):
-        monkeypatch.setattr(combine_module, "COMBINE", mode)
-        monkeypatch.setenv("DLMC_MOE_COMBINE", mode)  # (its own Inductor cache directory)
-        results[mode] = graph_tokens_and_logits(nvfp4_dir)
+    results = graph_results_by_switch(nvfp4_dir, monkeypatch, "DLMC_MOE_COMBINE",
+                                      ("triton", "outside"), combine_module, "COMBINE")
     assert results["outside"][0] == results["triton"][0]
     want = results["triton"][1].float()
     torch.testing.assert_close(results["outside"][1].float(), want, rtol=2**-6,

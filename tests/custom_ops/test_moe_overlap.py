@@ -30,7 +30,7 @@ from tests.custom_ops.test_nvfp4_moe import (
     shared_expert,
 )
 from tests.custom_ops.test_nvfp4_moe_v4 import bits, kernel_variant
-from tests.loading.test_nvfp4_loading import graph_tokens_and_logits
+from tests.loading.test_nvfp4_loading import graph_results_by_switch
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
@@ -224,10 +224,7 @@ def test_graph_rounds_equal_with_the_waits_on_and_off(nvfp4_dir, monkeypatch):
     """A tiny NVFP4 model in graph mode (the op opaque inside Inductor's graph, its kernels
     launched with PDL and the counters): the tokens and logits of the plain launches."""
     assert moe_overlap.OPAQUE_OP  # the default registration
-    results = {}
-    for mode in ("0", "1"):
-        monkeypatch.setattr(moe_overlap, "MODE", mode)
-        monkeypatch.setenv("DLMC_NVFP4_OVERLAP", mode)  # (its own Inductor cache directory)
-        results[mode] = graph_tokens_and_logits(nvfp4_dir)
+    results = graph_results_by_switch(nvfp4_dir, monkeypatch, "DLMC_NVFP4_OVERLAP", ("0", "1"),
+                                      moe_overlap, "MODE")
     assert results["1"][0] == results["0"][0]
     assert torch.equal(results["1"][1], results["0"][1])

@@ -162,13 +162,25 @@ def graph_tokens_and_logits(model_dir) -> tuple[list[int], torch.Tensor]:
     return res.token_ids, llm.logits(res.prompt_token_ids + res.token_ids)
 
 
+def graph_results_by_switch(model_dir, monkeypatch, env: str, values: tuple[str, ...],
+                            module=None, attr: str | None = None) -> dict:
+    """`graph_tokens_and_logits` per value of the switch `env`: set in the environment (which
+    also gives each value its own Inductor cache directory) and, for a switch read at import,
+    as `module.attr`."""
+    results = {}
+    for value in values:
+        if module is not None:
+            monkeypatch.setattr(module, attr, value)
+        monkeypatch.setenv(env, value)
+        results[value] = graph_tokens_and_logits(model_dir)
+    return results
+
+
 @pytest.mark.gpu
 def test_nvfp4_generate_equal_with_fused_route_align_on_and_off(nvfp4_dir, monkeypatch):
     """NVFP4 experts (shared expert separate) take dlmc::moe_route_align's alignment on CUDA in
     graph mode: the same tokens and logits as with DLMC_FUSED_ROUTE_ALIGN=off."""
-    results = {}
-    for switch in ("off", "on"):
-        monkeypatch.setenv("DLMC_FUSED_ROUTE_ALIGN", switch)
-        results[switch] = graph_tokens_and_logits(nvfp4_dir)
+    results = graph_results_by_switch(nvfp4_dir, monkeypatch, "DLMC_FUSED_ROUTE_ALIGN",
+                                      ("off", "on"))
     assert results["on"][0] == results["off"][0]
     assert torch.equal(results["on"][1], results["off"][1])
