@@ -130,3 +130,37 @@ def test_eight_concurrent_clients_are_all_answered(base_url: str, tiny_llm: Any)
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(ask, range(8), timeout=120))
     assert got == want
+
+
+class _SlowToCloseLLM:
+    """A stream whose generator would go on for a second after its Done (its clean-up)."""
+
+    def stream(self, **kwargs: Any) -> Any:
+        from dlmc.results import Done, GenerateResult
+
+        yield Done(GenerateResult(text="", token_ids=[1], prompt_token_ids=[0], num_forwards=1,
+                                  total_forwards=1, tokens_per_forward=1.0, request_tps=1.0,
+                                  elapsed_s=0.0, finish_reason="stop", blocks=1))
+        time.sleep(1.0)
+
+
+def test_the_engine_is_free_when_a_handler_sees_done() -> None:
+    """The worker counts a job finished before it hands over the job's Done: a handler that
+    answers on Done (and a /health right after) sees no running job."""
+    import asyncio
+
+    from dlmc.server.engine_worker import EngineWorker
+
+    worker = EngineWorker(_SlowToCloseLLM(), queue_size=4, request_timeout_s=10.0)
+    worker.start()
+
+    async def until_done() -> dict[str, Any]:
+        async for _ in worker.events(worker.submit({})):
+            pass
+        return worker.snapshot()
+
+    try:
+        state = asyncio.run(until_done())
+    finally:
+        worker.stop()
+    assert (state["running"], state["waiting"], state["completed"]) == (0, 0, 1)

@@ -181,27 +181,34 @@ class EngineWorker:
                 return
             with self._lock:
                 self._running = job
+            last = None
             try:
-                self._decode(job)
+                last = self._decode(job)
             finally:
                 with self._lock:
                     self._running = None
                     self._admitted -= 1
+                if last is not None:  # after the accounting: a handler that answers on it
+                    job.emit(last)  # (and a health check after that) sees the engine free
                 job.emit(_END)
 
-    def _decode(self, job: Job) -> None:
+    def _decode(self, job: Job) -> Done | _Failure | None:
+        """Run the job, emitting its BlockChunks; return its last event (its Done or its
+        failure, None if it was cancelled before it ran) for `_run` to emit."""
         if job.should_stop():  # the client left (or timed out) while it waited
             self._count("cancelled")
-            return
+            return None
         try:
             for event in self.llm.stream(**job.kwargs, cancel=job.should_stop):
-                if isinstance(event, Done):
+                if isinstance(event, Done):  # the stream's last event
                     cancelled = event.result.finish_reason == "cancelled"
                     self._count("cancelled" if cancelled else "completed")
+                    return event
                 job.emit(event)
         except Exception as exc:  # one bad request must not take the server down;
             self._count("failed")  # the handler reports it (a DlmcError 400, else 500)
-            job.emit(_Failure(exc))
+            return _Failure(exc)
+        return None
 
     def _count(self, outcome: str) -> None:
         with self._lock:
