@@ -10,12 +10,14 @@ read coalesced along H.
 `combine_pairs` launches it inside the traced bodies of the MoE ops; `moe_combine` is the same
 kernel as a registered op. The maths is `moe_combine_reference`.
 
-`DLMC_MOE_COMBINE` (read at import) picks what the MoE bodies run: "triton" (this kernel, the
-default) or "inductor" (the reference's torch ops, compiled by Inductor into a reduction kernel
-of its own: 6.5 µs per layer in the same H200 call, round 3.275 against 3.237 ms queued).
-"outside" (opt-in, not yet timed on a GPU): `NVFP4Experts` takes the op's pair rows and sums
-them with `combine_pointwise`, pointwise torch ops that Inductor can fuse into the residual add
-and RMSNorm after the MoE block (no combine launch); the MoE ops' own bodies run the kernel.
+`DLMC_MOE_COMBINE` (read at import) picks what the MoE bodies run: "triton" (this kernel) or
+"inductor" (the reference's torch ops, compiled by Inductor into a reduction kernel of its own:
+6.5 µs per layer in the same H200 call, round 3.275 against 3.237 ms queued). "outside" (the
+default): where a round is compiled, `NVFP4Experts` takes the op's pair rows and sums them with
+`combine_pointwise`, pointwise torch ops that Inductor fuses into the residual add and RMSNorm
+after the MoE block (no combine launch; the norm grew from 1.96 to 3.41 µs, the 2.58 µs combine
+went: NVFP4 + FP8 round 2.887 against 2.923 ms queued, perf/README.md session 23). Eager calls
+and the MoE ops' own bodies (BF16 experts too) run the kernel.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ __all__ = ["combine_pairs", "combine_pointwise", "moe_combine", "moe_combine_ref
 
 MAX_BLOCK_H = 1024  # columns per program
 NUM_WARPS = 4
-COMBINE = os.environ.get("DLMC_MOE_COMBINE", "triton")
+COMBINE = os.environ.get("DLMC_MOE_COMBINE", "outside")
 if COMBINE not in ("triton", "inductor", "outside"):
     raise ValueError(f"DLMC_MOE_COMBINE={COMBINE!r}: expected triton, inductor or outside")
 

@@ -122,7 +122,9 @@ def test_bad_edge_switch_values_are_named(monkeypatch: pytest.MonkeyPatch, value
 
 def test_edge_pdl_needs_the_switch_and_the_counted_pdl(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("DLMC_NVFP4_PDL_EDGES", raising=False)
-    assert moe_overlap._edges() is False  # off by default
+    assert moe_overlap._edges() is True  # on by default
+    monkeypatch.setenv("DLMC_NVFP4_PDL_EDGES", "0")
+    assert moe_overlap._edges() is False
     cpu = torch.device("cpu")
     monkeypatch.setattr(moe_overlap, "EDGES", True)
     assert not moe_overlap.edge_pdl(cpu)  # no PDL on a CPU

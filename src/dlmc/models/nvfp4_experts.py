@@ -173,8 +173,10 @@ class NVFP4Experts(nn.Module):
                 raise ValueError("NVFP4Experts: shared_expert=True needs set_shared_expert first")
             kwargs |= {f"shared_{p}": getattr(self, f"shared_{p}_proj_weight")
                        for p in ("gate", "up", "down")}
-        if moe_combine.COMBINE == "outside" and not self.use_reference:
-            # The pair rows, summed by pointwise ops that Inductor fuses into their consumer.
+        if (moe_combine.COMBINE == "outside" and not self.use_reference
+                and torch.compiler.is_compiling()):
+            # The pair rows, summed by pointwise ops that Inductor fuses into their consumer
+            # (eager runs keep the one combine launch instead of 2K+1 pointwise ones).
             rows = moe(x, topk_ids, topk_weights, *self._op_args(),
                        emulate_w4a4=self.emulate_w4a4, pairs=True, **kwargs)
             return moe_combine.combine_pointwise(rows, topk_weights, shared_expert)
