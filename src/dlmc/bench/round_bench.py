@@ -27,6 +27,7 @@ class RoundBenchConfig:
     rounds: int = 100
     modes: tuple[str, ...] = ("eager", "compile", "graph")
     seed: int = 0
+    temperature: float = 0.0  # > 0: sampled rounds (seeded generator), else greedy
 
 
 class FixedRouter(nn.Module):
@@ -174,17 +175,22 @@ def time_rounds(model: nn.Module, cache: Any, bench: RoundBenchConfig, mode: str
     buf.edit_threshold.fill_(cfg.edit_threshold)
     buf.max_post.fill_(1 << 20)
     key_len = runner.key_len(start + bl)
+    sampling = None
+    if bench.temperature > 0:
+        sampler = torch.Generator(device=device).manual_seed(bench.seed + 1)
+        sampling = (bench.temperature, None, None, sampler)
     started = time.perf_counter()
     for _ in range(3):
-        runner.step("joint", key_len)
+        runner.step("joint", key_len, sampling)
     torch.cuda.synchronize()
     warmup_s = time.perf_counter() - started
-    times = cuda_times(lambda: runner.step("joint", key_len), bench.rounds)
+    times = cuda_times(lambda: runner.step("joint", key_len, sampling), bench.rounds)
     result = {"mode": mode, "median_ms": statistics.median(times), "min_ms": min(times),
               "max_ms": max(times), "warmup_s": warmup_s, "compile_capture_s": runner.compile_s,
-              "key_len": key_len, "rounds": bench.rounds}
+              "key_len": key_len, "rounds": bench.rounds, "temperature": bench.temperature}
     if mode == "graph":  # the replays alone, queued back to back: the device's time per round
-        queued = queued_cuda_times(lambda: runner.launch("joint", key_len), bench.rounds)
+        queued = queued_cuda_times(lambda: runner.launch("joint", key_len, sampling),
+                                   bench.rounds)
         result.update(queued_median_ms=statistics.median(queued), queued_min_ms=min(queued),
                       queued_max_ms=max(queued))
     return result

@@ -43,6 +43,9 @@ KERNEL_ENV = ("DLMC_ROUTER_GEMM", "DLMC_SMALL_M_GEMM", "DLMC_ATTENTION_VARIANT",
               show_default=True, help="auto: paged (Triton attention over the live prefix); "
               "dense: static cache attended up to a power-of-two key-length bucket.")
 @click.option("--profile", is_flag=True, help="Per-kernel breakdown (torch.profiler).")
+@click.option("--temperature", type=click.FloatRange(min=0.0), default=0.0, show_default=True,
+              help="> 0: time sampled rounds (seeded) instead of greedy ones (the profile "
+              "and the loop stay greedy).")
 @click.option("--fuse-shared-expert/--no-fuse-shared-expert", default=True, show_default=True,
               help="Run each MoE layer's shared expert inside the routed grouped kernels "
               "(one more expert, weight 1.0 for every token), as LLM does on CUDA; with NVFP4 "
@@ -54,8 +57,8 @@ KERNEL_ENV = ("DLMC_ROUTER_GEMM", "DLMC_SMALL_M_GEMM", "DLMC_ATTENTION_VARIANT",
 @user_errors
 def round_cmd(model: str | None, shape: str, precision: str, block_length: int, prefix: int,
               routing: str, rounds: int, modes: str, loop: bool, kv_cache_dtype: str,
-              kv_layout: str, profile: bool, fuse_shared_expert: bool, fuse_gate_up: bool,
-              out: Path | None) -> None:
+              kv_layout: str, profile: bool, temperature: float, fuse_shared_expert: bool,
+              fuse_gate_up: bool, out: Path | None) -> None:
     """Median ms per round with bytes touched, GB/s and the copy bandwidth of the same run."""
     import torch
     from rich.console import Console
@@ -74,7 +77,8 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
     if not torch.cuda.is_available():
         raise ConfigError("dlmc bench round needs a CUDA GPU")
     device = torch.device("cuda")
-    cfg = RoundBenchConfig(block_length, prefix, routing, rounds, tuple(modes.split(",")))
+    cfg = RoundBenchConfig(block_length, prefix, routing, rounds, tuple(modes.split(",")),
+                           temperature=temperature)
     net = _build(model, shape, device, precision)
     fused_layers = 0
     if fuse_shared_expert:
@@ -122,7 +126,8 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
     report = {"shape": model or shape, "precision": precision, "kv_cache_dtype": kv_cache_dtype,
               "kv_layout": "paged" if paged else "dense",
               "block_length": block_length,
-              "prefix": prefix, "routing": routing, "fused_shared_expert_layers": fused_layers,
+              "prefix": prefix, "routing": routing, "temperature": temperature,
+              "fused_shared_expert_layers": fused_layers,
               "fused_gate_up": fuse_gate_up,
               "kernel_env": {name: os.environ.get(name, "default") for name in KERNEL_ENV},
               "bytes_per_round": nbytes,
@@ -134,7 +139,7 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
                   f"{report['kv_layout']} KV · block {block_length} · "
                   f"prefix {prefix} · {routing} routing · {experts:.0f} experts/layer"
                   + (f" · shared expert fused in {fused_layers} layers" if fuse_shared_expert
-                     else ""))
+                     else "") + (f" · sampled, temperature {temperature}" if temperature else ""))
     for col in ("mode", "median ms", "min–max ms", "GB touched", "GB/s", "copy GB/s", "ratio"):
         table.add_column(col, justify="right")
     rows = [(r["mode"], r["median_ms"], r["min_ms"], r["max_ms"]) for r in results]

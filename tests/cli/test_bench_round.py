@@ -1,0 +1,21 @@
+"""`dlmc bench round`'s option checks (the timing itself needs a GPU: perf/)."""
+
+from __future__ import annotations
+
+import torch
+from click.testing import CliRunner
+
+from dlmc.cli.bench import bench
+
+
+def test_a_negative_temperature_is_refused_by_name():
+    result = CliRunner().invoke(bench, ["round", "--temperature", "-0.5"])
+    assert result.exit_code == 2
+    assert "--temperature" in result.output and "-0.5" in result.output
+
+
+def test_without_a_gpu_the_command_says_so(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = CliRunner().invoke(bench, ["round", "--temperature", "0.7"])
+    assert result.exit_code != 0
+    assert "needs a CUDA GPU" in result.output
