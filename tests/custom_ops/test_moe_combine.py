@@ -124,19 +124,3 @@ def test_compile_and_cuda_graph_replay(shared: bool) -> None:
         w.copy_(new_w)
         graph.replay()
         assert_combined(out, y, w, shared)
-
-
-@pytest.mark.gpu
-def test_outside_combine_in_graph_rounds(nvfp4_dir, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`DLMC_MOE_COMBINE=outside` on CUDA in graph mode (the pointwise sum compiled by Inductor
-    into the kernel that consumes it): the tiny NVFP4 model's tokens as with the kernel, and its
-    logits up to the sum's rounding (the same order; FMA contraction may differ)."""
-    from dlmc.custom_ops import moe_combine as combine_module
-    from tests.loading.test_nvfp4_loading import graph_results_by_switch
-
-    results = graph_results_by_switch(nvfp4_dir, monkeypatch, "DLMC_MOE_COMBINE",
-                                      ("triton", "outside"), combine_module, "COMBINE")
-    assert results["outside"][0] == results["triton"][0]
-    want = results["triton"][1].float()
-    torch.testing.assert_close(results["outside"][1].float(), want, rtol=2**-6,
-                               atol=2**-6 * float(want.abs().amax()))

@@ -313,6 +313,58 @@ def test_nvfp4_combine_outside_matches_the_kernel(monkeypatch):
     torch._dynamo.reset()
 
 
+@pytest.mark.gpu
+@torch.no_grad()
+def test_nvfp4_combine_outside_compiled_and_replayed_on_cuda(monkeypatch):
+    """`DLMC_MOE_COMBINE=outside` on CUDA: the NVFP4 block, the residual add and the RMSNorm
+    after it, compiled by Inductor (fullgraph) and replayed as a CUDA graph. The op's body runs
+    no combine launch, and the block's output is the eager block's (the combine kernel) within
+    one bf16 rounding (FMA contraction may differ); the sum and norm after it as close."""
+    from dlmc.custom_ops import moe_combine
+    from dlmc.custom_ops import nvfp4_moe as op_module
+    from dlmc.models.layers import rms_norm
+    from tests.custom_ops.graph_capture import compile_and_capture
+
+    monkeypatch.delenv("DLMC_NVFP4_SHARED", raising=False)
+    cfg, block, x = _nvfp4_block()
+    assert block.fuse_shared_expert()
+    block, x = block.cuda(), x.cuda()
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    residual = torch.randn(x.shape, device="cuda", generator=gen).bfloat16()
+    weight = (torch.rand(x.shape[1], device="cuda", generator=gen) + 0.5).bfloat16()
+
+    def layer(x, residual):
+        moe = block(x)
+        h = moe + residual
+        return moe, h, rms_norm(h, weight, 1e-6)
+
+    def check(got, x, residual):
+        monkeypatch.setattr(moe_combine, "COMBINE", "triton")
+        moe, h, normed = (t.float() for t in layer(x, residual))  # eager: the combine kernel
+        monkeypatch.setattr(moe_combine, "COMBINE", "outside")
+        got_moe, got_h, got_normed = (t.float() for t in got)
+        assert ((got_moe - moe).abs() <= bf16_ulp(moe)).all()
+        assert ((got_h - h).abs() <= bf16_ulp(h) + bf16_ulp(moe)).all()
+        rstd = torch.rsqrt(h.square().mean(-1, keepdim=True) + 1e-6)  # [T, 1]
+        bound = 2 * bf16_ulp(normed) + weight.float().abs() * rstd * 2 * bf16_ulp(moe)
+        assert ((got_normed - normed).abs() <= bound).all()
+
+    monkeypatch.setattr(moe_combine, "COMBINE", "outside")
+    launches = []
+    combine_pairs = op_module.combine_pairs
+    monkeypatch.setattr(op_module, "combine_pairs",
+                        lambda *a, **k: launches.append(1) or combine_pairs(*a, **k))
+    torch._dynamo.reset()
+    graph, outputs = compile_and_capture(layer, x, residual)
+    assert launches == []  # the pair rows are summed outside the op
+    for seed in range(2):
+        x.copy_(torch.randn(x.shape, device="cuda", generator=gen).bfloat16() * (1 + seed))
+        residual.copy_(torch.randn(x.shape, device="cuda", generator=gen).bfloat16())
+        graph.replay()
+        check([o.clone() for o in outputs], x, residual)
+    torch._dynamo.reset()
+
+
 def bf16_ulp(t):
     """The bf16 spacing at each value of `t` (normal range)."""
     return torch.exp2(torch.floor(torch.log2(t.abs().clamp_min(2.0**-126))) - 7)
