@@ -4,6 +4,8 @@
 decision -> updated block tokens and a device-side "block done" flag. Buffers are mutated in
 place; nothing is allocated per round outside the function and nothing syncs with the host,
 so the same function runs eager, compiled (Inductor, fullgraph) or replayed as a CUDA graph.
+`round_logits` is its forward alone, writing the logits into a static buffer: the compiled
+part of a sampled round, whose seeded decision runs eagerly.
 """
 
 from __future__ import annotations
@@ -114,8 +116,7 @@ def denoise_round(
 ) -> None:
     """One round of the block in `buf` over `cache` (dense: keys `[0, key_len)`; paged: the
     cached prefix). Greedy unless `sampling` = (temperature, top_k, top_p, generator)."""
-    ctx = _attention(cache, buf.positions, key_len, block_length, causal=False)
-    logits = model(buf.tokens, buf.positions, ctx)  # [bl, V] fp32
+    logits = _block_logits(model, buf, cache, key_len, block_length)  # [bl, V] fp32
     decide(logits, buf, mask_id, algorithm, sampling=sampling)
 
 
@@ -139,11 +140,56 @@ def denoise_round_fused(
     the new block's logits are computed; the decision is `denoise_round`'s. A paged cache must
     not have been advanced past the previous block yet (advance it after this round).
     """
+    logits = _block_logits_fused(model, buf, prev_tokens, prev_positions, cache, key_len,
+                                 block_length)  # [bl, V] fp32
+    decide(logits, buf, mask_id, algorithm, sampling=sampling)
+
+
+def round_logits(
+    model: torch.nn.Module,
+    buf: RoundBuffers,
+    logits_out: torch.Tensor,
+    cache: DenseKVCache | PagedKVCache,
+    key_len: int,
+    block_length: int,
+) -> None:
+    """`denoise_round`'s forward without its decision: the fp32 logits `[bl, V]` of
+    `buf.tokens` copied into the static `logits_out [bl, V]` (a sampled round compiles and
+    captures this, then runs `decide` eagerly on `logits_out`). `buf` is not changed."""
+    logits_out.copy_(_block_logits(model, buf, cache, key_len, block_length))
+
+
+def round_logits_fused(
+    model: torch.nn.Module,
+    buf: RoundBuffers,
+    prev_tokens: torch.Tensor,
+    prev_positions: torch.Tensor,
+    logits_out: torch.Tensor,
+    cache: DenseKVCache | PagedKVCache,
+    key_len: int,
+    block_length: int,
+) -> None:
+    """`denoise_round_fused`'s forward without its decision (see `round_logits`): refreshes
+    the K/V of `prev_tokens` and writes the new block's fp32 logits into `logits_out [bl, V]`."""
+    logits_out.copy_(_block_logits_fused(model, buf, prev_tokens, prev_positions, cache, key_len,
+                                         block_length))
+
+
+def _block_logits(model: torch.nn.Module, buf: RoundBuffers, cache: DenseKVCache | PagedKVCache,
+                  key_len: int, block_length: int) -> torch.Tensor:
+    ctx = _attention(cache, buf.positions, key_len, block_length, causal=False)
+    return model(buf.tokens, buf.positions, ctx)  # [bl, V] fp32
+
+
+def _block_logits_fused(
+    model: torch.nn.Module, buf: RoundBuffers, prev_tokens: torch.Tensor,
+    prev_positions: torch.Tensor, cache: DenseKVCache | PagedKVCache, key_len: int,
+    block_length: int,
+) -> torch.Tensor:
     tokens = torch.cat([prev_tokens, buf.tokens])
     positions = torch.cat([prev_positions, buf.positions])
     ctx = _attention(cache, positions, key_len, block_length, causal=True)
-    logits = model(tokens, positions, ctx, logits_from=prev_tokens.shape[0])  # [bl, V]
-    decide(logits, buf, mask_id, algorithm, sampling=sampling)
+    return model(tokens, positions, ctx, logits_from=prev_tokens.shape[0])  # [bl, V] fp32
 
 
 def fill_kv(

@@ -1,6 +1,9 @@
 """The one compile site and the one capture site: runs `denoise_round` / `fill_kv` eager,
 compiled (Inductor, fullgraph) or as CUDA graphs captured per key-length bucket.
 
+A sampled round (temperature, top-k or top-p) compiles and captures only its forward
+(`round_logits`, into a static logits buffer) and takes the seeded decision eagerly on it.
+
 Buckets: the key length (cache slots a round may attend to) is rounded up to a power of two
 (at least 256, at most the cache size); each (algorithm, bucket) is compiled and captured once.
 """
@@ -20,7 +23,15 @@ import torch._inductor.config
 
 from dlmc.engine.kv_cache import DenseKVCache
 from dlmc.errors import ConfigError
-from dlmc.graphs.round import RoundBuffers, denoise_round, denoise_round_fused, fill_kv
+from dlmc.graphs.round import (
+    RoundBuffers,
+    decide,
+    denoise_round,
+    denoise_round_fused,
+    fill_kv,
+    round_logits,
+    round_logits_fused,
+)
 from dlmc.kv.paged_cache import PagedKVCache
 
 log = logging.getLogger(__name__)
@@ -139,6 +150,8 @@ class RoundRunner:
         # The finished block whose refresh a fused round carries (`step_fused`).
         self.prev_tokens = torch.zeros(block_length, dtype=torch.long, device=device)
         self.prev_positions = torch.zeros(block_length, dtype=torch.long, device=device)
+        # [bl, V] fp32 logits of a sampled round's captured forward (allocated by the first).
+        self.logits: torch.Tensor | None = None
         self._graphs: dict[tuple[Any, ...], torch.cuda.CUDAGraph] = {}
         self._fill_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pool: Any = None
@@ -159,15 +172,22 @@ class RoundRunner:
     def step(self, algorithm: str, key_len: int, sampling: Any = None) -> bool:
         """Run one round of the block in `self.buf`; returns the device's "done" flag.
 
-        `sampling` (temperature, top_k, top_p, generator) runs the round eagerly."""
+        With `sampling` (temperature, top_k, top_p, generator) only the forward is compiled
+        and captured (`round_logits`); the decision then runs eagerly on its logits."""
         self.launch(algorithm, key_len, sampling)
         return bool(self.buf.done)  # the one host sync per round
 
     def launch(self, algorithm: str, key_len: int, sampling: Any = None) -> None:
         """`step` without reading the "done" flag: the round is only queued on the device."""
-        if sampling is not None:
+        if sampling is not None and self.mode == "eager":
             denoise_round(self.model, self.buf, self.cache, key_len, self.bl, self.mask_id,
                           algorithm, sampling)
+        elif sampling is not None:
+            logits = self._logits_buffer()
+            fn = _compile("round_logits", round_logits)
+            self._run(("logits", key_len), lambda: fn(self.model, self.buf, logits, self.cache,
+                                                      key_len, self.bl))
+            decide(logits, self.buf, self.mask_id, algorithm, sampling=sampling)
         else:
             key = ("round", algorithm, key_len)
             self._run(key, lambda: self._round_fn()(self.model, self.buf, self.cache, key_len,
@@ -178,8 +198,15 @@ class RoundRunner:
         (`denoise_round_fused`): one forward of 2 blocks instead of a refresh + a round."""
         args = (self.model, self.buf, self.prev_tokens, self.prev_positions, self.cache,
                 key_len, self.bl, self.mask_id, algorithm)
-        if sampling is not None:
+        if sampling is not None and self.mode == "eager":
             denoise_round_fused(*args, sampling)
+        elif sampling is not None:
+            logits = self._logits_buffer()
+            fn = _compile("round_logits_fused", round_logits_fused)
+            self._run(("logits_fused", key_len), lambda: fn(
+                self.model, self.buf, self.prev_tokens, self.prev_positions, logits, self.cache,
+                key_len, self.bl))
+            decide(logits, self.buf, self.mask_id, algorithm, sampling=sampling)
         else:
             fn = (denoise_round_fused if self.mode == "eager"
                   else _compile("round_fused", denoise_round_fused))
@@ -202,6 +229,15 @@ class RoundRunner:
         pos.copy_(positions)
         self._run(("fill", n, key_len), lambda: _compile("fill", fill_kv)(
             self.model, ids, pos, self.cache, key_len, self.bl))
+
+    def _logits_buffer(self) -> torch.Tensor:
+        """The static `[bl, V]` fp32 logits of sampled rounds, allocated on the first one (a
+        greedy decoder never holds it). `decide` masks its `mask_id` column in place: harmless,
+        every forward rewrites the whole buffer."""
+        if self.logits is None:
+            self.logits = torch.empty(self.bl, self.model.config.vocab_size,
+                                      dtype=torch.float32, device=self.cache.device)
+        return self.logits
 
     def _round_fn(self) -> Callable[..., Any]:
         return denoise_round if self.mode == "eager" else _compile("round", denoise_round)
