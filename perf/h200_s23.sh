@@ -24,12 +24,14 @@ defaults)
   tar_out s23_defaults ;;
 sampled)
   python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
+  timeout 90 python3 perf/probe_moe_l2_warm.py --out "$OUT/probe_moe_l2_warm.json" 2>&1 | tail -8
   round round_nvfp4_sampled 200 --precision nvfp4 --kv-cache-dtype fp8 --modes eager,graph \
     --no-loop --temperature 0.7
-  timeout 200 python3 -m pytest -v -p no:cacheprovider -rf -m gpu -n 3 tests/graphs \
+  timeout 280 python3 -m pytest -v -p no:cacheprovider -rf -m gpu -n 6 tests/graphs \
+    tests/models/test_moe.py tests/models/test_llada2.py tests/loading/test_nvfp4_loading.py \
     > "$OUT/gpu_tests_sampled.txt" 2>&1
   echo "gpu tests sampled rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" \
-    "$OUT/gpu_tests_sampled.txt" | tail -12
+    "$OUT/gpu_tests_sampled.txt" | tail -30
   tar_out s23_sampled ;;
 *) echo "usage: bash perf/h200_s23.sh defaults|sampled"; exit 2 ;;
 esac
