@@ -15,7 +15,9 @@ the opaque registration, so that row repeats the counters-off one.)
 
 Session 22 measured 598 / 646 µs opaque (counters off / on) and 512 / 484 traced, with host and
 GPU time equal in every row. `--per-launch` adds a row that splits the host time of each call
-into its kernel launches (`_pdl.launcher`, per kernel name) and the rest of the op.
+into its kernel launches (`_pdl.launcher`, per kernel name) and the rest of the op; session 23:
+287 / 625 µs, of which 392 µs outside the launches with the counters on. `--trace` profiles 20
+calls (CPU and CUDA activities) to find where that goes.
 """
 
 from __future__ import annotations
@@ -81,12 +83,35 @@ def per_launch_host_time(op: list, shared: dict, calls: int) -> dict[str, float]
     return row
 
 
+def trace_calls(op: list, shared: dict, calls: int) -> dict[str, object]:
+    """torch.profiler over `calls` op calls with the counters on: the CPU-side table (self CPU
+    time per event, driver calls included) and the synchronizing driver calls seen."""
+    from torch.profiler import ProfilerActivity, profile
+
+    moe_overlap.MODE = "1"
+    for _ in range(5):
+        nvfp4_moe(*op, **shared)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            nvfp4_moe(*op, **shared)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    syncs = {e.key: e.count for e in events
+             if "Synchronize" in e.key or "Memcpy" in e.key or "EventQuery" in e.key}
+    table = events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
+    return {"calls": calls, "sync_like_events": syncs, "table": table}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=100)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--per-launch", action="store_true",
                         help="also split the host time per kernel launch (counters on)")
+    parser.add_argument("--trace", action="store_true",
+                        help="also profile 20 calls with the counters on (torch.profiler, CPU "
+                        "and CUDA): where the host time goes, and any synchronizing call")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
     experts = stored(random_experts(gen, 256, 2048, 512), 7)
@@ -119,6 +144,9 @@ def main() -> None:
     if args.per_launch:
         report["per_launch"] = per_launch_host_time(op, shared, args.calls)
         print(report["per_launch"], flush=True)
+    if args.trace:
+        report["trace"] = trace_calls(op, shared, 20)
+        print(report["trace"]["table"], flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
