@@ -2,9 +2,10 @@
 
 Two ways to run a round, same rules (`dlmc.graphs.round.decide`):
 - "static" (default): the pure round function over static buffers, eager, compiled or as a
-  CUDA graph (`dlmc.graphs.runner`); greedy decoding.
+  CUDA graph (`dlmc.graphs.runner`); greedy decoding, and sampling (temperature > 0) with the
+  paged cache (the forward compiled / captured, the seeded decision eager).
 - "reference": plain PyTorch with exact-length attention, cached or uncached; also used for
-  sampling (temperature > 0).
+  sampling with the dense cache.
 Cached decoding equals uncached decoding: a finished block's K/V are those of its final
 tokens (the last round's when it changed nothing, else one refresh forward).
 """
