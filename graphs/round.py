@@ -11,11 +11,12 @@ part of a sampled round, whose seeded decision runs eagerly.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from dlmc.engine.kv_cache import DenseKVCache
-from dlmc.engine.rules import joint_threshold_step, propose, threshold_step
+from dlmc.engine.rules import joint_threshold_step, propose, propose_with_noise, threshold_step
 from dlmc.graphs.paged_round_attention import PagedRoundAttention
 from dlmc.graphs.static_attention import StaticCacheAttention
 from dlmc.kv.paged_cache import PagedKVCache
@@ -23,6 +24,15 @@ from dlmc.kv.paged_cache import PagedKVCache
 EDITS_OFF = 2.0  # an edit threshold no probability exceeds
 # (temperature, top_k, top_p, generator) of a sampled round; None: greedy.
 Sampling = tuple[float, int | None, float | None, torch.Generator | None]
+
+
+class NoiseSampling(NamedTuple):
+    """A sampled round (temperature only) as tensors, so that the whole round compiles and
+    captures: the temperature (fp32 `[]`) and Exp(1) noise (fp32 `[bl, V]`) drawn with the
+    request's generator before the round (`propose_with_noise`)."""
+
+    temperature: torch.Tensor
+    noise: torch.Tensor
 
 
 @dataclass
@@ -63,14 +73,17 @@ def decide(
     mask_id: int,
     algorithm: str,
     num_to_transfer: int = 1,
-    sampling: Sampling | None = None,
+    sampling: Sampling | NoiseSampling | None = None,
 ) -> None:
     """Commit/edit decision for `logits [bl, V]` of `buf.tokens`; updates `buf` in place."""
     tokens = buf.tokens
     active = buf.editable & (tokens == mask_id)  # [bl]
     any_active = active.any()
     logits[:, mask_id] = float("-inf")  # never propose the mask itself
-    x0, p = propose(logits, *sampling) if sampling is not None else propose(logits)
+    if isinstance(sampling, NoiseSampling):
+        x0, p = propose_with_noise(logits, sampling.temperature, sampling.noise)
+    else:
+        x0, p = propose(logits, *sampling) if sampling is not None else propose(logits)
     if algorithm == "threshold":
         index = buf.step.clamp(max=buf.quotas.numel() - 1).reshape(1).long()
         quota = buf.quotas.index_select(0, index)[0]  # [], device-side lookup
@@ -112,7 +125,7 @@ def denoise_round(
     block_length: int,
     mask_id: int,
     algorithm: str,
-    sampling: Sampling | None = None,
+    sampling: Sampling | NoiseSampling | None = None,
 ) -> None:
     """One round of the block in `buf` over `cache` (dense: keys `[0, key_len)`; paged: the
     cached prefix). Greedy unless `sampling` = (temperature, top_k, top_p, generator)."""
@@ -130,7 +143,7 @@ def denoise_round_fused(
     block_length: int,
     mask_id: int,
     algorithm: str,
-    sampling: Sampling | None = None,
+    sampling: Sampling | NoiseSampling | None = None,
 ) -> None:
     """The first round of a block fused with the refresh of the block before it.
 

@@ -1,7 +1,9 @@
 """The one compile site and the one capture site: runs `denoise_round` / `fill_kv` eager,
 compiled (Inductor, fullgraph) or as CUDA graphs captured per key-length bucket.
 
-A sampled round (temperature, top-k or top-p) compiles and captures only its forward
+A sampled round at a temperature alone draws its Exp(1) noise eagerly with the request's
+generator (`torch.multinomial`'s own draw) and replays the whole round on it
+(`NoiseSampling`); with top-k or top-p it compiles and captures only its forward
 (`round_logits`, into a static logits buffer) and takes the seeded decision eagerly on it.
 
 Buckets: the key length (cache slots a round may attend to) is rounded up to a power of two
@@ -24,6 +26,7 @@ import torch._inductor.config
 from dlmc.engine.kv_cache import DenseKVCache
 from dlmc.errors import ConfigError
 from dlmc.graphs.round import (
+    NoiseSampling,
     RoundBuffers,
     decide,
     denoise_round,
@@ -152,6 +155,8 @@ class RoundRunner:
         self.prev_positions = torch.zeros(block_length, dtype=torch.long, device=device)
         # [bl, V] fp32 logits of a sampled round's captured forward (allocated by the first).
         self.logits: torch.Tensor | None = None
+        # A temperature-only sampled round's inputs (`NoiseSampling`, allocated by the first).
+        self.noise: NoiseSampling | None = None
         self._graphs: dict[tuple[Any, ...], torch.cuda.CUDAGraph] = {}
         self._fill_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pool: Any = None
@@ -179,9 +184,14 @@ class RoundRunner:
 
     def launch(self, algorithm: str, key_len: int, sampling: Any = None) -> None:
         """`step` without reading the "done" flag: the round is only queued on the device."""
+        noised = self._noise_sampling(sampling)
         if sampling is not None and self.mode == "eager":
             denoise_round(self.model, self.buf, self.cache, key_len, self.bl, self.mask_id,
                           algorithm, sampling)
+        elif noised is not None:
+            self._run(("sampled", algorithm, key_len), lambda: self._round_fn()(
+                self.model, self.buf, self.cache, key_len, self.bl, self.mask_id, algorithm,
+                noised))
         elif sampling is not None:
             logits = self._logits_buffer()
             fn = _compile("round_logits", round_logits)
@@ -198,8 +208,12 @@ class RoundRunner:
         (`denoise_round_fused`): one forward of 2 blocks instead of a refresh + a round."""
         args = (self.model, self.buf, self.prev_tokens, self.prev_positions, self.cache,
                 key_len, self.bl, self.mask_id, algorithm)
+        noised = self._noise_sampling(sampling)
         if sampling is not None and self.mode == "eager":
             denoise_round_fused(*args, sampling)
+        elif noised is not None:
+            fn = _compile("round_fused", denoise_round_fused)
+            self._run(("sampled_fused", algorithm, key_len), lambda: fn(*args, noised))
         elif sampling is not None:
             logits = self._logits_buffer()
             fn = _compile("round_logits_fused", round_logits_fused)
@@ -229,6 +243,25 @@ class RoundRunner:
         pos.copy_(positions)
         self._run(("fill", n, key_len), lambda: _compile("fill", fill_kv)(
             self.model, ids, pos, self.cache, key_len, self.bl))
+
+    def _noise_sampling(self, sampling: Any) -> NoiseSampling | None:
+        """For a compiled or captured round at a temperature alone (no top-k, no top-p): this
+        round's `NoiseSampling`, its Exp(1) noise drawn now with the request's generator
+        (`torch.multinomial` draws one sample from the same noise). None otherwise."""
+        if sampling is None or self.mode == "eager":
+            return None
+        temperature, top_k, top_p, generator = sampling
+        if temperature <= 0.0 or top_k is not None or (top_p is not None and top_p < 1.0):
+            return None
+        if self.noise is None:
+            device = self.cache.device
+            self.noise = NoiseSampling(
+                torch.ones((), dtype=torch.float32, device=device),
+                torch.ones(self.bl, self.model.config.vocab_size, dtype=torch.float32,
+                           device=device))
+        self.noise.temperature.fill_(temperature)
+        self.noise.noise.exponential_(1, generator=generator)
+        return self.noise
 
     def _logits_buffer(self) -> torch.Tensor:
         """The static `[bl, V]` fp32 logits of sampled rounds, allocated on the first one (a

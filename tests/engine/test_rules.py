@@ -4,6 +4,7 @@ import torch
 from dlmc.engine.rules import (
     joint_threshold_step,
     propose,
+    propose_with_noise,
     row_argmax,
     step_quotas,
     threshold_step,
@@ -28,6 +29,22 @@ def test_propose_sampling_is_seeded_and_p_is_under_the_filtered_distribution():
     top5 = (logits / 0.7).topk(5, -1).indices
     assert all(int(x) in top5[i].tolist() for i, x in enumerate(a[0]))
     assert bool((a[1] > 0).all())
+
+
+def test_propose_with_noise_is_propose_with_the_same_generator():
+    """Noise drawn with a generator, then `propose_with_noise`: the x0 that `propose` samples
+    with a generator of the same seed (torch.multinomial's one-sample draw), the same p up to
+    the softmax's rounding, and the generators left in the same state."""
+    logits = torch.randn(16, 3000, generator=torch.Generator().manual_seed(1)) * 4
+    for temperature in (0.3, 0.7, 1.5):
+        sampled, drawn = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+        x0, p = propose(logits, temperature, None, None, sampled)
+        noise = torch.empty_like(logits).exponential_(1, generator=drawn)
+        y0, q = propose_with_noise(logits, torch.tensor(temperature), noise)
+        assert torch.equal(x0, y0)
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-7)
+        assert torch.equal(sampled.get_state(), drawn.get_state())
+    assert len(set(x0.tolist())) > 1
 
 
 def test_joint_commit_falls_back_to_most_confident_and_never_touches_prompt():

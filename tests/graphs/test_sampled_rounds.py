@@ -1,6 +1,7 @@
-"""Sampled rounds (temperature / top-k / top-p): the runner compiles and captures only the
-forward (`round_logits`, into a static logits buffer) and decides eagerly with the seeded
-generator; the tokens are those of the eager round with the same seed."""
+"""Sampled rounds. With top-k / top-p the runner compiles and captures only the forward
+(`round_logits`, into a static logits buffer) and decides eagerly with the seeded generator; at
+a temperature alone it draws the Exp(1) noise eagerly and compiles the whole round on it
+(`NoiseSampling`). Either way the tokens are those of the eager round with the same seed."""
 
 import pytest
 import torch
@@ -11,9 +12,11 @@ from dlmc.graphs.runner import RoundRunner
 
 BL = 16
 SAMPLING_ARGS = (0.7, 20, 0.95)  # temperature, top_k, top_p
+TEMPERATURE_ONLY = (0.7, None, None)
 
 
-def _sampled_rounds(llm, mode, algorithm, seed, device="cpu", dtype=torch.float32):
+def _sampled_rounds(llm, mode, algorithm, seed, device="cpu", dtype=torch.float32,
+                    args=SAMPLING_ARGS):
     """A prompt block's K/V (written eagerly), then sampled rounds of block 1 until done, and
     block 2's rounds, the first fused with block 1's refresh. Returns the block tokens after
     every round and the runner."""
@@ -24,7 +27,7 @@ def _sampled_rounds(llm, mode, algorithm, seed, device="cpu", dtype=torch.float3
     buf, key_len = runner.buf, runner.key_len(3 * BL)
     positions = torch.arange(3 * BL, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
-    sampling = (*SAMPLING_ARGS, generator)
+    sampling = (*args, generator)
     rounds = []
     with torch.inference_mode():
         prompt = torch.arange(60, 60 + BL, device=device)
@@ -83,6 +86,26 @@ def test_compiled_sampled_rounds_give_the_eager_tokens(tiny_llm, algorithm, monk
     assert other[-1] != eager[-1]
 
 
+@pytest.mark.parametrize("algorithm", ["joint", "threshold"])
+def test_temperature_only_rounds_compile_whole_on_eager_noise(tiny_llm, algorithm, monkeypatch):
+    """At a temperature alone the whole round compiles (decision included) on noise drawn
+    eagerly: the eager round's tokens, with no logits buffer and no eager round."""
+    eager, _ = _sampled_rounds(tiny_llm, "eager", algorithm, seed=3, args=TEMPERATURE_ONLY)
+    with monkeypatch.context() as patch:
+        patch.setattr("dlmc.graphs.runner.decide", _fail)  # no eager decision
+        patch.setattr(torch, "multinomial", _fail)  # the noise, not a draw in the round
+        compiled, runner = _sampled_rounds(tiny_llm, "compile", algorithm, seed=3,
+                                           args=TEMPERATURE_ONLY)
+    assert compiled == eager and len(eager) > 4
+    assert set(runner._graphs) == {("sampled", algorithm, 256), ("sampled_fused", algorithm, 256)}
+    assert runner.logits is None
+    assert float(runner.noise.temperature) == pytest.approx(0.7)
+    assert runner.noise.noise.shape == (BL, tiny_llm.model.config.vocab_size)
+    assert bool((runner.noise.noise > 0).all())  # Exp(1) draws
+    other, _ = _sampled_rounds(tiny_llm, "compile", algorithm, seed=4, args=TEMPERATURE_ONLY)
+    assert other[-1] != compiled[-1]
+
+
 def test_greedy_rounds_keep_the_whole_compiled_round(tiny_llm):
     """Greedy rounds still compile the whole round (decision included) and never allocate the
     sampled rounds' logits buffer."""
@@ -121,6 +144,13 @@ def test_graph_sampled_rounds_give_the_eager_tokens_on_cuda(tiny_dir, monkeypatc
     assert graph == eager and len(eager) > 2
     assert set(runner._graphs) == {("logits", 256), ("logits_fused", 256)}
     assert all(isinstance(g, torch.cuda.CUDAGraph) for g in runner._graphs.values())
+    # A temperature alone: the whole round captured, on noise drawn eagerly.
+    eager, _ = _sampled_rounds(llm, "eager", "joint", seed=3, device="cuda",
+                               args=TEMPERATURE_ONLY)
+    graph, runner = _sampled_rounds(llm, "graph", "joint", seed=3, device="cuda",
+                                    args=TEMPERATURE_ONLY)
+    assert graph == eager and len(eager) > 2
+    assert set(runner._graphs) == {("sampled", "joint", 256), ("sampled_fused", "joint", 256)}
 
     kwargs = {"prompt_token_ids": list(range(50, 111)), "max_new_tokens": 70,
               "temperature": 0.7, "top_k": 20, "top_p": 0.9, "seed": 5}

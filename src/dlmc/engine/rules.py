@@ -75,6 +75,26 @@ def propose(
     return x0, p
 
 
+def propose_with_noise(
+    logits: torch.Tensor, temperature: torch.Tensor, noise: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`propose` at a temperature > 0 without top-k/top-p, from noise drawn before the round.
+
+    `temperature`: fp32 `[]` tensor (one compiled round serves every temperature); `noise`:
+    fp32 `[bl, V]`, Exp(1) draws (`Tensor.exponential_`). `x0 = argmax(probs / noise)`, which
+    is how `torch.multinomial` draws one sample: with `noise` drawn from the generator that
+    `propose` would pass it, both take the same x0 and leave the generator in the same state.
+    `p` is x0's probability. Row reductions in chunks, as the greedy path (parallel when
+    compiled); the only random draw stays outside, so the rest captures into a CUDA graph.
+    """
+    scaled = logits.float() / temperature  # [bl, V]
+    top, _ = row_argmax(scaled)  # [bl]
+    weights = torch.exp(scaled - top[:, None])  # [bl, V]
+    probs = weights / chunked_row_sum(weights)[:, None]
+    _, x0 = row_argmax(probs / noise)  # [bl]
+    return x0, probs.gather(-1, x0[:, None]).squeeze(-1)
+
+
 def _top_active(
     conf: torch.Tensor, active: torch.Tensor, count: int | torch.Tensor
 ) -> torch.Tensor:
