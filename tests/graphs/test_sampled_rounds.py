@@ -129,37 +129,46 @@ def test_greedy_rounds_keep_the_whole_compiled_round(tiny_llm):
 
 
 @pytest.mark.gpu
-def test_graph_sampled_rounds_give_the_eager_tokens_on_cuda(tiny_dir, monkeypatch):
-    """On CUDA: fp32 sampled rounds replayed as graphs give the eager tokens; bf16 requests
-    on the paged cache (where the decoder samples through the runner) give the compiled
-    rounds' tokens, their forwards replayed from captured logits graphs."""
+@pytest.mark.parametrize("args", [SAMPLING_ARGS, TEMPERATURE_ONLY], ids=["filtered", "plain"])
+def test_graph_sampled_rounds_give_the_eager_tokens_on_cuda(tiny_dir, monkeypatch, args):
+    """On CUDA, fp32: sampled rounds replayed as graphs give the eager tokens. With top-k /
+    top-p the forwards are captured (logits graphs, the decision eager); at a temperature
+    alone the whole rounds, on noise drawn eagerly."""
     from dlmc import LLM
 
     llm = LLM(tiny_dir, device="cuda", dtype="fp32", mode="eager")
-    eager, _ = _sampled_rounds(llm, "eager", "joint", seed=3, device="cuda")
+    eager, _ = _sampled_rounds(llm, "eager", "joint", seed=3, device="cuda", args=args)
     with monkeypatch.context() as patch:
-        patch.setattr("dlmc.graphs.runner.denoise_round", _fail)
-        patch.setattr("dlmc.graphs.runner.denoise_round_fused", _fail)
-        graph, runner = _sampled_rounds(llm, "graph", "joint", seed=3, device="cuda")
+        if args is SAMPLING_ARGS:
+            patch.setattr("dlmc.graphs.runner.denoise_round", _fail)
+            patch.setattr("dlmc.graphs.runner.denoise_round_fused", _fail)
+        else:
+            patch.setattr("dlmc.graphs.runner.decide", _fail)
+        graph, runner = _sampled_rounds(llm, "graph", "joint", seed=3, device="cuda",
+                                        args=args)
     assert graph == eager and len(eager) > 2
-    assert set(runner._graphs) == {("logits", 256), ("logits_fused", 256)}
+    want = ({("logits", 256), ("logits_fused", 256)} if args is SAMPLING_ARGS
+            else {("sampled", "joint", 256), ("sampled_fused", "joint", 256)})
+    assert set(runner._graphs) == want
     assert all(isinstance(g, torch.cuda.CUDAGraph) for g in runner._graphs.values())
-    # A temperature alone: the whole round captured, on noise drawn eagerly.
-    eager, _ = _sampled_rounds(llm, "eager", "joint", seed=3, device="cuda",
-                               args=TEMPERATURE_ONLY)
-    graph, runner = _sampled_rounds(llm, "graph", "joint", seed=3, device="cuda",
-                                    args=TEMPERATURE_ONLY)
-    assert graph == eager and len(eager) > 2
-    assert set(runner._graphs) == {("sampled", "joint", 256), ("sampled_fused", "joint", 256)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("filters", [{"top_k": 20, "top_p": 0.9}, {}], ids=["filtered", "plain"])
+def test_sampled_requests_replay_graphs_on_cuda(tiny_dir, filters):
+    """bf16 requests on the paged cache (where the decoder samples through the runner): the
+    graph-replayed rounds give the compiled rounds' tokens, from logits graphs with top-k /
+    top-p, from whole sampled-round graphs at a temperature alone."""
+    from dlmc import LLM
 
     kwargs = {"prompt_token_ids": list(range(50, 111)), "max_new_tokens": 70,
-              "temperature": 0.7, "top_k": 20, "top_p": 0.9, "seed": 5}
+              "temperature": 0.7, "seed": 5} | filters
     results = {}
     for mode in ("compile", "graph"):
         llm = LLM(tiny_dir, device="cuda", dtype="bf16", mode=mode)
         assert llm._decoder.paged
         results[mode] = llm.generate(**kwargs)
         keys = {key[0] for r in llm._decoder._runners.values() for key in r._graphs}
-        assert "logits" in keys and "round" not in keys
+        assert ("logits" if filters else "sampled") in keys and "round" not in keys
     assert results["graph"].token_ids == results["compile"].token_ids
     assert results["graph"].num_forwards == results["compile"].num_forwards > 1
