@@ -177,44 +177,29 @@ class RoundRunner:
     def step(self, algorithm: str, key_len: int, sampling: Any = None) -> bool:
         """Run one round of the block in `self.buf`; returns the device's "done" flag.
 
-        With `sampling` (temperature, top_k, top_p, generator) only the forward is compiled
-        and captured (`round_logits`); the decision then runs eagerly on its logits."""
+        `sampling` (temperature, top_k, top_p, generator): see the module docstring."""
         self.launch(algorithm, key_len, sampling)
         return bool(self.buf.done)  # the one host sync per round
 
     def launch(self, algorithm: str, key_len: int, sampling: Any = None) -> None:
         """`step` without reading the "done" flag: the round is only queued on the device."""
-        noised = self._noise_sampling(sampling)
-        if sampling is not None and self.mode == "eager":
-            denoise_round(self.model, self.buf, self.cache, key_len, self.bl, self.mask_id,
-                          algorithm, sampling)
-        elif noised is not None:
-            self._run(("sampled", algorithm, key_len), lambda: self._round_fn()(
-                self.model, self.buf, self.cache, key_len, self.bl, self.mask_id, algorithm,
-                noised))
-        elif sampling is not None:
+        whole = self._whole_round_sampling(sampling)
+        if whole is False:  # top-k / top-p, compiled: the forward captured, the decision eager
             logits = self._logits_buffer()
             fn = _compile("round_logits", round_logits)
             self._run(("logits", key_len), lambda: fn(self.model, self.buf, logits, self.cache,
                                                       key_len, self.bl))
             decide(logits, self.buf, self.mask_id, algorithm, sampling=sampling)
-        else:
-            key = ("round", algorithm, key_len)
-            self._run(key, lambda: self._round_fn()(self.model, self.buf, self.cache, key_len,
-                                                       self.bl, self.mask_id, algorithm))
+            return
+        key = ("round" if sampling is None else "sampled", algorithm, key_len)
+        self._run(key, lambda: self._round_fn()(self.model, self.buf, self.cache, key_len,
+                                                   self.bl, self.mask_id, algorithm, whole))
 
     def step_fused(self, algorithm: str, key_len: int, sampling: Any = None) -> bool:
         """`step`, fused with the refresh of the block in `prev_tokens`/`prev_positions`
         (`denoise_round_fused`): one forward of 2 blocks instead of a refresh + a round."""
-        args = (self.model, self.buf, self.prev_tokens, self.prev_positions, self.cache,
-                key_len, self.bl, self.mask_id, algorithm)
-        noised = self._noise_sampling(sampling)
-        if sampling is not None and self.mode == "eager":
-            denoise_round_fused(*args, sampling)
-        elif noised is not None:
-            fn = _compile("round_fused", denoise_round_fused)
-            self._run(("sampled_fused", algorithm, key_len), lambda: fn(*args, noised))
-        elif sampling is not None:
+        whole = self._whole_round_sampling(sampling)
+        if whole is False:
             logits = self._logits_buffer()
             fn = _compile("round_logits_fused", round_logits_fused)
             self._run(("logits_fused", key_len), lambda: fn(
@@ -224,7 +209,10 @@ class RoundRunner:
         else:
             fn = (denoise_round_fused if self.mode == "eager"
                   else _compile("round_fused", denoise_round_fused))
-            self._run(("round_fused", algorithm, key_len), lambda: fn(*args))
+            key = ("round_fused" if sampling is None else "sampled_fused", algorithm, key_len)
+            self._run(key, lambda: fn(self.model, self.buf, self.prev_tokens,
+                                      self.prev_positions, self.cache, key_len, self.bl,
+                                      self.mask_id, algorithm, whole))
         return bool(self.buf.done)
 
     def fill(self, tokens: torch.Tensor, positions: torch.Tensor, key_len: int) -> None:
@@ -244,15 +232,17 @@ class RoundRunner:
         self._run(("fill", n, key_len), lambda: _compile("fill", fill_kv)(
             self.model, ids, pos, self.cache, key_len, self.bl))
 
-    def _noise_sampling(self, sampling: Any) -> NoiseSampling | None:
-        """For a compiled or captured round at a temperature alone (no top-k, no top-p): this
-        round's `NoiseSampling`, its Exp(1) noise drawn now with the request's generator
-        (`torch.multinomial` draws one sample from the same noise). None otherwise."""
+    def _whole_round_sampling(self, sampling: Any) -> Any:
+        """What the whole round function takes for `sampling`: None (greedy); the tuple itself
+        when eager; for a compiled or captured round at a temperature alone, its
+        `NoiseSampling`, the Exp(1) noise drawn now with the request's generator
+        (`torch.multinomial` draws one sample from the same noise); False when the round
+        cannot run whole (top-k / top-p, compiled: the logits path)."""
         if sampling is None or self.mode == "eager":
-            return None
+            return sampling
         temperature, top_k, top_p, generator = sampling
         if temperature <= 0.0 or top_k is not None or (top_p is not None and top_p < 1.0):
-            return None
+            return False
         if self.noise is None:
             device = self.cache.device
             self.noise = NoiseSampling(
