@@ -245,10 +245,11 @@ class RoundRunner:
             return False
         if self.noise is None:
             device = self.cache.device
-            self.noise = NoiseSampling(
-                torch.ones((), dtype=torch.float32, device=device),
-                torch.ones(self.bl, self.model.config.vocab_size, dtype=torch.float32,
-                           device=device))
+            with torch.inference_mode(False):  # static buffers are normal tensors
+                self.noise = NoiseSampling(
+                    torch.ones((), dtype=torch.float32, device=device),
+                    torch.ones(self.bl, self.model.config.vocab_size, dtype=torch.float32,
+                               device=device))
         self.noise.temperature.fill_(temperature)
         self.noise.noise.exponential_(1, generator=generator)
         return self.noise
@@ -258,8 +259,9 @@ class RoundRunner:
         greedy decoder never holds it). `decide` masks its `mask_id` column in place: harmless,
         every forward rewrites the whole buffer."""
         if self.logits is None:
-            self.logits = torch.empty(self.bl, self.model.config.vocab_size,
-                                      dtype=torch.float32, device=self.cache.device)
+            with torch.inference_mode(False):  # static buffers are normal tensors
+                self.logits = torch.empty(self.bl, self.model.config.vocab_size,
+                                          dtype=torch.float32, device=self.cache.device)
         return self.logits
 
     def _round_fn(self) -> Callable[..., Any]:

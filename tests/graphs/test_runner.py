@@ -76,6 +76,25 @@ def test_launch_runs_the_round_that_step_runs(tiny_llm):
     assert runners[1].buf.step.item() == 1 and not (runners[1].buf.tokens == 0).any()
 
 
+def test_cache_and_runner_made_in_inference_mode_take_rounds_outside_it(tiny_dir):
+    """The decoder's cache and round buffers, made on first use, are normal tensors even when
+    that use is inside `torch.inference_mode` (a generate's loop): a round run outside it
+    afterwards writes them (CI failed on this when another test had first used the cache)."""
+    from dlmc import LLM
+
+    llm = LLM(tiny_dir, device="cpu", mode="eager")
+    with torch.inference_mode():
+        runner = llm._decoder.runner(16)
+    assert not llm._decoder.cache.k[0].is_inference()
+    assert not runner.buf.tokens.is_inference()
+    runner.buf.tokens.copy_(torch.arange(16) % 3)
+    runner.buf.positions.copy_(torch.arange(40, 56))
+    runner.buf.editable.fill_(True)
+    runner.buf.max_post.fill_(4)
+    runner.step("joint", runner.key_len(56))
+    assert runner.buf.step.item() == 1
+
+
 def test_key_length_buckets(tiny_llm):
     runner = RoundRunner(tiny_llm.model, tiny_llm._decoder.cache, 32, 0, "eager")
     assert [runner.key_len(n) for n in (1, 256, 257, 1000, 5000)] == [256, 256, 512, 1024, 4096]

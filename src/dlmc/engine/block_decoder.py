@@ -94,26 +94,30 @@ class BlockDecoder:
 
     @property
     def cache(self) -> DenseKVCache | PagedKVCache:
-        """Paged (FP8 with the checkpoint's K/V scales, or BF16) or dense (BF16) cache."""
+        """Paged (FP8 with the checkpoint's K/V scales, or BF16) or dense (BF16) cache. Made on
+        first use, as normal tensors even when that is inside `torch.inference_mode` (a round
+        run outside it may then still write them)."""
         if self._cache is None:
-            cfg = self.model.config
-            if self.paged:
-                scales = self.kv_scales or KVScales.ones(cfg.num_hidden_layers)
-                config = KVCacheConfig(cfg.num_hidden_layers, cfg.num_key_value_heads,
-                                       cfg.head_dim, self.max_context,
-                                       dtype="fp8" if self.kv_cache_dtype == "fp8" else "bf16")
-                self._cache = PagedKVCache(config, self.device, k_scales=scales.k,
-                                           v_scales=scales.v)
-            else:
-                self._cache = DenseKVCache(cfg.num_hidden_layers, self.max_context,
-                                           cfg.num_key_value_heads, cfg.head_dim, self.dtype,
-                                           self.device)
+            with torch.inference_mode(False):
+                self._cache = self._new_cache()
         return self._cache
+
+    def _new_cache(self) -> DenseKVCache | PagedKVCache:
+        cfg = self.model.config
+        if self.paged:
+            scales = self.kv_scales or KVScales.ones(cfg.num_hidden_layers)
+            config = KVCacheConfig(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
+                                   self.max_context,
+                                   dtype="fp8" if self.kv_cache_dtype == "fp8" else "bf16")
+            return PagedKVCache(config, self.device, k_scales=scales.k, v_scales=scales.v)
+        return DenseKVCache(cfg.num_hidden_layers, self.max_context, cfg.num_key_value_heads,
+                            cfg.head_dim, self.dtype, self.device)
 
     def runner(self, block_length: int) -> RoundRunner:
         if block_length not in self._runners:
-            self._runners[block_length] = RoundRunner(self.model, self.cache, block_length,
-                                                      self.mask_id, self.mode)
+            with torch.inference_mode(False):  # static buffers: normal tensors, as the cache
+                self._runners[block_length] = RoundRunner(self.model, self.cache, block_length,
+                                                          self.mask_id, self.mode)
         return self._runners[block_length]
 
     def decode(
