@@ -24,13 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import triton
 import triton.language as tl
+from offline_sass import disassemble, run
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
@@ -93,6 +91,17 @@ def _consumer(out_ptr, num_tiles, empty, ready, g_buf, u_buf, gs_buf, us_buf,
 
 
 @gluon.jit
+def ring_barriers(STAGES: gl.constexpr):
+    """The (empty, ready) mbarriers of a STAGES-deep ring, initialized (one arrival each)."""
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(ready.index(s), count=1)
+    return empty, ready
+
+
+@gluon.jit
 def stream_gluon(gate_d, up_d, gs_d, us_d, tiles_ptr, out_ptr, num_tiles,
                  STAGES: gl.constexpr, KSTEPS: gl.constexpr, WORK: gl.constexpr):
     g_buf = gl.allocate_shared_memory(gate_d.dtype, [STAGES] + gate_d.block_type.shape,
@@ -100,11 +109,7 @@ def stream_gluon(gate_d, up_d, gs_d, us_d, tiles_ptr, out_ptr, num_tiles,
     u_buf = gl.allocate_shared_memory(up_d.dtype, [STAGES] + up_d.block_type.shape, up_d.layout)
     gs_buf = gl.allocate_shared_memory(gs_d.dtype, [STAGES] + gs_d.block_type.shape, gs_d.layout)
     us_buf = gl.allocate_shared_memory(us_d.dtype, [STAGES] + us_d.block_type.shape, us_d.layout)
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(empty.index(s), count=1)
-        mbarrier.init(ready.index(s), count=1)
+    empty, ready = ring_barriers(STAGES)
     gl.warp_specialize([
         (_consumer, (out_ptr, num_tiles, empty, ready, g_buf, u_buf, gs_buf, us_buf, STAGES,
                      KSTEPS, WORK)),
@@ -151,7 +156,6 @@ def compile_only(args: argparse.Namespace) -> dict:
     from triton.compiler import ASTSource
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    bins = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     target = GPUTarget("cuda", 90, 32)
     w, s = _layouts()
     wd = f"tensordesc<i32[{CHUNK_ROWS}, {WORDS}],{w!r}>"
@@ -168,13 +172,7 @@ def compile_only(args: argparse.Namespace) -> dict:
     tt = triton.compile(ASTSource(stream_triton, tsig, {"KSTEPS": KSTEPS, "WORK": args.work}),
                         target=target, options={"num_warps": 4, "num_stages": 3})
     for name, compiled in (("gluon", g), ("triton", tt)):
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-            cubin.write(compiled.asm["cubin"])
-            cubin.flush()
-            usage = subprocess.run([str(bins / "cuobjdump"), "-res-usage", cubin.name],
-                                   check=True, capture_output=True, text=True).stdout
-            sass = subprocess.run([str(bins / "cuobjdump"), "-sass", cubin.name], check=True,
-                                  capture_output=True, text=True).stdout
+        sass, usage = disassemble(compiled)
         results[name] = {"shared": compiled.metadata.shared,
                          "usage": usage.strip().splitlines()[-1].strip(),
                          "tma_loads": sass.count("UTMALDG"), "ldgsts": sass.count("LDGSTS")}
@@ -264,14 +262,7 @@ def main() -> None:
     parser.add_argument("--ctas-per-sm", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--maxnreg", type=int, default=128)
     parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    report = compile_only(args) if args.compile_only else run_gpu(args)
-    if args.compile_only:
-        print(json.dumps(report, indent=1))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1))
+    run(parser, compile_only, run_gpu)
 
 
 if __name__ == "__main__":

@@ -23,12 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import triton
+from offline_sass import disassemble, run
+from probe_ws_stream import ring_barriers
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
@@ -46,18 +46,22 @@ _PMUL, _PADD = gl.constexpr(PAIR_MUL), gl.constexpr(PAIR_ADD)
 
 
 @gluon.jit
+def _item(expert_of_block_ptr, item, num_items, TILES: gl.constexpr):
+    """(routing block, N-tile) of a work item, and the expert of the program's next item, asked
+    for now so that its latency hides behind this item's work."""
+    nxt = item + gl.num_programs(0)
+    next_expert = gl.load(expert_of_block_ptr + nxt // TILES, mask=nxt < num_items, other=-1)
+    return item // TILES, item % TILES, next_expert
+
+
+@gluon.jit
 def _producer(w_d, s_d, a_d, expert_of_block_ptr, num_items, empty, ready, w_buf, s_buf,
               a_buf, STAGES: gl.constexpr, KSTEPS: gl.constexpr, TILES: gl.constexpr,
               I: gl.constexpr, H: gl.constexpr):
-    i = 0
-    step = gl.num_programs(0)
+    i = 0  # K-steps copied so far (the ring position)
     expert = gl.load(expert_of_block_ptr + gl.program_id(0) // TILES)
-    for item in range(gl.program_id(0), num_items, step):
-        block = item // TILES
-        tile = item % TILES
-        # the next item's expert is asked for now: its latency hides behind this item's copies
-        nxt = item + step
-        next_expert = gl.load(expert_of_block_ptr + nxt // TILES, mask=nxt < num_items, other=-1)
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        block, tile, next_expert = _item(expert_of_block_ptr, item, num_items, TILES)
         if expert >= 0:
             row0 = expert * H + tile * 128  # first weight row of the item
             for k in gl.static_range(KSTEPS):
@@ -107,14 +111,10 @@ def _consumer(sorted_pair_ptr, expert_of_block_ptr, alpha_ptr, y_ptr, num_items,
     plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma)
     cols_l: gl.constexpr = gl.SliceLayout(0, mma)
-    i = 0
-    step = gl.num_programs(0)
+    i = 0  # K-steps consumed so far
     expert = gl.load(expert_of_block_ptr + gl.program_id(0) // TILES)
-    for item in range(gl.program_id(0), num_items, step):
-        block = item // TILES
-        tile = item % TILES
-        nxt = item + step  # the next item's expert, asked for before this item's K loop
-        next_expert = gl.load(expert_of_block_ptr + nxt // TILES, mask=nxt < num_items, other=-1)
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        block, tile, next_expert = _item(expert_of_block_ptr, item, num_items, TILES)
         if expert >= 0:
             # the epilogue's loads are issued before the K loop too (its latency hides there)
             alpha = gl.load(alpha_ptr + expert) * 128.0
@@ -161,11 +161,7 @@ def down_gluon(w_d, s_d, a_d, sorted_pair_ptr, expert_of_block_ptr, alpha_ptr, y
     s_buf = gl.allocate_shared_memory(s_d.dtype, [STAGES] + s_d.block_type.shape, s_d.layout)
     a_buf = gl.allocate_shared_memory(a_d.dtype, [2 * STAGES] + a_d.block_type.shape,
                                       a_d.layout)
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(empty.index(s), count=1)
-        mbarrier.init(ready.index(s), count=1)
+    empty, ready = ring_barriers(STAGES)
     gl.warp_specialize([
         (_consumer, (sorted_pair_ptr, expert_of_block_ptr, alpha_ptr, y_ptr, num_items,
                      num_pairs, stride_y, empty, ready, w_buf, s_buf, a_buf, STAGES, KSTEPS,
@@ -199,7 +195,6 @@ def compile_only(args: argparse.Namespace) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    bins = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     w, s, a = layouts(args.swizzled)
     kind, box = weight_box(args.swizzled)
     sig = {"w_d": f"tensordesc<{kind}[{box[0]}, {box[1]}],{w!r}>",
@@ -213,13 +208,7 @@ def compile_only(args: argparse.Namespace) -> dict:
     compiled = triton.compile(GluonASTSource(down_gluon, sig, consts),
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": args.num_warps, "maxnreg": args.maxnreg})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        usage = subprocess.run([str(bins / "cuobjdump"), "-res-usage", cubin.name], check=True,
-                               capture_output=True, text=True).stdout
-        sass = subprocess.run([str(bins / "cuobjdump"), "-sass", cubin.name], check=True,
-                              capture_output=True, text=True).stdout
+    sass, usage = disassemble(compiled)
     if args.dump:
         Path(args.dump).write_text(sass + "\n\n" + compiled.asm["ttgir"])
     ops = {op: sass.count(op) for op in ("HMMA", "LDS", "STS", "SHFL", "PRMT", "LOP3", "HMUL2",
@@ -356,14 +345,7 @@ def main() -> None:
                         help="stages,ctas_per_sm,num_warps,maxnreg[,swizzled (1)]")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=1, help="v7 and the configs, in turn")
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
-    report = compile_only(args) if args.compile_only else run_gpu(args)
-    if args.compile_only:
-        print(json.dumps(report, indent=1))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=1))
+    run(parser, compile_only, run_gpu)
 
 
 if __name__ == "__main__":

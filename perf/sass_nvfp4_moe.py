@@ -20,18 +20,16 @@ from __future__ import annotations
 import argparse
 import collections
 import re
-import subprocess
-import tempfile
 from pathlib import Path
 
 import triton
+from offline_sass import disassemble
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from dlmc.custom_ops import nvfp4_moe as op
 from dlmc.custom_ops.moe_shared_parts import shared_split
 
-BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")
 BACK_BRANCH = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+0x([0-9a-f]+)")
 GATE_UP = {"a_ptr": "*bf16", "sorted_pair_ptr": "*i32", "expert_of_block_ptr": "*i32",
@@ -62,13 +60,7 @@ def sass(kernel: object, signature: dict[str, str], constants: dict[str, object]
              for name, kind in signature.items() if kind.startswith("*") or name in DIVISIBLE}
     compiled = triton.compile(ASTSource(kernel, signature, constants, attrs),
                               target=GPUTarget("cuda", 90, 32), options=options)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        text = subprocess.run([str(BIN / "cuobjdump"), "-sass", cubin.name], check=True,
-                              capture_output=True, text=True).stdout
-        usage = subprocess.run([str(BIN / "cuobjdump"), "-res-usage", cubin.name], check=True,
-                               capture_output=True, text=True).stdout
+    text, usage = disassemble(compiled)
     # REG: registers per thread; LOCAL/STACK: bytes of local memory per thread (spills land
     # there); shared: Triton's dynamic shared memory (the pipeline's buffers) per program.
     fields = {key: int(value) for key, value in RESOURCE.findall(usage)}

@@ -1,0 +1,43 @@
+"""Shared pieces of the perf/ probes: a compiled Triton/Gluon kernel's sm_90 SASS and resource
+line (Triton's bundled cuobjdump, no GPU needed), and writing a probe's JSON report.
+
+Imported by the scripts beside it (`python3 perf/<script>.py` puts perf/ on the path)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import triton
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
+def disassemble(compiled: object) -> tuple[str, str]:
+    """(SASS text, `cuobjdump -res-usage` text) of a `triton.compile` result's cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        sass = subprocess.run([str(BIN / "cuobjdump"), "-sass", cubin.name], check=True,
+                              capture_output=True, text=True).stdout
+        usage = subprocess.run([str(BIN / "cuobjdump"), "-res-usage", cubin.name], check=True,
+                               capture_output=True, text=True).stdout
+    return sass, usage
+
+
+def run(parser: argparse.ArgumentParser, compile_only: Callable, run_gpu: Callable) -> None:
+    """Parse a probe's arguments (adding `--out`), run its `compile_only(args)` (with
+    `--compile-only`: the sm_90 lowering, printed) or `run_gpu(args)`, and write the report to
+    `--out` as JSON."""
+    parser.add_argument("--out", type=Path, help="write the report here (JSON)")
+    args = parser.parse_args()
+    report = compile_only(args) if args.compile_only else run_gpu(args)
+    if args.compile_only:
+        print(json.dumps(report, indent=1))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1))
