@@ -4,7 +4,9 @@
 #                                 # gate/up bytes stream from a warp-specialized Gluon kernel
 #                                 # against the op's one-program-per-tile structure), then the
 #                                 # GPU tests left from session 23 (sampled rounds, runner)
-#   bash perf/h200_s24.sh down    # call 2: perf/proto_gluon_down.py (CONFIGS to override)
+#   bash perf/h200_s24.sh down    # calls 2-7: perf/proto_gluon_down.py (CONFIGS, REPEATS)
+#   bash perf/h200_s24.sh v9      # call 8 (carry .whl): kernel v9 (v7 with wide-multiply
+#                                 # rotations) against v7: op, GPU tests, rounds
 set -u
 source "$(dirname "$0")/h200_session.sh" lib
 
@@ -27,5 +29,25 @@ down)  # call 2: perf/proto_gluon_down.py, the Gluon down kernel against v7's do
     > "$OUT/proto_gluon_down.txt" 2>&1
   echo "proto rc=$?"; tail -30 "$OUT/proto_gluon_down.txt"
   tar_out s24_down ;;
-*) echo "usage: bash perf/h200_s24.sh probe|down"; exit 2 ;;
+v9)  # call 8 (carry .whl): the op with v9's decode against v7's in one process (both orders),
+  # v9's GPU tests, then NVFP4 + FP8 rounds with v7 and v9
+  python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
+  OP=(--tokens 32 --iters 60 --profile --shared-expert)
+  timeout 120 python3 perf/bench_nvfp4_moe.py "${OP[@]}" --kernels v7 v9 \
+    --out "$OUT/op_v7_v9.json" > "$OUT/op_v7_v9.txt" 2>&1; echo "op v7 v9 rc=$?"
+  timeout 120 python3 perf/bench_nvfp4_moe.py "${OP[@]}" --kernels v9 v7 \
+    --out "$OUT/op_v9_v7.json" > "$OUT/op_v9_v7.txt" 2>&1; echo "op v9 v7 rc=$?"
+  grep -hE "^kernel=" "$OUT"/op_v*.txt | cut -c 1-400
+  ( timeout 170 python3 -m pytest -q -p no:cacheprovider -rf -m gpu -n 4 \
+      "tests/custom_ops/test_nvfp4_moe_v5.py::test_v5_v6_equal_v3_gpu[9]" \
+      "tests/custom_ops/test_nvfp4_moe_v5.py::test_v5_v6_w4a4_and_negative_scales_gpu[9]" \
+      "tests/custom_ops/test_nvfp4_moe.py::test_v3_single_code_weights_are_exact_gpu[9]" \
+      "tests/custom_ops/test_nvfp4_moe.py::test_compile_and_cuda_graph_replay" \
+      > "$OUT/gpu_tests_v9.txt" 2>&1; echo "gpu tests v9 rc=$?" >> "$OUT/gpu_tests_v9.txt" )
+  tail -4 "$OUT/gpu_tests_v9.txt"
+  NVFP4=(--precision nvfp4 --kv-cache-dtype fp8 --modes graph --no-loop)
+  round round_nvfp4_v7 150 "${NVFP4[@]}"
+  ( export DLMC_NVFP4_KERNEL=v9; round round_nvfp4_v9 150 "${NVFP4[@]}" )
+  tar_out s24_v9 ;;
+*) echo "usage: bash perf/h200_s24.sh probe|down|v9"; exit 2 ;;
 esac
