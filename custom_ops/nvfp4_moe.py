@@ -66,10 +66,9 @@ __all__ = ["nvfp4_moe", "nvfp4_moe_reference"]
 # (`nvfp4_scale_codes`; negative / zero scales folded into the weights at load): v6's decode
 # at v5's bytes. 0.1121 ms/layer against v5's 0.1163 and v3's 0.1515 in one run, 0.1101 with
 # 128-row runs (now the default; v5 0.1162), H200, perf/results/s15/call1.
-# "v9": v7 whose decode rotates by wide multiplies (FMA pipe) instead of funnel shifts (integer
-# pipe), `nvfp4_words.DECODE_WORDS_WIDE_ASM`; same stored forms and products as v7. ("v8", TMA
-# copies, was measured slower and removed in session 20.)
-_KERNELS = {"v1": 1, "v2": 2, "v3": 3, "v4": 4, "v5": 5, "v6": 6, "v7": 7, "v9": 9}
+# ("v8", TMA copies, and "v9", v7 rotating the words by wide multiplies on the FMA pipe instead
+# of funnel shifts, were measured slower and removed: commits e14e6e2 and 09f89dd.)
+_KERNELS = {"v1": 1, "v2": 2, "v3": 3, "v4": 4, "v5": 5, "v6": 6, "v7": 7}
 _KERNEL_NAME = os.environ.get("DLMC_NVFP4_KERNEL", "v7")
 if _KERNEL_NAME not in _KERNELS:
     raise ValueError(f"DLMC_NVFP4_KERNEL must be one of {sorted(_KERNELS)}, got {_KERNEL_NAME!r}")
@@ -81,8 +80,8 @@ def effective_variant(H: int, I: int, variant: int | None = None) -> int:
     selected one), or v3 / v4 / v3 for v5 / v6 / v7 when a projection cannot take the tiled
     layout (`nvfp4_words.can_pack`)."""
     variant = _VARIANT if variant is None else variant
-    if variant in (5, 6, 7, 9) and not (can_pack(I, H) and can_pack(H, I)):
-        return {5: 3, 6: 4, 7: 3, 9: 3}[variant]
+    if variant in (5, 6, 7) and not (can_pack(I, H) and can_pack(H, I)):
+        return {5: 3, 6: 4, 7: 3}[variant]
     return variant
 
 
@@ -103,8 +102,8 @@ def _block_n(dim: int, widest: int) -> int:
 # down 44.3 us at 128 vs 50.5 at 64. v1/v2 were tuned at 64.
 # BLOCK_N by variant. v5/v6 gate/up: 128 (0.1168 against 0.1194 ms/layer for the op at 64,
 # H200 sweep in perf/results/s14/call3/sweep_gate_up.json).
-_GATE_UP_BLOCK_N = {1: 64, 2: 64, 3: 64, 4: 64, 5: 128, 6: 128, 7: 128, 9: 128}
-_DOWN_BLOCK_N = {1: 64, 2: 64, 3: 128, 4: 128, 5: 128, 6: 128, 7: 128, 9: 128}  # looked up per call
+_GATE_UP_BLOCK_N = {1: 64, 2: 64, 3: 64, 4: 64, 5: 128, 6: 128, 7: 128}
+_DOWN_BLOCK_N = {1: 64, 2: 64, 3: 128, 4: 128, 5: 128, 6: 128, 7: 128}  # looked up per call
 # K-tile of the shared expert's BF16 parts (`moe_shared_parts`: 32 columns per program at
 # BLOCK_N 128), gate_up then down; `DLMC_NVFP4_SHARED_BLOCK_K="gate_up,down"` (read at import)
 # overrides. At 128 (both) the parts read 16 / 8 KB of weights per step, and ptxas keeps the

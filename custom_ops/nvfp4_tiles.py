@@ -13,12 +13,7 @@ from dlmc.custom_ops.nvfp4_bf16x2 import (
     e4m3_bf16x2_pair,
 )
 from dlmc.custom_ops.nvfp4_scale_codes import PAIR_ADD, PAIR_MUL
-from dlmc.custom_ops.nvfp4_words import (
-    ROWS,
-    decode_e2m1_words,
-    decode_e2m1_words_predecoded,
-    decode_e2m1_words_wide,
-)
+from dlmc.custom_ops.nvfp4_words import ROWS, decode_e2m1_words, decode_e2m1_words_predecoded
 
 _PAIR_MUL, _PAIR_ADD = tl.constexpr(PAIR_MUL), tl.constexpr(PAIR_ADD)  # v7's scale-code pair
 _ROWS = tl.constexpr(ROWS)  # rows per contiguous run of the tiled layout (`nvfp4_words`)
@@ -157,12 +152,11 @@ def _load_w_split(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl
 @triton.jit
 def _load_w_split_v3(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, PREDECODED: tl.constexpr, WORDS: tl.constexpr,
-                     CODES: tl.constexpr, WIDE: tl.constexpr = False):
+                     CODES: tl.constexpr):
     """`_load_w_split` with the bf16x2 decode: tiles `[BK/2, BN]` of `w * 2^-7` (exact). The
     scale pair comes from the E4M3 byte (v3, v5) or from the pre-decoded bf16 (`PREDECODED`, v4,
     v6); `WORDS` (v5-v7): `nvfp4_words`' tiled words (chunked loads, shorter asm); `CODES`
-    (v7, v9): the scale bytes are `nvfp4_scale_codes`' codes, whose pair is one multiply-add;
-    `WIDE` (v9): the words' rotations by wide multiplies (`DECODE_WORDS_WIDE_ASM`)."""
+    (v7): the scale bytes are `nvfp4_scale_codes`' codes, whose pair is one multiply-add."""
     HALF: tl.constexpr = BLOCK_K // 2
     BLOCKS: tl.constexpr = BLOCK_K // 16
     packed, scale_bits = _load_w_bytes(w_ptr, s_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K,
@@ -179,9 +173,7 @@ def _load_w_split_v3(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N:
         else:
             pair = e4m3_bf16x2_pair(scale_bits)
         pair = tl.broadcast_to(pair[:, :, None], (BLOCK_N, BLOCKS, 8))
-        if WORDS and WIDE:
-            w_lo, w_hi = decode_e2m1_words_wide(packed, pair)
-        elif WORDS:
+        if WORDS:
             w_lo, w_hi = decode_e2m1_words(packed, pair)
         else:
             w_lo, w_hi = decode_e2m1_bf16x2(packed, pair)
@@ -195,13 +187,13 @@ def _load_w_tiles(w_ptr, s_ptr, n_offs, n_mask, k0, K: tl.constexpr, BLOCK_N: tl
     """Low/high-nibble weight tiles: the bf16x2 inline-asm decode (`w * 2^-7`) for `VARIANT` 3
     to 6 when compiled, else `_load_w_split` (exact; widened to fp32 under the interpreter,
     which gets ModelOpt's bits for every variant, tiled for v5-v7). v4/v6's scales are
-    pre-decoded (`nvfp4_scales`), v2/v3/v5 read E4M3 bytes, v7/v9 `nvfp4_scale_codes`' bytes
-    (E4M3 under the interpreter); v5-v7 and v9 read `nvfp4_words`' tiled layout (words when
-    compiled; v9 is v7 with the wide-multiply rotations)."""
+    pre-decoded (`nvfp4_scales`), v2/v3/v5 read E4M3 bytes, v7 `nvfp4_scale_codes`' bytes
+    (E4M3 under the interpreter); v5-v7 read `nvfp4_words`' tiled layout (words when
+    compiled)."""
     PREDECODED: tl.constexpr = VARIANT == 4 or VARIANT == 6
     if VARIANT >= 3 and not INTERPRETED:
         w_lo, w_hi = _load_w_split_v3(w_ptr, s_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K,
-                                      PREDECODED, VARIANT >= 5, VARIANT >= 7, VARIANT == 9)
+                                      PREDECODED, VARIANT >= 5, VARIANT == 7)
     else:
         w_lo, w_hi = _load_w_split(w_ptr, s_ptr, n_offs, n_mask, k0, K, BLOCK_N, BLOCK_K,
                                    PREDECODED, VARIANT >= 5)

@@ -240,7 +240,7 @@ def stored_forms(weight: torch.Tensor, scale: torch.Tensor, variant: int
     float8_e4m3fn), v4 bf16 scales, v5 tiled words and uint8 scales, v6 tiled words and int16
     (bf16) scales, v7 tiled words with `nvfp4_scale_codes`' int8 codes (negative and zero
     scales folded into the words). Exact: every form dequantizes to the same weights."""
-    if variant in (7, 9):
+    if variant == 7:
         if weight.dtype == torch.int32 and scale.dtype == torch.int8:
             return weight, scale
         folded, codes = encode_block_scales(
@@ -260,7 +260,7 @@ def projection_operands(weight: torch.Tensor, scale: torch.Tensor, variant: int,
     patterns) in the form kernel `variant` reads: under the interpreter (`interpreted`) the
     tiled variants read ModelOpt's bits tiled and E4M3 scales (v2's decode). Views of the
     stored forms `stored_forms` makes, else converted exactly."""
-    if variant in (7, 9) and not interpreted:
+    if variant == 7 and not interpreted:
         words, codes = stored_forms(weight, scale, 7)
         return words.view(torch.uint8), codes.view(torch.uint8)
     predecoded, tiled = variant in (4, 6), variant >= 5
@@ -268,13 +268,9 @@ def projection_operands(weight: torch.Tensor, scale: torch.Tensor, variant: int,
     return weight_operand(weight, form), scale_operand(scale, predecoded, tiled)
 
 
-def _pair_ops(out: str, j: int, wide: bool = False) -> str:
+def _pair_ops(out: str, j: int) -> str:
     if j == 0:
         return f"and.b32 {out}, $4, {BF16_MASK:#010x};"
-    if j in (1, 2) and wide:  # rotr(q, r) as the two halves of q * 2^(32 - r), or-ed and masked
-        return (f"mul.wide.u32 d, $4, {1 << (32 - (0, ROT_1, ROT_2)[j])};"
-                f"mov.b64 {{lo, hi}}, d;"
-                f"lop3.b32 {out}, lo, hi, {BF16_MASK:#010x}, {_OR_AND:#04x};")
     if j in (1, 2):
         return (f"shf.r.wrap.b32 m, $4, $4, {(0, ROT_1, ROT_2)[j]};"
                 f"and.b32 {out}, m, {BF16_MASK:#010x};")
@@ -289,14 +285,6 @@ def _pair_ops(out: str, j: int, wide: bool = False) -> str:
 DECODE_WORDS_ASM = tl.constexpr(
     "{ .reg .b32 m;" + "".join(_pair_ops(f"${j}", j) for j in range(4))
     + "".join(f"mul.rn.bf16x2 ${j}, ${j}, $5;" for j in range(4)) + " }")
-# Kernel v9: the same words and products; pairs 1 and 2 rotate with one `mul.wide` (the FMA
-# pipe) and one `lop3` ((lo | hi) & mask) instead of a funnel shift and an `and`, both on the
-# integer pipe: Hopper's integer pipe issues a warp instruction every other cycle, and the
-# decode's stalls sit mostly on it (perf/README, session 24).
-_OR_AND = 0xA8  # lop3 truth table of (a | b) & c with a = 0xF0, b = 0xCC, c = 0xAA
-DECODE_WORDS_WIDE_ASM = tl.constexpr(
-    "{ .reg .b32 m, lo, hi; .reg .b64 d;" + "".join(_pair_ops(f"${j}", j, True) for j in range(4))
-    + "".join(f"mul.rn.bf16x2 ${j}, ${j}, $5;" for j in range(4)) + " }")
 
 
 @triton.jit
@@ -306,14 +294,6 @@ def decode_e2m1_words(packed, scale_pair):
     gives them for ModelOpt bytes."""
     return tl.inline_asm_elementwise(
         DECODE_WORDS_ASM, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale_pair],
-        dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-
-
-@triton.jit
-def decode_e2m1_words_wide(packed, scale_pair):
-    """`decode_e2m1_words` with `DECODE_WORDS_WIDE_ASM` (kernel v9): the same outputs."""
-    return tl.inline_asm_elementwise(
-        DECODE_WORDS_WIDE_ASM, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale_pair],
         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
 

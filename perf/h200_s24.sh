@@ -6,7 +6,8 @@
 #                                 # GPU tests left from session 23 (sampled rounds, runner)
 #   bash perf/h200_s24.sh down    # calls 2-7: perf/proto_gluon_down.py (CONFIGS, REPEATS)
 #   bash perf/h200_s24.sh v9      # call 8 (carry .whl): kernel v9 (v7 with wide-multiply
-#                                 # rotations) against v7: op, GPU tests, rounds
+#                                 # rotations) against v7: op, GPU tests, rounds. v9 was removed
+#                                 # afterwards: run this at commit 09f89dd
 set -u
 source "$(dirname "$0")/h200_session.sh" lib
 

@@ -307,7 +307,7 @@ def test_kernel_matches_reference_gpu(variant: int, seed: int, tokens: int, num_
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", [3, 4, 5, 6, 7, 9])
+@pytest.mark.parametrize("variant", [3, 4, 5, 6, 7])
 def test_v3_single_code_weights_are_exact_gpu(variant: int) -> None:
     """v3 (and v4-v7, their scales / weights converted per call here) and the reference agree
     bit for bit on power-of-two data (incl. subnormal scales)."""
@@ -339,7 +339,7 @@ def test_v3_single_code_weights_are_exact_gpu(variant: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shared", [False, True])
-@pytest.mark.parametrize("variant", [3, 4, 5, 6, 7, 9])
+@pytest.mark.parametrize("variant", [3, 4, 5, 6, 7])
 def test_compile_and_cuda_graph_replay(variant: int, shared: bool,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """v3, and v4-v7 with the block scales / weights as `NVFP4Experts` stores them; compiled

@@ -14,11 +14,7 @@ from dlmc.custom_ops.nvfp4_bf16x2 import (
 )
 from dlmc.custom_ops.nvfp4_scales import predecode_block_scales
 from dlmc.custom_ops.nvfp4_words import (
-    _OR_AND,
     DECODE_WORDS_ASM,
-    DECODE_WORDS_WIDE_ASM,
-    ROT_1,
-    ROT_2,
     MUL,
     MUL_MASK,
     STORAGE_MAP,
@@ -72,26 +68,6 @@ def test_layout_uses_each_bit_once_and_the_multiply_never_carries() -> None:
     assert len(shifts) == 3 and all(copies[i] & copies[j] == 0
                                     for i in range(3) for j in range(i + 1, 3))
     assert f"{BF16_MASK:#010x}" in DECODE_WORDS_ASM.value
-
-
-def test_wide_multiply_rotations_equal_the_funnel_shifts() -> None:
-    """v9's asm: pairs 1 and 2 as `(lo | hi) & P` of `q * 2^(32 - r)` are the funnel shifts'
-    `rotr(q, r) & P` for every bit of q; the lop3 table is `(a | b) & c`; pairs 0 and 3 and the
-    scale multiplies are v7's lines."""
-    q = torch.cat([torch.randint(0, 2**32, (4096,), generator=torch.Generator().manual_seed(5)),
-                   torch.tensor([1 << b for b in range(32)])])
-    for r in (ROT_1, ROT_2):
-        product = q * (1 << (32 - r))  # < 2^64 / 2: exact in int64
-        wide = ((product & 0xFFFFFFFF) | (product >> 32)) & BF16_MASK
-        funnel = ((q >> r) | (q << (32 - r))) & 0xFFFFFFFF & BF16_MASK
-        assert torch.equal(wide, funnel)
-        assert f"mul.wide.u32 d, $4, {1 << (32 - r)};" in DECODE_WORDS_WIDE_ASM.value
-    assert _OR_AND == (0xF0 | 0xCC) & 0xAA
-    assert DECODE_WORDS_WIDE_ASM.value.count(f"{_OR_AND:#04x};") == 2
-    assert "shf" not in DECODE_WORDS_WIDE_ASM.value and "shf" in DECODE_WORDS_ASM.value
-    v7_lines = [line for line in DECODE_WORDS_ASM.value.split(";") if "shf" not in line
-                and "$1, m" not in line and "$2, m" not in line and ".reg" not in line]
-    assert all(line in DECODE_WORDS_WIDE_ASM.value for line in v7_lines)
 
 
 def test_bit_pack_round_trip_is_exact() -> None:
