@@ -8,6 +8,8 @@
 #   bash perf/h200_s24.sh v9      # call 8 (carry .whl): kernel v9 (v7 with wide-multiply
 #                                 # rotations) against v7: op, GPU tests, rounds. v9 was removed
 #                                 # afterwards: run this at commit 09f89dd
+#   bash perf/h200_s24.sh variance  # call 9: three processes of the prototype, GPU clocks
+#   bash perf/h200_s24.sh graphs    # call 10: the prototype timed by CUDA graph replays
 set -u
 source "$(dirname "$0")/h200_session.sh" lib
 
@@ -50,5 +52,36 @@ v9)  # call 8 (carry .whl): the op with v9's decode against v7's in one process 
   round round_nvfp4_v7 150 "${NVFP4[@]}"
   ( export DLMC_NVFP4_KERNEL=v9; round round_nvfp4_v9 150 "${NVFP4[@]}" )
   tar_out s24_v9 ;;
-*) echo "usage: bash perf/h200_s24.sh probe|down|v9"; exit 2 ;;
+variance)  # call 9: three fresh processes of the down prototype (v7's down kernel and the
+  # Gluon one with 8-slot blocks), the GPU's clocks / power / throttle reasons around each
+  for i in 1 2 3; do
+    nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active --format=csv,noheader >> "$OUT/clocks.txt"
+    timeout 100 python3 perf/proto_gluon_down.py --out "$OUT/proto_$i.json" --repeats 2 \
+      --configs 4,4,4,64,1,1 4,4,4,64,1,0 > "$OUT/proto_$i.txt" 2>&1
+    echo "process $i rc=$?"
+    grep -h '"kernel"' "$OUT/proto_$i.txt" | python3 -c "
+import json, sys
+for line in sys.stdin:
+    r = json.loads(line); print(r['kernel'], r.get('swap', ''), round(r['us_per_layer'], 1), [round(v, 1) for v in r['min_max_us_per_layer']])"
+  done
+  nvidia-smi --query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active --format=csv,noheader >> "$OUT/clocks.txt"
+  nvidia-smi -q -d PERFORMANCE,CLOCK > "$OUT/nvidia_smi_q.txt" 2>&1
+  cat "$OUT/clocks.txt"
+  tar_out s24_variance ;;
+graphs)  # call 10: the down prototype timed by CUDA graph replays, two processes
+  for i in 1 2; do
+    timeout 120 python3 perf/proto_gluon_down.py --out "$OUT/proto_graph_$i.json" --repeats 2 \
+      --configs ${CONFIGS:-4,4,4,64,1,1 4,4,4,64,1,0 8,2,4,128,1,1 4,3,4,80,1,1} \
+      > "$OUT/proto_graph_$i.txt" 2>&1
+    echo "process $i rc=$?"
+    grep -h '"kernel"' "$OUT/proto_graph_$i.txt" | python3 -c "
+import json, sys
+for line in sys.stdin:
+    r = json.loads(line)
+    print(r['kernel'], r.get('stages', ''), r.get('ctas_per_sm', ''), r.get('swap', ''),
+          round(r['us_per_layer'], 2), [round(v, 2) for v in r['min_max_us_per_layer']],
+          r.get('bit_equal_to_v7', ''))"
+  done
+  tar_out s24_graphs ;;
+*) echo "usage: bash perf/h200_s24.sh probe|down|v9|variance|graphs"; exit 2 ;;
 esac

@@ -47,6 +47,8 @@ export PYTHONUNBUFFERED=1 DLMC_CACHE=${DLMC_CACHE:-/tmp/dlmc-cache}
 python3 -m pip install --no-deps --no-build-isolation -e . -q 2>&1 | grep -v WARN | tail -1
 {
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+  # the machine's state: SM / memory clocks, power, temperature, active throttle reasons
+  nvidia-smi --query-gpu=clocks.sm,clocks.max.sm,clocks.mem,power.draw,power.limit,temperature.gpu,clocks_throttle_reasons.active --format=csv
   python3 -c "import sys, torch, triton, dlmc; print(sys.version.split()[0], torch.__version__, triton.__version__, dlmc.__file__)"
 } > "$OUT/versions.txt" 2>&1
 

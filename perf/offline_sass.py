@@ -1,5 +1,6 @@
 """Shared pieces of the perf/ probes: a compiled Triton/Gluon kernel's sm_90 SASS and resource
-line (Triton's bundled cuobjdump, no GPU needed), and writing a probe's JSON report.
+line (Triton's bundled cuobjdump, no GPU needed), device times of a launch sequence from CUDA
+graph replays, and writing a probe's JSON report.
 
 Imported by the scripts beside it (`python3 perf/<script>.py` puts perf/ on the path)."""
 
@@ -41,3 +42,19 @@ def run(parser: argparse.ArgumentParser, compile_only: Callable, run_gpu: Callab
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))
+
+
+def replay_times(run: Callable[[], object], iters: int) -> list[float]:
+    """ms per call of `run` (a sequence of kernel launches) as replays of a CUDA graph of it:
+    device time. CUDA events around host launches measure the host instead when the launches
+    cost as much as the kernels (Gluon launches build their TMA descriptors on the host)."""
+    import torch
+
+    from dlmc.bench.timing import cuda_times
+
+    run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return cuda_times(graph.replay, iters, warmup=3)

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 
 import triton
-from offline_sass import disassemble, run
+from offline_sass import disassemble, replay_times, run
 from probe_ws_stream import ring_barriers
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -392,10 +392,8 @@ def run_gpu(args: argparse.Namespace) -> dict:
                          for lay in layers]
                 scale = max(lay["y_ref"].float().abs().max().item() for lay in layers)
                 equal = all(torch.equal(lay["y_new"], lay["y_ref"]) for lay in layers)
-                times = cuda_times(
-                    lambda s=stages, p=per_sm, w=warps, m=maxnreg, z=swizzled, a=swap:
-                    gluon_run(s, p, w, m, z, a),
-                    args.iters, warmup=3)
+                times = timed(lambda s=stages, p=per_sm, w=warps, m=maxnreg, z=swizzled,
+                              a=swap: gluon_run(s, p, w, m, z, a))
                 ms = statistics.median(times)
                 row |= {"us_per_layer": ms * 1e3 / L, "min_max_us_per_layer":
                         [min(times) * 1e3 / L, max(times) * 1e3 / L],
@@ -406,10 +404,19 @@ def run_gpu(args: argparse.Namespace) -> dict:
                 row["error"] = repr(error)[:400]
             report["rows"].append(row)
 
+    def timed(run) -> list[float]:
+        """ms per call of `run` (all layers): replays of a CUDA graph of it (device time: the
+        Gluon launches' host time, TMA descriptors included, can exceed the kernels' and made
+        session 24's first host-launched timings bimodal), or host launches (`--no-graph`)."""
+        if args.no_graph:
+            return cuda_times(run, args.iters, warmup=3)
+        return replay_times(run, args.iters)
+
     v7()
     torch.cuda.synchronize()
+    report["timing"] = "host launches" if args.no_graph else "CUDA graph replays"
     for repeat in range(args.repeats):
-        times = cuda_times(v7, args.iters, warmup=3)
+        times = timed(v7)
         ms = statistics.median(times)
         report["rows"].append({"kernel": "v7 down (Triton)", "repeat": repeat,
                                "us_per_layer": ms * 1e3 / L, "min_max_us_per_layer":
@@ -445,6 +452,8 @@ def main() -> None:
                         help="stages,ctas_per_sm,num_warps,maxnreg[,swizzled (1)[,swap (0)]]")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=1, help="v7 and the configs, in turn")
+    parser.add_argument("--no-graph", action="store_true",
+                        help="time host launches instead of CUDA graph replays")
     run(parser, compile_only, run_gpu)
 
 
