@@ -27,8 +27,9 @@ def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
                     VARIANT: tl.constexpr, SHARED: tl.constexpr, SHARED_BLOCK_K: tl.constexpr,
                     SHARED_SPLIT: tl.constexpr, OVERLAP: tl.constexpr = False,
-                    PDL: tl.constexpr = False):
-    """h[slot, n] = silu(gate) * up for the slots of one M-block and one N-tile of I. `SHARED`:
+                    PDL: tl.constexpr = False, H_EVEN_ODD: tl.constexpr = False):
+    """h[slot, n] = silu(gate) * up for the slots of one M-block and one N-tile of I (routed
+    rows: each 128 columns even first, then odd, with `H_EVEN_ODD`, `_nvfp4_down_gluon`). `SHARED`:
     programs past the `num_blocks` routing blocks are the BF16 shared expert's parts
     (`moe_shared_parts`, h rows from `num_blocks * BLOCK_M` on), run first (the rows in reverse
     order: heavier per byte than FP4 blocks, they start first instead of last); blocks of
@@ -47,7 +48,7 @@ def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s,
         _gate_up_block(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s, up_w, up_s,
                        gate_alpha_ptr, up_alpha_ptr, h_ptr, num_pairs, a_row_div, H, I, stride_a,
                        stride_h, shared_id, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETED,
-                       VARIANT, count_ptr, OVERLAP)
+                       VARIANT, count_ptr, OVERLAP, H_EVEN_ODD)
 
 
 @triton.jit
@@ -56,7 +57,7 @@ def _gate_up_block(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s, 
                    I: tl.constexpr, stride_a, stride_h, shared_id, pid_m, pid_n,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    INTERPRETED: tl.constexpr, VARIANT: tl.constexpr, count_ptr,
-                   OVERLAP: tl.constexpr):
+                   OVERLAP: tl.constexpr, H_EVEN_ODD: tl.constexpr = False):
     """The FP4 gate/up of routing block `pid_m` (nothing for unused and shared blocks)."""
     expert = tl.load(expert_of_block_ptr + pid_m)
     # The block's pairs are loaded next to the expert id, not after it: the A rows (and so the
@@ -88,7 +89,10 @@ def _gate_up_block(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s, 
         g = acc_g * alpha_g
         u = acc_u * alpha_u
         h = g * tl.sigmoid(g) * u
-        h_ptrs = h_ptr + slots[:, None] * stride_h + n_offs[None, :]
+        h_cols = n_offs
+        if H_EVEN_ODD:  # column n of each 128 at (n % 2) * 64 + (n % 128) // 2
+            h_cols = (n_offs // 128) * 128 + (n_offs % 2) * 64 + (n_offs % 128) // 2
+        h_ptrs = h_ptr + slots[:, None] * stride_h + h_cols[None, :]
         tl.store(h_ptrs, round_bf16(h, INTERPRETED), mask=row_mask[:, None] & n_mask[None, :])
         if OVERLAP:
             signal(count_ptr, pid_m)
@@ -102,18 +106,23 @@ def _down_kernel(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, do
                  INTERPRETED: tl.constexpr, VARIANT: tl.constexpr, SHARED: tl.constexpr,
                  SHARED_BLOCK_K: tl.constexpr, SHARED_SPLIT: tl.constexpr,
                  GATE_UP_TILES: tl.constexpr = 1, GATE_UP_SPLIT: tl.constexpr = 1,
-                 OVERLAP: tl.constexpr = False, PDL: tl.constexpr = False):
+                 OVERLAP: tl.constexpr = False, PDL: tl.constexpr = False,
+                 PARTS_ONLY: tl.constexpr = False):
     """y[pair, n] = bf16(alpha * h[slot] @ down[n]^T) for one M-block and one N-tile of H.
     `SHARED`: programs past the `num_blocks` routing blocks are the BF16 shared expert's parts
     (`moe_shared_parts`); blocks of expert `shared_id` exit. `OVERLAP`: no wait for the whole
     gate/up launch (with PDL); each program waits for its slot's `GATE_UP_TILES` gate/up
-    programs (parts: times their `GATE_UP_SPLIT`) in `count_ptr` (`moe_overlap`)."""
+    programs (parts: times their `GATE_UP_SPLIT`) in `count_ptr` (`moe_overlap`). `PARTS_ONLY`
+    (with `SHARED`, not `OVERLAP`): the grid is the shared expert's parts alone (the routed
+    blocks run in `_nvfp4_down_gluon`)."""
     if OVERLAP:
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()
     else:
         pdl_enter(PDL)
     pid_m, pid_n = program(SHARED, OVERLAP)
+    if PARTS_ONLY:
+        pid_m += num_blocks
     if SHARED and pid_m >= num_blocks:
         if OVERLAP:
             wait(count_ptr, num_slots, num_blocks + (pid_m - num_blocks) // SHARED_SPLIT,

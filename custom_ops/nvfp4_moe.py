@@ -18,6 +18,7 @@ import os
 import torch
 import triton
 
+from dlmc.custom_ops._nvfp4_down_gluon import down_gluon_applies, launch_down_gluon
 from dlmc.custom_ops._nvfp4_moe_kernels import _down_kernel, _gate_up_kernel
 from dlmc.custom_ops._pdl import PDL_LAUNCH, launcher
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
@@ -208,7 +209,12 @@ def _nvfp4_moe_impl(
     parts1 = shared_parts(T, block_m, block_n1) if has_shared else 0
     # `moe_overlap`: down programs wait per slot (routing block, shared token chunk), not for
     # the whole gate/up launch; both grids then run a slot's N-tiles one after the other.
-    overlap = overlap_active(x.device) and down_input_scale is None
+    # `DLMC_NVFP4_DOWN=gluon`: the routed down projection in `_nvfp4_down_gluon` (h stored even
+    # columns first per 128), the shared expert's down parts alone in the Triton kernel, no
+    # per-slot overlap
+    gluon_down = down_gluon_applies(x.device, variant, H, I, down_input_scale is not None,
+                                    OPAQUE_OP, block_m)
+    overlap = overlap_active(x.device) and down_input_scale is None and not gluon_down
     pdl = PDL_LAUNCH if overlap and overlap_pdl(x.device) else {}
     num_slots = num_blocks + shared * -(-T // block_m)
     count = counters(x.device, num_slots) if overlap else expert_of_block  # (unread if not)
@@ -222,7 +228,8 @@ def _nvfp4_moe_impl(
         a.stride(0), h.stride(0), g_w, u_w, E, num_blocks, pairs_per_token, count,
         BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=block_k1, INTERPRETED=_INTERPRETED,
         VARIANT=variant, SHARED=has_shared, SHARED_BLOCK_K=_shared_block_k(H, "gate_up"),
-        SHARED_SPLIT=shared_split(block_n1), OVERLAP=overlap, **pdl, **launch,
+        SHARED_SPLIT=shared_split(block_n1), OVERLAP=overlap, H_EVEN_ODD=gluon_down, **pdl,
+        **launch,
     )
     if down_input_scale is not None:  # the routed rows; the shared expert's (after) stay bf16
         slot_expert = expert_of_block.long().clamp(0, E - 1).repeat_interleave(block_m)  # [S]
@@ -234,16 +241,23 @@ def _nvfp4_moe_impl(
     _check_tiled_tile(variant, block_k2)
     parts2 = shared_parts(T, block_m, block_n2) if has_shared else 0
     tiles2 = triton.cdiv(H, block_n2)
+    if gluon_down:
+        launch_down_gluon(h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
+                          _alphas(down_weight_scale_2, None), y, num_pairs, E)
     grid2 = (tiles2, num_blocks + parts2) if overlap else (num_blocks + parts2, tiles2)
-    launcher(_down_kernel)[grid2](
-        h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
-        _alphas(down_weight_scale_2, down_input_scale), y, num_pairs, H, I, h.stride(0),
-        y.stride(0), d_w, E, num_blocks, pairs_per_token, count, num_slots, BLOCK_M=block_m,
-        BLOCK_N=block_n2, BLOCK_K=block_k2, INTERPRETED=_INTERPRETED, VARIANT=variant,
-        SHARED=has_shared, SHARED_BLOCK_K=_shared_block_k(I, "down"),
-        SHARED_SPLIT=shared_split(block_n2), GATE_UP_TILES=tiles1,
-        GATE_UP_SPLIT=shared_split(block_n1), OVERLAP=overlap, **pdl, **launch,
-    )
+    if gluon_down:
+        grid2 = (parts2, tiles2)  # the shared expert's parts alone
+    if has_shared or not gluon_down:
+        launcher(_down_kernel)[grid2](
+            h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
+            _alphas(down_weight_scale_2, down_input_scale), y, num_pairs, H, I, h.stride(0),
+            y.stride(0), d_w, E, num_blocks, pairs_per_token, count, num_slots, BLOCK_M=block_m,
+            BLOCK_N=block_n2, BLOCK_K=block_k2, INTERPRETED=_INTERPRETED, VARIANT=variant,
+            SHARED=has_shared, SHARED_BLOCK_K=_shared_block_k(I, "down"),
+            SHARED_SPLIT=shared_split(block_n2), GATE_UP_TILES=tiles1,
+            GATE_UP_SPLIT=shared_split(block_n1), OVERLAP=overlap, PARTS_ONLY=gluon_down, **pdl,
+            **launch,
+        )
     if pairs:
         return y  # [T*P, H]
     return combine_pairs(y, topk_weights, out, has_shared, edges)  # [T, H]

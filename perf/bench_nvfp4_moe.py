@@ -41,6 +41,7 @@ if not torch.cuda.is_available():  # --smoke on a CPU machine: Triton's interpre
 
 import dlmc.custom_ops.nvfp4_moe as nvfp4_module
 from dlmc.bench.timing import copy_bandwidth_gbps, cuda_times
+from dlmc.custom_ops import _nvfp4_down_gluon
 from dlmc.custom_ops.nvfp4_moe import (
     _KERNEL_NAME,
     _KERNELS,
@@ -155,6 +156,10 @@ def main() -> None:
                              "(default: DLMC_NVFP4_KERNEL's)")
     parser.add_argument("--profile", action="store_true",
                         help="also record each kernel's CUDA time per layer (torch.profiler)")
+    parser.add_argument("--downs", nargs="+", choices=["triton", "gluon"],
+                        default=[_nvfp4_down_gluon.MODE],
+                        help="down kernels to time one after the other in this process "
+                             "(DLMC_NVFP4_DOWN; gluon: sm_90 and v7 only)")
     parser.add_argument("--tile-kernel", choices=["both", "gate_up", "down"], default="both",
                         help="which kernel --tiles applies to (the other keeps its default)")
     args = parser.parse_args()
@@ -184,7 +189,9 @@ def main() -> None:
     inputs = {}  # per token count: the same routing and x for every kernel
     converted: dict[str, list[list[torch.Tensor]]] = {}
     first_outputs: dict[tuple, torch.Tensor] = {}
-    for kernel, T, tile in ((k, T, t) for k in args.kernels for T in args.tokens for t in tiles):
+    for kernel, down, T, tile in ((k, d, T, t) for k in args.kernels for d in args.downs
+                                  for T in args.tokens for t in tiles):
+        _nvfp4_down_gluon.MODE = down
         nvfp4_module._TILE = tile
         nvfp4_module._VARIANT = _KERNELS[kernel]
         if T not in inputs:
@@ -212,7 +219,8 @@ def main() -> None:
         outs = run_all()
         ref = nvfp4_moe_reference(x, *routing[0], *layers[0], **shared[0])
         err = ((outs[0].float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-        row: dict[str, object] = {"kernel": kernel, "tokens": T, "tile": tile or "default",
+        row: dict[str, object] = {"kernel": kernel, "down": down, "tokens": T,
+                                  "tile": tile or "default",
                                   "tile_kernel": args.tile_kernel,
                                   "touched_experts_mean": sum(touched) / L,
                                   "bytes_per_layer": sum(nbytes) / L, "max_rel_err_vs_ref": err}

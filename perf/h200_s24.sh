@@ -10,6 +10,8 @@
 #                                 # afterwards: run this at commit 09f89dd
 #   bash perf/h200_s24.sh variance  # call 9: three processes of the prototype, GPU clocks
 #   bash perf/h200_s24.sh graphs    # call 10: the prototype timed by CUDA graph replays
+#   bash perf/h200_s24.sh gluon     # call 11 (carry .whl): the op's DLMC_NVFP4_DOWN=gluon path
+#   bash perf/h200_s24.sh gluontests  # call 12 (carry .whl): its GPU tests again
 set -u
 source "$(dirname "$0")/h200_session.sh" lib
 
@@ -83,5 +85,24 @@ for line in sys.stdin:
           r.get('bit_equal_to_v7', ''))"
   done
   tar_out s24_graphs ;;
-*) echo "usage: bash perf/h200_s24.sh probe|down|v9|variance|graphs"; exit 2 ;;
+gluon)  # call 11 (carry .whl): the op's Gluon down path (DLMC_NVFP4_DOWN=gluon): GPU tests,
+  # the op alone with both down kernels in one process, NVFP4 + FP8 rounds with each
+  python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
+  timeout 140 python3 -m pytest -q -p no:cacheprovider -rf -m gpu -n 4 \
+    tests/custom_ops/test_nvfp4_down_gluon.py > "$OUT/gpu_tests_gluon_down.txt" 2>&1
+  echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests_gluon_down.txt"
+  timeout 75 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 60 --profile --shared-expert \
+    --downs triton gluon --out "$OUT/op_downs.json" > "$OUT/op_downs.txt" 2>&1
+  echo "op rc=$?"; grep -E "^kernel=" "$OUT/op_downs.txt" | cut -c 1-420
+  NVFP4=(--precision nvfp4 --kv-cache-dtype fp8 --modes graph --no-loop)
+  ( export DLMC_NVFP4_DOWN=gluon; round round_nvfp4_gluon_down 120 "${NVFP4[@]}" )
+  round round_nvfp4_default 120 "${NVFP4[@]}"
+  tar_out s24_gluon ;;
+gluontests)  # call 12 (carry .whl): the Gluon down path's GPU tests after the block-size fix
+  python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
+  timeout 140 python3 -m pytest -v -p no:cacheprovider -rf -m gpu -n 4 \
+    tests/custom_ops/test_nvfp4_down_gluon.py > "$OUT/gpu_tests_gluon_down.txt" 2>&1
+  echo "gpu tests rc=$?"; grep -E "PASSED|FAILED|passed|failed" "$OUT/gpu_tests_gluon_down.txt"
+  tar_out s24_gluontests ;;
+*) echo "usage: bash perf/h200_s24.sh probe|down|v9|variance|graphs|gluon|gluontests"; exit 2 ;;
 esac

@@ -1,0 +1,229 @@
+"""`dlmc::nvfp4_moe`'s routed down projection as a persistent, warp-specialized Gluon kernel
+(`DLMC_NVFP4_DOWN=gluon`, sm_90, kernel v7's stored forms).
+
+Work items are (8-slot part of a routing block, N-tile of 128): a part whose first slot is
+padding has no pair (pairs come first in a block) and is skipped, so ~1.6 tokens per expert
+take one part. One producer warp per program copies each K-step's v7 weight chunk (8 KB,
+128-byte swizzle), its block-scale codes (1 KB) and the part's 8 h rows (two 1 KB halves) with
+TMA into a 4-deep ring; four consumer warps read the words with `ldmatrix` straight into the
+A-operand layout of `mma_v2` (the weights are A: 16 rows x 16 K per `HMMA`, the 8 slots B, half
+the `HMMA`s of the Triton kernel's 16-slot B tiles), decode them with v7's asm
+(`nvfp4_words.DECODE_WORDS_ASM`, `w * scale * 2^-7`) and accumulate in fp32: the same products
+and sums as the Triton down kernel, bit for bit (GPU tests).
+
+h layout: the gate/up kernel stores each routed row's 128-column K-steps even columns first,
+then odd (`H_EVEN_ODD`), so the two TMA halves are the B operands of the low- and high-nibble
+MMAs. Measured alone (perf/proto_gluon_down.py, graph replays, H200): 29.4 against the Triton
+down kernel's 34.9 µs per LLaDA2.1-mini layer (perf/README.md, session 24).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+from dlmc.custom_ops._pdl import INTERPRETED
+from dlmc.custom_ops.nvfp4_scale_codes import PAIR_ADD, PAIR_MUL
+from dlmc.custom_ops.nvfp4_words import DECODE_WORDS_ASM
+from dlmc.errors import ConfigError
+
+__all__ = ["MODE", "down_gluon_applies", "launch_down_gluon"]
+
+_ASM = gl.constexpr(DECODE_WORDS_ASM.value)
+_PMUL, _PADD = gl.constexpr(PAIR_MUL), gl.constexpr(PAIR_ADD)
+STAGES, PROGRAMS_PER_SM, MAXNREG = 4, 3, 80  # the prototype's best (session 24, call 10)
+
+
+def _mode() -> str:
+    value = os.environ.get("DLMC_NVFP4_DOWN", "triton")
+    if value not in ("triton", "gluon"):
+        raise ConfigError(f"DLMC_NVFP4_DOWN={value!r}: expected triton (the default) or gluon")
+    return value
+
+
+MODE = _mode()  # read at import; tests and benches may set it per call
+
+
+def down_gluon_applies(device: torch.device, variant: int, hidden: int, inter: int,
+                       emulate_w4a4: bool, opaque: bool, block_m: int) -> bool:
+    """Whether `nvfp4_moe` runs its routed down projection with this kernel: `MODE` "gluon",
+    kernel v7's stored forms (`variant` 7, H and I multiples of 128), no W4A4 emulation, the op
+    registered opaque (its body launches kernels itself), a CUDA device of compute capability
+    9.0, not the CPU interpreter, and 16-slot routing blocks (a denoising block's few tokens
+    per expert). The kernel takes 32- and 64-slot blocks too (prompt chunks), but their GPU
+    test has not passed yet (perf/README.md, session 24): they keep the Triton kernel."""
+    return (MODE == "gluon" and variant == 7 and hidden % 128 == 0 and inter % 128 == 0
+            and not emulate_w4a4 and opaque and block_m == 16 and not INTERPRETED
+            and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0))
+
+
+@gluon.jit
+def _item(expert_of_block_ptr, sorted_pair_ptr, item, num_items, num_pairs, shared_id,
+          TILES: gl.constexpr, BLOCK_M: gl.constexpr):
+    """(first slot, N-tile, expert) of a work item (an 8-slot part of a routing block of
+    `BLOCK_M` slots and an N-tile) and whether it has work: a routed expert's block whose part
+    starts with a pair."""
+    PARTS: gl.constexpr = BLOCK_M // 8
+    block = item // (PARTS * TILES)
+    slot0 = block * BLOCK_M + ((item // TILES) % PARTS) * 8
+    live = item < num_items
+    expert = gl.load(expert_of_block_ptr + block, mask=live, other=-1)
+    first = gl.load(sorted_pair_ptr + slot0, mask=live, other=num_pairs)
+    has_work = (expert >= 0) & (expert != shared_id) & (first < num_pairs)
+    return slot0, item % TILES, expert, has_work
+
+
+@gluon.jit
+def _producer(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, num_items, num_pairs,
+              shared_id, empty, ready, w_buf, s_buf, h_buf, STAGES: gl.constexpr,
+              KSTEPS: gl.constexpr, TILES: gl.constexpr, I: gl.constexpr, H: gl.constexpr,
+              BLOCK_M: gl.constexpr):
+    i = 0  # K-steps copied so far (the ring position)
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr, item,
+                                              num_items, num_pairs, shared_id, TILES, BLOCK_M)
+        if has_work:
+            run = expert * (H // 128) + tile  # the item's 128-row run of weight rows
+            for k in gl.static_range(KSTEPS):
+                s = i % STAGES
+                mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+                bar = ready.index(s)
+                mbarrier.expect(bar, w_d.block_type.nbytes + s_d.block_type.nbytes
+                                + 2 * h_d.block_type.nbytes)
+                # v7's tiled words: the run's chunk k at byte (run * 128 * I/2 + k * 8192),
+                # codes at byte (run * 128 * I/16 + k * 1024); descriptor rows of 128 bytes
+                tma.async_copy_global_to_shared(w_d, [run * (I // 2) + k * 64, 0], bar,
+                                                w_buf.index(s))
+                tma.async_copy_global_to_shared(s_d, [run * (I // 16) + k * 8, 0], bar,
+                                                s_buf.index(s))
+                tma.async_copy_global_to_shared(h_d, [slot0, k * 128], bar, h_buf.index(2 * s))
+                tma.async_copy_global_to_shared(h_d, [slot0, k * 128 + 64], bar,
+                                                h_buf.index(2 * s + 1))
+                i += 1
+
+
+@gluon.jit
+def _decoded_tiles(words, codes):
+    """v7 words (bytes [128, 8, 2, 4]) and their block-scale codes -> the low- and high-nibble
+    bf16 tiles [128 n, 64 k'] (`w * scale * 2^-7`, exact)."""
+    pair = codes.to(gl.int32) * _PMUL + _PADD
+    pair = gl.broadcast(gl.expand_dims(gl.expand_dims(pair, 2), 3), words)[0]
+    lo, hi = gl.inline_asm_elementwise(_ASM, "=r,=r,=r,=r,r,r,r,r,r", [words, pair],
+                                       dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+    return gl.reshape(lo, [128, 64]), gl.reshape(hi, [128, 64])
+
+
+@gluon.jit
+def _consumer(expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr, num_items, num_pairs,
+              shared_id, stride_y, empty, ready, w_buf, s_buf, h_buf, STAGES: gl.constexpr,
+              KSTEPS: gl.constexpr, TILES: gl.constexpr, BLOCK_M: gl.constexpr):
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, 8])
+    w_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
+    h_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
+    # w_op's elements as bytes [n 128, block 8, half 2, byte 4]: registers -> byte, n bit 3,
+    # block bits 1-2, n bit 6; lanes -> half, block bit 0, n bits 0-2; warps -> n bits 4-5
+    w4: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [8, 0, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0],
+                   [64, 0, 0, 0]],
+        lane_bases=[[0, 0, 1, 0], [0, 1, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+        warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[128, 8, 2, 4])
+    # the same elements in the chunk's [64, 128] bytes (row r = weight rows 2r, 2r+1)
+    wl2: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [4, 0], [0, 16], [0, 32], [32, 0]],
+        lane_bases=[[0, 4], [0, 8], [0, 64], [1, 0], [2, 0]],
+        warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[64, 128])
+    codes_l: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, w4))
+    w_bytes: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8,
+                                                 rank=2)
+    plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    i = 0  # K-steps consumed so far
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr, item,
+                                              num_items, num_pairs, shared_id, TILES, BLOCK_M)
+        if has_work:
+            # the epilogue's loads before the K loop (their latency hides there)
+            alpha = gl.load(alpha_ptr + expert) * 128.0  # * 2^7: the decode's w * 2^-7
+            pairs = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(0, mma)))
+            acc = gl.zeros([128, 8], gl.float32, mma)
+            for _ in gl.static_range(KSTEPS):
+                s = i % STAGES
+                mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+                words = w_buf.index(s)._reinterpret(gl.uint8, [64, 128], w_bytes).load(wl2)
+                words = gl.convert_layout(gl.reshape(words, [128, 8, 2, 4]), w4)
+                codes = s_buf.index(s)._reinterpret(gl.uint8, [128, 8], plain2).load(codes_l)
+                h_even = h_buf.index(2 * s).permute([1, 0]).load(h_op)
+                h_odd = h_buf.index(2 * s + 1).permute([1, 0]).load(h_op)
+                fence_async_shared()
+                mbarrier.arrive(empty.index(s), count=1)
+                lo, hi = _decoded_tiles(words, codes)
+                acc = mma_v2(gl.convert_layout(lo, w_op), h_even, acc)
+                acc = mma_v2(gl.convert_layout(hi, w_op), h_odd, acc)
+                i += 1
+            cols = tile * 128 + gl.arange(0, 128, gl.SliceLayout(1, mma))
+            ptrs = (y_ptr + gl.expand_dims(pairs.to(gl.int64) * stride_y, 0)
+                    + gl.expand_dims(cols, 1))
+            mask = gl.expand_dims(pairs < num_pairs, 0) & gl.expand_dims(cols >= 0, 1)
+            gl.store(ptrs, (acc * alpha).to(gl.bfloat16), mask=mask)
+
+
+@gluon.jit
+def _down_gluon_kernel(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr,
+                       num_items, num_pairs, shared_id, stride_y, STAGES: gl.constexpr,
+                       KSTEPS: gl.constexpr, TILES: gl.constexpr, I: gl.constexpr,
+                       H: gl.constexpr, BLOCK_M: gl.constexpr):
+    w_buf = gl.allocate_shared_memory(w_d.dtype, [STAGES] + w_d.block_type.shape, w_d.layout)
+    s_buf = gl.allocate_shared_memory(s_d.dtype, [STAGES] + s_d.block_type.shape, s_d.layout)
+    h_buf = gl.allocate_shared_memory(h_d.dtype, [2 * STAGES] + h_d.block_type.shape,
+                                      h_d.layout)
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(ready.index(s), count=1)
+    gl.warp_specialize([
+        (_consumer, (expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr, num_items,
+                     num_pairs, shared_id, stride_y, empty, ready, w_buf, s_buf, h_buf, STAGES,
+                     KSTEPS, TILES, BLOCK_M)),
+        (_producer, (w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, num_items, num_pairs,
+                     shared_id, empty, ready, w_buf, s_buf, h_buf, STAGES, KSTEPS, TILES, I,
+                     H, BLOCK_M)),
+    ], [1], [40])
+
+
+def shared_layouts() -> tuple[object, object, object]:
+    """TMA boxes' shared layouts: weights uint8 [64, 128] (128-byte swizzle), codes int32
+    [8, 32] unswizzled (read as bytes), h bf16 [8, 64]."""
+    return (gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2),
+            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2),
+            gl.NVMMASharedLayout.get_default_for([8, 64], gl.bfloat16))
+
+
+def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block: torch.Tensor,
+                      words: torch.Tensor, codes: torch.Tensor, alpha: torch.Tensor,
+                      y: torch.Tensor, num_pairs: int, shared_id: int) -> None:
+    """y[pair] = bf16(alpha[e] * h[slot] @ down[e]^T) for every routed pair of the routing
+    (`sorted_pair`, `expert_of_block`: blocks of 16, 32 or 64 slots, cut into 8-slot parts;
+    blocks of expert `shared_id` skipped). h bf16
+    `[S, I]` with `H_EVEN_ODD` columns; words uint8 `[E, H, I/2]` and codes uint8
+    `[E, H, I/16]` (v7's stored forms viewed as bytes), alpha fp32 `[E]`, y bf16 `[P, H]`."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    E, H, half_i = words.shape
+    I = 2 * half_i
+    w_l, s_l, h_l = shared_layouts()
+    w_d = TensorDescriptor.from_tensor(words.view(-1, 128), [64, 128], w_l)
+    s_d = TensorDescriptor.from_tensor(codes.view(torch.int32).view(-1, 32), [8, 32], s_l)
+    h_d = TensorDescriptor.from_tensor(h, [8, 64], h_l)
+    block_m = sorted_pair.shape[0] // expert_of_block.shape[0]
+    items = expert_of_block.shape[0] * (block_m // 8) * (H // 128)
+    sms = torch.cuda.get_device_properties(h.device).multi_processor_count
+    _down_gluon_kernel[(sms * PROGRAMS_PER_SM,)](
+        w_d, s_d, h_d, expert_of_block, sorted_pair, alpha, y, items, num_pairs, shared_id,
+        y.stride(0), STAGES=STAGES, KSTEPS=I // 128, TILES=H // 128, I=I, H=H, BLOCK_M=block_m,
+        num_warps=4, maxnreg=MAXNREG)

@@ -1,0 +1,165 @@
+"""`DLMC_NVFP4_DOWN=gluon`: `nvfp4_moe`'s routed down projection in the Gluon kernel
+(`_nvfp4_down_gluon`).
+
+On CPU the Gluon kernel cannot run: there the switch's conditions are checked, and the op's
+wiring (gate/up storing h even columns first per 128, the shared expert's down parts alone in
+the Triton kernel) runs with the Gluon launch replaced by a torch computation that reads h the
+way the kernel does. On the H200 the op's output with the Gluon kernel equals the Triton
+kernel's bit for bit, eager and replayed in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dlmc.custom_ops.nvfp4_moe as op_module
+from dlmc.custom_ops import _nvfp4_down_gluon
+from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
+from dlmc.errors import ConfigError
+from tests.custom_ops.test_nvfp4_moe import (
+    DEVICE,
+    assert_matches_reference,
+    op_args,
+    random_experts,
+    random_routing,
+    shared_expert,
+)
+from tests.custom_ops.test_nvfp4_moe_v4 import bits, kernel_variant
+from tests.custom_ops.test_nvfp4_moe_v5 import stored
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+
+def test_the_switch_names_bad_values_and_applies_only_on_hopper(monkeypatch) -> None:
+    monkeypatch.setenv("DLMC_NVFP4_DOWN", "cutlass")
+    with pytest.raises(ConfigError, match=r"DLMC_NVFP4_DOWN='cutlass': expected triton"):
+        _nvfp4_down_gluon._mode()
+    monkeypatch.setenv("DLMC_NVFP4_DOWN", "gluon")
+    assert _nvfp4_down_gluon._mode() == "gluon"
+    monkeypatch.setattr(_nvfp4_down_gluon, "MODE", "gluon")
+    applies = _nvfp4_down_gluon.down_gluon_applies
+    cpu = torch.device("cpu")
+    assert not applies(cpu, 7, 2048, 512, False, True, 16)  # no GPU
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        cuda = torch.device("cuda")
+        assert applies(cuda, 7, 2048, 512, False, True, 16)
+        assert not applies(cuda, 7, 2048, 512, False, True, 32)  # prompt chunks: Triton
+        assert not applies(cuda, 5, 2048, 512, False, True, 16)  # v5's forms
+        assert not applies(cuda, 7, 2048, 512, True, True, 16)  # W4A4 emulation
+    monkeypatch.setattr(_nvfp4_down_gluon, "MODE", "triton")
+    assert not applies(torch.device("cuda"), 7, 2048, 512, False, True, 16)  # switched off
+
+
+def even_odd_rows_to_natural(h: torch.Tensor) -> torch.Tensor:
+    """Inverse of the gate/up kernel's `H_EVEN_ODD` store: each 128 columns even, then odd."""
+    rows, cols = h.shape
+    return h.reshape(rows, cols // 128, 2, 64).transpose(2, 3).reshape(rows, cols)
+
+
+def torch_down(dequantized: torch.Tensor, calls: list[int]):
+    """A stand-in for `launch_down_gluon` on the CPU: reads h as the kernel does (even-odd
+    columns, the routing's blocks, blocks of the shared expert skipped) and writes y in bf16, with
+    the down weights dequantized to fp32 `[E, H, I]` (alpha included)."""
+
+    def launch(h, sorted_pair, expert_of_block, words, codes, alpha, y, num_pairs, shared_id):
+        calls.append(1)
+        natural = even_odd_rows_to_natural(h.float())
+        block_m = sorted_pair.shape[0] // expert_of_block.shape[0]
+        for block, expert in enumerate(expert_of_block.tolist()):
+            if expert < 0 or expert == shared_id:
+                continue
+            for slot in range(block_m * block, block_m * block + block_m):
+                pair = int(sorted_pair[slot])
+                if pair < num_pairs:
+                    y[pair] = (dequantized[expert] @ natural[slot]).bfloat16()
+
+    return launch
+
+
+def dequantized_down(experts: dict[str, torch.Tensor]) -> torch.Tensor:
+    codes = experts["down_weight"]  # uint8 [E, H, I/2]: low nibble first
+    nibbles = torch.stack([codes & 0xF, codes >> 4], dim=-1).reshape(*codes.shape[:2], -1).long()
+    e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    scale = experts["down_weight_scale"].float().repeat_interleave(16, dim=-1)
+    return e2m1[nibbles] * scale * experts["down_weight_scale_2"].float().reshape(-1, 1, 1)
+
+
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_wiring_with_a_torch_down_matches_the_reference(monkeypatch, with_shared: bool) -> None:
+    """gate/up's even-odd h rows, read back by the stand-in, and the shared expert's down parts
+    in the Triton kernel (`PARTS_ONLY`) give the reference's output; skewed routing puts 20
+    tokens on two experts (two 16-slot blocks each)."""
+    gen = torch.Generator().manual_seed(3)
+    experts = random_experts(gen, 4, 128, 128)
+    x = torch.randn(20, 128, generator=gen).bfloat16().to(DEVICE)
+    ids, w = random_routing(gen, 20, 4, 2, skew=True)
+    args = op_args(x, ids, w, experts)
+    shared = {}
+    if with_shared:
+        shared = shared_expert(gen, x, nvfp4_moe_reference(*args), 128, 128)
+    calls: list[int] = []
+    monkeypatch.setattr(op_module, "down_gluon_applies", lambda *a: True)
+    monkeypatch.setattr(op_module, "launch_down_gluon", torch_down(dequantized_down(experts),
+                                                                   calls))
+    with kernel_variant(7):
+        out = nvfp4_moe(*args, **shared)
+    assert calls == [1]
+    assert_matches_reference(out, nvfp4_moe_reference(*args, **shared))
+
+
+def gluon_against_triton(monkeypatch, experts, x, ids, w, shared) -> torch.Tensor:
+    args = op_args(x, ids, w, stored(experts, 7))
+    with kernel_variant(7):
+        triton_out = nvfp4_moe(*args, **shared)
+        monkeypatch.setattr(_nvfp4_down_gluon, "MODE", "gluon")
+        gluon_out = nvfp4_moe(*args, **shared)
+        monkeypatch.setattr(_nvfp4_down_gluon, "MODE", "triton")
+    assert torch.equal(bits(gluon_out), bits(triton_out))
+    return gluon_out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["llada", "skewed", "one_token", "shared"])
+def test_gluon_down_equals_triton_down_gpu(monkeypatch, case: str) -> None:
+    """Bit for bit the Triton down kernel: LLaDA2.1-mini shapes with uniform routing (32 x
+    top-8 of 256), every token on the same 8 experts (16-slot blocks full: both 8-slot parts),
+    one token, and with the shared expert's parts."""
+    gen = torch.Generator().manual_seed(4)
+    E, H, I, T = (256, 2048, 512, 32) if case in ("llada", "shared") else (8, 256, 128, 16)
+    T = 1 if case == "one_token" else T
+    experts = {k: v.to(DEVICE) for k, v in random_experts(gen, E, H, I).items()}
+    x = torch.randn(T, H, generator=gen).bfloat16().to(DEVICE)
+    ids, w = random_routing(gen, T, E, 8, skew=case == "skewed")
+    shared = {}
+    if case == "shared":
+        shared = shared_expert(gen, x, nvfp4_moe_reference(*op_args(x, ids, w, experts)), H, I)
+    out = gluon_against_triton(monkeypatch, experts, x, ids, w, shared)
+    assert_matches_reference(out, nvfp4_moe_reference(*op_args(x, ids, w, experts), **shared))
+
+
+@pytest.mark.gpu
+def test_gluon_down_replays_in_a_cuda_graph_gpu(monkeypatch) -> None:
+    """Captured once, replayed on new x and routing: the eager Triton path's output."""
+    gen = torch.Generator().manual_seed(5)
+    experts = {k: v.to(DEVICE) for k, v in random_experts(gen, 64, 256, 128).items()}
+    args_of = []
+    for _ in range(2):
+        x = torch.randn(32, 256, generator=gen).bfloat16().to(DEVICE)
+        ids, w = random_routing(gen, 32, 64, 8, skew=False)
+        args_of.append(op_args(x, ids, w, stored(experts, 7)))
+    static = [a.clone() for a in args_of[0]]
+    with kernel_variant(7):
+        monkeypatch.setattr(_nvfp4_down_gluon, "MODE", "gluon")
+        nvfp4_moe(*static)  # warm (compiles the kernels)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = nvfp4_moe(*static)
+        for source in (args_of[1], args_of[0]):
+            for dst, src in zip(static[:3], source[:3], strict=True):
+                dst.copy_(src)
+            graph.replay()
+            monkeypatch.setattr(_nvfp4_down_gluon, "MODE", "triton")
+            expected = nvfp4_moe(*source)
+            monkeypatch.setattr(_nvfp4_down_gluon, "MODE", "gluon")
+            assert torch.equal(bits(out), bits(expected))
