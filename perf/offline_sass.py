@@ -58,3 +58,14 @@ def replay_times(run: Callable[[], object], iters: int) -> list[float]:
     with torch.cuda.graph(graph):
         run()
     return cuda_times(graph.replay, iters, warmup=3)
+
+
+def print_rows(report: dict, bytes_per_layer: float) -> dict:
+    """Add each timed row's fraction of the copy bandwidth, print the rows (JSON lines) and the
+    copy bandwidth; return the report."""
+    for row in report["rows"]:
+        if "GBps" in row:
+            row["fraction_of_copy"] = row["GBps"] / report["copy_GBps"]
+        print(json.dumps(row), flush=True)
+    print(f"copy {report['copy_GBps']:.0f} GB/s; {bytes_per_layer / 1e6:.1f} MB per layer")
+    return report

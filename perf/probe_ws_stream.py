@@ -22,13 +22,12 @@ Triton one does not, a warp-specialized op is the way to the 80 % target.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 
 import triton
 import triton.language as tl
-from offline_sass import disassemble, replay_times, run
+from offline_sass import disassemble, print_rows, replay_times, run
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
@@ -243,12 +242,7 @@ def run_gpu(args: argparse.Namespace) -> dict:
                 report["rows"].append({"kernel": "gluon", "work": work, "stages": stages,
                                        "ctas_per_sm": per_sm, "us_per_layer": ms * 1e3 / L,
                                        "GBps": nbytes / (ms * 1e-3) / 1e9, "equal_to_triton": same})
-    for row in report["rows"]:
-        if "GBps" in row:
-            row["fraction_of_copy"] = row["GBps"] / report["copy_GBps"]
-        print(json.dumps(row), flush=True)
-    print(f"copy {report['copy_GBps']:.0f} GB/s; {nbytes / L / 1e6:.1f} MB per layer")
-    return report
+    return print_rows(report, nbytes / L)
 
 
 def main() -> None:

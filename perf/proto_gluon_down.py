@@ -14,6 +14,11 @@ h layout: each 128-column K-step of h is stored even columns first, then odd
 (`even_odd_columns`), so the two halves are the A operands of the low- and high-nibble MMAs
 (v7 splits A in registers). The gate/up kernel would store h this way (a store-address change).
 
+The `swap` configurations (`--configs ...,1`) run the op's kernel, `custom_ops/
+_nvfp4_down_gluon.py` (weights as the MMA's A operand, 8-slot parts of the 16-slot blocks);
+session 24's calls 2-10 ran this script's own earlier copy of it (commit 0ea5181, 8-slot
+routing blocks then), with the same timings' code.
+
     python3 perf/proto_gluon_down.py --compile-only            # CPU: lower for sm_90
     python3 perf/proto_gluon_down.py --out perf/results/s24/proto_gluon_down.json   # H200
 """
@@ -21,19 +26,20 @@ h layout: each 128-column K-step of h is stored even columns first, then odd
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
 import triton
-from offline_sass import disassemble, replay_times, run
+from offline_sass import disassemble, print_rows, replay_times, run
 from probe_ws_stream import ring_barriers
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
+from dlmc.custom_ops import _nvfp4_down_gluon as swapped
+from dlmc.custom_ops._nvfp4_down_gluon import _decoded_tiles
 from dlmc.custom_ops.nvfp4_scale_codes import PAIR_ADD, PAIR_MUL
 from dlmc.custom_ops.nvfp4_words import DECODE_WORDS_ASM
 
@@ -134,7 +140,7 @@ def _consumer(sorted_pair_ptr, expert_of_block_ptr, alpha_ptr, y_ptr, num_items,
                 a_odd = a_buf.index(2 * s + 1).load(a_layout)
                 fence_async_shared()
                 mbarrier.arrive(empty.index(s), count=1)
-                lo, hi = _decoded_tiles(words, codes, w4)
+                lo, hi = _decoded_tiles(words, codes)
                 lo = gl.convert_layout(gl.permute(lo, [1, 0]), b_layout)
                 hi = gl.convert_layout(gl.permute(hi, [1, 0]), b_layout)
                 acc = mma_v2(a_even, lo, acc)
@@ -149,109 +155,30 @@ def _consumer(sorted_pair_ptr, expert_of_block_ptr, alpha_ptr, y_ptr, num_items,
 
 
 @gluon.jit
-def _decoded_tiles(words, codes, layout: gl.constexpr):
-    """v7 words (bytes [128, 8, 2, 4] in `layout`) and their block-scale codes -> the low- and
-    high-nibble bf16 tiles [128 n, 64 k'] (`w * scale * 2^-7`, exact)."""
-    pair = codes.to(gl.int32) * _PMUL + _PADD
-    pair = gl.broadcast(gl.expand_dims(gl.expand_dims(pair, 2), 3), words)[0]
-    lo, hi = gl.inline_asm_elementwise(_ASM, "=r,=r,=r,=r,r,r,r,r,r", [words, pair],
-                                       dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
-    return gl.reshape(lo, [128, 64]), gl.reshape(hi, [128, 64])
-
-
-@gluon.jit
-def _consumer_swap(sorted_pair_ptr, expert_of_block_ptr, alpha_ptr, y_ptr, num_items,
-                   num_pairs, stride_y, empty, ready, w_buf, s_buf, a_buf, STAGES: gl.constexpr,
-                   KSTEPS: gl.constexpr, TILES: gl.constexpr, SWIZZLED: gl.constexpr):
-    """`_consumer` with the weights as the MMA's A operand (16 rows x 16 k' per HMMA) and a
-    routing block of 8 slots as its B: half the HMMAs of 16-slot blocks. 4 warps."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, 8])
-    w_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
-    h_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
-    # w_op's elements as bytes [n 128, block 8, half 2, byte 4]: registers -> byte, n bit 3,
-    # block bits 1-2, n bit 6; lanes -> half, block bit 0, n bits 0-2; warps -> n bits 4-5
-    w4: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [8, 0, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0],
-                   [64, 0, 0, 0]],
-        lane_bases=[[0, 0, 1, 0], [0, 1, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
-        warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[128, 8, 2, 4])
-    # the same elements in the chunk's [64, 128] bytes (row r = weight rows 2r, 2r+1)
-    wl2: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [4, 0], [0, 16], [0, 32], [32, 0]],
-        lane_bases=[[0, 4], [0, 8], [0, 64], [1, 0], [2, 0]],
-        warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[64, 128])
-    c2: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, w4))
-    w_bytes: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8,
-                                                 rank=2)
-    plain4: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [3, 2, 1, 0])
-    plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    i = 0  # K-steps consumed so far
-    expert = gl.load(expert_of_block_ptr + gl.program_id(0) // TILES)
-    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        block, tile, next_expert = _item(expert_of_block_ptr, item, num_items, TILES)
-        if expert >= 0:
-            alpha = gl.load(alpha_ptr + expert) * 128.0
-            pairs = gl.load(sorted_pair_ptr + block * 8 + gl.arange(0, 8, gl.SliceLayout(0, mma)))
-            acc = gl.zeros([128, 8], gl.float32, mma)
-            for _ in gl.static_range(KSTEPS):
-                s = i % STAGES
-                mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-                if SWIZZLED:
-                    words = w_buf.index(s)._reinterpret(gl.uint8, [64, 128], w_bytes).load(wl2)
-                    words = gl.convert_layout(gl.reshape(words, [128, 8, 2, 4]), w4)
-                else:
-                    words = w_buf.index(s)._reinterpret(gl.uint8, [128, 8, 2, 4], plain4).load(w4)
-                codes = s_buf.index(s)._reinterpret(gl.uint8, [128, 8], plain2).load(c2)
-                h_even = a_buf.index(2 * s).permute([1, 0]).load(h_op)
-                h_odd = a_buf.index(2 * s + 1).permute([1, 0]).load(h_op)
-                fence_async_shared()
-                mbarrier.arrive(empty.index(s), count=1)
-                lo, hi = _decoded_tiles(words, codes, w4)
-                acc = mma_v2(gl.convert_layout(lo, w_op), h_even, acc)
-                acc = mma_v2(gl.convert_layout(hi, w_op), h_odd, acc)
-                i += 1
-            cols = tile * 128 + gl.arange(0, 128, gl.SliceLayout(1, mma))
-            ptrs = (y_ptr + gl.expand_dims(pairs.to(gl.int64) * stride_y, 0)
-                    + gl.expand_dims(cols, 1))
-            mask = gl.expand_dims(pairs < num_pairs, 0) & gl.expand_dims(cols >= 0, 1)
-            gl.store(ptrs, (acc * alpha).to(gl.bfloat16), mask=mask)
-        expert = next_expert
-
-
-@gluon.jit
 def down_gluon(w_d, s_d, a_d, sorted_pair_ptr, expert_of_block_ptr, alpha_ptr, y_ptr,
                num_items, num_pairs, stride_y, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
                TILES: gl.constexpr, I: gl.constexpr, H: gl.constexpr,
-               PRODUCER_REGS: gl.constexpr, SWIZZLED: gl.constexpr, SWAP: gl.constexpr):
+               PRODUCER_REGS: gl.constexpr, SWIZZLED: gl.constexpr):
     w_buf = gl.allocate_shared_memory(w_d.dtype, [STAGES] + w_d.block_type.shape, w_d.layout)
     s_buf = gl.allocate_shared_memory(s_d.dtype, [STAGES] + s_d.block_type.shape, s_d.layout)
     a_buf = gl.allocate_shared_memory(a_d.dtype, [2 * STAGES] + a_d.block_type.shape,
                                       a_d.layout)
     empty, ready = ring_barriers(STAGES)
-    if SWAP:
-        gl.warp_specialize([
-            (_consumer_swap, (sorted_pair_ptr, expert_of_block_ptr, alpha_ptr, y_ptr, num_items,
-                              num_pairs, stride_y, empty, ready, w_buf, s_buf, a_buf, STAGES,
-                              KSTEPS, TILES, SWIZZLED)),
-            (_producer, (w_d, s_d, a_d, expert_of_block_ptr, num_items, empty, ready, w_buf,
-                         s_buf, a_buf, STAGES, KSTEPS, TILES, I, H, 8))], [1], [PRODUCER_REGS])
-    else:
-        gl.warp_specialize([
-            (_consumer, (sorted_pair_ptr, expert_of_block_ptr, alpha_ptr, y_ptr, num_items,
-                         num_pairs, stride_y, empty, ready, w_buf, s_buf, a_buf, STAGES, KSTEPS,
-                         TILES, gl.num_warps(), SWIZZLED)),
-            (_producer, (w_d, s_d, a_d, expert_of_block_ptr, num_items, empty, ready, w_buf,
-                         s_buf, a_buf, STAGES, KSTEPS, TILES, I, H, 16))], [1], [PRODUCER_REGS])
+    gl.warp_specialize([
+        (_consumer, (sorted_pair_ptr, expert_of_block_ptr, alpha_ptr, y_ptr, num_items,
+                     num_pairs, stride_y, empty, ready, w_buf, s_buf, a_buf, STAGES, KSTEPS,
+                     TILES, gl.num_warps(), SWIZZLED)),
+        (_producer, (w_d, s_d, a_d, expert_of_block_ptr, num_items, empty, ready, w_buf,
+                     s_buf, a_buf, STAGES, KSTEPS, TILES, I, H, 16))], [1], [PRODUCER_REGS])
 
 
-def layouts(swizzled: bool, bm: int = 16):
+def layouts(swizzled: bool):
     """Shared layouts of the three TMA boxes: weights (one 8 KB chunk) as uint8 [64, 128] with
     128-byte swizzle (`swizzled`) or int32 [64, 32] unswizzled, codes int32 [8, 32] (1 KB)
     unswizzled, h bf16 [16, 64] (128-byte swizzle)."""
     plain = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
     w = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
-    a = gl.NVMMASharedLayout.get_default_for([bm, 64], gl.bfloat16)
+    a = gl.NVMMASharedLayout.get_default_for([16, 64], gl.bfloat16)
     return (w if swizzled else plain), plain, a
 
 
@@ -269,19 +196,27 @@ def compile_only(args: argparse.Namespace) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    w, s, a = layouts(args.swizzled, 8 if args.swap else 16)
-    kind, box = weight_box(args.swizzled)
-    sig = {"w_d": f"tensordesc<{kind}[{box[0]}, {box[1]}],{w!r}>",
-           "s_d": f"tensordesc<i32[8, 32],{s!r}>",
-           "a_d": f"tensordesc<bf16[{8 if args.swap else 16}, 64],{a!r}>",
-           "sorted_pair_ptr": "*i32",
-           "expert_of_block_ptr": "*i32", "alpha_ptr": "*fp32", "y_ptr": "*bf16",
-           "num_items": "i32", "num_pairs": "i32", "stride_y": "i32"}
-    consts = {"STAGES": args.stages, "KSTEPS": KSTEPS, "TILES": TILES, "I": I, "H": H,
-              "PRODUCER_REGS": args.producer_regs, "SWIZZLED": args.swizzled,
-              "SWAP": args.swap}
+    scalars = {"num_items": "i32", "num_pairs": "i32"}
+    consts = {"STAGES": args.stages, "KSTEPS": KSTEPS, "TILES": TILES, "I": I, "H": H}
+    if args.swap:  # the op's kernel (`custom_ops/_nvfp4_down_gluon.py`)
+        w, s, a = swapped.shared_layouts()
+        kernel = swapped._down_gluon_kernel
+        sig = {"w_d": f"tensordesc<u8[64, 128],{w!r}>", "s_d": f"tensordesc<i32[8, 32],{s!r}>",
+               "h_d": f"tensordesc<bf16[8, 64],{a!r}>", "expert_of_block_ptr": "*i32",
+               "sorted_pair_ptr": "*i32", "alpha_ptr": "*fp32", "y_ptr": "*bf16"} | scalars | {
+               "shared_id": "i32", "stride_y": "i32"}
+        consts |= {"BLOCK_M": BM}
+    else:
+        w, s, a = layouts(args.swizzled)
+        kind, box = weight_box(args.swizzled)
+        kernel = down_gluon
+        sig = {"w_d": f"tensordesc<{kind}[{box[0]}, {box[1]}],{w!r}>",
+               "s_d": f"tensordesc<i32[8, 32],{s!r}>", "a_d": f"tensordesc<bf16[16, 64],{a!r}>",
+               "sorted_pair_ptr": "*i32", "expert_of_block_ptr": "*i32", "alpha_ptr": "*fp32",
+               "y_ptr": "*bf16"} | scalars | {"stride_y": "i32"}
+        consts |= {"PRODUCER_REGS": args.producer_regs, "SWIZZLED": args.swizzled}
     sig |= dict.fromkeys(consts, "constexpr")
-    compiled = triton.compile(GluonASTSource(down_gluon, sig, consts),
+    compiled = triton.compile(GluonASTSource(kernel, sig, consts),
                               target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": args.num_warps, "maxnreg": args.maxnreg})
     sass, usage = disassemble(compiled)
@@ -299,7 +234,7 @@ def run_gpu(args: argparse.Namespace) -> dict:
 
     from dlmc.bench.timing import copy_bandwidth_gbps, cuda_times
     from dlmc.custom_ops._nvfp4_moe_kernels import _down_kernel
-    from dlmc.custom_ops.moe_align import align_pairs_to_blocks, route_pairs
+    from dlmc.custom_ops.moe_align import route_pairs
 
     E, L, T, K = 256, 19, 32, 8
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -316,31 +251,21 @@ def run_gpu(args: argparse.Namespace) -> dict:
         assert block_m == BM, block_m
         S = expert_of_block.shape[0] * BM
         h = (torch.randn(S, I, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
-        # the same pairs aligned to 8-slot blocks (`--configs ...,swap=1`), h rows copied over
-        sorted_pair8, expert_of_block8 = align_pairs_to_blocks(ids.to(torch.int32), E, 8)
-        slot_of_pair = torch.zeros(T * K + 1, dtype=torch.long, device="cuda")
-        slot_of_pair[sorted_pair.long()] = torch.arange(S, device="cuda")
-        h8 = h[slot_of_pair[sorted_pair8.long()]]
-        h8[sorted_pair8 >= T * K] = 0
-        routed = {False: (sorted_pair, expert_of_block, even_odd_columns(h).contiguous()),
-                  True: (sorted_pair8, expert_of_block8, even_odd_columns(h8).contiguous())}
-        descs = {}
-        for swizzled in (False, True):
-            for swap in (False, True):
-                w_l, s_l, a_l = layouts(swizzled, 8 if swap else 16)
-                w_view = (words.view(torch.uint8).view(-1, 128) if swizzled
-                          else words.view(-1, 32))
-                descs[swizzled, swap] = (
-                    TensorDescriptor.from_tensor(w_view, weight_box(swizzled)[1], w_l),
-                    TensorDescriptor.from_tensor(codes.view(torch.int32).view(-1, 32), [8, 32],
-                                                 s_l),
-                    TensorDescriptor.from_tensor(routed[swap][2], [8 if swap else 16, 64], a_l))
+        h_eo = even_odd_columns(h).contiguous()
+        descs = {}  # (swizzled, swap): the weights', codes' and h's descriptors
+        for swizzled, swap in ((False, False), (True, False), (True, True)):
+            w_l, s_l, a_l = swapped.shared_layouts() if swap else layouts(swizzled)
+            w_view = (words.view(torch.uint8).view(-1, 128) if swizzled
+                      else words.view(-1, 32))
+            descs[swizzled, swap] = (
+                TensorDescriptor.from_tensor(w_view, weight_box(swizzled)[1], w_l),
+                TensorDescriptor.from_tensor(codes.view(torch.int32).view(-1, 32), [8, 32], s_l),
+                TensorDescriptor.from_tensor(h_eo, [8 if swap else 16, 64], a_l))
         y_ref = torch.zeros(T * K, H, dtype=torch.bfloat16, device="cuda")
         y_new = torch.zeros_like(y_ref)
         layers.append(dict(words=words, codes=codes, alpha=alpha, sorted_pair=sorted_pair,
                            expert_of_block=expert_of_block, h=h, descs=descs, y_ref=y_ref,
-                           y_new=y_new, touched=int((expert_of_block >= 0).sum()), routed=routed,
-                           touched8=int((expert_of_block8 >= 0).sum())))
+                           y_new=y_new, touched=int((expert_of_block >= 0).sum())))
 
     def v7() -> None:
         for lay in layers:
@@ -357,15 +282,19 @@ def run_gpu(args: argparse.Namespace) -> dict:
     def gluon_run(stages: int, per_sm: int, warps: int, maxnreg: int, swizzled: int,
                   swap: int) -> None:
         for lay in layers:
-            sorted_pair, expert_of_block, _ = lay["routed"][bool(swap)]
-            items = expert_of_block.shape[0] * TILES
-            down_gluon[(num_sms * per_sm,)](
-                *lay["descs"][bool(swizzled), bool(swap)], sorted_pair, expert_of_block,
-                lay["alpha"],
-                lay["y_new"], items, T * K, lay["y_new"].stride(0), STAGES=stages, KSTEPS=KSTEPS,
-                TILES=TILES, I=I, H=H, PRODUCER_REGS=args.producer_regs, SWIZZLED=bool(swizzled),
-                SWAP=bool(swap),
-                num_warps=warps,
+            blocks, grid = lay["expert_of_block"].shape[0], (num_sms * per_sm,)
+            if swap:  # the op's kernel: 8-slot parts of the 16-slot blocks (4 warps)
+                swapped._down_gluon_kernel[grid](
+                    *lay["descs"][True, True], lay["expert_of_block"], lay["sorted_pair"],
+                    lay["alpha"], lay["y_new"], blocks * 2 * TILES, T * K, E,
+                    lay["y_new"].stride(0), STAGES=stages, KSTEPS=KSTEPS, TILES=TILES, I=I, H=H,
+                    BLOCK_M=BM, num_warps=4, maxnreg=maxnreg)
+                continue
+            down_gluon[grid](
+                *lay["descs"][bool(swizzled), False], lay["sorted_pair"],
+                lay["expert_of_block"], lay["alpha"], lay["y_new"], blocks * TILES, T * K,
+                lay["y_new"].stride(0), STAGES=stages, KSTEPS=KSTEPS, TILES=TILES, I=I, H=H,
+                PRODUCER_REGS=args.producer_regs, SWIZZLED=bool(swizzled), num_warps=warps,
                 maxnreg=maxnreg)
 
     blocks_touched = sum(lay["touched"] for lay in layers)
@@ -375,8 +304,7 @@ def run_gpu(args: argparse.Namespace) -> dict:
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": triton.__version__, "argv": sys.argv, "layers": L,
               "experts_touched_per_layer": experts / L, "blocks_touched_per_layer":
-              blocks_touched / L, "blocks_touched_per_layer_8_slots":
-              sum(lay["touched8"] for lay in layers) / L,
+              blocks_touched / L,
               "copy_GBps": copy_bandwidth_gbps(1 << 30, 30), "rows": []}
 
     def configs(report: dict, repeat: int) -> None:
@@ -423,12 +351,7 @@ def run_gpu(args: argparse.Namespace) -> dict:
                                [min(times) * 1e3 / L, max(times) * 1e3 / L],
                                "GBps": nbytes / (ms * 1e-3) / 1e9})
         configs(report, repeat)
-    for row in report["rows"]:
-        if "GBps" in row:
-            row["fraction_of_copy"] = row["GBps"] / report["copy_GBps"]
-        print(json.dumps(row), flush=True)
-    print(f"copy {report['copy_GBps']:.0f} GB/s; {nbytes / L / 1e6:.1f} MB per layer")
-    return report
+    return print_rows(report, nbytes / L)
 
 
 def _config(text: str) -> tuple[int, ...]:
@@ -444,8 +367,8 @@ def main() -> None:
     parser.add_argument("--maxnreg", type=int, default=128)
     parser.add_argument("--producer-regs", type=int, default=40)
     parser.add_argument("--swizzled", type=int, default=1)
-    parser.add_argument("--swap", type=int, default=0, help="--compile-only: weights as the "
-                        "MMA's A operand, 8-slot blocks")
+    parser.add_argument("--swap", type=int, default=0, help="--compile-only: the op's kernel "
+                        "(weights as the MMA's A operand, 8-slot parts of the blocks)")
     parser.add_argument("--dump", type=Path, help="--compile-only: write SASS + TTGIR here")
     parser.add_argument("--configs", type=_config, nargs="+",
                         default=[(4, 4, 4, 64, 1, 0), (4, 4, 4, 64, 1, 1)],
