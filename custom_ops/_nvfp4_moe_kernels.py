@@ -88,12 +88,16 @@ def _gate_up_block(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s, 
                                    n_offs, n_mask, H, BLOCK_K, INTERPRETED)
         g = acc_g * alpha_g
         u = acc_u * alpha_u
-        h = g * tl.sigmoid(g) * u
+        h = round_bf16(g * tl.sigmoid(g) * u, INTERPRETED)
         h_cols = n_offs
-        if H_EVEN_ODD:  # column n of each 128 at (n % 2) * 64 + (n % 128) // 2
+        if H_EVEN_ODD and BLOCK_N == 128:  # the tile's columns reordered in registers (the
+            # N-tile is one 128-column step): stores stay contiguous
+            h = tl.reshape(tl.permute(tl.reshape(h, (BLOCK_M, 64, 2)), (0, 2, 1)),
+                           (BLOCK_M, 128))
+        elif H_EVEN_ODD:  # column n of each 128 at (n % 2) * 64 + (n % 128) // 2
             h_cols = (n_offs // 128) * 128 + (n_offs % 2) * 64 + (n_offs % 128) // 2
         h_ptrs = h_ptr + slots[:, None] * stride_h + h_cols[None, :]
-        tl.store(h_ptrs, round_bf16(h, INTERPRETED), mask=row_mask[:, None] & n_mask[None, :])
+        tl.store(h_ptrs, h, mask=row_mask[:, None] & n_mask[None, :])
         if OVERLAP:
             signal(count_ptr, pid_m)
 

@@ -85,11 +85,15 @@ def dequantized_down(experts: dict[str, torch.Tensor]) -> torch.Tensor:
     return e2m1[nibbles] * scale * experts["down_weight_scale_2"].float().reshape(-1, 1, 1)
 
 
-@pytest.mark.parametrize("with_shared", [False, True])
-def test_wiring_with_a_torch_down_matches_the_reference(monkeypatch, with_shared: bool) -> None:
-    """gate/up's even-odd h rows, read back by the stand-in, and the shared expert's down parts
-    in the Triton kernel (`PARTS_ONLY`) give the reference's output; skewed routing puts 20
-    tokens on two experts (two 16-slot blocks each)."""
+@pytest.mark.parametrize(("with_shared", "gate_up_block_n"), [(False, 128), (True, 128),
+                                                              (False, 64)])
+def test_wiring_with_a_torch_down_matches_the_reference(monkeypatch, with_shared: bool,
+                                                        gate_up_block_n: int) -> None:
+    """gate/up's even-odd h rows (reordered in registers for 128-column N-tiles, stored at
+    scattered columns for narrower ones), read back by the stand-in, and the shared expert's
+    down parts in the Triton kernel (`PARTS_ONLY`) give the reference's output; skewed routing
+    puts 20 tokens on two experts (two 16-slot blocks each)."""
+    monkeypatch.setitem(op_module._GATE_UP_BLOCK_N, 7, gate_up_block_n)
     gen = torch.Generator().manual_seed(3)
     experts = random_experts(gen, 4, 128, 128)
     x = torch.randn(20, 128, generator=gen).bfloat16().to(DEVICE)
