@@ -38,6 +38,27 @@ _ASM = gl.constexpr(DECODE_WORDS_ASM.value)
 _PMUL, _PADD = gl.constexpr(PAIR_MUL), gl.constexpr(PAIR_ADD)
 STAGES, PROGRAMS_PER_SM, MAXNREG = 4, 3, 80  # the prototype's best (session 24, call 10)
 
+# Layouts (4 warps). The MMA's accumulator [128 n, 8 slots]: warps split the weight rows.
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1],
+                                             instr_shape=[16, 8]))
+W_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=4))
+H_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=4))
+# W_OP's elements as bytes [n 128, block 8, half 2, byte 4]: registers -> byte, n bit 3,
+# block bits 1-2, n bit 6; lanes -> half, block bit 0, n bits 0-2; warps -> n bits 4-5
+W4 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [8, 0, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0],
+               [64, 0, 0, 0]],
+    lane_bases=[[0, 0, 1, 0], [0, 1, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+    warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[128, 8, 2, 4]))
+# the same elements in a chunk's [64, 128] bytes (row r = weight rows 2r, 2r+1)
+WL2 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [4, 0], [0, 16], [0, 32], [32, 0]],
+    lane_bases=[[0, 4], [0, 8], [0, 64], [1, 0], [2, 0]],
+    warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[64, 128]))
+CODES_L = gl.constexpr(gl.SliceLayout(2, gl.SliceLayout(3, W4.value)))
+W_BYTES = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
+PLAIN2 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+
 
 def _mode() -> str:
     value = os.environ.get("DLMC_NVFP4_DOWN", "triton")
@@ -82,7 +103,7 @@ def _item(expert_of_block_ptr, sorted_pair_ptr, item, num_items, num_pairs, shar
 def _producer(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, num_items, num_pairs,
               shared_id, empty, ready, w_buf, s_buf, h_buf, STAGES: gl.constexpr,
               KSTEPS: gl.constexpr, TILES: gl.constexpr, I: gl.constexpr, H: gl.constexpr,
-              BLOCK_M: gl.constexpr):
+              BLOCK_M: gl.constexpr, OVERLAP: gl.constexpr):
     i = 0  # K-steps copied so far (the ring position)
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr, item,
@@ -93,18 +114,61 @@ def _producer(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, num_items, nu
                 s = i % STAGES
                 mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
                 bar = ready.index(s)
-                mbarrier.expect(bar, w_d.block_type.nbytes + s_d.block_type.nbytes
-                                + 2 * h_d.block_type.nbytes)
+                if OVERLAP:  # h rows: loaded by the consumers once gate/up has written them
+                    mbarrier.expect(bar, w_d.block_type.nbytes + s_d.block_type.nbytes)
+                else:
+                    mbarrier.expect(bar, w_d.block_type.nbytes + s_d.block_type.nbytes
+                                    + 2 * h_d.block_type.nbytes)
                 # v7's tiled words: the run's chunk k at byte (run * 128 * I/2 + k * 8192),
                 # codes at byte (run * 128 * I/16 + k * 1024); descriptor rows of 128 bytes
                 tma.async_copy_global_to_shared(w_d, [run * (I // 2) + k * 64, 0], bar,
                                                 w_buf.index(s))
                 tma.async_copy_global_to_shared(s_d, [run * (I // 16) + k * 8, 0], bar,
                                                 s_buf.index(s))
-                tma.async_copy_global_to_shared(h_d, [slot0, k * 128], bar, h_buf.index(2 * s))
-                tma.async_copy_global_to_shared(h_d, [slot0, k * 128 + 64], bar,
-                                                h_buf.index(2 * s + 1))
+                if not OVERLAP:
+                    tma.async_copy_global_to_shared(h_d, [slot0, k * 128], bar,
+                                                    h_buf.index(2 * s))
+                    tma.async_copy_global_to_shared(h_d, [slot0, k * 128 + 64], bar,
+                                                    h_buf.index(2 * s + 1))
                 i += 1
+
+
+@gluon.jit
+def _h_step(h_ptr, slot0, stride_h, k):
+    """(even, odd) B operands of K-step k loaded from global memory: h rows slot0..slot0+7,
+    columns k * 128 + [0, 64) and [64, 128) (`H_EVEN_ODD`'s even and odd columns)."""
+    kk = gl.arange(0, 64, gl.SliceLayout(1, H_OP))
+    slots = slot0 + gl.arange(0, 8, gl.SliceLayout(0, H_OP))
+    ptrs = (h_ptr + gl.expand_dims(slots.to(gl.int64) * stride_h, 0)
+            + gl.expand_dims(k * 128 + kk, 1))
+    return gl.load(ptrs), gl.load(ptrs + 64)
+
+
+@gluon.jit
+def _wait_rows(count_ptr, num_slots, sorted_pair_ptr, num_pairs, slot0, writers,
+               TILES: gl.constexpr, BLOCK_M: gl.constexpr):
+    """`moe_overlap.wait` for this kernel: spin until the `writers` gate/up programs of the
+    item's routing block have stored its h rows, then count this reader; the last of the
+    block's readers (TILES items per 8-slot part that holds a pair) zeroes its counters."""
+    block = slot0 // BLOCK_M
+    parts = gl.arange(0, BLOCK_M // 8, gl.BlockedLayout([1], [32], [4], [0]))
+    firsts = gl.load(sorted_pair_ptr + block * BLOCK_M + parts * 8)
+    readers = TILES * gl.sum((firsts < num_pairs).to(gl.int32), axis=0)
+    while gl.atomic_add(count_ptr + block, 0, sem="acquire", scope="gpu") < writers:
+        pass
+    gl.thread_barrier()
+    if gl.atomic_add(count_ptr + num_slots + block, 1, sem="relaxed", scope="gpu") == readers - 1:
+        gl.atomic_xchg(count_ptr + block, 0, sem="relaxed", scope="gpu")
+        gl.atomic_xchg(count_ptr + num_slots + block, 0, sem="relaxed", scope="gpu")
+
+
+@gluon.jit
+def _chunk(w_slot, s_slot):
+    """One ring slot's weight chunk as bytes [128, 8, 2, 4] in `W4` (read with `ldmatrix`
+    through the 128-byte swizzle) and its block-scale codes [128, 8]."""
+    words = w_slot._reinterpret(gl.uint8, [64, 128], W_BYTES).load(WL2)
+    words = gl.convert_layout(gl.reshape(words, [128, 8, 2, 4]), W4)
+    return words, s_slot._reinterpret(gl.uint8, [128, 8], PLAIN2).load(CODES_L)
 
 
 @gluon.jit
@@ -120,28 +184,9 @@ def _decoded_tiles(words, codes):
 
 @gluon.jit
 def _consumer(expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr, num_items, num_pairs,
-              shared_id, stride_y, empty, ready, w_buf, s_buf, h_buf, STAGES: gl.constexpr,
-              KSTEPS: gl.constexpr, TILES: gl.constexpr, BLOCK_M: gl.constexpr):
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, 8])
-    w_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
-    h_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4)
-    # w_op's elements as bytes [n 128, block 8, half 2, byte 4]: registers -> byte, n bit 3,
-    # block bits 1-2, n bit 6; lanes -> half, block bit 0, n bits 0-2; warps -> n bits 4-5
-    w4: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [8, 0, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0],
-                   [64, 0, 0, 0]],
-        lane_bases=[[0, 0, 1, 0], [0, 1, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
-        warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[128, 8, 2, 4])
-    # the same elements in the chunk's [64, 128] bytes (row r = weight rows 2r, 2r+1)
-    wl2: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [4, 0], [0, 16], [0, 32], [32, 0]],
-        lane_bases=[[0, 4], [0, 8], [0, 64], [1, 0], [2, 0]],
-        warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[64, 128])
-    codes_l: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, w4))
-    w_bytes: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8,
-                                                 rank=2)
-    plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+              shared_id, stride_y, empty, ready, w_buf, s_buf, h_buf, h_ptr, stride_h,
+              count_ptr, num_slots, writers, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
+              TILES: gl.constexpr, BLOCK_M: gl.constexpr, OVERLAP: gl.constexpr):
     i = 0  # K-steps consumed so far
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr, item,
@@ -149,23 +194,30 @@ def _consumer(expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr, num_items,
         if has_work:
             # the epilogue's loads before the K loop (their latency hides there)
             alpha = gl.load(alpha_ptr + expert) * 128.0  # * 2^7: the decode's w * 2^-7
-            pairs = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(0, mma)))
-            acc = gl.zeros([128, 8], gl.float32, mma)
-            for _ in gl.static_range(KSTEPS):
+            pairs = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(0, MMA)))
+            acc = gl.zeros([128, 8], gl.float32, MMA)
+            if OVERLAP:  # h rows from global memory, once gate/up has stored them
+                _wait_rows(count_ptr, num_slots, sorted_pair_ptr, num_pairs, slot0, writers,
+                           TILES, BLOCK_M)
+                h_next = _h_step(h_ptr, slot0, stride_h, 0)
+            for k in gl.static_range(KSTEPS):
                 s = i % STAGES
+                if OVERLAP:
+                    h_even, h_odd = h_next
+                    if k + 1 < KSTEPS:  # the next K-step's rows, ahead of this step's work
+                        h_next = _h_step(h_ptr, slot0, stride_h, k + 1)
                 mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-                words = w_buf.index(s)._reinterpret(gl.uint8, [64, 128], w_bytes).load(wl2)
-                words = gl.convert_layout(gl.reshape(words, [128, 8, 2, 4]), w4)
-                codes = s_buf.index(s)._reinterpret(gl.uint8, [128, 8], plain2).load(codes_l)
-                h_even = h_buf.index(2 * s).permute([1, 0]).load(h_op)
-                h_odd = h_buf.index(2 * s + 1).permute([1, 0]).load(h_op)
+                words, codes = _chunk(w_buf.index(s), s_buf.index(s))
+                if not OVERLAP:
+                    h_even = h_buf.index(2 * s).permute([1, 0]).load(H_OP)
+                    h_odd = h_buf.index(2 * s + 1).permute([1, 0]).load(H_OP)
                 fence_async_shared()
                 mbarrier.arrive(empty.index(s), count=1)
                 lo, hi = _decoded_tiles(words, codes)
-                acc = mma_v2(gl.convert_layout(lo, w_op), h_even, acc)
-                acc = mma_v2(gl.convert_layout(hi, w_op), h_odd, acc)
+                acc = mma_v2(gl.convert_layout(lo, W_OP), h_even, acc)
+                acc = mma_v2(gl.convert_layout(hi, W_OP), h_odd, acc)
                 i += 1
-            cols = tile * 128 + gl.arange(0, 128, gl.SliceLayout(1, mma))
+            cols = tile * 128 + gl.arange(0, 128, gl.SliceLayout(1, MMA))
             ptrs = (y_ptr + gl.expand_dims(pairs.to(gl.int64) * stride_y, 0)
                     + gl.expand_dims(cols, 1))
             mask = gl.expand_dims(pairs < num_pairs, 0) & gl.expand_dims(cols >= 0, 1)
@@ -174,9 +226,18 @@ def _consumer(expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr, num_items,
 
 @gluon.jit
 def _down_gluon_kernel(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr,
-                       num_items, num_pairs, shared_id, stride_y, STAGES: gl.constexpr,
-                       KSTEPS: gl.constexpr, TILES: gl.constexpr, I: gl.constexpr,
-                       H: gl.constexpr, BLOCK_M: gl.constexpr):
+                       num_items, num_pairs, shared_id, stride_y, h_ptr, stride_h, count_ptr,
+                       num_slots, writers, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
+                       TILES: gl.constexpr, I: gl.constexpr, H: gl.constexpr,
+                       BLOCK_M: gl.constexpr, OVERLAP: gl.constexpr = False,
+                       PDL: gl.constexpr = False):
+    """`OVERLAP`: launched while gate/up runs (with PDL: `PDL`, which also lets the next
+    kernel launch at once); the consumers wait per routing block for its h rows
+    (`moe_overlap`'s counters in `count_ptr`, `writers` gate/up programs per block) and load
+    them from global memory instead of the producer's TMA copies."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
+                                  dtype=gl.int32, is_pure=False, pack=1)
     w_buf = gl.allocate_shared_memory(w_d.dtype, [STAGES] + w_d.block_type.shape, w_d.layout)
     s_buf = gl.allocate_shared_memory(s_d.dtype, [STAGES] + s_d.block_type.shape, s_d.layout)
     h_buf = gl.allocate_shared_memory(h_d.dtype, [2 * STAGES] + h_d.block_type.shape,
@@ -188,12 +249,17 @@ def _down_gluon_kernel(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, alph
         mbarrier.init(ready.index(s), count=1)
     gl.warp_specialize([
         (_consumer, (expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr, num_items,
-                     num_pairs, shared_id, stride_y, empty, ready, w_buf, s_buf, h_buf, STAGES,
-                     KSTEPS, TILES, BLOCK_M)),
+                     num_pairs, shared_id, stride_y, empty, ready, w_buf, s_buf, h_buf, h_ptr,
+                     stride_h, count_ptr, num_slots, writers, STAGES, KSTEPS, TILES, BLOCK_M,
+                     OVERLAP)),
         (_producer, (w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, num_items, num_pairs,
                      shared_id, empty, ready, w_buf, s_buf, h_buf, STAGES, KSTEPS, TILES, I,
-                     H, BLOCK_M)),
+                     H, BLOCK_M, OVERLAP)),
     ], [1], [40])
+    if PDL:  # finish only after the kernel before (the shared expert's down parts) has: the
+        # kernel after (the combine) waits for this one alone
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
 
 
 def shared_layouts() -> tuple[object, object, object]:
@@ -206,12 +272,19 @@ def shared_layouts() -> tuple[object, object, object]:
 
 def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block: torch.Tensor,
                       words: torch.Tensor, codes: torch.Tensor, alpha: torch.Tensor,
-                      y: torch.Tensor, num_pairs: int, shared_id: int) -> None:
+                      y: torch.Tensor, num_pairs: int, shared_id: int,
+                      count: torch.Tensor | None = None, num_slots: int = 0, writers: int = 0,
+                      pdl: bool = False) -> None:
     """y[pair] = bf16(alpha[e] * h[slot] @ down[e]^T) for every routed pair of the routing
     (`sorted_pair`, `expert_of_block`: blocks of 16, 32 or 64 slots, cut into 8-slot parts;
     blocks of expert `shared_id` skipped). h bf16
     `[S, I]` with `H_EVEN_ODD` columns; words uint8 `[E, H, I/2]` and codes uint8
-    `[E, H, I/16]` (v7's stored forms viewed as bytes), alpha fp32 `[E]`, y bf16 `[P, H]`."""
+    `[E, H, I/16]` (v7's stored forms viewed as bytes), alpha fp32 `[E]`, y bf16 `[P, H]`.
+    `count` (`moe_overlap.counters`, `num_slots` slots, `writers` gate/up programs per routing
+    block): the kernel waits per block for gate/up's rows (launched during gate/up, with PDL
+    if `pdl`); None: gate/up has finished. Launch it after the shared expert's down parts: with
+    PDL it ends with `griddepcontrol.wait`, so that its completion implies theirs (the combine
+    that follows waits for this kernel only)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     E, H, half_i = words.shape
@@ -225,5 +298,7 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
     sms = torch.cuda.get_device_properties(h.device).multi_processor_count
     _down_gluon_kernel[(sms * PROGRAMS_PER_SM,)](
         w_d, s_d, h_d, expert_of_block, sorted_pair, alpha, y, items, num_pairs, shared_id,
-        y.stride(0), STAGES=STAGES, KSTEPS=I // 128, TILES=H // 128, I=I, H=H, BLOCK_M=block_m,
-        num_warps=4, maxnreg=MAXNREG)
+        y.stride(0), h, h.stride(0), expert_of_block if count is None else count, num_slots,
+        writers, STAGES=STAGES, KSTEPS=I // 128, TILES=H // 128, I=I, H=H, BLOCK_M=block_m,
+        OVERLAP=count is not None, PDL=pdl, num_warps=4, maxnreg=MAXNREG,
+        **({"launch_pdl": True} if pdl else {}))

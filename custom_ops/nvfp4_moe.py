@@ -210,11 +210,10 @@ def _nvfp4_moe_impl(
     # `moe_overlap`: down programs wait per slot (routing block, shared token chunk), not for
     # the whole gate/up launch; both grids then run a slot's N-tiles one after the other.
     # `DLMC_NVFP4_DOWN=gluon`: the routed down projection in `_nvfp4_down_gluon` (h stored even
-    # columns first per 128), the shared expert's down parts alone in the Triton kernel, no
-    # per-slot overlap
+    # columns first per 128), the shared expert's down parts alone in the Triton kernel
     gluon_down = down_gluon_applies(x.device, variant, H, I, down_input_scale is not None,
                                     OPAQUE_OP, block_m)
-    overlap = overlap_active(x.device) and down_input_scale is None and not gluon_down
+    overlap = overlap_active(x.device) and down_input_scale is None
     pdl = PDL_LAUNCH if overlap and overlap_pdl(x.device) else {}
     num_slots = num_blocks + shared * -(-T // block_m)
     count = counters(x.device, num_slots) if overlap else expert_of_block  # (unread if not)
@@ -241,13 +240,9 @@ def _nvfp4_moe_impl(
     _check_tiled_tile(variant, block_k2)
     parts2 = shared_parts(T, block_m, block_n2) if has_shared else 0
     tiles2 = triton.cdiv(H, block_n2)
-    if gluon_down:
-        launch_down_gluon(h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
-                          _alphas(down_weight_scale_2, None), y, num_pairs, E)
-    grid2 = (tiles2, num_blocks + parts2) if overlap else (num_blocks + parts2, tiles2)
-    if gluon_down:
-        grid2 = (parts2, tiles2)  # the shared expert's parts alone
-    if has_shared or not gluon_down:
+    rows2 = parts2 if gluon_down else num_blocks + parts2  # gluon: the shared parts alone
+    grid2 = (tiles2, rows2) if overlap else (rows2, tiles2)
+    if has_shared or not gluon_down:  # with gluon_down, before it (`launch_down_gluon`)
         launcher(_down_kernel)[grid2](
             h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
             _alphas(down_weight_scale_2, down_input_scale), y, num_pairs, H, I, h.stride(0),
@@ -258,6 +253,10 @@ def _nvfp4_moe_impl(
             GATE_UP_SPLIT=shared_split(block_n1), OVERLAP=overlap, PARTS_ONLY=gluon_down, **pdl,
             **launch,
         )
+    if gluon_down:
+        launch_down_gluon(h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
+                          _alphas(down_weight_scale_2, None), y, num_pairs, E,
+                          count if overlap else None, num_slots, tiles1, pdl=bool(pdl))
     if pairs:
         return y  # [T*P, H]
     return combine_pairs(y, topk_weights, out, has_shared, edges)  # [T, H]

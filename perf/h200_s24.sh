@@ -11,7 +11,9 @@
 #   bash perf/h200_s24.sh variance  # call 9: three processes of the prototype, GPU clocks
 #   bash perf/h200_s24.sh graphs    # call 10: the prototype timed by CUDA graph replays
 #   bash perf/h200_s24.sh gluon     # call 11 (carry .whl): the op's DLMC_NVFP4_DOWN=gluon path
-#   bash perf/h200_s24.sh gluontests  # call 12 (carry .whl): its GPU tests again
+#   bash perf/h200_s24.sh gluontests  # call 12 (carry .whl): its GPU tests again (refused:
+#                                     # no device time left; run it first next stop)
+#   bash perf/h200_s24.sh gateup    # prepared for next stop: the Gluon gate/up prototype
 set -u
 source "$(dirname "$0")/h200_session.sh" lib
 
@@ -98,11 +100,25 @@ gluon)  # call 11 (carry .whl): the op's Gluon down path (DLMC_NVFP4_DOWN=gluon)
   ( export DLMC_NVFP4_DOWN=gluon; round round_nvfp4_gluon_down 120 "${NVFP4[@]}" )
   round round_nvfp4_default 120 "${NVFP4[@]}"
   tar_out s24_gluon ;;
-gluontests)  # call 12 (carry .whl): the Gluon down path's GPU tests after the block-size fix
+gluontests)  # call 12 (carry .whl; refused in session 24): the Gluon down path's GPU tests
+  # (block-size fix, overlap with gate/up), then the op and the round with it against the
+  # defaults
   python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
   timeout 140 python3 -m pytest -v -p no:cacheprovider -rf -m gpu -n 4 \
     tests/custom_ops/test_nvfp4_down_gluon.py > "$OUT/gpu_tests_gluon_down.txt" 2>&1
   echo "gpu tests rc=$?"; grep -E "PASSED|FAILED|passed|failed" "$OUT/gpu_tests_gluon_down.txt"
+  timeout 75 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 60 --profile --shared-expert \
+    --downs triton gluon --out "$OUT/op_downs.json" > "$OUT/op_downs.txt" 2>&1
+  echo "op rc=$?"; grep -E "^kernel=" "$OUT/op_downs.txt" | cut -c 1-420
+  NVFP4=(--precision nvfp4 --kv-cache-dtype fp8 --modes graph --no-loop)
+  ( export DLMC_NVFP4_DOWN=gluon; round round_nvfp4_gluon_down 120 "${NVFP4[@]}" )
+  round round_nvfp4_default 120 "${NVFP4[@]}"
   tar_out s24_gluontests ;;
-*) echo "usage: bash perf/h200_s24.sh probe|down|v9|variance|graphs|gluon|gluontests"; exit 2 ;;
+gateup)  # next stop (not run yet): perf/proto_gluon_gate_up.py against v7's gate/up kernel
+  timeout 150 python3 perf/proto_gluon_gate_up.py --out "$OUT/proto_gluon_gate_up.json" \
+    > "$OUT/proto_gluon_gate_up.txt" 2>&1
+  echo "proto rc=$?"; tail -12 "$OUT/proto_gluon_gate_up.txt"
+  tar_out gateup ;;
+*) echo "usage: bash perf/h200_s24.sh probe|down|v9|variance|graphs|gluon|gluontests|gateup"
+   exit 2 ;;
 esac

@@ -204,7 +204,8 @@ def compile_only(args: argparse.Namespace) -> dict:
         sig = {"w_d": f"tensordesc<u8[64, 128],{w!r}>", "s_d": f"tensordesc<i32[8, 32],{s!r}>",
                "h_d": f"tensordesc<bf16[8, 64],{a!r}>", "expert_of_block_ptr": "*i32",
                "sorted_pair_ptr": "*i32", "alpha_ptr": "*fp32", "y_ptr": "*bf16"} | scalars | {
-               "shared_id": "i32", "stride_y": "i32"}
+               "shared_id": "i32", "stride_y": "i32", "h_ptr": "*bf16", "stride_h": "i32",
+               "count_ptr": "*i32", "num_slots": "i32", "writers": "i32"}
         consts |= {"BLOCK_M": BM}
     else:
         w, s, a = layouts(args.swizzled)
@@ -265,7 +266,7 @@ def run_gpu(args: argparse.Namespace) -> dict:
         y_new = torch.zeros_like(y_ref)
         layers.append(dict(words=words, codes=codes, alpha=alpha, sorted_pair=sorted_pair,
                            expert_of_block=expert_of_block, h=h, descs=descs, y_ref=y_ref,
-                           y_new=y_new, touched=int((expert_of_block >= 0).sum())))
+                           y_new=y_new, touched=int((expert_of_block >= 0).sum()), h_eo=h_eo))
 
     def v7() -> None:
         for lay in layers:
@@ -287,8 +288,9 @@ def run_gpu(args: argparse.Namespace) -> dict:
                 swapped._down_gluon_kernel[grid](
                     *lay["descs"][True, True], lay["expert_of_block"], lay["sorted_pair"],
                     lay["alpha"], lay["y_new"], blocks * 2 * TILES, T * K, E,
-                    lay["y_new"].stride(0), STAGES=stages, KSTEPS=KSTEPS, TILES=TILES, I=I, H=H,
-                    BLOCK_M=BM, num_warps=4, maxnreg=maxnreg)
+                    lay["y_new"].stride(0), lay["h_eo"], lay["h_eo"].stride(0),
+                    lay["expert_of_block"], 0, 0, STAGES=stages, KSTEPS=KSTEPS, TILES=TILES, I=I,
+                    H=H, BLOCK_M=BM, num_warps=4, maxnreg=maxnreg)
                 continue
             down_gluon[grid](
                 *lay["descs"][bool(swizzled), False], lay["sorted_pair"],

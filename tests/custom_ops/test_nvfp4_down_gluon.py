@@ -62,13 +62,17 @@ def torch_down(dequantized: torch.Tensor, calls: list[int]):
     columns, the routing's blocks, blocks of the shared expert skipped) and writes y in bf16, with
     the down weights dequantized to fp32 `[E, H, I]` (alpha included)."""
 
-    def launch(h, sorted_pair, expert_of_block, words, codes, alpha, y, num_pairs, shared_id):
+    def launch(h, sorted_pair, expert_of_block, words, codes, alpha, y, num_pairs, shared_id,
+               count=None, num_slots=0, writers=0, pdl=False):
         calls.append(1)
         natural = even_odd_rows_to_natural(h.float())
         block_m = sorted_pair.shape[0] // expert_of_block.shape[0]
         for block, expert in enumerate(expert_of_block.tolist()):
             if expert < 0 or expert == shared_id:
                 continue
+            if count is not None:  # the per-block wait: gate/up signalled each of its programs
+                assert int(count[block]) == writers and int(count[num_slots + block]) == 0
+                count[block] = 0  # the last reader's zeroing
             for slot in range(block_m * block, block_m * block + block_m):
                 pair = int(sorted_pair[slot])
                 if pair < num_pairs:
@@ -92,7 +96,9 @@ def test_wiring_with_a_torch_down_matches_the_reference(monkeypatch, with_shared
     """gate/up's even-odd h rows (reordered in registers for 128-column N-tiles, stored at
     scattered columns for narrower ones), read back by the stand-in, and the shared expert's
     down parts in the Triton kernel (`PARTS_ONLY`) give the reference's output; skewed routing
-    puts 20 tokens on two experts (two 16-slot blocks each)."""
+    puts 20 tokens on two experts (two 16-slot blocks each). With the per-slot counters (on
+    by default; the interpreter runs them too) every routed block was signalled by all its
+    gate/up programs, and the counters are zero afterwards."""
     monkeypatch.setitem(op_module._GATE_UP_BLOCK_N, 7, gate_up_block_n)
     gen = torch.Generator().manual_seed(3)
     experts = random_experts(gen, 4, 128, 128)
@@ -103,6 +109,7 @@ def test_wiring_with_a_torch_down_matches_the_reference(monkeypatch, with_shared
     if with_shared:
         shared = shared_expert(gen, x, nvfp4_moe_reference(*args), 128, 128)
     calls: list[int] = []
+    counters = op_module.counters(torch.device(DEVICE), 1)
     monkeypatch.setattr(op_module, "down_gluon_applies", lambda *a: True)
     monkeypatch.setattr(op_module, "launch_down_gluon", torch_down(dequantized_down(experts),
                                                                    calls))
@@ -110,6 +117,7 @@ def test_wiring_with_a_torch_down_matches_the_reference(monkeypatch, with_shared
         out = nvfp4_moe(*args, **shared)
     assert calls == [1]
     assert_matches_reference(out, nvfp4_moe_reference(*args, **shared))
+    assert int(counters.abs().sum()) == 0  # zero again between launches (`moe_overlap`)
 
 
 def gluon_against_triton(monkeypatch, experts, x, ids, w, shared) -> torch.Tensor:

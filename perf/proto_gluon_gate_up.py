@@ -1,0 +1,302 @@
+"""Prototype: the NVFP4 gate/up projection (+ SiLU-mul) as a persistent, warp-specialized Gluon
+kernel with the weights as the MMA's A operand, next to the Triton (v7) gate/up kernel.
+
+The down kernel built this way (`custom_ops/_nvfp4_down_gluon.py`) is 15 % faster than v7's
+(29.4 against 34.9 µs per LLaDA2.1-mini layer, perf/README.md session 24): half the `HMMA`s,
+since ~1.6 tokens per expert fill an 8-slot B operand as well as a 16-row A. Gate/up is the
+larger kernel (about 60 µs per layer). Work items: (8-slot part of a 16-slot routing block,
+128-row N-tile of I); per K-step (16 of them at H 2048) the producer warp copies the gate and
+up chunks (8 KB each, v7's words) and their codes (1 KB each) with TMA; the consumer warps load
+the part's x rows (gathered by token, the next K-step's ahead), split them into even / odd K
+in registers (the B operands of the low- and high-nibble MMAs), decode both weight chunks with
+v7's asm and accumulate gate and up; the epilogue writes `silu(gate) * up` in bf16, each
+128-column step's even columns first (what the Gluon down kernel reads). Routed experts only
+(the op runs the shared expert's parts in the Triton kernel).
+
+    python3 perf/proto_gluon_gate_up.py --compile-only       # CPU: lower for sm_90
+    python3 perf/proto_gluon_gate_up.py --out perf/results/sNN/proto_gluon_gate_up.json  # H200
+
+Not yet run on a GPU (written after session 24's device time was spent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import triton
+from offline_sass import disassemble, print_rows, replay_times, run
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+from dlmc.custom_ops._nvfp4_down_gluon import (
+    H_OP,
+    MMA,
+    W_OP,
+    _chunk,
+    _decoded_tiles,
+    _item,
+    shared_layouts,
+)
+
+H, I, BM, K_TOP = 2048, 512, 16, 8
+KSTEPS, TILES = H // 128, I // 128
+# x rows of an 8-slot part, one K-step [8 slots, 128 K]: a thread holds 8 consecutive K
+# (registers: K bits 0-2, then 5-6), lanes K bits 3-4 and the slot; every warp holds all of it
+# (zero warp bases), as the B operand's warps do
+X_L = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 32], [0, 64]],
+    lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[8, 128]))
+
+
+@gluon.jit
+def _producer(g_d, gs_d, u_d, us_d, expert_of_block_ptr, sorted_pair_ptr, num_items, num_pairs,
+              shared_id, empty, ready, g_buf, gs_buf, u_buf, us_buf, STAGES: gl.constexpr,
+              KSTEPS: gl.constexpr, TILES: gl.constexpr, H: gl.constexpr,
+              BLOCK_M: gl.constexpr):
+    i = 0  # K-steps copied so far (the ring position)
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr, item,
+                                              num_items, num_pairs, shared_id, TILES, BLOCK_M)
+        if has_work:
+            run = expert * TILES + tile  # the item's 128-row run of gate (and up) rows
+            for k in range(KSTEPS):
+                s = i % STAGES
+                mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+                bar = ready.index(s)
+                mbarrier.expect(bar, 2 * g_d.block_type.nbytes + 2 * gs_d.block_type.nbytes)
+                # chunk k of the run at byte run * 128 * H/2 + k * 8192 (128-byte rows);
+                # codes at byte run * 128 * H/16 + k * 1024
+                tma.async_copy_global_to_shared(g_d, [run * (H // 2) + k * 64, 0], bar,
+                                                g_buf.index(s))
+                tma.async_copy_global_to_shared(u_d, [run * (H // 2) + k * 64, 0], bar,
+                                                u_buf.index(s))
+                tma.async_copy_global_to_shared(gs_d, [run * (H // 16) + k * 8, 0], bar,
+                                                gs_buf.index(s))
+                tma.async_copy_global_to_shared(us_d, [run * (H // 16) + k * 8, 0], bar,
+                                                us_buf.index(s))
+                i += 1
+
+
+@gluon.jit
+def _x_step(x_ptr, rows, stride_x, k):
+    """The part's x rows, K-step k: bf16 [8, 128] in `X_L`."""
+    cols = k * 128 + gl.arange(0, 128, gl.SliceLayout(0, X_L))
+    return gl.load(x_ptr + gl.expand_dims(rows * stride_x, 1) + gl.expand_dims(cols, 0))
+
+
+@gluon.jit
+def _x_operands(x):
+    """x [8 slots, 128 K] -> the B operands [64 k', 8] of the even-K and odd-K MMAs."""
+    even, odd = gl.split(gl.reshape(x, [8, 64, 2]))
+    return (gl.convert_layout(gl.permute(even, [1, 0]), H_OP),
+            gl.convert_layout(gl.permute(odd, [1, 0]), H_OP))
+
+
+@gluon.jit
+def _consumer(x_ptr, expert_of_block_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr,
+              num_items, num_pairs, shared_id, stride_x, stride_h, a_row_div, empty, ready,
+              g_buf, gs_buf, u_buf, us_buf, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
+              TILES: gl.constexpr, BLOCK_M: gl.constexpr):
+    i = 0  # K-steps consumed so far
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr, item,
+                                              num_items, num_pairs, shared_id, TILES, BLOCK_M)
+        if has_work:
+            alpha_g = gl.load(gate_alpha_ptr + expert) * 128.0  # * 2^7: the decode's 2^-7
+            alpha_u = gl.load(up_alpha_ptr + expert) * 128.0
+            pairs_x = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(1, X_L)))
+            rows = gl.where(pairs_x < num_pairs, pairs_x // a_row_div, 0).to(gl.int64)
+            pairs = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(0, MMA)))
+            acc_g = gl.zeros([128, 8], gl.float32, MMA)
+            acc_u = gl.zeros([128, 8], gl.float32, MMA)
+            x_next = _x_step(x_ptr, rows, stride_x, 0)
+            for k in range(KSTEPS):
+                x = x_next
+                if k + 1 < KSTEPS:  # the next K-step's rows, ahead of this step's work
+                    x_next = _x_step(x_ptr, rows, stride_x, k + 1)
+                s = i % STAGES
+                mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+                g_words, g_codes = _chunk(g_buf.index(s), gs_buf.index(s))
+                u_words, u_codes = _chunk(u_buf.index(s), us_buf.index(s))
+                fence_async_shared()
+                mbarrier.arrive(empty.index(s), count=1)
+                x_even, x_odd = _x_operands(x)
+                lo, hi = _decoded_tiles(g_words, g_codes)
+                acc_g = mma_v2(gl.convert_layout(lo, W_OP), x_even, acc_g)
+                acc_g = mma_v2(gl.convert_layout(hi, W_OP), x_odd, acc_g)
+                lo, hi = _decoded_tiles(u_words, u_codes)
+                acc_u = mma_v2(gl.convert_layout(lo, W_OP), x_even, acc_u)
+                acc_u = mma_v2(gl.convert_layout(hi, W_OP), x_odd, acc_u)
+                i += 1
+            g = acc_g * alpha_g
+            u = acc_u * alpha_u
+            h = (g * (1.0 / (1.0 + gl.exp(-g))) * u).to(gl.bfloat16)  # tl.sigmoid's formula
+            n = gl.arange(0, 128, gl.SliceLayout(1, MMA))
+            cols = tile * 128 + (n % 2) * 64 + n // 2  # even columns first (the down kernel's)
+            slots = slot0 + gl.arange(0, 8, gl.SliceLayout(0, MMA))
+            ptrs = (h_ptr + gl.expand_dims(slots.to(gl.int64) * stride_h, 0)
+                    + gl.expand_dims(cols, 1))
+            mask = gl.expand_dims(pairs < num_pairs, 0) & gl.expand_dims(cols >= 0, 1)
+            gl.store(ptrs, h, mask=mask)
+
+
+@gluon.jit
+def gate_up_gluon(g_d, gs_d, u_d, us_d, x_ptr, expert_of_block_ptr, sorted_pair_ptr,
+                  gate_alpha_ptr, up_alpha_ptr, h_ptr, num_items, num_pairs, shared_id,
+                  stride_x, stride_h, a_row_div, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
+                  TILES: gl.constexpr, H: gl.constexpr, BLOCK_M: gl.constexpr):
+    g_buf = gl.allocate_shared_memory(g_d.dtype, [STAGES] + g_d.block_type.shape, g_d.layout)
+    u_buf = gl.allocate_shared_memory(u_d.dtype, [STAGES] + u_d.block_type.shape, u_d.layout)
+    gs_buf = gl.allocate_shared_memory(gs_d.dtype, [STAGES] + gs_d.block_type.shape, gs_d.layout)
+    us_buf = gl.allocate_shared_memory(us_d.dtype, [STAGES] + us_d.block_type.shape, us_d.layout)
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(ready.index(s), count=1)
+    gl.warp_specialize([
+        (_consumer, (x_ptr, expert_of_block_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr,
+                     h_ptr, num_items, num_pairs, shared_id, stride_x, stride_h, a_row_div,
+                     empty, ready, g_buf, gs_buf, u_buf, us_buf, STAGES, KSTEPS, TILES,
+                     BLOCK_M)),
+        (_producer, (g_d, gs_d, u_d, us_d, expert_of_block_ptr, sorted_pair_ptr, num_items,
+                     num_pairs, shared_id, empty, ready, g_buf, gs_buf, u_buf, us_buf, STAGES,
+                     KSTEPS, TILES, H, BLOCK_M)),
+    ], [1], [40])
+
+
+def compile_only(args: argparse.Namespace) -> dict:
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    w, s, _ = shared_layouts()
+    wd, sd = f"tensordesc<u8[64, 128],{w!r}>", f"tensordesc<i32[8, 32],{s!r}>"
+    sig = {"g_d": wd, "gs_d": sd, "u_d": wd, "us_d": sd, "x_ptr": "*bf16",
+           "expert_of_block_ptr": "*i32", "sorted_pair_ptr": "*i32", "gate_alpha_ptr": "*fp32",
+           "up_alpha_ptr": "*fp32", "h_ptr": "*bf16", "num_items": "i32", "num_pairs": "i32",
+           "shared_id": "i32", "stride_x": "i32", "stride_h": "i32", "a_row_div": "i32"}
+    consts = {"STAGES": args.stages, "KSTEPS": KSTEPS, "TILES": TILES, "H": H, "BLOCK_M": BM}
+    sig |= dict.fromkeys(consts, "constexpr")
+    compiled = triton.compile(GluonASTSource(gate_up_gluon, sig, consts),
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "maxnreg": args.maxnreg})
+    sass, usage = disassemble(compiled)
+    ops = {op: sass.count(op) for op in ("HMMA", "LDS", "STS", "SHFL", "PRMT", "LDG", "STG",
+                                         "UTMALDG", "STL", "LDL")}
+    return {"shared": compiled.metadata.shared, "usage": usage.strip().splitlines()[-1].strip(),
+            "ops": ops}
+
+
+def run_gpu(args: argparse.Namespace) -> dict:
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from dlmc.bench.timing import copy_bandwidth_gbps
+    from dlmc.custom_ops._nvfp4_moe_kernels import _gate_up_kernel
+    from dlmc.custom_ops.moe_align import route_pairs
+
+    E, L, T = 256, 19, 32
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    w_l, s_l, _ = shared_layouts()
+    layers = []
+    for _ in range(L):
+        lay = {}
+        for name in ("gate", "up"):
+            lay[name] = torch.randint(-2**31, 2**31 - 1, (E, I, H // 8), device="cuda",
+                                      dtype=torch.int32, generator=gen)
+            lay[name + "_codes"] = torch.randint(0, 144, (E, I, H // 16), device="cuda",
+                                                 dtype=torch.int32, generator=gen).to(torch.int8)
+            lay[name + "_alpha"] = torch.rand(E, device="cuda", generator=gen) * 1e-3
+            lay[name + "_d"] = TensorDescriptor.from_tensor(
+                lay[name].view(torch.uint8).view(-1, 128), [64, 128], w_l)
+            lay[name + "_sd"] = TensorDescriptor.from_tensor(
+                lay[name + "_codes"].view(torch.int32).view(-1, 32), [8, 32], s_l)
+        ids = torch.rand(T, E, device="cuda", generator=gen).argsort(dim=1)[:, :K_TOP]
+        block_m, lay["sorted_pair"], lay["expert_of_block"] = route_pairs(ids.to(torch.int32), E)
+        assert block_m == BM, block_m
+        S = lay["expert_of_block"].shape[0] * BM
+        lay["x"] = (torch.randn(T, H, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+        lay["h_ref"] = torch.zeros(S, I, dtype=torch.bfloat16, device="cuda")
+        lay["h_new"] = torch.zeros_like(lay["h_ref"])
+        lay["valid"] = lay["sorted_pair"] < T * K_TOP
+        layers.append(lay)
+
+    def v7() -> None:
+        for lay in layers:
+            nb = lay["expert_of_block"].shape[0]
+            _gate_up_kernel[(nb, TILES)](
+                lay["x"], lay["sorted_pair"], lay["expert_of_block"],
+                lay["gate"].view(torch.uint8), lay["gate_codes"].view(torch.uint8),
+                lay["up"].view(torch.uint8), lay["up_codes"].view(torch.uint8),
+                lay["gate_alpha"], lay["up_alpha"], lay["h_ref"], T * K_TOP, K_TOP, H, I,
+                lay["x"].stride(0), lay["h_ref"].stride(0), lay["x"], lay["x"], E, nb, K_TOP,
+                lay["expert_of_block"], BLOCK_M=BM, BLOCK_N=128, BLOCK_K=128,
+                INTERPRETED=False, VARIANT=7, SHARED=False, SHARED_BLOCK_K=128, SHARED_SPLIT=1,
+                num_warps=4, num_stages=3)
+
+    def gluon_run(stages: int, per_sm: int, maxnreg: int) -> None:
+        for lay in layers:
+            nb = lay["expert_of_block"].shape[0]
+            gate_up_gluon[(num_sms * per_sm,)](
+                lay["gate_d"], lay["gate_sd"], lay["up_d"], lay["up_sd"], lay["x"],
+                lay["expert_of_block"], lay["sorted_pair"], lay["gate_alpha"],
+                lay["up_alpha"], lay["h_new"], nb * 2 * TILES, T * K_TOP, E,
+                lay["x"].stride(0), lay["h_new"].stride(0), K_TOP, STAGES=stages,
+                KSTEPS=KSTEPS, TILES=TILES, H=H, BLOCK_M=BM, num_warps=4, maxnreg=maxnreg)
+
+    touched = sum(int(torch.unique(lay["expert_of_block"][lay["expert_of_block"] >= 0]).numel())
+                  for lay in layers)
+    nbytes = touched * 2 * (I * H // 2 + I * H // 16)  # gate + up weight and code bytes
+    report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "triton": triton.__version__, "argv": sys.argv, "layers": L,
+              "experts_touched_per_layer": touched / L,
+              "copy_GBps": copy_bandwidth_gbps(1 << 30, 30), "rows": []}
+    v7()
+    torch.cuda.synchronize()
+    for repeat in range(args.repeats):
+        ms = statistics.median(replay_times(v7, args.iters))
+        report["rows"].append({"kernel": "v7 gate/up (Triton)", "repeat": repeat,
+                               "us_per_layer": ms * 1e3 / L, "GBps": nbytes / (ms * 1e-3) / 1e9})
+        for stages, per_sm, maxnreg in args.configs:
+            row = {"kernel": "gluon gate/up", "stages": stages, "ctas_per_sm": per_sm,
+                   "maxnreg": maxnreg, "repeat": repeat}
+            try:
+                gluon_run(stages, per_sm, maxnreg)
+                torch.cuda.synchronize()
+                equal = True
+                for lay in layers:  # even-odd columns back to natural order, valid rows
+                    S = lay["h_new"].shape[0]
+                    natural = lay["h_new"].view(S, TILES, 2, 64).transpose(2, 3).reshape(S, I)
+                    equal &= torch.equal(natural[lay["valid"]].view(torch.int16),
+                                         lay["h_ref"][lay["valid"]].view(torch.int16))
+                ms = statistics.median(replay_times(
+                    lambda s=stages, p=per_sm, m=maxnreg: gluon_run(s, p, m), args.iters))
+                row |= {"us_per_layer": ms * 1e3 / L, "GBps": nbytes / (ms * 1e-3) / 1e9,
+                        "bit_equal_to_v7": equal}
+            except Exception as error:  # a config that does not compile or launch
+                row["error"] = repr(error)[:400]
+            report["rows"].append(row)
+    return print_rows(report, nbytes / L)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compile-only", action="store_true")
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--maxnreg", type=int, default=96)
+    parser.add_argument("--configs", nargs="+", default=[(4, 2, 96), (3, 3, 80), (6, 2, 96)],
+                        type=lambda text: tuple(int(v) for v in text.split(",")),
+                        help="stages,ctas_per_sm,maxnreg")
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=2)
+    run(parser, compile_only, run_gpu)
+
+
+if __name__ == "__main__":
+    main()
