@@ -32,7 +32,7 @@ from dlmc.custom_ops.nvfp4_scale_codes import PAIR_ADD, PAIR_MUL
 from dlmc.custom_ops.nvfp4_words import DECODE_WORDS_ASM
 from dlmc.errors import ConfigError
 
-__all__ = ["MODE", "down_gluon_applies", "launch_down_gluon"]
+__all__ = ["MODE", "down_gluon_applies", "launch_down_gluon", "ring_barriers"]
 
 _ASM = gl.constexpr(DECODE_WORDS_ASM.value)
 _PMUL, _PADD = gl.constexpr(PAIR_MUL), gl.constexpr(PAIR_ADD)
@@ -225,6 +225,17 @@ def _consumer(expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr, num_items,
 
 
 @gluon.jit
+def ring_barriers(STAGES: gl.constexpr):
+    """The (empty, ready) mbarriers of a STAGES-deep ring, initialized (one arrival each)."""
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(ready.index(s), count=1)
+    return empty, ready
+
+
+@gluon.jit
 def _down_gluon_kernel(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr,
                        num_items, num_pairs, shared_id, stride_y, h_ptr, stride_h, count_ptr,
                        num_slots, writers, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
@@ -242,11 +253,7 @@ def _down_gluon_kernel(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, alph
     s_buf = gl.allocate_shared_memory(s_d.dtype, [STAGES] + s_d.block_type.shape, s_d.layout)
     h_buf = gl.allocate_shared_memory(h_d.dtype, [2 * STAGES] + h_d.block_type.shape,
                                       h_d.layout)
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(empty.index(s), count=1)
-        mbarrier.init(ready.index(s), count=1)
+    empty, ready = ring_barriers(STAGES)
     gl.warp_specialize([
         (_consumer, (expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr, num_items,
                      num_pairs, shared_id, stride_y, empty, ready, w_buf, s_buf, h_buf, h_ptr,

@@ -17,6 +17,16 @@
 set -u
 source "$(dirname "$0")/h200_session.sh" lib
 
+# the op alone with both down kernels in one process, then NVFP4 + FP8 rounds with each
+gluon_down_op_and_rounds() {
+  timeout 75 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 60 --profile --shared-expert \
+    --downs triton gluon --out "$OUT/op_downs.json" > "$OUT/op_downs.txt" 2>&1
+  echo "op rc=$?"; grep -E "^kernel=" "$OUT/op_downs.txt" | cut -c 1-420
+  NVFP4=(--precision nvfp4 --kv-cache-dtype fp8 --modes graph --no-loop)
+  ( export DLMC_NVFP4_DOWN=gluon; round round_nvfp4_gluon_down 120 "${NVFP4[@]}" )
+  round round_nvfp4_default 120 "${NVFP4[@]}"
+}
+
 case "${1:-}" in
 probe)
   python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
@@ -93,12 +103,7 @@ gluon)  # call 11 (carry .whl): the op's Gluon down path (DLMC_NVFP4_DOWN=gluon)
   timeout 140 python3 -m pytest -q -p no:cacheprovider -rf -m gpu -n 4 \
     tests/custom_ops/test_nvfp4_down_gluon.py > "$OUT/gpu_tests_gluon_down.txt" 2>&1
   echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests_gluon_down.txt"
-  timeout 75 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 60 --profile --shared-expert \
-    --downs triton gluon --out "$OUT/op_downs.json" > "$OUT/op_downs.txt" 2>&1
-  echo "op rc=$?"; grep -E "^kernel=" "$OUT/op_downs.txt" | cut -c 1-420
-  NVFP4=(--precision nvfp4 --kv-cache-dtype fp8 --modes graph --no-loop)
-  ( export DLMC_NVFP4_DOWN=gluon; round round_nvfp4_gluon_down 120 "${NVFP4[@]}" )
-  round round_nvfp4_default 120 "${NVFP4[@]}"
+  gluon_down_op_and_rounds
   tar_out s24_gluon ;;
 gluontests)  # call 12 (carry .whl; refused in session 24): the Gluon down path's GPU tests
   # (block-size fix, overlap with gate/up), then the op and the round with it against the
@@ -107,12 +112,7 @@ gluontests)  # call 12 (carry .whl; refused in session 24): the Gluon down path'
   timeout 140 python3 -m pytest -v -p no:cacheprovider -rf -m gpu -n 4 \
     tests/custom_ops/test_nvfp4_down_gluon.py > "$OUT/gpu_tests_gluon_down.txt" 2>&1
   echo "gpu tests rc=$?"; grep -E "PASSED|FAILED|passed|failed" "$OUT/gpu_tests_gluon_down.txt"
-  timeout 75 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 60 --profile --shared-expert \
-    --downs triton gluon --out "$OUT/op_downs.json" > "$OUT/op_downs.txt" 2>&1
-  echo "op rc=$?"; grep -E "^kernel=" "$OUT/op_downs.txt" | cut -c 1-420
-  NVFP4=(--precision nvfp4 --kv-cache-dtype fp8 --modes graph --no-loop)
-  ( export DLMC_NVFP4_DOWN=gluon; round round_nvfp4_gluon_down 120 "${NVFP4[@]}" )
-  round round_nvfp4_default 120 "${NVFP4[@]}"
+  gluon_down_op_and_rounds
   tar_out s24_gluontests ;;
 gateup)  # next stop (not run yet): perf/proto_gluon_gate_up.py against v7's gate/up kernel
   timeout 150 python3 perf/proto_gluon_gate_up.py --out "$OUT/proto_gluon_gate_up.json" \

@@ -32,6 +32,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
+from dlmc.custom_ops._nvfp4_down_gluon import ring_barriers
+
 KSTEPS = 16  # K 2048 / 128
 CHUNK_ROWS, WORDS = 64, 32  # one 8 KB weight chunk as int32 [64, 32]
 SCALE_ROWS = 8  # one 1 KB scale chunk as int32 [8, 32]
@@ -87,17 +89,6 @@ def _consumer(out_ptr, num_tiles, empty, ready, g_buf, u_buf, gs_buf, us_buf,
             i += 1
         total = gl.sum(gl.sum(acc, axis=1), axis=0) + gl.sum(gl.sum(sacc, axis=1), axis=0)
         gl.store(out_ptr + t, total)
-
-
-@gluon.jit
-def ring_barriers(STAGES: gl.constexpr):
-    """The (empty, ready) mbarriers of a STAGES-deep ring, initialized (one arrival each)."""
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(empty.index(s), count=1)
-        mbarrier.init(ready.index(s), count=1)
-    return empty, ready
 
 
 @gluon.jit

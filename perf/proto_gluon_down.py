@@ -32,14 +32,13 @@ from pathlib import Path
 
 import triton
 from offline_sass import disassemble, print_rows, replay_times, run
-from probe_ws_stream import ring_barriers
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from dlmc.custom_ops import _nvfp4_down_gluon as swapped
-from dlmc.custom_ops._nvfp4_down_gluon import _decoded_tiles
+from dlmc.custom_ops._nvfp4_down_gluon import _decoded_tiles, ring_barriers
 from dlmc.custom_ops.nvfp4_scale_codes import PAIR_ADD, PAIR_MUL
 from dlmc.custom_ops.nvfp4_words import DECODE_WORDS_ASM
 

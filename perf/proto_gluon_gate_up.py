@@ -39,6 +39,7 @@ from dlmc.custom_ops._nvfp4_down_gluon import (
     _chunk,
     _decoded_tiles,
     _item,
+    ring_barriers,
     shared_layouts,
 )
 
@@ -154,11 +155,7 @@ def gate_up_gluon(g_d, gs_d, u_d, us_d, x_ptr, expert_of_block_ptr, sorted_pair_
     u_buf = gl.allocate_shared_memory(u_d.dtype, [STAGES] + u_d.block_type.shape, u_d.layout)
     gs_buf = gl.allocate_shared_memory(gs_d.dtype, [STAGES] + gs_d.block_type.shape, gs_d.layout)
     us_buf = gl.allocate_shared_memory(us_d.dtype, [STAGES] + us_d.block_type.shape, us_d.layout)
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(empty.index(s), count=1)
-        mbarrier.init(ready.index(s), count=1)
+    empty, ready = ring_barriers(STAGES)
     gl.warp_specialize([
         (_consumer, (x_ptr, expert_of_block_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr,
                      h_ptr, num_items, num_pairs, shared_id, stride_x, stride_h, a_row_div,
