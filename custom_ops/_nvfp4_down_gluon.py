@@ -284,9 +284,9 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
                       pdl: bool = False) -> None:
     """y[pair] = bf16(alpha[e] * h[slot] @ down[e]^T) for every routed pair of the routing
     (`sorted_pair`, `expert_of_block`: blocks of 16, 32 or 64 slots, cut into 8-slot parts;
-    blocks of expert `shared_id` skipped). h bf16
-    `[S, I]` with `H_EVEN_ODD` columns; words uint8 `[E, H, I/2]` and codes uint8
-    `[E, H, I/16]` (v7's stored forms viewed as bytes), alpha fp32 `[E]`, y bf16 `[P, H]`.
+    blocks of expert `shared_id` skipped). h bf16 `[S, I]` with `H_EVEN_ODD` columns; words
+    uint8 `[E, H, I/2]` and codes uint8 `[E, H, I/16]` (v7's stored forms viewed as bytes),
+    alpha fp32 `[E]`, y bf16 `[P, H]`.
     `count` (`moe_overlap.counters`, `num_slots` slots, `writers` gate/up programs per routing
     block): the kernel waits per block for gate/up's rows (launched during gate/up, with PDL
     if `pdl`); None: gate/up has finished. Launch it after the shared expert's down parts: with

@@ -29,7 +29,8 @@ def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s,
                     SHARED_SPLIT: tl.constexpr, OVERLAP: tl.constexpr = False,
                     PDL: tl.constexpr = False, H_EVEN_ODD: tl.constexpr = False):
     """h[slot, n] = silu(gate) * up for the slots of one M-block and one N-tile of I (routed
-    rows: each 128 columns even first, then odd, with `H_EVEN_ODD`, `_nvfp4_down_gluon`). `SHARED`:
+    rows: each 128 columns even first, then odd, with `H_EVEN_ODD`, BLOCK_N 128,
+    `_nvfp4_down_gluon`). `SHARED`:
     programs past the `num_blocks` routing blocks are the BF16 shared expert's parts
     (`moe_shared_parts`, h rows from `num_blocks * BLOCK_M` on), run first (the rows in reverse
     order: heavier per byte than FP4 blocks, they start first instead of last); blocks of
@@ -89,14 +90,12 @@ def _gate_up_block(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s, 
         g = acc_g * alpha_g
         u = acc_u * alpha_u
         h = round_bf16(g * tl.sigmoid(g) * u, INTERPRETED)
-        h_cols = n_offs
-        if H_EVEN_ODD and BLOCK_N == 128:  # the tile's columns reordered in registers (the
-            # N-tile is one 128-column step): stores stay contiguous
+        if H_EVEN_ODD:  # the tile (one 128-column step) even columns first, reordered in
+            # registers: the stores stay contiguous
+            tl.static_assert(BLOCK_N == 128, "H_EVEN_ODD needs 128-column N-tiles")
             h = tl.reshape(tl.permute(tl.reshape(h, (BLOCK_M, 64, 2)), (0, 2, 1)),
                            (BLOCK_M, 128))
-        elif H_EVEN_ODD:  # column n of each 128 at (n % 2) * 64 + (n % 128) // 2
-            h_cols = (n_offs // 128) * 128 + (n_offs % 2) * 64 + (n_offs % 128) // 2
-        h_ptrs = h_ptr + slots[:, None] * stride_h + h_cols[None, :]
+        h_ptrs = h_ptr + slots[:, None] * stride_h + n_offs[None, :]
         tl.store(h_ptrs, h, mask=row_mask[:, None] & n_mask[None, :])
         if OVERLAP:
             signal(count_ptr, pid_m)
@@ -117,8 +116,8 @@ def _down_kernel(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, do
     (`moe_shared_parts`); blocks of expert `shared_id` exit. `OVERLAP`: no wait for the whole
     gate/up launch (with PDL); each program waits for its slot's `GATE_UP_TILES` gate/up
     programs (parts: times their `GATE_UP_SPLIT`) in `count_ptr` (`moe_overlap`). `PARTS_ONLY`
-    (with `SHARED`, not `OVERLAP`): the grid is the shared expert's parts alone (the routed
-    blocks run in `_nvfp4_down_gluon`)."""
+    (with `SHARED`): the grid is the shared expert's parts alone (the routed blocks run in
+    `_nvfp4_down_gluon`)."""
     if OVERLAP:
         if PDL:
             tl.extra.cuda.gdc_launch_dependents()

@@ -209,10 +209,11 @@ def _nvfp4_moe_impl(
     parts1 = shared_parts(T, block_m, block_n1) if has_shared else 0
     # `moe_overlap`: down programs wait per slot (routing block, shared token chunk), not for
     # the whole gate/up launch; both grids then run a slot's N-tiles one after the other.
-    # `DLMC_NVFP4_DOWN=gluon`: the routed down projection in `_nvfp4_down_gluon` (h stored even
-    # columns first per 128), the shared expert's down parts alone in the Triton kernel
-    gluon_down = down_gluon_applies(x.device, variant, H, I, down_input_scale is not None,
-                                    OPAQUE_OP, block_m)
+    # `DLMC_NVFP4_DOWN=gluon`: the routed down projection in `_nvfp4_down_gluon` (gate/up's
+    # 128-column tiles store h even columns first), the shared expert's down parts alone in
+    # the Triton kernel
+    gluon_down = block_n1 == 128 and down_gluon_applies(
+        x.device, variant, H, I, down_input_scale is not None, OPAQUE_OP, block_m)
     overlap = overlap_active(x.device) and down_input_scale is None
     pdl = PDL_LAUNCH if overlap and overlap_pdl(x.device) else {}
     num_slots = num_blocks + shared * -(-T // block_m)
@@ -242,11 +243,12 @@ def _nvfp4_moe_impl(
     tiles2 = triton.cdiv(H, block_n2)
     rows2 = parts2 if gluon_down else num_blocks + parts2  # gluon: the shared parts alone
     grid2 = (tiles2, rows2) if overlap else (rows2, tiles2)
+    down_alpha = _alphas(down_weight_scale_2, down_input_scale)
     if has_shared or not gluon_down:  # with gluon_down, before it (`launch_down_gluon`)
         launcher(_down_kernel)[grid2](
-            h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
-            _alphas(down_weight_scale_2, down_input_scale), y, num_pairs, H, I, h.stride(0),
-            y.stride(0), d_w, E, num_blocks, pairs_per_token, count, num_slots, BLOCK_M=block_m,
+            h, sorted_pair, expert_of_block, down_weight, down_weight_scale, down_alpha, y,
+            num_pairs, H, I, h.stride(0), y.stride(0), d_w, E, num_blocks, pairs_per_token,
+            count, num_slots, BLOCK_M=block_m,
             BLOCK_N=block_n2, BLOCK_K=block_k2, INTERPRETED=_INTERPRETED, VARIANT=variant,
             SHARED=has_shared, SHARED_BLOCK_K=_shared_block_k(I, "down"),
             SHARED_SPLIT=shared_split(block_n2), GATE_UP_TILES=tiles1,
@@ -255,7 +257,7 @@ def _nvfp4_moe_impl(
         )
     if gluon_down:
         launch_down_gluon(h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
-                          _alphas(down_weight_scale_2, None), y, num_pairs, E,
+                          down_alpha, y, num_pairs, E,
                           count if overlap else None, num_slots, tiles1, pdl=bool(pdl))
     if pairs:
         return y  # [T*P, H]

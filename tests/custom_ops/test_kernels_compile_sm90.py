@@ -57,11 +57,12 @@ def compile_sm90(kernel: triton.JITFunction, types: dict[str, str], constexprs: 
     Kernels that take `PDL` compile as `DLMC_PDL=1` launches them unless `constexprs` says
     otherwise: their PTX must then wait for the previous grid (griddepcontrol); `nvfp4_moe`'s
     down kernel with `OVERLAP` waits per slot instead. `nvfp4_moe`'s `moe_overlap` parameters
-    default to off."""
+    and its Gluon-down switches (`H_EVEN_ODD`, `PARTS_ONLY`) default to off."""
     names = kernel.arg_names
     if "PDL" in names and "PDL" not in constexprs:
         constexprs = constexprs | {"PDL": True}
-    overlap = {"OVERLAP": False, "GATE_UP_TILES": 1, "GATE_UP_SPLIT": 1}
+    overlap = {"OVERLAP": False, "GATE_UP_TILES": 1, "GATE_UP_SPLIT": 1, "H_EVEN_ODD": False,
+               "PARTS_ONLY": False}
     constexprs = {k: v for k, v in overlap.items() if k in names} | constexprs
     signature = {name: "constexpr" if name in constexprs else types[name] for name in names}
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in divisible}
@@ -238,6 +239,18 @@ def check_nvfp4_moe_v3() -> None:
             assert conversions[4] < conversions[3], conversions
             assert conversions[6] < conversions[5], conversions
             assert conversions[7] == conversions[6], conversions  # v7: no scale conversion
+    # `H_EVEN_ODD` (h for `_nvfp4_down_gluon`): the 128-column tile reordered in registers, so
+    # its h stores stay 128-bit vectors as without it
+    types = {name: gate_up.get(name, "i32") for name in _gate_up_kernel.arg_names}
+    stores = {}
+    for even_odd in (False, True):
+        ptx = compile_sm90(_gate_up_kernel, types, {
+            "H": 256, "I": 128, "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128,
+            "INTERPRETED": False, "VARIANT": 7, "SHARED": False, "SHARED_BLOCK_K": 64,
+            "SHARED_SPLIT": 4, "H_EVEN_ODD": even_odd}, 4,
+            divisible=(*gate_up, "stride_a", "stride_h")).asm["ptx"]
+        stores[even_odd] = (ptx.count("st.global.v4.b32"), ptx.count("st.global.b16"))
+    assert stores[True] == stores[False] and stores[True][1] == 0, stores
     for variant in (3, 4, 5, 7):
         check_shared_branch_resources(variant, gate_up, down)
     check_nvfp4_moe_overlap(gate_up, down)

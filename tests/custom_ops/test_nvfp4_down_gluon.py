@@ -93,12 +93,13 @@ def dequantized_down(experts: dict[str, torch.Tensor]) -> torch.Tensor:
                                                               (False, 64)])
 def test_wiring_with_a_torch_down_matches_the_reference(monkeypatch, with_shared: bool,
                                                         gate_up_block_n: int) -> None:
-    """gate/up's even-odd h rows (reordered in registers for 128-column N-tiles, stored at
-    scattered columns for narrower ones), read back by the stand-in, and the shared expert's
-    down parts in the Triton kernel (`PARTS_ONLY`) give the reference's output; skewed routing
-    puts 20 tokens on two experts (two 16-slot blocks each). With the per-slot counters (on
-    by default; the interpreter runs them too) every routed block was signalled by all its
-    gate/up programs, and the counters are zero afterwards."""
+    """gate/up's even-odd h rows (reordered in registers in its 128-column N-tiles), read back
+    by the stand-in, and the shared expert's down parts in the Triton kernel (`PARTS_ONLY`)
+    give the reference's output; skewed routing puts 20 tokens on two experts (two 16-slot
+    blocks each). With the per-slot counters (on by default; the interpreter runs them too)
+    every routed block was signalled by all its gate/up programs, and the counters are zero
+    afterwards. Narrower gate/up N-tiles (a launch-config override) keep the Triton down
+    kernel."""
     monkeypatch.setitem(op_module._GATE_UP_BLOCK_N, 7, gate_up_block_n)
     gen = torch.Generator().manual_seed(3)
     experts = random_experts(gen, 4, 128, 128)
@@ -115,7 +116,7 @@ def test_wiring_with_a_torch_down_matches_the_reference(monkeypatch, with_shared
                                                                    calls))
     with kernel_variant(7):
         out = nvfp4_moe(*args, **shared)
-    assert calls == [1]
+    assert calls == ([1] if gate_up_block_n == 128 else [])
     assert_matches_reference(out, nvfp4_moe_reference(*args, **shared))
     assert int(counters.abs().sum()) == 0  # zero again between launches (`moe_overlap`)
 
