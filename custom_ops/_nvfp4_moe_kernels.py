@@ -27,7 +27,8 @@ def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
                     VARIANT: tl.constexpr, SHARED: tl.constexpr, SHARED_BLOCK_K: tl.constexpr,
                     SHARED_SPLIT: tl.constexpr, OVERLAP: tl.constexpr = False,
-                    PDL: tl.constexpr = False, H_EVEN_ODD: tl.constexpr = False):
+                    PDL: tl.constexpr = False, H_EVEN_ODD: tl.constexpr = False,
+                    PARTS_ONLY: tl.constexpr = False):
     """h[slot, n] = silu(gate) * up for the slots of one M-block and one N-tile of I (routed
     rows: each 128 columns even first, then odd, with `H_EVEN_ODD`, BLOCK_N 128,
     `_nvfp4_down_gluon`). `SHARED`:
@@ -35,9 +36,13 @@ def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s,
     (`moe_shared_parts`, h rows from `num_blocks * BLOCK_M` on), run first (the rows in reverse
     order: heavier per byte than FP4 blocks, they start first instead of last); blocks of
     expert `shared_id` exit. `OVERLAP`: each program signals its slot in `count_ptr` (a routing
-    block, or `num_blocks` + the parts' token chunk) when its rows are stored."""
+    block, or `num_blocks` + the parts' token chunk) when its rows are stored. `PARTS_ONLY`
+    (with `SHARED`): the grid is the shared expert's parts alone (the routed blocks run in
+    `_nvfp4_moe_gluon`)."""
     pdl_enter(PDL)
     pid_m, pid_n = program(SHARED, OVERLAP)
+    if PARTS_ONLY:
+        pid_m += num_blocks
     if SHARED and pid_m >= num_blocks:
         shared_gate_up_part(a_ptr, shared_gate_w, shared_up_w, h_ptr, pid_m - num_blocks, pid_n,
                             num_pairs, pairs_per_token, a_row_div, num_blocks * BLOCK_M, H, I,

@@ -19,6 +19,7 @@ import torch
 import triton
 
 from dlmc.custom_ops._nvfp4_down_gluon import down_gluon_applies, launch_down_gluon
+from dlmc.custom_ops._nvfp4_moe_gluon import fused_applies, launch_moe_gluon
 from dlmc.custom_ops._nvfp4_moe_kernels import _down_kernel, _gate_up_kernel
 from dlmc.custom_ops._pdl import PDL_LAUNCH, launcher
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
@@ -216,21 +217,27 @@ def _nvfp4_moe_impl(
         x.device, variant, H, I, down_input_scale is not None, OPAQUE_OP, block_m)
     overlap = overlap_active(x.device) and down_input_scale is None
     pdl = PDL_LAUNCH if overlap and overlap_pdl(x.device) else {}
+    # `DLMC_NVFP4_DOWN=fused`: the routed experts' gate/up and down in one Gluon kernel
+    # (`_nvfp4_moe_gluon`), launched last; the shared expert's parts alone in the Triton kernels
+    fused = fused_applies(x.device, variant, H, I, down_input_scale is not None, OPAQUE_OP,
+                          bool(pdl))
     num_slots = num_blocks + shared * -(-T // block_m)
     count = counters(x.device, num_slots) if overlap else expert_of_block  # (unread if not)
     tiles1 = triton.cdiv(I, block_n1)
-    grid1 = (tiles1, num_blocks + parts1) if overlap else (num_blocks + parts1, tiles1)
-    launcher(_gate_up_kernel)[grid1](
-        a, sorted_pair, expert_of_block, gate_weight, gate_weight_scale,
-        up_weight, up_weight_scale,
-        _alphas(gate_weight_scale_2, gate_up_input_scale),
-        _alphas(up_weight_scale_2, gate_up_input_scale), h, num_pairs, a_row_div, H, I,
-        a.stride(0), h.stride(0), g_w, u_w, E, num_blocks, pairs_per_token, count,
-        BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=block_k1, INTERPRETED=_INTERPRETED,
-        VARIANT=variant, SHARED=has_shared, SHARED_BLOCK_K=_shared_block_k(H, "gate_up"),
-        SHARED_SPLIT=shared_split(block_n1), OVERLAP=overlap, H_EVEN_ODD=gluon_down, **pdl,
-        **launch,
-    )
+    rows1 = parts1 if fused else num_blocks + parts1
+    grid1 = (tiles1, rows1) if overlap else (rows1, tiles1)
+    if rows1:
+        launcher(_gate_up_kernel)[grid1](
+            a, sorted_pair, expert_of_block, gate_weight, gate_weight_scale,
+            up_weight, up_weight_scale,
+            _alphas(gate_weight_scale_2, gate_up_input_scale),
+            _alphas(up_weight_scale_2, gate_up_input_scale), h, num_pairs, a_row_div, H, I,
+            a.stride(0), h.stride(0), g_w, u_w, E, num_blocks, pairs_per_token, count,
+            BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=block_k1, INTERPRETED=_INTERPRETED,
+            VARIANT=variant, SHARED=has_shared, SHARED_BLOCK_K=_shared_block_k(H, "gate_up"),
+            SHARED_SPLIT=shared_split(block_n1), OVERLAP=overlap, H_EVEN_ODD=gluon_down,
+            PARTS_ONLY=fused, **pdl, **launch,
+        )
     if down_input_scale is not None:  # the routed rows; the shared expert's (after) stay bf16
         slot_expert = expert_of_block.long().clamp(0, E - 1).repeat_interleave(block_m)  # [S]
         quantized = fake_quantize_activation(h[:routed_rows],
@@ -241,10 +248,11 @@ def _nvfp4_moe_impl(
     _check_tiled_tile(variant, block_k2)
     parts2 = shared_parts(T, block_m, block_n2) if has_shared else 0
     tiles2 = triton.cdiv(H, block_n2)
-    rows2 = parts2 if gluon_down else num_blocks + parts2  # gluon: the shared parts alone
+    parts_only = gluon_down or fused  # the routed blocks in a Gluon kernel
+    rows2 = parts2 if parts_only else num_blocks + parts2
     grid2 = (tiles2, rows2) if overlap else (rows2, tiles2)
     down_alpha = _alphas(down_weight_scale_2, down_input_scale)
-    if has_shared or not gluon_down:  # with gluon_down, before it (`launch_down_gluon`)
+    if rows2:  # with a Gluon kernel, before it (it waits for this launch at its end)
         launcher(_down_kernel)[grid2](
             h, sorted_pair, expert_of_block, down_weight, down_weight_scale, down_alpha, y,
             num_pairs, H, I, h.stride(0), y.stride(0), d_w, E, num_blocks, pairs_per_token,
@@ -252,13 +260,21 @@ def _nvfp4_moe_impl(
             BLOCK_N=block_n2, BLOCK_K=block_k2, INTERPRETED=_INTERPRETED, VARIANT=variant,
             SHARED=has_shared, SHARED_BLOCK_K=_shared_block_k(I, "down"),
             SHARED_SPLIT=shared_split(block_n2), GATE_UP_TILES=tiles1,
-            GATE_UP_SPLIT=shared_split(block_n1), OVERLAP=overlap, PARTS_ONLY=gluon_down, **pdl,
-            **launch,
+            GATE_UP_SPLIT=shared_split(block_n1), OVERLAP=overlap, PARTS_ONLY=parts_only,
+            **pdl, **launch,
         )
     if gluon_down:
         launch_down_gluon(h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
                           down_alpha, y, num_pairs, E,
                           count if overlap else None, num_slots, tiles1, pdl=bool(pdl))
+    if fused:
+        launch_moe_gluon(
+            a, sorted_pair, expert_of_block,
+            (gate_weight, gate_weight_scale, up_weight, up_weight_scale, down_weight,
+             down_weight_scale),
+            (_alphas(gate_weight_scale_2, None), _alphas(up_weight_scale_2, None), down_alpha),
+            h, y, count, num_slots, num_pairs, E, a_row_div,
+            pdl="after" if has_shared else "enter")
     if pairs:
         return y  # [T*P, H]
     return combine_pairs(y, topk_weights, out, has_shared, edges)  # [T, H]

@@ -41,7 +41,7 @@ if not torch.cuda.is_available():  # --smoke on a CPU machine: Triton's interpre
 
 import dlmc.custom_ops.nvfp4_moe as nvfp4_module
 from dlmc.bench.timing import copy_bandwidth_gbps, cuda_times
-from dlmc.custom_ops import _nvfp4_down_gluon
+from dlmc.custom_ops import _nvfp4_down_gluon, _nvfp4_moe_gluon
 from dlmc.custom_ops.nvfp4_moe import (
     _KERNEL_NAME,
     _KERNELS,
@@ -133,6 +133,18 @@ def kernel_times(run: object, layers: int, reps: int = 5) -> dict[str, float]:
             for event in prof.key_averages() if event.device_time_total > 0}
 
 
+def _down_choice(text: str) -> str:
+    """`--downs` entry: triton, gluon, fused or fused:STAGES,PER_SM,MAXNREG."""
+    name, _, config = text.partition(":")
+    ok = name in ("triton", "gluon", "fused") and (not config or (
+        name == "fused" and len(config.split(",")) == 3
+        and all(v.isdigit() for v in config.split(","))))
+    if not ok:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected triton, gluon, fused or fused:STAGES,PER_SM,MAXNREG")
+    return text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[32, 128])
@@ -156,10 +168,12 @@ def main() -> None:
                              "(default: DLMC_NVFP4_KERNEL's)")
     parser.add_argument("--profile", action="store_true",
                         help="also record each kernel's CUDA time per layer (torch.profiler)")
-    parser.add_argument("--downs", nargs="+", choices=["triton", "gluon"],
+    parser.add_argument("--downs", nargs="+", type=_down_choice,
                         default=[_nvfp4_down_gluon.MODE],
                         help="down kernels to time one after the other in this process "
-                             "(DLMC_NVFP4_DOWN; gluon: sm_90 and v7 only)")
+                             "(DLMC_NVFP4_DOWN: triton, gluon or fused; gluon and fused: sm_90 "
+                             "and v7 only); fused:STAGES,PER_SM,MAXNREG sets the fused "
+                             "kernel's ring depth, programs per SM and registers")
     parser.add_argument("--tile-kernel", choices=["both", "gate_up", "down"], default="both",
                         help="which kernel --tiles applies to (the other keeps its default)")
     args = parser.parse_args()
@@ -191,7 +205,10 @@ def main() -> None:
     first_outputs: dict[tuple, torch.Tensor] = {}
     for kernel, down, T, tile in ((k, d, T, t) for k in args.kernels for d in args.downs
                                   for T in args.tokens for t in tiles):
-        _nvfp4_down_gluon.MODE = down
+        _nvfp4_down_gluon.MODE = down.split(":")[0]
+        if ":" in down:  # the fused kernel's launch settings
+            (_nvfp4_moe_gluon.STAGES, _nvfp4_moe_gluon.PROGRAMS_PER_SM,
+             _nvfp4_moe_gluon.MAXNREG) = (int(v) for v in down.split(":")[1].split(","))
         nvfp4_module._TILE = tile
         nvfp4_module._VARIANT = _KERNELS[kernel]
         if T not in inputs:

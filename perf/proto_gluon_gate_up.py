@@ -16,7 +16,10 @@ v7's asm and accumulate gate and up; the epilogue writes `silu(gate) * up` in bf
     python3 perf/proto_gluon_gate_up.py --compile-only       # CPU: lower for sm_90
     python3 perf/proto_gluon_gate_up.py --out perf/results/sNN/proto_gluon_gate_up.json  # H200
 
-Not yet run on a GPU (written after session 24's device time was spent).
+Session 25 (H200, call 2): bit for bit v7; 57.5 µs per layer at 3 stages and 3 programs per
+SM (80 registers) against v7's 58.2, 90-98 µs with 2 programs per SM. The op's fused kernel
+(`custom_ops/_nvfp4_moe_gluon.py`) grew from it; the consumer's work per item is now the fused
+kernel's `_gate_up_item` without the counter (the same code as call 2 measured, moved).
 """
 
 from __future__ import annotations
@@ -29,29 +32,16 @@ import triton
 from offline_sass import disassemble, print_rows, replay_times, run
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from dlmc.custom_ops._nvfp4_down_gluon import (
-    H_OP,
-    MMA,
-    W_OP,
-    _chunk,
-    _decoded_tiles,
     _item,
     ring_barriers,
     shared_layouts,
 )
+from dlmc.custom_ops._nvfp4_moe_gluon import _gate_up_item, gate_up_copies
 
 H, I, BM, K_TOP = 2048, 512, 16, 8
 KSTEPS, TILES = H // 128, I // 128
-# x rows of an 8-slot part, one K-step [8 slots, 128 K]: a thread holds 8 consecutive K
-# (registers: K bits 0-2, then 5-6), lanes K bits 3-4 and the slot; every warp holds all of it
-# (zero warp bases), as the B operand's warps do
-X_L = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 32], [0, 64]],
-    lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
-    warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[8, 128]))
 
 
 @gluon.jit
@@ -64,86 +54,24 @@ def _producer(g_d, gs_d, u_d, us_d, expert_of_block_ptr, sorted_pair_ptr, num_it
         slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr, item,
                                               num_items, num_pairs, shared_id, TILES, BLOCK_M)
         if has_work:
-            run = expert * TILES + tile  # the item's 128-row run of gate (and up) rows
-            for k in range(KSTEPS):
-                s = i % STAGES
-                mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-                bar = ready.index(s)
-                mbarrier.expect(bar, 2 * g_d.block_type.nbytes + 2 * gs_d.block_type.nbytes)
-                # chunk k of the run at byte run * 128 * H/2 + k * 8192 (128-byte rows);
-                # codes at byte run * 128 * H/16 + k * 1024
-                tma.async_copy_global_to_shared(g_d, [run * (H // 2) + k * 64, 0], bar,
-                                                g_buf.index(s))
-                tma.async_copy_global_to_shared(u_d, [run * (H // 2) + k * 64, 0], bar,
-                                                u_buf.index(s))
-                tma.async_copy_global_to_shared(gs_d, [run * (H // 16) + k * 8, 0], bar,
-                                                gs_buf.index(s))
-                tma.async_copy_global_to_shared(us_d, [run * (H // 16) + k * 8, 0], bar,
-                                                us_buf.index(s))
-                i += 1
-
-
-@gluon.jit
-def _x_step(x_ptr, rows, stride_x, k):
-    """The part's x rows, K-step k: bf16 [8, 128] in `X_L`."""
-    cols = k * 128 + gl.arange(0, 128, gl.SliceLayout(0, X_L))
-    return gl.load(x_ptr + gl.expand_dims(rows * stride_x, 1) + gl.expand_dims(cols, 0))
-
-
-@gluon.jit
-def _x_operands(x):
-    """x [8 slots, 128 K] -> the B operands [64 k', 8] of the even-K and odd-K MMAs."""
-    even, odd = gl.split(gl.reshape(x, [8, 64, 2]))
-    return (gl.convert_layout(gl.permute(even, [1, 0]), H_OP),
-            gl.convert_layout(gl.permute(odd, [1, 0]), H_OP))
+            i = gate_up_copies(g_d, gs_d, u_d, us_d, expert * TILES + tile, i, empty, ready,
+                               g_buf, gs_buf, u_buf, us_buf, STAGES, H)
 
 
 @gluon.jit
 def _consumer(x_ptr, expert_of_block_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr,
               num_items, num_pairs, shared_id, stride_x, stride_h, a_row_div, empty, ready,
-              g_buf, gs_buf, u_buf, us_buf, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
-              TILES: gl.constexpr, BLOCK_M: gl.constexpr):
+              g_buf, gs_buf, u_buf, us_buf, STAGES: gl.constexpr, TILES: gl.constexpr,
+              H: gl.constexpr, BLOCK_M: gl.constexpr):
     i = 0  # K-steps consumed so far
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr, item,
                                               num_items, num_pairs, shared_id, TILES, BLOCK_M)
-        if has_work:
-            alpha_g = gl.load(gate_alpha_ptr + expert) * 128.0  # * 2^7: the decode's 2^-7
-            alpha_u = gl.load(up_alpha_ptr + expert) * 128.0
-            pairs_x = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(1, X_L)))
-            rows = gl.where(pairs_x < num_pairs, pairs_x // a_row_div, 0).to(gl.int64)
-            pairs = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(0, MMA)))
-            acc_g = gl.zeros([128, 8], gl.float32, MMA)
-            acc_u = gl.zeros([128, 8], gl.float32, MMA)
-            x_next = _x_step(x_ptr, rows, stride_x, 0)
-            for k in range(KSTEPS):
-                x = x_next
-                if k + 1 < KSTEPS:  # the next K-step's rows, ahead of this step's work
-                    x_next = _x_step(x_ptr, rows, stride_x, k + 1)
-                s = i % STAGES
-                mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-                g_words, g_codes = _chunk(g_buf.index(s), gs_buf.index(s))
-                u_words, u_codes = _chunk(u_buf.index(s), us_buf.index(s))
-                fence_async_shared()
-                mbarrier.arrive(empty.index(s), count=1)
-                x_even, x_odd = _x_operands(x)
-                lo, hi = _decoded_tiles(g_words, g_codes)
-                acc_g = mma_v2(gl.convert_layout(lo, W_OP), x_even, acc_g)
-                acc_g = mma_v2(gl.convert_layout(hi, W_OP), x_odd, acc_g)
-                lo, hi = _decoded_tiles(u_words, u_codes)
-                acc_u = mma_v2(gl.convert_layout(lo, W_OP), x_even, acc_u)
-                acc_u = mma_v2(gl.convert_layout(hi, W_OP), x_odd, acc_u)
-                i += 1
-            g = acc_g * alpha_g
-            u = acc_u * alpha_u
-            h = (g * (1.0 / (1.0 + gl.exp(-g))) * u).to(gl.bfloat16)  # tl.sigmoid's formula
-            n = gl.arange(0, 128, gl.SliceLayout(1, MMA))
-            cols = tile * 128 + (n % 2) * 64 + n // 2  # even columns first (the down kernel's)
-            slots = slot0 + gl.arange(0, 8, gl.SliceLayout(0, MMA))
-            ptrs = (h_ptr + gl.expand_dims(slots.to(gl.int64) * stride_h, 0)
-                    + gl.expand_dims(cols, 1))
-            mask = gl.expand_dims(pairs < num_pairs, 0) & gl.expand_dims(cols >= 0, 1)
-            gl.store(ptrs, h, mask=mask)
+        if has_work:  # the fused kernel's gate/up item, without its counter
+            i = _gate_up_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr,
+                              h_ptr, num_pairs, stride_x, stride_h, a_row_div, slot0, tile,
+                              expert, i, empty, ready, g_buf, gs_buf, u_buf, us_buf, STAGES, H,
+                              BLOCK_M, False)
 
 
 @gluon.jit
@@ -159,8 +87,7 @@ def gate_up_gluon(g_d, gs_d, u_d, us_d, x_ptr, expert_of_block_ptr, sorted_pair_
     gl.warp_specialize([
         (_consumer, (x_ptr, expert_of_block_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr,
                      h_ptr, num_items, num_pairs, shared_id, stride_x, stride_h, a_row_div,
-                     empty, ready, g_buf, gs_buf, u_buf, us_buf, STAGES, KSTEPS, TILES,
-                     BLOCK_M)),
+                     empty, ready, g_buf, gs_buf, u_buf, us_buf, STAGES, TILES, H, BLOCK_M)),
         (_producer, (g_d, gs_d, u_d, us_d, expert_of_block_ptr, sorted_pair_ptr, num_items,
                      num_pairs, shared_id, empty, ready, g_buf, gs_buf, u_buf, us_buf, STAGES,
                      KSTEPS, TILES, H, BLOCK_M)),

@@ -151,11 +151,11 @@ def test_gluon_down_equals_triton_down_gpu(monkeypatch, case: str) -> None:
     assert_matches_reference(out, nvfp4_moe_reference(*op_args(x, ids, w, experts), **shared))
 
 
-@pytest.mark.gpu
-def test_gluon_down_replays_in_a_cuda_graph_gpu(monkeypatch) -> None:
-    """Captured once, replayed on new x and routing: the eager Triton path's output."""
+def assert_graph_replays_like_triton(monkeypatch, mode: str, inter: int) -> None:
+    """`nvfp4_moe` with `DLMC_NVFP4_DOWN=mode`, captured once and replayed on new x and routing,
+    gives the eager Triton path's output bit for bit, and leaves `moe_overlap`'s counters zero."""
     gen = torch.Generator().manual_seed(5)
-    experts = {k: v.to(DEVICE) for k, v in random_experts(gen, 64, 256, 128).items()}
+    experts = {k: v.to(DEVICE) for k, v in random_experts(gen, 64, 256, inter).items()}
     args_of = []
     for _ in range(2):
         x = torch.randn(32, 256, generator=gen).bfloat16().to(DEVICE)
@@ -163,7 +163,7 @@ def test_gluon_down_replays_in_a_cuda_graph_gpu(monkeypatch) -> None:
         args_of.append(op_args(x, ids, w, stored(experts, 7)))
     static = [a.clone() for a in args_of[0]]
     with kernel_variant(7):
-        monkeypatch.setattr(_nvfp4_down_gluon, "MODE", "gluon")
+        monkeypatch.setattr(_nvfp4_down_gluon, "MODE", mode)
         nvfp4_moe(*static)  # warm (compiles the kernels)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -174,5 +174,12 @@ def test_gluon_down_replays_in_a_cuda_graph_gpu(monkeypatch) -> None:
             graph.replay()
             monkeypatch.setattr(_nvfp4_down_gluon, "MODE", "triton")
             expected = nvfp4_moe(*source)
-            monkeypatch.setattr(_nvfp4_down_gluon, "MODE", "gluon")
+            monkeypatch.setattr(_nvfp4_down_gluon, "MODE", mode)
             assert torch.equal(bits(out), bits(expected))
+            assert int(op_module.counters(out.device, 1).abs().sum()) == 0
+
+
+@pytest.mark.gpu
+def test_gluon_down_replays_in_a_cuda_graph_gpu(monkeypatch) -> None:
+    """Captured once, replayed on new x and routing: the eager Triton path's output."""
+    assert_graph_replays_like_triton(monkeypatch, "gluon", 128)

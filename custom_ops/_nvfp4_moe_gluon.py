@@ -1,0 +1,371 @@
+"""`dlmc::nvfp4_moe`'s routed experts (gate/up with SiLU-mul, then down) in one persistent,
+warp-specialized Gluon kernel (`DLMC_NVFP4_DOWN=fused`, sm_90, kernel v7's stored forms).
+
+Work items: first every gate/up item (an 8-slot part of a routing block, a 128-row N-tile of
+I), then every down item (the same parts, 128-row N-tiles of H); program p takes items p,
+p + grid, ... in order. A part whose first slot is padding has no pair and is skipped. The
+producer warp copies weight chunks and block-scale codes with TMA into one ring: a gate/up
+K-step is the gate and up chunks (8 KB each) and their codes (1 KB each); a down ring slot
+holds two K-steps of the down weights in the same buffers. The consumer warps decode the words
+with v7's asm and multiply them as the MMA's A operand with the part's 8 slots as B
+(`_nvfp4_down_gluon`): gate/up reads the part's x rows (gathered per token), stores h (bf16,
+each 128 columns even first) and counts itself done on the routing block's counter
+(`moe_overlap`'s release pattern); a down item spins until the block's gate/up items are all
+done, then reads those h rows from global memory. Every program runs its gate/up items before
+its down items, so a waiting program only waits for work that waits for nothing, provided
+every program is resident at once: the grid is at most what fits (`programs_per_sm` and the
+driver's occupancy calculator). Session 25's first GPU run hung for want of that: Gluon pads
+the five warps to 256 threads, and 3 programs at 96 registers did not fit an SM.
+
+Products and sums are the Triton kernels', bit for bit with 16- and 32-slot routing blocks (GPU
+tests; 64-slot blocks: equal up to summation order, the Triton kernels' 64-row tiles sum
+differently). Measured in the op (H200, perf/README.md session 25): slower than the Triton
+kernels, 121.4 against 98.4 µs per LLaDA2.1-mini layer (the kernel alone ~97 µs against the
+~87 that the gate/up and down prototypes take one after the other): the down items load h
+without prefetch (the prefetch spilled at 80 registers), every program looks up the items
+that have no work, and the shared expert's Triton parts delay programs that share their SMs.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+from dlmc.custom_ops import _nvfp4_down_gluon
+from dlmc.custom_ops._nvfp4_down_gluon import (
+    H_OP,
+    MMA,
+    W_OP,
+    _chunk,
+    _decoded_tiles,
+    _h_step,
+    _item,
+    _wait_rows,
+    ring_barriers,
+    shared_layouts,
+)
+from dlmc.custom_ops._occupancy import resident_programs
+
+__all__ = ["X_L", "fused_applies", "gate_up_copies", "launch_moe_gluon", "programs_per_sm",
+           "x_operands", "x_step"]
+
+# ring depth, programs per SM (at most what fits: `programs_per_sm`), registers per thread (80:
+# no spills in sm_90 SASS, and 3 programs of 256 threads fit in an SM's 64 K registers); the
+# gate/up prototype's best was the same (perf/README.md, session 25)
+STAGES, PROGRAMS_PER_SM, MAXNREG = 3, 3, 80
+STAGE_BYTES = 2 * 8192 + 2 * 1024  # a ring slot: two weight chunks and their codes
+# threads per program: four consumer warps and the producer warp, which Gluon pads to two
+# warpgroups (`.reqntid 256`: `setmaxnreg` moves registers per warpgroup)
+THREADS = 8 * 32
+_PROGRAMS: dict[tuple, int] = {}  # programs per SM, per device and kernel form
+# x rows of an 8-slot part, one K-step [8 slots, 128 K]: a thread holds 8 consecutive K
+# (registers: K bits 0-2, then 5-6), lanes K bits 3-4 and the slot; every warp holds all of it
+# (zero warp bases), as the B operand's warps do
+X_L = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 32], [0, 64]],
+    lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+    warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[8, 128]))
+
+
+@gluon.jit
+def x_step(x_ptr, rows, stride_x, k):
+    """The part's x rows (`rows`, int64 in `SliceLayout(1, X_L)`), K-step k: bf16 [8, 128]."""
+    cols = k * 128 + gl.arange(0, 128, gl.SliceLayout(0, X_L))
+    return gl.load(x_ptr + gl.expand_dims(rows * stride_x, 1) + gl.expand_dims(cols, 0))
+
+
+@gluon.jit
+def x_operands(x):
+    """x [8 slots, 128 K] -> the B operands [64 k', 8] of the even-K and odd-K MMAs."""
+    even, odd = gl.split(gl.reshape(x, [8, 64, 2]))
+    return (gl.convert_layout(gl.permute(even, [1, 0]), H_OP),
+            gl.convert_layout(gl.permute(odd, [1, 0]), H_OP))
+
+
+@gluon.jit
+def gate_up_copies(g_d, gs_d, u_d, us_d, run, i, empty, ready, g_buf, gs_buf, u_buf, us_buf,
+                   STAGES: gl.constexpr, H: gl.constexpr):
+    """The producer's TMA copies of a gate/up item: run `run` (128 gate and up rows) K-step by
+    K-step into ring slots i, i + 1, ...; returns the ring position after it."""
+    for k in range(H // 128):
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        bar = ready.index(s)
+        mbarrier.expect(bar, 2 * g_d.block_type.nbytes + 2 * gs_d.block_type.nbytes)
+        # chunk k of the run at byte run * 128 * H/2 + k * 8192 (128-byte rows); its codes at
+        # byte run * 128 * H/16 + k * 1024
+        tma.async_copy_global_to_shared(g_d, [run * (H // 2) + k * 64, 0], bar, g_buf.index(s))
+        tma.async_copy_global_to_shared(u_d, [run * (H // 2) + k * 64, 0], bar, u_buf.index(s))
+        tma.async_copy_global_to_shared(gs_d, [run * (H // 16) + k * 8, 0], bar,
+                                        gs_buf.index(s))
+        tma.async_copy_global_to_shared(us_d, [run * (H // 16) + k * 8, 0], bar,
+                                        us_buf.index(s))
+        i += 1
+    return i
+
+
+@gluon.jit
+def _producer(g_d, gs_d, u_d, us_d, d_d, ds_d, expert_of_block_ptr, sorted_pair_ptr,
+              gate_up_items, down_items, num_pairs, shared_id, empty, ready, g_buf, gs_buf,
+              u_buf, us_buf, STAGES: gl.constexpr, H: gl.constexpr, I: gl.constexpr,
+              BLOCK_M: gl.constexpr):
+    i = 0  # ring slots filled so far
+    for item in range(gl.program_id(0), gate_up_items + down_items, gl.num_programs(0)):
+        if item < gate_up_items:
+            slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr, item,
+                                                  gate_up_items, num_pairs, shared_id,
+                                                  I // 128, BLOCK_M)
+            if has_work:
+                i = gate_up_copies(g_d, gs_d, u_d, us_d, expert * (I // 128) + tile, i, empty,
+                                   ready, g_buf, gs_buf, u_buf, us_buf, STAGES, H)
+        else:
+            slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr,
+                                                  item - gate_up_items, down_items, num_pairs,
+                                                  shared_id, H // 128, BLOCK_M)
+            if has_work:
+                run = expert * (H // 128) + tile  # the item's 128 down rows
+                for j in gl.static_range(I // 256):  # K-steps 2j and 2j + 1 in one ring slot
+                    s = i % STAGES
+                    mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+                    bar = ready.index(s)
+                    mbarrier.expect(bar, 2 * d_d.block_type.nbytes + 2 * ds_d.block_type.nbytes)
+                    tma.async_copy_global_to_shared(d_d, [run * (I // 2) + 2 * j * 64, 0], bar,
+                                                    g_buf.index(s))
+                    tma.async_copy_global_to_shared(d_d, [run * (I // 2) + 2 * j * 64 + 64, 0],
+                                                    bar, u_buf.index(s))
+                    tma.async_copy_global_to_shared(ds_d, [run * (I // 16) + 2 * j * 8, 0], bar,
+                                                    gs_buf.index(s))
+                    tma.async_copy_global_to_shared(ds_d, [run * (I // 16) + 2 * j * 8 + 8, 0],
+                                                    bar, us_buf.index(s))
+                    i += 1
+
+
+@gluon.jit
+def _gate_up_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr, count_ptr,
+                  num_pairs, stride_x, stride_h, a_row_div, slot0, tile, expert, i, empty,
+                  ready, g_buf, gs_buf, u_buf, us_buf, STAGES: gl.constexpr, H: gl.constexpr,
+                  BLOCK_M: gl.constexpr, SIGNAL: gl.constexpr = True):
+    """h rows slot0..slot0+7, columns tile * 128 + [0, 128) (even columns first), then (with
+    `SIGNAL`) one count on the routing block's counter. Returns the ring position after the
+    item."""
+    alpha_g = gl.load(gate_alpha_ptr + expert) * 128.0  # * 2^7: the decode's 2^-7
+    alpha_u = gl.load(up_alpha_ptr + expert) * 128.0
+    pairs_x = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(1, X_L)))
+    rows = gl.where(pairs_x < num_pairs, pairs_x // a_row_div, 0).to(gl.int64)
+    pairs = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(0, MMA)))
+    acc_g = gl.zeros([128, 8], gl.float32, MMA)
+    acc_u = gl.zeros([128, 8], gl.float32, MMA)
+    x_next = x_step(x_ptr, rows, stride_x, 0)
+    for k in range(H // 128):
+        x = x_next
+        if k + 1 < H // 128:  # the next K-step's rows, ahead of this step's work
+            x_next = x_step(x_ptr, rows, stride_x, k + 1)
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        g_words, g_codes = _chunk(g_buf.index(s), gs_buf.index(s))
+        u_words, u_codes = _chunk(u_buf.index(s), us_buf.index(s))
+        fence_async_shared()
+        mbarrier.arrive(empty.index(s), count=1)
+        x_even, x_odd = x_operands(x)
+        lo, hi = _decoded_tiles(g_words, g_codes)
+        acc_g = mma_v2(gl.convert_layout(lo, W_OP), x_even, acc_g)
+        acc_g = mma_v2(gl.convert_layout(hi, W_OP), x_odd, acc_g)
+        lo, hi = _decoded_tiles(u_words, u_codes)
+        acc_u = mma_v2(gl.convert_layout(lo, W_OP), x_even, acc_u)
+        acc_u = mma_v2(gl.convert_layout(hi, W_OP), x_odd, acc_u)
+        i += 1
+    g = acc_g * alpha_g
+    u = acc_u * alpha_u
+    h = (g * (1.0 / (1.0 + gl.exp(-g))) * u).to(gl.bfloat16)  # tl.sigmoid's formula
+    n = gl.arange(0, 128, gl.SliceLayout(1, MMA))
+    cols = tile * 128 + (n % 2) * 64 + n // 2  # even columns first (what down reads)
+    slots = slot0 + gl.arange(0, 8, gl.SliceLayout(0, MMA))
+    ptrs = h_ptr + gl.expand_dims(slots.to(gl.int64) * stride_h, 0) + gl.expand_dims(cols, 1)
+    mask = gl.expand_dims(pairs < num_pairs, 0) & gl.expand_dims(cols >= 0, 1)
+    gl.store(ptrs, h, mask=mask)
+    if SIGNAL:
+        gl.thread_barrier()  # every consumer thread's stores, then one release count
+        gl.atomic_add(count_ptr + slot0 // BLOCK_M, 1, sem="release", scope="gpu")
+    return i
+
+
+@gluon.jit
+def _down_item(sorted_pair_ptr, alpha_ptr, h_ptr, y_ptr, count_ptr, num_slots, num_pairs,
+               stride_h, stride_y, slot0, tile, expert, i, empty, ready, g_buf, gs_buf, u_buf,
+               us_buf, STAGES: gl.constexpr, H: gl.constexpr, I: gl.constexpr,
+               BLOCK_M: gl.constexpr):
+    """y rows of the part's pairs, columns tile * 128 + [0, 128), once the block's gate/up
+    items have stored its h rows. Returns the ring position after the item."""
+    alpha = gl.load(alpha_ptr + expert) * 128.0
+    pairs = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(0, MMA)))
+    acc = gl.zeros([128, 8], gl.float32, MMA)
+    _wait_rows(count_ptr, num_slots, sorted_pair_ptr, num_pairs, slot0, I // 128, H // 128,
+               BLOCK_M, True)
+    for j in gl.static_range(I // 256):
+        h0_even, h0_odd = _h_step(h_ptr, slot0, stride_h, 2 * j)
+        h1_even, h1_odd = _h_step(h_ptr, slot0, stride_h, 2 * j + 1)
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        words, codes = _chunk(g_buf.index(s), gs_buf.index(s))  # K-step 2j
+        lo, hi = _decoded_tiles(words, codes)
+        acc = mma_v2(gl.convert_layout(lo, W_OP), h0_even, acc)
+        acc = mma_v2(gl.convert_layout(hi, W_OP), h0_odd, acc)
+        words, codes = _chunk(u_buf.index(s), us_buf.index(s))  # K-step 2j + 1
+        fence_async_shared()
+        mbarrier.arrive(empty.index(s), count=1)
+        lo, hi = _decoded_tiles(words, codes)
+        acc = mma_v2(gl.convert_layout(lo, W_OP), h1_even, acc)
+        acc = mma_v2(gl.convert_layout(hi, W_OP), h1_odd, acc)
+        i += 1
+    cols = tile * 128 + gl.arange(0, 128, gl.SliceLayout(1, MMA))
+    ptrs = y_ptr + gl.expand_dims(pairs.to(gl.int64) * stride_y, 0) + gl.expand_dims(cols, 1)
+    mask = gl.expand_dims(pairs < num_pairs, 0) & gl.expand_dims(cols >= 0, 1)
+    gl.store(ptrs, (acc * alpha).to(gl.bfloat16), mask=mask)
+    return i
+
+
+@gluon.jit
+def _consumer(x_ptr, expert_of_block_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr,
+              down_alpha_ptr, h_ptr, y_ptr, count_ptr, num_slots, gate_up_items, down_items,
+              num_pairs, shared_id, stride_x, stride_h, stride_y, a_row_div, empty, ready,
+              g_buf, gs_buf, u_buf, us_buf, STAGES: gl.constexpr, H: gl.constexpr,
+              I: gl.constexpr, BLOCK_M: gl.constexpr):
+    i = 0  # ring slots consumed so far
+    for item in range(gl.program_id(0), gate_up_items + down_items, gl.num_programs(0)):
+        if item < gate_up_items:
+            slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr, item,
+                                                  gate_up_items, num_pairs, shared_id,
+                                                  I // 128, BLOCK_M)
+            if has_work:
+                i = _gate_up_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr,
+                                  count_ptr, num_pairs, stride_x, stride_h, a_row_div, slot0,
+                                  tile, expert, i, empty, ready, g_buf, gs_buf, u_buf, us_buf,
+                                  STAGES, H, BLOCK_M)
+        else:
+            slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr,
+                                                  item - gate_up_items, down_items, num_pairs,
+                                                  shared_id, H // 128, BLOCK_M)
+            if has_work:
+                i = _down_item(sorted_pair_ptr, down_alpha_ptr, h_ptr, y_ptr, count_ptr,
+                               num_slots, num_pairs, stride_h, stride_y, slot0, tile, expert,
+                               i, empty, ready, g_buf, gs_buf, u_buf, us_buf, STAGES, H, I,
+                               BLOCK_M)
+
+
+@gluon.jit
+def _gdc_wait():
+    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def _gdc_launch_dependents():
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, x_ptr, expert_of_block_ptr,
+                      sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, down_alpha_ptr, h_ptr,
+                      y_ptr, count_ptr, num_slots, gate_up_items, down_items, num_pairs,
+                      shared_id, stride_x, stride_h, stride_y, a_row_div,
+                      STAGES: gl.constexpr, H: gl.constexpr, I: gl.constexpr,
+                      BLOCK_M: gl.constexpr, PDL_ENTER: gl.constexpr = False,
+                      PDL_AFTER: gl.constexpr = False):
+    """`PDL_ENTER`: launched with PDL right after the routing (wait for it, then let the next
+    kernel launch). `PDL_AFTER`: launched with PDL after the shared expert's down parts, which
+    come after the routing: let the next kernel launch at once, and finish only after the
+    kernel before has (the combine that follows waits for this one alone)."""
+    if PDL_ENTER:
+        _gdc_wait()
+    if PDL_ENTER or PDL_AFTER:
+        _gdc_launch_dependents()
+    g_buf = gl.allocate_shared_memory(g_d.dtype, [STAGES] + g_d.block_type.shape, g_d.layout)
+    u_buf = gl.allocate_shared_memory(u_d.dtype, [STAGES] + u_d.block_type.shape, u_d.layout)
+    gs_buf = gl.allocate_shared_memory(gs_d.dtype, [STAGES] + gs_d.block_type.shape, gs_d.layout)
+    us_buf = gl.allocate_shared_memory(us_d.dtype, [STAGES] + us_d.block_type.shape, us_d.layout)
+    empty, ready = ring_barriers(STAGES)
+    gl.warp_specialize([
+        (_consumer, (x_ptr, expert_of_block_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr,
+                     down_alpha_ptr, h_ptr, y_ptr, count_ptr, num_slots, gate_up_items,
+                     down_items, num_pairs, shared_id, stride_x, stride_h, stride_y, a_row_div,
+                     empty, ready, g_buf, gs_buf, u_buf, us_buf, STAGES, H, I, BLOCK_M)),
+        (_producer, (g_d, gs_d, u_d, us_d, d_d, ds_d, expert_of_block_ptr, sorted_pair_ptr,
+                     gate_up_items, down_items, num_pairs, shared_id, empty, ready, g_buf,
+                     gs_buf, u_buf, us_buf, STAGES, H, I, BLOCK_M)),
+    ], [1], [40])
+    if PDL_AFTER:
+        _gdc_wait()
+
+
+def fused_applies(device: torch.device, variant: int, hidden: int, inter: int, emulate_w4a4: bool,
+                  opaque: bool, pdl: bool) -> bool:
+    """Whether `nvfp4_moe` runs its routed experts in this kernel: `DLMC_NVFP4_DOWN=fused`,
+    kernel v7's stored forms (`variant` 7; H a multiple of 128, I of 256: a down ring slot
+    holds two K-steps), no W4A4 emulation, the op registered opaque and launching with PDL
+    (`moe_overlap.overlap_pdl`), on a CUDA device of compute capability 9.0."""
+    return (_nvfp4_down_gluon.MODE == "fused" and variant == 7 and hidden % 128 == 0
+            and inter % 256 == 0 and not emulate_w4a4 and opaque and pdl
+            and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0))
+
+
+def programs_per_sm(device: torch.device, stages: int = STAGES, per_sm: int = PROGRAMS_PER_SM,
+                    maxnreg: int = MAXNREG) -> int:
+    """`per_sm`, capped at the programs that fit on one SM together (shared memory: the ring,
+    1 KB for barriers, 1 KB the driver reserves; registers: `maxnreg` for each of `THREADS`).
+    The grid must fit at once: a program's down items wait for other programs' gate/up items
+    (session 25: 3 programs of 256 threads at 96 registers did not fit, and the kernel hung).
+    The launch also asks the driver's occupancy calculator (`_occupancy`)."""
+    props = torch.cuda.get_device_properties(device)  # (sm_90 values if torch lacks a field)
+    by_smem = getattr(props, "shared_memory_per_multiprocessor", 233472) // (
+        stages * STAGE_BYTES + 2048)
+    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (maxnreg * THREADS)
+    return max(1, min(per_sm, by_smem, by_regs))
+
+
+def _descriptors(words: torch.Tensor, codes: torch.Tensor) -> tuple[object, object]:
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    w_l, s_l, _ = shared_layouts()
+    return (TensorDescriptor.from_tensor(words.view(torch.uint8).view(-1, 128), [64, 128], w_l),
+            TensorDescriptor.from_tensor(codes.view(torch.uint8).view(torch.int32).view(-1, 32),
+                                         [8, 32], s_l))
+
+
+def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block: torch.Tensor,
+                     weights: tuple[torch.Tensor, ...], alphas: tuple[torch.Tensor, ...],
+                     h: torch.Tensor, y: torch.Tensor, count: torch.Tensor, num_slots: int,
+                     num_pairs: int, shared_id: int, a_row_div: int, pdl: str = "") -> None:
+    """h[slot] = silu(x @ gate^T) * (x @ up^T) (even-odd columns) and y[pair] = h @ down^T for
+    the routed pairs of the routing (`sorted_pair`, `expert_of_block`: 16-, 32- or 64-slot
+    blocks; blocks of expert `shared_id` skipped). x bf16 `[rows, H]` (pair p reads row
+    p // `a_row_div`); `weights`: gate, gate codes, up, up codes, down, down codes (v7's
+    stored forms, viewed as bytes); `alphas`: fp32 `[E]` gate, up, down; h bf16 `[S, I]`,
+    y bf16 `[P, H]`; `count`: `moe_overlap.counters` (zero; left zero) with `num_slots` slots.
+    `pdl`: "" (plain launch), "enter" (PDL after the routing), "after" (PDL after the shared
+    expert's down parts)."""
+    H, I = x.shape[1], h.shape[1]
+    descs = [d for words, codes in zip(weights[::2], weights[1::2], strict=True)
+             for d in _descriptors(words, codes)]
+    block_m = sorted_pair.shape[0] // expert_of_block.shape[0]
+    parts = expert_of_block.shape[0] * (block_m // 8)
+    args = (*descs, x, expert_of_block, sorted_pair, *alphas, h, y, count, num_slots,
+            parts * (I // 128), parts * (H // 128), num_pairs, shared_id, x.stride(0),
+            h.stride(0), y.stride(0), a_row_div)
+    options = {"STAGES": STAGES, "H": H, "I": I, "BLOCK_M": block_m, "PDL_ENTER": pdl == "enter",
+               "PDL_AFTER": pdl == "after", "num_warps": 4, "maxnreg": MAXNREG,
+               **({"launch_pdl": True} if pdl else {})}
+    key = (x.device, STAGES, PROGRAMS_PER_SM, MAXNREG, H, I, block_m, pdl)
+    if key not in _PROGRAMS:  # compiled (not launched) once per form: what fits at once
+        compiled = _moe_gluon_kernel.warmup(*args, grid=(1,), **options)
+        fit = min(programs_per_sm(x.device, STAGES, PROGRAMS_PER_SM, MAXNREG),
+                  resident_programs(compiled, 32 * compiled.metadata.num_warps))
+        if fit < 1:
+            raise RuntimeError(f"nvfp4_moe: the fused Gluon kernel (STAGES={STAGES}, "
+                               f"MAXNREG={MAXNREG}) does not fit on an SM of {x.device}")
+        _PROGRAMS[key] = fit
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    _moe_gluon_kernel[(sms * _PROGRAMS[key],)](*args, **options)

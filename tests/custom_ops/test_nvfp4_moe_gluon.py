@@ -1,0 +1,228 @@
+"""`DLMC_NVFP4_DOWN=fused`: `nvfp4_moe`'s routed experts (gate/up and down) in one Gluon kernel
+(`_nvfp4_moe_gluon`).
+
+On CPU: the switch's conditions, how many programs fit on an SM, the kernel's sm_90 lowering
+(in a subprocess without `TRITON_INTERPRET`), and the op's wiring with the Gluon launch
+replaced by a torch computation (the shared expert's parts alone in the Triton kernels). On the
+H200 the op's output equals the Triton kernels' bit for bit, eager and replayed in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import dlmc.custom_ops.nvfp4_moe as op_module
+from dlmc.custom_ops import _nvfp4_down_gluon, _nvfp4_moe_gluon
+from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
+from tests.custom_ops.test_nvfp4_down_gluon import (
+    assert_graph_replays_like_triton,
+    dequantized_down,
+)
+from tests.custom_ops.test_nvfp4_moe import (
+    DEVICE,
+    assert_matches_reference,
+    op_args,
+    random_experts,
+    random_routing,
+    shared_expert,
+)
+from tests.custom_ops.test_nvfp4_moe_v4 import bits, kernel_variant
+from tests.custom_ops.test_nvfp4_moe_v5 import stored
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+
+def test_the_switch_applies_only_with_its_conditions(monkeypatch) -> None:
+    monkeypatch.setenv("DLMC_NVFP4_DOWN", "fused")
+    assert _nvfp4_down_gluon._mode() == "fused"
+    monkeypatch.setattr(_nvfp4_down_gluon, "MODE", "fused")
+    applies = _nvfp4_moe_gluon.fused_applies
+    assert not applies(torch.device("cpu"), 7, 2048, 512, False, True, True)  # no GPU
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda")
+    assert applies(cuda, 7, 2048, 512, False, True, True)
+    assert not applies(cuda, 5, 2048, 512, False, True, True)  # v5's stored forms
+    assert not applies(cuda, 7, 2048, 384, False, True, True)  # I not a multiple of 256
+    assert not applies(cuda, 7, 2048, 512, True, True, True)  # W4A4 emulation
+    assert not applies(cuda, 7, 2048, 512, False, False, True)  # op traced by Inductor
+    assert not applies(cuda, 7, 2048, 512, False, True, False)  # no PDL launches
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert not applies(cuda, 7, 2048, 512, False, True, True)  # Blackwell: not tuned there
+    monkeypatch.setattr(_nvfp4_down_gluon, "MODE", "gluon")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert not applies(cuda, 7, 2048, 512, False, True, True)  # the down-only kernel instead
+
+
+def test_programs_per_sm_is_what_fits(monkeypatch) -> None:
+    """The grid must be resident at once (down items wait for other programs' gate/up items):
+    an H200 SM has 228 KB of shared memory and 64 K registers."""
+    h200 = SimpleNamespace(shared_memory_per_multiprocessor=233472, regs_per_multiprocessor=65536)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: h200)
+    fit = _nvfp4_moe_gluon.programs_per_sm
+    cuda = torch.device("cuda")
+    assert fit(cuda, 3, 3, 80) == 3  # the default: asked for, and fits
+    assert fit(cuda, 3, 8, 80) == 3  # 3 x 256 threads x 80 registers of 65536
+    assert fit(cuda, 3, 8, 96) == 2  # 96 registers: 3 x 256 x 96 > 65536 (session 25's hang)
+    assert fit(cuda, 5, 8, 64) == 2  # 5 stages: 2 x (5 x 18 KB + 2 KB) of 228 KB
+    assert fit(cuda, 12, 8, 80) == 1  # never below one
+
+
+def check_lowering() -> None:
+    """The kernel lowers for sm_90 with at most `MAXNREG` registers, no spills, at most the
+    ring plus 1 KB of shared memory (what `programs_per_sm` assumes), and the PDL instructions
+    of each launch form."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from tests.custom_ops.test_kernels_compile_sm90 import resource_usage
+
+    kernel = _nvfp4_moe_gluon._moe_gluon_kernel
+    w, s, _ = _nvfp4_down_gluon.shared_layouts()
+    words, codes = f"tensordesc<u8[64, 128],{w!r}>", f"tensordesc<i32[8, 32],{s!r}>"
+    types = {"g_d": words, "gs_d": codes, "u_d": words, "us_d": codes, "d_d": words,
+             "ds_d": codes, "x_ptr": "*bf16", "expert_of_block_ptr": "*i32",
+             "sorted_pair_ptr": "*i32", "gate_alpha_ptr": "*fp32", "up_alpha_ptr": "*fp32",
+             "down_alpha_ptr": "*fp32", "h_ptr": "*bf16", "y_ptr": "*bf16", "count_ptr": "*i32"}
+    stages = _nvfp4_moe_gluon.STAGES
+    for pdl, block_m in (("enter", 16), ("after", 16), ("", 64)):
+        consts = {"STAGES": stages, "H": 2048, "I": 512, "BLOCK_M": block_m,
+                  "PDL_ENTER": pdl == "enter", "PDL_AFTER": pdl == "after"}
+        signature = {name: types.get(name, "i32") for name in kernel.arg_names}
+        signature |= dict.fromkeys(consts, "constexpr")
+        compiled = triton_compile(GluonASTSource(kernel, signature, consts),
+                                  target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": 4, "maxnreg": _nvfp4_moe_gluon.MAXNREG})
+        usage = resource_usage(compiled)
+        assert usage["REG"] <= _nvfp4_moe_gluon.MAXNREG and usage["LOCAL"] == 0, usage
+        assert compiled.metadata.shared <= stages * _nvfp4_moe_gluon.STAGE_BYTES + 1024
+        ptx = compiled.asm["ptx"]
+        assert ptx.count("griddepcontrol.wait") == (1 if pdl else 0), pdl
+        assert ("griddepcontrol.launch_dependents" in ptx) == bool(pdl), pdl
+        assert ptx.count("mma.sync.aligned.m16n8k16") >= 6  # gate, up (x2), down (x2 steps)
+        assert ".reqntid 256" in ptx  # `THREADS`: what `programs_per_sm` counts registers for
+        assert 32 * compiled.metadata.num_warps == _nvfp4_moe_gluon.THREADS
+
+
+def triton_compile(*args, **kwargs):
+    import triton
+
+    return triton.compile(*args, **kwargs)
+
+
+def test_the_kernel_lowers_for_sm90() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", "from tests.custom_ops.test_nvfp4_moe_gluon "
+                             "import check_lowering; check_lowering()"], env=env, timeout=300,
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+
+
+def dequantized(experts: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """`name` ("gate", "up", "down") dequantized to fp32 `[E, N, K]`, global scale included."""
+    return dequantized_down({"down_weight": experts[f"{name}_weight"],
+                             "down_weight_scale": experts[f"{name}_weight_scale"],
+                             "down_weight_scale_2": experts[f"{name}_weight_scale_2"]})
+
+
+def torch_fused(experts: dict[str, torch.Tensor], calls: list[str]):
+    """A stand-in for `launch_moe_gluon` on the CPU: every routed pair's h row (even-odd
+    columns, bf16) and y row (bf16) from x, blocks of the shared expert skipped; it also checks
+    that the routed blocks' counters are zero at the launch (the shared parts' counters were
+    zeroed by their down parts, which ran before it)."""
+    gate, up, down = (dequantized(experts, name) for name in ("gate", "up", "down"))
+
+    def launch(x, sorted_pair, expert_of_block, weights, alphas, h, y, count, num_slots,
+               num_pairs, shared_id, a_row_div, pdl=""):
+        calls.append(pdl)
+        assert int(count[:2 * num_slots].abs().sum()) == 0
+        block_m = sorted_pair.shape[0] // expert_of_block.shape[0]
+        for block, expert in enumerate(expert_of_block.tolist()):
+            if expert < 0 or expert == shared_id:
+                continue
+            for slot in range(block_m * block, block_m * block + block_m):
+                pair = int(sorted_pair[slot])
+                if pair >= num_pairs:
+                    continue
+                row = x[pair // a_row_div].float()
+                g, u = gate[expert] @ row, up[expert] @ row
+                natural = (g * torch.sigmoid(g) * u).bfloat16()
+                h[slot] = natural.view(-1, 64, 2).transpose(1, 2).reshape(-1)  # even first
+                y[pair] = (down[expert] @ natural.float()).bfloat16()
+
+    return launch
+
+
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_wiring_with_a_torch_fused_matches_the_reference(monkeypatch, with_shared: bool) -> None:
+    """The Gluon launch comes last ("after" the shared expert's Triton parts, or "enter" right
+    after the routing), the Triton kernels run the shared expert's parts alone, and the output
+    is the reference's; skewed routing puts 20 tokens on two experts."""
+    gen = torch.Generator().manual_seed(6)
+    experts = random_experts(gen, 4, 128, 256)
+    x = torch.randn(20, 128, generator=gen).bfloat16().to(DEVICE)
+    ids, w = random_routing(gen, 20, 4, 2, skew=True)
+    args = op_args(x, ids, w, experts)
+    shared = {}
+    if with_shared:
+        shared = shared_expert(gen, x, nvfp4_moe_reference(*args), 128, 256)
+    calls: list[str] = []
+    counters = op_module.counters(torch.device(DEVICE), 1)
+    monkeypatch.setattr(op_module, "fused_applies", lambda *a: True)
+    monkeypatch.setattr(op_module, "launch_moe_gluon", torch_fused(experts, calls))
+    with kernel_variant(7):
+        out = nvfp4_moe(*args, **shared)
+    assert calls == ["after" if with_shared else "enter"]
+    assert_matches_reference(out, nvfp4_moe_reference(*args, **shared))
+    assert int(counters.abs().sum()) == 0
+
+
+def fused_against_triton(monkeypatch, experts, x, ids, w, shared,
+                         bitwise: bool = True) -> torch.Tensor:
+    """The fused kernel's output against the Triton kernels': bit for bit (`bitwise`), or up
+    to summation order (64-slot blocks: the Triton kernels' 64-row tiles sum in another order,
+    perf/README.md session 25)."""
+    args = op_args(x, ids, w, stored(experts, 7))
+    with kernel_variant(7):
+        triton_out = nvfp4_moe(*args, **shared)
+        monkeypatch.setattr(_nvfp4_down_gluon, "MODE", "fused")
+        fused_out = nvfp4_moe(*args, **shared)
+        monkeypatch.setattr(_nvfp4_down_gluon, "MODE", "triton")
+    if bitwise:
+        assert torch.equal(bits(fused_out), bits(triton_out))
+    else:
+        assert_matches_reference(fused_out, triton_out)
+    assert int(op_module.counters(x.device, 1).abs().sum()) == 0
+    return fused_out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["llada", "skewed", "one_token", "shared", "prompt"])
+def test_fused_equals_the_triton_kernels_gpu(monkeypatch, case: str) -> None:
+    """Bit for bit the Triton kernels: LLaDA2.1-mini shapes with uniform routing (32 x top-8 of
+    256), every token on the same 8 experts (full blocks, both 8-slot parts), one token, with
+    the shared expert's parts; a 256-token prompt chunk (64-slot routing blocks) up to
+    summation order."""
+    gen = torch.Generator().manual_seed(4)
+    E, H, I, T = (256, 2048, 512, 32) if case in ("llada", "shared") else (8, 256, 256, 16)
+    T = {"one_token": 1, "prompt": 256}.get(case, T)
+    experts = {k: v.to(DEVICE) for k, v in random_experts(gen, E, H, I).items()}
+    x = torch.randn(T, H, generator=gen).bfloat16().to(DEVICE)
+    ids, w = random_routing(gen, T, E, 8 if E > 8 else 4, skew=case == "skewed")
+    shared = {}
+    if case == "shared":
+        shared = shared_expert(gen, x, nvfp4_moe_reference(*op_args(x, ids, w, experts)), H, I)
+    out = fused_against_triton(monkeypatch, experts, x, ids, w, shared, case != "prompt")
+    assert_matches_reference(out, nvfp4_moe_reference(*op_args(x, ids, w, experts), **shared))
+
+
+@pytest.mark.gpu
+def test_fused_replays_in_a_cuda_graph_gpu(monkeypatch) -> None:
+    """Captured once, replayed on new x and routing: the eager Triton path's output, and the
+    counters zero after each replay."""
+    assert_graph_replays_like_triton(monkeypatch, "fused", 256)
