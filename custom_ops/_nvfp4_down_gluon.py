@@ -146,22 +146,25 @@ def _h_step(h_ptr, slot0, stride_h, k):
 
 
 @gluon.jit
-def _live_parts(sorted_pair_ptr, num_pairs, block, BLOCK_M: gl.constexpr):
-    """How many 8-slot parts of routing block `block` hold a pair (pairs come first)."""
-    parts = gl.arange(0, BLOCK_M // 8, gl.BlockedLayout([1], [32], [4], [0]))
+def _live_parts(sorted_pair_ptr, num_pairs, block, BLOCK_M: gl.constexpr,
+                WARPS: gl.constexpr = 4):
+    """How many 8-slot parts of routing block `block` hold a pair (pairs come first); `WARPS`:
+    the calling partition's warps."""
+    parts = gl.arange(0, BLOCK_M // 8, gl.BlockedLayout([1], [32], [WARPS], [0]))
     firsts = gl.load(sorted_pair_ptr + block * BLOCK_M + parts * 8)
     return gl.sum((firsts < num_pairs).to(gl.int32), axis=0)
 
 
 @gluon.jit
 def _wait_rows(count_ptr, num_slots, sorted_pair_ptr, num_pairs, slot0, writers,
-               TILES: gl.constexpr, BLOCK_M: gl.constexpr, PER_PART: gl.constexpr = False):
+               TILES: gl.constexpr, BLOCK_M: gl.constexpr, PER_PART: gl.constexpr = False,
+               WARPS: gl.constexpr = 4):
     """`moe_overlap.wait` for this kernel: spin until the `writers` gate/up programs of the
     item's routing block (`PER_PART`: `writers` per part that holds a pair) have stored its h
     rows, then count this reader; the last of the block's readers (TILES items per 8-slot part
     that holds a pair) zeroes its counters."""
     block = slot0 // BLOCK_M
-    live = _live_parts(sorted_pair_ptr, num_pairs, block, BLOCK_M)
+    live = _live_parts(sorted_pair_ptr, num_pairs, block, BLOCK_M, WARPS)
     readers = TILES * live
     if PER_PART:
         writers = writers * live

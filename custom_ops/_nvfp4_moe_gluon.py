@@ -2,28 +2,30 @@
 warp-specialized Gluon kernel (`DLMC_NVFP4_DOWN=fused`, sm_90, kernel v7's stored forms).
 
 Work items: first every gate/up item (an 8-slot part of a routing block, a 128-row N-tile of
-I), then every down item (the same parts, 128-row N-tiles of H); program p takes items p,
-p + grid, ... in order. A part whose first slot is padding has no pair and is skipped. The
-producer warp copies weight chunks and block-scale codes with TMA into one ring: a gate/up
-K-step is the gate and up chunks (8 KB each) and their codes (1 KB each); a down ring slot
-holds two K-steps of the down weights in the same buffers. The consumer warps decode the words
-with v7's asm and multiply them as the MMA's A operand with the part's 8 slots as B
-(`_nvfp4_down_gluon`): gate/up reads the part's x rows (gathered per token), stores h (bf16,
-each 128 columns even first) and counts itself done on the routing block's counter
-(`moe_overlap`'s release pattern); a down item spins until the block's gate/up items are all
-done, then reads those h rows from global memory. Every program runs its gate/up items before
-its down items, so a waiting program only waits for work that waits for nothing, provided
-every program is resident at once: the grid is at most what fits (`programs_per_sm` and the
-driver's occupancy calculator). Session 25's first GPU run hung for want of that: Gluon pads
-the five warps to 256 threads, and 3 programs at 96 registers did not fit an SM.
+I), then every down item (the same parts, 128-row N-tiles of H); program p walks items p,
+p + grid, ... in order. The producer warp skips the items without work (parts whose first slot
+is padding, unused blocks) and fills a ring with TMA copies, each slot tagged with its item
+and expert (`item * 1024 + expert`; -1 ends the consumers' loop), so the consumers see only
+real work. A gate/up ring slot is one K-step: the gate and up chunks (8 KB each) and their
+codes (1 KB each). A down slot is two K-steps of the down weights in the same buffers plus the
+part's h rows (four 1 KB halves): before copying h for a down item the producer spins until
+the routing block's gate/up items have counted themselves done (`moe_overlap`'s counters,
+release / acquire, then a proxy fence for TMA), while that slot's weights are already in
+flight. The consumer warps decode the words with v7's asm and multiply them as the MMA's A
+operand with the part's 8 slots as B (`_nvfp4_down_gluon`); gate/up reads the part's x rows
+(gathered per token), stores h (bf16, each 128 columns even first) and counts itself done.
+Every program's gate/up items come before its down items, so a spin waits only for work that
+waits for nothing, provided every program is resident at once: the grid is at most what fits
+(`programs_per_sm` and the driver's occupancy calculator). Session 25's first GPU run hung for
+want of that: Gluon pads the five warps to 256 threads, and 3 programs at 96 registers did not
+fit an SM.
 
-Products and sums are the Triton kernels', bit for bit with 16- and 32-slot routing blocks (GPU
-tests; 64-slot blocks: equal up to summation order, the Triton kernels' 64-row tiles sum
-differently). Measured in the op (H200, perf/README.md session 25): slower than the Triton
-kernels, 121.4 against 98.4 µs per LLaDA2.1-mini layer (the kernel alone ~97 µs against the
-~87 that the gate/up and down prototypes take one after the other): the down items load h
-without prefetch (the prefetch spilled at 80 registers), every program looks up the items
-that have no work, and the shared expert's Triton parts delay programs that share their SMs.
+Session 25 measured the first form of this kernel (commit 65cf2a6: every program's consumers
+walked every item, and down items loaded h from global memory after their own spin): bit for
+bit the Triton kernels with 16- and 32-slot routing blocks (64-slot blocks: equal up to
+summation order, the Triton kernels' 64-row tiles sum differently), but slower, 121.4 against
+98.4 µs per LLaDA2.1-mini layer (perf/README.md). This form (tagged slots, h by TMA after the
+producer's spin) lowers for sm_90 at 80 registers without spills and has **not run on a GPU**.
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ from dlmc.custom_ops._nvfp4_down_gluon import (
     W_OP,
     _chunk,
     _decoded_tiles,
-    _h_step,
     _item,
     _wait_rows,
     ring_barriers,
@@ -56,7 +57,8 @@ __all__ = ["X_L", "fused_applies", "gate_up_copies", "launch_moe_gluon", "progra
 # no spills in sm_90 SASS, and 3 programs of 256 threads fit in an SM's 64 K registers); the
 # gate/up prototype's best was the same (perf/README.md, session 25)
 STAGES, PROGRAMS_PER_SM, MAXNREG = 3, 3, 80
-STAGE_BYTES = 2 * 8192 + 2 * 1024  # a ring slot: two weight chunks and their codes
+# a ring slot: two weight chunks and their codes, and (down items) four 1 KB halves of h rows
+STAGE_BYTES = 2 * 8192 + 2 * 1024 + 4 * 1024
 # threads per program: four consumer warps and the producer warp, which Gluon pads to two
 # warpgroups (`.reqntid 256`: `setmaxnreg` moves registers per warpgroup)
 THREADS = 8 * 32
@@ -68,6 +70,8 @@ X_L = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [0, 4], [0, 32], [0, 64]],
     lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
     warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[8, 128]))
+TAG_L = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))  # the producer warp's tag store
+TAGS = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # a slot's tag: a rank-1 view
 
 
 @gluon.jit
@@ -86,13 +90,22 @@ def x_operands(x):
 
 
 @gluon.jit
+def _tag_slot(ids, s, tag):
+    """The producer writes ring slot s's item tag (`item * 1024 + expert`, -1: no more items)
+    before the slot's arrival on `ready` (the same thread: the arrival releases it)."""
+    ids.index(s).store(gl.full([1], tag, gl.int32, TAG_L))
+
+
+@gluon.jit
 def gate_up_copies(g_d, gs_d, u_d, us_d, run, i, empty, ready, g_buf, gs_buf, u_buf, us_buf,
-                   STAGES: gl.constexpr, H: gl.constexpr):
+                   ids, tag, STAGES: gl.constexpr, H: gl.constexpr):
     """The producer's TMA copies of a gate/up item: run `run` (128 gate and up rows) K-step by
-    K-step into ring slots i, i + 1, ...; returns the ring position after it."""
+    K-step into ring slots i, i + 1, ..., each tagged `tag`; returns the ring position after
+    it."""
     for k in range(H // 128):
         s = i % STAGES
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        _tag_slot(ids, s, tag)
         bar = ready.index(s)
         mbarrier.expect(bar, 2 * g_d.block_type.nbytes + 2 * gs_d.block_type.nbytes)
         # chunk k of the run at byte run * 128 * H/2 + k * 8192 (128-byte rows); its codes at
@@ -108,10 +121,47 @@ def gate_up_copies(g_d, gs_d, u_d, us_d, run, i, empty, ready, g_buf, gs_buf, u_
 
 
 @gluon.jit
-def _producer(g_d, gs_d, u_d, us_d, d_d, ds_d, expert_of_block_ptr, sorted_pair_ptr,
-              gate_up_items, down_items, num_pairs, shared_id, empty, ready, g_buf, gs_buf,
-              u_buf, us_buf, STAGES: gl.constexpr, H: gl.constexpr, I: gl.constexpr,
-              BLOCK_M: gl.constexpr):
+def _down_copies(d_d, ds_d, h_d, count_ptr, num_slots, sorted_pair_ptr, num_pairs, slot0, run,
+                 i, empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf, ids, tag,
+                 STAGES: gl.constexpr, H: gl.constexpr, I: gl.constexpr,
+                 BLOCK_M: gl.constexpr):
+    """The producer's copies of a down item, two K-steps per ring slot: the weight chunks and
+    codes first; then (first slot) a spin until the routing block's gate/up items have stored
+    its h rows (`_wait_rows`: this warp counts as the item's reader) and a proxy fence, so
+    that TMA reads those rows; then the part's h rows of both K-steps (even and odd halves)."""
+    for j in gl.static_range(I // 256):
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        _tag_slot(ids, s, tag)
+        bar = ready.index(s)
+        mbarrier.expect(bar, 2 * d_d.block_type.nbytes + 2 * ds_d.block_type.nbytes
+                        + 4 * h_d.block_type.nbytes)
+        tma.async_copy_global_to_shared(d_d, [run * (I // 2) + 2 * j * 64, 0], bar,
+                                        g_buf.index(s))
+        tma.async_copy_global_to_shared(d_d, [run * (I // 2) + 2 * j * 64 + 64, 0], bar,
+                                        u_buf.index(s))
+        tma.async_copy_global_to_shared(ds_d, [run * (I // 16) + 2 * j * 8, 0], bar,
+                                        gs_buf.index(s))
+        tma.async_copy_global_to_shared(ds_d, [run * (I // 16) + 2 * j * 8 + 8, 0], bar,
+                                        us_buf.index(s))
+        if j == 0:
+            _wait_rows(count_ptr, num_slots, sorted_pair_ptr, num_pairs, slot0, I // 128,
+                       H // 128, BLOCK_M, True, 1)
+            _fence_proxy_async_global()
+        for q in gl.static_range(4):  # K-step 2j + q // 2, half q % 2
+            tma.async_copy_global_to_shared(h_d, [slot0, (2 * j + q // 2) * 128 + (q % 2) * 64],
+                                            bar, h_buf.index(4 * s + q))
+        i += 1
+    return i
+
+
+@gluon.jit
+def _producer(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, expert_of_block_ptr, sorted_pair_ptr,
+              count_ptr, num_slots, gate_up_items, down_items, num_pairs, shared_id, empty,
+              ready, g_buf, gs_buf, u_buf, us_buf, h_buf, ids, STAGES: gl.constexpr,
+              H: gl.constexpr, I: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Walks the program's items, skips those without work, and fills the ring for the rest,
+    each slot tagged with its item; a last slot tagged -1 ends the consumers' loop."""
     i = 0  # ring slots filled so far
     for item in range(gl.program_id(0), gate_up_items + down_items, gl.num_programs(0)):
         if item < gate_up_items:
@@ -120,27 +170,21 @@ def _producer(g_d, gs_d, u_d, us_d, d_d, ds_d, expert_of_block_ptr, sorted_pair_
                                                   I // 128, BLOCK_M)
             if has_work:
                 i = gate_up_copies(g_d, gs_d, u_d, us_d, expert * (I // 128) + tile, i, empty,
-                                   ready, g_buf, gs_buf, u_buf, us_buf, STAGES, H)
+                                   ready, g_buf, gs_buf, u_buf, us_buf, ids,
+                                   item * 1024 + expert, STAGES, H)
         else:
             slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr,
                                                   item - gate_up_items, down_items, num_pairs,
                                                   shared_id, H // 128, BLOCK_M)
             if has_work:
-                run = expert * (H // 128) + tile  # the item's 128 down rows
-                for j in gl.static_range(I // 256):  # K-steps 2j and 2j + 1 in one ring slot
-                    s = i % STAGES
-                    mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-                    bar = ready.index(s)
-                    mbarrier.expect(bar, 2 * d_d.block_type.nbytes + 2 * ds_d.block_type.nbytes)
-                    tma.async_copy_global_to_shared(d_d, [run * (I // 2) + 2 * j * 64, 0], bar,
-                                                    g_buf.index(s))
-                    tma.async_copy_global_to_shared(d_d, [run * (I // 2) + 2 * j * 64 + 64, 0],
-                                                    bar, u_buf.index(s))
-                    tma.async_copy_global_to_shared(ds_d, [run * (I // 16) + 2 * j * 8, 0], bar,
-                                                    gs_buf.index(s))
-                    tma.async_copy_global_to_shared(ds_d, [run * (I // 16) + 2 * j * 8 + 8, 0],
-                                                    bar, us_buf.index(s))
-                    i += 1
+                i = _down_copies(d_d, ds_d, h_d, count_ptr, num_slots, sorted_pair_ptr,
+                                 num_pairs, slot0, expert * (H // 128) + tile, i, empty, ready,
+                                 g_buf, gs_buf, u_buf, us_buf, h_buf, ids,
+                                 item * 1024 + expert, STAGES, H, I, BLOCK_M)
+    s = i % STAGES
+    mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+    _tag_slot(ids, s, -1)
+    mbarrier.arrive(ready.index(s), count=1)
 
 
 @gluon.jit
@@ -193,32 +237,30 @@ def _gate_up_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr, c
 
 
 @gluon.jit
-def _down_item(sorted_pair_ptr, alpha_ptr, h_ptr, y_ptr, count_ptr, num_slots, num_pairs,
-               stride_h, stride_y, slot0, tile, expert, i, empty, ready, g_buf, gs_buf, u_buf,
-               us_buf, STAGES: gl.constexpr, H: gl.constexpr, I: gl.constexpr,
-               BLOCK_M: gl.constexpr):
-    """y rows of the part's pairs, columns tile * 128 + [0, 128), once the block's gate/up
-    items have stored its h rows. Returns the ring position after the item."""
+def _down_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, slot0, tile, expert, i,
+               empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf, STAGES: gl.constexpr,
+               I: gl.constexpr):
+    """y rows of the part's pairs, columns tile * 128 + [0, 128), from the ring (weights,
+    codes and the part's h rows, two K-steps per slot). Returns the ring position after it."""
     alpha = gl.load(alpha_ptr + expert) * 128.0
     pairs = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(0, MMA)))
     acc = gl.zeros([128, 8], gl.float32, MMA)
-    _wait_rows(count_ptr, num_slots, sorted_pair_ptr, num_pairs, slot0, I // 128, H // 128,
-               BLOCK_M, True)
-    for j in gl.static_range(I // 256):
-        h0_even, h0_odd = _h_step(h_ptr, slot0, stride_h, 2 * j)
-        h1_even, h1_odd = _h_step(h_ptr, slot0, stride_h, 2 * j + 1)
+    for _ in gl.static_range(I // 256):
         s = i % STAGES
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        words, codes = _chunk(g_buf.index(s), gs_buf.index(s))  # K-step 2j
-        lo, hi = _decoded_tiles(words, codes)
-        acc = mma_v2(gl.convert_layout(lo, W_OP), h0_even, acc)
-        acc = mma_v2(gl.convert_layout(hi, W_OP), h0_odd, acc)
-        words, codes = _chunk(u_buf.index(s), us_buf.index(s))  # K-step 2j + 1
-        fence_async_shared()
-        mbarrier.arrive(empty.index(s), count=1)
-        lo, hi = _decoded_tiles(words, codes)
-        acc = mma_v2(gl.convert_layout(lo, W_OP), h1_even, acc)
-        acc = mma_v2(gl.convert_layout(hi, W_OP), h1_odd, acc)
+        for step in gl.static_range(2):  # K-steps 2j (gate buffers) and 2j + 1 (up buffers)
+            if step == 0:
+                words, codes = _chunk(g_buf.index(s), gs_buf.index(s))
+            else:
+                words, codes = _chunk(u_buf.index(s), us_buf.index(s))
+            h_even = h_buf.index(4 * s + 2 * step).permute([1, 0]).load(H_OP)
+            h_odd = h_buf.index(4 * s + 2 * step + 1).permute([1, 0]).load(H_OP)
+            if step == 1:
+                fence_async_shared()
+                mbarrier.arrive(empty.index(s), count=1)
+            lo, hi = _decoded_tiles(words, codes)
+            acc = mma_v2(gl.convert_layout(lo, W_OP), h_even, acc)
+            acc = mma_v2(gl.convert_layout(hi, W_OP), h_odd, acc)
         i += 1
     cols = tile * 128 + gl.arange(0, 128, gl.SliceLayout(1, MMA))
     ptrs = y_ptr + gl.expand_dims(pairs.to(gl.int64) * stride_y, 0) + gl.expand_dims(cols, 1)
@@ -228,31 +270,37 @@ def _down_item(sorted_pair_ptr, alpha_ptr, h_ptr, y_ptr, count_ptr, num_slots, n
 
 
 @gluon.jit
-def _consumer(x_ptr, expert_of_block_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr,
-              down_alpha_ptr, h_ptr, y_ptr, count_ptr, num_slots, gate_up_items, down_items,
-              num_pairs, shared_id, stride_x, stride_h, stride_y, a_row_div, empty, ready,
-              g_buf, gs_buf, u_buf, us_buf, STAGES: gl.constexpr, H: gl.constexpr,
-              I: gl.constexpr, BLOCK_M: gl.constexpr):
+def _tag(ids, ready, i, STAGES: gl.constexpr):
+    """The tag of ring slot i (waiting for the slot first)."""
+    s = i % STAGES
+    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+    return gl.max(ids.index(s).load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
+
+
+@gluon.jit
+def _consumer(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, down_alpha_ptr, h_ptr,
+              y_ptr, count_ptr, gate_up_items, num_pairs, stride_x, stride_h, stride_y,
+              a_row_div, empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf, ids,
+              STAGES: gl.constexpr, H: gl.constexpr, I: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Runs the items the producer tagged, in its order, until the tag -1."""
+    PARTS: gl.constexpr = BLOCK_M // 8
     i = 0  # ring slots consumed so far
-    for item in range(gl.program_id(0), gate_up_items + down_items, gl.num_programs(0)):
+    tag = _tag(ids, ready, i, STAGES)
+    while tag >= 0:
+        item, expert = tag // 1024, tag % 1024
         if item < gate_up_items:
-            slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr, item,
-                                                  gate_up_items, num_pairs, shared_id,
-                                                  I // 128, BLOCK_M)
-            if has_work:
-                i = _gate_up_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr,
-                                  count_ptr, num_pairs, stride_x, stride_h, a_row_div, slot0,
-                                  tile, expert, i, empty, ready, g_buf, gs_buf, u_buf, us_buf,
-                                  STAGES, H, BLOCK_M)
+            slot0 = (item // (PARTS * (I // 128))) * BLOCK_M + ((item // (I // 128)) % PARTS) * 8
+            i = _gate_up_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr,
+                              count_ptr, num_pairs, stride_x, stride_h, a_row_div, slot0,
+                              item % (I // 128), expert, i, empty, ready, g_buf, gs_buf, u_buf,
+                              us_buf, STAGES, H, BLOCK_M)
         else:
-            slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr,
-                                                  item - gate_up_items, down_items, num_pairs,
-                                                  shared_id, H // 128, BLOCK_M)
-            if has_work:
-                i = _down_item(sorted_pair_ptr, down_alpha_ptr, h_ptr, y_ptr, count_ptr,
-                               num_slots, num_pairs, stride_h, stride_y, slot0, tile, expert,
-                               i, empty, ready, g_buf, gs_buf, u_buf, us_buf, STAGES, H, I,
-                               BLOCK_M)
+            d = item - gate_up_items
+            slot0 = (d // (PARTS * (H // 128))) * BLOCK_M + ((d // (H // 128)) % PARTS) * 8
+            i = _down_item(sorted_pair_ptr, down_alpha_ptr, y_ptr, num_pairs, stride_y, slot0,
+                           d % (H // 128), expert, i, empty, ready, g_buf, gs_buf, u_buf,
+                           us_buf, h_buf, STAGES, I)
+        tag = _tag(ids, ready, i, STAGES)
 
 
 @gluon.jit
@@ -268,7 +316,15 @@ def _gdc_launch_dependents():
 
 
 @gluon.jit
-def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, x_ptr, expert_of_block_ptr,
+def _fence_proxy_async_global():
+    """Global memory that this thread has acquired (generic proxy) becomes visible to its
+    TMA reads (async proxy)."""
+    gl.inline_asm_elementwise("fence.proxy.async.global; // dummy $0", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_ptr, expert_of_block_ptr,
                       sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, down_alpha_ptr, h_ptr,
                       y_ptr, count_ptr, num_slots, gate_up_items, down_items, num_pairs,
                       shared_id, stride_x, stride_h, stride_y, a_row_div,
@@ -287,27 +343,33 @@ def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, x_ptr, expert_of_block_pt
     u_buf = gl.allocate_shared_memory(u_d.dtype, [STAGES] + u_d.block_type.shape, u_d.layout)
     gs_buf = gl.allocate_shared_memory(gs_d.dtype, [STAGES] + gs_d.block_type.shape, gs_d.layout)
     us_buf = gl.allocate_shared_memory(us_d.dtype, [STAGES] + us_d.block_type.shape, us_d.layout)
+    h_buf = gl.allocate_shared_memory(h_d.dtype, [4 * STAGES] + h_d.block_type.shape,
+                                      h_d.layout)
+    ids = gl.allocate_shared_memory(gl.int32, [STAGES, 1], TAGS)  # one tag per ring slot
     empty, ready = ring_barriers(STAGES)
     gl.warp_specialize([
-        (_consumer, (x_ptr, expert_of_block_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr,
-                     down_alpha_ptr, h_ptr, y_ptr, count_ptr, num_slots, gate_up_items,
-                     down_items, num_pairs, shared_id, stride_x, stride_h, stride_y, a_row_div,
-                     empty, ready, g_buf, gs_buf, u_buf, us_buf, STAGES, H, I, BLOCK_M)),
-        (_producer, (g_d, gs_d, u_d, us_d, d_d, ds_d, expert_of_block_ptr, sorted_pair_ptr,
-                     gate_up_items, down_items, num_pairs, shared_id, empty, ready, g_buf,
-                     gs_buf, u_buf, us_buf, STAGES, H, I, BLOCK_M)),
+        (_consumer, (x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, down_alpha_ptr,
+                     h_ptr, y_ptr, count_ptr, gate_up_items, num_pairs, stride_x, stride_h,
+                     stride_y, a_row_div, empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf,
+                     ids, STAGES, H, I, BLOCK_M)),
+        (_producer, (g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, expert_of_block_ptr,
+                     sorted_pair_ptr, count_ptr, num_slots, gate_up_items, down_items,
+                     num_pairs, shared_id, empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf,
+                     ids, STAGES, H, I, BLOCK_M)),
     ], [1], [40])
     if PDL_AFTER:
         _gdc_wait()
 
 
 def fused_applies(device: torch.device, variant: int, hidden: int, inter: int, emulate_w4a4: bool,
-                  opaque: bool, pdl: bool) -> bool:
+                  opaque: bool, pdl: bool, num_experts: int = 0) -> bool:
     """Whether `nvfp4_moe` runs its routed experts in this kernel: `DLMC_NVFP4_DOWN=fused`,
     kernel v7's stored forms (`variant` 7; H a multiple of 128, I of 256: a down ring slot
     holds two K-steps), no W4A4 emulation, the op registered opaque and launching with PDL
-    (`moe_overlap.overlap_pdl`), on a CUDA device of compute capability 9.0."""
+    (`moe_overlap.overlap_pdl`), fewer than 1024 experts (the ring's item tags), on a CUDA
+    device of compute capability 9.0."""
     return (_nvfp4_down_gluon.MODE == "fused" and variant == 7 and hidden % 128 == 0
+            and num_experts < 1024
             and inter % 256 == 0 and not emulate_w4a4 and opaque and pdl
             and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0))
 
@@ -347,11 +409,18 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
     y bf16 `[P, H]`; `count`: `moe_overlap.counters` (zero; left zero) with `num_slots` slots.
     `pdl`: "" (plain launch), "enter" (PDL after the routing), "after" (PDL after the shared
     expert's down parts)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
     H, I = x.shape[1], h.shape[1]
     descs = [d for words, codes in zip(weights[::2], weights[1::2], strict=True)
              for d in _descriptors(words, codes)]
+    descs.append(TensorDescriptor.from_tensor(h, [8, 64], shared_layouts()[2]))
     block_m = sorted_pair.shape[0] // expert_of_block.shape[0]
     parts = expert_of_block.shape[0] * (block_m // 8)
+    if parts * (H // 128 + I // 128) >= 2**21 or shared_id >= 1024:  # the slot tags' range
+        raise ValueError(f"nvfp4_moe: the fused Gluon kernel tags items as item * 1024 + expert "
+                         f"in int32: {parts * (H // 128 + I // 128)} items (< 2^21) and "
+                         f"{shared_id} experts (< 1024) do not fit")
     args = (*descs, x, expert_of_block, sorted_pair, *alphas, h, y, count, num_slots,
             parts * (I // 128), parts * (H // 128), num_pairs, shared_id, x.stride(0),
             h.stride(0), y.stride(0), a_row_div)

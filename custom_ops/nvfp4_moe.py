@@ -220,7 +220,7 @@ def _nvfp4_moe_impl(
     # `DLMC_NVFP4_DOWN=fused`: the routed experts' gate/up and down in one Gluon kernel
     # (`_nvfp4_moe_gluon`), launched last; the shared expert's parts alone in the Triton kernels
     fused = fused_applies(x.device, variant, H, I, down_input_scale is not None, OPAQUE_OP,
-                          bool(pdl))
+                          bool(pdl), E)
     num_slots = num_blocks + shared * -(-T // block_m)
     count = counters(x.device, num_slots) if overlap else expert_of_block  # (unread if not)
     tiles1 = triton.cdiv(I, block_n1)

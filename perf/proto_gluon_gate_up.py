@@ -38,7 +38,7 @@ from dlmc.custom_ops._nvfp4_down_gluon import (
     ring_barriers,
     shared_layouts,
 )
-from dlmc.custom_ops._nvfp4_moe_gluon import _gate_up_item, gate_up_copies
+from dlmc.custom_ops._nvfp4_moe_gluon import TAGS, _gate_up_item, gate_up_copies
 
 H, I, BM, K_TOP = 2048, 512, 16, 8
 KSTEPS, TILES = H // 128, I // 128
@@ -46,7 +46,7 @@ KSTEPS, TILES = H // 128, I // 128
 
 @gluon.jit
 def _producer(g_d, gs_d, u_d, us_d, expert_of_block_ptr, sorted_pair_ptr, num_items, num_pairs,
-              shared_id, empty, ready, g_buf, gs_buf, u_buf, us_buf, STAGES: gl.constexpr,
+              shared_id, empty, ready, g_buf, gs_buf, u_buf, us_buf, ids, STAGES: gl.constexpr,
               KSTEPS: gl.constexpr, TILES: gl.constexpr, H: gl.constexpr,
               BLOCK_M: gl.constexpr):
     i = 0  # K-steps copied so far (the ring position)
@@ -55,7 +55,7 @@ def _producer(g_d, gs_d, u_d, us_d, expert_of_block_ptr, sorted_pair_ptr, num_it
                                               num_items, num_pairs, shared_id, TILES, BLOCK_M)
         if has_work:
             i = gate_up_copies(g_d, gs_d, u_d, us_d, expert * TILES + tile, i, empty, ready,
-                               g_buf, gs_buf, u_buf, us_buf, STAGES, H)
+                               g_buf, gs_buf, u_buf, us_buf, ids, 0, STAGES, H)
 
 
 @gluon.jit
@@ -83,13 +83,14 @@ def gate_up_gluon(g_d, gs_d, u_d, us_d, x_ptr, expert_of_block_ptr, sorted_pair_
     u_buf = gl.allocate_shared_memory(u_d.dtype, [STAGES] + u_d.block_type.shape, u_d.layout)
     gs_buf = gl.allocate_shared_memory(gs_d.dtype, [STAGES] + gs_d.block_type.shape, gs_d.layout)
     us_buf = gl.allocate_shared_memory(us_d.dtype, [STAGES] + us_d.block_type.shape, us_d.layout)
+    ids = gl.allocate_shared_memory(gl.int32, [STAGES, 1], TAGS)  # the copies' tags (unread)
     empty, ready = ring_barriers(STAGES)
     gl.warp_specialize([
         (_consumer, (x_ptr, expert_of_block_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr,
                      h_ptr, num_items, num_pairs, shared_id, stride_x, stride_h, a_row_div,
                      empty, ready, g_buf, gs_buf, u_buf, us_buf, STAGES, TILES, H, BLOCK_M)),
         (_producer, (g_d, gs_d, u_d, us_d, expert_of_block_ptr, sorted_pair_ptr, num_items,
-                     num_pairs, shared_id, empty, ready, g_buf, gs_buf, u_buf, us_buf, STAGES,
+                     num_pairs, shared_id, empty, ready, g_buf, gs_buf, u_buf, us_buf, ids, STAGES,
                      KSTEPS, TILES, H, BLOCK_M)),
     ], [1], [40])
 

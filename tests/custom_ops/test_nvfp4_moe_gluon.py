@@ -52,6 +52,7 @@ def test_the_switch_applies_only_with_its_conditions(monkeypatch) -> None:
     assert not applies(cuda, 7, 2048, 512, True, True, True)  # W4A4 emulation
     assert not applies(cuda, 7, 2048, 512, False, False, True)  # op traced by Inductor
     assert not applies(cuda, 7, 2048, 512, False, True, False)  # no PDL launches
+    assert not applies(cuda, 7, 2048, 512, False, True, True, 1024)  # item tags: < 1024 experts
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
     assert not applies(cuda, 7, 2048, 512, False, True, True)  # Blackwell: not tuned there
     monkeypatch.setattr(_nvfp4_down_gluon, "MODE", "gluon")
@@ -67,9 +68,10 @@ def test_programs_per_sm_is_what_fits(monkeypatch) -> None:
     fit = _nvfp4_moe_gluon.programs_per_sm
     cuda = torch.device("cuda")
     assert fit(cuda, 3, 3, 80) == 3  # the default: asked for, and fits
-    assert fit(cuda, 3, 8, 80) == 3  # 3 x 256 threads x 80 registers of 65536
+    assert fit(cuda, 3, 8, 80) == 3  # 3 x (3 x 22 KB + 2 KB) of 228 KB; 3 x 256 x 80 registers
     assert fit(cuda, 3, 8, 96) == 2  # 96 registers: 3 x 256 x 96 > 65536 (session 25's hang)
-    assert fit(cuda, 5, 8, 64) == 2  # 5 stages: 2 x (5 x 18 KB + 2 KB) of 228 KB
+    assert fit(cuda, 2, 8, 64) == 4  # 64 registers: 4 x 256 x 64; 4 x (2 x 22 KB + 2 KB)
+    assert fit(cuda, 5, 8, 64) == 2  # 5 stages: 2 x (5 x 22 KB + 2 KB) of 228 KB
     assert fit(cuda, 12, 8, 80) == 1  # never below one
 
 
@@ -83,10 +85,11 @@ def check_lowering() -> None:
     from tests.custom_ops.test_kernels_compile_sm90 import resource_usage
 
     kernel = _nvfp4_moe_gluon._moe_gluon_kernel
-    w, s, _ = _nvfp4_down_gluon.shared_layouts()
+    w, s, h = _nvfp4_down_gluon.shared_layouts()
     words, codes = f"tensordesc<u8[64, 128],{w!r}>", f"tensordesc<i32[8, 32],{s!r}>"
     types = {"g_d": words, "gs_d": codes, "u_d": words, "us_d": codes, "d_d": words,
-             "ds_d": codes, "x_ptr": "*bf16", "expert_of_block_ptr": "*i32",
+             "ds_d": codes, "h_d": f"tensordesc<bf16[8, 64],{h!r}>", "x_ptr": "*bf16",
+             "expert_of_block_ptr": "*i32",
              "sorted_pair_ptr": "*i32", "gate_alpha_ptr": "*fp32", "up_alpha_ptr": "*fp32",
              "down_alpha_ptr": "*fp32", "h_ptr": "*bf16", "y_ptr": "*bf16", "count_ptr": "*i32"}
     stages = _nvfp4_moe_gluon.STAGES
