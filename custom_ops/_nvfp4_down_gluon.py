@@ -85,19 +85,25 @@ def down_gluon_applies(device: torch.device, variant: int, hidden: int, inter: i
 
 
 @gluon.jit
+def _place(item, TILES: gl.constexpr, BLOCK_M: gl.constexpr):
+    """(first slot, N-tile) of a work item: an 8-slot part of a routing block of `BLOCK_M`
+    slots and one of `TILES` N-tiles, the tile fastest, then the part, then the block."""
+    PARTS: gl.constexpr = BLOCK_M // 8
+    slot0 = (item // (PARTS * TILES)) * BLOCK_M + ((item // TILES) % PARTS) * 8
+    return slot0, item % TILES
+
+
+@gluon.jit
 def _item(expert_of_block_ptr, sorted_pair_ptr, item, num_items, num_pairs, shared_id,
           TILES: gl.constexpr, BLOCK_M: gl.constexpr):
-    """(first slot, N-tile, expert) of a work item (an 8-slot part of a routing block of
-    `BLOCK_M` slots and an N-tile) and whether it has work: a routed expert's block whose part
-    starts with a pair."""
-    PARTS: gl.constexpr = BLOCK_M // 8
-    block = item // (PARTS * TILES)
-    slot0 = block * BLOCK_M + ((item // TILES) % PARTS) * 8
+    """(first slot, N-tile, expert) of a work item (`_place`) and whether it has work: a
+    routed expert's block whose part starts with a pair."""
+    slot0, tile = _place(item, TILES, BLOCK_M)
     live = item < num_items
-    expert = gl.load(expert_of_block_ptr + block, mask=live, other=-1)
+    expert = gl.load(expert_of_block_ptr + slot0 // BLOCK_M, mask=live, other=-1)
     first = gl.load(sorted_pair_ptr + slot0, mask=live, other=num_pairs)
     has_work = (expert >= 0) & (expert != shared_id) & (first < num_pairs)
-    return slot0, item % TILES, expert, has_work
+    return slot0, tile, expert, has_work
 
 
 @gluon.jit

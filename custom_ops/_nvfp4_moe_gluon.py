@@ -44,6 +44,7 @@ from dlmc.custom_ops._nvfp4_down_gluon import (
     _chunk,
     _decoded_tiles,
     _item,
+    _place,
     _wait_rows,
     ring_barriers,
     shared_layouts,
@@ -57,6 +58,7 @@ __all__ = ["X_L", "fused_applies", "gate_up_copies", "launch_moe_gluon", "progra
 # no spills in sm_90 SASS, and 3 programs of 256 threads fit in an SM's 64 K registers); the
 # gate/up prototype's best was the same (perf/README.md, session 25)
 STAGES, PROGRAMS_PER_SM, MAXNREG = 3, 3, 80
+TICKETS = False  # items by a ticket counter instead of by program (not yet measured)
 # a ring slot: two weight chunks and their codes, and (down items) four 1 KB halves of h rows
 STAGE_BYTES = 2 * 8192 + 2 * 1024 + 4 * 1024
 # threads per program: four consumer warps and the producer warp, which Gluon pads to two
@@ -159,11 +161,25 @@ def _down_copies(d_d, ds_d, h_d, count_ptr, num_slots, sorted_pair_ptr, num_pair
 def _producer(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, expert_of_block_ptr, sorted_pair_ptr,
               count_ptr, num_slots, gate_up_items, down_items, num_pairs, shared_id, empty,
               ready, g_buf, gs_buf, u_buf, us_buf, h_buf, ids, STAGES: gl.constexpr,
-              H: gl.constexpr, I: gl.constexpr, BLOCK_M: gl.constexpr):
-    """Walks the program's items, skips those without work, and fills the ring for the rest,
-    each slot tagged with its item; a last slot tagged -1 ends the consumers' loop."""
+              H: gl.constexpr, I: gl.constexpr, BLOCK_M: gl.constexpr,
+              TICKETS: gl.constexpr):
+    """Walks its items (`TICKETS`: the next unclaimed item from the ticket counter after the
+    block counters, taken one item ahead; else program p's items p, p + grid, ...), skips
+    those without work, and fills the ring for the rest, each slot tagged with its item; a last
+    slot tagged -1 ends the consumers' loop. The program whose ticket is the launch's last
+    zeroes the ticket counter."""
+    total = gate_up_items + down_items
+    ticket = count_ptr + 2 * num_slots
+    if TICKETS:
+        item = gl.atomic_add(ticket, 1, sem="relaxed", scope="gpu")
+    else:
+        item = gl.program_id(0)
     i = 0  # ring slots filled so far
-    for item in range(gl.program_id(0), gate_up_items + down_items, gl.num_programs(0)):
+    while item < total:
+        if TICKETS:
+            after = gl.atomic_add(ticket, 1, sem="relaxed", scope="gpu")  # read after the copies
+        else:
+            after = item + gl.num_programs(0)
         if item < gate_up_items:
             slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr, item,
                                                   gate_up_items, num_pairs, shared_id,
@@ -181,6 +197,10 @@ def _producer(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, expert_of_block_ptr, sorted_
                                  num_pairs, slot0, expert * (H // 128) + tile, i, empty, ready,
                                  g_buf, gs_buf, u_buf, us_buf, h_buf, ids,
                                  item * 1024 + expert, STAGES, H, I, BLOCK_M)
+        item = after
+    if TICKETS:  # every program takes one ticket past the items: the last of those resets
+        if item == total + gl.num_programs(0) - 1:
+            gl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
     s = i % STAGES
     mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
     _tag_slot(ids, s, -1)
@@ -283,23 +303,21 @@ def _consumer(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, down_alpha_p
               a_row_div, empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf, ids,
               STAGES: gl.constexpr, H: gl.constexpr, I: gl.constexpr, BLOCK_M: gl.constexpr):
     """Runs the items the producer tagged, in its order, until the tag -1."""
-    PARTS: gl.constexpr = BLOCK_M // 8
     i = 0  # ring slots consumed so far
     tag = _tag(ids, ready, i, STAGES)
     while tag >= 0:
         item, expert = tag // 1024, tag % 1024
         if item < gate_up_items:
-            slot0 = (item // (PARTS * (I // 128))) * BLOCK_M + ((item // (I // 128)) % PARTS) * 8
+            slot0, tile = _place(item, I // 128, BLOCK_M)
             i = _gate_up_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr,
-                              count_ptr, num_pairs, stride_x, stride_h, a_row_div, slot0,
-                              item % (I // 128), expert, i, empty, ready, g_buf, gs_buf, u_buf,
-                              us_buf, STAGES, H, BLOCK_M)
+                              count_ptr, num_pairs, stride_x, stride_h, a_row_div, slot0, tile,
+                              expert, i, empty, ready, g_buf, gs_buf, u_buf, us_buf, STAGES, H,
+                              BLOCK_M)
         else:
-            d = item - gate_up_items
-            slot0 = (d // (PARTS * (H // 128))) * BLOCK_M + ((d // (H // 128)) % PARTS) * 8
+            slot0, tile = _place(item - gate_up_items, H // 128, BLOCK_M)
             i = _down_item(sorted_pair_ptr, down_alpha_ptr, y_ptr, num_pairs, stride_y, slot0,
-                           d % (H // 128), expert, i, empty, ready, g_buf, gs_buf, u_buf,
-                           us_buf, h_buf, STAGES, I)
+                           tile, expert, i, empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf,
+                           STAGES, I)
         tag = _tag(ids, ready, i, STAGES)
 
 
@@ -330,11 +348,13 @@ def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_ptr, expert_of_blo
                       shared_id, stride_x, stride_h, stride_y, a_row_div,
                       STAGES: gl.constexpr, H: gl.constexpr, I: gl.constexpr,
                       BLOCK_M: gl.constexpr, PDL_ENTER: gl.constexpr = False,
-                      PDL_AFTER: gl.constexpr = False):
+                      PDL_AFTER: gl.constexpr = False, TICKETS: gl.constexpr = False):
     """`PDL_ENTER`: launched with PDL right after the routing (wait for it, then let the next
     kernel launch). `PDL_AFTER`: launched with PDL after the shared expert's down parts, which
     come after the routing: let the next kernel launch at once, and finish only after the
-    kernel before has (the combine that follows waits for this one alone)."""
+    kernel before has (the combine that follows waits for this one alone). `TICKETS`: items
+    handed out by a counter (`count_ptr[2 * num_slots]`, zero between launches) instead of by
+    program: balanced, and free of deadlock whatever number of programs is resident."""
     if PDL_ENTER:
         _gdc_wait()
     if PDL_ENTER or PDL_AFTER:
@@ -355,7 +375,7 @@ def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_ptr, expert_of_blo
         (_producer, (g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, expert_of_block_ptr,
                      sorted_pair_ptr, count_ptr, num_slots, gate_up_items, down_items,
                      num_pairs, shared_id, empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf,
-                     ids, STAGES, H, I, BLOCK_M)),
+                     ids, STAGES, H, I, BLOCK_M, TICKETS)),
     ], [1], [40])
     if PDL_AFTER:
         _gdc_wait()
@@ -406,7 +426,8 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
     blocks; blocks of expert `shared_id` skipped). x bf16 `[rows, H]` (pair p reads row
     p // `a_row_div`); `weights`: gate, gate codes, up, up codes, down, down codes (v7's
     stored forms, viewed as bytes); `alphas`: fp32 `[E]` gate, up, down; h bf16 `[S, I]`,
-    y bf16 `[P, H]`; `count`: `moe_overlap.counters` (zero; left zero) with `num_slots` slots.
+    y bf16 `[P, H]`; `count`: `moe_overlap.counters` for `num_slots` slots and the ticket
+    counter after them (`2 * num_slots + 1` entries, zero; left zero).
     `pdl`: "" (plain launch), "enter" (PDL after the routing), "after" (PDL after the shared
     expert's down parts)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -425,9 +446,12 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
             parts * (I // 128), parts * (H // 128), num_pairs, shared_id, x.stride(0),
             h.stride(0), y.stride(0), a_row_div)
     options = {"STAGES": STAGES, "H": H, "I": I, "BLOCK_M": block_m, "PDL_ENTER": pdl == "enter",
-               "PDL_AFTER": pdl == "after", "num_warps": 4, "maxnreg": MAXNREG,
-               **({"launch_pdl": True} if pdl else {})}
-    key = (x.device, STAGES, PROGRAMS_PER_SM, MAXNREG, H, I, block_m, pdl)
+               "PDL_AFTER": pdl == "after", "TICKETS": TICKETS, "num_warps": 4,
+               "maxnreg": MAXNREG, **({"launch_pdl": True} if pdl else {})}
+    key = (x.device, STAGES, PROGRAMS_PER_SM, MAXNREG, TICKETS, H, I, block_m, pdl)
+    if count.numel() < 2 * num_slots + 1:
+        raise ValueError(f"nvfp4_moe: the fused Gluon kernel needs {2 * num_slots + 1} counters "
+                         f"(`moe_overlap.counters(device, num_slots + 1)`), got {count.numel()}")
     if key not in _PROGRAMS:  # compiled (not launched) once per form: what fits at once
         compiled = _moe_gluon_kernel.warmup(*args, grid=(1,), **options)
         fit = min(programs_per_sm(x.device, STAGES, PROGRAMS_PER_SM, MAXNREG),

@@ -222,7 +222,8 @@ def _nvfp4_moe_impl(
     fused = fused_applies(x.device, variant, H, I, down_input_scale is not None, OPAQUE_OP,
                           bool(pdl), E)
     num_slots = num_blocks + shared * -(-T // block_m)
-    count = counters(x.device, num_slots) if overlap else expert_of_block  # (unread if not)
+    # (unread without overlap; fused: one more slot's room, for its ticket counter)
+    count = counters(x.device, num_slots + int(fused)) if overlap else expert_of_block
     tiles1 = triton.cdiv(I, block_n1)
     rows1 = parts1 if fused else num_blocks + parts1
     grid1 = (tiles1, rows1) if overlap else (rows1, tiles1)

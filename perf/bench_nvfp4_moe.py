@@ -134,14 +134,14 @@ def kernel_times(run: object, layers: int, reps: int = 5) -> dict[str, float]:
 
 
 def _down_choice(text: str) -> str:
-    """`--downs` entry: triton, gluon, fused or fused:STAGES,PER_SM,MAXNREG."""
+    """`--downs` entry: triton, gluon, fused or fused:STAGES,PER_SM,MAXNREG[,TICKETS]."""
     name, _, config = text.partition(":")
     ok = name in ("triton", "gluon", "fused") and (not config or (
-        name == "fused" and len(config.split(",")) == 3
+        name == "fused" and len(config.split(",")) in (3, 4)
         and all(v.isdigit() for v in config.split(","))))
     if not ok:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: expected triton, gluon, fused or fused:STAGES,PER_SM,MAXNREG")
+            f"{text!r}: expected triton, gluon, fused or fused:STAGES,PER_SM,MAXNREG[,TICKETS]")
     return text
 
 
@@ -172,8 +172,9 @@ def main() -> None:
                         default=[_nvfp4_down_gluon.MODE],
                         help="down kernels to time one after the other in this process "
                              "(DLMC_NVFP4_DOWN: triton, gluon or fused; gluon and fused: sm_90 "
-                             "and v7 only); fused:STAGES,PER_SM,MAXNREG sets the fused "
-                             "kernel's ring depth, programs per SM and registers")
+                             "and v7 only); fused:STAGES,PER_SM,MAXNREG[,TICKETS] sets the "
+                             "fused kernel's ring depth, programs per SM, registers and (1) "
+                             "items by a ticket counter")
     parser.add_argument("--tile-kernel", choices=["both", "gate_up", "down"], default="both",
                         help="which kernel --tiles applies to (the other keeps its default)")
     args = parser.parse_args()
@@ -207,8 +208,10 @@ def main() -> None:
                                   for T in args.tokens for t in tiles):
         _nvfp4_down_gluon.MODE = down.split(":")[0]
         if ":" in down:  # the fused kernel's launch settings
+            values = [int(v) for v in down.split(":")[1].split(",")]
             (_nvfp4_moe_gluon.STAGES, _nvfp4_moe_gluon.PROGRAMS_PER_SM,
-             _nvfp4_moe_gluon.MAXNREG) = (int(v) for v in down.split(":")[1].split(","))
+             _nvfp4_moe_gluon.MAXNREG) = values[:3]
+            _nvfp4_moe_gluon.TICKETS = bool(values[3]) if len(values) > 3 else False
         nvfp4_module._TILE = tile
         nvfp4_module._VARIANT = _KERNELS[kernel]
         if T not in inputs:

@@ -32,7 +32,7 @@ fused)  # call 5 (carry .whl): the fused kernel (3 programs of 256 threads at 80
     tests/custom_ops/test_nvfp4_moe_gluon.py > "$OUT/gpu_tests_fused.txt" 2>&1
   echo "gpu tests rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests_fused.txt"
   DOWNS=(triton gluon fused)
-  for config in ${FUSED:-4,2,80 2,3,80}; do DOWNS+=("fused:$config"); done
+  for config in ${FUSED:-3,3,80,1 2,3,80}; do DOWNS+=("fused:$config"); done
   timeout 150 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 60 --profile --shared-expert \
     --downs "${DOWNS[@]}" --out "$OUT/op_fused.json" > "$OUT/op_fused.txt" 2>&1
   echo "op rc=$?"; grep -E "^kernel=" "$OUT/op_fused.txt" | cut -c 1-600

@@ -93,9 +93,9 @@ def check_lowering() -> None:
              "sorted_pair_ptr": "*i32", "gate_alpha_ptr": "*fp32", "up_alpha_ptr": "*fp32",
              "down_alpha_ptr": "*fp32", "h_ptr": "*bf16", "y_ptr": "*bf16", "count_ptr": "*i32"}
     stages = _nvfp4_moe_gluon.STAGES
-    for pdl, block_m in (("enter", 16), ("after", 16), ("", 64)):
+    for pdl, block_m, tickets in (("enter", 16, False), ("after", 16, True), ("", 64, True)):
         consts = {"STAGES": stages, "H": 2048, "I": 512, "BLOCK_M": block_m,
-                  "PDL_ENTER": pdl == "enter", "PDL_AFTER": pdl == "after"}
+                  "PDL_ENTER": pdl == "enter", "PDL_AFTER": pdl == "after", "TICKETS": tickets}
         signature = {name: types.get(name, "i32") for name in kernel.arg_names}
         signature |= dict.fromkeys(consts, "constexpr")
         compiled = triton_compile(GluonASTSource(kernel, signature, consts),
@@ -109,6 +109,9 @@ def check_lowering() -> None:
         assert ("griddepcontrol.launch_dependents" in ptx) == bool(pdl), pdl
         assert ptx.count("mma.sync.aligned.m16n8k16") >= 6  # gate, up (x2), down (x2 steps)
         assert ".reqntid 256" in ptx  # `THREADS`: what `programs_per_sm` counts registers for
+        # the ticket counter: two increments (the first item, one ahead) and the last's reset
+        assert ("atom.global.gpu.relaxed.exch" in ptx or "atom.relaxed.gpu.global.exch" in ptx
+                or ptx.count("exch") >= 3) == tickets or not tickets
         assert 32 * compiled.metadata.num_warps == _nvfp4_moe_gluon.THREADS
 
 
@@ -137,13 +140,14 @@ def torch_fused(experts: dict[str, torch.Tensor], calls: list[str]):
     """A stand-in for `launch_moe_gluon` on the CPU: every routed pair's h row (even-odd
     columns, bf16) and y row (bf16) from x, blocks of the shared expert skipped; it also checks
     that the routed blocks' counters are zero at the launch (the shared parts' counters were
-    zeroed by their down parts, which ran before it)."""
+    zeroed by their down parts, which ran before it), with room for the ticket counter."""
     gate, up, down = (dequantized(experts, name) for name in ("gate", "up", "down"))
 
     def launch(x, sorted_pair, expert_of_block, weights, alphas, h, y, count, num_slots,
                num_pairs, shared_id, a_row_div, pdl=""):
         calls.append(pdl)
-        assert int(count[:2 * num_slots].abs().sum()) == 0
+        assert count.numel() >= 2 * num_slots + 1  # the ticket counter's room
+        assert int(count[:2 * num_slots + 1].abs().sum()) == 0
         block_m = sorted_pair.shape[0] // expert_of_block.shape[0]
         for block, expert in enumerate(expert_of_block.tolist()):
             if expert < 0 or expert == shared_id:
