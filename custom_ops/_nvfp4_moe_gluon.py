@@ -3,7 +3,9 @@ warp-specialized Gluon kernel (`DLMC_NVFP4_DOWN=fused`, sm_90, kernel v7's store
 
 Work items: first every gate/up item (an 8-slot part of a routing block, a 128-row N-tile of
 I), then every down item (the same parts, 128-row N-tiles of H); program p walks items p,
-p + grid, ... in order. The producer warp skips the items without work (parts whose first slot
+p + grid, ... in order (`TICKETS`: each producer takes the next unclaimed item from a counter
+instead, which balances the programs and cannot deadlock however many are resident; off until
+measured). The producer warp skips the items without work (parts whose first slot
 is padding, unused blocks) and fills a ring with TMA copies, each slot tagged with its item
 and expert (`item * 1024 + expert`; -1 ends the consumers' loop), so the consumers see only
 real work. A gate/up ring slot is one K-step: the gate and up chunks (8 KB each) and their
@@ -25,7 +27,8 @@ walked every item, and down items loaded h from global memory after their own sp
 bit the Triton kernels with 16- and 32-slot routing blocks (64-slot blocks: equal up to
 summation order, the Triton kernels' 64-row tiles sum differently), but slower, 121.4 against
 98.4 µs per LLaDA2.1-mini layer (perf/README.md). This form (tagged slots, h by TMA after the
-producer's spin) lowers for sm_90 at 80 registers without spills and has **not run on a GPU**.
+producer's spin, `TICKETS`) lowers for sm_90 at 80 registers without spills and has **not run
+on a GPU**.
 """
 
 from __future__ import annotations
@@ -170,7 +173,7 @@ def _producer(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, expert_of_block_ptr, sorted_
     zeroes the ticket counter."""
     total = gate_up_items + down_items
     ticket = count_ptr + 2 * num_slots
-    if TICKETS:
+    if TICKETS:  # noqa: SIM108 (a statement: the atomic only when TICKETS)
         item = gl.atomic_add(ticket, 1, sem="relaxed", scope="gpu")
     else:
         item = gl.program_id(0)
@@ -198,7 +201,8 @@ def _producer(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, expert_of_block_ptr, sorted_
                                  g_buf, gs_buf, u_buf, us_buf, h_buf, ids,
                                  item * 1024 + expert, STAGES, H, I, BLOCK_M)
         item = after
-    if TICKETS:  # every program takes one ticket past the items: the last of those resets
+    # every program takes one ticket past the items: the last of those resets the counter
+    if TICKETS:  # noqa: SIM102 (a static condition around a runtime one)
         if item == total + gl.num_programs(0) - 1:
             gl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
     s = i % STAGES

@@ -109,9 +109,10 @@ def check_lowering() -> None:
         assert ("griddepcontrol.launch_dependents" in ptx) == bool(pdl), pdl
         assert ptx.count("mma.sync.aligned.m16n8k16") >= 6  # gate, up (x2), down (x2 steps)
         assert ".reqntid 256" in ptx  # `THREADS`: what `programs_per_sm` counts registers for
-        # the ticket counter: two increments (the first item, one ahead) and the last's reset
-        assert ("atom.global.gpu.relaxed.exch" in ptx or "atom.relaxed.gpu.global.exch" in ptx
-                or ptx.count("exch") >= 3) == tickets or not tickets
+        # exchanges: the last reader's two counter resets, and (tickets) the ticket reset; the
+        # ticket increments (the first item, then one ahead) are relaxed adds
+        assert ptx.count("relaxed.exch") == 2 + tickets
+        assert ptx.count("relaxed.add") == 1 + 2 * tickets  # + the reader count
         assert 32 * compiled.metadata.num_warps == _nvfp4_moe_gluon.THREADS
 
 
@@ -226,6 +227,15 @@ def test_fused_equals_the_triton_kernels_gpu(monkeypatch, case: str) -> None:
         shared = shared_expert(gen, x, nvfp4_moe_reference(*op_args(x, ids, w, experts)), H, I)
     out = fused_against_triton(monkeypatch, experts, x, ids, w, shared, case != "prompt")
     assert_matches_reference(out, nvfp4_moe_reference(*op_args(x, ids, w, experts), **shared))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["llada", "shared"])
+def test_fused_with_tickets_equals_the_triton_kernels_gpu(monkeypatch, case: str) -> None:
+    """Items handed out by the ticket counter (`TICKETS`): the same output, and the counter
+    zero again after the launch (with the routing's block counters)."""
+    monkeypatch.setattr(_nvfp4_moe_gluon, "TICKETS", True)
+    test_fused_equals_the_triton_kernels_gpu(monkeypatch, case)
 
 
 @pytest.mark.gpu
