@@ -203,6 +203,23 @@ def _decoded_tiles(words, codes):
 
 
 @gluon.jit
+def _mma_chunk(words, codes, b_even, b_odd, acc):
+    """acc + a weight chunk (decoded, the MMA's A: low nibbles with the even-K B operand, high
+    nibbles with the odd-K one)."""
+    lo, hi = _decoded_tiles(words, codes)
+    acc = mma_v2(gl.convert_layout(lo, W_OP), b_even, acc)
+    return mma_v2(gl.convert_layout(hi, W_OP), b_odd, acc)
+
+
+@gluon.jit
+def _store_tile(base_ptr, rows, stride, cols, values, valid):
+    """values [128 columns, 8 rows] (`MMA`) to base[rows[r] * stride + cols[c]] where valid[r]."""
+    ptrs = base_ptr + gl.expand_dims(rows.to(gl.int64) * stride, 0) + gl.expand_dims(cols, 1)
+    mask = gl.expand_dims(valid, 0) & gl.expand_dims(cols >= 0, 1)
+    gl.store(ptrs, values, mask=mask)
+
+
+@gluon.jit
 def _consumer(expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr, num_items, num_pairs,
               shared_id, stride_y, empty, ready, w_buf, s_buf, h_buf, h_ptr, stride_h,
               count_ptr, num_slots, writers, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
@@ -233,15 +250,11 @@ def _consumer(expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr, num_items,
                     h_odd = h_buf.index(2 * s + 1).permute([1, 0]).load(H_OP)
                 fence_async_shared()
                 mbarrier.arrive(empty.index(s), count=1)
-                lo, hi = _decoded_tiles(words, codes)
-                acc = mma_v2(gl.convert_layout(lo, W_OP), h_even, acc)
-                acc = mma_v2(gl.convert_layout(hi, W_OP), h_odd, acc)
+                acc = _mma_chunk(words, codes, h_even, h_odd, acc)
                 i += 1
             cols = tile * 128 + gl.arange(0, 128, gl.SliceLayout(1, MMA))
-            ptrs = (y_ptr + gl.expand_dims(pairs.to(gl.int64) * stride_y, 0)
-                    + gl.expand_dims(cols, 1))
-            mask = gl.expand_dims(pairs < num_pairs, 0) & gl.expand_dims(cols >= 0, 1)
-            gl.store(ptrs, (acc * alpha).to(gl.bfloat16), mask=mask)
+            _store_tile(y_ptr, pairs, stride_y, cols, (acc * alpha).to(gl.bfloat16),
+                        pairs < num_pairs)
 
 
 @gluon.jit

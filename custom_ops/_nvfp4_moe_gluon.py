@@ -36,18 +36,17 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from dlmc.custom_ops import _nvfp4_down_gluon
 from dlmc.custom_ops._nvfp4_down_gluon import (
     H_OP,
     MMA,
-    W_OP,
     _chunk,
-    _decoded_tiles,
     _item,
+    _mma_chunk,
     _place,
+    _store_tile,
     _wait_rows,
     ring_barriers,
     shared_layouts,
@@ -238,22 +237,16 @@ def _gate_up_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr, c
         fence_async_shared()
         mbarrier.arrive(empty.index(s), count=1)
         x_even, x_odd = x_operands(x)
-        lo, hi = _decoded_tiles(g_words, g_codes)
-        acc_g = mma_v2(gl.convert_layout(lo, W_OP), x_even, acc_g)
-        acc_g = mma_v2(gl.convert_layout(hi, W_OP), x_odd, acc_g)
-        lo, hi = _decoded_tiles(u_words, u_codes)
-        acc_u = mma_v2(gl.convert_layout(lo, W_OP), x_even, acc_u)
-        acc_u = mma_v2(gl.convert_layout(hi, W_OP), x_odd, acc_u)
+        acc_g = _mma_chunk(g_words, g_codes, x_even, x_odd, acc_g)
+        acc_u = _mma_chunk(u_words, u_codes, x_even, x_odd, acc_u)
         i += 1
     g = acc_g * alpha_g
     u = acc_u * alpha_u
     h = (g * (1.0 / (1.0 + gl.exp(-g))) * u).to(gl.bfloat16)  # tl.sigmoid's formula
     n = gl.arange(0, 128, gl.SliceLayout(1, MMA))
     cols = tile * 128 + (n % 2) * 64 + n // 2  # even columns first (what down reads)
-    slots = slot0 + gl.arange(0, 8, gl.SliceLayout(0, MMA))
-    ptrs = h_ptr + gl.expand_dims(slots.to(gl.int64) * stride_h, 0) + gl.expand_dims(cols, 1)
-    mask = gl.expand_dims(pairs < num_pairs, 0) & gl.expand_dims(cols >= 0, 1)
-    gl.store(ptrs, h, mask=mask)
+    _store_tile(h_ptr, slot0 + gl.arange(0, 8, gl.SliceLayout(0, MMA)), stride_h, cols, h,
+                pairs < num_pairs)
     if SIGNAL:
         gl.thread_barrier()  # every consumer thread's stores, then one release count
         gl.atomic_add(count_ptr + slot0 // BLOCK_M, 1, sem="release", scope="gpu")
@@ -282,14 +275,10 @@ def _down_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, slot0, ti
             if step == 1:
                 fence_async_shared()
                 mbarrier.arrive(empty.index(s), count=1)
-            lo, hi = _decoded_tiles(words, codes)
-            acc = mma_v2(gl.convert_layout(lo, W_OP), h_even, acc)
-            acc = mma_v2(gl.convert_layout(hi, W_OP), h_odd, acc)
+            acc = _mma_chunk(words, codes, h_even, h_odd, acc)
         i += 1
     cols = tile * 128 + gl.arange(0, 128, gl.SliceLayout(1, MMA))
-    ptrs = y_ptr + gl.expand_dims(pairs.to(gl.int64) * stride_y, 0) + gl.expand_dims(cols, 1)
-    mask = gl.expand_dims(pairs < num_pairs, 0) & gl.expand_dims(cols >= 0, 1)
-    gl.store(ptrs, (acc * alpha).to(gl.bfloat16), mask=mask)
+    _store_tile(y_ptr, pairs, stride_y, cols, (acc * alpha).to(gl.bfloat16), pairs < num_pairs)
     return i
 
 
