@@ -35,8 +35,10 @@ def main() -> None:
     parser.add_argument("--shape", default="256,2048,512,32,8",
                         help="experts,hidden,inter,tokens,top_k (default LLaDA2.1-mini's)")
     parser.add_argument("--skew", action="store_true", help="every token on the first experts")
+    parser.add_argument("--tickets", action="store_true", help="items by the ticket counter")
     args = parser.parse_args()
     _nvfp4_moe_gluon.PROGRAMS_PER_SM, _nvfp4_moe_gluon.STAGES = args.per_sm, args.stages
+    _nvfp4_moe_gluon.TICKETS = args.tickets
     gen = torch.Generator().manual_seed(4)
     E, H, I, T, K = (int(v) for v in args.shape.split(","))
     experts = {k: v.cuda() for k, v in random_experts(gen, E, H, I).items()}
@@ -51,7 +53,8 @@ def main() -> None:
         _nvfp4_down_gluon.MODE = "fused"
         start = time.perf_counter()
         out = nvfp4_moe(*call, **shared)
-        print(f"per_sm asked {args.per_sm}, stages {args.stages}, shared {args.shared}: "
+        print(f"per_sm asked {args.per_sm}, stages {args.stages}, shared {args.shared}, "
+              f"tickets {args.tickets}: "
               f"launched with {list(_nvfp4_moe_gluon._PROGRAMS.values())} per SM", flush=True)
         torch.cuda.synchronize()
     ref = nvfp4_moe_reference(*op_args(x, ids, w, experts), **shared).float()
@@ -62,6 +65,8 @@ def main() -> None:
           f"max |fused - ref| / max|ref| {(out.float() - ref).abs().amax().item() / scale:.3e}; "
           f"max |triton - ref| / max|ref| "
           f"{(expected.float() - ref).abs().amax().item() / scale:.3e}", flush=True)
+    if not torch.equal(bits(out), bits(expected)) and route_block_m(T, K, E, bool(shared)) < 64:
+        raise SystemExit("the fused kernel's output differs from the Triton kernels'")
 
 
 if __name__ == "__main__":

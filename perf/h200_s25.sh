@@ -25,20 +25,31 @@ hang)  # call 4 (carry .whl): the fused kernel at LLaDA shapes per programs-per-
     tests/custom_ops/test_nvfp4_moe_gluon.py > "$OUT/gpu_tests_fused.txt" 2>&1
   echo "gpu tests rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests_fused.txt"
   tar_out s25_hang ;;
-fused)  # call 5 (carry .whl): the fused kernel (3 programs of 256 threads at 80 registers per
-  # SM, the down path without h prefetch): GPU tests, the op with each kernel choice, rounds
+fused)  # calls 3 and 5 (carry .whl): the fused kernel: (since the rework) a 45 s check per
+  # form first (perf/check_fused.py: static items, tickets, shared expert; a hang or a
+  # mismatch skips the rest), GPU tests, the op with each kernel choice, rounds
   python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
-  timeout 100 python3 -m pytest -v -p no:cacheprovider -rf -m gpu -n 4 \
-    tests/custom_ops/test_nvfp4_moe_gluon.py > "$OUT/gpu_tests_fused.txt" 2>&1
-  echo "gpu tests rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests_fused.txt"
-  DOWNS=(triton gluon fused)
-  for config in ${FUSED:-3,3,80,1 2,3,80}; do DOWNS+=("fused:$config"); done
-  timeout 150 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 60 --profile --shared-expert \
-    --downs "${DOWNS[@]}" --out "$OUT/op_fused.json" > "$OUT/op_fused.txt" 2>&1
-  echo "op rc=$?"; grep -E "^kernel=" "$OUT/op_fused.txt" | cut -c 1-600
-  NVFP4=(--precision nvfp4 --kv-cache-dtype fp8 --modes graph --no-loop)
-  ( export DLMC_NVFP4_DOWN=fused; round round_nvfp4_fused 120 "${NVFP4[@]}" )
-  round round_nvfp4_default 120 "${NVFP4[@]}"
+  ok=1
+  for setting in "" "--tickets" "--shared --tickets"; do
+    PYTHONPATH=. timeout 45 python3 perf/check_fused.py $setting > "$OUT/check.txt" 2>&1
+    rc=$?; echo "check $setting rc=$rc"; tail -1 "$OUT/check.txt"
+    cat "$OUT/check.txt" >> "$OUT/checks.txt"; [ $rc -eq 0 ] || ok=0
+  done
+  if [ $ok = 1 ]; then
+    timeout 100 python3 -m pytest -v -p no:cacheprovider -rf -m gpu -n 4 \
+      tests/custom_ops/test_nvfp4_moe_gluon.py > "$OUT/gpu_tests_fused.txt" 2>&1
+    echo "gpu tests rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed" "$OUT/gpu_tests_fused.txt"
+    DOWNS=(triton gluon fused)
+    for config in ${FUSED:-3,3,80,1 2,3,80}; do DOWNS+=("fused:$config"); done
+    timeout 150 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 60 --profile \
+      --shared-expert --downs "${DOWNS[@]}" --out "$OUT/op_fused.json" > "$OUT/op_fused.txt" 2>&1
+    echo "op rc=$?"; grep -E "^kernel=" "$OUT/op_fused.txt" | cut -c 1-600
+    NVFP4=(--precision nvfp4 --kv-cache-dtype fp8 --modes graph --no-loop)
+    ( export DLMC_NVFP4_DOWN=fused; round round_nvfp4_fused 120 "${NVFP4[@]}" )
+    round round_nvfp4_default 120 "${NVFP4[@]}"
+  else
+    echo "the fused kernel's check failed: op and rounds skipped"
+  fi
   tar_out s25_fused ;;
 blocks)  # call 6 (carry .whl): the fused kernel with 32- and 64-slot routing blocks (call 5's
   # prompt-case mismatch) against the Triton kernels and the reference; the Gluon down tests
