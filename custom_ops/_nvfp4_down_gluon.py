@@ -32,7 +32,8 @@ from dlmc.custom_ops.nvfp4_scale_codes import PAIR_ADD, PAIR_MUL
 from dlmc.custom_ops.nvfp4_words import DECODE_WORDS_ASM
 from dlmc.errors import ConfigError
 
-__all__ = ["MODE", "down_gluon_applies", "launch_down_gluon", "ring_barriers"]
+__all__ = ["MODE", "down_gluon_applies", "gdc_launch_dependents", "gdc_wait",
+           "launch_down_gluon", "ring_barriers"]
 
 _ASM = gl.constexpr(DECODE_WORDS_ASM.value)
 _PMUL, _PADD = gl.constexpr(PAIR_MUL), gl.constexpr(PAIR_ADD)
@@ -258,6 +259,20 @@ def _consumer(expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr, num_items,
 
 
 @gluon.jit
+def gdc_wait():
+    """PDL: wait until the previous kernel has finished and its writes are visible."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def gdc_launch_dependents():
+    """PDL: let the next kernel launch (its programs wait in their own `gdc_wait`)."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def ring_barriers(STAGES: gl.constexpr):
     """The (empty, ready) mbarriers of a STAGES-deep ring, initialized (one arrival each)."""
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -280,8 +295,7 @@ def _down_gluon_kernel(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, alph
     (`moe_overlap`'s counters in `count_ptr`, `writers` gate/up programs per block) and load
     them from global memory instead of the producer's TMA copies."""
     if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
-                                  dtype=gl.int32, is_pure=False, pack=1)
+        gdc_launch_dependents()
     w_buf = gl.allocate_shared_memory(w_d.dtype, [STAGES] + w_d.block_type.shape, w_d.layout)
     s_buf = gl.allocate_shared_memory(s_d.dtype, [STAGES] + s_d.block_type.shape, s_d.layout)
     h_buf = gl.allocate_shared_memory(h_d.dtype, [2 * STAGES] + h_d.block_type.shape,
@@ -298,8 +312,7 @@ def _down_gluon_kernel(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, alph
     ], [1], [40])
     if PDL:  # finish only after the kernel before (the shared expert's down parts) has: the
         # kernel after (the combine) waits for this one alone
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+        gdc_wait()
 
 
 def shared_layouts() -> tuple[object, object, object]:

@@ -48,6 +48,8 @@ from dlmc.custom_ops._nvfp4_down_gluon import (
     _place,
     _store_tile,
     _wait_rows,
+    gdc_launch_dependents,
+    gdc_wait,
     ring_barriers,
     shared_layouts,
 )
@@ -66,7 +68,7 @@ STAGE_BYTES = 2 * 8192 + 2 * 1024 + 4 * 1024
 # threads per program: four consumer warps and the producer warp, which Gluon pads to two
 # warpgroups (`.reqntid 256`: `setmaxnreg` moves registers per warpgroup)
 THREADS = 8 * 32
-_PROGRAMS: dict[tuple, int] = {}  # programs per SM, per device and kernel form
+_PROGRAMS: dict[tuple, int] = {}  # the grid (resident programs), per device and kernel form
 # x rows of an 8-slot part, one K-step [8 slots, 128 K]: a thread holds 8 consecutive K
 # (registers: K bits 0-2, then 5-6), lanes K bits 3-4 and the slot; every warp holds all of it
 # (zero warp bases), as the B operand's warps do
@@ -315,18 +317,6 @@ def _consumer(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, down_alpha_p
 
 
 @gluon.jit
-def _gdc_wait():
-    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
-@gluon.jit
-def _gdc_launch_dependents():
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
-                              dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _fence_proxy_async_global():
     """Global memory that this thread has acquired (generic proxy) becomes visible to its
     TMA reads (async proxy)."""
@@ -349,9 +339,9 @@ def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_ptr, expert_of_blo
     handed out by a counter (`count_ptr[2 * num_slots]`, zero between launches) instead of by
     program: balanced, and free of deadlock whatever number of programs is resident."""
     if PDL_ENTER:
-        _gdc_wait()
+        gdc_wait()
     if PDL_ENTER or PDL_AFTER:
-        _gdc_launch_dependents()
+        gdc_launch_dependents()
     g_buf = gl.allocate_shared_memory(g_d.dtype, [STAGES] + g_d.block_type.shape, g_d.layout)
     u_buf = gl.allocate_shared_memory(u_d.dtype, [STAGES] + u_d.block_type.shape, u_d.layout)
     gs_buf = gl.allocate_shared_memory(gs_d.dtype, [STAGES] + gs_d.block_type.shape, gs_d.layout)
@@ -371,7 +361,7 @@ def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_ptr, expert_of_blo
                      ids, STAGES, H, I, BLOCK_M, TICKETS)),
     ], [1], [40])
     if PDL_AFTER:
-        _gdc_wait()
+        gdc_wait()
 
 
 def fused_applies(device: torch.device, variant: int, hidden: int, inter: int, emulate_w4a4: bool,
@@ -452,6 +442,5 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
         if fit < 1:
             raise RuntimeError(f"nvfp4_moe: the fused Gluon kernel (STAGES={STAGES}, "
                                f"MAXNREG={MAXNREG}) does not fit on an SM of {x.device}")
-        _PROGRAMS[key] = fit
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    _moe_gluon_kernel[(sms * _PROGRAMS[key],)](*args, **options)
+        _PROGRAMS[key] = fit * torch.cuda.get_device_properties(x.device).multi_processor_count
+    _moe_gluon_kernel[(_PROGRAMS[key],)](*args, **options)

@@ -6,8 +6,9 @@ Each (token, k) pair is sent to expert `topk_ids[t, k]`; the expert computes
 the bf16 expert outputs are combined in fp32: `out[t] = sum_k topk_weights[t, k] * y[t, k]`
 (`moe_combine.combine_pairs`).
 Design in docs/nvfp4.md §3.2; the maths is defined by `nvfp4_moe_reference`. The Triton kernels
-are in `_nvfp4_moe_kernels`; the weight decodes and tile loops in `nvfp4_tiles`; the load-time
-layouts of kernels v4-v7 in `nvfp4_scales`, `nvfp4_words` and `nvfp4_scale_codes`.
+are in `_nvfp4_moe_kernels`, the argument checks in `nvfp4_moe_checks`; the weight decodes and
+tile loops in `nvfp4_tiles`; the load-time layouts of kernels v4-v7 in `nvfp4_scales`,
+`nvfp4_words` and `nvfp4_scale_codes`.
 """
 
 from __future__ import annotations
@@ -38,9 +39,8 @@ from dlmc.custom_ops.moe_overlap import (
     overlap_pdl,
 )
 from dlmc.custom_ops.moe_shared_parts import shared_parts, shared_split
+from dlmc.custom_ops.nvfp4_moe_checks import check_arguments, check_shared_expert
 from dlmc.custom_ops.nvfp4_words import (
-    CHUNK_K,
-    ROWS,
     can_pack,
     e4m3_scales,
     projection_operands,
@@ -227,12 +227,12 @@ def _nvfp4_moe_impl(
     tiles1 = triton.cdiv(I, block_n1)
     rows1 = parts1 if fused else num_blocks + parts1
     grid1 = (tiles1, rows1) if overlap else (rows1, tiles1)
+    gate_alpha = _alphas(gate_weight_scale_2, gate_up_input_scale)
+    up_alpha = _alphas(up_weight_scale_2, gate_up_input_scale)
     if rows1:
         launcher(_gate_up_kernel)[grid1](
             a, sorted_pair, expert_of_block, gate_weight, gate_weight_scale,
-            up_weight, up_weight_scale,
-            _alphas(gate_weight_scale_2, gate_up_input_scale),
-            _alphas(up_weight_scale_2, gate_up_input_scale), h, num_pairs, a_row_div, H, I,
+            up_weight, up_weight_scale, gate_alpha, up_alpha, h, num_pairs, a_row_div, H, I,
             a.stride(0), h.stride(0), g_w, u_w, E, num_blocks, pairs_per_token, count,
             BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=block_k1, INTERPRETED=_INTERPRETED,
             VARIANT=variant, SHARED=has_shared, SHARED_BLOCK_K=_shared_block_k(H, "gate_up"),
@@ -273,7 +273,7 @@ def _nvfp4_moe_impl(
             a, sorted_pair, expert_of_block,
             (gate_weight, gate_weight_scale, up_weight, up_weight_scale, down_weight,
              down_weight_scale),
-            (_alphas(gate_weight_scale_2, None), _alphas(up_weight_scale_2, None), down_alpha),
+            (gate_alpha, up_alpha, down_alpha),
             h, y, count, num_slots, num_pairs, E, a_row_div,
             pdl="after" if has_shared else "enter")
     if pairs:
@@ -299,77 +299,6 @@ def _nvfp4_moe_fake(x: torch.Tensor, topk_ids: torch.Tensor, *args: object,
 # its kernels launch with PDL and the per-slot counters, `moe_overlap`).
 _nvfp4_moe_op = traced_triton_op("dlmc::nvfp4_moe", _nvfp4_moe_impl, _nvfp4_moe_fake,
                                  opaque=OPAQUE_OP)
-
-
-_SCALE_FORMS = (torch.bfloat16, torch.uint8, torch.int16, torch.int8)  # besides float8_e4m3fn
-
-
-def _check(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-           weights: dict[str, torch.Tensor]) -> None:
-    if x.dim() != 2 or x.dtype != torch.bfloat16:
-        raise ValueError(f"nvfp4_moe: x must be bf16 [T, H], got {x.dtype} {tuple(x.shape)}")
-    T, H = x.shape
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != T or topk_ids.dtype not in (
-            torch.int32, torch.int64):
-        raise ValueError(f"nvfp4_moe: topk_ids must be int32/int64 [T={T}, K], got "
-                         f"{topk_ids.dtype} {tuple(topk_ids.shape)}")
-    if topk_weights.shape != topk_ids.shape or topk_weights.dtype != torch.float32:
-        raise ValueError(f"nvfp4_moe: topk_weights must be fp32 {tuple(topk_ids.shape)}, got "
-                         f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
-    E, I = weights["gate_weight"].shape[:2]
-    expected = {
-        "gate_weight": ((E, I, H // 2), torch.uint8), "up_weight": ((E, I, H // 2), torch.uint8),
-        "down_weight": ((E, H, I // 2), torch.uint8),
-        "gate_weight_scale": ((E, I, H // 16), torch.float8_e4m3fn),
-        "up_weight_scale": ((E, I, H // 16), torch.float8_e4m3fn),
-        "down_weight_scale": ((E, H, I // 16), torch.float8_e4m3fn),
-        "gate_weight_scale_2": ((E,), torch.float32), "up_weight_scale_2": ((E,), torch.float32),
-        "down_weight_scale_2": ((E,), torch.float32),
-        "gate_input_scale": ((E,), torch.float32), "up_input_scale": ((E,), torch.float32),
-        "down_input_scale": ((E,), torch.float32),
-    }
-    if H % 16 or I % 16:
-        raise ValueError(f"nvfp4_moe: H={H} and I={I} must be multiples of 16")
-    for name, tensor in weights.items():
-        shape, dtype = expected[name]
-        # Other stored forms: block scales pre-decoded (bf16) or tiled (uint8 / int16 bit
-        # patterns, `nvfp4_words.tile_scales`), weights as tiled words (int32, a quarter wide).
-        if dtype == torch.float8_e4m3fn and tensor.dtype in _SCALE_FORMS:
-            dtype = tensor.dtype
-        if dtype == torch.uint8 and tensor.dtype == torch.int32:
-            shape, dtype = (*shape[:-1], shape[-1] // 4), torch.int32
-        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
-            raise ValueError(f"nvfp4_moe: {name} must be {dtype} {shape}, got "
-                             f"{tensor.dtype} {tuple(tensor.shape)}")
-        if tensor.dtype in (torch.int32, torch.uint8, torch.int16, torch.int8) and name.endswith(
-                ("_weight", "_weight_scale")) and tensor.dtype != expected[name][1]:
-            n, k = tensor.shape[1], (H if name.startswith(("gate", "up")) else I)
-            if not can_pack(n, k):
-                raise ValueError(f"nvfp4_moe: {name} is in the tiled layout of nvfp4_words, "
-                                 f"which needs N % {ROWS} == 0 and K % {CHUNK_K} == 0 "
-                                 f"(N={n}, K={k})")
-        if not tensor.is_contiguous():
-            raise ValueError(f"nvfp4_moe: {name} must be contiguous")
-
-
-def _check_shared(gate_weight: torch.Tensor, H: int, gate: torch.Tensor | None,
-                  up: torch.Tensor | None, down: torch.Tensor | None) -> list[torch.Tensor | None]:
-    """The shared expert's weights (all three, bf16 `[I, H]`, `[I, H]`, `[H, I]`) or three Nones."""
-    given = [t is not None for t in (gate, up, down)]
-    if not any(given):
-        return [None, None, None]
-    I = gate_weight.shape[1]
-    for name, tensor, shape in (("shared_gate", gate, (I, H)), ("shared_up", up, (I, H)),
-                                ("shared_down", down, (H, I))):
-        if tensor is None:
-            raise ValueError("nvfp4_moe: the shared expert needs shared_gate, shared_up and "
-                             f"shared_down; {name} is missing")
-        if tuple(tensor.shape) != shape or tensor.dtype != torch.bfloat16:
-            raise ValueError(f"nvfp4_moe: {name} must be bf16 {shape}, got {tensor.dtype} "
-                             f"{tuple(tensor.shape)}")
-        if not tensor.is_contiguous():
-            raise ValueError(f"nvfp4_moe: {name} must be contiguous")
-    return [gate, up, down]
 
 
 def _input_scales(gate: torch.Tensor | None, up: torch.Tensor | None, down: torch.Tensor | None,
@@ -430,8 +359,10 @@ def nvfp4_moe(
                    "down_weight_scale_2": down_weight_scale_2}
     scales = {"gate_input_scale": gate_input_scale, "up_input_scale": up_input_scale,
               "down_input_scale": down_input_scale}
-    _check(x, topk_ids, topk_weights, weights | {k: v for k, v in scales.items() if v is not None})
-    shared = _check_shared(weights["gate_weight"], x.shape[1], shared_gate, shared_up, shared_down)
+    check_arguments(x, topk_ids, topk_weights,
+                    weights | {k: v for k, v in scales.items() if v is not None})
+    shared = check_shared_expert(weights["gate_weight"], x.shape[1], shared_gate, shared_up,
+                                 shared_down)
     a1, a2 = _input_scales(gate_input_scale, up_input_scale, down_input_scale, emulate_w4a4)
     # The op takes the block scales as bit patterns (free views; opcheck's schema test cannot
     # compare fp8 tensors on CPU): uint8 E4M3 bytes, or int16 pre-decoded bf16 for v4.

@@ -55,7 +55,7 @@ def main() -> None:
         out = nvfp4_moe(*call, **shared)
         print(f"per_sm asked {args.per_sm}, stages {args.stages}, shared {args.shared}, "
               f"tickets {args.tickets}: "
-              f"launched with {list(_nvfp4_moe_gluon._PROGRAMS.values())} per SM", flush=True)
+              f"launched with {list(_nvfp4_moe_gluon._PROGRAMS.values())} programs", flush=True)
         torch.cuda.synchronize()
     ref = nvfp4_moe_reference(*op_args(x, ids, w, experts), **shared).float()
     scale = ref.abs().amax().item()

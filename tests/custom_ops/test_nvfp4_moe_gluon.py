@@ -21,6 +21,7 @@ import dlmc.custom_ops.nvfp4_moe as op_module
 from dlmc.custom_ops import _nvfp4_down_gluon, _nvfp4_moe_gluon
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
 from tests.custom_ops.test_nvfp4_down_gluon import (
+    against_triton,
     assert_graph_replays_like_triton,
     dequantized_down,
 )
@@ -32,8 +33,7 @@ from tests.custom_ops.test_nvfp4_moe import (
     random_routing,
     shared_expert,
 )
-from tests.custom_ops.test_nvfp4_moe_v4 import bits, kernel_variant
-from tests.custom_ops.test_nvfp4_moe_v5 import stored
+from tests.custom_ops.test_nvfp4_moe_v4 import kernel_variant
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
@@ -190,25 +190,6 @@ def test_wiring_with_a_torch_fused_matches_the_reference(monkeypatch, with_share
     assert int(counters.abs().sum()) == 0
 
 
-def fused_against_triton(monkeypatch, experts, x, ids, w, shared,
-                         bitwise: bool = True) -> torch.Tensor:
-    """The fused kernel's output against the Triton kernels': bit for bit (`bitwise`), or up
-    to summation order (64-slot blocks: the Triton kernels' 64-row tiles sum in another order,
-    perf/README.md session 25)."""
-    args = op_args(x, ids, w, stored(experts, 7))
-    with kernel_variant(7):
-        triton_out = nvfp4_moe(*args, **shared)
-        monkeypatch.setattr(_nvfp4_down_gluon, "MODE", "fused")
-        fused_out = nvfp4_moe(*args, **shared)
-        monkeypatch.setattr(_nvfp4_down_gluon, "MODE", "triton")
-    if bitwise:
-        assert torch.equal(bits(fused_out), bits(triton_out))
-    else:
-        assert_matches_reference(fused_out, triton_out)
-    assert int(op_module.counters(x.device, 1).abs().sum()) == 0
-    return fused_out
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["llada", "skewed", "one_token", "shared", "prompt"])
 def test_fused_equals_the_triton_kernels_gpu(monkeypatch, case: str) -> None:
@@ -225,7 +206,7 @@ def test_fused_equals_the_triton_kernels_gpu(monkeypatch, case: str) -> None:
     shared = {}
     if case == "shared":
         shared = shared_expert(gen, x, nvfp4_moe_reference(*op_args(x, ids, w, experts)), H, I)
-    out = fused_against_triton(monkeypatch, experts, x, ids, w, shared, case != "prompt")
+    out = against_triton(monkeypatch, "fused", experts, x, ids, w, shared, case != "prompt")
     assert_matches_reference(out, nvfp4_moe_reference(*op_args(x, ids, w, experts), **shared))
 
 
