@@ -32,8 +32,8 @@ from dlmc.custom_ops.nvfp4_scale_codes import PAIR_ADD, PAIR_MUL
 from dlmc.custom_ops.nvfp4_words import DECODE_WORDS_ASM
 from dlmc.errors import ConfigError
 
-__all__ = ["MODE", "down_gluon_applies", "gdc_launch_dependents", "gdc_wait",
-           "launch_down_gluon", "ring_barriers"]
+__all__ = ["MODE", "TAGS", "TICKETS", "down_gluon_applies", "down_tickets",
+           "gdc_launch_dependents", "gdc_wait", "launch_down_gluon", "ring_barriers"]
 
 _ASM = gl.constexpr(DECODE_WORDS_ASM.value)
 _PMUL, _PADD = gl.constexpr(PAIR_MUL), gl.constexpr(PAIR_ADD)
@@ -59,6 +59,11 @@ WL2 = gl.constexpr(gl.DistributedLinearLayout(
 CODES_L = gl.constexpr(gl.SliceLayout(2, gl.SliceLayout(3, W4.value)))
 W_BYTES = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
 PLAIN2 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+TAG_L = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))  # the producer warp's tag store
+TAGS = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # a slot's tag: a rank-1 view
+# `TICKETS`: items handed out by a counter (`count[2 * num_slots]`) instead of by program, so
+# that programs which start late (on SMs that gate/up's programs still hold) take fewer items
+TICKETS = os.environ.get("DLMC_NVFP4_DOWN_TICKETS", "0") == "1"
 
 
 def _mode() -> str:
@@ -83,6 +88,11 @@ def down_gluon_applies(device: torch.device, variant: int, hidden: int, inter: i
     return (MODE == "gluon" and variant == 7 and hidden % 128 == 0 and inter % 128 == 0
             and not emulate_w4a4 and opaque and block_m == 16 and not INTERPRETED
             and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0))
+
+
+def down_tickets() -> bool:
+    """`TICKETS` as now set (`DLMC_NVFP4_DOWN_TICKETS=1`, or set by a bench)."""
+    return TICKETS
 
 
 @gluon.jit
@@ -259,6 +269,113 @@ def _consumer(expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr, num_items,
 
 
 @gluon.jit
+def _tag_slot(ids, s, tag):
+    """The producer writes ring slot s's item tag (`item * 1024 + expert`, -1: no more items)
+    before the slot's arrival on `ready` (the same thread: the arrival releases it)."""
+    ids.index(s).store(gl.full([1], tag, gl.int32, TAG_L))
+
+
+@gluon.jit
+def _tag(ids, ready, i, STAGES: gl.constexpr):
+    """The tag of ring slot i (waiting for the slot first; four consumer warps)."""
+    s = i % STAGES
+    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+    return gl.max(ids.index(s).load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
+
+
+@gluon.jit
+def _end_tickets(ticket, item, total, ids, empty, ready, i, STAGES: gl.constexpr):
+    """After the last item: every program has taken one ticket past the items, and the last
+    of those resets the counter; a slot tagged -1 ends the consumers' loop."""
+    if item == total + gl.num_programs(0) - 1:
+        gl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
+    s = i % STAGES
+    mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+    _tag_slot(ids, s, -1)
+    mbarrier.arrive(ready.index(s), count=1)
+
+
+@gluon.jit
+def _fence_proxy_async_global():
+    """Global memory that this thread has acquired (generic proxy) becomes visible to its
+    TMA reads (async proxy)."""
+    gl.inline_asm_elementwise("fence.proxy.async.global; // dummy $0", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _ticket_producer(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, count_ptr, num_slots,
+                     writers, num_items, num_pairs, shared_id, empty, ready, w_buf, s_buf, h_buf,
+                     ids, STAGES: gl.constexpr, KSTEPS: gl.constexpr, TILES: gl.constexpr,
+                     I: gl.constexpr, H: gl.constexpr, BLOCK_M: gl.constexpr):
+    """`_producer` with `OVERLAP` and `TICKETS`: the next unclaimed item from the counter,
+    taken one item ahead; items without work skipped; each slot tagged with its item. The h
+    rows come by TMA as without `OVERLAP`: after the item's first weight copies this warp spins
+    until gate/up has stored the routing block's rows (`_wait_rows`, counting itself as the
+    item's reader), then fences, so that TMA reads those rows."""
+    ticket = count_ptr + 2 * num_slots
+    item = gl.atomic_add(ticket, 1, sem="relaxed", scope="gpu")
+    i = 0  # K-steps copied so far (the ring position)
+    while item < num_items:
+        after = gl.atomic_add(ticket, 1, sem="relaxed", scope="gpu")  # read after the copies
+        slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr, item,
+                                              num_items, num_pairs, shared_id, TILES, BLOCK_M)
+        if has_work:
+            run = expert * (H // 128) + tile
+            for k in gl.static_range(KSTEPS):
+                s = i % STAGES
+                mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+                _tag_slot(ids, s, item * 1024 + expert)
+                bar = ready.index(s)
+                mbarrier.expect(bar, w_d.block_type.nbytes + s_d.block_type.nbytes
+                                + 2 * h_d.block_type.nbytes)
+                tma.async_copy_global_to_shared(w_d, [run * (I // 2) + k * 64, 0], bar,
+                                                w_buf.index(s))
+                tma.async_copy_global_to_shared(s_d, [run * (I // 16) + k * 8, 0], bar,
+                                                s_buf.index(s))
+                if k == 0:
+                    _wait_rows(count_ptr, num_slots, sorted_pair_ptr, num_pairs, slot0, writers,
+                               TILES, BLOCK_M, False, 1)
+                    _fence_proxy_async_global()
+                tma.async_copy_global_to_shared(h_d, [slot0, k * 128], bar, h_buf.index(2 * s))
+                tma.async_copy_global_to_shared(h_d, [slot0, k * 128 + 64], bar,
+                                                h_buf.index(2 * s + 1))
+                i += 1
+        item = after
+    _end_tickets(ticket, item, num_items, ids, empty, ready, i, STAGES)
+
+
+@gluon.jit
+def _ticket_consumer(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, empty, ready,
+                     w_buf, s_buf, h_buf, ids, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
+                     TILES: gl.constexpr, BLOCK_M: gl.constexpr):
+    """`_consumer` without `OVERLAP` (h rows from the ring) over the items the producer
+    tagged, in its order, until the tag -1."""
+    i = 0  # K-steps consumed so far
+    tag = _tag(ids, ready, i, STAGES)
+    while tag >= 0:
+        item, expert = tag // 1024, tag % 1024
+        slot0, tile = _place(item, TILES, BLOCK_M)
+        alpha = gl.load(alpha_ptr + expert) * 128.0  # * 2^7: the decode's w * 2^-7
+        pairs = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(0, MMA)))
+        acc = gl.zeros([128, 8], gl.float32, MMA)
+        for _ in gl.static_range(KSTEPS):
+            s = i % STAGES
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            words, codes = _chunk(w_buf.index(s), s_buf.index(s))
+            h_even = h_buf.index(2 * s).permute([1, 0]).load(H_OP)
+            h_odd = h_buf.index(2 * s + 1).permute([1, 0]).load(H_OP)
+            fence_async_shared()
+            mbarrier.arrive(empty.index(s), count=1)
+            acc = _mma_chunk(words, codes, h_even, h_odd, acc)
+            i += 1
+        cols = tile * 128 + gl.arange(0, 128, gl.SliceLayout(1, MMA))
+        _store_tile(y_ptr, pairs, stride_y, cols, (acc * alpha).to(gl.bfloat16),
+                    pairs < num_pairs)
+        tag = _tag(ids, ready, i, STAGES)
+
+
+@gluon.jit
 def gdc_wait():
     """PDL: wait until the previous kernel has finished and its writes are visible."""
     gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
@@ -289,11 +406,13 @@ def _down_gluon_kernel(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, alph
                        num_slots, writers, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
                        TILES: gl.constexpr, I: gl.constexpr, H: gl.constexpr,
                        BLOCK_M: gl.constexpr, OVERLAP: gl.constexpr = False,
-                       PDL: gl.constexpr = False):
+                       PDL: gl.constexpr = False, TICKETS: gl.constexpr = False):
     """`OVERLAP`: launched while gate/up runs (with PDL: `PDL`, which also lets the next
     kernel launch at once); the consumers wait per routing block for its h rows
     (`moe_overlap`'s counters in `count_ptr`, `writers` gate/up programs per block) and load
-    them from global memory instead of the producer's TMA copies."""
+    them from global memory instead of the producer's TMA copies. `TICKETS` (with `OVERLAP`):
+    items from the counter `count_ptr[2 * num_slots]` (zero between launches) in turn, and the
+    producer waits for the rows and copies them."""
     if PDL:
         gdc_launch_dependents()
     w_buf = gl.allocate_shared_memory(w_d.dtype, [STAGES] + w_d.block_type.shape, w_d.layout)
@@ -301,15 +420,27 @@ def _down_gluon_kernel(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, alph
     h_buf = gl.allocate_shared_memory(h_d.dtype, [2 * STAGES] + h_d.block_type.shape,
                                       h_d.layout)
     empty, ready = ring_barriers(STAGES)
-    gl.warp_specialize([
-        (_consumer, (expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr, num_items,
-                     num_pairs, shared_id, stride_y, empty, ready, w_buf, s_buf, h_buf, h_ptr,
-                     stride_h, count_ptr, num_slots, writers, STAGES, KSTEPS, TILES, BLOCK_M,
-                     OVERLAP)),
-        (_producer, (w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, num_items, num_pairs,
-                     shared_id, empty, ready, w_buf, s_buf, h_buf, STAGES, KSTEPS, TILES, I,
-                     H, BLOCK_M, OVERLAP)),
-    ], [1], [40])
+    if TICKETS:  # (with OVERLAP: the producer waits for gate/up's rows and copies them)
+        ids = gl.allocate_shared_memory(gl.int32, [STAGES, 1], TAGS)  # one tag per ring slot
+        gl.warp_specialize([
+            (_ticket_consumer, (sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, empty,
+                                ready, w_buf, s_buf, h_buf, ids, STAGES, KSTEPS, TILES,
+                                BLOCK_M)),
+            (_ticket_producer, (w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, count_ptr,
+                                num_slots, writers, num_items, num_pairs, shared_id, empty,
+                                ready, w_buf, s_buf, h_buf, ids, STAGES, KSTEPS, TILES, I, H,
+                                BLOCK_M)),
+        ], [1], [40])
+    else:  # program p's items p, p + grid, ... (the producer and the consumers alike)
+        gl.warp_specialize([
+            (_consumer, (expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr, num_items,
+                         num_pairs, shared_id, stride_y, empty, ready, w_buf, s_buf, h_buf,
+                         h_ptr, stride_h, count_ptr, num_slots, writers, STAGES, KSTEPS, TILES,
+                         BLOCK_M, OVERLAP)),
+            (_producer, (w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, num_items,
+                         num_pairs, shared_id, empty, ready, w_buf, s_buf, h_buf, STAGES,
+                         KSTEPS, TILES, I, H, BLOCK_M, OVERLAP)),
+        ], [1], [40])
     if PDL:  # finish only after the kernel before (the shared expert's down parts) has: the
         # kernel after (the combine) waits for this one alone
         gdc_wait()
@@ -337,8 +468,16 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
     block): the kernel waits per block for gate/up's rows (launched during gate/up, with PDL
     if `pdl`); None: gate/up has finished. Launch it after the shared expert's down parts: with
     PDL it ends with `griddepcontrol.wait`, so that its completion implies theirs (the combine
-    that follows waits for this kernel only)."""
+    that follows waits for this kernel only). With `count`, `TICKETS` (read at each launch)
+    hands the items out by the ticket counter after the slots' (`2 * num_slots + 1` counters,
+    `moe_overlap.counters(device, num_slots + 1)`)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    tickets = TICKETS and count is not None
+    if tickets and count.numel() < 2 * num_slots + 1:
+        raise ValueError(f"nvfp4_moe: the Gluon down kernel with tickets needs "
+                         f"{2 * num_slots + 1} counters (`moe_overlap.counters(device, "
+                         f"num_slots + 1)`), got {count.numel()}")
 
     E, H, half_i = words.shape
     I = 2 * half_i
@@ -353,5 +492,5 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
         w_d, s_d, h_d, expert_of_block, sorted_pair, alpha, y, items, num_pairs, shared_id,
         y.stride(0), h, h.stride(0), expert_of_block if count is None else count, num_slots,
         writers, STAGES=STAGES, KSTEPS=I // 128, TILES=H // 128, I=I, H=H, BLOCK_M=block_m,
-        OVERLAP=count is not None, PDL=pdl, num_warps=4, maxnreg=MAXNREG,
+        OVERLAP=count is not None, PDL=pdl, TICKETS=tickets, num_warps=4, maxnreg=MAXNREG,
         **({"launch_pdl": True} if pdl else {}))

@@ -42,11 +42,15 @@ from dlmc.custom_ops import _nvfp4_down_gluon
 from dlmc.custom_ops._nvfp4_down_gluon import (
     H_OP,
     MMA,
+    TAGS,
     _chunk,
+    _fence_proxy_async_global,
     _item,
     _mma_chunk,
     _place,
     _store_tile,
+    _tag,
+    _tag_slot,
     _wait_rows,
     gdc_launch_dependents,
     gdc_wait,
@@ -76,8 +80,6 @@ X_L = gl.constexpr(gl.DistributedLinearLayout(
     reg_bases=[[0, 1], [0, 2], [0, 4], [0, 32], [0, 64]],
     lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
     warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[8, 128]))
-TAG_L = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))  # the producer warp's tag store
-TAGS = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # a slot's tag: a rank-1 view
 
 
 @gluon.jit
@@ -93,13 +95,6 @@ def x_operands(x):
     even, odd = gl.split(gl.reshape(x, [8, 64, 2]))
     return (gl.convert_layout(gl.permute(even, [1, 0]), H_OP),
             gl.convert_layout(gl.permute(odd, [1, 0]), H_OP))
-
-
-@gluon.jit
-def _tag_slot(ids, s, tag):
-    """The producer writes ring slot s's item tag (`item * 1024 + expert`, -1: no more items)
-    before the slot's arrival on `ready` (the same thread: the arrival releases it)."""
-    ids.index(s).store(gl.full([1], tag, gl.int32, TAG_L))
 
 
 @gluon.jit
@@ -285,14 +280,6 @@ def _down_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, slot0, ti
 
 
 @gluon.jit
-def _tag(ids, ready, i, STAGES: gl.constexpr):
-    """The tag of ring slot i (waiting for the slot first)."""
-    s = i % STAGES
-    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-    return gl.max(ids.index(s).load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
-
-
-@gluon.jit
 def _consumer(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, down_alpha_ptr, h_ptr,
               y_ptr, count_ptr, gate_up_items, num_pairs, stride_x, stride_h, stride_y,
               a_row_div, empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf, ids,
@@ -314,14 +301,6 @@ def _consumer(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, down_alpha_p
                            tile, expert, i, empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf,
                            STAGES, I)
         tag = _tag(ids, ready, i, STAGES)
-
-
-@gluon.jit
-def _fence_proxy_async_global():
-    """Global memory that this thread has acquired (generic proxy) becomes visible to its
-    TMA reads (async proxy)."""
-    gl.inline_asm_elementwise("fence.proxy.async.global; // dummy $0", "=r", [],
-                              dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit

@@ -19,7 +19,11 @@ import os
 import torch
 import triton
 
-from dlmc.custom_ops._nvfp4_down_gluon import down_gluon_applies, launch_down_gluon
+from dlmc.custom_ops._nvfp4_down_gluon import (
+    down_gluon_applies,
+    down_tickets,
+    launch_down_gluon,
+)
 from dlmc.custom_ops._nvfp4_moe_gluon import fused_applies, launch_moe_gluon
 from dlmc.custom_ops._nvfp4_moe_kernels import _down_kernel, _gate_up_kernel
 from dlmc.custom_ops._pdl import PDL_LAUNCH, launcher
@@ -222,8 +226,10 @@ def _nvfp4_moe_impl(
     fused = fused_applies(x.device, variant, H, I, down_input_scale is not None, OPAQUE_OP,
                           bool(pdl), E)
     num_slots = num_blocks + shared * -(-T // block_m)
-    # (unread without overlap; fused: one more slot's room, for its ticket counter)
-    count = counters(x.device, num_slots + int(fused)) if overlap else expert_of_block
+    # (unread without overlap; fused or Gluon down with tickets: one more slot's room, for the
+    # ticket counter)
+    ticket_room = int(fused or (gluon_down and down_tickets()))
+    count = counters(x.device, num_slots + ticket_room) if overlap else expert_of_block
     tiles1 = triton.cdiv(I, block_n1)
     rows1 = parts1 if fused else num_blocks + parts1
     grid1 = (tiles1, rows1) if overlap else (rows1, tiles1)

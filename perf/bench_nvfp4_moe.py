@@ -134,14 +134,16 @@ def kernel_times(run: object, layers: int, reps: int = 5) -> dict[str, float]:
 
 
 def _down_choice(text: str) -> str:
-    """`--downs` entry: triton, gluon, fused or fused:STAGES,PER_SM,MAXNREG[,TICKETS]."""
+    """`--downs` entry: triton, gluon[:TICKETS], fused or fused:STAGES,PER_SM,MAXNREG[,TICKETS]."""
     name, _, config = text.partition(":")
+    values = config.split(",")
     ok = name in ("triton", "gluon", "fused") and (not config or (
-        name == "fused" and len(config.split(",")) in (3, 4)
-        and all(v.isdigit() for v in config.split(","))))
+        all(v.isdigit() for v in values)
+        and len(values) in ((3, 4) if name == "fused" else (1,) if name == "gluon" else ())))
     if not ok:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: expected triton, gluon, fused or fused:STAGES,PER_SM,MAXNREG[,TICKETS]")
+            f"{text!r}: expected triton, gluon[:TICKETS], fused or "
+            "fused:STAGES,PER_SM,MAXNREG[,TICKETS]")
     return text
 
 
@@ -174,7 +176,8 @@ def main() -> None:
                              "(DLMC_NVFP4_DOWN: triton, gluon or fused; gluon and fused: sm_90 "
                              "and v7 only); fused:STAGES,PER_SM,MAXNREG[,TICKETS] sets the "
                              "fused kernel's ring depth, programs per SM, registers and (1) "
-                             "items by a ticket counter")
+                             "items by a ticket counter; gluon:1 the Gluon down kernel's items "
+                             "by a ticket counter (DLMC_NVFP4_DOWN_TICKETS=1)")
     parser.add_argument("--tile-kernel", choices=["both", "gate_up", "down"], default="both",
                         help="which kernel --tiles applies to (the other keeps its default)")
     args = parser.parse_args()
@@ -207,8 +210,9 @@ def main() -> None:
     for kernel, down, T, tile in ((k, d, T, t) for k in args.kernels for d in args.downs
                                   for T in args.tokens for t in tiles):
         _nvfp4_down_gluon.MODE = down.split(":")[0]
-        if ":" in down:  # the fused kernel's launch settings
-            values = [int(v) for v in down.split(":")[1].split(",")]
+        values = [int(v) for v in down.split(":")[1].split(",")] if ":" in down else []
+        _nvfp4_down_gluon.TICKETS = down.startswith("gluon:") and bool(values[0])
+        if down.startswith("fused:"):  # the fused kernel's launch settings
             (_nvfp4_moe_gluon.STAGES, _nvfp4_moe_gluon.PROGRAMS_PER_SM,
              _nvfp4_moe_gluon.MAXNREG) = values[:3]
             _nvfp4_moe_gluon.TICKETS = bool(values[3]) if len(values) > 3 else False

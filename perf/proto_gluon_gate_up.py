@@ -34,11 +34,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from dlmc.custom_ops._nvfp4_down_gluon import (
+    TAGS,
     _item,
     ring_barriers,
     shared_layouts,
 )
-from dlmc.custom_ops._nvfp4_moe_gluon import TAGS, _gate_up_item, gate_up_copies
+from dlmc.custom_ops._nvfp4_moe_gluon import _gate_up_item, gate_up_copies
 
 H, I, BM, K_TOP = 2048, 512, 16, 8
 KSTEPS, TILES = H // 128, I // 128

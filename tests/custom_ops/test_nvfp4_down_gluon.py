@@ -1,14 +1,19 @@
 """`DLMC_NVFP4_DOWN=gluon`: `nvfp4_moe`'s routed down projection in the Gluon kernel
 (`_nvfp4_down_gluon`).
 
-On CPU the Gluon kernel cannot run: there the switch's conditions are checked, and the op's
-wiring (gate/up storing h even columns first per 128, the shared expert's down parts alone in
-the Triton kernel) runs with the Gluon launch replaced by a torch computation that reads h the
-way the kernel does. On the H200 the op's output with the Gluon kernel equals the Triton
-kernel's bit for bit, eager and replayed in a CUDA graph.
+On CPU the Gluon kernel cannot run: there the switch's conditions are checked, the kernel's
+sm_90 lowering of each form (registers, spills, atomics, PDL), and the op's wiring (gate/up
+storing h even columns first per 128, the shared expert's down parts alone in the Triton
+kernel) with the Gluon launch replaced by a torch computation that reads h the way the kernel
+does. On the H200 the op's output with the Gluon kernel equals the Triton kernel's bit for bit,
+eager and replayed in a CUDA graph, with its items by program or by ticket.
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -49,6 +54,67 @@ def test_the_switch_names_bad_values_and_applies_only_on_hopper(monkeypatch) -> 
         assert not applies(cuda, 7, 2048, 512, True, True, 16)  # W4A4 emulation
     monkeypatch.setattr(_nvfp4_down_gluon, "MODE", "triton")
     assert not applies(torch.device("cuda"), 7, 2048, 512, False, True, 16)  # switched off
+
+
+def check_lowering() -> None:
+    """Each launch form lowers for sm_90 within `MAXNREG` registers and without spills: no
+    overlap; overlap with PDL; overlap with PDL and tickets (the producer spins for the rows,
+    fences and copies them: `fence.proxy.async.global`; relaxed adds: the first ticket, one
+    ahead per item, the reader count; exchanges: the last reader's two counter resets and the
+    ticket reset)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compile as triton_compile
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from tests.custom_ops.test_kernels_compile_sm90 import resource_usage
+
+    kernel = _nvfp4_down_gluon._down_gluon_kernel
+    w, s, h = _nvfp4_down_gluon.shared_layouts()
+    types = {"w_d": f"tensordesc<u8[64, 128],{w!r}>", "s_d": f"tensordesc<i32[8, 32],{s!r}>",
+             "h_d": f"tensordesc<bf16[8, 64],{h!r}>", "expert_of_block_ptr": "*i32",
+             "sorted_pair_ptr": "*i32", "alpha_ptr": "*fp32", "y_ptr": "*bf16",
+             "h_ptr": "*bf16", "count_ptr": "*i32"}
+    for overlap, tickets in ((False, False), (True, False), (True, True)):
+        consts = {"STAGES": _nvfp4_down_gluon.STAGES, "KSTEPS": 4, "TILES": 16, "I": 512,
+                  "H": 2048, "BLOCK_M": 16, "OVERLAP": overlap, "PDL": overlap,
+                  "TICKETS": tickets}
+        signature = {name: types.get(name, "i32") for name in kernel.arg_names}
+        signature |= dict.fromkeys(consts, "constexpr")
+        compiled = triton_compile(GluonASTSource(kernel, signature, consts),
+                                  target=GPUTarget("cuda", 90, 32),
+                                  options={"num_warps": 4, "maxnreg": _nvfp4_down_gluon.MAXNREG})
+        usage = resource_usage(compiled)
+        form = (overlap, tickets)
+        assert usage["REG"] <= _nvfp4_down_gluon.MAXNREG, (form, usage)
+        assert usage["LOCAL"] == 0 and usage["STACK"] == 0, (form, usage)
+        ptx = compiled.asm["ptx"]
+        assert ptx.count("griddepcontrol.wait") == int(overlap), form
+        assert ptx.count("relaxed.add") == int(overlap) + 2 * tickets, form
+        assert ptx.count("relaxed.exch") == 2 * overlap + tickets, form
+        assert ("fence.proxy.async.global" in ptx) == tickets, form
+        assert ".reqntid 256" in ptx  # 3 programs per SM at 80 registers: 61440 of 65536
+
+
+def test_each_form_lowers_for_sm90() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", "from tests.custom_ops.test_nvfp4_down_gluon "
+                             "import check_lowering; check_lowering()"], env=env, timeout=300,
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+
+
+def test_tickets_need_a_counter_past_the_slots(monkeypatch) -> None:
+    """With tickets the counter after the slots' must exist: a buffer of exactly
+    `2 * num_slots` is refused, naming what to allocate."""
+    monkeypatch.setattr(_nvfp4_down_gluon, "TICKETS", True)
+    h = torch.zeros(32, 256, dtype=torch.bfloat16)
+    words = torch.zeros(4, 256, 128, dtype=torch.uint8)
+    codes = torch.zeros(4, 256, 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"needs 5 counters .*num_slots \+ 1\)`\), got 4"):
+        _nvfp4_down_gluon.launch_down_gluon(
+            h, torch.zeros(32, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), words,
+            codes, torch.ones(4), torch.zeros(8, 256, dtype=torch.bfloat16), 8, 4,
+            count=torch.zeros(4, dtype=torch.int32), num_slots=2, writers=2)
 
 
 def even_odd_rows_to_natural(h: torch.Tensor) -> torch.Tensor:
@@ -191,4 +257,20 @@ def assert_graph_replays_like_triton(monkeypatch, mode: str, inter: int) -> None
 @pytest.mark.gpu
 def test_gluon_down_replays_in_a_cuda_graph_gpu(monkeypatch) -> None:
     """Captured once, replayed on new x and routing: the eager Triton path's output."""
+    assert_graph_replays_like_triton(monkeypatch, "gluon", 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["llada", "shared"])
+def test_gluon_down_with_tickets_equals_triton_down_gpu(monkeypatch, case: str) -> None:
+    """Items handed out by the ticket counter (`TICKETS`; the producer waits for gate/up's rows
+    and copies them): the same output, and the counters zero again after the launch."""
+    monkeypatch.setattr(_nvfp4_down_gluon, "TICKETS", True)
+    test_gluon_down_equals_triton_down_gpu(monkeypatch, case)
+
+
+@pytest.mark.gpu
+def test_gluon_down_with_tickets_replays_in_a_cuda_graph_gpu(monkeypatch) -> None:
+    """With tickets, captured once and replayed: the eager Triton path's output."""
+    monkeypatch.setattr(_nvfp4_down_gluon, "TICKETS", True)
     assert_graph_replays_like_triton(monkeypatch, "gluon", 128)

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Session 26's H200 calls (helpers of perf/h200_session.sh). Each call's output is tarred in $OUT.
+#   bash perf/h200_s26.sh fused    # call 1 (carry .whl): session 25's prepared
+#                                  # `bash perf/h200_s25.sh fused` (the reworked fused kernel:
+#                                  # checks, GPU tests, op, rounds), then the Gluon down tests
+#                                  # (their counter check had not run on a GPU)
+#   bash perf/h200_s26.sh tickets  # call 2 (carry .whl): the Gluon down kernel with its items
+#                                  # by ticket (DLMC_NVFP4_DOWN_TICKETS=1): its GPU tests, the op
+#                                  # with each down kernel (with the shared expert), NVFP4 + FP8
+#                                  # rounds gluon + tickets / default, then the op without the
+#                                  # shared expert
+set -u
+HERE="$(dirname "$0")"
+source "$HERE/h200_session.sh" lib
+
+case "${1:-}" in
+fused)
+  bash "$HERE/h200_s25.sh" fused
+  mkdir -p "$OUT/down" && OUT="$OUT/down" gpu_tests gluon_down -n 4 \
+    tests/custom_ops/test_nvfp4_down_gluon.py
+  tar -C "$OUT" -czf /tmp/s26_down.tgz down && rm -rf "$OUT/down" && mv /tmp/s26_down.tgz "$OUT/" ;;
+tickets)
+  python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
+  TEST_TIMEOUT=100 gpu_tests gluon_down -n 4 tests/custom_ops/test_nvfp4_down_gluon.py
+  if grep -q " passed" "$OUT/gpu_tests_gluon_down.txt" && ! grep -q "failed" "$OUT/gpu_tests_gluon_down.txt"; then
+    OP=(--tokens 32 --iters 60 --profile --downs triton gluon gluon:1 fused)
+    timeout 150 python3 perf/bench_nvfp4_moe.py "${OP[@]}" --shared-expert \
+      --out "$OUT/op_shared.json" > "$OUT/op_shared.txt" 2>&1
+    echo "op rc=$?"; grep -E "^kernel=" "$OUT/op_shared.txt" | cut -c 1-420
+    NVFP4=(--precision nvfp4 --kv-cache-dtype fp8 --modes graph --no-loop)
+    ( export DLMC_NVFP4_DOWN=gluon DLMC_NVFP4_DOWN_TICKETS=1
+      round round_nvfp4_gluon_tickets 110 "${NVFP4[@]}" )
+    round round_nvfp4_default 110 "${NVFP4[@]}"
+    timeout 100 python3 perf/bench_nvfp4_moe.py "${OP[@]}" \
+      --out "$OUT/op_routed.json" > "$OUT/op_routed.txt" 2>&1
+    echo "op routed rc=$?"; grep -E "^kernel=" "$OUT/op_routed.txt" | cut -c 1-420
+  fi
+  tar_out s26_tickets ;;
+*) echo "usage: bash perf/h200_s26.sh fused|tickets"; exit 2 ;;
+esac
