@@ -9,6 +9,10 @@
 #                                  # with each down kernel (with the shared expert), NVFP4 + FP8
 #                                  # rounds gluon + tickets / default, then the op without the
 #                                  # shared expert
+#   bash perf/h200_s26.sh probe    # call 3: what holds the Gluon gate/up consumer
+#                                  # (perf/proto_gluon_gate_up.py PROBE forms: no x loads, no
+#                                  # decode, neither) against v7; NVFP4 + FP8 rounds default /
+#                                  # gluon + tickets / default again
 set -u
 HERE="$(dirname "$0")"
 source "$HERE/h200_session.sh" lib
@@ -36,5 +40,16 @@ tickets)
     echo "op routed rc=$?"; grep -E "^kernel=" "$OUT/op_routed.txt" | cut -c 1-420
   fi
   tar_out s26_tickets ;;
-*) echo "usage: bash perf/h200_s26.sh fused|tickets"; exit 2 ;;
+probe)
+  timeout 200 python3 perf/proto_gluon_gate_up.py --repeats 2 \
+    --configs 3,3,80 3,3,80,1 3,3,80,2 3,3,80,3 \
+    --out "$OUT/proto_gate_up_probe.json" > "$OUT/proto_gate_up_probe.txt" 2>&1
+  echo "proto rc=$?"; tail -14 "$OUT/proto_gate_up_probe.txt"
+  NVFP4=(--precision nvfp4 --kv-cache-dtype fp8 --modes graph --no-loop)
+  round round_nvfp4_default 110 "${NVFP4[@]}"
+  ( export DLMC_NVFP4_DOWN=gluon DLMC_NVFP4_DOWN_TICKETS=1
+    round round_nvfp4_gluon_tickets 110 "${NVFP4[@]}" )
+  round round_nvfp4_default2 110 "${NVFP4[@]}"
+  tar_out s26_probe ;;
+*) echo "usage: bash perf/h200_s26.sh fused|tickets|probe"; exit 2 ;;
 esac

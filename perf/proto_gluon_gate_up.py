@@ -32,14 +32,21 @@ import triton
 from offline_sass import disassemble, print_rows, replay_times, run
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from dlmc.custom_ops._nvfp4_down_gluon import (
+    MMA,
     TAGS,
+    W_OP,
+    _chunk,
     _item,
+    _mma_chunk,
+    _store_tile,
     ring_barriers,
     shared_layouts,
 )
-from dlmc.custom_ops._nvfp4_moe_gluon import _gate_up_item, gate_up_copies
+from dlmc.custom_ops._nvfp4_moe_gluon import X_L, _gate_up_item, gate_up_copies, x_operands, x_step
 
 H, I, BM, K_TOP = 2048, 512, 16, 8
 KSTEPS, TILES = H // 128, I // 128
@@ -59,27 +66,89 @@ def _producer(g_d, gs_d, u_d, us_d, expert_of_block_ptr, sorted_pair_ptr, num_it
                                g_buf, gs_buf, u_buf, us_buf, ids, 0, STAGES, H)
 
 
+# `PROBE` forms (timing only, wrong values): 1 x rows not loaded (a constant), 2 the decode
+# replaced by moves (the words' bits as bf16), 3 both; what is left of the consumer's time
+# says what holds it
+_MOVES = gl.constexpr("mov.b32 $0, $4; mov.b32 $1, $4; mov.b32 $2, $4; mov.b32 $3, $4;")
+
+
+@gluon.jit
+def _probe_chunk(words, codes, b_even, b_odd, acc, DECODE: gl.constexpr):
+    """`_mma_chunk`, or (not `DECODE`) with the words' bits moved as they are."""
+    if DECODE:
+        return _mma_chunk(words, codes, b_even, b_odd, acc)
+    lo, hi = gl.inline_asm_elementwise(_MOVES, "=r,=r,=r,=r,r", [words],
+                                       dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+    acc = mma_v2(gl.convert_layout(gl.reshape(lo, [128, 64]), W_OP), b_even, acc)
+    return mma_v2(gl.convert_layout(gl.reshape(hi, [128, 64]), W_OP), b_odd, acc)
+
+
+@gluon.jit
+def _probe_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr, num_pairs,
+                stride_x, stride_h, a_row_div, slot0, tile, expert, i, empty, ready, g_buf,
+                gs_buf, u_buf, us_buf, STAGES: gl.constexpr, H: gl.constexpr,
+                PROBE: gl.constexpr):
+    """`_nvfp4_moe_gluon._gate_up_item` (no counter) in a `PROBE` form."""
+    alpha_g = gl.load(gate_alpha_ptr + expert) * 128.0
+    alpha_u = gl.load(up_alpha_ptr + expert) * 128.0
+    pairs_x = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(1, X_L)))
+    rows = gl.where(pairs_x < num_pairs, pairs_x // a_row_div, 0).to(gl.int64)
+    pairs = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(0, MMA)))
+    acc_g = gl.zeros([128, 8], gl.float32, MMA)
+    acc_u = gl.zeros([128, 8], gl.float32, MMA)
+    x = gl.full([8, 128], 0.5, gl.bfloat16, X_L)
+    if PROBE % 2 == 0:
+        x_next = x_step(x_ptr, rows, stride_x, 0)
+    for k in range(H // 128):
+        if PROBE % 2 == 0:
+            x = x_next
+            if k + 1 < H // 128:
+                x_next = x_step(x_ptr, rows, stride_x, k + 1)
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        g_words, g_codes = _chunk(g_buf.index(s), gs_buf.index(s))
+        u_words, u_codes = _chunk(u_buf.index(s), us_buf.index(s))
+        fence_async_shared()
+        mbarrier.arrive(empty.index(s), count=1)
+        x_even, x_odd = x_operands(x)
+        acc_g = _probe_chunk(g_words, g_codes, x_even, x_odd, acc_g, PROBE < 2)
+        acc_u = _probe_chunk(u_words, u_codes, x_even, x_odd, acc_u, PROBE < 2)
+        i += 1
+    g = acc_g * alpha_g
+    h = (g * (1.0 / (1.0 + gl.exp(-g))) * (acc_u * alpha_u)).to(gl.bfloat16)
+    n = gl.arange(0, 128, gl.SliceLayout(1, MMA))
+    cols = tile * 128 + (n % 2) * 64 + n // 2
+    _store_tile(h_ptr, slot0 + gl.arange(0, 8, gl.SliceLayout(0, MMA)), stride_h, cols, h,
+                pairs < num_pairs)
+    return i
+
+
 @gluon.jit
 def _consumer(x_ptr, expert_of_block_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr,
               num_items, num_pairs, shared_id, stride_x, stride_h, a_row_div, empty, ready,
               g_buf, gs_buf, u_buf, us_buf, STAGES: gl.constexpr, TILES: gl.constexpr,
-              H: gl.constexpr, BLOCK_M: gl.constexpr):
+              H: gl.constexpr, BLOCK_M: gl.constexpr, PROBE: gl.constexpr):
     i = 0  # K-steps consumed so far
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr, item,
                                               num_items, num_pairs, shared_id, TILES, BLOCK_M)
-        if has_work:  # the fused kernel's gate/up item, without its counter
+        if has_work and PROBE == 0:  # the fused kernel's gate/up item, without its counter
             i = _gate_up_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr,
                               h_ptr, num_pairs, stride_x, stride_h, a_row_div, slot0, tile,
                               expert, i, empty, ready, g_buf, gs_buf, u_buf, us_buf, STAGES, H,
                               BLOCK_M, False)
+        elif has_work:
+            i = _probe_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr,
+                            num_pairs, stride_x, stride_h, a_row_div, slot0, tile, expert, i,
+                            empty, ready, g_buf, gs_buf, u_buf, us_buf, STAGES, H, PROBE)
 
 
 @gluon.jit
 def gate_up_gluon(g_d, gs_d, u_d, us_d, x_ptr, expert_of_block_ptr, sorted_pair_ptr,
                   gate_alpha_ptr, up_alpha_ptr, h_ptr, num_items, num_pairs, shared_id,
                   stride_x, stride_h, a_row_div, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
-                  TILES: gl.constexpr, H: gl.constexpr, BLOCK_M: gl.constexpr):
+                  TILES: gl.constexpr, H: gl.constexpr, BLOCK_M: gl.constexpr,
+                  PROBE: gl.constexpr = 0):
     g_buf = gl.allocate_shared_memory(g_d.dtype, [STAGES] + g_d.block_type.shape, g_d.layout)
     u_buf = gl.allocate_shared_memory(u_d.dtype, [STAGES] + u_d.block_type.shape, u_d.layout)
     gs_buf = gl.allocate_shared_memory(gs_d.dtype, [STAGES] + gs_d.block_type.shape, gs_d.layout)
@@ -89,7 +158,8 @@ def gate_up_gluon(g_d, gs_d, u_d, us_d, x_ptr, expert_of_block_ptr, sorted_pair_
     gl.warp_specialize([
         (_consumer, (x_ptr, expert_of_block_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr,
                      h_ptr, num_items, num_pairs, shared_id, stride_x, stride_h, a_row_div,
-                     empty, ready, g_buf, gs_buf, u_buf, us_buf, STAGES, TILES, H, BLOCK_M)),
+                     empty, ready, g_buf, gs_buf, u_buf, us_buf, STAGES, TILES, H, BLOCK_M,
+                     PROBE)),
         (_producer, (g_d, gs_d, u_d, us_d, expert_of_block_ptr, sorted_pair_ptr, num_items,
                      num_pairs, shared_id, empty, ready, g_buf, gs_buf, u_buf, us_buf, ids, STAGES,
                      KSTEPS, TILES, H, BLOCK_M)),
@@ -106,7 +176,8 @@ def compile_only(args: argparse.Namespace) -> dict:
            "expert_of_block_ptr": "*i32", "sorted_pair_ptr": "*i32", "gate_alpha_ptr": "*fp32",
            "up_alpha_ptr": "*fp32", "h_ptr": "*bf16", "num_items": "i32", "num_pairs": "i32",
            "shared_id": "i32", "stride_x": "i32", "stride_h": "i32", "a_row_div": "i32"}
-    consts = {"STAGES": args.stages, "KSTEPS": KSTEPS, "TILES": TILES, "H": H, "BLOCK_M": BM}
+    consts = {"STAGES": args.stages, "KSTEPS": KSTEPS, "TILES": TILES, "H": H, "BLOCK_M": BM,
+              "PROBE": args.probe}
     sig |= dict.fromkeys(consts, "constexpr")
     compiled = triton.compile(GluonASTSource(gate_up_gluon, sig, consts),
                               target=GPUTarget("cuda", 90, 32),
@@ -166,7 +237,7 @@ def run_gpu(args: argparse.Namespace) -> dict:
                 INTERPRETED=False, VARIANT=7, SHARED=False, SHARED_BLOCK_K=128, SHARED_SPLIT=1,
                 num_warps=4, num_stages=3)
 
-    def gluon_run(stages: int, per_sm: int, maxnreg: int) -> None:
+    def gluon_run(stages: int, per_sm: int, maxnreg: int, probe: int = 0) -> None:
         for lay in layers:
             nb = lay["expert_of_block"].shape[0]
             gate_up_gluon[(num_sms * per_sm,)](
@@ -174,7 +245,8 @@ def run_gpu(args: argparse.Namespace) -> dict:
                 lay["expert_of_block"], lay["sorted_pair"], lay["gate_alpha"],
                 lay["up_alpha"], lay["h_new"], nb * 2 * TILES, T * K_TOP, E,
                 lay["x"].stride(0), lay["h_new"].stride(0), K_TOP, STAGES=stages,
-                KSTEPS=KSTEPS, TILES=TILES, H=H, BLOCK_M=BM, num_warps=4, maxnreg=maxnreg)
+                KSTEPS=KSTEPS, TILES=TILES, H=H, BLOCK_M=BM, PROBE=probe, num_warps=4,
+                maxnreg=maxnreg)
 
     touched = sum(int(torch.unique(lay["expert_of_block"][lay["expert_of_block"] >= 0]).numel())
                   for lay in layers)
@@ -189,11 +261,12 @@ def run_gpu(args: argparse.Namespace) -> dict:
         ms = statistics.median(replay_times(v7, args.iters))
         report["rows"].append({"kernel": "v7 gate/up (Triton)", "repeat": repeat,
                                "us_per_layer": ms * 1e3 / L, "GBps": nbytes / (ms * 1e-3) / 1e9})
-        for stages, per_sm, maxnreg in args.configs:
+        for stages, per_sm, maxnreg, *probe in args.configs:
+            probe = probe[0] if probe else 0
             row = {"kernel": "gluon gate/up", "stages": stages, "ctas_per_sm": per_sm,
-                   "maxnreg": maxnreg, "repeat": repeat}
+                   "maxnreg": maxnreg, "probe": probe, "repeat": repeat}
             try:
-                gluon_run(stages, per_sm, maxnreg)
+                gluon_run(stages, per_sm, maxnreg, probe)
                 torch.cuda.synchronize()
                 equal = True
                 for lay in layers:  # even-odd columns back to natural order, valid rows
@@ -202,7 +275,8 @@ def run_gpu(args: argparse.Namespace) -> dict:
                     equal &= torch.equal(natural[lay["valid"]].view(torch.int16),
                                          lay["h_ref"][lay["valid"]].view(torch.int16))
                 ms = statistics.median(replay_times(
-                    lambda s=stages, p=per_sm, m=maxnreg: gluon_run(s, p, m), args.iters))
+                    lambda s=stages, p=per_sm, m=maxnreg, q=probe: gluon_run(s, p, m, q),
+                    args.iters))
                 row |= {"us_per_layer": ms * 1e3 / L, "GBps": nbytes / (ms * 1e-3) / 1e9,
                         "bit_equal_to_v7": equal}
             except Exception as error:  # a config that does not compile or launch
@@ -218,7 +292,9 @@ def main() -> None:
     parser.add_argument("--maxnreg", type=int, default=96)
     parser.add_argument("--configs", nargs="+", default=[(4, 2, 96), (3, 3, 80), (6, 2, 96)],
                         type=lambda text: tuple(int(v) for v in text.split(",")),
-                        help="stages,ctas_per_sm,maxnreg")
+                        help="stages,ctas_per_sm,maxnreg[,probe] (probe 1: no x loads, 2: "
+                             "no decode, 3: neither; timing only)")
+    parser.add_argument("--probe", type=int, default=0, help="--compile-only: the PROBE form")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=2)
     run(parser, compile_only, run_gpu)
