@@ -60,15 +60,18 @@ from dlmc.custom_ops._nvfp4_down_gluon import (
 from dlmc.custom_ops._occupancy import resident_programs
 
 __all__ = ["X_L", "fused_applies", "gate_up_copies", "launch_moe_gluon", "programs_per_sm",
-           "x_operands", "x_step"]
+           "x_layout", "x_operands", "x_step"]
 
 # ring depth, programs per SM (at most what fits: `programs_per_sm`), registers per thread (80:
 # no spills in sm_90 SASS, and 3 programs of 256 threads fit in an SM's 64 K registers); the
 # gate/up prototype's best was the same (perf/README.md, session 25)
 STAGES, PROGRAMS_PER_SM, MAXNREG = 3, 3, 80
 TICKETS = False  # items by a ticket counter instead of by program (not yet measured)
-# a ring slot: two weight chunks and their codes, and (down items) four 1 KB halves of h rows
-STAGE_BYTES = 2 * 8192 + 2 * 1024 + 4 * 1024
+X_TMA = True  # gate/up items' x rows copied into the ring by the producer (else loaded by the
+# consumer warps from global memory)
+# a ring slot: two weight chunks and their codes, (down items) four 1 KB halves of h rows, and
+# (gate/up items, `X_TMA`) the part's 8 x rows of the K-step (2 KB)
+STAGE_BYTES = 2 * 8192 + 2 * 1024 + 4 * 1024 + 2048
 # threads per program: four consumer warps and the producer warp, which Gluon pads to two
 # warpgroups (`.reqntid 256`: `setmaxnreg` moves registers per warpgroup)
 THREADS = 8 * 32
@@ -97,18 +100,42 @@ def x_operands(x):
             gl.convert_layout(gl.permute(odd, [1, 0]), H_OP))
 
 
+def x_layout() -> object:
+    """The x rows' TMA box (bf16 [1, 128], one token row's K-step) in shared memory:
+    unswizzled, so that a ring slot's 8 boxes are one [8, 128] tile."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+
+
+@gluon.jit
+def _x_copies(x_d, x_slot, bar, sorted_pair_ptr, slot0, num_pairs, a_row_div, k):
+    """TMA copies of K-step k of the part's 8 x rows (pair p reads row p // `a_row_div`;
+    padding slots row 0) into the slot's [8, 128] tile."""
+    for r in gl.static_range(8):
+        pair = gl.load(sorted_pair_ptr + slot0 + r)
+        row = (pair < num_pairs).to(gl.int32) * (pair // a_row_div)
+        tma.async_copy_global_to_shared(x_d, [row, k * 128], bar, x_slot.slice(r, 1))
+
+
 @gluon.jit
 def gate_up_copies(g_d, gs_d, u_d, us_d, run, i, empty, ready, g_buf, gs_buf, u_buf, us_buf,
-                   ids, tag, STAGES: gl.constexpr, H: gl.constexpr):
+                   ids, tag, STAGES: gl.constexpr, H: gl.constexpr, x_d, x_buf, sorted_pair_ptr,
+                   slot0, num_pairs, a_row_div, X_TMA: gl.constexpr = False):
     """The producer's TMA copies of a gate/up item: run `run` (128 gate and up rows) K-step by
-    K-step into ring slots i, i + 1, ..., each tagged `tag`; returns the ring position after
-    it."""
+    K-step into ring slots i, i + 1, ..., each tagged `tag` (`X_TMA`: with the part's x rows,
+    `x_buf` [STAGES, 8, 128]; else `x_d` and the rest are not read); returns the ring position
+    after it."""
     for k in range(H // 128):
         s = i % STAGES
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
         _tag_slot(ids, s, tag)
         bar = ready.index(s)
-        mbarrier.expect(bar, 2 * g_d.block_type.nbytes + 2 * gs_d.block_type.nbytes)
+        if X_TMA:
+            mbarrier.expect(bar, 2 * g_d.block_type.nbytes + 2 * gs_d.block_type.nbytes
+                            + 8 * x_d.block_type.nbytes)
+            _x_copies(x_d, x_buf.index(s), bar, sorted_pair_ptr, slot0, num_pairs, a_row_div,
+                      k)
+        else:
+            mbarrier.expect(bar, 2 * g_d.block_type.nbytes + 2 * gs_d.block_type.nbytes)
         # chunk k of the run at byte run * 128 * H/2 + k * 8192 (128-byte rows); its codes at
         # byte run * 128 * H/16 + k * 1024
         tma.async_copy_global_to_shared(g_d, [run * (H // 2) + k * 64, 0], bar, g_buf.index(s))
@@ -157,11 +184,11 @@ def _down_copies(d_d, ds_d, h_d, count_ptr, num_slots, sorted_pair_ptr, num_pair
 
 
 @gluon.jit
-def _producer(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, expert_of_block_ptr, sorted_pair_ptr,
-              count_ptr, num_slots, gate_up_items, down_items, num_pairs, shared_id, empty,
-              ready, g_buf, gs_buf, u_buf, us_buf, h_buf, ids, STAGES: gl.constexpr,
-              H: gl.constexpr, I: gl.constexpr, BLOCK_M: gl.constexpr,
-              TICKETS: gl.constexpr):
+def _producer(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, expert_of_block_ptr, sorted_pair_ptr,
+              count_ptr, num_slots, gate_up_items, down_items, num_pairs, shared_id, a_row_div,
+              empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf, x_buf, ids,
+              STAGES: gl.constexpr, H: gl.constexpr, I: gl.constexpr, BLOCK_M: gl.constexpr,
+              TICKETS: gl.constexpr, X_TMA: gl.constexpr):
     """Walks its items (`TICKETS`: the next unclaimed item from the ticket counter after the
     block counters, taken one item ahead; else program p's items p, p + grid, ...), skips
     those without work, and fills the ring for the rest, each slot tagged with its item; a last
@@ -186,7 +213,8 @@ def _producer(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, expert_of_block_ptr, sorted_
             if has_work:
                 i = gate_up_copies(g_d, gs_d, u_d, us_d, expert * (I // 128) + tile, i, empty,
                                    ready, g_buf, gs_buf, u_buf, us_buf, ids,
-                                   item * 1024 + expert, STAGES, H)
+                                   item * 1024 + expert, STAGES, H, x_d, x_buf,
+                                   sorted_pair_ptr, slot0, num_pairs, a_row_div, X_TMA)
         else:
             slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr,
                                                   item - gate_up_items, down_items, num_pairs,
@@ -211,10 +239,12 @@ def _producer(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, expert_of_block_ptr, sorted_
 def _gate_up_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr, count_ptr,
                   num_pairs, stride_x, stride_h, a_row_div, slot0, tile, expert, i, empty,
                   ready, g_buf, gs_buf, u_buf, us_buf, STAGES: gl.constexpr, H: gl.constexpr,
-                  BLOCK_M: gl.constexpr, SIGNAL: gl.constexpr = True):
+                  BLOCK_M: gl.constexpr, SIGNAL: gl.constexpr = True, x_buf=None,
+                  X_TMA: gl.constexpr = False):
     """h rows slot0..slot0+7, columns tile * 128 + [0, 128) (even columns first), then (with
-    `SIGNAL`) one count on the routing block's counter. Returns the ring position after the
-    item."""
+    `SIGNAL`) one count on the routing block's counter. The x rows: from the ring (`X_TMA`,
+    `x_buf`), else loaded from global memory (each consumer warp all of them, a K-step
+    ahead). Returns the ring position after the item."""
     alpha_g = gl.load(gate_alpha_ptr + expert) * 128.0  # * 2^7: the decode's 2^-7
     alpha_u = gl.load(up_alpha_ptr + expert) * 128.0
     pairs_x = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(1, X_L)))
@@ -222,15 +252,19 @@ def _gate_up_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr, c
     pairs = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(0, MMA)))
     acc_g = gl.zeros([128, 8], gl.float32, MMA)
     acc_u = gl.zeros([128, 8], gl.float32, MMA)
-    x_next = x_step(x_ptr, rows, stride_x, 0)
+    if not X_TMA:
+        x_next = x_step(x_ptr, rows, stride_x, 0)
     for k in range(H // 128):
-        x = x_next
-        if k + 1 < H // 128:  # the next K-step's rows, ahead of this step's work
-            x_next = x_step(x_ptr, rows, stride_x, k + 1)
+        if not X_TMA:
+            x = x_next
+            if k + 1 < H // 128:  # the next K-step's rows, ahead of this step's work
+                x_next = x_step(x_ptr, rows, stride_x, k + 1)
         s = i % STAGES
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         g_words, g_codes = _chunk(g_buf.index(s), gs_buf.index(s))
         u_words, u_codes = _chunk(u_buf.index(s), us_buf.index(s))
+        if X_TMA:
+            x = x_buf.index(s).load(X_L)
         fence_async_shared()
         mbarrier.arrive(empty.index(s), count=1)
         x_even, x_odd = x_operands(x)
@@ -282,8 +316,9 @@ def _down_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, slot0, ti
 @gluon.jit
 def _consumer(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, down_alpha_ptr, h_ptr,
               y_ptr, count_ptr, gate_up_items, num_pairs, stride_x, stride_h, stride_y,
-              a_row_div, empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf, ids,
-              STAGES: gl.constexpr, H: gl.constexpr, I: gl.constexpr, BLOCK_M: gl.constexpr):
+              a_row_div, empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf, x_buf, ids,
+              STAGES: gl.constexpr, H: gl.constexpr, I: gl.constexpr, BLOCK_M: gl.constexpr,
+              X_TMA: gl.constexpr):
     """Runs the items the producer tagged, in its order, until the tag -1."""
     i = 0  # ring slots consumed so far
     tag = _tag(ids, ready, i, STAGES)
@@ -294,7 +329,7 @@ def _consumer(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, down_alpha_p
             i = _gate_up_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr,
                               count_ptr, num_pairs, stride_x, stride_h, a_row_div, slot0, tile,
                               expert, i, empty, ready, g_buf, gs_buf, u_buf, us_buf, STAGES, H,
-                              BLOCK_M)
+                              BLOCK_M, True, x_buf, X_TMA)
         else:
             slot0, tile = _place(item - gate_up_items, H // 128, BLOCK_M)
             i = _down_item(sorted_pair_ptr, down_alpha_ptr, y_ptr, num_pairs, stride_y, slot0,
@@ -304,19 +339,21 @@ def _consumer(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, down_alpha_p
 
 
 @gluon.jit
-def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_ptr, expert_of_block_ptr,
+def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, x_ptr, expert_of_block_ptr,
                       sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, down_alpha_ptr, h_ptr,
                       y_ptr, count_ptr, num_slots, gate_up_items, down_items, num_pairs,
                       shared_id, stride_x, stride_h, stride_y, a_row_div,
                       STAGES: gl.constexpr, H: gl.constexpr, I: gl.constexpr,
                       BLOCK_M: gl.constexpr, PDL_ENTER: gl.constexpr = False,
-                      PDL_AFTER: gl.constexpr = False, TICKETS: gl.constexpr = False):
+                      PDL_AFTER: gl.constexpr = False, TICKETS: gl.constexpr = False,
+                      X_TMA: gl.constexpr = False):
     """`PDL_ENTER`: launched with PDL right after the routing (wait for it, then let the next
     kernel launch). `PDL_AFTER`: launched with PDL after the shared expert's down parts, which
     come after the routing: let the next kernel launch at once, and finish only after the
     kernel before has (the combine that follows waits for this one alone). `TICKETS`: items
     handed out by a counter (`count_ptr[2 * num_slots]`, zero between launches) instead of by
-    program: balanced, and free of deadlock whatever number of programs is resident."""
+    program: balanced, and free of deadlock whatever number of programs is resident. `X_TMA`:
+    gate/up items' x rows by the producer's TMA copies (`x_d`: x's [1, 128] boxes)."""
     if PDL_ENTER:
         gdc_wait()
     if PDL_ENTER or PDL_AFTER:
@@ -328,16 +365,20 @@ def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_ptr, expert_of_blo
     h_buf = gl.allocate_shared_memory(h_d.dtype, [4 * STAGES] + h_d.block_type.shape,
                                       h_d.layout)
     ids = gl.allocate_shared_memory(gl.int32, [STAGES, 1], TAGS)  # one tag per ring slot
+    if X_TMA:  # noqa: SIM108 (an allocation only when X_TMA)
+        x_buf = gl.allocate_shared_memory(x_d.dtype, [STAGES, 8, 128], x_d.layout)
+    else:
+        x_buf = h_buf  # (not read)
     empty, ready = ring_barriers(STAGES)
     gl.warp_specialize([
         (_consumer, (x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, down_alpha_ptr,
                      h_ptr, y_ptr, count_ptr, gate_up_items, num_pairs, stride_x, stride_h,
                      stride_y, a_row_div, empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf,
-                     ids, STAGES, H, I, BLOCK_M)),
-        (_producer, (g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, expert_of_block_ptr,
+                     x_buf, ids, STAGES, H, I, BLOCK_M, X_TMA)),
+        (_producer, (g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, expert_of_block_ptr,
                      sorted_pair_ptr, count_ptr, num_slots, gate_up_items, down_items,
-                     num_pairs, shared_id, empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf,
-                     ids, STAGES, H, I, BLOCK_M, TICKETS)),
+                     num_pairs, shared_id, a_row_div, empty, ready, g_buf, gs_buf, u_buf,
+                     us_buf, h_buf, x_buf, ids, STAGES, H, I, BLOCK_M, TICKETS, X_TMA)),
     ], [1], [40])
     if PDL_AFTER:
         gdc_wait()
@@ -398,6 +439,7 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
     descs = [d for words, codes in zip(weights[::2], weights[1::2], strict=True)
              for d in _descriptors(words, codes)]
     descs.append(TensorDescriptor.from_tensor(h, [8, 64], shared_layouts()[2]))
+    descs.append(TensorDescriptor.from_tensor(x, [1, 128], x_layout()))
     block_m = sorted_pair.shape[0] // expert_of_block.shape[0]
     parts = expert_of_block.shape[0] * (block_m // 8)
     if parts * (H // 128 + I // 128) >= 2**21 or shared_id >= 1024:  # the slot tags' range
@@ -408,9 +450,9 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
             parts * (I // 128), parts * (H // 128), num_pairs, shared_id, x.stride(0),
             h.stride(0), y.stride(0), a_row_div)
     options = {"STAGES": STAGES, "H": H, "I": I, "BLOCK_M": block_m, "PDL_ENTER": pdl == "enter",
-               "PDL_AFTER": pdl == "after", "TICKETS": TICKETS, "num_warps": 4,
+               "PDL_AFTER": pdl == "after", "TICKETS": TICKETS, "X_TMA": X_TMA, "num_warps": 4,
                "maxnreg": MAXNREG, **({"launch_pdl": True} if pdl else {})}
-    key = (x.device, STAGES, PROGRAMS_PER_SM, MAXNREG, TICKETS, H, I, block_m, pdl)
+    key = (x.device, STAGES, PROGRAMS_PER_SM, MAXNREG, TICKETS, X_TMA, H, I, block_m, pdl)
     if count.numel() < 2 * num_slots + 1:
         raise ValueError(f"nvfp4_moe: the fused Gluon kernel needs {2 * num_slots + 1} counters "
                          f"(`moe_overlap.counters(device, num_slots + 1)`), got {count.numel()}")

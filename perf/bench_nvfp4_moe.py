@@ -134,16 +134,17 @@ def kernel_times(run: object, layers: int, reps: int = 5) -> dict[str, float]:
 
 
 def _down_choice(text: str) -> str:
-    """`--downs` entry: triton, gluon[:TICKETS], fused or fused:STAGES,PER_SM,MAXNREG[,TICKETS]."""
+    """`--downs` entry: triton, gluon[:TICKETS], fused or
+    fused:STAGES,PER_SM,MAXNREG[,TICKETS[,X_TMA]]."""
     name, _, config = text.partition(":")
     values = config.split(",")
     ok = name in ("triton", "gluon", "fused") and (not config or (
         all(v.isdigit() for v in values)
-        and len(values) in ((3, 4) if name == "fused" else (1,) if name == "gluon" else ())))
+        and len(values) in ((3, 4, 5) if name == "fused" else (1,) if name == "gluon" else ())))
     if not ok:
         raise argparse.ArgumentTypeError(
             f"{text!r}: expected triton, gluon[:TICKETS], fused or "
-            "fused:STAGES,PER_SM,MAXNREG[,TICKETS]")
+            "fused:STAGES,PER_SM,MAXNREG[,TICKETS[,X_TMA]]")
     return text
 
 
@@ -174,9 +175,10 @@ def main() -> None:
                         default=[_nvfp4_down_gluon.MODE],
                         help="down kernels to time one after the other in this process "
                              "(DLMC_NVFP4_DOWN: triton, gluon or fused; gluon and fused: sm_90 "
-                             "and v7 only); fused:STAGES,PER_SM,MAXNREG[,TICKETS] sets the "
-                             "fused kernel's ring depth, programs per SM, registers and (1) "
-                             "items by a ticket counter; gluon:1 the Gluon down kernel's items "
+                             "and v7 only); fused:STAGES,PER_SM,MAXNREG[,TICKETS[,X_TMA]] sets the "
+                             "fused kernel's ring depth, programs per SM, registers, (1) "
+                             "items by a ticket counter and (0) x rows loaded by the consumers "
+                             "instead of copied by TMA; gluon:1 the Gluon down kernel's items "
                              "by a ticket counter (DLMC_NVFP4_DOWN_TICKETS=1)")
     parser.add_argument("--tile-kernel", choices=["both", "gate_up", "down"], default="both",
                         help="which kernel --tiles applies to (the other keeps its default)")
@@ -205,6 +207,8 @@ def main() -> None:
     tiles = [tuple(int(v) for v in t.split(",")) for t in args.tiles] or [None]
     nvfp4_module._TILE_KERNEL = args.tile_kernel
     inputs = {}  # per token count: the same routing and x for every kernel
+    fused_defaults = {name: getattr(_nvfp4_moe_gluon, name)
+                      for name in ("STAGES", "PROGRAMS_PER_SM", "MAXNREG", "TICKETS", "X_TMA")}
     converted: dict[str, list[list[torch.Tensor]]] = {}
     first_outputs: dict[tuple, torch.Tensor] = {}
     for kernel, down, T, tile in ((k, d, T, t) for k in args.kernels for d in args.downs
@@ -212,10 +216,11 @@ def main() -> None:
         _nvfp4_down_gluon.MODE = down.split(":")[0]
         values = [int(v) for v in down.split(":")[1].split(",")] if ":" in down else []
         _nvfp4_down_gluon.TICKETS = down.startswith("gluon:") and bool(values[0])
-        if down.startswith("fused:"):  # the fused kernel's launch settings
-            (_nvfp4_moe_gluon.STAGES, _nvfp4_moe_gluon.PROGRAMS_PER_SM,
-             _nvfp4_moe_gluon.MAXNREG) = values[:3]
-            _nvfp4_moe_gluon.TICKETS = bool(values[3]) if len(values) > 3 else False
+        # the fused kernel's launch settings: the module's defaults, or the entry's
+        fused_settings = dict(zip(("STAGES", "PROGRAMS_PER_SM", "MAXNREG", "TICKETS", "X_TMA"),
+                                  values, strict=False)) if down.startswith("fused:") else {}
+        for name, default in fused_defaults.items():
+            setattr(_nvfp4_moe_gluon, name, type(default)(fused_settings.get(name, default)))
         nvfp4_module._TILE = tile
         nvfp4_module._VARIANT = _KERNELS[kernel]
         if T not in inputs:

@@ -13,6 +13,10 @@
 #                                  # (perf/proto_gluon_gate_up.py PROBE forms: no x loads, no
 #                                  # decode, neither) against v7; NVFP4 + FP8 rounds default /
 #                                  # gluon + tickets / default again
+#   bash perf/h200_s26.sh xtma     # call 4 (carry .whl): x rows by the producer's TMA copies
+#                                  # (X_TMA): the fused kernel's check and GPU tests, the gate/up
+#                                  # prototype with and without, the op (routed experts only,
+#                                  # then with the shared expert) per down kernel
 set -u
 HERE="$(dirname "$0")"
 source "$HERE/h200_session.sh" lib
@@ -51,5 +55,24 @@ probe)
     round round_nvfp4_gluon_tickets 110 "${NVFP4[@]}" )
   round round_nvfp4_default2 110 "${NVFP4[@]}"
   tar_out s26_probe ;;
-*) echo "usage: bash perf/h200_s26.sh fused|tickets|probe"; exit 2 ;;
+xtma)
+  python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
+  PYTHONPATH=. timeout 45 python3 perf/check_fused.py > "$OUT/check.txt" 2>&1
+  rc=$?; echo "check rc=$rc"; tail -1 "$OUT/check.txt"
+  if [ $rc -eq 0 ]; then
+    TEST_TIMEOUT=100 gpu_tests fused -n 4 tests/custom_ops/test_nvfp4_moe_gluon.py
+    timeout 150 python3 perf/proto_gluon_gate_up.py --repeats 2 --configs 3,3,80 3,3,80,0,1 \
+      --out "$OUT/proto_gate_up_xtma.json" > "$OUT/proto_gate_up_xtma.txt" 2>&1
+    echo "proto rc=$?"; tail -7 "$OUT/proto_gate_up_xtma.txt" | cut -c 1-200
+    OP=(--tokens 32 --iters 60 --profile)
+    timeout 120 python3 perf/bench_nvfp4_moe.py "${OP[@]}" \
+      --downs triton gluon:1 fused fused:3,3,80,0,0 \
+      --out "$OUT/op_routed.json" > "$OUT/op_routed.txt" 2>&1
+    echo "op routed rc=$?"; grep -E "^kernel=" "$OUT/op_routed.txt" | cut -c 1-330
+    timeout 100 python3 perf/bench_nvfp4_moe.py "${OP[@]}" --shared-expert \
+      --downs triton gluon:1 fused --out "$OUT/op_shared.json" > "$OUT/op_shared.txt" 2>&1
+    echo "op shared rc=$?"; grep -E "^kernel=" "$OUT/op_shared.txt" | cut -c 1-330
+  fi
+  tar_out s26_xtma ;;
+*) echo "usage: bash perf/h200_s26.sh fused|tickets|probe|xtma"; exit 2 ;;
 esac

@@ -46,24 +46,32 @@ from dlmc.custom_ops._nvfp4_down_gluon import (
     ring_barriers,
     shared_layouts,
 )
-from dlmc.custom_ops._nvfp4_moe_gluon import X_L, _gate_up_item, gate_up_copies, x_operands, x_step
+from dlmc.custom_ops._nvfp4_moe_gluon import (
+    X_L,
+    _gate_up_item,
+    gate_up_copies,
+    x_layout,
+    x_operands,
+    x_step,
+)
 
 H, I, BM, K_TOP = 2048, 512, 16, 8
 KSTEPS, TILES = H // 128, I // 128
 
 
 @gluon.jit
-def _producer(g_d, gs_d, u_d, us_d, expert_of_block_ptr, sorted_pair_ptr, num_items, num_pairs,
-              shared_id, empty, ready, g_buf, gs_buf, u_buf, us_buf, ids, STAGES: gl.constexpr,
-              KSTEPS: gl.constexpr, TILES: gl.constexpr, H: gl.constexpr,
-              BLOCK_M: gl.constexpr):
+def _producer(g_d, gs_d, u_d, us_d, x_d, expert_of_block_ptr, sorted_pair_ptr, num_items,
+              num_pairs, shared_id, a_row_div, empty, ready, g_buf, gs_buf, u_buf, us_buf, x_buf,
+              ids, STAGES: gl.constexpr, KSTEPS: gl.constexpr, TILES: gl.constexpr,
+              H: gl.constexpr, BLOCK_M: gl.constexpr, X_TMA: gl.constexpr):
     i = 0  # K-steps copied so far (the ring position)
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr, item,
                                               num_items, num_pairs, shared_id, TILES, BLOCK_M)
         if has_work:
             i = gate_up_copies(g_d, gs_d, u_d, us_d, expert * TILES + tile, i, empty, ready,
-                               g_buf, gs_buf, u_buf, us_buf, ids, 0, STAGES, H)
+                               g_buf, gs_buf, u_buf, us_buf, ids, 0, STAGES, H, x_d, x_buf,
+                               sorted_pair_ptr, slot0, num_pairs, a_row_div, X_TMA)
 
 
 # `PROBE` forms (timing only, wrong values): 1 x rows not loaded (a constant), 2 the decode
@@ -126,8 +134,9 @@ def _probe_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr, num
 @gluon.jit
 def _consumer(x_ptr, expert_of_block_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr,
               num_items, num_pairs, shared_id, stride_x, stride_h, a_row_div, empty, ready,
-              g_buf, gs_buf, u_buf, us_buf, STAGES: gl.constexpr, TILES: gl.constexpr,
-              H: gl.constexpr, BLOCK_M: gl.constexpr, PROBE: gl.constexpr):
+              g_buf, gs_buf, u_buf, us_buf, x_buf, STAGES: gl.constexpr, TILES: gl.constexpr,
+              H: gl.constexpr, BLOCK_M: gl.constexpr, PROBE: gl.constexpr,
+              X_TMA: gl.constexpr):
     i = 0  # K-steps consumed so far
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr, item,
@@ -136,7 +145,7 @@ def _consumer(x_ptr, expert_of_block_ptr, sorted_pair_ptr, gate_alpha_ptr, up_al
             i = _gate_up_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr,
                               h_ptr, num_pairs, stride_x, stride_h, a_row_div, slot0, tile,
                               expert, i, empty, ready, g_buf, gs_buf, u_buf, us_buf, STAGES, H,
-                              BLOCK_M, False)
+                              BLOCK_M, False, x_buf, X_TMA)
         elif has_work:
             i = _probe_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr,
                             num_pairs, stride_x, stride_h, a_row_div, slot0, tile, expert, i,
@@ -144,25 +153,31 @@ def _consumer(x_ptr, expert_of_block_ptr, sorted_pair_ptr, gate_alpha_ptr, up_al
 
 
 @gluon.jit
-def gate_up_gluon(g_d, gs_d, u_d, us_d, x_ptr, expert_of_block_ptr, sorted_pair_ptr,
+def gate_up_gluon(g_d, gs_d, u_d, us_d, x_d, x_ptr, expert_of_block_ptr, sorted_pair_ptr,
                   gate_alpha_ptr, up_alpha_ptr, h_ptr, num_items, num_pairs, shared_id,
                   stride_x, stride_h, a_row_div, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
                   TILES: gl.constexpr, H: gl.constexpr, BLOCK_M: gl.constexpr,
-                  PROBE: gl.constexpr = 0):
+                  PROBE: gl.constexpr = 0, X_TMA: gl.constexpr = False):
+    """`X_TMA`: the producer copies the part's x rows into the ring (`x_d`: x's [1, 128]
+    boxes); else the consumer warps load them from global memory."""
     g_buf = gl.allocate_shared_memory(g_d.dtype, [STAGES] + g_d.block_type.shape, g_d.layout)
     u_buf = gl.allocate_shared_memory(u_d.dtype, [STAGES] + u_d.block_type.shape, u_d.layout)
     gs_buf = gl.allocate_shared_memory(gs_d.dtype, [STAGES] + gs_d.block_type.shape, gs_d.layout)
     us_buf = gl.allocate_shared_memory(us_d.dtype, [STAGES] + us_d.block_type.shape, us_d.layout)
     ids = gl.allocate_shared_memory(gl.int32, [STAGES, 1], TAGS)  # the copies' tags (unread)
+    if X_TMA:  # noqa: SIM108 (an allocation only when X_TMA)
+        x_buf = gl.allocate_shared_memory(x_d.dtype, [STAGES, 8, 128], x_d.layout)
+    else:
+        x_buf = g_buf  # (not read)
     empty, ready = ring_barriers(STAGES)
     gl.warp_specialize([
         (_consumer, (x_ptr, expert_of_block_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr,
                      h_ptr, num_items, num_pairs, shared_id, stride_x, stride_h, a_row_div,
-                     empty, ready, g_buf, gs_buf, u_buf, us_buf, STAGES, TILES, H, BLOCK_M,
-                     PROBE)),
-        (_producer, (g_d, gs_d, u_d, us_d, expert_of_block_ptr, sorted_pair_ptr, num_items,
-                     num_pairs, shared_id, empty, ready, g_buf, gs_buf, u_buf, us_buf, ids, STAGES,
-                     KSTEPS, TILES, H, BLOCK_M)),
+                     empty, ready, g_buf, gs_buf, u_buf, us_buf, x_buf, STAGES, TILES, H,
+                     BLOCK_M, PROBE, X_TMA)),
+        (_producer, (g_d, gs_d, u_d, us_d, x_d, expert_of_block_ptr, sorted_pair_ptr, num_items,
+                     num_pairs, shared_id, a_row_div, empty, ready, g_buf, gs_buf, u_buf, us_buf,
+                     x_buf, ids, STAGES, KSTEPS, TILES, H, BLOCK_M, X_TMA)),
     ], [1], [40])
 
 
@@ -172,12 +187,13 @@ def compile_only(args: argparse.Namespace) -> dict:
 
     w, s, _ = shared_layouts()
     wd, sd = f"tensordesc<u8[64, 128],{w!r}>", f"tensordesc<i32[8, 32],{s!r}>"
-    sig = {"g_d": wd, "gs_d": sd, "u_d": wd, "us_d": sd, "x_ptr": "*bf16",
+    sig = {"g_d": wd, "gs_d": sd, "u_d": wd, "us_d": sd,
+           "x_d": f"tensordesc<bf16[1, 128],{x_layout()!r}>", "x_ptr": "*bf16",
            "expert_of_block_ptr": "*i32", "sorted_pair_ptr": "*i32", "gate_alpha_ptr": "*fp32",
            "up_alpha_ptr": "*fp32", "h_ptr": "*bf16", "num_items": "i32", "num_pairs": "i32",
            "shared_id": "i32", "stride_x": "i32", "stride_h": "i32", "a_row_div": "i32"}
     consts = {"STAGES": args.stages, "KSTEPS": KSTEPS, "TILES": TILES, "H": H, "BLOCK_M": BM,
-              "PROBE": args.probe}
+              "PROBE": args.probe, "X_TMA": bool(args.x_tma)}
     sig |= dict.fromkeys(consts, "constexpr")
     compiled = triton.compile(GluonASTSource(gate_up_gluon, sig, consts),
                               target=GPUTarget("cuda", 90, 32),
@@ -219,6 +235,7 @@ def run_gpu(args: argparse.Namespace) -> dict:
         assert block_m == BM, block_m
         S = lay["expert_of_block"].shape[0] * BM
         lay["x"] = (torch.randn(T, H, device="cuda", generator=gen) * 0.5).to(torch.bfloat16)
+        lay["x_d"] = TensorDescriptor.from_tensor(lay["x"], [1, 128], x_layout())
         lay["h_ref"] = torch.zeros(S, I, dtype=torch.bfloat16, device="cuda")
         lay["h_new"] = torch.zeros_like(lay["h_ref"])
         lay["valid"] = lay["sorted_pair"] < T * K_TOP
@@ -237,16 +254,17 @@ def run_gpu(args: argparse.Namespace) -> dict:
                 INTERPRETED=False, VARIANT=7, SHARED=False, SHARED_BLOCK_K=128, SHARED_SPLIT=1,
                 num_warps=4, num_stages=3)
 
-    def gluon_run(stages: int, per_sm: int, maxnreg: int, probe: int = 0) -> None:
+    def gluon_run(stages: int, per_sm: int, maxnreg: int, probe: int = 0,
+                  x_tma: int = 0) -> None:
         for lay in layers:
             nb = lay["expert_of_block"].shape[0]
             gate_up_gluon[(num_sms * per_sm,)](
-                lay["gate_d"], lay["gate_sd"], lay["up_d"], lay["up_sd"], lay["x"],
+                lay["gate_d"], lay["gate_sd"], lay["up_d"], lay["up_sd"], lay["x_d"], lay["x"],
                 lay["expert_of_block"], lay["sorted_pair"], lay["gate_alpha"],
                 lay["up_alpha"], lay["h_new"], nb * 2 * TILES, T * K_TOP, E,
                 lay["x"].stride(0), lay["h_new"].stride(0), K_TOP, STAGES=stages,
-                KSTEPS=KSTEPS, TILES=TILES, H=H, BLOCK_M=BM, PROBE=probe, num_warps=4,
-                maxnreg=maxnreg)
+                KSTEPS=KSTEPS, TILES=TILES, H=H, BLOCK_M=BM, PROBE=probe, X_TMA=bool(x_tma),
+                num_warps=4, maxnreg=maxnreg)
 
     touched = sum(int(torch.unique(lay["expert_of_block"][lay["expert_of_block"] >= 0]).numel())
                   for lay in layers)
@@ -261,12 +279,12 @@ def run_gpu(args: argparse.Namespace) -> dict:
         ms = statistics.median(replay_times(v7, args.iters))
         report["rows"].append({"kernel": "v7 gate/up (Triton)", "repeat": repeat,
                                "us_per_layer": ms * 1e3 / L, "GBps": nbytes / (ms * 1e-3) / 1e9})
-        for stages, per_sm, maxnreg, *probe in args.configs:
-            probe = probe[0] if probe else 0
+        for stages, per_sm, maxnreg, *extra in args.configs:
+            probe, x_tma = (list(extra) + [0, 0])[:2]
             row = {"kernel": "gluon gate/up", "stages": stages, "ctas_per_sm": per_sm,
-                   "maxnreg": maxnreg, "probe": probe, "repeat": repeat}
+                   "maxnreg": maxnreg, "probe": probe, "x_tma": x_tma, "repeat": repeat}
             try:
-                gluon_run(stages, per_sm, maxnreg, probe)
+                gluon_run(stages, per_sm, maxnreg, probe, x_tma)
                 torch.cuda.synchronize()
                 equal = True
                 for lay in layers:  # even-odd columns back to natural order, valid rows
@@ -275,7 +293,8 @@ def run_gpu(args: argparse.Namespace) -> dict:
                     equal &= torch.equal(natural[lay["valid"]].view(torch.int16),
                                          lay["h_ref"][lay["valid"]].view(torch.int16))
                 ms = statistics.median(replay_times(
-                    lambda s=stages, p=per_sm, m=maxnreg, q=probe: gluon_run(s, p, m, q),
+                    lambda s=stages, p=per_sm, m=maxnreg, q=probe, t=x_tma: gluon_run(
+                        s, p, m, q, t),
                     args.iters))
                 row |= {"us_per_layer": ms * 1e3 / L, "GBps": nbytes / (ms * 1e-3) / 1e9,
                         "bit_equal_to_v7": equal}
@@ -292,9 +311,11 @@ def main() -> None:
     parser.add_argument("--maxnreg", type=int, default=96)
     parser.add_argument("--configs", nargs="+", default=[(4, 2, 96), (3, 3, 80), (6, 2, 96)],
                         type=lambda text: tuple(int(v) for v in text.split(",")),
-                        help="stages,ctas_per_sm,maxnreg[,probe] (probe 1: no x loads, 2: "
-                             "no decode, 3: neither; timing only)")
+                        help="stages,ctas_per_sm,maxnreg[,probe[,x_tma]] (probe 1: no x "
+                             "loads, 2: no decode, 3: neither; timing only; x_tma 1: x rows "
+                             "by the producer's TMA copies)")
     parser.add_argument("--probe", type=int, default=0, help="--compile-only: the PROBE form")
+    parser.add_argument("--x-tma", type=int, default=0, help="--compile-only: X_TMA")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=2)
     run(parser, compile_only, run_gpu)

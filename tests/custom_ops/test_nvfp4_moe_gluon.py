@@ -88,14 +88,17 @@ def check_lowering() -> None:
     w, s, h = _nvfp4_down_gluon.shared_layouts()
     words, codes = f"tensordesc<u8[64, 128],{w!r}>", f"tensordesc<i32[8, 32],{s!r}>"
     types = {"g_d": words, "gs_d": codes, "u_d": words, "us_d": codes, "d_d": words,
-             "ds_d": codes, "h_d": f"tensordesc<bf16[8, 64],{h!r}>", "x_ptr": "*bf16",
+             "ds_d": codes, "h_d": f"tensordesc<bf16[8, 64],{h!r}>",
+             "x_d": f"tensordesc<bf16[1, 128],{_nvfp4_moe_gluon.x_layout()!r}>", "x_ptr": "*bf16",
              "expert_of_block_ptr": "*i32",
              "sorted_pair_ptr": "*i32", "gate_alpha_ptr": "*fp32", "up_alpha_ptr": "*fp32",
              "down_alpha_ptr": "*fp32", "h_ptr": "*bf16", "y_ptr": "*bf16", "count_ptr": "*i32"}
     stages = _nvfp4_moe_gluon.STAGES
-    for pdl, block_m, tickets in (("enter", 16, False), ("after", 16, True), ("", 64, True)):
+    for pdl, block_m, tickets, x_tma in (("enter", 16, False, True), ("after", 16, True, True),
+                                         ("", 64, True, False)):
         consts = {"STAGES": stages, "H": 2048, "I": 512, "BLOCK_M": block_m,
-                  "PDL_ENTER": pdl == "enter", "PDL_AFTER": pdl == "after", "TICKETS": tickets}
+                  "PDL_ENTER": pdl == "enter", "PDL_AFTER": pdl == "after", "TICKETS": tickets,
+                  "X_TMA": x_tma}
         signature = {name: types.get(name, "i32") for name in kernel.arg_names}
         signature |= dict.fromkeys(consts, "constexpr")
         compiled = triton_compile(GluonASTSource(kernel, signature, consts),
@@ -114,6 +117,9 @@ def check_lowering() -> None:
         assert ptx.count("relaxed.exch") == 2 + tickets
         assert ptx.count("relaxed.add") == 1 + 2 * tickets  # + the reader count
         assert 32 * compiled.metadata.num_warps == _nvfp4_moe_gluon.THREADS
+        # TMA copies: gate, up, their codes (+ 8 x rows per K-step with `X_TMA`); down, per
+        # ring slot (two, unrolled): two weight chunks, their codes, four h halves
+        assert ptx.count("cp.async.bulk.tensor") == 4 + 8 * x_tma + 2 * 8, (pdl, x_tma)
 
 
 def triton_compile(*args, **kwargs):
