@@ -68,10 +68,11 @@ def test_programs_per_sm_is_what_fits(monkeypatch) -> None:
     fit = _nvfp4_moe_gluon.programs_per_sm
     cuda = torch.device("cuda")
     assert fit(cuda, 3, 3, 80) == 3  # the default: asked for, and fits
-    assert fit(cuda, 3, 8, 80) == 3  # 3 x (3 x 22 KB + 2 KB) of 228 KB; 3 x 256 x 80 registers
+    assert fit(cuda, 3, 8, 80) == 3  # 3 x (3 x 24 KB + 2 KB) of 228 KB; 3 x 256 x 80 registers
     assert fit(cuda, 3, 8, 96) == 2  # 96 registers: 3 x 256 x 96 > 65536 (session 25's hang)
-    assert fit(cuda, 2, 8, 64) == 4  # 64 registers: 4 x 256 x 64; 4 x (2 x 22 KB + 2 KB)
-    assert fit(cuda, 5, 8, 64) == 2  # 5 stages: 2 x (5 x 22 KB + 2 KB) of 228 KB
+    assert fit(cuda, 2, 8, 64) == 4  # 64 registers: 4 x 256 x 64; 4 x (2 x 24 KB + 2 KB)
+    assert fit(cuda, 4, 8, 64) == 2  # 4 stages: 2 x (4 x 24 KB + 2 KB) of 228 KB
+    assert fit(cuda, 5, 8, 64) == 1  # 5 stages: 2 x (5 x 24 KB + 2 KB) > 228 KB
     assert fit(cuda, 12, 8, 80) == 1  # never below one
 
 
