@@ -17,6 +17,9 @@
 #                                  # (X_TMA): the fused kernel's check and GPU tests, the gate/up
 #                                  # prototype with and without, the op (routed experts only,
 #                                  # then with the shared expert) per down kernel
+#   bash perf/h200_s26.sh four     # call 5: 4 programs per SM at 64 registers (2 stages, x by
+#                                  # TMA), gate/up prototype and fused kernel, with/without
+#                                  # tickets; routed experts only
 set -u
 HERE="$(dirname "$0")"
 source "$HERE/h200_session.sh" lib
@@ -74,5 +77,15 @@ xtma)
     echo "op shared rc=$?"; grep -E "^kernel=" "$OUT/op_shared.txt" | cut -c 1-330
   fi
   tar_out s26_xtma ;;
-*) echo "usage: bash perf/h200_s26.sh fused|tickets|probe|xtma"; exit 2 ;;
+four)
+  timeout 150 python3 perf/proto_gluon_gate_up.py --repeats 2 \
+    --configs 3,3,80,0,1 2,4,64,0,1 2,3,80,0,1 \
+    --out "$OUT/proto_gate_up_four.json" > "$OUT/proto_gate_up_four.txt" 2>&1
+  echo "proto rc=$?"; tail -8 "$OUT/proto_gate_up_four.txt" | cut -c 1-220
+  timeout 150 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 60 --profile \
+    --downs triton gluon:1 fused fused:3,3,80,1,1 fused:2,4,64,0,1 fused:2,4,64,1,1 \
+    --out "$OUT/op_routed_four.json" > "$OUT/op_routed_four.txt" 2>&1
+  echo "op routed rc=$?"; grep -E "^kernel=" "$OUT/op_routed_four.txt" | cut -c 1-300
+  tar_out s26_four ;;
+*) echo "usage: bash perf/h200_s26.sh fused|tickets|probe|xtma|four"; exit 2 ;;
 esac
