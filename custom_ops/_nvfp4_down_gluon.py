@@ -61,9 +61,6 @@ W_BYTES = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitw
 PLAIN2 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 TAG_L = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))  # the producer warp's tag store
 TAGS = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # a slot's tag: a rank-1 view
-# `TICKETS`: items handed out by a counter (`count[2 * num_slots]`) instead of by program, so
-# that programs which start late (on SMs that gate/up's programs still hold) take fewer items
-TICKETS = os.environ.get("DLMC_NVFP4_DOWN_TICKETS", "0") == "1"
 
 
 def _mode() -> str:
@@ -75,6 +72,21 @@ def _mode() -> str:
 
 
 MODE = _mode()  # read at import; tests and benches may set it per call
+
+
+def _tickets() -> bool:
+    value = os.environ.get("DLMC_NVFP4_DOWN_TICKETS", "1")
+    if value not in ("0", "1"):
+        raise ConfigError(f"DLMC_NVFP4_DOWN_TICKETS={value!r}: expected 1 (the default: items "
+                          "by a ticket counter) or 0 (items by program)")
+    return value == "1"
+
+
+# `TICKETS` (with overlap): items handed out by a counter (`count[2 * num_slots]`) instead of by
+# program, so that programs which start late (on SMs that gate/up's programs still hold) take
+# fewer items: 92.0-92.9 against 106-108 µs per LLaDA2.1-mini layer for the op without them
+# (routed experts only; perf/README.md, session 26). Read at import; benches may set it.
+TICKETS = _tickets()
 
 
 def down_gluon_applies(device: torch.device, variant: int, hidden: int, inter: int,
@@ -91,7 +103,7 @@ def down_gluon_applies(device: torch.device, variant: int, hidden: int, inter: i
 
 
 def down_tickets() -> bool:
-    """`TICKETS` as now set (`DLMC_NVFP4_DOWN_TICKETS=1`, or set by a bench)."""
+    """`TICKETS` as now set (`DLMC_NVFP4_DOWN_TICKETS`, 1 by default, or set by a bench)."""
     return TICKETS
 
 

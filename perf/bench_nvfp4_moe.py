@@ -178,8 +178,9 @@ def main() -> None:
                              "and v7 only); fused:STAGES,PER_SM,MAXNREG[,TICKETS[,X_TMA]] sets the "
                              "fused kernel's ring depth, programs per SM, registers, (1) "
                              "items by a ticket counter and (0) x rows loaded by the consumers "
-                             "instead of copied by TMA; gluon:1 the Gluon down kernel's items "
-                             "by a ticket counter (DLMC_NVFP4_DOWN_TICKETS=1)")
+                             "instead of copied by TMA; gluon:0 / gluon:1 the Gluon down "
+                             "kernel's items by program / by a ticket counter "
+                             "(DLMC_NVFP4_DOWN_TICKETS, 1 by default)")
     parser.add_argument("--tile-kernel", choices=["both", "gate_up", "down"], default="both",
                         help="which kernel --tiles applies to (the other keeps its default)")
     args = parser.parse_args()
@@ -207,6 +208,7 @@ def main() -> None:
     tiles = [tuple(int(v) for v in t.split(",")) for t in args.tiles] or [None]
     nvfp4_module._TILE_KERNEL = args.tile_kernel
     inputs = {}  # per token count: the same routing and x for every kernel
+    tickets = _nvfp4_down_gluon.TICKETS  # the Gluon down kernel's default
     fused_defaults = {name: getattr(_nvfp4_moe_gluon, name)
                       for name in ("STAGES", "PROGRAMS_PER_SM", "MAXNREG", "TICKETS", "X_TMA")}
     converted: dict[str, list[list[torch.Tensor]]] = {}
@@ -215,7 +217,7 @@ def main() -> None:
                                   for T in args.tokens for t in tiles):
         _nvfp4_down_gluon.MODE = down.split(":")[0]
         values = [int(v) for v in down.split(":")[1].split(",")] if ":" in down else []
-        _nvfp4_down_gluon.TICKETS = down.startswith("gluon:") and bool(values[0])
+        _nvfp4_down_gluon.TICKETS = bool(values[0]) if down.startswith("gluon:") else tickets
         # the fused kernel's launch settings: the module's defaults, or the entry's
         fused_settings = dict(zip(("STAGES", "PROGRAMS_PER_SM", "MAXNREG", "TICKETS", "X_TMA"),
                                   values, strict=False)) if down.startswith("fused:") else {}

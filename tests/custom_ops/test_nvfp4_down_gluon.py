@@ -40,6 +40,13 @@ def test_the_switch_names_bad_values_and_applies_only_on_hopper(monkeypatch) -> 
     monkeypatch.setenv("DLMC_NVFP4_DOWN", "cutlass")
     with pytest.raises(ConfigError, match=r"DLMC_NVFP4_DOWN='cutlass': expected triton"):
         _nvfp4_down_gluon._mode()
+    monkeypatch.setenv("DLMC_NVFP4_DOWN_TICKETS", "yes")
+    with pytest.raises(ConfigError, match=r"DLMC_NVFP4_DOWN_TICKETS='yes': expected 1"):
+        _nvfp4_down_gluon._tickets()
+    monkeypatch.setenv("DLMC_NVFP4_DOWN_TICKETS", "0")
+    assert not _nvfp4_down_gluon._tickets()
+    monkeypatch.delenv("DLMC_NVFP4_DOWN_TICKETS")
+    assert _nvfp4_down_gluon._tickets()  # the default
     monkeypatch.setenv("DLMC_NVFP4_DOWN", "gluon")
     assert _nvfp4_down_gluon._mode() == "gluon"
     monkeypatch.setattr(_nvfp4_down_gluon, "MODE", "gluon")
@@ -208,11 +215,14 @@ def against_triton(monkeypatch, mode: str, experts, x, ids, w, shared,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tickets", [True, False], ids=["tickets", "by_program"])
 @pytest.mark.parametrize("case", ["llada", "skewed", "one_token", "shared"])
-def test_gluon_down_equals_triton_down_gpu(monkeypatch, case: str) -> None:
+def test_gluon_down_equals_triton_down_gpu(monkeypatch, case: str, tickets: bool) -> None:
     """Bit for bit the Triton down kernel: LLaDA2.1-mini shapes with uniform routing (32 x
     top-8 of 256), every token on the same 8 experts (16-slot blocks full: both 8-slot parts),
-    one token, and with the shared expert's parts."""
+    one token, and with the shared expert's parts; items by ticket (the producer waits for
+    gate/up's rows and copies them) or by program; the counters zero again afterwards."""
+    monkeypatch.setattr(_nvfp4_down_gluon, "TICKETS", tickets)
     gen = torch.Generator().manual_seed(4)
     E, H, I, T = (256, 2048, 512, 32) if case in ("llada", "shared") else (8, 256, 128, 16)
     T = 1 if case == "one_token" else T
@@ -255,22 +265,8 @@ def assert_graph_replays_like_triton(monkeypatch, mode: str, inter: int) -> None
 
 
 @pytest.mark.gpu
-def test_gluon_down_replays_in_a_cuda_graph_gpu(monkeypatch) -> None:
+@pytest.mark.parametrize("tickets", [True, False], ids=["tickets", "by_program"])
+def test_gluon_down_replays_in_a_cuda_graph_gpu(monkeypatch, tickets: bool) -> None:
     """Captured once, replayed on new x and routing: the eager Triton path's output."""
-    assert_graph_replays_like_triton(monkeypatch, "gluon", 128)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", ["llada", "shared"])
-def test_gluon_down_with_tickets_equals_triton_down_gpu(monkeypatch, case: str) -> None:
-    """Items handed out by the ticket counter (`TICKETS`; the producer waits for gate/up's rows
-    and copies them): the same output, and the counters zero again after the launch."""
-    monkeypatch.setattr(_nvfp4_down_gluon, "TICKETS", True)
-    test_gluon_down_equals_triton_down_gpu(monkeypatch, case)
-
-
-@pytest.mark.gpu
-def test_gluon_down_with_tickets_replays_in_a_cuda_graph_gpu(monkeypatch) -> None:
-    """With tickets, captured once and replayed: the eager Triton path's output."""
-    monkeypatch.setattr(_nvfp4_down_gluon, "TICKETS", True)
+    monkeypatch.setattr(_nvfp4_down_gluon, "TICKETS", tickets)
     assert_graph_replays_like_triton(monkeypatch, "gluon", 128)
