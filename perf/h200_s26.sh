@@ -20,6 +20,9 @@
 #   bash perf/h200_s26.sh four     # call 5: 4 programs per SM at 64 registers (2 stages, x by
 #                                  # TMA), gate/up prototype and fused kernel, with/without
 #                                  # tickets; routed experts only
+#   bash perf/h200_s26.sh final    # call 6 (carry .whl): the Gluon GPU tests (down: both item
+#                                  # forms, tickets now the default; fused with x by TMA), the
+#                                  # op with the shared expert per down kernel
 set -u
 HERE="$(dirname "$0")"
 source "$HERE/h200_session.sh" lib
@@ -87,5 +90,13 @@ four)
     --out "$OUT/op_routed_four.json" > "$OUT/op_routed_four.txt" 2>&1
   echo "op routed rc=$?"; grep -E "^kernel=" "$OUT/op_routed_four.txt" | cut -c 1-300
   tar_out s26_four ;;
-*) echo "usage: bash perf/h200_s26.sh fused|tickets|probe|xtma|four"; exit 2 ;;
+final)
+  python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
+  TEST_TIMEOUT=120 gpu_tests gluon -n 4 tests/custom_ops/test_nvfp4_down_gluon.py \
+    tests/custom_ops/test_nvfp4_moe_gluon.py
+  timeout 110 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 60 --profile --shared-expert \
+    --downs triton gluon gluon:0 --out "$OUT/op_shared.json" > "$OUT/op_shared.txt" 2>&1
+  echo "op shared rc=$?"; grep -E "^kernel=" "$OUT/op_shared.txt" | cut -c 1-300
+  tar_out s26_final ;;
+*) echo "usage: bash perf/h200_s26.sh fused|tickets|probe|xtma|four|final"; exit 2 ;;
 esac
