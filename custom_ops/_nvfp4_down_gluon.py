@@ -64,10 +64,16 @@ TAGS = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # a slot's tag: a ra
 
 
 def _mode() -> str:
-    value = os.environ.get("DLMC_NVFP4_DOWN", "triton")
+    """DLMC_NVFP4_DOWN: gluon (the default since session 26: where `down_gluon_applies`, this
+    kernel with its items by ticket; op 92.0-92.9 against 96.3-97.2 µs per LLaDA2.1-mini layer
+    for the routed experts, 94.2-96.1 against 95.6-96.0 with the shared expert, the NVFP4 round
+    1.8-2.1 % faster queued in three calls; perf/README.md), triton (the Triton down kernel
+    everywhere) or fused (gate/up and down in `_nvfp4_moe_gluon`)."""
+    value = os.environ.get("DLMC_NVFP4_DOWN", "gluon")
     if value not in ("triton", "gluon", "fused"):
-        raise ConfigError(f"DLMC_NVFP4_DOWN={value!r}: expected triton (the default), gluon "
-                          "(this kernel) or fused (gate/up and down in `_nvfp4_moe_gluon`)")
+        raise ConfigError(f"DLMC_NVFP4_DOWN={value!r}: expected gluon (the default: this kernel "
+                          "where it applies), triton (the Triton down kernel) or fused (gate/up "
+                          "and down in `_nvfp4_moe_gluon`)")
     return value
 
 

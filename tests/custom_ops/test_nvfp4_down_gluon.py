@@ -38,8 +38,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:Runt
 
 def test_the_switch_names_bad_values_and_applies_only_on_hopper(monkeypatch) -> None:
     monkeypatch.setenv("DLMC_NVFP4_DOWN", "cutlass")
-    with pytest.raises(ConfigError, match=r"DLMC_NVFP4_DOWN='cutlass': expected triton"):
+    with pytest.raises(ConfigError, match=r"DLMC_NVFP4_DOWN='cutlass': expected gluon"):
         _nvfp4_down_gluon._mode()
+    monkeypatch.delenv("DLMC_NVFP4_DOWN")
+    assert _nvfp4_down_gluon._mode() == "gluon"  # the default (where it applies)
     monkeypatch.setenv("DLMC_NVFP4_DOWN_TICKETS", "yes")
     with pytest.raises(ConfigError, match=r"DLMC_NVFP4_DOWN_TICKETS='yes': expected 1"):
         _nvfp4_down_gluon._tickets()
@@ -202,6 +204,7 @@ def against_triton(monkeypatch, mode: str, experts, x, ids, w, shared,
     counters zero afterwards."""
     args = op_args(x, ids, w, stored(experts, 7))
     with kernel_variant(7):
+        monkeypatch.setattr(_nvfp4_down_gluon, "MODE", "triton")
         triton_out = nvfp4_moe(*args, **shared)
         monkeypatch.setattr(_nvfp4_down_gluon, "MODE", mode)
         out = nvfp4_moe(*args, **shared)
