@@ -26,9 +26,12 @@ Session 25 measured the first form of this kernel (commit 65cf2a6: every program
 walked every item, and down items loaded h from global memory after their own spin): bit for
 bit the Triton kernels with 16- and 32-slot routing blocks (64-slot blocks: equal up to
 summation order, the Triton kernels' 64-row tiles sum differently), but slower, 121.4 against
-98.4 µs per LLaDA2.1-mini layer (perf/README.md). This form (tagged slots, h by TMA after the
-producer's spin, `TICKETS`) lowers for sm_90 at 80 registers without spills and has **not run
-on a GPU**.
+98.4 µs per LLaDA2.1-mini layer (perf/README.md). Session 26 ran this form (tagged slots, h by
+TMA after the producer's spin, `TICKETS`) and then with the part's x rows copied into the ring
+by TMA too (`X_TMA`, the default): bit for bit again (GPU tests); routed experts alone 94.0
+against the Triton kernels' 96.3 µs (by program; tickets 99.9; the Gluon down kernel after
+Triton's gate/up: 92.0), with the shared expert 112.5 against 95.6 µs (its Triton parts run
+in launches of their own before this kernel).
 """
 
 from __future__ import annotations

@@ -20,6 +20,14 @@ Session 25 (H200, call 2): bit for bit v7; 57.5 µs per layer at 3 stages and 3 
 SM (80 registers) against v7's 58.2, 90-98 µs with 2 programs per SM. The op's fused kernel
 (`custom_ops/_nvfp4_moe_gluon.py`) grew from it; the consumer's work per item is now the fused
 kernel's `_gate_up_item` without the counter (the same code as call 2 measured, moved).
+
+Session 26 (calls 3-5), µs per layer, two repeats each:
+- `PROBE` forms (commit 5428d2d; timing only): as is 58.1 / 59.4; x rows not loaded 53.3 /
+  53.4; no decode 49.4 / 49.4; neither 47.6 / 47.8 (about copy speed). The consumer warps'
+  x loads and the decode (with its scale codes) hold the kernel, not the copies.
+- x rows by the producer's TMA copies (`X_TMA`, config `3,3,80,0,1`): 55.5 / 55.7 against
+  57.6 / 57.6 without (v7 57.3 / 57.6), bit for bit; in another call 57.0 / 57.4 (v7 57.8 /
+  58.5). 4 programs per SM at 64 registers (2 stages): 74.4 / 75.4.
 """
 
 from __future__ import annotations
