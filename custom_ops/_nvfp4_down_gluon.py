@@ -38,8 +38,9 @@ from dlmc.custom_ops.nvfp4_scale_codes import PAIR_ADD, PAIR_MUL
 from dlmc.custom_ops.nvfp4_words import DECODE_WORDS_ASM
 from dlmc.errors import ConfigError
 
-__all__ = ["MODE", "TAGS", "TICKETS", "down_gluon_applies", "down_tickets",
-           "gdc_launch_dependents", "gdc_wait", "launch_down_gluon", "ring_barriers"]
+__all__ = ["MODE", "SHARED_DOWN", "TAGS", "TICKETS", "down_gluon_applies", "down_tickets",
+           "gdc_launch_dependents", "gdc_wait", "launch_down_gluon", "ring_barriers",
+           "shared_down_in_gate_up"]
 
 _ASM = gl.constexpr(DECODE_WORDS_ASM.value)
 _PMUL, _PADD = gl.constexpr(PAIR_MUL), gl.constexpr(PAIR_ADD)
@@ -101,6 +102,20 @@ def _tickets() -> bool:
 TICKETS = _tickets()
 
 
+def _shared_down() -> str:
+    value = os.environ.get("DLMC_NVFP4_SHARED_DOWN", "own")
+    if value not in ("own", "gate_up"):
+        raise ConfigError(f"DLMC_NVFP4_SHARED_DOWN={value!r}: expected own (the default: the "
+                          "shared expert's down parts in a Triton launch of their own before "
+                          "this kernel) or gate_up (as the last programs of gate/up's launch)")
+    return value
+
+
+# where the shared expert's down parts run with this kernel (read at import; benches may set
+# it): "gate_up" is not measured yet (session 26)
+SHARED_DOWN = _shared_down()
+
+
 def down_gluon_applies(device: torch.device, variant: int, hidden: int, inter: int,
                        emulate_w4a4: bool, opaque: bool, block_m: int) -> bool:
     """Whether `nvfp4_moe` runs its routed down projection with this kernel: `MODE` "gluon",
@@ -112,6 +127,11 @@ def down_gluon_applies(device: torch.device, variant: int, hidden: int, inter: i
     return (MODE == "gluon" and variant == 7 and hidden % 128 == 0 and inter % 128 == 0
             and not emulate_w4a4 and opaque and block_m == 16 and not INTERPRETED
             and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0))
+
+
+def shared_down_in_gate_up() -> bool:
+    """`SHARED_DOWN` as now set is "gate_up" (`DLMC_NVFP4_SHARED_DOWN`)."""
+    return SHARED_DOWN == "gate_up"
 
 
 def down_tickets() -> bool:

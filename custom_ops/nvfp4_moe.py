@@ -23,6 +23,7 @@ from dlmc.custom_ops._nvfp4_down_gluon import (
     down_gluon_applies,
     down_tickets,
     launch_down_gluon,
+    shared_down_in_gate_up,
 )
 from dlmc.custom_ops._nvfp4_moe_gluon import fused_applies, launch_moe_gluon
 from dlmc.custom_ops._nvfp4_moe_kernels import _down_kernel, _gate_up_kernel
@@ -235,6 +236,18 @@ def _nvfp4_moe_impl(
     grid1 = (tiles1, rows1) if overlap else (rows1, tiles1)
     gate_alpha = _alphas(gate_weight_scale_2, gate_up_input_scale)
     up_alpha = _alphas(up_weight_scale_2, gate_up_input_scale)
+    y = torch.empty((num_pairs, H), dtype=torch.bfloat16, device=x.device)
+    block_n2, block_k2, launch2 = _launch_config(H, I, _DOWN_BLOCK_N[variant], "down")
+    _check_tiled_tile(variant, block_k2)
+    parts2 = shared_parts(T, block_m, block_n2) if has_shared else 0
+    tiles2 = triton.cdiv(H, block_n2)
+    # `DLMC_NVFP4_SHARED_DOWN=gate_up` (with the Gluon down kernel): the shared expert's down
+    # parts as the last programs of gate/up's launch, so that the Gluon kernel follows gate/up
+    # directly (under the interpreter, which runs a grid column by column, only with one column)
+    fold = (gluon_down and has_shared and overlap and shared_down_in_gate_up()
+            and (not _INTERPRETED or tiles1 == 1))
+    extra1 = triton.cdiv(parts2 * tiles2, tiles1) if fold else 0
+    grid1 = (tiles1, rows1 + extra1) if overlap else grid1
     if rows1:
         launcher(_gate_up_kernel)[grid1](
             a, sorted_pair, expert_of_block, gate_weight, gate_weight_scale,
@@ -244,19 +257,18 @@ def _nvfp4_moe_impl(
             VARIANT=variant, SHARED=has_shared, SHARED_BLOCK_K=_shared_block_k(H, "gate_up"),
             SHARED_SPLIT=shared_split(block_n1), OVERLAP=overlap, H_EVEN_ODD=gluon_down,
             PARTS_ONLY=fused, **pdl, **launch,
+            **(dict(SHARED_DOWN=True, y_ptr=y, stride_y=y.stride(0), shared_down_w=d_w,
+                    num_slots=num_slots, gate_up_rows=rows1, down_parts=parts2,
+                    DOWN_TILES=tiles2, DOWN_SPLIT=shared_split(block_n2), DOWN_BLOCK_N=block_n2,
+                    DOWN_BLOCK_K=_shared_block_k(I, "down")) if fold else {}),
         )
     if down_input_scale is not None:  # the routed rows; the shared expert's (after) stay bf16
         slot_expert = expert_of_block.long().clamp(0, E - 1).repeat_interleave(block_m)  # [S]
         quantized = fake_quantize_activation(h[:routed_rows],
                                              down_input_scale.float()[slot_expert])
         h = torch.cat([quantized, h[routed_rows:]]) if has_shared else quantized
-    y = torch.empty((num_pairs, H), dtype=torch.bfloat16, device=x.device)
-    block_n2, block_k2, launch = _launch_config(H, I, _DOWN_BLOCK_N[variant], "down")
-    _check_tiled_tile(variant, block_k2)
-    parts2 = shared_parts(T, block_m, block_n2) if has_shared else 0
-    tiles2 = triton.cdiv(H, block_n2)
     parts_only = gluon_down or fused  # the routed blocks in a Gluon kernel
-    rows2 = parts2 if parts_only else num_blocks + parts2
+    rows2 = 0 if fold else parts2 if parts_only else num_blocks + parts2
     grid2 = (tiles2, rows2) if overlap else (rows2, tiles2)
     down_alpha = _alphas(down_weight_scale_2, down_input_scale)
     if rows2:  # with a Gluon kernel, before it (it waits for this launch at its end)
@@ -268,7 +280,7 @@ def _nvfp4_moe_impl(
             SHARED=has_shared, SHARED_BLOCK_K=_shared_block_k(I, "down"),
             SHARED_SPLIT=shared_split(block_n2), GATE_UP_TILES=tiles1,
             GATE_UP_SPLIT=shared_split(block_n1), OVERLAP=overlap, PARTS_ONLY=parts_only,
-            **pdl, **launch,
+            **pdl, **launch2,
         )
     if gluon_down:
         launch_down_gluon(h, sorted_pair, expert_of_block, down_weight, down_weight_scale,

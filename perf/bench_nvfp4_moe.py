@@ -134,16 +134,16 @@ def kernel_times(run: object, layers: int, reps: int = 5) -> dict[str, float]:
 
 
 def _down_choice(text: str) -> str:
-    """`--downs` entry: triton, gluon[:TICKETS], fused or
+    """`--downs` entry: triton, gluon[:TICKETS[,SHARED_IN_GATE_UP]], fused or
     fused:STAGES,PER_SM,MAXNREG[,TICKETS[,X_TMA]]."""
     name, _, config = text.partition(":")
     values = config.split(",")
     ok = name in ("triton", "gluon", "fused") and (not config or (
         all(v.isdigit() for v in values)
-        and len(values) in ((3, 4, 5) if name == "fused" else (1,) if name == "gluon" else ())))
+        and len(values) in ((3, 4, 5) if name == "fused" else (1, 2) if name == "gluon" else ())))
     if not ok:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: expected triton, gluon[:TICKETS], fused or "
+            f"{text!r}: expected triton, gluon[:TICKETS[,SHARED_IN_GATE_UP]], fused or "
             "fused:STAGES,PER_SM,MAXNREG[,TICKETS[,X_TMA]]")
     return text
 
@@ -180,7 +180,9 @@ def main() -> None:
                              "items by a ticket counter and (0) x rows loaded by the consumers "
                              "instead of copied by TMA; gluon:0 / gluon:1 the Gluon down "
                              "kernel's items by program / by a ticket counter "
-                             "(DLMC_NVFP4_DOWN_TICKETS, 1 by default)")
+                             "(DLMC_NVFP4_DOWN_TICKETS, 1 by default); gluon:1,1 also runs the "
+                             "shared expert's down parts in gate/up's launch "
+                             "(DLMC_NVFP4_SHARED_DOWN=gate_up)")
     parser.add_argument("--tile-kernel", choices=["both", "gate_up", "down"], default="both",
                         help="which kernel --tiles applies to (the other keeps its default)")
     args = parser.parse_args()
@@ -208,7 +210,8 @@ def main() -> None:
     tiles = [tuple(int(v) for v in t.split(",")) for t in args.tiles] or [None]
     nvfp4_module._TILE_KERNEL = args.tile_kernel
     inputs = {}  # per token count: the same routing and x for every kernel
-    tickets = _nvfp4_down_gluon.TICKETS  # the Gluon down kernel's default
+    tickets = _nvfp4_down_gluon.TICKETS  # the Gluon down kernel's defaults
+    shared_down = _nvfp4_down_gluon.SHARED_DOWN
     fused_defaults = {name: getattr(_nvfp4_moe_gluon, name)
                       for name in ("STAGES", "PROGRAMS_PER_SM", "MAXNREG", "TICKETS", "X_TMA")}
     converted: dict[str, list[list[torch.Tensor]]] = {}
@@ -218,6 +221,8 @@ def main() -> None:
         _nvfp4_down_gluon.MODE = down.split(":")[0]
         values = [int(v) for v in down.split(":")[1].split(",")] if ":" in down else []
         _nvfp4_down_gluon.TICKETS = bool(values[0]) if down.startswith("gluon:") else tickets
+        _nvfp4_down_gluon.SHARED_DOWN = ("gate_up" if down.startswith("gluon:") and len(values) > 1
+                                         and values[1] else shared_down)
         # the fused kernel's launch settings: the module's defaults, or the entry's
         fused_settings = dict(zip(("STAGES", "PROGRAMS_PER_SM", "MAXNREG", "TICKETS", "X_TMA"),
                                   values, strict=False)) if down.startswith("fused:") else {}

@@ -23,6 +23,11 @@
 #   bash perf/h200_s26.sh final    # call 6 (carry .whl): the Gluon GPU tests (down: both item
 #                                  # forms, tickets now the default; fused with x by TMA), the
 #                                  # op with the shared expert per down kernel
+#   bash perf/h200_s26.sh shareddown  # prepared for the next stop (carry .whl): the shared
+#                                  # expert's down parts in gate/up's launch
+#                                  # (DLMC_NVFP4_SHARED_DOWN=gate_up): the Gluon GPU tests, the
+#                                  # op with the shared expert (gluon / gluon:1,1 / triton),
+#                                  # NVFP4 + FP8 rounds default / gate_up
 set -u
 HERE="$(dirname "$0")"
 source "$HERE/h200_session.sh" lib
@@ -98,5 +103,19 @@ final)
     --downs triton gluon gluon:0 --out "$OUT/op_shared.json" > "$OUT/op_shared.txt" 2>&1
   echo "op shared rc=$?"; grep -E "^kernel=" "$OUT/op_shared.txt" | cut -c 1-300
   tar_out s26_final ;;
-*) echo "usage: bash perf/h200_s26.sh fused|tickets|probe|xtma|four|final"; exit 2 ;;
+shareddown)
+  python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
+  TEST_TIMEOUT=120 gpu_tests gluon -n 4 tests/custom_ops/test_nvfp4_down_gluon.py
+  if ! grep -qE "failed|error" "$OUT/gpu_tests_gluon.txt"; then
+    timeout 120 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 60 --profile \
+      --shared-expert --downs gluon gluon:1,1 triton gluon \
+      --out "$OUT/op_shared.json" > "$OUT/op_shared.txt" 2>&1
+    echo "op shared rc=$?"; grep -E "^kernel=" "$OUT/op_shared.txt" | cut -c 1-300
+    NVFP4=(--precision nvfp4 --kv-cache-dtype fp8 --modes graph --no-loop)
+    round round_nvfp4_default 150 "${NVFP4[@]}"
+    ( export DLMC_NVFP4_SHARED_DOWN=gate_up; round round_nvfp4_shared_down 120 "${NVFP4[@]}" )
+    round round_nvfp4_default2 120 "${NVFP4[@]}"
+  fi
+  tar_out s26_shareddown ;;
+*) echo "usage: bash perf/h200_s26.sh fused|tickets|probe|xtma|four|final|shareddown"; exit 2 ;;
 esac

@@ -57,12 +57,13 @@ def compile_sm90(kernel: triton.JITFunction, types: dict[str, str], constexprs: 
     Kernels that take `PDL` compile as `DLMC_PDL=1` launches them unless `constexprs` says
     otherwise: their PTX must then wait for the previous grid (griddepcontrol); `nvfp4_moe`'s
     down kernel with `OVERLAP` waits per slot instead. `nvfp4_moe`'s `moe_overlap` parameters
-    and its Gluon-down switches (`H_EVEN_ODD`, `PARTS_ONLY`) default to off."""
+    and its Gluon-down switches (`H_EVEN_ODD`, `PARTS_ONLY`, `SHARED_DOWN`) default to off."""
     names = kernel.arg_names
     if "PDL" in names and "PDL" not in constexprs:
         constexprs = constexprs | {"PDL": True}
     overlap = {"OVERLAP": False, "GATE_UP_TILES": 1, "GATE_UP_SPLIT": 1, "H_EVEN_ODD": False,
-               "PARTS_ONLY": False}
+               "PARTS_ONLY": False, "SHARED_DOWN": False, "DOWN_TILES": 1, "DOWN_SPLIT": 1,
+               "DOWN_BLOCK_N": 16, "DOWN_BLOCK_K": 16}
     constexprs = {k: v for k, v in overlap.items() if k in names} | constexprs
     signature = {name: "constexpr" if name in constexprs else types[name] for name in names}
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in divisible}
@@ -254,6 +255,7 @@ def check_nvfp4_moe_v3() -> None:
     for variant in (3, 4, 5, 7):
         check_shared_branch_resources(variant, gate_up, down)
     check_nvfp4_moe_overlap(gate_up, down)
+    check_shared_down_in_gate_up(gate_up)
 
 
 def check_nvfp4_moe_overlap(gate_up: dict[str, str], down: dict[str, str]) -> None:
@@ -270,6 +272,33 @@ def check_nvfp4_moe_overlap(gate_up: dict[str, str], down: dict[str, str]) -> No
         release, acquire = ".gpu.release." in ptx, ".gpu.acquire." in ptx
         assert (release, acquire) == ((True, False) if kernel is _gate_up_kernel
                                       else (False, True)), (release, acquire)
+
+
+def check_shared_down_in_gate_up(gate_up: dict[str, str]) -> None:
+    """`SHARED_DOWN` (`DLMC_NVFP4_SHARED_DOWN=gate_up`): gate/up's launch with the shared
+    expert's down parts at its end counts its rows done (release) and waits for the shared
+    rows (acquire), without spills and with as many programs per SM (4 warps) as without."""
+    names = _gate_up_kernel.arg_names
+    types = {n: gate_up.get(n, "i32") for n in names} | {
+        "count_ptr": "*i32", "y_ptr": "*bf16", "shared_down_w": "*bf16"}
+    divisible = tuple(n for n in names if n in types and types[n].startswith("*")
+                      or "stride" in n)
+    consts = {"H": 2048, "I": 512, "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128,
+              "INTERPRETED": False, "VARIANT": 7, "SHARED": True, "SHARED_BLOCK_K": 128,
+              "SHARED_SPLIT": 4, "OVERLAP": True, "H_EVEN_ODD": True}
+    fold = {"SHARED_DOWN": True, "DOWN_TILES": 16, "DOWN_SPLIT": 4, "DOWN_BLOCK_N": 128,
+            "DOWN_BLOCK_K": 128}
+    per_sm = {}
+    for with_down in (False, True):
+        compiled = compile_sm90(_gate_up_kernel, types, consts | (fold if with_down else {}), 4,
+                                divisible, num_stages=3)
+        usage = resource_usage(compiled)
+        assert usage["LOCAL"] == usage["STACK"] == 0, usage
+        ptx = compiled.asm["ptx"]
+        assert ".gpu.release." in ptx and (".gpu.acquire." in ptx) == with_down
+        per_sm[with_down] = 65536 // (128 * -(-usage["REG"] // 8) * 8)
+        print(f"nvfp4_moe v7 gate/up, shared down parts {with_down}: {usage}")
+    assert per_sm[True] == per_sm[False] >= 3, per_sm
 
 
 def check_shared_branch_resources(variant: int, gate_up: dict[str, str],

@@ -49,6 +49,11 @@ def test_the_switch_names_bad_values_and_applies_only_on_hopper(monkeypatch) -> 
     assert not _nvfp4_down_gluon._tickets()
     monkeypatch.delenv("DLMC_NVFP4_DOWN_TICKETS")
     assert _nvfp4_down_gluon._tickets()  # the default
+    monkeypatch.setenv("DLMC_NVFP4_SHARED_DOWN", "down")
+    with pytest.raises(ConfigError, match=r"DLMC_NVFP4_SHARED_DOWN='down': expected own"):
+        _nvfp4_down_gluon._shared_down()
+    monkeypatch.delenv("DLMC_NVFP4_SHARED_DOWN")
+    assert _nvfp4_down_gluon._shared_down() == "own"  # the default (not measured yet)
     monkeypatch.setenv("DLMC_NVFP4_DOWN", "gluon")
     assert _nvfp4_down_gluon._mode() == "gluon"
     monkeypatch.setattr(_nvfp4_down_gluon, "MODE", "gluon")
@@ -164,34 +169,48 @@ def dequantized_down(experts: dict[str, torch.Tensor]) -> torch.Tensor:
     return e2m1[nibbles] * scale * experts["down_weight_scale_2"].float().reshape(-1, 1, 1)
 
 
-@pytest.mark.parametrize(("with_shared", "gate_up_block_n"), [(False, 128), (True, 128),
-                                                              (False, 64)])
+@pytest.mark.parametrize(("with_shared", "gate_up_block_n", "shared_down"),
+                         [(False, 128, "own"), (True, 128, "own"), (True, 128, "gate_up"),
+                          (False, 64, "own")])
 def test_wiring_with_a_torch_down_matches_the_reference(monkeypatch, with_shared: bool,
-                                                        gate_up_block_n: int) -> None:
+                                                        gate_up_block_n: int,
+                                                        shared_down: str) -> None:
     """gate/up's even-odd h rows (reordered in registers in its 128-column N-tiles), read back
     by the stand-in, and the shared expert's down parts in the Triton kernel (`PARTS_ONLY`)
     give the reference's output; skewed routing puts 20 tokens on two experts (two 16-slot
     blocks each). With the per-slot counters (on by default; the interpreter runs them too)
     every routed block was signalled by all its gate/up programs, and the counters are zero
     afterwards. Narrower gate/up N-tiles (a launch-config override) keep the Triton down
-    kernel."""
+    kernel. `shared_down` "gate_up": the shared expert's down parts run as the last programs
+    of gate/up's launch (one N-tile column here, which the interpreter runs in order)."""
     monkeypatch.setitem(op_module._GATE_UP_BLOCK_N, 7, gate_up_block_n)
+    monkeypatch.setattr(_nvfp4_down_gluon, "SHARED_DOWN", shared_down)
     gen = torch.Generator().manual_seed(3)
-    experts = random_experts(gen, 4, 128, 128)
-    x = torch.randn(20, 128, generator=gen).bfloat16().to(DEVICE)
+    hidden = 256 if shared_down == "gate_up" else 128  # (two down N-tiles per shared part)
+    experts = random_experts(gen, 4, hidden, 128)
+    x = torch.randn(20, hidden, generator=gen).bfloat16().to(DEVICE)
     ids, w = random_routing(gen, 20, 4, 2, skew=True)
     args = op_args(x, ids, w, experts)
     shared = {}
     if with_shared:
-        shared = shared_expert(gen, x, nvfp4_moe_reference(*args), 128, 128)
+        shared = shared_expert(gen, x, nvfp4_moe_reference(*args), hidden, 128)
     calls: list[int] = []
     counters = op_module.counters(torch.device(DEVICE), 1)
     monkeypatch.setattr(op_module, "down_gluon_applies", lambda *a: True)
     monkeypatch.setattr(op_module, "launch_down_gluon", torch_down(dequantized_down(experts),
                                                                    calls))
+    launched: list[str] = []  # the Triton kernels the op launches
+    real_launcher = op_module.launcher
+    monkeypatch.setattr(op_module, "launcher", lambda kernel: (
+        launched.append(kernel.fn.__name__), real_launcher(kernel))[1])
     with kernel_variant(7):
         out = nvfp4_moe(*args, **shared)
     assert calls == ([1] if gate_up_block_n == 128 else [])
+    # the Triton down kernel: the routed blocks without the Gluon kernel, else the shared
+    # expert's parts unless gate/up's launch ran them
+    triton_down = gate_up_block_n != 128 or (with_shared and shared_down == "own")
+    assert ("_down_kernel" in launched) == triton_down, launched
+    assert "_gate_up_kernel" in launched
     assert_matches_reference(out, nvfp4_moe_reference(*args, **shared))
     assert int(counters.abs().sum()) == 0  # zero again between launches (`moe_overlap`)
 
@@ -239,9 +258,11 @@ def test_gluon_down_equals_triton_down_gpu(monkeypatch, case: str, tickets: bool
     assert_matches_reference(out, nvfp4_moe_reference(*op_args(x, ids, w, experts), **shared))
 
 
-def assert_graph_replays_like_triton(monkeypatch, mode: str, inter: int) -> None:
-    """`nvfp4_moe` with `DLMC_NVFP4_DOWN=mode`, captured once and replayed on new x and routing,
-    gives the eager Triton path's output bit for bit, and leaves `moe_overlap`'s counters zero."""
+def assert_graph_replays_like_triton(monkeypatch, mode: str, inter: int,
+                                     with_shared: bool = False) -> None:
+    """`nvfp4_moe` with `DLMC_NVFP4_DOWN=mode` (and a shared expert), captured once and replayed
+    on new x and routing, gives the eager Triton path's output bit for bit, and leaves
+    `moe_overlap`'s counters zero."""
     gen = torch.Generator().manual_seed(5)
     experts = {k: v.to(DEVICE) for k, v in random_experts(gen, 64, 256, inter).items()}
     args_of = []
@@ -249,19 +270,22 @@ def assert_graph_replays_like_triton(monkeypatch, mode: str, inter: int) -> None
         x = torch.randn(32, 256, generator=gen).bfloat16().to(DEVICE)
         ids, w = random_routing(gen, 32, 64, 8, skew=False)
         args_of.append(op_args(x, ids, w, stored(experts, 7)))
+    shared = {}
+    if with_shared:
+        shared = shared_expert(gen, args_of[0][0], nvfp4_moe_reference(*args_of[0]), 256, inter)
     static = [a.clone() for a in args_of[0]]
     with kernel_variant(7):
         monkeypatch.setattr(_nvfp4_down_gluon, "MODE", mode)
-        nvfp4_moe(*static)  # warm (compiles the kernels)
+        nvfp4_moe(*static, **shared)  # warm (compiles the kernels)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = nvfp4_moe(*static)
+            out = nvfp4_moe(*static, **shared)
         for source in (args_of[1], args_of[0]):
             for dst, src in zip(static[:3], source[:3], strict=True):
                 dst.copy_(src)
             graph.replay()
             monkeypatch.setattr(_nvfp4_down_gluon, "MODE", "triton")
-            expected = nvfp4_moe(*source)
+            expected = nvfp4_moe(*source, **shared)
             monkeypatch.setattr(_nvfp4_down_gluon, "MODE", mode)
             assert torch.equal(bits(out), bits(expected))
             assert int(op_module.counters(out.device, 1).abs().sum()) == 0
@@ -273,3 +297,16 @@ def test_gluon_down_replays_in_a_cuda_graph_gpu(monkeypatch, tickets: bool) -> N
     """Captured once, replayed on new x and routing: the eager Triton path's output."""
     monkeypatch.setattr(_nvfp4_down_gluon, "TICKETS", tickets)
     assert_graph_replays_like_triton(monkeypatch, "gluon", 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["shared", "replay"])
+def test_shared_down_parts_in_gate_up_equal_triton_gpu(monkeypatch, case: str) -> None:
+    """`DLMC_NVFP4_SHARED_DOWN=gate_up`: the shared expert's down parts as the last programs
+    of gate/up's launch (no launch between gate/up and the Gluon kernel): the Triton path's
+    output bit for bit, eager at LLaDA2.1-mini shapes and replayed in a CUDA graph."""
+    monkeypatch.setattr(_nvfp4_down_gluon, "SHARED_DOWN", "gate_up")
+    if case == "shared":
+        test_gluon_down_equals_triton_down_gpu(monkeypatch, "shared", True)
+    else:
+        assert_graph_replays_like_triton(monkeypatch, "gluon", 128, with_shared=True)
