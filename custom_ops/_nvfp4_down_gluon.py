@@ -30,44 +30,34 @@ import os
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
+from dlmc.custom_ops._nvfp4_gluon_parts import (
+    H_OP,
+    MMA,
+    TAGS,
+    _chunk,
+    _end_tickets,
+    _fence_proxy_async_global,
+    _item,
+    _mma_chunk,
+    _place,
+    _store_tile,
+    _tag,
+    _tag_slot,
+    _wait_rows,
+    gdc_launch_dependents,
+    gdc_wait,
+    ring_barriers,
+    shared_layouts,
+)
 from dlmc.custom_ops._pdl import INTERPRETED
-from dlmc.custom_ops.nvfp4_scale_codes import PAIR_ADD, PAIR_MUL
-from dlmc.custom_ops.nvfp4_words import DECODE_WORDS_ASM
 from dlmc.errors import ConfigError
 
-__all__ = ["MODE", "SHARED_DOWN", "TAGS", "TICKETS", "down_gluon_applies", "down_tickets",
-           "gdc_launch_dependents", "gdc_wait", "launch_down_gluon", "ring_barriers",
-           "shared_down_in_gate_up"]
+__all__ = ["MODE", "SHARED_DOWN", "TICKETS", "down_gluon_applies", "down_tickets",
+           "launch_down_gluon", "shared_down_in_gate_up"]
 
-_ASM = gl.constexpr(DECODE_WORDS_ASM.value)
-_PMUL, _PADD = gl.constexpr(PAIR_MUL), gl.constexpr(PAIR_ADD)
 STAGES, PROGRAMS_PER_SM, MAXNREG = 4, 3, 80  # the prototype's best (session 24, call 10)
-
-# Layouts (4 warps). The MMA's accumulator [128 n, 8 slots]: warps split the weight rows.
-MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1],
-                                             instr_shape=[16, 8]))
-W_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=4))
-H_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=4))
-# W_OP's elements as bytes [n 128, block 8, half 2, byte 4]: registers -> byte, n bit 3,
-# block bits 1-2, n bit 6; lanes -> half, block bit 0, n bits 0-2; warps -> n bits 4-5
-W4 = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [8, 0, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0],
-               [64, 0, 0, 0]],
-    lane_bases=[[0, 0, 1, 0], [0, 1, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
-    warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[128, 8, 2, 4]))
-# the same elements in a chunk's [64, 128] bytes (row r = weight rows 2r, 2r+1)
-WL2 = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [4, 0], [0, 16], [0, 32], [32, 0]],
-    lane_bases=[[0, 4], [0, 8], [0, 64], [1, 0], [2, 0]],
-    warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[64, 128]))
-CODES_L = gl.constexpr(gl.SliceLayout(2, gl.SliceLayout(3, W4.value)))
-W_BYTES = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
-PLAIN2 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-TAG_L = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))  # the producer warp's tag store
-TAGS = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # a slot's tag: a rank-1 view
 
 
 def _mode() -> str:
@@ -140,28 +130,6 @@ def down_tickets() -> bool:
 
 
 @gluon.jit
-def _place(item, TILES: gl.constexpr, BLOCK_M: gl.constexpr):
-    """(first slot, N-tile) of a work item: an 8-slot part of a routing block of `BLOCK_M`
-    slots and one of `TILES` N-tiles, the tile fastest, then the part, then the block."""
-    PARTS: gl.constexpr = BLOCK_M // 8
-    slot0 = (item // (PARTS * TILES)) * BLOCK_M + ((item // TILES) % PARTS) * 8
-    return slot0, item % TILES
-
-
-@gluon.jit
-def _item(expert_of_block_ptr, sorted_pair_ptr, item, num_items, num_pairs, shared_id,
-          TILES: gl.constexpr, BLOCK_M: gl.constexpr):
-    """(first slot, N-tile, expert) of a work item (`_place`) and whether it has work: a
-    routed expert's block whose part starts with a pair."""
-    slot0, tile = _place(item, TILES, BLOCK_M)
-    live = item < num_items
-    expert = gl.load(expert_of_block_ptr + slot0 // BLOCK_M, mask=live, other=-1)
-    first = gl.load(sorted_pair_ptr + slot0, mask=live, other=num_pairs)
-    has_work = (expert >= 0) & (expert != shared_id) & (first < num_pairs)
-    return slot0, tile, expert, has_work
-
-
-@gluon.jit
 def _producer(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, num_items, num_pairs,
               shared_id, empty, ready, w_buf, s_buf, h_buf, STAGES: gl.constexpr,
               KSTEPS: gl.constexpr, TILES: gl.constexpr, I: gl.constexpr, H: gl.constexpr,
@@ -181,18 +149,26 @@ def _producer(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, num_items, nu
                 else:
                     mbarrier.expect(bar, w_d.block_type.nbytes + s_d.block_type.nbytes
                                     + 2 * h_d.block_type.nbytes)
-                # v7's tiled words: the run's chunk k at byte (run * 128 * I/2 + k * 8192),
-                # codes at byte (run * 128 * I/16 + k * 1024); descriptor rows of 128 bytes
-                tma.async_copy_global_to_shared(w_d, [run * (I // 2) + k * 64, 0], bar,
-                                                w_buf.index(s))
-                tma.async_copy_global_to_shared(s_d, [run * (I // 16) + k * 8, 0], bar,
-                                                s_buf.index(s))
+                _weight_copies(w_d, s_d, run, k, bar, w_buf.index(s), s_buf.index(s), I)
                 if not OVERLAP:
-                    tma.async_copy_global_to_shared(h_d, [slot0, k * 128], bar,
-                                                    h_buf.index(2 * s))
-                    tma.async_copy_global_to_shared(h_d, [slot0, k * 128 + 64], bar,
-                                                    h_buf.index(2 * s + 1))
+                    _h_copies(h_d, slot0, k, bar, h_buf, s)
                 i += 1
+
+
+@gluon.jit
+def _weight_copies(w_d, s_d, run, k, bar, w_slot, s_slot, I: gl.constexpr):
+    """TMA copies of K-step k of weight run `run` (v7's tiled words: chunk k at byte
+    run * 128 * I/2 + k * 8192, its codes at byte run * 128 * I/16 + k * 1024; descriptor rows
+    of 128 bytes) into a ring slot, counted on `bar`."""
+    tma.async_copy_global_to_shared(w_d, [run * (I // 2) + k * 64, 0], bar, w_slot)
+    tma.async_copy_global_to_shared(s_d, [run * (I // 16) + k * 8, 0], bar, s_slot)
+
+
+@gluon.jit
+def _h_copies(h_d, slot0, k, bar, h_buf, s):
+    """TMA copies of K-step k of the part's 8 h rows (even and odd halves) into ring slot s."""
+    tma.async_copy_global_to_shared(h_d, [slot0, k * 128], bar, h_buf.index(2 * s))
+    tma.async_copy_global_to_shared(h_d, [slot0, k * 128 + 64], bar, h_buf.index(2 * s + 1))
 
 
 @gluon.jit
@@ -207,74 +183,6 @@ def _h_step(h_ptr, slot0, stride_h, k):
 
 
 @gluon.jit
-def _live_parts(sorted_pair_ptr, num_pairs, block, BLOCK_M: gl.constexpr,
-                WARPS: gl.constexpr = 4):
-    """How many 8-slot parts of routing block `block` hold a pair (pairs come first); `WARPS`:
-    the calling partition's warps."""
-    parts = gl.arange(0, BLOCK_M // 8, gl.BlockedLayout([1], [32], [WARPS], [0]))
-    firsts = gl.load(sorted_pair_ptr + block * BLOCK_M + parts * 8)
-    return gl.sum((firsts < num_pairs).to(gl.int32), axis=0)
-
-
-@gluon.jit
-def _wait_rows(count_ptr, num_slots, sorted_pair_ptr, num_pairs, slot0, writers,
-               TILES: gl.constexpr, BLOCK_M: gl.constexpr, PER_PART: gl.constexpr = False,
-               WARPS: gl.constexpr = 4):
-    """`moe_overlap.wait` for this kernel: spin until the `writers` gate/up programs of the
-    item's routing block (`PER_PART`: `writers` per part that holds a pair) have stored its h
-    rows, then count this reader; the last of the block's readers (TILES items per 8-slot part
-    that holds a pair) zeroes its counters."""
-    block = slot0 // BLOCK_M
-    live = _live_parts(sorted_pair_ptr, num_pairs, block, BLOCK_M, WARPS)
-    readers = TILES * live
-    if PER_PART:
-        writers = writers * live
-    while gl.atomic_add(count_ptr + block, 0, sem="acquire", scope="gpu") < writers:
-        pass
-    gl.thread_barrier()
-    if gl.atomic_add(count_ptr + num_slots + block, 1, sem="relaxed", scope="gpu") == readers - 1:
-        gl.atomic_xchg(count_ptr + block, 0, sem="relaxed", scope="gpu")
-        gl.atomic_xchg(count_ptr + num_slots + block, 0, sem="relaxed", scope="gpu")
-
-
-@gluon.jit
-def _chunk(w_slot, s_slot):
-    """One ring slot's weight chunk as bytes [128, 8, 2, 4] in `W4` (read with `ldmatrix`
-    through the 128-byte swizzle) and its block-scale codes [128, 8]."""
-    words = w_slot._reinterpret(gl.uint8, [64, 128], W_BYTES).load(WL2)
-    words = gl.convert_layout(gl.reshape(words, [128, 8, 2, 4]), W4)
-    return words, s_slot._reinterpret(gl.uint8, [128, 8], PLAIN2).load(CODES_L)
-
-
-@gluon.jit
-def _decoded_tiles(words, codes):
-    """v7 words (bytes [128, 8, 2, 4]) and their block-scale codes -> the low- and high-nibble
-    bf16 tiles [128 n, 64 k'] (`w * scale * 2^-7`, exact)."""
-    pair = codes.to(gl.int32) * _PMUL + _PADD
-    pair = gl.broadcast(gl.expand_dims(gl.expand_dims(pair, 2), 3), words)[0]
-    lo, hi = gl.inline_asm_elementwise(_ASM, "=r,=r,=r,=r,r,r,r,r,r", [words, pair],
-                                       dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
-    return gl.reshape(lo, [128, 64]), gl.reshape(hi, [128, 64])
-
-
-@gluon.jit
-def _mma_chunk(words, codes, b_even, b_odd, acc):
-    """acc + a weight chunk (decoded, the MMA's A: low nibbles with the even-K B operand, high
-    nibbles with the odd-K one)."""
-    lo, hi = _decoded_tiles(words, codes)
-    acc = mma_v2(gl.convert_layout(lo, W_OP), b_even, acc)
-    return mma_v2(gl.convert_layout(hi, W_OP), b_odd, acc)
-
-
-@gluon.jit
-def _store_tile(base_ptr, rows, stride, cols, values, valid):
-    """values [128 columns, 8 rows] (`MMA`) to base[rows[r] * stride + cols[c]] where valid[r]."""
-    ptrs = base_ptr + gl.expand_dims(rows.to(gl.int64) * stride, 0) + gl.expand_dims(cols, 1)
-    mask = gl.expand_dims(valid, 0) & gl.expand_dims(cols >= 0, 1)
-    gl.store(ptrs, values, mask=mask)
-
-
-@gluon.jit
 def _consumer(expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr, num_items, num_pairs,
               shared_id, stride_y, empty, ready, w_buf, s_buf, h_buf, h_ptr, stride_h,
               count_ptr, num_slots, writers, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
@@ -283,26 +191,24 @@ def _consumer(expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr, num_items,
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr, item,
                                               num_items, num_pairs, shared_id, TILES, BLOCK_M)
-        if has_work:
+        if has_work and not OVERLAP:  # h rows from the ring
+            i = _ring_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, slot0, tile,
+                           expert, i, empty, ready, w_buf, s_buf, h_buf, STAGES, KSTEPS)
+        elif has_work:  # h rows from global memory, once gate/up has stored them
             # the epilogue's loads before the K loop (their latency hides there)
             alpha = gl.load(alpha_ptr + expert) * 128.0  # * 2^7: the decode's w * 2^-7
             pairs = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(0, MMA)))
             acc = gl.zeros([128, 8], gl.float32, MMA)
-            if OVERLAP:  # h rows from global memory, once gate/up has stored them
-                _wait_rows(count_ptr, num_slots, sorted_pair_ptr, num_pairs, slot0, writers,
-                           TILES, BLOCK_M)
-                h_next = _h_step(h_ptr, slot0, stride_h, 0)
+            _wait_rows(count_ptr, num_slots, sorted_pair_ptr, num_pairs, slot0, writers, TILES,
+                       BLOCK_M)
+            h_next = _h_step(h_ptr, slot0, stride_h, 0)
             for k in gl.static_range(KSTEPS):
                 s = i % STAGES
-                if OVERLAP:
-                    h_even, h_odd = h_next
-                    if k + 1 < KSTEPS:  # the next K-step's rows, ahead of this step's work
-                        h_next = _h_step(h_ptr, slot0, stride_h, k + 1)
+                h_even, h_odd = h_next
+                if k + 1 < KSTEPS:  # the next K-step's rows, ahead of this step's work
+                    h_next = _h_step(h_ptr, slot0, stride_h, k + 1)
                 mbarrier.wait(ready.index(s), (i // STAGES) & 1)
                 words, codes = _chunk(w_buf.index(s), s_buf.index(s))
-                if not OVERLAP:
-                    h_even = h_buf.index(2 * s).permute([1, 0]).load(H_OP)
-                    h_odd = h_buf.index(2 * s + 1).permute([1, 0]).load(H_OP)
                 fence_async_shared()
                 mbarrier.arrive(empty.index(s), count=1)
                 acc = _mma_chunk(words, codes, h_even, h_odd, acc)
@@ -313,38 +219,27 @@ def _consumer(expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr, num_items,
 
 
 @gluon.jit
-def _tag_slot(ids, s, tag):
-    """The producer writes ring slot s's item tag (`item * 1024 + expert`, -1: no more items)
-    before the slot's arrival on `ready` (the same thread: the arrival releases it)."""
-    ids.index(s).store(gl.full([1], tag, gl.int32, TAG_L))
-
-
-@gluon.jit
-def _tag(ids, ready, i, STAGES: gl.constexpr):
-    """The tag of ring slot i (waiting for the slot first; four consumer warps)."""
-    s = i % STAGES
-    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-    return gl.max(ids.index(s).load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
-
-
-@gluon.jit
-def _end_tickets(ticket, item, total, ids, empty, ready, i, STAGES: gl.constexpr):
-    """After the last item: every program has taken one ticket past the items, and the last
-    of those resets the counter; a slot tagged -1 ends the consumers' loop."""
-    if item == total + gl.num_programs(0) - 1:
-        gl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
-    s = i % STAGES
-    mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-    _tag_slot(ids, s, -1)
-    mbarrier.arrive(ready.index(s), count=1)
-
-
-@gluon.jit
-def _fence_proxy_async_global():
-    """Global memory that this thread has acquired (generic proxy) becomes visible to its
-    TMA reads (async proxy)."""
-    gl.inline_asm_elementwise("fence.proxy.async.global; // dummy $0", "=r", [],
-                              dtype=gl.int32, is_pure=False, pack=1)
+def _ring_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, slot0, tile, expert, i,
+               empty, ready, w_buf, s_buf, h_buf, STAGES: gl.constexpr, KSTEPS: gl.constexpr):
+    """y rows of the part's pairs, columns tile * 128 + [0, 128), with the weights, codes and
+    h rows all from the ring (ring slots i, i + 1, ...); returns the ring position after it."""
+    # the epilogue's loads before the K loop (their latency hides there)
+    alpha = gl.load(alpha_ptr + expert) * 128.0  # * 2^7: the decode's w * 2^-7
+    pairs = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(0, MMA)))
+    acc = gl.zeros([128, 8], gl.float32, MMA)
+    for _ in gl.static_range(KSTEPS):
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        words, codes = _chunk(w_buf.index(s), s_buf.index(s))
+        h_even = h_buf.index(2 * s).permute([1, 0]).load(H_OP)
+        h_odd = h_buf.index(2 * s + 1).permute([1, 0]).load(H_OP)
+        fence_async_shared()
+        mbarrier.arrive(empty.index(s), count=1)
+        acc = _mma_chunk(words, codes, h_even, h_odd, acc)
+        i += 1
+    cols = tile * 128 + gl.arange(0, 128, gl.SliceLayout(1, MMA))
+    _store_tile(y_ptr, pairs, stride_y, cols, (acc * alpha).to(gl.bfloat16), pairs < num_pairs)
+    return i
 
 
 @gluon.jit
@@ -373,17 +268,12 @@ def _ticket_producer(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, count_
                 bar = ready.index(s)
                 mbarrier.expect(bar, w_d.block_type.nbytes + s_d.block_type.nbytes
                                 + 2 * h_d.block_type.nbytes)
-                tma.async_copy_global_to_shared(w_d, [run * (I // 2) + k * 64, 0], bar,
-                                                w_buf.index(s))
-                tma.async_copy_global_to_shared(s_d, [run * (I // 16) + k * 8, 0], bar,
-                                                s_buf.index(s))
+                _weight_copies(w_d, s_d, run, k, bar, w_buf.index(s), s_buf.index(s), I)
                 if k == 0:
                     _wait_rows(count_ptr, num_slots, sorted_pair_ptr, num_pairs, slot0, writers,
                                TILES, BLOCK_M, False, 1)
                     _fence_proxy_async_global()
-                tma.async_copy_global_to_shared(h_d, [slot0, k * 128], bar, h_buf.index(2 * s))
-                tma.async_copy_global_to_shared(h_d, [slot0, k * 128 + 64], bar,
-                                                h_buf.index(2 * s + 1))
+                _h_copies(h_d, slot0, k, bar, h_buf, s)
                 i += 1
         item = after
     _end_tickets(ticket, item, num_items, ids, empty, ready, i, STAGES)
@@ -400,48 +290,9 @@ def _ticket_consumer(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, emp
     while tag >= 0:
         item, expert = tag // 1024, tag % 1024
         slot0, tile = _place(item, TILES, BLOCK_M)
-        alpha = gl.load(alpha_ptr + expert) * 128.0  # * 2^7: the decode's w * 2^-7
-        pairs = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(0, MMA)))
-        acc = gl.zeros([128, 8], gl.float32, MMA)
-        for _ in gl.static_range(KSTEPS):
-            s = i % STAGES
-            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-            words, codes = _chunk(w_buf.index(s), s_buf.index(s))
-            h_even = h_buf.index(2 * s).permute([1, 0]).load(H_OP)
-            h_odd = h_buf.index(2 * s + 1).permute([1, 0]).load(H_OP)
-            fence_async_shared()
-            mbarrier.arrive(empty.index(s), count=1)
-            acc = _mma_chunk(words, codes, h_even, h_odd, acc)
-            i += 1
-        cols = tile * 128 + gl.arange(0, 128, gl.SliceLayout(1, MMA))
-        _store_tile(y_ptr, pairs, stride_y, cols, (acc * alpha).to(gl.bfloat16),
-                    pairs < num_pairs)
+        i = _ring_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, slot0, tile,
+                       expert, i, empty, ready, w_buf, s_buf, h_buf, STAGES, KSTEPS)
         tag = _tag(ids, ready, i, STAGES)
-
-
-@gluon.jit
-def gdc_wait():
-    """PDL: wait until the previous kernel has finished and its writes are visible."""
-    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
-                              is_pure=False, pack=1)
-
-
-@gluon.jit
-def gdc_launch_dependents():
-    """PDL: let the next kernel launch (its programs wait in their own `gdc_wait`)."""
-    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
-                              dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def ring_barriers(STAGES: gl.constexpr):
-    """The (empty, ready) mbarriers of a STAGES-deep ring, initialized (one arrival each)."""
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(empty.index(s), count=1)
-        mbarrier.init(ready.index(s), count=1)
-    return empty, ready
 
 
 @gluon.jit
@@ -488,14 +339,6 @@ def _down_gluon_kernel(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, alph
     if PDL:  # finish only after the kernel before (the shared expert's down parts) has: the
         # kernel after (the combine) waits for this one alone
         gdc_wait()
-
-
-def shared_layouts() -> tuple[object, object, object]:
-    """TMA boxes' shared layouts: weights uint8 [64, 128] (128-byte swizzle), codes int32
-    [8, 32] unswizzled (read as bytes), h bf16 [8, 64]."""
-    return (gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2),
-            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2),
-            gl.NVMMASharedLayout.get_default_for([8, 64], gl.bfloat16))
 
 
 def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block: torch.Tensor,

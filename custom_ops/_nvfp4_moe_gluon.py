@@ -42,11 +42,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from dlmc.custom_ops import _nvfp4_down_gluon
-from dlmc.custom_ops._nvfp4_down_gluon import (
+from dlmc.custom_ops._nvfp4_gluon_parts import (
     H_OP,
     MMA,
     TAGS,
     _chunk,
+    _end_tickets,
     _fence_proxy_async_global,
     _item,
     _mma_chunk,
@@ -228,14 +229,7 @@ def _producer(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, expert_of_block_ptr, so
                                  g_buf, gs_buf, u_buf, us_buf, h_buf, ids,
                                  item * 1024 + expert, STAGES, H, I, BLOCK_M)
         item = after
-    # every program takes one ticket past the items: the last of those resets the counter
-    if TICKETS:  # noqa: SIM102 (a static condition around a runtime one)
-        if item == total + gl.num_programs(0) - 1:
-            gl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
-    s = i % STAGES
-    mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-    _tag_slot(ids, s, -1)
-    mbarrier.arrive(ready.index(s), count=1)
+    _end_tickets(ticket, item, total, ids, empty, ready, i, STAGES, TICKETS)
 
 
 @gluon.jit

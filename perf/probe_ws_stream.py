@@ -32,7 +32,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from dlmc.custom_ops._nvfp4_down_gluon import ring_barriers
+from dlmc.custom_ops._nvfp4_gluon_parts import ring_barriers
 
 KSTEPS = 16  # K 2048 / 128
 CHUNK_ROWS, WORDS = 64, 32  # one 8 KB weight chunk as int32 [64, 32]

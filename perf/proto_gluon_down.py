@@ -38,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from dlmc.custom_ops import _nvfp4_down_gluon as swapped
-from dlmc.custom_ops._nvfp4_down_gluon import _decoded_tiles, ring_barriers
+from dlmc.custom_ops._nvfp4_gluon_parts import _decoded_tiles, ring_barriers, shared_layouts
 from dlmc.custom_ops.nvfp4_scale_codes import PAIR_ADD, PAIR_MUL
 from dlmc.custom_ops.nvfp4_words import DECODE_WORDS_ASM
 
@@ -198,7 +198,7 @@ def compile_only(args: argparse.Namespace) -> dict:
     scalars = {"num_items": "i32", "num_pairs": "i32"}
     consts = {"STAGES": args.stages, "KSTEPS": KSTEPS, "TILES": TILES, "I": I, "H": H}
     if args.swap:  # the op's kernel (`custom_ops/_nvfp4_down_gluon.py`)
-        w, s, a = swapped.shared_layouts()
+        w, s, a = shared_layouts()
         kernel = swapped._down_gluon_kernel
         sig = {"w_d": f"tensordesc<u8[64, 128],{w!r}>", "s_d": f"tensordesc<i32[8, 32],{s!r}>",
                "h_d": f"tensordesc<bf16[8, 64],{a!r}>", "expert_of_block_ptr": "*i32",
@@ -254,7 +254,7 @@ def run_gpu(args: argparse.Namespace) -> dict:
         h_eo = even_odd_columns(h).contiguous()
         descs = {}  # (swizzled, swap): the weights', codes' and h's descriptors
         for swizzled, swap in ((False, False), (True, False), (True, True)):
-            w_l, s_l, a_l = swapped.shared_layouts() if swap else layouts(swizzled)
+            w_l, s_l, a_l = shared_layouts() if swap else layouts(swizzled)
             w_view = (words.view(torch.uint8).view(-1, 128) if swizzled
                       else words.view(-1, 32))
             descs[swizzled, swap] = (

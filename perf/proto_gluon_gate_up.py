@@ -43,7 +43,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from dlmc.custom_ops._nvfp4_down_gluon import (
+from dlmc.custom_ops._nvfp4_gluon_parts import (
     MMA,
     TAGS,
     W_OP,

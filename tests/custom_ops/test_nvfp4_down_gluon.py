@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import dlmc.custom_ops.nvfp4_moe as op_module
-from dlmc.custom_ops import _nvfp4_down_gluon
+from dlmc.custom_ops import _nvfp4_down_gluon, _nvfp4_gluon_parts
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
 from dlmc.errors import ConfigError
 from tests.custom_ops.test_nvfp4_moe import (
@@ -83,7 +83,7 @@ def check_lowering() -> None:
     from tests.custom_ops.test_kernels_compile_sm90 import resource_usage
 
     kernel = _nvfp4_down_gluon._down_gluon_kernel
-    w, s, h = _nvfp4_down_gluon.shared_layouts()
+    w, s, h = _nvfp4_gluon_parts.shared_layouts()
     types = {"w_d": f"tensordesc<u8[64, 128],{w!r}>", "s_d": f"tensordesc<i32[8, 32],{s!r}>",
              "h_d": f"tensordesc<bf16[8, 64],{h!r}>", "expert_of_block_ptr": "*i32",
              "sorted_pair_ptr": "*i32", "alpha_ptr": "*fp32", "y_ptr": "*bf16",

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import dlmc.custom_ops.nvfp4_moe as op_module
-from dlmc.custom_ops import _nvfp4_down_gluon, _nvfp4_moe_gluon
+from dlmc.custom_ops import _nvfp4_down_gluon, _nvfp4_gluon_parts, _nvfp4_moe_gluon
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
 from tests.custom_ops.test_nvfp4_down_gluon import (
     against_triton,
@@ -86,7 +86,7 @@ def check_lowering() -> None:
     from tests.custom_ops.test_kernels_compile_sm90 import resource_usage
 
     kernel = _nvfp4_moe_gluon._moe_gluon_kernel
-    w, s, h = _nvfp4_down_gluon.shared_layouts()
+    w, s, h = _nvfp4_gluon_parts.shared_layouts()
     words, codes = f"tensordesc<u8[64, 128],{w!r}>", f"tensordesc<i32[8, 32],{s!r}>"
     types = {"g_d": words, "gs_d": codes, "u_d": words, "us_d": codes, "d_d": words,
              "ds_d": codes, "h_d": f"tensordesc<bf16[8, 64],{h!r}>",

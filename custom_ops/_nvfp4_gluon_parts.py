@@ -1,0 +1,215 @@
+"""The pieces shared by the Gluon kernels of `dlmc::nvfp4_moe` (sm_90, kernel v7's stored
+forms): `_nvfp4_down_gluon` (the routed down projection), `_nvfp4_moe_gluon` (gate/up and down
+in one launch) and the prototypes in perf/.
+
+- Layouts for four consumer warps: the MMA's accumulator [128 weight rows, 8 slots] (`MMA`),
+  the weights as its A operand (`W_OP`, read from a ring slot's 128-byte-swizzled chunk with
+  `ldmatrix`: `WL2` -> `W4`) and the slots as B (`H_OP`).
+- Work items (`_place`, `_item`): an 8-slot part of a routing block and a 128-row N-tile; a part
+  whose first slot is padding has no work.
+- The decode and MMA of one ring slot (`_chunk`, `_decoded_tiles`, `_mma_chunk`: v7's asm,
+  `w * scale * 2^-7`), the tile store (`_store_tile`).
+- The ring (`ring_barriers`), its slots' item tags (`_tag_slot`, `_tag`, `_end_tickets`), the
+  per-block waits on `moe_overlap`'s counters (`_wait_rows`), and the PDL and proxy-fence
+  instructions (`gdc_wait`, `gdc_launch_dependents`, `_fence_proxy_async_global`).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+
+from dlmc.custom_ops.nvfp4_scale_codes import PAIR_ADD, PAIR_MUL
+from dlmc.custom_ops.nvfp4_words import DECODE_WORDS_ASM
+
+__all__ = ["H_OP", "MMA", "TAGS", "W_OP", "gdc_launch_dependents", "gdc_wait", "ring_barriers",
+           "shared_layouts"]
+
+_ASM = gl.constexpr(DECODE_WORDS_ASM.value)
+_PMUL, _PADD = gl.constexpr(PAIR_MUL), gl.constexpr(PAIR_ADD)
+
+# Layouts (4 warps). The MMA's accumulator [128 n, 8 slots]: warps split the weight rows.
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1],
+                                             instr_shape=[16, 8]))
+W_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=4))
+H_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=4))
+# W_OP's elements as bytes [n 128, block 8, half 2, byte 4]: registers -> byte, n bit 3,
+# block bits 1-2, n bit 6; lanes -> half, block bit 0, n bits 0-2; warps -> n bits 4-5
+W4 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [8, 0, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0],
+               [64, 0, 0, 0]],
+    lane_bases=[[0, 0, 1, 0], [0, 1, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+    warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[128, 8, 2, 4]))
+# the same elements in a chunk's [64, 128] bytes (row r = weight rows 2r, 2r+1)
+WL2 = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [4, 0], [0, 16], [0, 32], [32, 0]],
+    lane_bases=[[0, 4], [0, 8], [0, 64], [1, 0], [2, 0]],
+    warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[64, 128]))
+CODES_L = gl.constexpr(gl.SliceLayout(2, gl.SliceLayout(3, W4.value)))
+W_BYTES = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
+PLAIN2 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+TAG_L = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))  # the producer warp's tag store
+TAGS = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # a slot's tag: a rank-1 view
+
+
+@gluon.jit
+def _place(item, TILES: gl.constexpr, BLOCK_M: gl.constexpr):
+    """(first slot, N-tile) of a work item: an 8-slot part of a routing block of `BLOCK_M`
+    slots and one of `TILES` N-tiles, the tile fastest, then the part, then the block."""
+    PARTS: gl.constexpr = BLOCK_M // 8
+    slot0 = (item // (PARTS * TILES)) * BLOCK_M + ((item // TILES) % PARTS) * 8
+    return slot0, item % TILES
+
+
+@gluon.jit
+def _item(expert_of_block_ptr, sorted_pair_ptr, item, num_items, num_pairs, shared_id,
+          TILES: gl.constexpr, BLOCK_M: gl.constexpr):
+    """(first slot, N-tile, expert) of a work item (`_place`) and whether it has work: a
+    routed expert's block whose part starts with a pair."""
+    slot0, tile = _place(item, TILES, BLOCK_M)
+    live = item < num_items
+    expert = gl.load(expert_of_block_ptr + slot0 // BLOCK_M, mask=live, other=-1)
+    first = gl.load(sorted_pair_ptr + slot0, mask=live, other=num_pairs)
+    has_work = (expert >= 0) & (expert != shared_id) & (first < num_pairs)
+    return slot0, tile, expert, has_work
+
+
+@gluon.jit
+def _live_parts(sorted_pair_ptr, num_pairs, block, BLOCK_M: gl.constexpr,
+                WARPS: gl.constexpr = 4):
+    """How many 8-slot parts of routing block `block` hold a pair (pairs come first); `WARPS`:
+    the calling partition's warps."""
+    parts = gl.arange(0, BLOCK_M // 8, gl.BlockedLayout([1], [32], [WARPS], [0]))
+    firsts = gl.load(sorted_pair_ptr + block * BLOCK_M + parts * 8)
+    return gl.sum((firsts < num_pairs).to(gl.int32), axis=0)
+
+
+@gluon.jit
+def _wait_rows(count_ptr, num_slots, sorted_pair_ptr, num_pairs, slot0, writers,
+               TILES: gl.constexpr, BLOCK_M: gl.constexpr, PER_PART: gl.constexpr = False,
+               WARPS: gl.constexpr = 4):
+    """`moe_overlap.wait` for this kernel: spin until the `writers` gate/up programs of the
+    item's routing block (`PER_PART`: `writers` per part that holds a pair) have stored its h
+    rows, then count this reader; the last of the block's readers (TILES items per 8-slot part
+    that holds a pair) zeroes its counters."""
+    block = slot0 // BLOCK_M
+    live = _live_parts(sorted_pair_ptr, num_pairs, block, BLOCK_M, WARPS)
+    readers = TILES * live
+    if PER_PART:
+        writers = writers * live
+    while gl.atomic_add(count_ptr + block, 0, sem="acquire", scope="gpu") < writers:
+        pass
+    gl.thread_barrier()
+    if gl.atomic_add(count_ptr + num_slots + block, 1, sem="relaxed", scope="gpu") == readers - 1:
+        gl.atomic_xchg(count_ptr + block, 0, sem="relaxed", scope="gpu")
+        gl.atomic_xchg(count_ptr + num_slots + block, 0, sem="relaxed", scope="gpu")
+
+
+@gluon.jit
+def _chunk(w_slot, s_slot):
+    """One ring slot's weight chunk as bytes [128, 8, 2, 4] in `W4` (read with `ldmatrix`
+    through the 128-byte swizzle) and its block-scale codes [128, 8]."""
+    words = w_slot._reinterpret(gl.uint8, [64, 128], W_BYTES).load(WL2)
+    words = gl.convert_layout(gl.reshape(words, [128, 8, 2, 4]), W4)
+    return words, s_slot._reinterpret(gl.uint8, [128, 8], PLAIN2).load(CODES_L)
+
+
+@gluon.jit
+def _decoded_tiles(words, codes):
+    """v7 words (bytes [128, 8, 2, 4]) and their block-scale codes -> the low- and high-nibble
+    bf16 tiles [128 n, 64 k'] (`w * scale * 2^-7`, exact)."""
+    pair = codes.to(gl.int32) * _PMUL + _PADD
+    pair = gl.broadcast(gl.expand_dims(gl.expand_dims(pair, 2), 3), words)[0]
+    lo, hi = gl.inline_asm_elementwise(_ASM, "=r,=r,=r,=r,r,r,r,r,r", [words, pair],
+                                       dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+    return gl.reshape(lo, [128, 64]), gl.reshape(hi, [128, 64])
+
+
+@gluon.jit
+def _mma_chunk(words, codes, b_even, b_odd, acc):
+    """acc + a weight chunk (decoded, the MMA's A: low nibbles with the even-K B operand, high
+    nibbles with the odd-K one)."""
+    lo, hi = _decoded_tiles(words, codes)
+    acc = mma_v2(gl.convert_layout(lo, W_OP), b_even, acc)
+    return mma_v2(gl.convert_layout(hi, W_OP), b_odd, acc)
+
+
+@gluon.jit
+def _store_tile(base_ptr, rows, stride, cols, values, valid):
+    """values [128 columns, 8 rows] (`MMA`) to base[rows[r] * stride + cols[c]] where valid[r]."""
+    ptrs = base_ptr + gl.expand_dims(rows.to(gl.int64) * stride, 0) + gl.expand_dims(cols, 1)
+    mask = gl.expand_dims(valid, 0) & gl.expand_dims(cols >= 0, 1)
+    gl.store(ptrs, values, mask=mask)
+
+
+@gluon.jit
+def _tag_slot(ids, s, tag):
+    """The producer writes ring slot s's item tag (`item * 1024 + expert`, -1: no more items)
+    before the slot's arrival on `ready` (the same thread: the arrival releases it)."""
+    ids.index(s).store(gl.full([1], tag, gl.int32, TAG_L))
+
+
+@gluon.jit
+def _tag(ids, ready, i, STAGES: gl.constexpr):
+    """The tag of ring slot i (waiting for the slot first; four consumer warps)."""
+    s = i % STAGES
+    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+    return gl.max(ids.index(s).load(gl.BlockedLayout([1], [32], [4], [0])), axis=0)
+
+
+@gluon.jit
+def _end_tickets(ticket, item, total, ids, empty, ready, i, STAGES: gl.constexpr,
+                 TICKETS: gl.constexpr = True):
+    """After the last item (`TICKETS`: every program has taken one ticket past the items, and
+    the last of those resets the counter `ticket`): a slot tagged -1 ends the consumers'
+    loop."""
+    if TICKETS:  # noqa: SIM102 (a static condition around a runtime one)
+        if item == total + gl.num_programs(0) - 1:
+            gl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
+    s = i % STAGES
+    mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+    _tag_slot(ids, s, -1)
+    mbarrier.arrive(ready.index(s), count=1)
+
+
+@gluon.jit
+def _fence_proxy_async_global():
+    """Global memory that this thread has acquired (generic proxy) becomes visible to its
+    TMA reads (async proxy)."""
+    gl.inline_asm_elementwise("fence.proxy.async.global; // dummy $0", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def gdc_wait():
+    """PDL: wait until the previous kernel has finished and its writes are visible."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
+def gdc_launch_dependents():
+    """PDL: let the next kernel launch (its programs wait in their own `gdc_wait`)."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def ring_barriers(STAGES: gl.constexpr):
+    """The (empty, ready) mbarriers of a STAGES-deep ring, initialized (one arrival each)."""
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(ready.index(s), count=1)
+    return empty, ready
+
+
+def shared_layouts() -> tuple[object, object, object]:
+    """TMA boxes' shared layouts: weights uint8 [64, 128] (128-byte swizzle), codes int32
+    [8, 32] unswizzled (read as bytes), h bf16 [8, 64]."""
+    return (gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2),
+            gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2),
+            gl.NVMMASharedLayout.get_default_for([8, 64], gl.bfloat16))
