@@ -25,8 +25,6 @@ against 96.3-97.2 µs per layer (routed experts only; by program 108 µs), the d
 
 from __future__ import annotations
 
-import os
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -46,13 +44,14 @@ from dlmc.custom_ops._nvfp4_gluon_parts import (
     _tag,
     _tag_slot,
     _wait_rows,
+    check_item_tags,
     gdc_launch_dependents,
     gdc_wait,
     ring_barriers,
     shared_layouts,
 )
 from dlmc.custom_ops._pdl import INTERPRETED
-from dlmc.errors import ConfigError
+from dlmc.env import env_choice
 
 __all__ = ["MODE", "SHARED_DOWN", "TICKETS", "down_gluon_applies", "down_tickets",
            "launch_down_gluon", "shared_down_in_gate_up"]
@@ -60,50 +59,33 @@ __all__ = ["MODE", "SHARED_DOWN", "TICKETS", "down_gluon_applies", "down_tickets
 STAGES, PROGRAMS_PER_SM, MAXNREG = 4, 3, 80  # the prototype's best (session 24, call 10)
 
 
-def _mode() -> str:
-    """DLMC_NVFP4_DOWN: gluon (the default since session 26: where `down_gluon_applies`, this
-    kernel with its items by ticket; op 92.0-92.9 against 96.3-97.2 µs per LLaDA2.1-mini layer
-    for the routed experts, 94.2-96.1 against 95.6-96.0 with the shared expert, the NVFP4 round
-    1.8-2.1 % faster queued in three calls; perf/README.md), triton (the Triton down kernel
-    everywhere) or fused (gate/up and down in `_nvfp4_moe_gluon`)."""
-    value = os.environ.get("DLMC_NVFP4_DOWN", "gluon")
-    if value not in ("triton", "gluon", "fused"):
-        raise ConfigError(f"DLMC_NVFP4_DOWN={value!r}: expected gluon (the default: this kernel "
-                          "where it applies), triton (the Triton down kernel) or fused (gate/up "
-                          "and down in `_nvfp4_moe_gluon`)")
-    return value
+# The switches (variable: default, choices), read at import; tests and benches may set the
+# module's values per call.
+# - DLMC_NVFP4_DOWN: gluon (the default since session 26: where `down_gluon_applies`, this
+#   kernel with its items by ticket; op 92.0-92.9 against 96.3-97.2 µs per LLaDA2.1-mini layer
+#   for the routed experts, 94.2-96.1 against 95.6-96.0 with the shared expert, the NVFP4 round
+#   1.8-2.1 % faster queued in three calls; perf/README.md), triton (the Triton down kernel
+#   everywhere) or fused (gate/up and down in `_nvfp4_moe_gluon`).
+# - DLMC_NVFP4_DOWN_TICKETS (with overlap): 1, items handed out by a counter
+#   (`count[2 * num_slots]`), so that programs which start late (on SMs that gate/up's programs
+#   still hold) take fewer: 92.0-92.9 against 106-108 µs per layer with 0, items by program
+#   (routed experts only; session 26).
+# - DLMC_NVFP4_SHARED_DOWN: where the shared expert's down parts run with this kernel: "own" (a
+#   Triton launch of their own before it) or "gate_up" (the last programs of gate/up's launch;
+#   not measured yet, session 26).
+_SWITCHES = {"DLMC_NVFP4_DOWN": ("gluon", ("gluon", "triton", "fused")),
+             "DLMC_NVFP4_DOWN_TICKETS": ("1", ("1", "0")),
+             "DLMC_NVFP4_SHARED_DOWN": ("own", ("own", "gate_up"))}
 
 
-MODE = _mode()  # read at import; tests and benches may set it per call
+def _switch(name: str) -> str:
+    """The switch `name` from the environment (a `ConfigError` naming it if not a choice)."""
+    return env_choice(name, *_SWITCHES[name])
 
 
-def _tickets() -> bool:
-    value = os.environ.get("DLMC_NVFP4_DOWN_TICKETS", "1")
-    if value not in ("0", "1"):
-        raise ConfigError(f"DLMC_NVFP4_DOWN_TICKETS={value!r}: expected 1 (the default: items "
-                          "by a ticket counter) or 0 (items by program)")
-    return value == "1"
-
-
-# `TICKETS` (with overlap): items handed out by a counter (`count[2 * num_slots]`) instead of by
-# program, so that programs which start late (on SMs that gate/up's programs still hold) take
-# fewer items: 92.0-92.9 against 106-108 µs per LLaDA2.1-mini layer for the op without them
-# (routed experts only; perf/README.md, session 26). Read at import; benches may set it.
-TICKETS = _tickets()
-
-
-def _shared_down() -> str:
-    value = os.environ.get("DLMC_NVFP4_SHARED_DOWN", "own")
-    if value not in ("own", "gate_up"):
-        raise ConfigError(f"DLMC_NVFP4_SHARED_DOWN={value!r}: expected own (the default: the "
-                          "shared expert's down parts in a Triton launch of their own before "
-                          "this kernel) or gate_up (as the last programs of gate/up's launch)")
-    return value
-
-
-# where the shared expert's down parts run with this kernel (read at import; benches may set
-# it): "gate_up" is not measured yet (session 26)
-SHARED_DOWN = _shared_down()
+MODE = _switch("DLMC_NVFP4_DOWN")
+TICKETS = _switch("DLMC_NVFP4_DOWN_TICKETS") == "1"
+SHARED_DOWN = _switch("DLMC_NVFP4_SHARED_DOWN")
 
 
 def down_gluon_applies(device: torch.device, variant: int, hidden: int, inter: int,
@@ -374,6 +356,8 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
     h_d = TensorDescriptor.from_tensor(h, [8, 64], h_l)
     block_m = sorted_pair.shape[0] // expert_of_block.shape[0]
     items = expert_of_block.shape[0] * (block_m // 8) * (H // 128)
+    if tickets:
+        check_item_tags(items, shared_id, "the Gluon down kernel with tickets")
     sms = torch.cuda.get_device_properties(h.device).multi_processor_count
     _down_gluon_kernel[(sms * PROGRAMS_PER_SM,)](
         w_d, s_d, h_d, expert_of_block, sorted_pair, alpha, y, items, num_pairs, shared_id,

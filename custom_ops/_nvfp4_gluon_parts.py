@@ -24,8 +24,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from dlmc.custom_ops.nvfp4_scale_codes import PAIR_ADD, PAIR_MUL
 from dlmc.custom_ops.nvfp4_words import DECODE_WORDS_ASM
 
-__all__ = ["H_OP", "MMA", "TAGS", "W_OP", "gdc_launch_dependents", "gdc_wait", "ring_barriers",
-           "shared_layouts"]
+__all__ = ["H_OP", "MMA", "TAGS", "W_OP", "check_item_tags", "chunk_rings",
+           "gdc_launch_dependents", "gdc_wait", "ring_barriers", "shared_layouts"]
 
 _ASM = gl.constexpr(DECODE_WORDS_ASM.value)
 _PMUL, _PADD = gl.constexpr(PAIR_MUL), gl.constexpr(PAIR_ADD)
@@ -197,6 +197,17 @@ def gdc_launch_dependents():
 
 
 @gluon.jit
+def chunk_rings(g_d, u_d, gs_d, us_d, STAGES: gl.constexpr):
+    """`STAGES`-deep rings of four TMA boxes (gate and up chunks, then their codes), allocated
+    in that order: (g_buf, u_buf, gs_buf, us_buf)."""
+    g_buf = gl.allocate_shared_memory(g_d.dtype, [STAGES] + g_d.block_type.shape, g_d.layout)
+    u_buf = gl.allocate_shared_memory(u_d.dtype, [STAGES] + u_d.block_type.shape, u_d.layout)
+    gs_buf = gl.allocate_shared_memory(gs_d.dtype, [STAGES] + gs_d.block_type.shape, gs_d.layout)
+    us_buf = gl.allocate_shared_memory(us_d.dtype, [STAGES] + us_d.block_type.shape, us_d.layout)
+    return g_buf, u_buf, gs_buf, us_buf
+
+
+@gluon.jit
 def ring_barriers(STAGES: gl.constexpr):
     """The (empty, ready) mbarriers of a STAGES-deep ring, initialized (one arrival each)."""
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -205,6 +216,14 @@ def ring_barriers(STAGES: gl.constexpr):
         mbarrier.init(empty.index(s), count=1)
         mbarrier.init(ready.index(s), count=1)
     return empty, ready
+
+
+def check_item_tags(items: int, experts: int, kernel: str) -> None:
+    """Ring slots tag their item as `item * 1024 + expert` in int32 (`_tag_slot`): `items` must
+    stay below 2^21 and expert ids below 1024."""
+    if items >= 2**21 or experts > 1024:
+        raise ValueError(f"nvfp4_moe: {kernel} tags items as item * 1024 + expert in int32: "
+                         f"{items} items (< 2^21) and {experts} experts (<= 1024) do not fit")
 
 
 def shared_layouts() -> tuple[object, object, object]:

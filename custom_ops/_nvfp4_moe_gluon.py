@@ -56,6 +56,8 @@ from dlmc.custom_ops._nvfp4_gluon_parts import (
     _tag,
     _tag_slot,
     _wait_rows,
+    check_item_tags,
+    chunk_rings,
     gdc_launch_dependents,
     gdc_wait,
     ring_barriers,
@@ -64,7 +66,7 @@ from dlmc.custom_ops._nvfp4_gluon_parts import (
 from dlmc.custom_ops._occupancy import resident_programs
 
 __all__ = ["X_L", "fused_applies", "gate_up_copies", "launch_moe_gluon", "programs_per_sm",
-           "x_layout", "x_operands", "x_step"]
+           "x_layout", "x_operands", "x_ring", "x_step"]
 
 # ring depth, programs per SM (at most what fits: `programs_per_sm`), registers per thread (80:
 # no spills in sm_90 SASS, and 3 programs of 256 threads fit in an SM's 64 K registers); the
@@ -108,6 +110,17 @@ def x_layout() -> object:
     """The x rows' TMA box (bf16 [1, 128], one token row's K-step) in shared memory:
     unswizzled, so that a ring slot's 8 boxes are one [8, 128] tile."""
     return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+
+
+@gluon.jit
+def x_ring(x_d, unused, STAGES: gl.constexpr, X_TMA: gl.constexpr):
+    """With `X_TMA` a `STAGES`-deep ring of the part's x rows ([8, 128] per slot, eight of
+    `x_d`'s boxes each); else `unused`, a buffer the consumers do not read."""
+    if X_TMA:  # noqa: SIM108 (an allocation only when X_TMA)
+        x_buf = gl.allocate_shared_memory(x_d.dtype, [STAGES, 8, 128], x_d.layout)
+    else:
+        x_buf = unused
+    return x_buf
 
 
 @gluon.jit
@@ -355,17 +368,11 @@ def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, x_ptr, expert_o
         gdc_wait()
     if PDL_ENTER or PDL_AFTER:
         gdc_launch_dependents()
-    g_buf = gl.allocate_shared_memory(g_d.dtype, [STAGES] + g_d.block_type.shape, g_d.layout)
-    u_buf = gl.allocate_shared_memory(u_d.dtype, [STAGES] + u_d.block_type.shape, u_d.layout)
-    gs_buf = gl.allocate_shared_memory(gs_d.dtype, [STAGES] + gs_d.block_type.shape, gs_d.layout)
-    us_buf = gl.allocate_shared_memory(us_d.dtype, [STAGES] + us_d.block_type.shape, us_d.layout)
+    g_buf, u_buf, gs_buf, us_buf = chunk_rings(g_d, u_d, gs_d, us_d, STAGES)
     h_buf = gl.allocate_shared_memory(h_d.dtype, [4 * STAGES] + h_d.block_type.shape,
                                       h_d.layout)
     ids = gl.allocate_shared_memory(gl.int32, [STAGES, 1], TAGS)  # one tag per ring slot
-    if X_TMA:  # noqa: SIM108 (an allocation only when X_TMA)
-        x_buf = gl.allocate_shared_memory(x_d.dtype, [STAGES, 8, 128], x_d.layout)
-    else:
-        x_buf = h_buf  # (not read)
+    x_buf = x_ring(x_d, h_buf, STAGES, X_TMA)
     empty, ready = ring_barriers(STAGES)
     gl.warp_specialize([
         (_consumer, (x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, down_alpha_ptr,
@@ -439,10 +446,7 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
     descs.append(TensorDescriptor.from_tensor(x, [1, 128], x_layout()))
     block_m = sorted_pair.shape[0] // expert_of_block.shape[0]
     parts = expert_of_block.shape[0] * (block_m // 8)
-    if parts * (H // 128 + I // 128) >= 2**21 or shared_id >= 1024:  # the slot tags' range
-        raise ValueError(f"nvfp4_moe: the fused Gluon kernel tags items as item * 1024 + expert "
-                         f"in int32: {parts * (H // 128 + I // 128)} items (< 2^21) and "
-                         f"{shared_id} experts (< 1024) do not fit")
+    check_item_tags(parts * (H // 128 + I // 128), shared_id, "the fused Gluon kernel")
     args = (*descs, x, expert_of_block, sorted_pair, *alphas, h, y, count, num_slots,
             parts * (I // 128), parts * (H // 128), num_pairs, shared_id, x.stride(0),
             h.stride(0), y.stride(0), a_row_div)

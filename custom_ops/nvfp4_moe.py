@@ -233,7 +233,6 @@ def _nvfp4_moe_impl(
     count = counters(x.device, num_slots + ticket_room) if overlap else expert_of_block
     tiles1 = triton.cdiv(I, block_n1)
     rows1 = parts1 if fused else num_blocks + parts1
-    grid1 = (tiles1, rows1) if overlap else (rows1, tiles1)
     gate_alpha = _alphas(gate_weight_scale_2, gate_up_input_scale)
     up_alpha = _alphas(up_weight_scale_2, gate_up_input_scale)
     y = torch.empty((num_pairs, H), dtype=torch.bfloat16, device=x.device)
@@ -246,8 +245,8 @@ def _nvfp4_moe_impl(
     # directly (under the interpreter, which runs a grid column by column, only with one column)
     fold = (gluon_down and has_shared and overlap and shared_down_in_gate_up()
             and (not _INTERPRETED or tiles1 == 1))
-    extra1 = triton.cdiv(parts2 * tiles2, tiles1) if fold else 0
-    grid1 = (tiles1, rows1 + extra1) if overlap else grid1
+    extra1 = triton.cdiv(parts2 * tiles2, tiles1) if fold else 0  # (fold: with overlap)
+    grid1 = (tiles1, rows1 + extra1) if overlap else (rows1, tiles1)
     if rows1:
         launcher(_gate_up_kernel)[grid1](
             a, sorted_pair, expert_of_block, gate_weight, gate_weight_scale,

@@ -32,7 +32,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from dlmc.custom_ops._nvfp4_gluon_parts import ring_barriers
+from dlmc.custom_ops._nvfp4_gluon_parts import chunk_rings, ring_barriers
 
 KSTEPS = 16  # K 2048 / 128
 CHUNK_ROWS, WORDS = 64, 32  # one 8 KB weight chunk as int32 [64, 32]
@@ -94,11 +94,7 @@ def _consumer(out_ptr, num_tiles, empty, ready, g_buf, u_buf, gs_buf, us_buf,
 @gluon.jit
 def stream_gluon(gate_d, up_d, gs_d, us_d, tiles_ptr, out_ptr, num_tiles,
                  STAGES: gl.constexpr, KSTEPS: gl.constexpr, WORK: gl.constexpr):
-    g_buf = gl.allocate_shared_memory(gate_d.dtype, [STAGES] + gate_d.block_type.shape,
-                                      gate_d.layout)
-    u_buf = gl.allocate_shared_memory(up_d.dtype, [STAGES] + up_d.block_type.shape, up_d.layout)
-    gs_buf = gl.allocate_shared_memory(gs_d.dtype, [STAGES] + gs_d.block_type.shape, gs_d.layout)
-    us_buf = gl.allocate_shared_memory(us_d.dtype, [STAGES] + us_d.block_type.shape, us_d.layout)
+    g_buf, u_buf, gs_buf, us_buf = chunk_rings(gate_d, up_d, gs_d, us_d, STAGES)
     empty, ready = ring_barriers(STAGES)
     gl.warp_specialize([
         (_consumer, (out_ptr, num_tiles, empty, ready, g_buf, u_buf, gs_buf, us_buf, STAGES,

@@ -51,6 +51,7 @@ from dlmc.custom_ops._nvfp4_gluon_parts import (
     _item,
     _mma_chunk,
     _store_tile,
+    chunk_rings,
     ring_barriers,
     shared_layouts,
 )
@@ -60,6 +61,7 @@ from dlmc.custom_ops._nvfp4_moe_gluon import (
     gate_up_copies,
     x_layout,
     x_operands,
+    x_ring,
     x_step,
 )
 
@@ -168,15 +170,9 @@ def gate_up_gluon(g_d, gs_d, u_d, us_d, x_d, x_ptr, expert_of_block_ptr, sorted_
                   PROBE: gl.constexpr = 0, X_TMA: gl.constexpr = False):
     """`X_TMA`: the producer copies the part's x rows into the ring (`x_d`: x's [1, 128]
     boxes); else the consumer warps load them from global memory."""
-    g_buf = gl.allocate_shared_memory(g_d.dtype, [STAGES] + g_d.block_type.shape, g_d.layout)
-    u_buf = gl.allocate_shared_memory(u_d.dtype, [STAGES] + u_d.block_type.shape, u_d.layout)
-    gs_buf = gl.allocate_shared_memory(gs_d.dtype, [STAGES] + gs_d.block_type.shape, gs_d.layout)
-    us_buf = gl.allocate_shared_memory(us_d.dtype, [STAGES] + us_d.block_type.shape, us_d.layout)
+    g_buf, u_buf, gs_buf, us_buf = chunk_rings(g_d, u_d, gs_d, us_d, STAGES)
     ids = gl.allocate_shared_memory(gl.int32, [STAGES, 1], TAGS)  # the copies' tags (unread)
-    if X_TMA:  # noqa: SIM108 (an allocation only when X_TMA)
-        x_buf = gl.allocate_shared_memory(x_d.dtype, [STAGES, 8, 128], x_d.layout)
-    else:
-        x_buf = g_buf  # (not read)
+    x_buf = x_ring(x_d, g_buf, STAGES, X_TMA)
     empty, ready = ring_barriers(STAGES)
     gl.warp_specialize([
         (_consumer, (x_ptr, expert_of_block_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr,

@@ -37,25 +37,17 @@ pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:Runt
 
 
 def test_the_switch_names_bad_values_and_applies_only_on_hopper(monkeypatch) -> None:
-    monkeypatch.setenv("DLMC_NVFP4_DOWN", "cutlass")
-    with pytest.raises(ConfigError, match=r"DLMC_NVFP4_DOWN='cutlass': expected gluon"):
-        _nvfp4_down_gluon._mode()
-    monkeypatch.delenv("DLMC_NVFP4_DOWN")
-    assert _nvfp4_down_gluon._mode() == "gluon"  # the default (where it applies)
-    monkeypatch.setenv("DLMC_NVFP4_DOWN_TICKETS", "yes")
-    with pytest.raises(ConfigError, match=r"DLMC_NVFP4_DOWN_TICKETS='yes': expected 1"):
-        _nvfp4_down_gluon._tickets()
-    monkeypatch.setenv("DLMC_NVFP4_DOWN_TICKETS", "0")
-    assert not _nvfp4_down_gluon._tickets()
-    monkeypatch.delenv("DLMC_NVFP4_DOWN_TICKETS")
-    assert _nvfp4_down_gluon._tickets()  # the default
-    monkeypatch.setenv("DLMC_NVFP4_SHARED_DOWN", "down")
-    with pytest.raises(ConfigError, match=r"DLMC_NVFP4_SHARED_DOWN='down': expected own"):
-        _nvfp4_down_gluon._shared_down()
-    monkeypatch.delenv("DLMC_NVFP4_SHARED_DOWN")
-    assert _nvfp4_down_gluon._shared_down() == "own"  # the default (not measured yet)
-    monkeypatch.setenv("DLMC_NVFP4_DOWN", "gluon")
-    assert _nvfp4_down_gluon._mode() == "gluon"
+    switch = _nvfp4_down_gluon._switch
+    for name, bad, good, default in (("DLMC_NVFP4_DOWN", "cutlass", "fused", "gluon"),
+                                     ("DLMC_NVFP4_DOWN_TICKETS", "yes", "0", "1"),
+                                     ("DLMC_NVFP4_SHARED_DOWN", "down", "gate_up", "own")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ConfigError, match=rf"{name}='{bad}': expected one of {default}, "):
+            switch(name)
+        monkeypatch.setenv(name, good)
+        assert switch(name) == good
+        monkeypatch.delenv(name)
+        assert switch(name) == default  # gluon (where it applies), tickets, own parts
     monkeypatch.setattr(_nvfp4_down_gluon, "MODE", "gluon")
     applies = _nvfp4_down_gluon.down_gluon_applies
     cpu = torch.device("cpu")
@@ -76,12 +68,6 @@ def check_lowering() -> None:
     fences and copies them: `fence.proxy.async.global`; relaxed adds: the first ticket, one
     ahead per item, the reader count; exchanges: the last reader's two counter resets and the
     ticket reset)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import compile as triton_compile
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from tests.custom_ops.test_kernels_compile_sm90 import resource_usage
-
     kernel = _nvfp4_down_gluon._down_gluon_kernel
     w, s, h = _nvfp4_gluon_parts.shared_layouts()
     types = {"w_d": f"tensordesc<u8[64, 128],{w!r}>", "s_d": f"tensordesc<i32[8, 32],{s!r}>",
@@ -92,12 +78,7 @@ def check_lowering() -> None:
         consts = {"STAGES": _nvfp4_down_gluon.STAGES, "KSTEPS": 4, "TILES": 16, "I": 512,
                   "H": 2048, "BLOCK_M": 16, "OVERLAP": overlap, "PDL": overlap,
                   "TICKETS": tickets}
-        signature = {name: types.get(name, "i32") for name in kernel.arg_names}
-        signature |= dict.fromkeys(consts, "constexpr")
-        compiled = triton_compile(GluonASTSource(kernel, signature, consts),
-                                  target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": 4, "maxnreg": _nvfp4_down_gluon.MAXNREG})
-        usage = resource_usage(compiled)
+        compiled, usage = compile_gluon_sm90(kernel, types, consts, _nvfp4_down_gluon.MAXNREG)
         form = (overlap, tickets)
         assert usage["REG"] <= _nvfp4_down_gluon.MAXNREG, (form, usage)
         assert usage["LOCAL"] == 0 and usage["STACK"] == 0, (form, usage)
@@ -109,12 +90,46 @@ def check_lowering() -> None:
         assert ".reqntid 256" in ptx  # 3 programs per SM at 80 registers: 61440 of 65536
 
 
-def test_each_form_lowers_for_sm90() -> None:
+def compile_gluon_sm90(kernel, types: dict[str, str], consts: dict[str, object],
+                       maxnreg: int) -> tuple[object, dict[str, int]]:
+    """`kernel` lowered for sm_90 with 4 warps and `maxnreg` registers (arguments not in `types`
+    are i32, `consts` are constexprs): the compiled kernel and its resource usage."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import compile as triton_compile
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from tests.custom_ops.test_kernels_compile_sm90 import resource_usage
+
+    signature = {name: types.get(name, "i32") for name in kernel.arg_names}
+    signature |= dict.fromkeys(consts, "constexpr")
+    compiled = triton_compile(GluonASTSource(kernel, signature, consts),
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "maxnreg": maxnreg})
+    return compiled, resource_usage(compiled)
+
+
+def run_lowering_check(module: str) -> None:
+    """`module.check_lowering()` in a fresh process without Triton's interpreter (the lowering
+    needs the compiler's real backend)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", "from tests.custom_ops.test_nvfp4_down_gluon "
-                             "import check_lowering; check_lowering()"], env=env, timeout=300,
-                            capture_output=True, text=True, check=False)
+    result = subprocess.run([sys.executable, "-c", f"from {module} import check_lowering; "
+                             "check_lowering()"], env=env, timeout=300, capture_output=True,
+                            text=True, check=False)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+
+
+def test_each_form_lowers_for_sm90() -> None:
+    run_lowering_check("tests.custom_ops.test_nvfp4_down_gluon")
+
+
+def test_item_tags_must_fit_in_int32() -> None:
+    """Ring slots tag items as `item * 1024 + expert`: the largest item and expert id that fit
+    pass, one more of either is refused, naming the kernel."""
+    check = _nvfp4_gluon_parts.check_item_tags
+    check(2**21 - 1, 1024, "k")
+    for items, experts in ((2**21, 8), (1, 1025)):
+        with pytest.raises(ValueError, match=rf"k tags items .*{items} items .*{experts} experts"):
+            check(items, experts, "k")
 
 
 def test_tickets_need_a_counter_past_the_slots(monkeypatch) -> None:

@@ -9,9 +9,6 @@ H200 the op's output equals the Triton kernels' bit for bit, eager and replayed 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -23,7 +20,9 @@ from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
 from tests.custom_ops.test_nvfp4_down_gluon import (
     against_triton,
     assert_graph_replays_like_triton,
+    compile_gluon_sm90,
     dequantized_down,
+    run_lowering_check,
 )
 from tests.custom_ops.test_nvfp4_moe import (
     DEVICE,
@@ -40,7 +39,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:Runt
 
 def test_the_switch_applies_only_with_its_conditions(monkeypatch) -> None:
     monkeypatch.setenv("DLMC_NVFP4_DOWN", "fused")
-    assert _nvfp4_down_gluon._mode() == "fused"
+    assert _nvfp4_down_gluon._switch("DLMC_NVFP4_DOWN") == "fused"
     monkeypatch.setattr(_nvfp4_down_gluon, "MODE", "fused")
     applies = _nvfp4_moe_gluon.fused_applies
     assert not applies(torch.device("cpu"), 7, 2048, 512, False, True, True)  # no GPU
@@ -80,11 +79,6 @@ def check_lowering() -> None:
     """The kernel lowers for sm_90 with at most `MAXNREG` registers, no spills, at most the
     ring plus 1 KB of shared memory (what `programs_per_sm` assumes), and the PDL instructions
     of each launch form."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from tests.custom_ops.test_kernels_compile_sm90 import resource_usage
-
     kernel = _nvfp4_moe_gluon._moe_gluon_kernel
     w, s, h = _nvfp4_gluon_parts.shared_layouts()
     words, codes = f"tensordesc<u8[64, 128],{w!r}>", f"tensordesc<i32[8, 32],{s!r}>"
@@ -100,12 +94,7 @@ def check_lowering() -> None:
         consts = {"STAGES": stages, "H": 2048, "I": 512, "BLOCK_M": block_m,
                   "PDL_ENTER": pdl == "enter", "PDL_AFTER": pdl == "after", "TICKETS": tickets,
                   "X_TMA": x_tma}
-        signature = {name: types.get(name, "i32") for name in kernel.arg_names}
-        signature |= dict.fromkeys(consts, "constexpr")
-        compiled = triton_compile(GluonASTSource(kernel, signature, consts),
-                                  target=GPUTarget("cuda", 90, 32),
-                                  options={"num_warps": 4, "maxnreg": _nvfp4_moe_gluon.MAXNREG})
-        usage = resource_usage(compiled)
+        compiled, usage = compile_gluon_sm90(kernel, types, consts, _nvfp4_moe_gluon.MAXNREG)
         assert usage["REG"] <= _nvfp4_moe_gluon.MAXNREG and usage["LOCAL"] == 0, usage
         assert compiled.metadata.shared <= stages * _nvfp4_moe_gluon.STAGE_BYTES + 1024
         ptx = compiled.asm["ptx"]
@@ -123,18 +112,8 @@ def check_lowering() -> None:
         assert ptx.count("cp.async.bulk.tensor") == 4 + 8 * x_tma + 2 * 8, (pdl, x_tma)
 
 
-def triton_compile(*args, **kwargs):
-    import triton
-
-    return triton.compile(*args, **kwargs)
-
-
 def test_the_kernel_lowers_for_sm90() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", "from tests.custom_ops.test_nvfp4_moe_gluon "
-                             "import check_lowering; check_lowering()"], env=env, timeout=300,
-                            capture_output=True, text=True, check=False)
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    run_lowering_check("tests.custom_ops.test_nvfp4_moe_gluon")
 
 
 def dequantized(experts: dict[str, torch.Tensor], name: str) -> torch.Tensor:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,20 +10,10 @@ from dlmc.custom_ops.qk_norm_rope import apply_partial_rope, rms_norm
 from dlmc.custom_ops.rope_tables import rope_inv_freq, rope_tables, rope_tables_reference
 from dlmc.custom_ops.small_m_linear import MAX_TOKENS, small_m_linear
 from dlmc.custom_ops.split_k_linear import split_k_linear
-from dlmc.errors import ConfigError
+from dlmc.env import env_choice
 
 __all__ = ["RMSNorm", "SwiGLUMLP", "apply_partial_rope", "env_choice", "fuse_gate_up_projections",
            "linear", "rms_norm", "rope_cos_sin", "small_m_gemm", "wide_gemm"]
-
-
-def env_choice(env: str, default: str, allowed: tuple[str, ...]) -> str:
-    """A kernel switch from the environment: `env`'s value (or `default`), one of `allowed`, else
-    a `ConfigError` naming the variable. Read once per module at construction, never inside a
-    compiled forward."""
-    choice = os.environ.get(env, default)
-    if choice not in allowed:
-        raise ConfigError(f"{env}={choice!r}: expected one of {', '.join(allowed)}")
-    return choice
 
 
 def small_m_gemm() -> str:
