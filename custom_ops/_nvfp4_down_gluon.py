@@ -53,8 +53,8 @@ from dlmc.custom_ops._nvfp4_gluon_parts import (
 from dlmc.custom_ops._pdl import INTERPRETED
 from dlmc.env import env_choice
 
-__all__ = ["MODE", "SHARED_DOWN", "TICKETS", "down_gluon_applies", "down_tickets",
-           "launch_down_gluon", "shared_down_in_gate_up"]
+__all__ = ["GATE_UP", "MODE", "SHARED_DOWN", "TICKETS", "down_gluon_applies", "down_tickets",
+           "gate_up_gluon", "launch_down_gluon", "shared_down_in_gate_up"]
 
 STAGES, PROGRAMS_PER_SM, MAXNREG = 4, 3, 80  # the prototype's best (session 24, call 10)
 
@@ -72,10 +72,14 @@ STAGES, PROGRAMS_PER_SM, MAXNREG = 4, 3, 80  # the prototype's best (session 24,
 #   (routed experts only; session 26).
 # - DLMC_NVFP4_SHARED_DOWN: where the shared expert's down parts run with this kernel: "own" (a
 #   Triton launch of their own before it) or "gate_up" (the last programs of gate/up's launch;
-#   not measured yet, session 26).
+#   no faster: op 94.0 against 93.3-94.6 µs, rounds within 0.3 %; session 27).
+# - DLMC_NVFP4_GATE_UP (with this kernel, routed experts only, no shared expert): "triton" (the
+#   Triton gate/up kernel) or "gluon" (the gate/up items of `_nvfp4_moe_gluon` in a launch of
+#   their own before this kernel, which then waits for each 8-slot part's items).
 _SWITCHES = {"DLMC_NVFP4_DOWN": ("gluon", ("gluon", "triton", "fused")),
              "DLMC_NVFP4_DOWN_TICKETS": ("1", ("1", "0")),
-             "DLMC_NVFP4_SHARED_DOWN": ("own", ("own", "gate_up"))}
+             "DLMC_NVFP4_SHARED_DOWN": ("own", ("own", "gate_up")),
+             "DLMC_NVFP4_GATE_UP": ("triton", ("triton", "gluon"))}
 
 
 def _switch(name: str) -> str:
@@ -86,6 +90,7 @@ def _switch(name: str) -> str:
 MODE = _switch("DLMC_NVFP4_DOWN")
 TICKETS = _switch("DLMC_NVFP4_DOWN_TICKETS") == "1"
 SHARED_DOWN = _switch("DLMC_NVFP4_SHARED_DOWN")
+GATE_UP = _switch("DLMC_NVFP4_GATE_UP")
 
 
 def down_gluon_applies(device: torch.device, variant: int, hidden: int, inter: int,
@@ -104,6 +109,11 @@ def down_gluon_applies(device: torch.device, variant: int, hidden: int, inter: i
 def shared_down_in_gate_up() -> bool:
     """`SHARED_DOWN` as now set is "gate_up" (`DLMC_NVFP4_SHARED_DOWN`)."""
     return SHARED_DOWN == "gate_up"
+
+
+def gate_up_gluon() -> bool:
+    """`GATE_UP` as now set is "gluon" (`DLMC_NVFP4_GATE_UP`)."""
+    return GATE_UP == "gluon"
 
 
 def down_tickets() -> bool:
@@ -168,7 +178,8 @@ def _h_step(h_ptr, slot0, stride_h, k):
 def _consumer(expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr, num_items, num_pairs,
               shared_id, stride_y, empty, ready, w_buf, s_buf, h_buf, h_ptr, stride_h,
               count_ptr, num_slots, writers, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
-              TILES: gl.constexpr, BLOCK_M: gl.constexpr, OVERLAP: gl.constexpr):
+              TILES: gl.constexpr, BLOCK_M: gl.constexpr, OVERLAP: gl.constexpr,
+              PER_PART: gl.constexpr):
     i = 0  # K-steps consumed so far
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr, item,
@@ -182,7 +193,7 @@ def _consumer(expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr, num_items,
             pairs = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(0, MMA)))
             acc = gl.zeros([128, 8], gl.float32, MMA)
             _wait_rows(count_ptr, num_slots, sorted_pair_ptr, num_pairs, slot0, writers, TILES,
-                       BLOCK_M)
+                       BLOCK_M, PER_PART)
             h_next = _h_step(h_ptr, slot0, stride_h, 0)
             for k in gl.static_range(KSTEPS):
                 s = i % STAGES
@@ -228,7 +239,8 @@ def _ring_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, slot0, ti
 def _ticket_producer(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, count_ptr, num_slots,
                      writers, num_items, num_pairs, shared_id, empty, ready, w_buf, s_buf, h_buf,
                      ids, STAGES: gl.constexpr, KSTEPS: gl.constexpr, TILES: gl.constexpr,
-                     I: gl.constexpr, H: gl.constexpr, BLOCK_M: gl.constexpr):
+                     I: gl.constexpr, H: gl.constexpr, BLOCK_M: gl.constexpr,
+                     PER_PART: gl.constexpr):
     """`_producer` with `OVERLAP` and `TICKETS`: the next unclaimed item from the counter,
     taken one item ahead; items without work skipped; each slot tagged with its item. The h
     rows come by TMA as without `OVERLAP`: after the item's first weight copies this warp spins
@@ -253,7 +265,7 @@ def _ticket_producer(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, count_
                 _weight_copies(w_d, s_d, run, k, bar, w_buf.index(s), s_buf.index(s), I)
                 if k == 0:
                     _wait_rows(count_ptr, num_slots, sorted_pair_ptr, num_pairs, slot0, writers,
-                               TILES, BLOCK_M, False, 1)
+                               TILES, BLOCK_M, PER_PART, 1)
                     _fence_proxy_async_global()
                 _h_copies(h_d, slot0, k, bar, h_buf, s)
                 i += 1
@@ -283,13 +295,15 @@ def _down_gluon_kernel(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, alph
                        num_slots, writers, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
                        TILES: gl.constexpr, I: gl.constexpr, H: gl.constexpr,
                        BLOCK_M: gl.constexpr, OVERLAP: gl.constexpr = False,
-                       PDL: gl.constexpr = False, TICKETS: gl.constexpr = False):
+                       PDL: gl.constexpr = False, TICKETS: gl.constexpr = False,
+                       PER_PART: gl.constexpr = False):
     """`OVERLAP`: launched while gate/up runs (with PDL: `PDL`, which also lets the next
     kernel launch at once); the consumers wait per routing block for its h rows
     (`moe_overlap`'s counters in `count_ptr`, `writers` gate/up programs per block) and load
     them from global memory instead of the producer's TMA copies. `TICKETS` (with `OVERLAP`):
     items from the counter `count_ptr[2 * num_slots]` (zero between launches) in turn, and the
-    producer waits for the rows and copies them."""
+    producer waits for the rows and copies them. `PER_PART`: `writers` counts per 8-slot part
+    that holds a pair (the Gluon gate/up items of `_nvfp4_moe_gluon`), not per block."""
     if PDL:
         gdc_launch_dependents()
     w_buf = gl.allocate_shared_memory(w_d.dtype, [STAGES] + w_d.block_type.shape, w_d.layout)
@@ -306,14 +320,14 @@ def _down_gluon_kernel(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, alph
             (_ticket_producer, (w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, count_ptr,
                                 num_slots, writers, num_items, num_pairs, shared_id, empty,
                                 ready, w_buf, s_buf, h_buf, ids, STAGES, KSTEPS, TILES, I, H,
-                                BLOCK_M)),
+                                BLOCK_M, PER_PART)),
         ], [1], [40])
     else:  # program p's items p, p + grid, ... (the producer and the consumers alike)
         gl.warp_specialize([
             (_consumer, (expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr, num_items,
                          num_pairs, shared_id, stride_y, empty, ready, w_buf, s_buf, h_buf,
                          h_ptr, stride_h, count_ptr, num_slots, writers, STAGES, KSTEPS, TILES,
-                         BLOCK_M, OVERLAP)),
+                         BLOCK_M, OVERLAP, PER_PART)),
             (_producer, (w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, num_items,
                          num_pairs, shared_id, empty, ready, w_buf, s_buf, h_buf, STAGES,
                          KSTEPS, TILES, I, H, BLOCK_M, OVERLAP)),
@@ -327,7 +341,7 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
                       words: torch.Tensor, codes: torch.Tensor, alpha: torch.Tensor,
                       y: torch.Tensor, num_pairs: int, shared_id: int,
                       count: torch.Tensor | None = None, num_slots: int = 0, writers: int = 0,
-                      pdl: bool = False) -> None:
+                      pdl: bool = False, per_part: bool = False) -> None:
     """y[pair] = bf16(alpha[e] * h[slot] @ down[e]^T) for every routed pair of the routing
     (`sorted_pair`, `expert_of_block`: blocks of 16, 32 or 64 slots, cut into 8-slot parts;
     blocks of expert `shared_id` skipped). h bf16 `[S, I]` with `H_EVEN_ODD` columns; words
@@ -339,7 +353,8 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
     PDL it ends with `griddepcontrol.wait`, so that its completion implies theirs (the combine
     that follows waits for this kernel only). With `count`, `TICKETS` (read at each launch)
     hands the items out by the ticket counter after the slots' (`2 * num_slots + 1` counters,
-    `moe_overlap.counters(device, num_slots + 1)`)."""
+    `moe_overlap.counters(device, num_slots + 1)`). `per_part`: `writers` per 8-slot part that
+    holds a pair (gate/up in `_nvfp4_moe_gluon`'s items), else per routing block."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     tickets = TICKETS and count is not None
@@ -363,5 +378,6 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
         w_d, s_d, h_d, expert_of_block, sorted_pair, alpha, y, items, num_pairs, shared_id,
         y.stride(0), h, h.stride(0), expert_of_block if count is None else count, num_slots,
         writers, STAGES=STAGES, KSTEPS=I // 128, TILES=H // 128, I=I, H=H, BLOCK_M=block_m,
-        OVERLAP=count is not None, PDL=pdl, TICKETS=tickets, num_warps=4, maxnreg=MAXNREG,
+        OVERLAP=count is not None, PDL=pdl, TICKETS=tickets, PER_PART=per_part, num_warps=4,
+        maxnreg=MAXNREG,
         **({"launch_pdl": True} if pdl else {}))

@@ -30,24 +30,58 @@ __all__ = ["H_OP", "MMA", "TAGS", "W_OP", "check_item_tags", "chunk_rings",
 _ASM = gl.constexpr(DECODE_WORDS_ASM.value)
 _PMUL, _PADD = gl.constexpr(PAIR_MUL), gl.constexpr(PAIR_ADD)
 
-# Layouts (4 warps). The MMA's accumulator [128 n, 8 slots]: warps split the weight rows.
-MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4, 1],
-                                             instr_shape=[16, 8]))
-W_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=4))
-H_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=4))
-# W_OP's elements as bytes [n 128, block 8, half 2, byte 4]: registers -> byte, n bit 3,
-# block bits 1-2, n bit 6; lanes -> half, block bit 0, n bits 0-2; warps -> n bits 4-5
-W4 = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [8, 0, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0],
-               [64, 0, 0, 0]],
-    lane_bases=[[0, 0, 1, 0], [0, 1, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
-    warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[128, 8, 2, 4]))
-# the same elements in a chunk's [64, 128] bytes (row r = weight rows 2r, 2r+1)
-WL2 = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [4, 0], [0, 16], [0, 32], [32, 0]],
-    lane_bases=[[0, 4], [0, 8], [0, 64], [1, 0], [2, 0]],
-    warp_bases=[[8, 0], [16, 0]], block_bases=[], shape=[64, 128]))
-CODES_L = gl.constexpr(gl.SliceLayout(2, gl.SliceLayout(3, W4.value)))
+
+@gluon.constexpr_function
+def mma_layout(warps: int) -> object:
+    """The MMA's accumulator [128 weight rows, 8 slots]: `warps` consumer warps (4 or 8) split
+    the weight rows."""
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1],
+                                     instr_shape=[16, 8])
+
+
+@gluon.constexpr_function
+def operand_layout(index: int, warps: int) -> object:
+    """The MMA's A (index 0: the weights [128 n, 64 k']) or B (1: the slots [64 k', 8])."""
+    return gl.DotOperandLayout(operand_index=index, parent=mma_layout(warps), k_width=4)
+
+
+@gluon.constexpr_function
+def word_layout(warps: int) -> object:
+    """A's elements as bytes [n 128, block 8, half 2, byte 4]: registers -> byte, n bit 3,
+    block bits 1-2 (and with 4 warps n bit 6); lanes -> half, block bit 0, n bits 0-2;
+    warps -> n bits 4-5 (and with 8 warps n bit 6)."""
+    regs = [[0, 0, 0, 1], [0, 0, 0, 2], [8, 0, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]]
+    warp_bases = [[16, 0, 0, 0], [32, 0, 0, 0]]
+    (regs if warps == 4 else warp_bases).append([64, 0, 0, 0])
+    return gl.DistributedLinearLayout(
+        reg_bases=regs, block_bases=[], shape=[128, 8, 2, 4], warp_bases=warp_bases,
+        lane_bases=[[0, 0, 1, 0], [0, 1, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]])
+
+
+@gluon.constexpr_function
+def chunk_layout(warps: int) -> object:
+    """`word_layout`'s elements in a chunk's [64, 128] bytes (row r = weight rows 2r, 2r+1)."""
+    regs = [[0, 1], [0, 2], [4, 0], [0, 16], [0, 32]]
+    warp_bases = [[8, 0], [16, 0]]
+    (regs if warps == 4 else warp_bases).append([32, 0])
+    return gl.DistributedLinearLayout(
+        reg_bases=regs, lane_bases=[[0, 4], [0, 8], [0, 64], [1, 0], [2, 0]],
+        warp_bases=warp_bases, block_bases=[], shape=[64, 128])
+
+
+@gluon.constexpr_function
+def codes_layout(warps: int) -> object:
+    """The block-scale codes [128 n, 8 blocks] as `word_layout` holds them."""
+    return gl.SliceLayout(2, gl.SliceLayout(3, word_layout(warps)))
+
+
+# The layouts for four consumer warps (the kernels' default)
+MMA = gl.constexpr(mma_layout(4))
+W_OP = gl.constexpr(operand_layout(0, 4))
+H_OP = gl.constexpr(operand_layout(1, 4))
+W4 = gl.constexpr(word_layout(4))
+WL2 = gl.constexpr(chunk_layout(4))
+CODES_L = gl.constexpr(codes_layout(4))
 W_BYTES = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
 PLAIN2 = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
 TAG_L = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))  # the producer warp's tag store
@@ -108,12 +142,12 @@ def _wait_rows(count_ptr, num_slots, sorted_pair_ptr, num_pairs, slot0, writers,
 
 
 @gluon.jit
-def _chunk(w_slot, s_slot):
-    """One ring slot's weight chunk as bytes [128, 8, 2, 4] in `W4` (read with `ldmatrix`
-    through the 128-byte swizzle) and its block-scale codes [128, 8]."""
-    words = w_slot._reinterpret(gl.uint8, [64, 128], W_BYTES).load(WL2)
-    words = gl.convert_layout(gl.reshape(words, [128, 8, 2, 4]), W4)
-    return words, s_slot._reinterpret(gl.uint8, [128, 8], PLAIN2).load(CODES_L)
+def _chunk(w_slot, s_slot, WARPS: gl.constexpr = 4):
+    """One ring slot's weight chunk as bytes [128, 8, 2, 4] in `word_layout` (read with
+    `ldmatrix` through the 128-byte swizzle) and its block-scale codes [128, 8]."""
+    words = w_slot._reinterpret(gl.uint8, [64, 128], W_BYTES).load(chunk_layout(WARPS))
+    words = gl.convert_layout(gl.reshape(words, [128, 8, 2, 4]), word_layout(WARPS))
+    return words, s_slot._reinterpret(gl.uint8, [128, 8], PLAIN2).load(codes_layout(WARPS))
 
 
 @gluon.jit
@@ -128,12 +162,12 @@ def _decoded_tiles(words, codes):
 
 
 @gluon.jit
-def _mma_chunk(words, codes, b_even, b_odd, acc):
+def _mma_chunk(words, codes, b_even, b_odd, acc, WARPS: gl.constexpr = 4):
     """acc + a weight chunk (decoded, the MMA's A: low nibbles with the even-K B operand, high
     nibbles with the odd-K one)."""
     lo, hi = _decoded_tiles(words, codes)
-    acc = mma_v2(gl.convert_layout(lo, W_OP), b_even, acc)
-    return mma_v2(gl.convert_layout(hi, W_OP), b_odd, acc)
+    acc = mma_v2(gl.convert_layout(lo, operand_layout(0, WARPS)), b_even, acc)
+    return mma_v2(gl.convert_layout(hi, operand_layout(0, WARPS)), b_odd, acc)
 
 
 @gluon.jit

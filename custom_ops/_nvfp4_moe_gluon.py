@@ -60,12 +60,15 @@ from dlmc.custom_ops._nvfp4_gluon_parts import (
     chunk_rings,
     gdc_launch_dependents,
     gdc_wait,
+    mma_layout,
+    operand_layout,
     ring_barriers,
     shared_layouts,
 )
 from dlmc.custom_ops._occupancy import resident_programs
 
-__all__ = ["X_L", "fused_applies", "gate_up_copies", "launch_moe_gluon", "programs_per_sm",
+__all__ = ["X_L", "fused_applies", "gate_up_applies", "gate_up_copies", "launch_moe_gluon",
+           "programs_per_sm",
            "x_layout", "x_operands", "x_ring", "x_step"]
 
 # ring depth, programs per SM (at most what fits: `programs_per_sm`), registers per thread (80:
@@ -82,28 +85,36 @@ STAGE_BYTES = 2 * 8192 + 2 * 1024 + 4 * 1024 + 2048
 # warpgroups (`.reqntid 256`: `setmaxnreg` moves registers per warpgroup)
 THREADS = 8 * 32
 _PROGRAMS: dict[tuple, int] = {}  # the grid (resident programs), per device and kernel form
-# x rows of an 8-slot part, one K-step [8 slots, 128 K]: a thread holds 8 consecutive K
-# (registers: K bits 0-2, then 5-6), lanes K bits 3-4 and the slot; every warp holds all of it
-# (zero warp bases), as the B operand's warps do
-X_L = gl.constexpr(gl.DistributedLinearLayout(
-    reg_bases=[[0, 1], [0, 2], [0, 4], [0, 32], [0, 64]],
-    lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
-    warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[8, 128]))
+
+
+@gluon.constexpr_function
+def x_rows_layout(warps: int) -> object:
+    """x rows of an 8-slot part, one K-step [8 slots, 128 K]: a thread holds 8 consecutive K
+    (registers: K bits 0-2, then 5-6), lanes K bits 3-4 and the slot; every one of the
+    `warps` warps holds all of it (zero warp bases), as the B operand's warps do."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 32], [0, 64]],
+        lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[0, 0]] * (warps.bit_length() - 1), block_bases=[], shape=[8, 128])
+
+
+X_L = gl.constexpr(x_rows_layout(4))
 
 
 @gluon.jit
-def x_step(x_ptr, rows, stride_x, k):
-    """The part's x rows (`rows`, int64 in `SliceLayout(1, X_L)`), K-step k: bf16 [8, 128]."""
-    cols = k * 128 + gl.arange(0, 128, gl.SliceLayout(0, X_L))
+def x_step(x_ptr, rows, stride_x, k, WARPS: gl.constexpr = 4):
+    """The part's x rows (`rows`, int64 in `SliceLayout(1, x_rows_layout(WARPS))`), K-step k:
+    bf16 [8, 128]."""
+    cols = k * 128 + gl.arange(0, 128, gl.SliceLayout(0, x_rows_layout(WARPS)))
     return gl.load(x_ptr + gl.expand_dims(rows * stride_x, 1) + gl.expand_dims(cols, 0))
 
 
 @gluon.jit
-def x_operands(x):
+def x_operands(x, WARPS: gl.constexpr = 4):
     """x [8 slots, 128 K] -> the B operands [64 k', 8] of the even-K and odd-K MMAs."""
     even, odd = gl.split(gl.reshape(x, [8, 64, 2]))
-    return (gl.convert_layout(gl.permute(even, [1, 0]), H_OP),
-            gl.convert_layout(gl.permute(odd, [1, 0]), H_OP))
+    return (gl.convert_layout(gl.permute(even, [1, 0]), operand_layout(1, WARPS)),
+            gl.convert_layout(gl.permute(odd, [1, 0]), operand_layout(1, WARPS)))
 
 
 def x_layout() -> object:
@@ -250,43 +261,46 @@ def _gate_up_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr, c
                   num_pairs, stride_x, stride_h, a_row_div, slot0, tile, expert, i, empty,
                   ready, g_buf, gs_buf, u_buf, us_buf, STAGES: gl.constexpr, H: gl.constexpr,
                   BLOCK_M: gl.constexpr, SIGNAL: gl.constexpr = True, x_buf=None,
-                  X_TMA: gl.constexpr = False):
+                  X_TMA: gl.constexpr = False, WARPS: gl.constexpr = 4):
     """h rows slot0..slot0+7, columns tile * 128 + [0, 128) (even columns first), then (with
     `SIGNAL`) one count on the routing block's counter. The x rows: from the ring (`X_TMA`,
     `x_buf`), else loaded from global memory (each consumer warp all of them, a K-step
-    ahead). Returns the ring position after the item."""
+    ahead). `WARPS`: the consumer warps (4, or 8 in perf/proto_gluon_gate_up.py). Returns the
+    ring position after the item."""
+    mma: gl.constexpr = mma_layout(WARPS)
+    x_l: gl.constexpr = x_rows_layout(WARPS)
     alpha_g = gl.load(gate_alpha_ptr + expert) * 128.0  # * 2^7: the decode's 2^-7
     alpha_u = gl.load(up_alpha_ptr + expert) * 128.0
-    pairs_x = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(1, X_L)))
+    pairs_x = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(1, x_l)))
     rows = gl.where(pairs_x < num_pairs, pairs_x // a_row_div, 0).to(gl.int64)
-    pairs = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(0, MMA)))
-    acc_g = gl.zeros([128, 8], gl.float32, MMA)
-    acc_u = gl.zeros([128, 8], gl.float32, MMA)
+    pairs = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(0, mma)))
+    acc_g = gl.zeros([128, 8], gl.float32, mma)
+    acc_u = gl.zeros([128, 8], gl.float32, mma)
     if not X_TMA:
-        x_next = x_step(x_ptr, rows, stride_x, 0)
+        x_next = x_step(x_ptr, rows, stride_x, 0, WARPS)
     for k in range(H // 128):
         if not X_TMA:
             x = x_next
             if k + 1 < H // 128:  # the next K-step's rows, ahead of this step's work
-                x_next = x_step(x_ptr, rows, stride_x, k + 1)
+                x_next = x_step(x_ptr, rows, stride_x, k + 1, WARPS)
         s = i % STAGES
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        g_words, g_codes = _chunk(g_buf.index(s), gs_buf.index(s))
-        u_words, u_codes = _chunk(u_buf.index(s), us_buf.index(s))
+        g_words, g_codes = _chunk(g_buf.index(s), gs_buf.index(s), WARPS)
+        u_words, u_codes = _chunk(u_buf.index(s), us_buf.index(s), WARPS)
         if X_TMA:
-            x = x_buf.index(s).load(X_L)
+            x = x_buf.index(s).load(x_l)
         fence_async_shared()
         mbarrier.arrive(empty.index(s), count=1)
-        x_even, x_odd = x_operands(x)
-        acc_g = _mma_chunk(g_words, g_codes, x_even, x_odd, acc_g)
-        acc_u = _mma_chunk(u_words, u_codes, x_even, x_odd, acc_u)
+        x_even, x_odd = x_operands(x, WARPS)
+        acc_g = _mma_chunk(g_words, g_codes, x_even, x_odd, acc_g, WARPS)
+        acc_u = _mma_chunk(u_words, u_codes, x_even, x_odd, acc_u, WARPS)
         i += 1
     g = acc_g * alpha_g
     u = acc_u * alpha_u
     h = (g * (1.0 / (1.0 + gl.exp(-g))) * u).to(gl.bfloat16)  # tl.sigmoid's formula
-    n = gl.arange(0, 128, gl.SliceLayout(1, MMA))
+    n = gl.arange(0, 128, gl.SliceLayout(1, mma))
     cols = tile * 128 + (n % 2) * 64 + n // 2  # even columns first (what down reads)
-    _store_tile(h_ptr, slot0 + gl.arange(0, 8, gl.SliceLayout(0, MMA)), stride_h, cols, h,
+    _store_tile(h_ptr, slot0 + gl.arange(0, 8, gl.SliceLayout(0, mma)), stride_h, cols, h,
                 pairs < num_pairs)
     if SIGNAL:
         gl.thread_barrier()  # every consumer thread's stores, then one release count
@@ -388,17 +402,34 @@ def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, x_ptr, expert_o
         gdc_wait()
 
 
-def fused_applies(device: torch.device, variant: int, hidden: int, inter: int, emulate_w4a4: bool,
-                  opaque: bool, pdl: bool, num_experts: int = 0) -> bool:
-    """Whether `nvfp4_moe` runs its routed experts in this kernel: `DLMC_NVFP4_DOWN=fused`,
-    kernel v7's stored forms (`variant` 7; H a multiple of 128, I of 256: a down ring slot
+def _runs(device: torch.device, variant: int, hidden: int, inter: int, emulate_w4a4: bool,
+          opaque: bool, pdl: bool, num_experts: int) -> bool:
+    """Kernel v7's stored forms (`variant` 7; H a multiple of 128, I of 256: a down ring slot
     holds two K-steps), no W4A4 emulation, the op registered opaque and launching with PDL
     (`moe_overlap.overlap_pdl`), fewer than 1024 experts (the ring's item tags), on a CUDA
     device of compute capability 9.0."""
-    return (_nvfp4_down_gluon.MODE == "fused" and variant == 7 and hidden % 128 == 0
-            and num_experts < 1024
-            and inter % 256 == 0 and not emulate_w4a4 and opaque and pdl
+    return (variant == 7 and hidden % 128 == 0 and inter % 256 == 0 and num_experts < 1024
+            and not emulate_w4a4 and opaque and pdl
             and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0))
+
+
+def fused_applies(device: torch.device, variant: int, hidden: int, inter: int, emulate_w4a4: bool,
+                  opaque: bool, pdl: bool, num_experts: int = 0) -> bool:
+    """Whether `nvfp4_moe` runs its routed experts in this kernel: `DLMC_NVFP4_DOWN=fused`
+    where the kernel runs (`_runs`)."""
+    return _nvfp4_down_gluon.MODE == "fused" and _runs(device, variant, hidden, inter,
+                                                       emulate_w4a4, opaque, pdl, num_experts)
+
+
+def gate_up_applies(device: torch.device, variant: int, hidden: int, inter: int,
+                    emulate_w4a4: bool, opaque: bool, pdl: bool, num_experts: int,
+                    gluon_down: bool, has_shared: bool) -> bool:
+    """Whether `nvfp4_moe` runs its routed gate/up projection as this kernel's gate/up items
+    alone (`launch_moe_gluon(gate_up_only=True)`), before the Gluon down kernel:
+    `DLMC_NVFP4_GATE_UP=gluon`, the Gluon down kernel (`gluon_down`), no shared expert (its
+    parts would need Triton launches of their own) and where the kernel runs (`_runs`)."""
+    return (_nvfp4_down_gluon.gate_up_gluon() and gluon_down and not has_shared
+            and _runs(device, variant, hidden, inter, emulate_w4a4, opaque, pdl, num_experts))
 
 
 def programs_per_sm(device: torch.device, stages: int = STAGES, per_sm: int = PROGRAMS_PER_SM,
@@ -427,7 +458,8 @@ def _descriptors(words: torch.Tensor, codes: torch.Tensor) -> tuple[object, obje
 def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block: torch.Tensor,
                      weights: tuple[torch.Tensor, ...], alphas: tuple[torch.Tensor, ...],
                      h: torch.Tensor, y: torch.Tensor, count: torch.Tensor, num_slots: int,
-                     num_pairs: int, shared_id: int, a_row_div: int, pdl: str = "") -> None:
+                     num_pairs: int, shared_id: int, a_row_div: int, pdl: str = "",
+                     gate_up_only: bool = False) -> None:
     """h[slot] = silu(x @ gate^T) * (x @ up^T) (even-odd columns) and y[pair] = h @ down^T for
     the routed pairs of the routing (`sorted_pair`, `expert_of_block`: 16-, 32- or 64-slot
     blocks; blocks of expert `shared_id` skipped). x bf16 `[rows, H]` (pair p reads row
@@ -436,7 +468,8 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
     y bf16 `[P, H]`; `count`: `moe_overlap.counters` for `num_slots` slots and the ticket
     counter after them (`2 * num_slots + 1` entries, zero; left zero).
     `pdl`: "" (plain launch), "enter" (PDL after the routing), "after" (PDL after the shared
-    expert's down parts)."""
+    expert's down parts). `gate_up_only`: h alone, items by program (the Gluon down kernel
+    that follows takes the ticket counter; it waits for each 8-slot part's `I / 128` counts)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     H, I = x.shape[1], h.shape[1]
@@ -446,14 +479,16 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
     descs.append(TensorDescriptor.from_tensor(x, [1, 128], x_layout()))
     block_m = sorted_pair.shape[0] // expert_of_block.shape[0]
     parts = expert_of_block.shape[0] * (block_m // 8)
-    check_item_tags(parts * (H // 128 + I // 128), shared_id, "the fused Gluon kernel")
+    down_items = 0 if gate_up_only else parts * (H // 128)
+    check_item_tags(parts * (I // 128) + down_items, shared_id, "the fused Gluon kernel")
     args = (*descs, x, expert_of_block, sorted_pair, *alphas, h, y, count, num_slots,
-            parts * (I // 128), parts * (H // 128), num_pairs, shared_id, x.stride(0),
+            parts * (I // 128), down_items, num_pairs, shared_id, x.stride(0),
             h.stride(0), y.stride(0), a_row_div)
+    tickets = TICKETS and not gate_up_only
     options = {"STAGES": STAGES, "H": H, "I": I, "BLOCK_M": block_m, "PDL_ENTER": pdl == "enter",
-               "PDL_AFTER": pdl == "after", "TICKETS": TICKETS, "X_TMA": X_TMA, "num_warps": 4,
+               "PDL_AFTER": pdl == "after", "TICKETS": tickets, "X_TMA": X_TMA, "num_warps": 4,
                "maxnreg": MAXNREG, **({"launch_pdl": True} if pdl else {})}
-    key = (x.device, STAGES, PROGRAMS_PER_SM, MAXNREG, TICKETS, X_TMA, H, I, block_m, pdl)
+    key = (x.device, STAGES, PROGRAMS_PER_SM, MAXNREG, tickets, X_TMA, H, I, block_m, pdl)
     if count.numel() < 2 * num_slots + 1:
         raise ValueError(f"nvfp4_moe: the fused Gluon kernel needs {2 * num_slots + 1} counters "
                          f"(`moe_overlap.counters(device, num_slots + 1)`), got {count.numel()}")

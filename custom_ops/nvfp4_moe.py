@@ -25,7 +25,7 @@ from dlmc.custom_ops._nvfp4_down_gluon import (
     launch_down_gluon,
     shared_down_in_gate_up,
 )
-from dlmc.custom_ops._nvfp4_moe_gluon import fused_applies, launch_moe_gluon
+from dlmc.custom_ops._nvfp4_moe_gluon import fused_applies, gate_up_applies, launch_moe_gluon
 from dlmc.custom_ops._nvfp4_moe_kernels import _down_kernel, _gate_up_kernel
 from dlmc.custom_ops._pdl import PDL_LAUNCH, launcher
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
@@ -226,13 +226,18 @@ def _nvfp4_moe_impl(
     # (`_nvfp4_moe_gluon`), launched last; the shared expert's parts alone in the Triton kernels
     fused = fused_applies(x.device, variant, H, I, down_input_scale is not None, OPAQUE_OP,
                           bool(pdl), E)
+    # `DLMC_NVFP4_GATE_UP=gluon` (with the Gluon down kernel, no shared expert): the routed
+    # gate/up projection as the fused kernel's gate/up items alone, launched before the Gluon
+    # down kernel (which then waits for each 8-slot part's items)
+    gluon_gate_up = gate_up_applies(x.device, variant, H, I, down_input_scale is not None,
+                                    OPAQUE_OP, bool(pdl), E, gluon_down, has_shared)
     num_slots = num_blocks + shared * -(-T // block_m)
-    # (unread without overlap; fused or Gluon down with tickets: one more slot's room, for the
-    # ticket counter)
-    ticket_room = int(fused or (gluon_down and down_tickets()))
+    # (unread without overlap; a Gluon kernel with a ticket counter: one more slot's room, for
+    # it; the fused kernel's launch checks for that room)
+    ticket_room = int(fused or gluon_gate_up or (gluon_down and down_tickets()))
     count = counters(x.device, num_slots + ticket_room) if overlap else expert_of_block
     tiles1 = triton.cdiv(I, block_n1)
-    rows1 = parts1 if fused else num_blocks + parts1
+    rows1 = parts1 if fused or gluon_gate_up else num_blocks + parts1
     gate_alpha = _alphas(gate_weight_scale_2, gate_up_input_scale)
     up_alpha = _alphas(up_weight_scale_2, gate_up_input_scale)
     y = torch.empty((num_pairs, H), dtype=torch.bfloat16, device=x.device)
@@ -281,10 +286,19 @@ def _nvfp4_moe_impl(
             GATE_UP_SPLIT=shared_split(block_n1), OVERLAP=overlap, PARTS_ONLY=parts_only,
             **pdl, **launch2,
         )
-    if gluon_down:
+    if gluon_gate_up:  # (no shared expert: nothing launched since the routing)
+        launch_moe_gluon(
+            a, sorted_pair, expert_of_block,
+            (gate_weight, gate_weight_scale, up_weight, up_weight_scale, down_weight,
+             down_weight_scale),
+            (gate_alpha, up_alpha, down_alpha), h, y, count, num_slots, num_pairs, E, a_row_div,
+            pdl="enter", gate_up_only=True)
+    if gluon_down:  # (writers: gate/up's programs per block, or its items per 8-slot part)
         launch_down_gluon(h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
                           down_alpha, y, num_pairs, E,
-                          count if overlap else None, num_slots, tiles1, pdl=bool(pdl))
+                          count if overlap else None, num_slots,
+                          I // 128 if gluon_gate_up else tiles1, pdl=bool(pdl),
+                          per_part=gluon_gate_up)
     if fused:
         launch_moe_gluon(
             a, sorted_pair, expert_of_block,

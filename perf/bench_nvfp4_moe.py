@@ -134,16 +134,19 @@ def kernel_times(run: object, layers: int, reps: int = 5) -> dict[str, float]:
 
 
 def _down_choice(text: str) -> str:
-    """`--downs` entry: triton, gluon[:TICKETS[,SHARED_IN_GATE_UP]], fused or
+    """`--downs` entry: triton, gluon[:TICKETS[,SHARED_IN_GATE_UP[,STAGES,PER_SM,MAXNREG]]]
+    (gluon-gu: the same with the Gluon gate/up), fused or
     fused:STAGES,PER_SM,MAXNREG[,TICKETS[,X_TMA]]."""
     name, _, config = text.partition(":")
     values = config.split(",")
-    ok = name in ("triton", "gluon", "fused") and (not config or (
+    ok = name in ("triton", "gluon", "gluon-gu", "fused") and (not config or (
         all(v.isdigit() for v in values)
-        and len(values) in ((3, 4, 5) if name == "fused" else (1, 2) if name == "gluon" else ())))
+        and len(values) in ((3, 4, 5) if name == "fused" else (1, 2, 5) if "gluon" in name
+                            else ())))
     if not ok:
         raise argparse.ArgumentTypeError(
-            f"{text!r}: expected triton, gluon[:TICKETS[,SHARED_IN_GATE_UP]], fused or "
+            f"{text!r}: expected triton, gluon[-gu][:TICKETS[,SHARED_IN_GATE_UP[,STAGES,PER_SM,"
+            "MAXNREG]]], fused or "
             "fused:STAGES,PER_SM,MAXNREG[,TICKETS[,X_TMA]]")
     return text
 
@@ -182,7 +185,10 @@ def main() -> None:
                              "kernel's items by program / by a ticket counter "
                              "(DLMC_NVFP4_DOWN_TICKETS, 1 by default); gluon:1,1 also runs the "
                              "shared expert's down parts in gate/up's launch "
-                             "(DLMC_NVFP4_SHARED_DOWN=gate_up)")
+                             "(DLMC_NVFP4_SHARED_DOWN=gate_up); gluon:T,S,STAGES,PER_SM,MAXNREG "
+                             "also sets the Gluon down kernel's ring depth, programs per SM "
+                             "and registers; gluon-gu[:...]: the same after the Gluon gate/up "
+                             "(DLMC_NVFP4_GATE_UP=gluon, without a shared expert)")
     parser.add_argument("--tile-kernel", choices=["both", "gate_up", "down"], default="both",
                         help="which kernel --tiles applies to (the other keeps its default)")
     args = parser.parse_args()
@@ -212,22 +218,31 @@ def main() -> None:
     inputs = {}  # per token count: the same routing and x for every kernel
     tickets = _nvfp4_down_gluon.TICKETS  # the Gluon down kernel's defaults
     shared_down = _nvfp4_down_gluon.SHARED_DOWN
+    gate_up = _nvfp4_down_gluon.GATE_UP
     fused_defaults = {name: getattr(_nvfp4_moe_gluon, name)
                       for name in ("STAGES", "PROGRAMS_PER_SM", "MAXNREG", "TICKETS", "X_TMA")}
+    down_defaults = {name: getattr(_nvfp4_down_gluon, name)
+                     for name in ("STAGES", "PROGRAMS_PER_SM", "MAXNREG")}
     converted: dict[str, list[list[torch.Tensor]]] = {}
     first_outputs: dict[tuple, torch.Tensor] = {}
     for kernel, down, T, tile in ((k, d, T, t) for k in args.kernels for d in args.downs
                                   for T in args.tokens for t in tiles):
-        _nvfp4_down_gluon.MODE = down.split(":")[0]
+        name = down.split(":")[0]
+        _nvfp4_down_gluon.MODE = "gluon" if name == "gluon-gu" else name
+        _nvfp4_down_gluon.GATE_UP = "gluon" if name == "gluon-gu" else gate_up
         values = [int(v) for v in down.split(":")[1].split(",")] if ":" in down else []
-        _nvfp4_down_gluon.TICKETS = bool(values[0]) if down.startswith("gluon:") else tickets
-        _nvfp4_down_gluon.SHARED_DOWN = ("gate_up" if down.startswith("gluon:") and len(values) > 1
+        gluon_config = down.startswith(("gluon:", "gluon-gu:"))
+        _nvfp4_down_gluon.TICKETS = bool(values[0]) if gluon_config else tickets
+        _nvfp4_down_gluon.SHARED_DOWN = ("gate_up" if gluon_config and len(values) > 1
                                          and values[1] else shared_down)
         # the fused kernel's launch settings: the module's defaults, or the entry's
         fused_settings = dict(zip(("STAGES", "PROGRAMS_PER_SM", "MAXNREG", "TICKETS", "X_TMA"),
                                   values, strict=False)) if down.startswith("fused:") else {}
         for name, default in fused_defaults.items():
             setattr(_nvfp4_moe_gluon, name, type(default)(fused_settings.get(name, default)))
+        down_settings = dict(zip(down_defaults, values[2:], strict=False)) if gluon_config else {}
+        for name, default in down_defaults.items():
+            setattr(_nvfp4_down_gluon, name, down_settings.get(name, default))
         nvfp4_module._TILE = tile
         nvfp4_module._VARIANT = _KERNELS[kernel]
         if T not in inputs:

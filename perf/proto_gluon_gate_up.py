@@ -146,17 +146,18 @@ def _consumer(x_ptr, expert_of_block_ptr, sorted_pair_ptr, gate_alpha_ptr, up_al
               num_items, num_pairs, shared_id, stride_x, stride_h, a_row_div, empty, ready,
               g_buf, gs_buf, u_buf, us_buf, x_buf, STAGES: gl.constexpr, TILES: gl.constexpr,
               H: gl.constexpr, BLOCK_M: gl.constexpr, PROBE: gl.constexpr,
-              X_TMA: gl.constexpr):
+              X_TMA: gl.constexpr, WARPS: gl.constexpr):
     i = 0  # K-steps consumed so far
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr, item,
                                               num_items, num_pairs, shared_id, TILES, BLOCK_M)
-        if has_work and PROBE == 0:  # the fused kernel's gate/up item, without its counter
-            i = _gate_up_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr,
-                              h_ptr, num_pairs, stride_x, stride_h, a_row_div, slot0, tile,
-                              expert, i, empty, ready, g_buf, gs_buf, u_buf, us_buf, STAGES, H,
-                              BLOCK_M, False, x_buf, X_TMA)
-        elif has_work:
+        if PROBE == 0:  # the fused kernel's gate/up item, without its counter
+            if has_work:
+                i = _gate_up_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr,
+                                  h_ptr, num_pairs, stride_x, stride_h, a_row_div, slot0,
+                                  tile, expert, i, empty, ready, g_buf, gs_buf, u_buf, us_buf,
+                                  STAGES, H, BLOCK_M, False, x_buf, X_TMA, WARPS)
+        elif has_work:  # (4 warps)
             i = _probe_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr,
                             num_pairs, stride_x, stride_h, a_row_div, slot0, tile, expert, i,
                             empty, ready, g_buf, gs_buf, u_buf, us_buf, STAGES, H, PROBE)
@@ -167,9 +168,11 @@ def gate_up_gluon(g_d, gs_d, u_d, us_d, x_d, x_ptr, expert_of_block_ptr, sorted_
                   gate_alpha_ptr, up_alpha_ptr, h_ptr, num_items, num_pairs, shared_id,
                   stride_x, stride_h, a_row_div, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
                   TILES: gl.constexpr, H: gl.constexpr, BLOCK_M: gl.constexpr,
-                  PROBE: gl.constexpr = 0, X_TMA: gl.constexpr = False):
+                  PROBE: gl.constexpr = 0, X_TMA: gl.constexpr = False,
+                  WARPS: gl.constexpr = 4):
     """`X_TMA`: the producer copies the part's x rows into the ring (`x_d`: x's [1, 128]
-    boxes); else the consumer warps load them from global memory."""
+    boxes); else the consumer warps load them from global memory. `WARPS`: the consumer
+    warps (the launch's `num_warps`: 4, or 8 with `PROBE` 0)."""
     g_buf, u_buf, gs_buf, us_buf = chunk_rings(g_d, u_d, gs_d, us_d, STAGES)
     ids = gl.allocate_shared_memory(gl.int32, [STAGES, 1], TAGS)  # the copies' tags (unread)
     x_buf = x_ring(x_d, g_buf, STAGES, X_TMA)
@@ -178,7 +181,7 @@ def gate_up_gluon(g_d, gs_d, u_d, us_d, x_d, x_ptr, expert_of_block_ptr, sorted_
         (_consumer, (x_ptr, expert_of_block_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr,
                      h_ptr, num_items, num_pairs, shared_id, stride_x, stride_h, a_row_div,
                      empty, ready, g_buf, gs_buf, u_buf, us_buf, x_buf, STAGES, TILES, H,
-                     BLOCK_M, PROBE, X_TMA)),
+                     BLOCK_M, PROBE, X_TMA, WARPS)),
         (_producer, (g_d, gs_d, u_d, us_d, x_d, expert_of_block_ptr, sorted_pair_ptr, num_items,
                      num_pairs, shared_id, a_row_div, empty, ready, g_buf, gs_buf, u_buf, us_buf,
                      x_buf, ids, STAGES, KSTEPS, TILES, H, BLOCK_M, X_TMA)),
@@ -197,11 +200,11 @@ def compile_only(args: argparse.Namespace) -> dict:
            "up_alpha_ptr": "*fp32", "h_ptr": "*bf16", "num_items": "i32", "num_pairs": "i32",
            "shared_id": "i32", "stride_x": "i32", "stride_h": "i32", "a_row_div": "i32"}
     consts = {"STAGES": args.stages, "KSTEPS": KSTEPS, "TILES": TILES, "H": H, "BLOCK_M": BM,
-              "PROBE": args.probe, "X_TMA": bool(args.x_tma)}
+              "PROBE": args.probe, "X_TMA": bool(args.x_tma), "WARPS": args.warps}
     sig |= dict.fromkeys(consts, "constexpr")
     compiled = triton.compile(GluonASTSource(gate_up_gluon, sig, consts),
                               target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4, "maxnreg": args.maxnreg})
+                              options={"num_warps": args.warps, "maxnreg": args.maxnreg})
     sass, usage = disassemble(compiled)
     ops = {op: sass.count(op) for op in ("HMMA", "LDS", "STS", "SHFL", "PRMT", "LDG", "STG",
                                          "UTMALDG", "STL", "LDL")}
@@ -259,7 +262,7 @@ def run_gpu(args: argparse.Namespace) -> dict:
                 num_warps=4, num_stages=3)
 
     def gluon_run(stages: int, per_sm: int, maxnreg: int, probe: int = 0,
-                  x_tma: int = 0) -> None:
+                  x_tma: int = 0, warps: int = 4) -> None:
         for lay in layers:
             nb = lay["expert_of_block"].shape[0]
             gate_up_gluon[(num_sms * per_sm,)](
@@ -268,7 +271,7 @@ def run_gpu(args: argparse.Namespace) -> dict:
                 lay["up_alpha"], lay["h_new"], nb * 2 * TILES, T * K_TOP, E,
                 lay["x"].stride(0), lay["h_new"].stride(0), K_TOP, STAGES=stages,
                 KSTEPS=KSTEPS, TILES=TILES, H=H, BLOCK_M=BM, PROBE=probe, X_TMA=bool(x_tma),
-                num_warps=4, maxnreg=maxnreg)
+                WARPS=warps, num_warps=warps, maxnreg=maxnreg)
 
     touched = sum(int(torch.unique(lay["expert_of_block"][lay["expert_of_block"] >= 0]).numel())
                   for lay in layers)
@@ -284,11 +287,12 @@ def run_gpu(args: argparse.Namespace) -> dict:
         report["rows"].append({"kernel": "v7 gate/up (Triton)", "repeat": repeat,
                                "us_per_layer": ms * 1e3 / L, "GBps": nbytes / (ms * 1e-3) / 1e9})
         for stages, per_sm, maxnreg, *extra in args.configs:
-            probe, x_tma = (list(extra) + [0, 0])[:2]
+            probe, x_tma, warps = list(extra) + [0, 0, 4][len(extra):]
             row = {"kernel": "gluon gate/up", "stages": stages, "ctas_per_sm": per_sm,
-                   "maxnreg": maxnreg, "probe": probe, "x_tma": x_tma, "repeat": repeat}
+                   "maxnreg": maxnreg, "probe": probe, "x_tma": x_tma, "warps": warps,
+                   "repeat": repeat}
             try:
-                gluon_run(stages, per_sm, maxnreg, probe, x_tma)
+                gluon_run(stages, per_sm, maxnreg, probe, x_tma, warps)
                 torch.cuda.synchronize()
                 equal = True
                 for lay in layers:  # even-odd columns back to natural order, valid rows
@@ -297,8 +301,8 @@ def run_gpu(args: argparse.Namespace) -> dict:
                     equal &= torch.equal(natural[lay["valid"]].view(torch.int16),
                                          lay["h_ref"][lay["valid"]].view(torch.int16))
                 ms = statistics.median(replay_times(
-                    lambda s=stages, p=per_sm, m=maxnreg, q=probe, t=x_tma: gluon_run(
-                        s, p, m, q, t),
+                    lambda s=stages, p=per_sm, m=maxnreg, q=probe, t=x_tma, w=warps: gluon_run(
+                        s, p, m, q, t, w),
                     args.iters))
                 row |= {"us_per_layer": ms * 1e3 / L, "GBps": nbytes / (ms * 1e-3) / 1e9,
                         "bit_equal_to_v7": equal}
@@ -315,11 +319,14 @@ def main() -> None:
     parser.add_argument("--maxnreg", type=int, default=96)
     parser.add_argument("--configs", nargs="+", default=[(4, 2, 96), (3, 3, 80), (6, 2, 96)],
                         type=lambda text: tuple(int(v) for v in text.split(",")),
-                        help="stages,ctas_per_sm,maxnreg[,probe[,x_tma]] (probe 1: no x "
-                             "loads, 2: no decode, 3: neither; timing only; x_tma 1: x rows "
-                             "by the producer's TMA copies)")
+                        help="stages,ctas_per_sm,maxnreg[,probe[,x_tma[,warps]]] (probe 1: "
+                             "no x loads, 2: no decode, 3: neither; timing only; x_tma 1: x "
+                             "rows by the producer's TMA copies; warps: consumer warps, 4 or 8 "
+                             "(8 only with probe 0))")
     parser.add_argument("--probe", type=int, default=0, help="--compile-only: the PROBE form")
     parser.add_argument("--x-tma", type=int, default=0, help="--compile-only: X_TMA")
+    parser.add_argument("--warps", type=int, default=4, choices=(4, 8),
+                        help="--compile-only: consumer warps")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=2)
     run(parser, compile_only, run_gpu)

@@ -40,14 +40,15 @@ def test_the_switch_names_bad_values_and_applies_only_on_hopper(monkeypatch) -> 
     switch = _nvfp4_down_gluon._switch
     for name, bad, good, default in (("DLMC_NVFP4_DOWN", "cutlass", "fused", "gluon"),
                                      ("DLMC_NVFP4_DOWN_TICKETS", "yes", "0", "1"),
-                                     ("DLMC_NVFP4_SHARED_DOWN", "down", "gate_up", "own")):
+                                     ("DLMC_NVFP4_SHARED_DOWN", "down", "gate_up", "own"),
+                                     ("DLMC_NVFP4_GATE_UP", "fused", "gluon", "triton")):
         monkeypatch.setenv(name, bad)
         with pytest.raises(ConfigError, match=rf"{name}='{bad}': expected one of {default}, "):
             switch(name)
         monkeypatch.setenv(name, good)
         assert switch(name) == good
         monkeypatch.delenv(name)
-        assert switch(name) == default  # gluon (where it applies), tickets, own parts
+        assert switch(name) == default  # gluon (where it applies), tickets, own parts, triton
     monkeypatch.setattr(_nvfp4_down_gluon, "MODE", "gluon")
     applies = _nvfp4_down_gluon.down_gluon_applies
     cpu = torch.device("cpu")
@@ -67,19 +68,21 @@ def check_lowering() -> None:
     overlap; overlap with PDL; overlap with PDL and tickets (the producer spins for the rows,
     fences and copies them: `fence.proxy.async.global`; relaxed adds: the first ticket, one
     ahead per item, the reader count; exchanges: the last reader's two counter resets and the
-    ticket reset)."""
+    ticket reset). With tickets, `PER_PART` (waiting for gate/up's counts per 8-slot part) the
+    same."""
     kernel = _nvfp4_down_gluon._down_gluon_kernel
     w, s, h = _nvfp4_gluon_parts.shared_layouts()
     types = {"w_d": f"tensordesc<u8[64, 128],{w!r}>", "s_d": f"tensordesc<i32[8, 32],{s!r}>",
              "h_d": f"tensordesc<bf16[8, 64],{h!r}>", "expert_of_block_ptr": "*i32",
              "sorted_pair_ptr": "*i32", "alpha_ptr": "*fp32", "y_ptr": "*bf16",
              "h_ptr": "*bf16", "count_ptr": "*i32"}
-    for overlap, tickets in ((False, False), (True, False), (True, True)):
+    for overlap, tickets, per_part in ((False, False, False), (True, False, False),
+                                       (True, True, False), (True, True, True)):
         consts = {"STAGES": _nvfp4_down_gluon.STAGES, "KSTEPS": 4, "TILES": 16, "I": 512,
                   "H": 2048, "BLOCK_M": 16, "OVERLAP": overlap, "PDL": overlap,
-                  "TICKETS": tickets}
+                  "TICKETS": tickets, "PER_PART": per_part}
         compiled, usage = compile_gluon_sm90(kernel, types, consts, _nvfp4_down_gluon.MAXNREG)
-        form = (overlap, tickets)
+        form = (overlap, tickets, per_part)
         assert usage["REG"] <= _nvfp4_down_gluon.MAXNREG, (form, usage)
         assert usage["LOCAL"] == 0 and usage["STACK"] == 0, (form, usage)
         ptx = compiled.asm["ptx"]
@@ -158,7 +161,7 @@ def torch_down(dequantized: torch.Tensor, calls: list[int]):
     the down weights dequantized to fp32 `[E, H, I]` (alpha included)."""
 
     def launch(h, sorted_pair, expert_of_block, words, codes, alpha, y, num_pairs, shared_id,
-               count=None, num_slots=0, writers=0, pdl=False):
+               count=None, num_slots=0, writers=0, pdl=False, per_part=False):
         calls.append(1)
         natural = even_odd_rows_to_natural(h.float())
         block_m = sorted_pair.shape[0] // expert_of_block.shape[0]
@@ -166,7 +169,11 @@ def torch_down(dequantized: torch.Tensor, calls: list[int]):
             if expert < 0 or expert == shared_id:
                 continue
             if count is not None:  # the per-block wait: gate/up signalled each of its programs
-                assert int(count[block]) == writers and int(count[num_slots + block]) == 0
+                # (`per_part`: each of its items, `writers` per 8-slot part that holds a pair)
+                live = sum(int(sorted_pair[block * block_m + part]) < num_pairs
+                           for part in range(0, block_m, 8))
+                expected = writers * (live if per_part else 1)
+                assert int(count[block]) == expected and int(count[num_slots + block]) == 0
                 count[block] = 0  # the last reader's zeroing
             for slot in range(block_m * block, block_m * block + block_m):
                 pair = int(sorted_pair[slot])

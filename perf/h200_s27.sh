@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Session 27's H200 calls (helpers of perf/h200_session.sh). Each call's output is tarred in $OUT.
+#   bash perf/h200_s26.sh shareddown  # call 1 (carry .whl): session 26's prepared call
+#   bash perf/h200_s27.sh warps8   # call 2 (carry .whl): the gate/up prototype with 8 consumer
+#                                  # warps (2 programs per SM) against 4 (3 per SM), x by TMA;
+#                                  # then the model and graph GPU tests at the current defaults
+#                                  # (the Gluon down kernel with tickets)
+#   bash perf/h200_s27.sh sweep    # call 3: the Gluon down kernel's ring depth, programs per
+#                                  # SM and registers in the op (routed experts, tickets), two
+#                                  # passes in opposite orders
+#   bash perf/h200_s27.sh gateup   # call 4 (carry .whl): DLMC_NVFP4_GATE_UP=gluon (the fused
+#                                  # kernel's gate/up items alone, then the Gluon down kernel):
+#                                  # the Gluon GPU tests, then the op (routed experts) against
+#                                  # the default and Triton, twice
+set -u
+HERE="$(dirname "$0")"
+source "$HERE/h200_session.sh" lib
+
+case "${1:-}" in
+warps8)
+  python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
+  timeout 200 python3 perf/proto_gluon_gate_up.py --repeats 3 \
+    --configs 3,3,80,0,1 3,2,80,0,1,8 4,2,80,0,1,8 2,2,80,0,1,8 \
+    --out "$OUT/proto_gate_up_warps8.json" > "$OUT/proto_gate_up_warps8.txt" 2>&1
+  echo "proto rc=$?"; tail -16 "$OUT/proto_gate_up_warps8.txt" | cut -c 1-220
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -rf -m gpu -n 6 tests/graphs \
+    tests/models/test_moe.py tests/models/test_llada2.py tests/loading/test_nvfp4_loading.py \
+    > "$OUT/gpu_tests_models.txt" 2>&1
+  echo "gpu tests models rc=$?"; tail -6 "$OUT/gpu_tests_models.txt"
+  tar_out s27_warps8 ;;
+sweep)
+  CONFIGS=(gluon:1,0,4,3,80 gluon:1,0,3,3,80 gluon:1,0,6,3,80 gluon:1,0,2,3,80
+           gluon:1,0,4,4,64 gluon:1,0,3,4,64 gluon:1,0,4,4,56 gluon:1,0,8,2,80 triton)
+  REVERSED=(); for ((j=${#CONFIGS[@]}-1; j>=0; j--)); do REVERSED+=("${CONFIGS[j]}"); done
+  for pass in 1 2; do
+    if [ $pass = 1 ]; then DOWNS=("${CONFIGS[@]}"); else DOWNS=("${REVERSED[@]}"); fi
+    timeout 270 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 60 --downs "${DOWNS[@]}" \
+      --out "$OUT/op_sweep$pass.json" > "$OUT/op_sweep$pass.txt" 2>&1
+    echo "op sweep $pass rc=$?"
+    grep -E "^kernel=" "$OUT/op_sweep$pass.txt" | sed -E 's/.*down=([^ ]*).*equal_to_v7=([A-Za-z]*).*nvfp4_ms_per_layer=([0-9.]*).*fraction_of_copy=([0-9.]*).*/\1 equal=\2 ms=\3 of_copy=\4/'
+  done
+  tar_out s27_sweep ;;
+gateup)
+  python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
+  TEST_TIMEOUT=150 gpu_tests gluon -n 4 tests/custom_ops/test_nvfp4_moe_gluon.py \
+    tests/custom_ops/test_nvfp4_down_gluon.py
+  if ! grep -qE "failed|error" "$OUT/gpu_tests_gluon.txt"; then
+    timeout 200 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 60 --profile \
+      --downs gluon gluon-gu triton gluon-gu gluon \
+      --out "$OUT/op_gateup.json" > "$OUT/op_gateup.txt" 2>&1
+    echo "op rc=$?"
+    grep -E "^kernel=" "$OUT/op_gateup.txt" | sed -E 's/.*down=([^ ]*).*equal_to_v7=([A-Za-z]*).*nvfp4_ms_per_layer=([0-9.]*).*fraction_of_copy=([0-9.]*).*kernel_us_per_layer=(.*)/\1 equal=\2 ms=\3 of_copy=\4 \5/' | cut -c 1-400
+  fi
+  tar_out s27_gateup ;;
+*) echo "usage: bash perf/h200_s27.sh warps8|sweep|gateup"; exit 2 ;;
+esac
