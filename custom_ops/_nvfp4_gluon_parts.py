@@ -4,7 +4,10 @@ in one launch) and the prototypes in perf/.
 
 - Layouts for four consumer warps: the MMA's accumulator [128 weight rows, 8 slots] (`MMA`),
   the weights as its A operand (`W_OP`, read from a ring slot's 128-byte-swizzled chunk with
-  `ldmatrix`: `WL2` -> `W4`) and the slots as B (`H_OP`).
+  `ldmatrix`: `WL2` -> `W4`) and the slots as B (`H_OP`); the same for 4 or 8 warps from
+  `mma_layout`, `operand_layout`, `word_layout`, `chunk_layout` and `codes_layout` (the
+  chunk and MMA helpers take `WARPS`; 8 warps only in perf/proto_gluon_gate_up.py, where two
+  programs per SM of 8 consumer warps ran at 71-107 against ~57 µs, session 27).
 - Work items (`_place`, `_item`): an 8-slot part of a routing block and a 128-row N-tile; a part
   whose first slot is padding has no work.
 - The decode and MMA of one ring slot (`_chunk`, `_decoded_tiles`, `_mma_chunk`: v7's asm,

@@ -32,6 +32,13 @@ by TMA too (`X_TMA`, the default): bit for bit again (GPU tests); routed experts
 against the Triton kernels' 96.3 µs (by program; tickets 99.9; the Gluon down kernel after
 Triton's gate/up: 92.0), with the shared expert 112.5 against 95.6 µs (its Triton parts run
 in launches of their own before this kernel).
+
+`launch_moe_gluon(gate_up_only=True)` (`DLMC_NVFP4_GATE_UP=gluon`, `gate_up_applies`) runs the
+gate/up items alone, by program, before the Gluon down kernel (`_nvfp4_down_gluon`, which then
+waits for `I / 128` counts per 8-slot part). Session 27 (H200, routed experts, one call): 91.0
+and 91.7 µs per layer against 91.6 and 92.9 with the Triton gate/up; in the profile gate/up
+took 61.2-61.6 against 64.1-64.6 µs and the down kernel 34.9-35.1 against 32.7-32.9 (the
+persistent gate/up frees its SMs later).
 """
 
 from __future__ import annotations

@@ -28,6 +28,12 @@ Session 26 (calls 3-5), µs per layer, two repeats each:
 - x rows by the producer's TMA copies (`X_TMA`, config `3,3,80,0,1`): 55.5 / 55.7 against
   57.6 / 57.6 without (v7 57.3 / 57.6), bit for bit; in another call 57.0 / 57.4 (v7 57.8 /
   58.5). 4 programs per SM at 64 registers (2 stages): 74.4 / 75.4.
+
+Session 27 (call 2, three repeats): 8 consumer warps (config `S,2,80,0,1,8`: two programs of
+384 threads per SM, 104 registers per consumer thread, no spills) are much slower, bit for bit:
+3 stages 71.5 / 107.1 / 107.6, 4 stages 70.8 / 106.6 / 71.6, 2 stages 84.9 / 85.2 / 85.3 µs
+per layer, against v7's 57.5-57.7 (the 4-warp row of that call did not run: a parsing bug in
+`--configs`, fixed since). Fewer items in flight per SM cost more than the extra warps give.
 """
 
 from __future__ import annotations
