@@ -12,6 +12,12 @@
 #                                  # kernel's gate/up items alone, then the Gluon down kernel):
 #                                  # the Gluon GPU tests, then the op (routed experts) against
 #                                  # the default and Triton, twice
+#   bash perf/h200_s27.sh grid     # call 5 (carry .whl): the Gluon gate/up's grid, one program
+#                                  # per item (GATE_UP_GRID="items") or the resident programs:
+#                                  # its GPU tests, then the op, two processes
+#   bash perf/h200_s27.sh ncu      # call 6: Nsight Compute (full set, SASS source page with
+#                                  # stall reasons) of the Gluon gate/up prototype (x by TMA)
+#                                  # (NCU_KERNEL=_gate_up_kernel: v7's Triton gate/up)
 set -u
 HERE="$(dirname "$0")"
 source "$HERE/h200_session.sh" lib
@@ -52,5 +58,33 @@ gateup)
     grep -E "^kernel=" "$OUT/op_gateup.txt" | sed -E 's/.*down=([^ ]*).*equal_to_v7=([A-Za-z]*).*nvfp4_ms_per_layer=([0-9.]*).*fraction_of_copy=([0-9.]*).*kernel_us_per_layer=(.*)/\1 equal=\2 ms=\3 of_copy=\4 \5/' | cut -c 1-400
   fi
   tar_out s27_gateup ;;
-*) echo "usage: bash perf/h200_s27.sh warps8|sweep|gateup"; exit 2 ;;
+grid)
+  python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
+  TEST_TIMEOUT=150 gpu_tests gateup -n 4 tests/custom_ops/test_nvfp4_moe_gluon.py -k gate_up
+  if ! grep -qE "failed|error" "$OUT/gpu_tests_gateup.txt"; then
+    G=gluon-gu:1,0,4,3,80
+    for pass in 1 2; do
+      timeout 200 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 60 --profile \
+        --downs gluon "$G,1" "$G,0" triton "$G,1" gluon \
+        --out "$OUT/op_grid$pass.json" > "$OUT/op_grid$pass.txt" 2>&1
+      echo "op $pass rc=$?"
+      grep -E "^kernel=" "$OUT/op_grid$pass.txt" | sed -E 's/.*down=([^ ]*).*equal_to_v7=([A-Za-z]*).*nvfp4_ms_per_layer=([0-9.]*).*fraction_of_copy=([0-9.]*).*kernel_us_per_layer=(.*)/\1 equal=\2 ms=\3 of_copy=\4 \5/' | cut -c 1-330
+    done
+  fi
+  tar_out s27_grid ;;
+ncu)
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  timeout 400 "$ncu" -k "regex:${NCU_KERNEL:-gate_up_gluon}" -c 1 --set full --import-source no \
+    -f -o "$OUT/ncu_gate_up" python3 perf/proto_gluon_gate_up.py --repeats 1 --iters 2 \
+    --configs 3,3,80,0,1 > "$OUT/ncu_gate_up_log.txt" 2>&1
+  echo "ncu rc=$?"; tail -3 "$OUT/ncu_gate_up_log.txt"
+  "$ncu" -i "$OUT/ncu_gate_up.ncu-rep" --page details > "$OUT/ncu_gate_up_details.txt" 2>&1
+  "$ncu" -i "$OUT/ncu_gate_up.ncu-rep" --page source --print-source sass --csv \
+    > "$OUT/ncu_gate_up_source.csv" 2>&1
+  gzip "$OUT/ncu_gate_up_source.csv"
+  grep -E "Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Issue Slots Busy|Warp Cycles Per Issued" \
+    "$OUT/ncu_gate_up_details.txt" | head -20
+  rm -f "$OUT/ncu_gate_up.ncu-rep"  # (large; the details and the source page stay)
+  tar_out s27_ncu ;;
+*) echo "usage: bash perf/h200_s27.sh warps8|sweep|gateup|grid|ncu"; exit 2 ;;
 esac
