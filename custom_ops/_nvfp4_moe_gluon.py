@@ -33,12 +33,13 @@ against the Triton kernels' 96.3 µs (by program; tickets 99.9; the Gluon down k
 Triton's gate/up: 92.0), with the shared expert 112.5 against 95.6 µs (its Triton parts run
 in launches of their own before this kernel).
 
-`launch_moe_gluon(gate_up_only=True)` (`DLMC_NVFP4_GATE_UP=gluon`, `gate_up_applies`) runs the
-gate/up items alone, by program, before the Gluon down kernel (`_nvfp4_down_gluon`, which then
-waits for `I / 128` counts per 8-slot part). Session 27 (H200, routed experts, one call): 91.0
-and 91.7 µs per layer against 91.6 and 92.9 with the Triton gate/up; in the profile gate/up
-took 61.2-61.6 against 64.1-64.6 µs and the down kernel 34.9-35.1 against 32.7-32.9 (the
-persistent gate/up frees its SMs later).
+`launch_moe_gluon(gate_up_only=True)` (`DLMC_NVFP4_GATE_UP=gluon`, the default where
+`gate_up_applies`: the Gluon down kernel and no shared expert) runs the gate/up items alone, by
+program, before the Gluon down kernel (`_nvfp4_down_gluon`, which then waits for `I / 128`
+counts per 8-slot part). Session 27 (H200, routed experts, two calls): 91.0 / 91.7 and 89.8 /
+89.7 µs per layer against 91.6 / 92.9 and 92.4 / 91.3 / 92.2 / 92.6 with the Triton gate/up;
+in the profile gate/up took 60.6-61.6 against 63.7-64.6 µs and the down kernel 34.9-35.1
+against 32.6-32.9 (the persistent gate/up frees its SMs later).
 """
 
 from __future__ import annotations
@@ -85,6 +86,12 @@ STAGES, PROGRAMS_PER_SM, MAXNREG = 3, 3, 80
 TICKETS = False  # items by a ticket counter instead of by program (not yet measured)
 X_TMA = True  # gate/up items' x rows copied into the ring by the producer (else loaded by the
 # consumer warps from global memory)
+# `gate_up_only` launches: "resident", the persistent grid (items by program), or "items", one
+# program per gate/up item (as the Triton kernel's grid: programs end as their item does, so
+# the Gluon down kernel takes their SMs during gate/up's last wave). Session 27: 89.7 / 89.8
+# against 92.8-94.1 µs per layer for the op (one program per possible item, most of them
+# without work: gate/up 67 against 61 µs in the profile)
+GATE_UP_GRID = "resident"
 # a ring slot: two weight chunks and their codes, (down items) four 1 KB halves of h rows, and
 # (gate/up items, `X_TMA`) the part's 8 x rows of the K-step (2 KB)
 STAGE_BYTES = 2 * 8192 + 2 * 1024 + 4 * 1024 + 2048
@@ -476,7 +483,8 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
     counter after them (`2 * num_slots + 1` entries, zero; left zero).
     `pdl`: "" (plain launch), "enter" (PDL after the routing), "after" (PDL after the shared
     expert's down parts). `gate_up_only`: h alone, items by program (the Gluon down kernel
-    that follows takes the ticket counter; it waits for each 8-slot part's `I / 128` counts)."""
+    that follows takes the ticket counter; it waits for each 8-slot part's `I / 128` counts),
+    on `GATE_UP_GRID`'s grid (gate/up items wait for nothing, so any grid is safe)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     H, I = x.shape[1], h.shape[1]
@@ -507,4 +515,5 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
             raise RuntimeError(f"nvfp4_moe: the fused Gluon kernel (STAGES={STAGES}, "
                                f"MAXNREG={MAXNREG}) does not fit on an SM of {x.device}")
         _PROGRAMS[key] = fit * torch.cuda.get_device_properties(x.device).multi_processor_count
-    _moe_gluon_kernel[(_PROGRAMS[key],)](*args, **options)
+    grid = parts * (I // 128) if gate_up_only and GATE_UP_GRID == "items" else _PROGRAMS[key]
+    _moe_gluon_kernel[(grid,)](*args, **options)

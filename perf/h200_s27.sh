@@ -18,6 +18,10 @@
 #   bash perf/h200_s27.sh ncu      # call 6: Nsight Compute (full set, SASS source page with
 #                                  # stall reasons) of the Gluon gate/up prototype (x by TMA)
 #                                  # (NCU_KERNEL=_gate_up_kernel: v7's Triton gate/up)
+#   bash perf/h200_s27.sh final    # call 8 (carry .whl): the Gluon GPU tests with the new
+#                                  # default (DLMC_NVFP4_GATE_UP=gluon), then the op (routed
+#                                  # experts) with DLMC_NVFP4_GATE_UP=triton and at the
+#                                  # defaults, one process each, twice
 set -u
 HERE="$(dirname "$0")"
 source "$HERE/h200_session.sh" lib
@@ -86,5 +90,20 @@ ncu)
     "$OUT/ncu_gate_up_details.txt" | head -20
   rm -f "$OUT/ncu_gate_up.ncu-rep"  # (large; the details and the source page stay)
   tar_out s27_ncu ;;
-*) echo "usage: bash perf/h200_s27.sh warps8|sweep|gateup|grid|ncu"; exit 2 ;;
+final)
+  python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
+  TEST_TIMEOUT=200 gpu_tests gluon -n 4 tests/custom_ops/test_nvfp4_moe_gluon.py \
+    tests/custom_ops/test_nvfp4_down_gluon.py
+  if ! grep -qE "failed|error" "$OUT/gpu_tests_gluon.txt"; then
+    for pass in 1 2; do
+      DLMC_NVFP4_GATE_UP=triton timeout 100 python3 perf/bench_nvfp4_moe.py --tokens 32 \
+        --iters 60 --downs gluon --out "$OUT/op_triton_gate_up$pass.json" \
+        > "$OUT/op_triton_gate_up$pass.txt" 2>&1
+      timeout 100 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 60 --downs gluon \
+        --out "$OUT/op_default$pass.json" > "$OUT/op_default$pass.txt" 2>&1
+      grep -hE "^kernel=" "$OUT/op_triton_gate_up$pass.txt" "$OUT/op_default$pass.txt" | sed -E 's/.*down=([^ ]*).*equal_to_v7=([A-Za-z]*).*nvfp4_ms_per_layer=([0-9.]*).*fraction_of_copy=([0-9.]*).*/\1 equal=\2 ms=\3 of_copy=\4/'
+    done
+  fi
+  tar_out s27_final ;;
+*) echo "usage: bash perf/h200_s27.sh warps8|sweep|gateup|grid|ncu|final"; exit 2 ;;
 esac

@@ -41,14 +41,14 @@ def test_the_switch_names_bad_values_and_applies_only_on_hopper(monkeypatch) -> 
     for name, bad, good, default in (("DLMC_NVFP4_DOWN", "cutlass", "fused", "gluon"),
                                      ("DLMC_NVFP4_DOWN_TICKETS", "yes", "0", "1"),
                                      ("DLMC_NVFP4_SHARED_DOWN", "down", "gate_up", "own"),
-                                     ("DLMC_NVFP4_GATE_UP", "fused", "gluon", "triton")):
+                                     ("DLMC_NVFP4_GATE_UP", "fused", "triton", "gluon")):
         monkeypatch.setenv(name, bad)
         with pytest.raises(ConfigError, match=rf"{name}='{bad}': expected one of {default}, "):
             switch(name)
         monkeypatch.setenv(name, good)
         assert switch(name) == good
         monkeypatch.delenv(name)
-        assert switch(name) == default  # gluon (where it applies), tickets, own parts, triton
+        assert switch(name) == default  # gluon (where it applies), tickets, own parts, gluon
     monkeypatch.setattr(_nvfp4_down_gluon, "MODE", "gluon")
     applies = _nvfp4_down_gluon.down_gluon_applies
     cpu = torch.device("cpu")

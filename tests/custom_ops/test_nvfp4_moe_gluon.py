@@ -215,8 +215,8 @@ def test_fused_replays_in_a_cuda_graph_gpu(monkeypatch) -> None:
 
 
 def test_the_gate_up_switch_applies_only_with_its_conditions(monkeypatch) -> None:
-    """`DLMC_NVFP4_GATE_UP=gluon`: with the Gluon down kernel, without a shared expert, where
-    the fused kernel runs."""
+    """`DLMC_NVFP4_GATE_UP=gluon` (the default): with the Gluon down kernel, without a shared
+    expert, where the fused kernel runs."""
     monkeypatch.setattr(_nvfp4_down_gluon, "GATE_UP", "gluon")
     applies = _nvfp4_moe_gluon.gate_up_applies
     args = (7, 2048, 512, False, True, True, 256)
@@ -229,7 +229,7 @@ def test_the_gate_up_switch_applies_only_with_its_conditions(monkeypatch) -> Non
     assert not applies(cuda, 7, 2048, 384, False, True, True, 256, True, False)  # I % 256
     assert not applies(cuda, 7, 2048, 512, False, True, False, 256, True, False)  # no PDL
     monkeypatch.setattr(_nvfp4_down_gluon, "GATE_UP", "triton")
-    assert not applies(cuda, *args, True, False)  # switched off (the default)
+    assert not applies(cuda, *args, True, False)  # switched off
 
 
 def torch_gate_up(experts: dict[str, torch.Tensor], calls: list[tuple[str, bool]]):
@@ -303,11 +303,13 @@ def spy_gate_up_only(monkeypatch) -> list[bool]:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("grid", ["items", "resident"])
 @pytest.mark.parametrize("case", ["llada", "skewed", "one_token"])
-def test_gluon_gate_up_equals_the_triton_kernels_gpu(monkeypatch, case: str) -> None:
+def test_gluon_gate_up_equals_the_triton_kernels_gpu(monkeypatch, case: str, grid: str) -> None:
     """`DLMC_NVFP4_GATE_UP=gluon` then the Gluon down kernel (tickets): bit for bit the Triton
     kernels at LLaDA2.1-mini shapes (32 x top-8 of 256), with every token on the same 8
-    experts, and for one token; the counters zero afterwards."""
+    experts, and for one token, on either grid; the counters zero afterwards."""
+    monkeypatch.setattr(_nvfp4_moe_gluon, "GATE_UP_GRID", grid)
     calls = spy_gate_up_only(monkeypatch)
     gen = torch.Generator().manual_seed(4)
     E, H, I, T = (256, 2048, 512, 32) if case == "llada" else (8, 256, 256, 16)
@@ -321,8 +323,10 @@ def test_gluon_gate_up_equals_the_triton_kernels_gpu(monkeypatch, case: str) -> 
 
 
 @pytest.mark.gpu
-def test_gluon_gate_up_replays_in_a_cuda_graph_gpu(monkeypatch) -> None:
+@pytest.mark.parametrize("grid", ["items", "resident"])
+def test_gluon_gate_up_replays_in_a_cuda_graph_gpu(monkeypatch, grid: str) -> None:
     """Captured once, replayed on new x and routing: the eager Triton path's output."""
+    monkeypatch.setattr(_nvfp4_moe_gluon, "GATE_UP_GRID", grid)
     calls = spy_gate_up_only(monkeypatch)
     assert_graph_replays_like_triton(monkeypatch, "gluon", 256)
     assert calls and all(calls)
