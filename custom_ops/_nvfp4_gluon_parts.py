@@ -155,13 +155,13 @@ def _chunk(w_slot, s_slot, WARPS: gl.constexpr = 4):
 
 @gluon.jit
 def _decoded_tiles(words, codes):
-    """v7 words (bytes [128, 8, 2, 4]) and their block-scale codes -> the low- and high-nibble
-    bf16 tiles [128 n, 64 k'] (`w * scale * 2^-7`, exact)."""
+    """v7 words (bytes [n, 8, 2, 4], n 128 or a part of it) and their block-scale codes -> the
+    low- and high-nibble bf16 tiles [n, 64 k'] (`w * scale * 2^-7`, exact)."""
     pair = codes.to(gl.int32) * _PMUL + _PADD
     pair = gl.broadcast(gl.expand_dims(gl.expand_dims(pair, 2), 3), words)[0]
     lo, hi = gl.inline_asm_elementwise(_ASM, "=r,=r,=r,=r,r,r,r,r,r", [words, pair],
                                        dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
-    return gl.reshape(lo, [128, 64]), gl.reshape(hi, [128, 64])
+    return gl.reshape(lo, [words.shape[0], 64]), gl.reshape(hi, [words.shape[0], 64])
 
 
 @gluon.jit
@@ -245,12 +245,13 @@ def chunk_rings(g_d, u_d, gs_d, us_d, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def ring_barriers(STAGES: gl.constexpr):
-    """The (empty, ready) mbarriers of a STAGES-deep ring, initialized (one arrival each)."""
+def ring_barriers(STAGES: gl.constexpr, EMPTY_ARRIVALS: gl.constexpr = 1):
+    """The (empty, ready) mbarriers of a STAGES-deep ring, initialized (one arrival each, or
+    `EMPTY_ARRIVALS` consumer partitions on empty)."""
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
-        mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(empty.index(s), count=EMPTY_ARRIVALS)
         mbarrier.init(ready.index(s), count=1)
     return empty, ready
 

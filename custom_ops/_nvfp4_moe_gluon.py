@@ -161,15 +161,17 @@ def _x_copies(x_d, x_slot, bar, sorted_pair_ptr, slot0, num_pairs, a_row_div, k)
 @gluon.jit
 def gate_up_copies(g_d, gs_d, u_d, us_d, run, i, empty, ready, g_buf, gs_buf, u_buf, us_buf,
                    ids, tag, STAGES: gl.constexpr, H: gl.constexpr, x_d, x_buf, sorted_pair_ptr,
-                   slot0, num_pairs, a_row_div, X_TMA: gl.constexpr = False):
+                   slot0, num_pairs, a_row_div, X_TMA: gl.constexpr = False,
+                   TAG: gl.constexpr = True):
     """The producer's TMA copies of a gate/up item: run `run` (128 gate and up rows) K-step by
-    K-step into ring slots i, i + 1, ..., each tagged `tag` (`X_TMA`: with the part's x rows,
-    `x_buf` [STAGES, 8, 128]; else `x_d` and the rest are not read); returns the ring position
-    after it."""
+    K-step into ring slots i, i + 1, ..., each tagged `tag` (unless not `TAG`; `X_TMA`: with
+    the part's x rows, `x_buf` [STAGES, 8, 128]; else `x_d` and the rest are not read); returns
+    the ring position after it."""
     for k in range(H // 128):
         s = i % STAGES
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-        _tag_slot(ids, s, tag)
+        if TAG:
+            _tag_slot(ids, s, tag)
         bar = ready.index(s)
         if X_TMA:
             mbarrier.expect(bar, 2 * g_d.block_type.nbytes + 2 * gs_d.block_type.nbytes

@@ -22,6 +22,9 @@
 #                                  # default (DLMC_NVFP4_GATE_UP=gluon), then the op (routed
 #                                  # experts) with DLMC_NVFP4_GATE_UP=triton and at the
 #                                  # defaults, one process each, twice
+#   bash perf/h200_s27.sh split    # call 9: the gate/up prototype's SPLIT form (four one-warp
+#                                  # consumer partitions, no barrier across consumer warps)
+#                                  # against the 4-warp consumer, x by TMA, three repeats
 set -u
 HERE="$(dirname "$0")"
 source "$HERE/h200_session.sh" lib
@@ -105,5 +108,12 @@ final)
     done
   fi
   tar_out s27_final ;;
-*) echo "usage: bash perf/h200_s27.sh warps8|sweep|gateup|grid|ncu|final"; exit 2 ;;
+split)
+  timeout 250 python3 perf/proto_gluon_gate_up.py --repeats 3 \
+    --configs 3,3,80,0,1 3,3,80,0,1,1 3,3,80,0,1 3,3,80,0,1,1 \
+    --out "$OUT/proto_gate_up_split.json" > "$OUT/proto_gate_up_split.txt" 2>&1
+  echo "proto rc=$?"
+  grep -E "^\{" "$OUT/proto_gate_up_split.txt" | sed -E 's/.*"kernel": "([^"]*)".*"warps": ([0-9]*).*"us_per_layer": ([0-9.]*).*"bit_equal_to_v7": ([a-z]*).*/\1 warps=\2 us=\3 equal=\4/; s/.*"kernel": "(v7[^"]*)".*"us_per_layer": ([0-9.]*).*/\1 us=\2/' | cut -c 1-200
+  tar_out s27_split ;;
+*) echo "usage: bash perf/h200_s27.sh warps8|sweep|gateup|grid|ncu|final|split"; exit 2 ;;
 esac

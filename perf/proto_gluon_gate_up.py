@@ -51,13 +51,16 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from dlmc.custom_ops._nvfp4_gluon_parts import (
     MMA,
+    PLAIN2,
     TAGS,
+    W_BYTES,
     W_OP,
     _chunk,
     _item,
     _mma_chunk,
     _store_tile,
     chunk_rings,
+    mma_layout,
     ring_barriers,
     shared_layouts,
 )
@@ -68,6 +71,7 @@ from dlmc.custom_ops._nvfp4_moe_gluon import (
     x_layout,
     x_operands,
     x_ring,
+    x_rows_layout,
     x_step,
 )
 
@@ -194,6 +198,114 @@ def gate_up_gluon(g_d, gs_d, u_d, us_d, x_d, x_ptr, expert_of_block_ptr, sorted_
     ], [1], [40])
 
 
+# `SPLIT` form (session 27): the consumers as four one-warp partitions, each a 32-row quarter
+# of the item's 128 rows (no barrier across consumer warps: each arrives on `empty` itself,
+# which counts four arrivals), the producer in the default partition (four warps, one of which
+# issues the copies). Layouts of a quarter: the chunk's [16, 128] bytes (row r = weight rows
+# 2r, 2r+1 of the quarter) -> words [32, 8, 2, 4] (registers: byte, n bit 3, block bits 1-2,
+# n bit 4; lanes: half, block bit 0, n bits 0-2) -> the one-warp MMA's A operand.
+Q_CHUNK = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 1], [0, 2], [4, 0], [0, 16], [0, 32], [8, 0]],
+    lane_bases=[[0, 4], [0, 8], [0, 64], [1, 0], [2, 0]], warp_bases=[], block_bases=[],
+    shape=[16, 128]))
+Q_WORDS = gl.constexpr(gl.DistributedLinearLayout(
+    reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [8, 0, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0],
+               [16, 0, 0, 0]],
+    lane_bases=[[0, 0, 1, 0], [0, 1, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+    warp_bases=[], block_bases=[], shape=[32, 8, 2, 4]))
+Q_CODES = gl.constexpr(gl.SliceLayout(2, gl.SliceLayout(3, Q_WORDS.value)))
+
+
+@gluon.jit
+def _quarter_chunk(w_slot, s_slot, Q: gl.constexpr):
+    """Quarter Q of a ring slot's weight chunk: bytes [32, 8, 2, 4] and codes [32, 8]."""
+    words = w_slot._reinterpret(gl.uint8, [64, 128], W_BYTES).slice(16 * Q, 16).load(Q_CHUNK)
+    words = gl.convert_layout(gl.reshape(words, [32, 8, 2, 4]), Q_WORDS)
+    codes = s_slot._reinterpret(gl.uint8, [128, 8], PLAIN2).slice(32 * Q, 32).load(Q_CODES)
+    return words, codes
+
+
+@gluon.jit
+def _split_producer(g_d, gs_d, u_d, us_d, x_d, expert_of_block_ptr, sorted_pair_ptr, num_items,
+                    num_pairs, shared_id, a_row_div, empty, ready, g_buf, gs_buf, u_buf, us_buf,
+                    x_buf, STAGES: gl.constexpr, TILES: gl.constexpr, H: gl.constexpr,
+                    BLOCK_M: gl.constexpr):
+    i = 0
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr, item,
+                                              num_items, num_pairs, shared_id, TILES, BLOCK_M)
+        if has_work:
+            i = gate_up_copies(g_d, gs_d, u_d, us_d, expert * TILES + tile, i, empty, ready,
+                               g_buf, gs_buf, u_buf, us_buf, empty, 0, STAGES, H, x_d, x_buf,
+                               sorted_pair_ptr, slot0, num_pairs, a_row_div, True, False)
+
+
+@gluon.jit
+def _quarter(expert_of_block_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr,
+             num_items, num_pairs, shared_id, stride_h, empty, ready, g_buf, gs_buf, u_buf,
+             us_buf, x_buf, STAGES: gl.constexpr, TILES: gl.constexpr, H: gl.constexpr,
+             BLOCK_M: gl.constexpr, Q: gl.constexpr):
+    """The gate/up items' rows 32 Q .. 32 Q + 31 (one warp)."""
+    mma: gl.constexpr = mma_layout(1)
+    i = 0
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr, item,
+                                              num_items, num_pairs, shared_id, TILES, BLOCK_M)
+        if has_work:
+            alpha_g = gl.load(gate_alpha_ptr + expert) * 128.0
+            alpha_u = gl.load(up_alpha_ptr + expert) * 128.0
+            pairs = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(0, mma)))
+            acc_g = gl.zeros([32, 8], gl.float32, mma)
+            acc_u = gl.zeros([32, 8], gl.float32, mma)
+            for _ in range(H // 128):
+                s = i % STAGES
+                mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+                g_words, g_codes = _quarter_chunk(g_buf.index(s), gs_buf.index(s), Q)
+                u_words, u_codes = _quarter_chunk(u_buf.index(s), us_buf.index(s), Q)
+                x = x_buf.index(s).load(x_rows_layout(1))
+                fence_async_shared()
+                mbarrier.arrive(empty.index(s), count=1)
+                x_even, x_odd = x_operands(x, 1)
+                acc_g = _mma_chunk(g_words, g_codes, x_even, x_odd, acc_g, 1)
+                acc_u = _mma_chunk(u_words, u_codes, x_even, x_odd, acc_u, 1)
+                i += 1
+            g = acc_g * alpha_g
+            h = (g * (1.0 / (1.0 + gl.exp(-g))) * (acc_u * alpha_u)).to(gl.bfloat16)
+            n = 32 * Q + gl.arange(0, 32, gl.SliceLayout(1, mma))
+            cols = tile * 128 + (n % 2) * 64 + n // 2
+            _store_tile(h_ptr, slot0 + gl.arange(0, 8, gl.SliceLayout(0, mma)), stride_h, cols,
+                        h, pairs < num_pairs)
+
+
+@gluon.jit
+def gate_up_split(g_d, gs_d, u_d, us_d, x_d, x_ptr, expert_of_block_ptr, sorted_pair_ptr,
+                  gate_alpha_ptr, up_alpha_ptr, h_ptr, num_items, num_pairs, shared_id,
+                  stride_x, stride_h, a_row_div, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
+                  TILES: gl.constexpr, H: gl.constexpr, BLOCK_M: gl.constexpr,
+                  REGS: gl.constexpr = 120):
+    """The `SPLIT` form (x rows by TMA; launched with 4 warps: the producer's)."""
+    g_buf, u_buf, gs_buf, us_buf = chunk_rings(g_d, u_d, gs_d, us_d, STAGES)
+    x_buf = x_ring(x_d, g_buf, STAGES, True)
+    empty, ready = ring_barriers(STAGES, 4)
+    gl.warp_specialize([
+        (_split_producer, (g_d, gs_d, u_d, us_d, x_d, expert_of_block_ptr, sorted_pair_ptr,
+                           num_items, num_pairs, shared_id, a_row_div, empty, ready, g_buf,
+                           gs_buf, u_buf, us_buf, x_buf, STAGES, TILES, H, BLOCK_M)),
+        (_quarter, (expert_of_block_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr,
+                    num_items, num_pairs, shared_id, stride_h, empty, ready, g_buf, gs_buf,
+                    u_buf, us_buf, x_buf, STAGES, TILES, H, BLOCK_M, gl.constexpr(0))),
+        (_quarter, (expert_of_block_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr,
+                    num_items, num_pairs, shared_id, stride_h, empty, ready, g_buf, gs_buf,
+                    u_buf, us_buf, x_buf, STAGES, TILES, H, BLOCK_M, gl.constexpr(1))),
+        (_quarter, (expert_of_block_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr,
+                    num_items, num_pairs, shared_id, stride_h, empty, ready, g_buf, gs_buf,
+                    u_buf, us_buf, x_buf, STAGES, TILES, H, BLOCK_M, gl.constexpr(2))),
+        (_quarter, (expert_of_block_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr,
+                    num_items, num_pairs, shared_id, stride_h, empty, ready, g_buf, gs_buf,
+                    u_buf, us_buf, x_buf, STAGES, TILES, H, BLOCK_M, gl.constexpr(3))),
+    ], [1, 1, 1, 1], [REGS, REGS, REGS, REGS])
+
+
 def compile_only(args: argparse.Namespace) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -271,13 +383,19 @@ def run_gpu(args: argparse.Namespace) -> dict:
                   x_tma: int = 0, warps: int = 4) -> None:
         for lay in layers:
             nb = lay["expert_of_block"].shape[0]
-            gate_up_gluon[(num_sms * per_sm,)](
-                lay["gate_d"], lay["gate_sd"], lay["up_d"], lay["up_sd"], lay["x_d"], lay["x"],
-                lay["expert_of_block"], lay["sorted_pair"], lay["gate_alpha"],
-                lay["up_alpha"], lay["h_new"], nb * 2 * TILES, T * K_TOP, E,
-                lay["x"].stride(0), lay["h_new"].stride(0), K_TOP, STAGES=stages,
-                KSTEPS=KSTEPS, TILES=TILES, H=H, BLOCK_M=BM, PROBE=probe, X_TMA=bool(x_tma),
-                WARPS=warps, num_warps=warps, maxnreg=maxnreg)
+            args = (lay["gate_d"], lay["gate_sd"], lay["up_d"], lay["up_sd"], lay["x_d"],
+                    lay["x"], lay["expert_of_block"], lay["sorted_pair"], lay["gate_alpha"],
+                    lay["up_alpha"], lay["h_new"], nb * 2 * TILES, T * K_TOP, E,
+                    lay["x"].stride(0), lay["h_new"].stride(0), K_TOP)
+            if warps == 1:  # the `SPLIT` form: four one-warp consumer partitions
+                gate_up_split[(num_sms * per_sm,)](
+                    *args, STAGES=stages, KSTEPS=KSTEPS, TILES=TILES, H=H, BLOCK_M=BM,
+                    num_warps=4, maxnreg=maxnreg)
+            else:
+                gate_up_gluon[(num_sms * per_sm,)](
+                    *args, STAGES=stages, KSTEPS=KSTEPS, TILES=TILES, H=H, BLOCK_M=BM,
+                    PROBE=probe, X_TMA=bool(x_tma), WARPS=warps, num_warps=warps,
+                    maxnreg=maxnreg)
 
     touched = sum(int(torch.unique(lay["expert_of_block"][lay["expert_of_block"] >= 0]).numel())
                   for lay in layers)
@@ -328,7 +446,8 @@ def main() -> None:
                         help="stages,ctas_per_sm,maxnreg[,probe[,x_tma[,warps]]] (probe 1: "
                              "no x loads, 2: no decode, 3: neither; timing only; x_tma 1: x "
                              "rows by the producer's TMA copies; warps: consumer warps, 4 or 8 "
-                             "(8 only with probe 0))")
+                             "(8 only with probe 0), or 1: four one-warp consumer partitions "
+                             "(the SPLIT form, x by TMA))")
     parser.add_argument("--probe", type=int, default=0, help="--compile-only: the PROBE form")
     parser.add_argument("--x-tma", type=int, default=0, help="--compile-only: X_TMA")
     parser.add_argument("--warps", type=int, default=4, choices=(4, 8),
