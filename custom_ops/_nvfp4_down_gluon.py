@@ -75,8 +75,8 @@ STAGES, PROGRAMS_PER_SM, MAXNREG = 4, 3, 80  # the prototype's best (session 24,
 #   no faster: op 94.0 against 93.3-94.6 µs, rounds within 0.3 %; session 27).
 # - DLMC_NVFP4_GATE_UP (with this kernel, routed experts only, no shared expert): "gluon" (the
 #   default since session 27: the gate/up items of `_nvfp4_moe_gluon` in a launch of their own
-#   before this kernel, which then waits for each 8-slot part's items; op 89.7-91.7 against
-#   91.3-92.9 µs per layer in two calls, bit for bit) or "triton" (the Triton gate/up kernel).
+#   before this kernel, which then waits for each 8-slot part's items; op 88.6-91.7 against
+#   90.6-92.9 µs per layer in three calls, bit for bit) or "triton" (the Triton gate/up kernel).
 _SWITCHES = {"DLMC_NVFP4_DOWN": ("gluon", ("gluon", "triton", "fused")),
              "DLMC_NVFP4_DOWN_TICKETS": ("1", ("1", "0")),
              "DLMC_NVFP4_SHARED_DOWN": ("own", ("own", "gate_up")),

@@ -36,8 +36,9 @@ in launches of their own before this kernel).
 `launch_moe_gluon(gate_up_only=True)` (`DLMC_NVFP4_GATE_UP=gluon`, the default where
 `gate_up_applies`: the Gluon down kernel and no shared expert) runs the gate/up items alone, by
 program, before the Gluon down kernel (`_nvfp4_down_gluon`, which then waits for `I / 128`
-counts per 8-slot part). Session 27 (H200, routed experts, two calls): 91.0 / 91.7 and 89.8 /
-89.7 µs per layer against 91.6 / 92.9 and 92.4 / 91.3 / 92.2 / 92.6 with the Triton gate/up;
+counts per 8-slot part). Session 27 (H200, routed experts, three calls): 91.0 / 91.7, 89.8 /
+89.7 and 89.4 / 88.6 µs per layer against 91.6 / 92.9, 92.4 / 91.3 / 92.2 / 92.6 and 90.6 /
+90.7 with the Triton gate/up;
 in the profile gate/up took 60.6-61.6 against 63.7-64.6 µs and the down kernel 34.9-35.1
 against 32.6-32.9 (the persistent gate/up frees its SMs later).
 """
