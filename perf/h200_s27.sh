@@ -29,6 +29,12 @@ set -u
 HERE="$(dirname "$0")"
 source "$HERE/h200_session.sh" lib
 
+# op_rows FILES...: a line per timing in perf/bench_nvfp4_moe.py's output (down kernel,
+# bit-equality, ms per layer, fraction of copy, and with --profile the kernels' µs per layer)
+op_rows() {
+  grep -hE "^kernel=" "$@" | sed -E 's/.*down=([^ ]*).*equal_to_v7=([A-Za-z]*).*nvfp4_ms_per_layer=([0-9.]*).*fraction_of_copy=([0-9.]*)(.*kernel_us_per_layer=(\{[^}]*\}))?.*/\1 equal=\2 ms=\3 of_copy=\4 \6/' | cut -c 1-330
+}
+
 case "${1:-}" in
 warps8)
   python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
@@ -50,7 +56,7 @@ sweep)
     timeout 270 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 60 --downs "${DOWNS[@]}" \
       --out "$OUT/op_sweep$pass.json" > "$OUT/op_sweep$pass.txt" 2>&1
     echo "op sweep $pass rc=$?"
-    grep -E "^kernel=" "$OUT/op_sweep$pass.txt" | sed -E 's/.*down=([^ ]*).*equal_to_v7=([A-Za-z]*).*nvfp4_ms_per_layer=([0-9.]*).*fraction_of_copy=([0-9.]*).*/\1 equal=\2 ms=\3 of_copy=\4/'
+    op_rows "$OUT/op_sweep$pass.txt"
   done
   tar_out s27_sweep ;;
 gateup)
@@ -62,7 +68,7 @@ gateup)
       --downs gluon gluon-gu triton gluon-gu gluon \
       --out "$OUT/op_gateup.json" > "$OUT/op_gateup.txt" 2>&1
     echo "op rc=$?"
-    grep -E "^kernel=" "$OUT/op_gateup.txt" | sed -E 's/.*down=([^ ]*).*equal_to_v7=([A-Za-z]*).*nvfp4_ms_per_layer=([0-9.]*).*fraction_of_copy=([0-9.]*).*kernel_us_per_layer=(.*)/\1 equal=\2 ms=\3 of_copy=\4 \5/' | cut -c 1-400
+    op_rows "$OUT/op_gateup.txt"
   fi
   tar_out s27_gateup ;;
 grid)
@@ -75,7 +81,7 @@ grid)
         --downs gluon "$G,1" "$G,0" triton "$G,1" gluon \
         --out "$OUT/op_grid$pass.json" > "$OUT/op_grid$pass.txt" 2>&1
       echo "op $pass rc=$?"
-      grep -E "^kernel=" "$OUT/op_grid$pass.txt" | sed -E 's/.*down=([^ ]*).*equal_to_v7=([A-Za-z]*).*nvfp4_ms_per_layer=([0-9.]*).*fraction_of_copy=([0-9.]*).*kernel_us_per_layer=(.*)/\1 equal=\2 ms=\3 of_copy=\4 \5/' | cut -c 1-330
+      op_rows "$OUT/op_grid$pass.txt"
     done
   fi
   tar_out s27_grid ;;
@@ -104,7 +110,7 @@ final)
         > "$OUT/op_triton_gate_up$pass.txt" 2>&1
       timeout 100 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 60 --downs gluon \
         --out "$OUT/op_default$pass.json" > "$OUT/op_default$pass.txt" 2>&1
-      grep -hE "^kernel=" "$OUT/op_triton_gate_up$pass.txt" "$OUT/op_default$pass.txt" | sed -E 's/.*down=([^ ]*).*equal_to_v7=([A-Za-z]*).*nvfp4_ms_per_layer=([0-9.]*).*fraction_of_copy=([0-9.]*).*/\1 equal=\2 ms=\3 of_copy=\4/'
+      op_rows "$OUT/op_triton_gate_up$pass.txt" "$OUT/op_default$pass.txt"
     done
   fi
   tar_out s27_final ;;

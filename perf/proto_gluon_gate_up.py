@@ -89,7 +89,9 @@ KSTEPS, TILES = H // 128, I // 128
 def _producer(g_d, gs_d, u_d, us_d, x_d, expert_of_block_ptr, sorted_pair_ptr, num_items,
               num_pairs, shared_id, a_row_div, empty, ready, g_buf, gs_buf, u_buf, us_buf, x_buf,
               ids, STAGES: gl.constexpr, KSTEPS: gl.constexpr, TILES: gl.constexpr,
-              H: gl.constexpr, BLOCK_M: gl.constexpr, X_TMA: gl.constexpr):
+              H: gl.constexpr, BLOCK_M: gl.constexpr, X_TMA: gl.constexpr,
+              TAG: gl.constexpr = True):
+    """The copies of the program's items (`TAG`: each slot tagged, in `ids`)."""
     i = 0  # K-steps copied so far (the ring position)
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr, item,
@@ -97,7 +99,7 @@ def _producer(g_d, gs_d, u_d, us_d, x_d, expert_of_block_ptr, sorted_pair_ptr, n
         if has_work:
             i = gate_up_copies(g_d, gs_d, u_d, us_d, expert * TILES + tile, i, empty, ready,
                                g_buf, gs_buf, u_buf, us_buf, ids, 0, STAGES, H, x_d, x_buf,
-                               sorted_pair_ptr, slot0, num_pairs, a_row_div, X_TMA)
+                               sorted_pair_ptr, slot0, num_pairs, a_row_div, X_TMA, TAG)
 
 
 # `PROBE` forms (timing only, wrong values): 1 x rows not loaded (a constant), 2 the decode
@@ -232,21 +234,6 @@ def _quarter_chunk(w_slot, s_slot, Q: gl.constexpr):
 
 
 @gluon.jit
-def _split_producer(g_d, gs_d, u_d, us_d, x_d, expert_of_block_ptr, sorted_pair_ptr, num_items,
-                    num_pairs, shared_id, a_row_div, empty, ready, g_buf, gs_buf, u_buf, us_buf,
-                    x_buf, STAGES: gl.constexpr, TILES: gl.constexpr, H: gl.constexpr,
-                    BLOCK_M: gl.constexpr):
-    i = 0
-    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr, item,
-                                              num_items, num_pairs, shared_id, TILES, BLOCK_M)
-        if has_work:
-            i = gate_up_copies(g_d, gs_d, u_d, us_d, expert * TILES + tile, i, empty, ready,
-                               g_buf, gs_buf, u_buf, us_buf, empty, 0, STAGES, H, x_d, x_buf,
-                               sorted_pair_ptr, slot0, num_pairs, a_row_div, True, False)
-
-
-@gluon.jit
 def _quarter(expert_of_block_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr,
              num_items, num_pairs, shared_id, stride_h, empty, ready, g_buf, gs_buf, u_buf,
              us_buf, x_buf, STAGES: gl.constexpr, TILES: gl.constexpr, H: gl.constexpr,
@@ -294,9 +281,10 @@ def gate_up_split(g_d, gs_d, u_d, us_d, x_d, x_ptr, expert_of_block_ptr, sorted_
     x_buf = x_ring(x_d, g_buf, STAGES, True)
     empty, ready = ring_barriers(STAGES, 4)
     gl.warp_specialize([
-        (_split_producer, (g_d, gs_d, u_d, us_d, x_d, expert_of_block_ptr, sorted_pair_ptr,
-                           num_items, num_pairs, shared_id, a_row_div, empty, ready, g_buf,
-                           gs_buf, u_buf, us_buf, x_buf, STAGES, TILES, H, BLOCK_M)),
+        (_producer, (g_d, gs_d, u_d, us_d, x_d, expert_of_block_ptr, sorted_pair_ptr, num_items,
+                     num_pairs, shared_id, a_row_div, empty, ready, g_buf, gs_buf, u_buf,
+                     us_buf, x_buf, empty, STAGES, KSTEPS, TILES, H, BLOCK_M, gl.constexpr(True),
+                     gl.constexpr(False))),
         (_quarter, (expert_of_block_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr,
                     num_items, num_pairs, shared_id, stride_h, empty, ready, g_buf, gs_buf,
                     u_buf, us_buf, x_buf, STAGES, TILES, H, BLOCK_M, gl.constexpr(0))),
