@@ -84,7 +84,9 @@ __all__ = ["X_L", "fused_applies", "gate_up_applies", "gate_up_copies", "launch_
 # no spills in sm_90 SASS, and 3 programs of 256 threads fit in an SM's 64 K registers); the
 # gate/up prototype's best was the same (perf/README.md, session 25)
 STAGES, PROGRAMS_PER_SM, MAXNREG = 3, 3, 80
-TICKETS = False  # items by a ticket counter instead of by program (not yet measured)
+# 0: items by program; 1: every item by a ticket counter (session 26: 99.9 against 94.0 µs per
+# layer by program); 2: gate/up items by program, then down items by ticket
+TICKETS = 0
 X_TMA = True  # gate/up items' x rows copied into the ring by the producer (else loaded by the
 # consumer warps from global memory)
 # `gate_up_only` launches: "resident", the persistent grid (items by program), or "items", one
@@ -234,21 +236,29 @@ def _producer(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, expert_of_block_ptr, so
               empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf, x_buf, ids,
               STAGES: gl.constexpr, H: gl.constexpr, I: gl.constexpr, BLOCK_M: gl.constexpr,
               TICKETS: gl.constexpr, X_TMA: gl.constexpr):
-    """Walks its items (`TICKETS`: the next unclaimed item from the ticket counter after the
-    block counters, taken one item ahead; else program p's items p, p + grid, ...), skips
-    those without work, and fills the ring for the rest, each slot tagged with its item; a last
-    slot tagged -1 ends the consumers' loop. The program whose ticket is the launch's last
-    zeroes the ticket counter."""
+    """Walks its items (`TICKETS` 1: the next unclaimed item from the ticket counter after the
+    block counters, taken one item ahead; 0: program p's items p, p + grid, ...; 2: the
+    gate/up items by program, then down items by ticket), skips those without work, and fills
+    the ring for the rest, each slot tagged with its item; a last slot tagged -1 ends the
+    consumers' loop. The program whose ticket is the launch's last zeroes the ticket
+    counter."""
     total = gate_up_items + down_items
     ticket = count_ptr + 2 * num_slots
-    if TICKETS:  # noqa: SIM108 (a statement: the atomic only when TICKETS)
+    if TICKETS == 1:  # noqa: SIM108 (a statement: the atomic only with tickets)
         item = gl.atomic_add(ticket, 1, sem="relaxed", scope="gpu")
     else:
         item = gl.program_id(0)
+    if TICKETS == 2:  # noqa: SIM102 (a static condition around a runtime one)
+        if item >= gate_up_items:  # no gate/up item for this program: a down ticket
+            item = gate_up_items + gl.atomic_add(ticket, 1, sem="relaxed", scope="gpu")
     i = 0  # ring slots filled so far
     while item < total:
-        if TICKETS:
+        if TICKETS == 1:
             after = gl.atomic_add(ticket, 1, sem="relaxed", scope="gpu")  # read after the copies
+        elif TICKETS == 2:
+            after = item + gl.num_programs(0)
+            if after >= gate_up_items:  # the next down item, by ticket
+                after = gate_up_items + gl.atomic_add(ticket, 1, sem="relaxed", scope="gpu")
         else:
             after = item + gl.num_programs(0)
         if item < gate_up_items:
@@ -391,7 +401,8 @@ def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, x_ptr, expert_o
     """`PDL_ENTER`: launched with PDL right after the routing (wait for it, then let the next
     kernel launch). `PDL_AFTER`: launched with PDL after the shared expert's down parts, which
     come after the routing: let the next kernel launch at once, and finish only after the
-    kernel before has (the combine that follows waits for this one alone). `TICKETS`: items
+    kernel before has (the combine that follows waits for this one alone). `TICKETS` (1, or 2
+    for the down items alone): items
     handed out by a counter (`count_ptr[2 * num_slots]`, zero between launches) instead of by
     program: balanced, and free of deadlock whatever number of programs is resident. `X_TMA`:
     gate/up items' x rows by the producer's TMA copies (`x_d`: x's [1, 128] boxes)."""
@@ -502,7 +513,7 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
     args = (*descs, x, expert_of_block, sorted_pair, *alphas, h, y, count, num_slots,
             parts * (I // 128), down_items, num_pairs, shared_id, x.stride(0),
             h.stride(0), y.stride(0), a_row_div)
-    tickets = TICKETS and not gate_up_only
+    tickets = 0 if gate_up_only else int(TICKETS)
     options = {"STAGES": STAGES, "H": H, "I": I, "BLOCK_M": block_m, "PDL_ENTER": pdl == "enter",
                "PDL_AFTER": pdl == "after", "TICKETS": tickets, "X_TMA": X_TMA, "num_warps": 4,
                "maxnreg": MAXNREG, **({"launch_pdl": True} if pdl else {})}

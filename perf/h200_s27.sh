@@ -25,6 +25,11 @@
 #   bash perf/h200_s27.sh split    # call 9: the gate/up prototype's SPLIT form (four one-warp
 #                                  # consumer partitions, no barrier across consumer warps)
 #                                  # against the 4-warp consumer, x by TMA, three repeats
+#   bash perf/h200_s27.sh hybrid   # call 10 (carry .whl): the fused kernel with its gate/up
+#                                  # items by program and its down items by ticket (TICKETS=2):
+#                                  # its GPU tests, then the op (routed experts) against the
+#                                  # default (Gluon gate/up + Gluon down) and the other fused
+#                                  # forms, two passes
 set -u
 HERE="$(dirname "$0")"
 source "$HERE/h200_session.sh" lib
@@ -121,5 +126,18 @@ split)
   echo "proto rc=$?"
   grep -E "^\{" "$OUT/proto_gate_up_split.txt" | sed -E 's/.*"kernel": "([^"]*)".*"warps": ([0-9]*).*"us_per_layer": ([0-9.]*).*"bit_equal_to_v7": ([a-z]*).*/\1 warps=\2 us=\3 equal=\4/; s/.*"kernel": "(v7[^"]*)".*"us_per_layer": ([0-9.]*).*/\1 us=\2/' | cut -c 1-200
   tar_out s27_split ;;
-*) echo "usage: bash perf/h200_s27.sh warps8|sweep|gateup|grid|ncu|final|split"; exit 2 ;;
+hybrid)
+  python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
+  TEST_TIMEOUT=150 gpu_tests fused -n 4 tests/custom_ops/test_nvfp4_moe_gluon.py -k fused
+  if ! grep -qE "failed|error" "$OUT/gpu_tests_fused.txt"; then
+    for pass in 1 2; do
+      if [ $pass = 1 ]; then D=(gluon fused fused:3,3,80,2,1 fused:3,3,80,1,1 gluon)
+      else D=(gluon fused:3,3,80,1,1 fused:3,3,80,2,1 fused gluon); fi
+      timeout 200 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 60 --profile \
+        --downs "${D[@]}" --out "$OUT/op_hybrid$pass.json" > "$OUT/op_hybrid$pass.txt" 2>&1
+      echo "op $pass rc=$?"; op_rows "$OUT/op_hybrid$pass.txt"
+    done
+  fi
+  tar_out s27_hybrid ;;
+*) echo "usage: bash perf/h200_s27.sh warps8|sweep|gateup|grid|ncu|final|split|hybrid"; exit 2 ;;
 esac

@@ -91,8 +91,8 @@ def check_lowering() -> None:
              "sorted_pair_ptr": "*i32", "gate_alpha_ptr": "*fp32", "up_alpha_ptr": "*fp32",
              "down_alpha_ptr": "*fp32", "h_ptr": "*bf16", "y_ptr": "*bf16", "count_ptr": "*i32"}
     stages = _nvfp4_moe_gluon.STAGES
-    for pdl, block_m, tickets, x_tma in (("enter", 16, False, True), ("after", 16, True, True),
-                                         ("", 64, True, False)):
+    for pdl, block_m, tickets, x_tma in (("enter", 16, 0, True), ("after", 16, 1, True),
+                                         ("", 64, 1, False), ("enter", 16, 2, True)):
         consts = {"STAGES": stages, "H": 2048, "I": 512, "BLOCK_M": block_m,
                   "PDL_ENTER": pdl == "enter", "PDL_AFTER": pdl == "after", "TICKETS": tickets,
                   "X_TMA": x_tma}
@@ -105,9 +105,10 @@ def check_lowering() -> None:
         assert ptx.count("mma.sync.aligned.m16n8k16") >= 6  # gate, up (x2), down (x2 steps)
         assert ".reqntid 256" in ptx  # `THREADS`: what `programs_per_sm` counts registers for
         # exchanges: the last reader's two counter resets, and (tickets) the ticket reset; the
-        # ticket increments (the first item, then one ahead) are relaxed adds
-        assert ptx.count("relaxed.exch") == 2 + tickets
-        assert ptx.count("relaxed.add") == 1 + 2 * tickets  # + the reader count
+        # ticket increments (the first item, then one ahead; with 2 the first down item, then
+        # one ahead) are relaxed adds
+        assert ptx.count("relaxed.exch") == 2 + bool(tickets)
+        assert ptx.count("relaxed.add") == 1 + 2 * bool(tickets)  # + the reader count
         assert 32 * compiled.metadata.num_warps == _nvfp4_moe_gluon.THREADS
         # TMA copies: gate, up, their codes (+ 8 x rows per K-step with `X_TMA`); down, per
         # ring slot (two, unrolled): two weight chunks, their codes, four h halves
@@ -199,11 +200,13 @@ def test_fused_equals_the_triton_kernels_gpu(monkeypatch, case: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tickets", [1, 2], ids=["all", "down"])
 @pytest.mark.parametrize("case", ["llada", "shared"])
-def test_fused_with_tickets_equals_the_triton_kernels_gpu(monkeypatch, case: str) -> None:
-    """Items handed out by the ticket counter (`TICKETS`): the same output, and the counter
-    zero again after the launch (with the routing's block counters)."""
-    monkeypatch.setattr(_nvfp4_moe_gluon, "TICKETS", True)
+def test_fused_with_tickets_equals_the_triton_kernels_gpu(monkeypatch, case: str,
+                                                          tickets: int) -> None:
+    """Items handed out by the ticket counter (`TICKETS` 1; 2: the down items alone): the same
+    output, and the counter zero again after the launch (with the routing's block counters)."""
+    monkeypatch.setattr(_nvfp4_moe_gluon, "TICKETS", tickets)
     test_fused_equals_the_triton_kernels_gpu(monkeypatch, case)
 
 
