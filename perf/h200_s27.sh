@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Session 27's H200 calls (helpers of perf/h200_session.sh). Each call's output is tarred in $OUT.
+# (The Gluon gate/up tests ran from tests/custom_ops/test_nvfp4_moe_gluon.py in calls 4-8; they
+# have moved to tests/custom_ops/test_nvfp4_gate_up_gluon.py, which the modes below now name.)
 #   bash perf/h200_s26.sh shareddown  # call 1 (carry .whl): session 26's prepared call
 #   bash perf/h200_s27.sh warps8   # call 2 (carry .whl): the gate/up prototype with 8 consumer
 #                                  # warps (2 programs per SM) against 4 (3 per SM), x by TMA;
@@ -67,7 +69,7 @@ sweep)
 gateup)
   python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
   TEST_TIMEOUT=150 gpu_tests gluon -n 4 tests/custom_ops/test_nvfp4_moe_gluon.py \
-    tests/custom_ops/test_nvfp4_down_gluon.py
+    tests/custom_ops/test_nvfp4_down_gluon.py tests/custom_ops/test_nvfp4_gate_up_gluon.py
   if ! grep -qE "failed|error" "$OUT/gpu_tests_gluon.txt"; then
     timeout 200 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 60 --profile \
       --downs gluon gluon-gu triton gluon-gu gluon \
@@ -78,7 +80,7 @@ gateup)
   tar_out s27_gateup ;;
 grid)
   python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
-  TEST_TIMEOUT=150 gpu_tests gateup -n 4 tests/custom_ops/test_nvfp4_moe_gluon.py -k gate_up
+  TEST_TIMEOUT=150 gpu_tests gateup -n 4 tests/custom_ops/test_nvfp4_gate_up_gluon.py
   if ! grep -qE "failed|error" "$OUT/gpu_tests_gateup.txt"; then
     G=gluon-gu:1,0,4,3,80
     for pass in 1 2; do
@@ -107,7 +109,7 @@ ncu)
 final)
   python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
   TEST_TIMEOUT=200 gpu_tests gluon -n 4 tests/custom_ops/test_nvfp4_moe_gluon.py \
-    tests/custom_ops/test_nvfp4_down_gluon.py
+    tests/custom_ops/test_nvfp4_down_gluon.py tests/custom_ops/test_nvfp4_gate_up_gluon.py
   if ! grep -qE "failed|error" "$OUT/gpu_tests_gluon.txt"; then
     for pass in 1 2; do
       DLMC_NVFP4_GATE_UP=triton timeout 100 python3 perf/bench_nvfp4_moe.py --tokens 32 \

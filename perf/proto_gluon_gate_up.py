@@ -55,6 +55,16 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
+from dlmc.custom_ops._nvfp4_gate_up_gluon import (
+    X_L,
+    _gate_up_item,
+    gate_up_copies,
+    x_layout,
+    x_operands,
+    x_ring,
+    x_rows_layout,
+    x_step,
+)
 from dlmc.custom_ops._nvfp4_gluon_parts import (
     MMA,
     PLAIN2,
@@ -69,16 +79,6 @@ from dlmc.custom_ops._nvfp4_gluon_parts import (
     mma_layout,
     ring_barriers,
     shared_layouts,
-)
-from dlmc.custom_ops._nvfp4_moe_gluon import (
-    X_L,
-    _gate_up_item,
-    gate_up_copies,
-    x_layout,
-    x_operands,
-    x_ring,
-    x_rows_layout,
-    x_step,
 )
 
 H, I, BM, K_TOP = 2048, 512, 16, 8
@@ -124,7 +124,7 @@ def _probe_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr, num
                 stride_x, stride_h, a_row_div, slot0, tile, expert, i, empty, ready, g_buf,
                 gs_buf, u_buf, us_buf, STAGES: gl.constexpr, H: gl.constexpr,
                 PROBE: gl.constexpr):
-    """`_nvfp4_moe_gluon._gate_up_item` (no counter) in a `PROBE` form."""
+    """`_nvfp4_gate_up_gluon._gate_up_item` (no counter) in a `PROBE` form."""
     alpha_g = gl.load(gate_alpha_ptr + expert) * 128.0
     alpha_u = gl.load(up_alpha_ptr + expert) * 128.0
     pairs_x = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(1, X_L)))

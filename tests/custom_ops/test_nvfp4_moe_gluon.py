@@ -1,6 +1,5 @@
 """`DLMC_NVFP4_DOWN=fused`: `nvfp4_moe`'s routed experts (gate/up and down) in one Gluon kernel
-(`_nvfp4_moe_gluon`); `DLMC_NVFP4_GATE_UP=gluon`: its gate/up items alone, then the Gluon down
-kernel.
+(`_nvfp4_moe_gluon`).
 
 On CPU: the switch's conditions, how many programs fit on an SM, the kernel's sm_90 lowering
 (in a subprocess without `TRITON_INTERPRET`), and the op's wiring with the Gluon launch
@@ -16,7 +15,12 @@ import pytest
 import torch
 
 import dlmc.custom_ops.nvfp4_moe as op_module
-from dlmc.custom_ops import _nvfp4_down_gluon, _nvfp4_gluon_parts, _nvfp4_moe_gluon
+from dlmc.custom_ops import (
+    _nvfp4_down_gluon,
+    _nvfp4_gate_up_gluon,
+    _nvfp4_gluon_parts,
+    _nvfp4_moe_gluon,
+)
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
 from tests.custom_ops.test_nvfp4_down_gluon import (
     against_triton,
@@ -24,7 +28,6 @@ from tests.custom_ops.test_nvfp4_down_gluon import (
     compile_gluon_sm90,
     dequantized_down,
     run_lowering_check,
-    torch_down,
 )
 from tests.custom_ops.test_nvfp4_moe import (
     DEVICE,
@@ -86,8 +89,8 @@ def check_lowering() -> None:
     words, codes = f"tensordesc<u8[64, 128],{w!r}>", f"tensordesc<i32[8, 32],{s!r}>"
     types = {"g_d": words, "gs_d": codes, "u_d": words, "us_d": codes, "d_d": words,
              "ds_d": codes, "h_d": f"tensordesc<bf16[8, 64],{h!r}>",
-             "x_d": f"tensordesc<bf16[1, 128],{_nvfp4_moe_gluon.x_layout()!r}>", "x_ptr": "*bf16",
-             "expert_of_block_ptr": "*i32",
+             "x_d": f"tensordesc<bf16[1, 128],{_nvfp4_gate_up_gluon.x_layout()!r}>",
+             "x_ptr": "*bf16", "expert_of_block_ptr": "*i32",
              "sorted_pair_ptr": "*i32", "gate_alpha_ptr": "*fp32", "up_alpha_ptr": "*fp32",
              "down_alpha_ptr": "*fp32", "h_ptr": "*bf16", "y_ptr": "*bf16", "count_ptr": "*i32"}
     stages = _nvfp4_moe_gluon.STAGES
@@ -216,120 +219,3 @@ def test_fused_replays_in_a_cuda_graph_gpu(monkeypatch) -> None:
     counters zero after each replay."""
     assert_graph_replays_like_triton(monkeypatch, "fused", 256)
 
-
-def test_the_gate_up_switch_applies_only_with_its_conditions(monkeypatch) -> None:
-    """`DLMC_NVFP4_GATE_UP=gluon` (the default): with the Gluon down kernel, without a shared
-    expert, where the fused kernel runs."""
-    monkeypatch.setattr(_nvfp4_down_gluon, "GATE_UP", "gluon")
-    applies = _nvfp4_moe_gluon.gate_up_applies
-    args = (7, 2048, 512, False, True, True, 256)
-    assert not applies(torch.device("cpu"), *args, True, False)  # no GPU
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    cuda = torch.device("cuda")
-    assert applies(cuda, *args, True, False)
-    assert not applies(cuda, *args, False, False)  # the Triton down kernel
-    assert not applies(cuda, *args, True, True)  # a shared expert: the Triton gate/up
-    assert not applies(cuda, 7, 2048, 384, False, True, True, 256, True, False)  # I % 256
-    assert not applies(cuda, 7, 2048, 512, False, True, False, 256, True, False)  # no PDL
-    monkeypatch.setattr(_nvfp4_down_gluon, "GATE_UP", "triton")
-    assert not applies(cuda, *args, True, False)  # switched off
-
-
-def torch_gate_up(experts: dict[str, torch.Tensor], calls: list[tuple[str, bool]]):
-    """A stand-in for `launch_moe_gluon(gate_up_only=True)` on the CPU: every routed pair's h
-    row (even-odd columns, bf16), then one count per item on its block's counter (`I / 128`
-    per 8-slot part that holds a pair), as the kernel's gate/up items signal."""
-    gate, up = (dequantized(experts, name) for name in ("gate", "up"))
-
-    def launch(x, sorted_pair, expert_of_block, weights, alphas, h, y, count, num_slots,
-               num_pairs, shared_id, a_row_div, pdl="", gate_up_only=False):
-        calls.append((pdl, gate_up_only))
-        assert count.numel() >= 2 * num_slots + 1 and int(count.abs().sum()) == 0
-        block_m = sorted_pair.shape[0] // expert_of_block.shape[0]
-        for block, expert in enumerate(expert_of_block.tolist()):
-            if expert < 0 or expert == shared_id:
-                continue
-            for first in range(block * block_m, block * block_m + block_m, 8):
-                if int(sorted_pair[first]) >= num_pairs:
-                    continue  # a part without pairs: no items
-                for slot in range(first, first + 8):
-                    pair = int(sorted_pair[slot])
-                    if pair < num_pairs:
-                        row = x[pair // a_row_div].float()
-                        g, u = gate[expert] @ row, up[expert] @ row
-                        natural = (g * torch.sigmoid(g) * u).bfloat16()
-                        h[slot] = natural.view(-1, 64, 2).transpose(1, 2).reshape(-1)
-                count[block] += h.shape[1] // 128
-
-    return launch
-
-
-def test_wiring_of_the_gluon_gate_up_matches_the_reference(monkeypatch) -> None:
-    """`DLMC_NVFP4_GATE_UP=gluon`: no Triton expert kernel, the fused kernel's gate/up items
-    alone right after the routing ("enter"), then the Gluon down kernel waiting for `I / 128`
-    counts per 8-slot part; the output is the reference's and the counters are zero
-    afterwards. Skewed routing puts 20 tokens on two experts (16-slot blocks, some with an
-    empty part)."""
-    gen = torch.Generator().manual_seed(7)
-    experts = random_experts(gen, 4, 128, 256)
-    x = torch.randn(20, 128, generator=gen).bfloat16().to(DEVICE)
-    ids, w = random_routing(gen, 20, 4, 2, skew=True)
-    args = op_args(x, ids, w, experts)
-    calls: list[tuple[str, bool]] = []
-    down_calls: list[int] = []
-    counters = op_module.counters(torch.device(DEVICE), 1)
-    monkeypatch.setattr(op_module, "down_gluon_applies", lambda *a: True)
-    monkeypatch.setattr(op_module, "gate_up_applies", lambda *a: True)
-    monkeypatch.setattr(op_module, "launch_moe_gluon", torch_gate_up(experts, calls))
-    monkeypatch.setattr(op_module, "launch_down_gluon",
-                        torch_down(dequantized_down(experts), down_calls))
-    launched: list[str] = []  # the Triton expert kernels the op launches
-    real_launcher = op_module.launcher
-    monkeypatch.setattr(op_module, "launcher", lambda kernel: (
-        launched.append(kernel.fn.__name__), real_launcher(kernel))[1])
-    with kernel_variant(7):
-        out = nvfp4_moe(*args)
-    assert calls == [("enter", True)] and down_calls == [1]
-    assert "_gate_up_kernel" not in launched and "_down_kernel" not in launched, launched
-    assert_matches_reference(out, nvfp4_moe_reference(*args))
-    assert int(counters.abs().sum()) == 0
-
-
-def spy_gate_up_only(monkeypatch) -> list[bool]:
-    """`DLMC_NVFP4_GATE_UP=gluon`, and the `gate_up_only` of each `launch_moe_gluon` call."""
-    monkeypatch.setattr(_nvfp4_down_gluon, "GATE_UP", "gluon")
-    calls: list[bool] = []
-    real = op_module.launch_moe_gluon
-    monkeypatch.setattr(op_module, "launch_moe_gluon", lambda *a, **k: (
-        calls.append(k.get("gate_up_only", False)), real(*a, **k))[1])
-    return calls
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("grid", ["items", "resident"])
-@pytest.mark.parametrize("case", ["llada", "skewed", "one_token"])
-def test_gluon_gate_up_equals_the_triton_kernels_gpu(monkeypatch, case: str, grid: str) -> None:
-    """`DLMC_NVFP4_GATE_UP=gluon` then the Gluon down kernel (tickets): bit for bit the Triton
-    kernels at LLaDA2.1-mini shapes (32 x top-8 of 256), with every token on the same 8
-    experts, and for one token, on either grid; the counters zero afterwards."""
-    monkeypatch.setattr(_nvfp4_moe_gluon, "GATE_UP_GRID", grid)
-    calls = spy_gate_up_only(monkeypatch)
-    gen = torch.Generator().manual_seed(4)
-    E, H, I, T = (256, 2048, 512, 32) if case == "llada" else (8, 256, 256, 16)
-    T = 1 if case == "one_token" else T
-    experts = {k: v.to(DEVICE) for k, v in random_experts(gen, E, H, I).items()}
-    x = torch.randn(T, H, generator=gen).bfloat16().to(DEVICE)
-    ids, w = random_routing(gen, T, E, 8, skew=case == "skewed")
-    out = against_triton(monkeypatch, "gluon", experts, x, ids, w, {})
-    assert calls == [True]  # the Gluon gate/up ran, alone
-    assert_matches_reference(out, nvfp4_moe_reference(*op_args(x, ids, w, experts)))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("grid", ["items", "resident"])
-def test_gluon_gate_up_replays_in_a_cuda_graph_gpu(monkeypatch, grid: str) -> None:
-    """Captured once, replayed on new x and routing: the eager Triton path's output."""
-    monkeypatch.setattr(_nvfp4_moe_gluon, "GATE_UP_GRID", grid)
-    calls = spy_gate_up_only(monkeypatch)
-    assert_graph_replays_like_triton(monkeypatch, "gluon", 256)
-    assert calls and all(calls)

@@ -1,0 +1,172 @@
+"""The gate/up items of the Gluon NVFP4 kernels (`_nvfp4_moe_gluon`: the fused kernel and its
+gate/up-only launch; perf/proto_gluon_gate_up.py).
+
+A gate/up item is an 8-slot part of a routing block and a 128-row N-tile of I. Per K-step of H
+the producer copies the gate and up chunks (8 KB each, v7's words), their codes (1 KB each) and
+(`X_TMA`) the part's 8 x rows (eight [1, 128] boxes, gathered per token) into a ring slot
+(`gate_up_copies`); the consumer warps decode both chunks as the MMA's A operand with the x
+rows as B (even and odd K, `x_operands`) and store `silu(gate) * up` in bf16, each 128
+columns even first (what the Gluon down kernel reads), then count the item done on its
+routing block's counter (`_gate_up_item`). The x-row layouts take the consumer warp count.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+from dlmc.custom_ops._nvfp4_gluon_parts import (
+    _chunk,
+    _mma_chunk,
+    _store_tile,
+    _tag_slot,
+    mma_layout,
+    operand_layout,
+)
+
+__all__ = ["X_L", "gate_up_copies", "x_layout", "x_operands", "x_ring", "x_rows_layout",
+           "x_step"]
+
+
+@gluon.constexpr_function
+def x_rows_layout(warps: int) -> object:
+    """x rows of an 8-slot part, one K-step [8 slots, 128 K]: a thread holds 8 consecutive K
+    (registers: K bits 0-2, then 5-6), lanes K bits 3-4 and the slot; every one of the
+    `warps` warps holds all of it (zero warp bases), as the B operand's warps do."""
+    return gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 32], [0, 64]],
+        lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[0, 0]] * (warps.bit_length() - 1), block_bases=[], shape=[8, 128])
+
+
+X_L = gl.constexpr(x_rows_layout(4))
+
+
+@gluon.jit
+def x_step(x_ptr, rows, stride_x, k, WARPS: gl.constexpr = 4):
+    """The part's x rows (`rows`, int64 in `SliceLayout(1, x_rows_layout(WARPS))`), K-step k:
+    bf16 [8, 128]."""
+    cols = k * 128 + gl.arange(0, 128, gl.SliceLayout(0, x_rows_layout(WARPS)))
+    return gl.load(x_ptr + gl.expand_dims(rows * stride_x, 1) + gl.expand_dims(cols, 0))
+
+
+@gluon.jit
+def x_operands(x, WARPS: gl.constexpr = 4):
+    """x [8 slots, 128 K] -> the B operands [64 k', 8] of the even-K and odd-K MMAs."""
+    even, odd = gl.split(gl.reshape(x, [8, 64, 2]))
+    return (gl.convert_layout(gl.permute(even, [1, 0]), operand_layout(1, WARPS)),
+            gl.convert_layout(gl.permute(odd, [1, 0]), operand_layout(1, WARPS)))
+
+
+def x_layout() -> object:
+    """The x rows' TMA box (bf16 [1, 128], one token row's K-step) in shared memory:
+    unswizzled, so that a ring slot's 8 boxes are one [8, 128] tile."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=2)
+
+
+@gluon.jit
+def x_ring(x_d, unused, STAGES: gl.constexpr, X_TMA: gl.constexpr):
+    """With `X_TMA` a `STAGES`-deep ring of the part's x rows ([8, 128] per slot, eight of
+    `x_d`'s boxes each); else `unused`, a buffer the consumers do not read."""
+    if X_TMA:  # noqa: SIM108 (an allocation only when X_TMA)
+        x_buf = gl.allocate_shared_memory(x_d.dtype, [STAGES, 8, 128], x_d.layout)
+    else:
+        x_buf = unused
+    return x_buf
+
+
+@gluon.jit
+def _x_copies(x_d, x_slot, bar, sorted_pair_ptr, slot0, num_pairs, a_row_div, k):
+    """TMA copies of K-step k of the part's 8 x rows (pair p reads row p // `a_row_div`;
+    padding slots row 0) into the slot's [8, 128] tile."""
+    for r in gl.static_range(8):
+        pair = gl.load(sorted_pair_ptr + slot0 + r)
+        row = (pair < num_pairs).to(gl.int32) * (pair // a_row_div)
+        tma.async_copy_global_to_shared(x_d, [row, k * 128], bar, x_slot.slice(r, 1))
+
+
+@gluon.jit
+def gate_up_copies(g_d, gs_d, u_d, us_d, run, i, empty, ready, g_buf, gs_buf, u_buf, us_buf,
+                   ids, tag, STAGES: gl.constexpr, H: gl.constexpr, x_d, x_buf, sorted_pair_ptr,
+                   slot0, num_pairs, a_row_div, X_TMA: gl.constexpr = False,
+                   TAG: gl.constexpr = True):
+    """The producer's TMA copies of a gate/up item: run `run` (128 gate and up rows) K-step by
+    K-step into ring slots i, i + 1, ..., each tagged `tag` (unless not `TAG`; `X_TMA`: with
+    the part's x rows, `x_buf` [STAGES, 8, 128]; else `x_d` and the rest are not read); returns
+    the ring position after it."""
+    for k in range(H // 128):
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        if TAG:
+            _tag_slot(ids, s, tag)
+        bar = ready.index(s)
+        if X_TMA:
+            mbarrier.expect(bar, 2 * g_d.block_type.nbytes + 2 * gs_d.block_type.nbytes
+                            + 8 * x_d.block_type.nbytes)
+            _x_copies(x_d, x_buf.index(s), bar, sorted_pair_ptr, slot0, num_pairs, a_row_div,
+                      k)
+        else:
+            mbarrier.expect(bar, 2 * g_d.block_type.nbytes + 2 * gs_d.block_type.nbytes)
+        # chunk k of the run at byte run * 128 * H/2 + k * 8192 (128-byte rows); its codes at
+        # byte run * 128 * H/16 + k * 1024
+        tma.async_copy_global_to_shared(g_d, [run * (H // 2) + k * 64, 0], bar, g_buf.index(s))
+        tma.async_copy_global_to_shared(u_d, [run * (H // 2) + k * 64, 0], bar, u_buf.index(s))
+        tma.async_copy_global_to_shared(gs_d, [run * (H // 16) + k * 8, 0], bar,
+                                        gs_buf.index(s))
+        tma.async_copy_global_to_shared(us_d, [run * (H // 16) + k * 8, 0], bar,
+                                        us_buf.index(s))
+        i += 1
+    return i
+
+
+@gluon.jit
+def _gate_up_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr, count_ptr,
+                  num_pairs, stride_x, stride_h, a_row_div, slot0, tile, expert, i, empty,
+                  ready, g_buf, gs_buf, u_buf, us_buf, STAGES: gl.constexpr, H: gl.constexpr,
+                  BLOCK_M: gl.constexpr, SIGNAL: gl.constexpr = True, x_buf=None,
+                  X_TMA: gl.constexpr = False, WARPS: gl.constexpr = 4):
+    """h rows slot0..slot0+7, columns tile * 128 + [0, 128) (even columns first), then (with
+    `SIGNAL`) one count on the routing block's counter. The x rows: from the ring (`X_TMA`,
+    `x_buf`), else loaded from global memory (each consumer warp all of them, a K-step
+    ahead). `WARPS`: the consumer warps (4, or 8 in perf/proto_gluon_gate_up.py). Returns the
+    ring position after the item."""
+    mma: gl.constexpr = mma_layout(WARPS)
+    x_l: gl.constexpr = x_rows_layout(WARPS)
+    alpha_g = gl.load(gate_alpha_ptr + expert) * 128.0  # * 2^7: the decode's 2^-7
+    alpha_u = gl.load(up_alpha_ptr + expert) * 128.0
+    pairs_x = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(1, x_l)))
+    rows = gl.where(pairs_x < num_pairs, pairs_x // a_row_div, 0).to(gl.int64)
+    pairs = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(0, mma)))
+    acc_g = gl.zeros([128, 8], gl.float32, mma)
+    acc_u = gl.zeros([128, 8], gl.float32, mma)
+    if not X_TMA:
+        x_next = x_step(x_ptr, rows, stride_x, 0, WARPS)
+    for k in range(H // 128):
+        if not X_TMA:
+            x = x_next
+            if k + 1 < H // 128:  # the next K-step's rows, ahead of this step's work
+                x_next = x_step(x_ptr, rows, stride_x, k + 1, WARPS)
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        g_words, g_codes = _chunk(g_buf.index(s), gs_buf.index(s), WARPS)
+        u_words, u_codes = _chunk(u_buf.index(s), us_buf.index(s), WARPS)
+        if X_TMA:
+            x = x_buf.index(s).load(x_l)
+        fence_async_shared()
+        mbarrier.arrive(empty.index(s), count=1)
+        x_even, x_odd = x_operands(x, WARPS)
+        acc_g = _mma_chunk(g_words, g_codes, x_even, x_odd, acc_g, WARPS)
+        acc_u = _mma_chunk(u_words, u_codes, x_even, x_odd, acc_u, WARPS)
+        i += 1
+    g = acc_g * alpha_g
+    u = acc_u * alpha_u
+    h = (g * (1.0 / (1.0 + gl.exp(-g))) * u).to(gl.bfloat16)  # tl.sigmoid's formula
+    n = gl.arange(0, 128, gl.SliceLayout(1, mma))
+    cols = tile * 128 + (n % 2) * 64 + n // 2  # even columns first (what down reads)
+    _store_tile(h_ptr, slot0 + gl.arange(0, 8, gl.SliceLayout(0, mma)), stride_h, cols, h,
+                pairs < num_pairs)
+    if SIGNAL:
+        gl.thread_barrier()  # every consumer thread's stores, then one release count
+        gl.atomic_add(count_ptr + slot0 // BLOCK_M, 1, sem="release", scope="gpu")
+    return i
