@@ -86,8 +86,10 @@ __all__ = ["fused_applies", "gate_up_applies", "launch_moe_gluon", "programs_per
 # no spills in sm_90 SASS, and 3 programs of 256 threads fit in an SM's 64 K registers); the
 # gate/up prototype's best was the same (perf/README.md, session 25)
 STAGES, PROGRAMS_PER_SM, MAXNREG = 3, 3, 80
-# 0: items by program; 1: every item by a ticket counter (session 26: 99.9 against 94.0 µs per
-# layer by program); 2: gate/up items by program, then down items by ticket
+# 0: items by program; 1: every item by a ticket counter; 2: gate/up items by program, then
+# down items by ticket. Session 27 (routed experts, two passes): 96.4 / 95.3 µs per layer by
+# program, 100.4 / 102.0 with 1, 91.2 / 90.8 with 2 (the Gluon gate/up + Gluon down launches:
+# 89.7-91.7)
 TICKETS = 0
 X_TMA = True  # gate/up items' x rows copied into the ring by the producer (else loaded by the
 # consumer warps from global memory)
