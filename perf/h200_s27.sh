@@ -32,6 +32,10 @@
 #                                  # its GPU tests, then the op (routed experts) against the
 #                                  # default (Gluon gate/up + Gluon down) and the other fused
 #                                  # forms, two passes
+#   bash perf/h200_s27.sh last     # call 11 (carry .whl): the three Gluon GPU test files after
+#                                  # the module split; the op at the default against the fused
+#                                  # kernel with down items by ticket (3 or 2 stages, x by TMA
+#                                  # or loaded)
 set -u
 HERE="$(dirname "$0")"
 source "$HERE/h200_session.sh" lib
@@ -141,5 +145,16 @@ hybrid)
     done
   fi
   tar_out s27_hybrid ;;
-*) echo "usage: bash perf/h200_s27.sh warps8|sweep|gateup|grid|ncu|final|split|hybrid"; exit 2 ;;
+last)
+  python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
+  TEST_TIMEOUT=200 gpu_tests gluon -n 4 tests/custom_ops/test_nvfp4_moe_gluon.py \
+    tests/custom_ops/test_nvfp4_down_gluon.py tests/custom_ops/test_nvfp4_gate_up_gluon.py
+  if ! grep -qE "failed|error" "$OUT/gpu_tests_gluon.txt"; then
+    timeout 200 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 60 \
+      --downs gluon fused:3,3,80,2,1 fused:2,3,80,2,1 fused:3,3,80,2,0 gluon \
+      --out "$OUT/op_last.json" > "$OUT/op_last.txt" 2>&1
+    echo "op rc=$?"; op_rows "$OUT/op_last.txt"
+  fi
+  tar_out s27_last ;;
+*) echo "usage: bash perf/h200_s27.sh warps8|sweep|gateup|grid|ncu|final|split|hybrid|last"; exit 2 ;;
 esac
