@@ -93,12 +93,6 @@ STAGES, PROGRAMS_PER_SM, MAXNREG = 3, 3, 80
 TICKETS = 0
 X_TMA = True  # gate/up items' x rows copied into the ring by the producer (else loaded by the
 # consumer warps from global memory)
-# `gate_up_only` launches: "resident", the persistent grid (items by program), or "items", one
-# program per gate/up item (as the Triton kernel's grid: programs end as their item does, so
-# the Gluon down kernel takes their SMs during gate/up's last wave). Session 27: 89.7 / 89.8
-# against 92.8-94.1 µs per layer for the op (one program per possible item, most of them
-# without work: gate/up 67 against 61 µs in the profile)
-GATE_UP_GRID = "resident"
 # a ring slot: two weight chunks and their codes, (down items) four 1 KB halves of h rows, and
 # (gate/up items, `X_TMA`) the part's 8 x rows of the K-step (2 KB)
 STAGE_BYTES = 2 * 8192 + 2 * 1024 + 4 * 1024 + 2048
@@ -358,8 +352,9 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
     counter after them (`2 * num_slots + 1` entries, zero; left zero).
     `pdl`: "" (plain launch), "enter" (PDL after the routing), "after" (PDL after the shared
     expert's down parts). `gate_up_only`: h alone, items by program (the Gluon down kernel
-    that follows takes the ticket counter; it waits for each 8-slot part's `I / 128` counts),
-    on `GATE_UP_GRID`'s grid (gate/up items wait for nothing, so any grid is safe)."""
+    that follows takes the ticket counter; it waits for each 8-slot part's `I / 128` counts).
+    Session 27 also ran gate/up alone on one program per possible item (commit 2660087): 92.8-94.1
+    against 89.7 / 89.8 µs per layer for the op on this persistent grid."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     H, I = x.shape[1], h.shape[1]
@@ -390,5 +385,4 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
             raise RuntimeError(f"nvfp4_moe: the fused Gluon kernel (STAGES={STAGES}, "
                                f"MAXNREG={MAXNREG}) does not fit on an SM of {x.device}")
         _PROGRAMS[key] = fit * torch.cuda.get_device_properties(x.device).multi_processor_count
-    grid = parts * (I // 128) if gate_up_only and GATE_UP_GRID == "items" else _PROGRAMS[key]
-    _moe_gluon_kernel[(grid,)](*args, **options)
+    _moe_gluon_kernel[(_PROGRAMS[key],)](*args, **options)

@@ -286,27 +286,20 @@ def _nvfp4_moe_impl(
             GATE_UP_SPLIT=shared_split(block_n1), OVERLAP=overlap, PARTS_ONLY=parts_only,
             **pdl, **launch2,
         )
-    if gluon_gate_up:  # (no shared expert: nothing launched since the routing)
+    if fused or gluon_gate_up:  # after the shared expert's Triton parts, if any; gate/up alone
+        # before the Gluon down kernel
         launch_moe_gluon(
             a, sorted_pair, expert_of_block,
             (gate_weight, gate_weight_scale, up_weight, up_weight_scale, down_weight,
              down_weight_scale),
             (gate_alpha, up_alpha, down_alpha), h, y, count, num_slots, num_pairs, E, a_row_div,
-            pdl="enter", gate_up_only=True)
+            pdl="after" if has_shared else "enter", gate_up_only=gluon_gate_up)
     if gluon_down:  # (writers: gate/up's programs per block, or its items per 8-slot part)
         launch_down_gluon(h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
                           down_alpha, y, num_pairs, E,
                           count if overlap else None, num_slots,
                           I // 128 if gluon_gate_up else tiles1, pdl=bool(pdl),
                           per_part=gluon_gate_up)
-    if fused:
-        launch_moe_gluon(
-            a, sorted_pair, expert_of_block,
-            (gate_weight, gate_weight_scale, up_weight, up_weight_scale, down_weight,
-             down_weight_scale),
-            (gate_alpha, up_alpha, down_alpha),
-            h, y, count, num_slots, num_pairs, E, a_row_div,
-            pdl="after" if has_shared else "enter")
     if pairs:
         return y  # [T*P, H]
     return combine_pairs(y, topk_weights, out, has_shared, edges)  # [T, H]

@@ -135,14 +135,13 @@ def kernel_times(run: object, layers: int, reps: int = 5) -> dict[str, float]:
 
 def _down_choice(text: str) -> str:
     """`--downs` entry: triton, gluon[:TICKETS[,SHARED_IN_GATE_UP[,STAGES,PER_SM,MAXNREG]]]
-    (gluon-gu: the same with the Gluon gate/up, and a sixth value: its grid, 1 one program per
-    item, 0 the resident programs), fused or
+    (gluon-gu: the same with the Gluon gate/up), fused or
     fused:STAGES,PER_SM,MAXNREG[,TICKETS[,X_TMA]]."""
     name, _, config = text.partition(":")
     values = config.split(",")
     ok = name in ("triton", "gluon", "gluon-gu", "fused") and (not config or (
         all(v.isdigit() for v in values)
-        and len(values) in ((3, 4, 5) if name == "fused" else (1, 2, 5, 6) if "gluon" in name
+        and len(values) in ((3, 4, 5) if name == "fused" else (1, 2, 5) if "gluon" in name
                             else ())))
     if not ok:
         raise argparse.ArgumentTypeError(
@@ -220,7 +219,6 @@ def main() -> None:
     tickets = _nvfp4_down_gluon.TICKETS  # the Gluon down kernel's defaults
     shared_down = _nvfp4_down_gluon.SHARED_DOWN
     gate_up = _nvfp4_down_gluon.GATE_UP
-    gate_up_grid = _nvfp4_moe_gluon.GATE_UP_GRID
     fused_defaults = {name: getattr(_nvfp4_moe_gluon, name)
                       for name in ("STAGES", "PROGRAMS_PER_SM", "MAXNREG", "TICKETS", "X_TMA")}
     down_defaults = {name: getattr(_nvfp4_down_gluon, name)
@@ -242,9 +240,7 @@ def main() -> None:
                                   values, strict=False)) if down.startswith("fused:") else {}
         for name, default in fused_defaults.items():
             setattr(_nvfp4_moe_gluon, name, type(default)(fused_settings.get(name, default)))
-        down_settings = dict(zip(down_defaults, values[2:5], strict=False)) if gluon_config else {}
-        _nvfp4_moe_gluon.GATE_UP_GRID = (("resident", "items")[values[5]] if len(values) > 5
-                                         else gate_up_grid)
+        down_settings = dict(zip(down_defaults, values[2:], strict=False)) if gluon_config else {}
         for name, default in down_defaults.items():
             setattr(_nvfp4_down_gluon, name, down_settings.get(name, default))
         nvfp4_module._TILE = tile

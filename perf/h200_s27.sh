@@ -2,6 +2,7 @@
 # Session 27's H200 calls (helpers of perf/h200_session.sh). Each call's output is tarred in $OUT.
 # (The Gluon gate/up tests ran from tests/custom_ops/test_nvfp4_moe_gluon.py in calls 4-8; they
 # have moved to tests/custom_ops/test_nvfp4_gate_up_gluon.py, which the modes below now name.)
+# `grid` ran at commit 2660087: its sixth --downs value (the gate/up grid) has been removed since.
 #   bash perf/h200_s26.sh shareddown  # call 1 (carry .whl): session 26's prepared call
 #   bash perf/h200_s27.sh warps8   # call 2 (carry .whl): the gate/up prototype with 8 consumer
 #                                  # warps (2 programs per SM) against 4 (3 per SM), x by TMA;

@@ -4,7 +4,7 @@ Gluon gate/up items (`_nvfp4_gate_up_gluon`) in a launch of their own
 
 On CPU: the switch's conditions and the op's wiring with both Gluon launches replaced by torch
 computations (the down stand-in checks the per-part counts). On the H200 the op's output
-equals the Triton kernels' bit for bit, eager and replayed in a CUDA graph, on both grids.
+equals the Triton kernels' bit for bit, eager and replayed in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -123,13 +123,11 @@ def spy_gate_up_only(monkeypatch) -> list[bool]:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("grid", ["items", "resident"])
 @pytest.mark.parametrize("case", ["llada", "skewed", "one_token"])
-def test_gluon_gate_up_equals_the_triton_kernels_gpu(monkeypatch, case: str, grid: str) -> None:
+def test_gluon_gate_up_equals_the_triton_kernels_gpu(monkeypatch, case: str) -> None:
     """`DLMC_NVFP4_GATE_UP=gluon` then the Gluon down kernel (tickets): bit for bit the Triton
     kernels at LLaDA2.1-mini shapes (32 x top-8 of 256), with every token on the same 8
-    experts, and for one token, on either grid; the counters zero afterwards."""
-    monkeypatch.setattr(_nvfp4_moe_gluon, "GATE_UP_GRID", grid)
+    experts, and for one token; the counters zero afterwards."""
     calls = spy_gate_up_only(monkeypatch)
     gen = torch.Generator().manual_seed(4)
     E, H, I, T = (256, 2048, 512, 32) if case == "llada" else (8, 256, 256, 16)
@@ -143,10 +141,8 @@ def test_gluon_gate_up_equals_the_triton_kernels_gpu(monkeypatch, case: str, gri
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("grid", ["items", "resident"])
-def test_gluon_gate_up_replays_in_a_cuda_graph_gpu(monkeypatch, grid: str) -> None:
+def test_gluon_gate_up_replays_in_a_cuda_graph_gpu(monkeypatch) -> None:
     """Captured once, replayed on new x and routing: the eager Triton path's output."""
-    monkeypatch.setattr(_nvfp4_moe_gluon, "GATE_UP_GRID", grid)
     calls = spy_gate_up_only(monkeypatch)
     assert_graph_replays_like_triton(monkeypatch, "gluon", 256)
     assert calls and all(calls)

@@ -137,7 +137,8 @@ def torch_fused(experts: dict[str, torch.Tensor], calls: list[str]):
     gate, up, down = (dequantized(experts, name) for name in ("gate", "up", "down"))
 
     def launch(x, sorted_pair, expert_of_block, weights, alphas, h, y, count, num_slots,
-               num_pairs, shared_id, a_row_div, pdl=""):
+               num_pairs, shared_id, a_row_div, pdl="", gate_up_only=False):
+        assert not gate_up_only  # the fused kernel: gate/up and down items
         calls.append(pdl)
         assert count.numel() >= 2 * num_slots + 1  # the ticket counter's room
         assert int(count[:2 * num_slots + 1].abs().sum()) == 0
