@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from dlmc.custom_ops._nvfp4_gluon_parts import (
     H_OP,
@@ -50,6 +50,7 @@ from dlmc.custom_ops._nvfp4_gluon_parts import (
     ring_barriers,
     shared_layouts,
 )
+from dlmc.custom_ops._nvfp4_gluon_ring import drain_slots, release_slot, wait_slot
 from dlmc.custom_ops._pdl import INTERPRETED
 from dlmc.env import env_choice
 
@@ -135,7 +136,7 @@ def _producer(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, num_items, nu
             run = expert * (H // 128) + tile  # the item's 128-row run of weight rows
             for k in gl.static_range(KSTEPS):
                 s = i % STAGES
-                mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+                wait_slot(empty, i, STAGES)
                 bar = ready.index(s)
                 if OVERLAP:  # h rows: loaded by the consumers once gate/up has written them
                     mbarrier.expect(bar, w_d.block_type.nbytes + s_d.block_type.nbytes)
@@ -146,6 +147,7 @@ def _producer(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, num_items, nu
                 if not OVERLAP:
                     _h_copies(h_d, slot0, k, bar, h_buf, s)
                 i += 1
+    drain_slots(i, STAGES, 0)
 
 
 @gluon.jit
@@ -203,8 +205,7 @@ def _consumer(expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr, num_items,
                     h_next = _h_step(h_ptr, slot0, stride_h, k + 1)
                 mbarrier.wait(ready.index(s), (i // STAGES) & 1)
                 words, codes = _chunk(w_buf.index(s), s_buf.index(s))
-                fence_async_shared()
-                mbarrier.arrive(empty.index(s), count=1)
+                release_slot(empty, s)
                 acc = _mma_chunk(words, codes, h_even, h_odd, acc)
                 i += 1
             cols = tile * 128 + gl.arange(0, 128, gl.SliceLayout(1, MMA))
@@ -227,8 +228,7 @@ def _ring_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, slot0, ti
         words, codes = _chunk(w_buf.index(s), s_buf.index(s))
         h_even = h_buf.index(2 * s).permute([1, 0]).load(H_OP)
         h_odd = h_buf.index(2 * s + 1).permute([1, 0]).load(H_OP)
-        fence_async_shared()
-        mbarrier.arrive(empty.index(s), count=1)
+        release_slot(empty, s)
         acc = _mma_chunk(words, codes, h_even, h_odd, acc)
         i += 1
     cols = tile * 128 + gl.arange(0, 128, gl.SliceLayout(1, MMA))
@@ -258,7 +258,7 @@ def _ticket_producer(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, count_
             run = expert * (H // 128) + tile
             for k in gl.static_range(KSTEPS):
                 s = i % STAGES
-                mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+                wait_slot(empty, i, STAGES)
                 _tag_slot(ids, s, item * 1024 + expert)
                 bar = ready.index(s)
                 mbarrier.expect(bar, w_d.block_type.nbytes + s_d.block_type.nbytes
@@ -272,6 +272,7 @@ def _ticket_producer(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, count_
                 i += 1
         item = after
     _end_tickets(ticket, item, num_items, ids, empty, ready, i, STAGES)
+    drain_slots(i + 1, STAGES, 1)
 
 
 @gluon.jit

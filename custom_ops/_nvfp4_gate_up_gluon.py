@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from dlmc.custom_ops._nvfp4_gluon_parts import (
     _chunk,
@@ -24,6 +24,7 @@ from dlmc.custom_ops._nvfp4_gluon_parts import (
     mma_layout,
     operand_layout,
 )
+from dlmc.custom_ops._nvfp4_gluon_ring import release_slot, wait_slot
 
 __all__ = ["X_L", "gate_up_copies", "x_layout", "x_operands", "x_ring", "x_rows_layout",
            "x_step"]
@@ -97,7 +98,7 @@ def gate_up_copies(g_d, gs_d, u_d, us_d, run, i, empty, ready, g_buf, gs_buf, u_
     the ring position after it."""
     for k in range(H // 128):
         s = i % STAGES
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        wait_slot(empty, i, STAGES)
         if TAG:
             _tag_slot(ids, s, tag)
         bar = ready.index(s)
@@ -153,8 +154,7 @@ def _gate_up_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr, c
         u_words, u_codes = _chunk(u_buf.index(s), us_buf.index(s), WARPS)
         if X_TMA:
             x = x_buf.index(s).load(x_l)
-        fence_async_shared()
-        mbarrier.arrive(empty.index(s), count=1)
+        release_slot(empty, s, WARPS)
         x_even, x_odd = x_operands(x, WARPS)
         acc_g = _mma_chunk(g_words, g_codes, x_even, x_odd, acc_g, WARPS)
         acc_u = _mma_chunk(u_words, u_codes, x_even, x_odd, acc_u, WARPS)

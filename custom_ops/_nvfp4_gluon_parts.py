@@ -24,6 +24,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
+from dlmc.custom_ops._nvfp4_gluon_ring import wait_slot
 from dlmc.custom_ops.nvfp4_scale_codes import PAIR_ADD, PAIR_MUL
 from dlmc.custom_ops.nvfp4_words import DECODE_WORDS_ASM
 
@@ -206,7 +207,7 @@ def _end_tickets(ticket, item, total, ids, empty, ready, i, STAGES: gl.constexpr
         if item == total + gl.num_programs(0) - 1:
             gl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
     s = i % STAGES
-    mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+    wait_slot(empty, i, STAGES)
     _tag_slot(ids, s, -1)
     mbarrier.arrive(ready.index(s), count=1)
 

@@ -48,7 +48,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from dlmc.custom_ops import _nvfp4_down_gluon
 from dlmc.custom_ops._nvfp4_gate_up_gluon import (
@@ -78,6 +78,7 @@ from dlmc.custom_ops._nvfp4_gluon_parts import (
     ring_barriers,
     shared_layouts,
 )
+from dlmc.custom_ops._nvfp4_gluon_ring import drain_slots, release_slot, wait_slot
 from dlmc.custom_ops._occupancy import resident_programs
 
 __all__ = ["fused_applies", "gate_up_applies", "launch_moe_gluon", "programs_per_sm"]
@@ -113,7 +114,7 @@ def _down_copies(d_d, ds_d, h_d, count_ptr, num_slots, sorted_pair_ptr, num_pair
     that TMA reads those rows; then the part's h rows of both K-steps (even and odd halves)."""
     for j in gl.static_range(I // 256):
         s = i % STAGES
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        wait_slot(empty, i, STAGES)
         _tag_slot(ids, s, tag)
         bar = ready.index(s)
         mbarrier.expect(bar, 2 * d_d.block_type.nbytes + 2 * ds_d.block_type.nbytes
@@ -188,6 +189,7 @@ def _producer(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, expert_of_block_ptr, so
                                  item * 1024 + expert, STAGES, H, I, BLOCK_M)
         item = after
     _end_tickets(ticket, item, total, ids, empty, ready, i, STAGES, TICKETS)
+    drain_slots(i + 1, STAGES, 1)
 
 
 @gluon.jit
@@ -210,8 +212,7 @@ def _down_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, slot0, ti
             h_even = h_buf.index(4 * s + 2 * step).permute([1, 0]).load(H_OP)
             h_odd = h_buf.index(4 * s + 2 * step + 1).permute([1, 0]).load(H_OP)
             if step == 1:
-                fence_async_shared()
-                mbarrier.arrive(empty.index(s), count=1)
+                release_slot(empty, s)
             acc = _mma_chunk(words, codes, h_even, h_odd, acc)
         i += 1
     cols = tile * 128 + gl.arange(0, 128, gl.SliceLayout(1, MMA))

@@ -80,6 +80,7 @@ from dlmc.custom_ops._nvfp4_gluon_parts import (
     ring_barriers,
     shared_layouts,
 )
+from dlmc.custom_ops._nvfp4_gluon_ring import RING_EMPTY
 
 H, I, BM, K_TOP = 2048, 512, 16, 8
 KSTEPS, TILES = H // 128, I // 128
@@ -431,6 +432,9 @@ def run_gpu(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
+    if RING_EMPTY != "mbarrier":  # its probe and SPLIT consumers arrive on the mbarrier
+        sys.exit("perf/proto_gluon_gate_up.py hands ring slots back by mbarrier: run it with "
+                 f"DLMC_NVFP4_RING_EMPTY=mbarrier (got {RING_EMPTY!r})")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compile-only", action="store_true")
     parser.add_argument("--stages", type=int, default=4)

@@ -70,12 +70,7 @@ def check_lowering() -> None:
     ahead per item, the reader count; exchanges: the last reader's two counter resets and the
     ticket reset). With tickets, `PER_PART` (waiting for gate/up's counts per 8-slot part) the
     same."""
-    kernel = _nvfp4_down_gluon._down_gluon_kernel
-    w, s, h = _nvfp4_gluon_parts.shared_layouts()
-    types = {"w_d": f"tensordesc<u8[64, 128],{w!r}>", "s_d": f"tensordesc<i32[8, 32],{s!r}>",
-             "h_d": f"tensordesc<bf16[8, 64],{h!r}>", "expert_of_block_ptr": "*i32",
-             "sorted_pair_ptr": "*i32", "alpha_ptr": "*fp32", "y_ptr": "*bf16",
-             "h_ptr": "*bf16", "count_ptr": "*i32"}
+    kernel, types = _nvfp4_down_gluon._down_gluon_kernel, down_types()
     for overlap, tickets, per_part in ((False, False, False), (True, False, False),
                                        (True, True, False), (True, True, True)):
         consts = {"STAGES": _nvfp4_down_gluon.STAGES, "KSTEPS": 4, "TILES": 16, "I": 512,
@@ -91,6 +86,15 @@ def check_lowering() -> None:
         assert ptx.count("relaxed.exch") == 2 * overlap + tickets, form
         assert ("fence.proxy.async.global" in ptx) == tickets, form
         assert ".reqntid 256" in ptx  # 3 programs per SM at 80 registers: 61440 of 65536
+
+
+def down_types() -> dict[str, str]:
+    """The Gluon down kernel's non-i32 argument types for `compile_gluon_sm90`."""
+    w, s, h = _nvfp4_gluon_parts.shared_layouts()
+    return {"w_d": f"tensordesc<u8[64, 128],{w!r}>", "s_d": f"tensordesc<i32[8, 32],{s!r}>",
+            "h_d": f"tensordesc<bf16[8, 64],{h!r}>", "expert_of_block_ptr": "*i32",
+            "sorted_pair_ptr": "*i32", "alpha_ptr": "*fp32", "y_ptr": "*bf16",
+            "h_ptr": "*bf16", "count_ptr": "*i32"}
 
 
 def compile_gluon_sm90(kernel, types: dict[str, str], consts: dict[str, object],
@@ -111,13 +115,13 @@ def compile_gluon_sm90(kernel, types: dict[str, str], consts: dict[str, object],
     return compiled, resource_usage(compiled)
 
 
-def run_lowering_check(module: str) -> None:
-    """`module.check_lowering()` in a fresh process without Triton's interpreter (the lowering
-    needs the compiler's real backend)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", f"from {module} import check_lowering; "
-                             "check_lowering()"], env=env, timeout=300, capture_output=True,
-                            text=True, check=False)
+def run_lowering_check(module: str, check: str = "check_lowering",
+                       env: dict[str, str] | None = None) -> None:
+    """`module.check()` in a fresh process without Triton's interpreter (the lowering needs the
+    compiler's real backend), with `env` added to the environment."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | (env or {})
+    result = subprocess.run([sys.executable, "-c", f"from {module} import {check}; {check}()"],
+                            env=env, timeout=300, capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
 
 

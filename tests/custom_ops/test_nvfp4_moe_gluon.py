@@ -80,19 +80,23 @@ def test_programs_per_sm_is_what_fits(monkeypatch) -> None:
     assert fit(cuda, 12, 8, 80) == 1  # never below one
 
 
+def fused_types() -> dict[str, str]:
+    """The fused kernel's non-i32 argument types for `compile_gluon_sm90`."""
+    w, s, h = _nvfp4_gluon_parts.shared_layouts()
+    words, codes = f"tensordesc<u8[64, 128],{w!r}>", f"tensordesc<i32[8, 32],{s!r}>"
+    return {"g_d": words, "gs_d": codes, "u_d": words, "us_d": codes, "d_d": words,
+            "ds_d": codes, "h_d": f"tensordesc<bf16[8, 64],{h!r}>",
+            "x_d": f"tensordesc<bf16[1, 128],{_nvfp4_gate_up_gluon.x_layout()!r}>",
+            "x_ptr": "*bf16", "expert_of_block_ptr": "*i32",
+            "sorted_pair_ptr": "*i32", "gate_alpha_ptr": "*fp32", "up_alpha_ptr": "*fp32",
+            "down_alpha_ptr": "*fp32", "h_ptr": "*bf16", "y_ptr": "*bf16", "count_ptr": "*i32"}
+
+
 def check_lowering() -> None:
     """The kernel lowers for sm_90 with at most `MAXNREG` registers, no spills, at most the
     ring plus 1 KB of shared memory (what `programs_per_sm` assumes), and the PDL instructions
     of each launch form."""
-    kernel = _nvfp4_moe_gluon._moe_gluon_kernel
-    w, s, h = _nvfp4_gluon_parts.shared_layouts()
-    words, codes = f"tensordesc<u8[64, 128],{w!r}>", f"tensordesc<i32[8, 32],{s!r}>"
-    types = {"g_d": words, "gs_d": codes, "u_d": words, "us_d": codes, "d_d": words,
-             "ds_d": codes, "h_d": f"tensordesc<bf16[8, 64],{h!r}>",
-             "x_d": f"tensordesc<bf16[1, 128],{_nvfp4_gate_up_gluon.x_layout()!r}>",
-             "x_ptr": "*bf16", "expert_of_block_ptr": "*i32",
-             "sorted_pair_ptr": "*i32", "gate_alpha_ptr": "*fp32", "up_alpha_ptr": "*fp32",
-             "down_alpha_ptr": "*fp32", "h_ptr": "*bf16", "y_ptr": "*bf16", "count_ptr": "*i32"}
+    kernel, types = _nvfp4_moe_gluon._moe_gluon_kernel, fused_types()
     stages = _nvfp4_moe_gluon.STAGES
     for pdl, block_m, tickets, x_tma in (("enter", 16, 0, True), ("after", 16, 1, True),
                                          ("", 64, 1, False), ("enter", 16, 2, True)):

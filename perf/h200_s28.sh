@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Session 28's H200 calls (helpers of perf/h200_session.sh). Each call's output is tarred in $OUT.
+#   bash perf/h200_s28.sh ring    # call 1 (carry .whl): DLMC_NVFP4_RING_EMPTY=named (consumers
+#                                 # hand ring slots back with bar.arrive on named barriers):
+#                                 # the Gluon GPU tests in that mode, then the op (routed
+#                                 # experts) in both modes, one process each, two passes in
+#                                 # opposite orders, then NVFP4 + FP8 rounds in both modes
+set -u
+HERE="$(dirname "$0")"
+source "$HERE/h200_session.sh" lib
+source <(sed -n '/^op_rows()/,/^}/p' "$HERE/h200_s27.sh")
+
+op() {  # op NAME MODE [bench args]: the op (routed experts) with DLMC_NVFP4_RING_EMPTY=MODE
+  local name=$1 mode=$2; shift 2
+  DLMC_NVFP4_RING_EMPTY=$mode timeout 120 python3 perf/bench_nvfp4_moe.py --tokens 32 \
+    --iters 60 --downs gluon "$@" --out "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
+  echo "$name rc=$? $(op_rows "$OUT/$name.txt")"
+}
+
+case "${1:-}" in
+ring)
+  python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
+  DLMC_NVFP4_RING_EMPTY=named TEST_TIMEOUT=240 gpu_tests named -n 4 \
+    tests/custom_ops/test_nvfp4_moe_gluon.py tests/custom_ops/test_nvfp4_down_gluon.py \
+    tests/custom_ops/test_nvfp4_gate_up_gluon.py
+  if ! grep -qE "failed|error|Timeout" "$OUT/gpu_tests_named.txt"; then
+    op op_mbarrier1 mbarrier --profile
+    op op_named1 named --profile
+    op op_named2 named
+    op op_mbarrier2 mbarrier
+    args=(--precision nvfp4 --kv-cache-dtype fp8 --modes graph --no-loop)
+    DLMC_NVFP4_RING_EMPTY=named round round_nvfp4_named 150 "${args[@]}"
+    round round_nvfp4_default 150 "${args[@]}"
+  fi
+  tar_out s28_ring ;;
+*) echo "usage: $0 ring" >&2; exit 2 ;;
+esac
