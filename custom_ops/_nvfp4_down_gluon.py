@@ -205,7 +205,7 @@ def _consumer(expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr, num_items,
                     h_next = _h_step(h_ptr, slot0, stride_h, k + 1)
                 mbarrier.wait(ready.index(s), (i // STAGES) & 1)
                 words, codes = _chunk(w_buf.index(s), s_buf.index(s))
-                release_slot(empty, s)
+                release_slot(empty, s)  # (its token would spill here: 64 bytes of stack)
                 acc = _mma_chunk(words, codes, h_even, h_odd, acc)
                 i += 1
             cols = tile * 128 + gl.arange(0, 128, gl.SliceLayout(1, MMA))
@@ -228,8 +228,8 @@ def _ring_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, slot0, ti
         words, codes = _chunk(w_buf.index(s), s_buf.index(s))
         h_even = h_buf.index(2 * s).permute([1, 0]).load(H_OP)
         h_odd = h_buf.index(2 * s + 1).permute([1, 0]).load(H_OP)
-        release_slot(empty, s)
-        acc = _mma_chunk(words, codes, h_even, h_odd, acc)
+        token = release_slot(empty, s)
+        acc = _mma_chunk(words, codes, h_even, h_odd, acc, 4, token)
         i += 1
     cols = tile * 128 + gl.arange(0, 128, gl.SliceLayout(1, MMA))
     _store_tile(y_ptr, pairs, stride_y, cols, (acc * alpha).to(gl.bfloat16), pairs < num_pairs)

@@ -64,14 +64,20 @@ def wait_slot(empty, i, STAGES: gl.constexpr, CONSUMER_WARPS: gl.constexpr = 4):
 
 @gluon.jit
 def release_slot(empty, s, WARPS: gl.constexpr = 4):
-    """The consumer warps, once they have read ring slot s into registers. (ptxas may place
-    the `bar.arrive` after part of the slot's decode: it does not wait, and a data dependence
-    to pin it earlier folds away in ptxas.)"""
+    """The consumer warps, once they have read ring slot s into registers. Returns a zero for
+    the slot's decode (`_mma_chunk`'s `token`): named, one read back from shared memory
+    (`ring_barriers`' zeros) after the `bar.arrive`, so that ptxas, which moves arithmetic
+    across the arrival (14 of a gate/up K-step's MMAs, and a zero made by arithmetic after it
+    folds away), keeps the decode after it and the slot goes back early."""
     fence_async_shared()
     if NAMED_EMPTY:
         _bar(_bar_asm("arrive", WARPS), EMPTY_BARRIER + s, WARPS)
+        zero = empty.index(s).load(gl.BlockedLayout([1], [32], [WARPS], [0]))
+        token = gl.max(zero, axis=0)
     else:
         mbarrier.arrive(empty.index(s), count=1)
+        token = 0
+    return token
 
 
 @gluon.jit
