@@ -13,9 +13,16 @@
   (`drain_slots`), so that no barrier is left part-way. Both count the 4 consumer warps and the
   producer warp (160 threads). `bar.arrive` orders the thread's earlier shared-memory reads
   before the producer's wait returns, as the mbarrier's arrival does; the proxy fence before
-  it stays.
+  it stays. ptxas moves arithmetic across a `bar.arrive`, so the slot's decode waits for a
+  zero read back from shared memory after it (`release_slot`'s token).
+  Session 28 (H200, routed experts): the first form, without the token, was bit for bit but
+  slower, 92.2-92.3 against 88.7-89.1 µs per layer (gate/up 64.3 against 60.4 µs), with 14 of
+  the K-step's MMAs ahead of the arrival in the SASS; the form with the token is not yet
+  measured. Opt-in until it is.
 
-Either way the data side (`ready`) is the mbarrier that the TMA copies complete.
+Either way the data side (`ready`) is the mbarrier that the TMA copies complete; its wait keeps
+Gluon's `bar.sync` (an inline-asm wait would need the barrier's shared address, which Gluon
+does not expose).
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ def wait_slot(empty, i, STAGES: gl.constexpr, CONSUMER_WARPS: gl.constexpr = 4):
     """The producer warp, before fill i of the ring: slot i % STAGES has been read."""
     s = i % STAGES
     if NAMED_EMPTY:
+        gl.static_assert(STAGES <= 8, "named ring hand-back: barriers 8..15 hold 8 slots")
         if i >= STAGES:
             _bar(_bar_asm("sync", CONSUMER_WARPS), EMPTY_BARRIER + s, 1)
     else:
