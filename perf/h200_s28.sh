@@ -7,7 +7,8 @@
 #                                 # opposite orders, then NVFP4 + FP8 rounds in both modes
 #   bash perf/h200_s28.sh ring2   # call 2 (carry .whl): the same after the arrival was pinned
 #                                 # before the slot's decode (a zero read back after it):
-#                                 # GPU tests in named mode, the op in both modes, 3 passes
+#                                 # GPU tests in named mode, the op in both modes, 3 passes,
+#                                 # then NVFP4 + FP8 rounds in both modes
 set -u
 HERE="$(dirname "$0")"
 source "$HERE/h200_session.sh" lib
@@ -20,13 +21,17 @@ op() {  # op NAME MODE [bench args]: the op (routed experts) with DLMC_NVFP4_RIN
   echo "$name rc=$? $(op_rows "$OUT/$name.txt")"
 }
 
-case "${1:-}" in
-ring)
+named_tests() {  # the Gluon GPU test files in named mode; true if none failed
   python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
   DLMC_NVFP4_RING_EMPTY=named TEST_TIMEOUT=240 gpu_tests named -n 4 \
     tests/custom_ops/test_nvfp4_moe_gluon.py tests/custom_ops/test_nvfp4_down_gluon.py \
     tests/custom_ops/test_nvfp4_gate_up_gluon.py
-  if ! grep -qE "failed|error|Timeout" "$OUT/gpu_tests_named.txt"; then
+  ! grep -qE "failed|error|Timeout" "$OUT/gpu_tests_named.txt"
+}
+
+case "${1:-}" in
+ring)
+  if named_tests; then
     op op_mbarrier1 mbarrier --profile
     op op_named1 named --profile
     op op_named2 named
@@ -37,17 +42,16 @@ ring)
   fi
   tar_out s28_ring ;;
 ring2)
-  python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
-  DLMC_NVFP4_RING_EMPTY=named TEST_TIMEOUT=240 gpu_tests named -n 4 \
-    tests/custom_ops/test_nvfp4_moe_gluon.py tests/custom_ops/test_nvfp4_down_gluon.py \
-    tests/custom_ops/test_nvfp4_gate_up_gluon.py
-  if ! grep -qE "failed|error|Timeout" "$OUT/gpu_tests_named.txt"; then
+  if named_tests; then
     op op_named1 named --profile
     op op_mbarrier1 mbarrier --profile
     op op_mbarrier2 mbarrier
     op op_named2 named
     op op_named3 named
     op op_mbarrier3 mbarrier
+    args=(--precision nvfp4 --kv-cache-dtype fp8 --modes graph --no-loop)
+    DLMC_NVFP4_RING_EMPTY=named round round_nvfp4_named 150 "${args[@]}"
+    round round_nvfp4_default 150 "${args[@]}"
   fi
   tar_out s28_ring2 ;;
 *) echo "usage: $0 ring|ring2" >&2; exit 2 ;;
