@@ -29,6 +29,12 @@ named_tests() {  # the Gluon GPU test files in named mode; true if none failed
   ! grep -qE "failed|error|Timeout" "$OUT/gpu_tests_named.txt"
 }
 
+ring_rounds() {  # NVFP4 + FP8 rounds, named mode then the default
+  local args=(--precision nvfp4 --kv-cache-dtype fp8 --modes graph --no-loop)
+  DLMC_NVFP4_RING_EMPTY=named round round_nvfp4_named 150 "${args[@]}"
+  round round_nvfp4_default 150 "${args[@]}"
+}
+
 case "${1:-}" in
 ring)
   if named_tests; then
@@ -36,9 +42,7 @@ ring)
     op op_named1 named --profile
     op op_named2 named
     op op_mbarrier2 mbarrier
-    args=(--precision nvfp4 --kv-cache-dtype fp8 --modes graph --no-loop)
-    DLMC_NVFP4_RING_EMPTY=named round round_nvfp4_named 150 "${args[@]}"
-    round round_nvfp4_default 150 "${args[@]}"
+    ring_rounds
   fi
   tar_out s28_ring ;;
 ring2)
@@ -49,9 +53,7 @@ ring2)
     op op_named2 named
     op op_named3 named
     op op_mbarrier3 mbarrier
-    args=(--precision nvfp4 --kv-cache-dtype fp8 --modes graph --no-loop)
-    DLMC_NVFP4_RING_EMPTY=named round round_nvfp4_named 150 "${args[@]}"
-    round round_nvfp4_default 150 "${args[@]}"
+    ring_rounds
   fi
   tar_out s28_ring2 ;;
 *) echo "usage: $0 ring|ring2" >&2; exit 2 ;;
