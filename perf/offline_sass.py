@@ -18,6 +18,19 @@ import triton
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
+def require_mbarrier_ring(script: str) -> None:
+    """Exit with a message unless the Gluon ring hands slots back by mbarrier
+    (`DLMC_NVFP4_RING_EMPTY`): the probes' own consumers and producers wait and arrive on the
+    `empty` mbarriers of `ring_barriers`, which named mode replaces."""
+    import sys
+
+    from dlmc.custom_ops._nvfp4_gluon_ring import RING_EMPTY
+
+    if RING_EMPTY != "mbarrier":
+        sys.exit(f"perf/{script} hands ring slots back by mbarrier: run it with "
+                 f"DLMC_NVFP4_RING_EMPTY=mbarrier (got {RING_EMPTY!r})")
+
+
 def disassemble(compiled: object) -> tuple[str, str]:
     """(SASS text, `cuobjdump -res-usage` text) of a `triton.compile` result's cubin."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:

@@ -27,7 +27,7 @@ import sys
 
 import triton
 import triton.language as tl
-from offline_sass import disassemble, print_rows, replay_times, run
+from offline_sass import disassemble, print_rows, replay_times, require_mbarrier_ring, run
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
@@ -233,6 +233,7 @@ def run_gpu(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
+    require_mbarrier_ring("probe_ws_stream.py")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compile-only", action="store_true")
     parser.add_argument("--stages", type=int, default=6)

@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 import triton
-from offline_sass import disassemble, print_rows, replay_times, run
+from offline_sass import disassemble, print_rows, replay_times, require_mbarrier_ring, run
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
@@ -361,6 +361,7 @@ def _config(text: str) -> tuple[int, ...]:
 
 
 def main() -> None:
+    require_mbarrier_ring("proto_gluon_down.py")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compile-only", action="store_true")
     parser.add_argument("--stages", type=int, default=4)

@@ -49,7 +49,7 @@ import statistics
 import sys
 
 import triton
-from offline_sass import disassemble, print_rows, replay_times, run
+from offline_sass import disassemble, print_rows, replay_times, require_mbarrier_ring, run
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
@@ -80,7 +80,6 @@ from dlmc.custom_ops._nvfp4_gluon_parts import (
     ring_barriers,
     shared_layouts,
 )
-from dlmc.custom_ops._nvfp4_gluon_ring import RING_EMPTY
 
 H, I, BM, K_TOP = 2048, 512, 16, 8
 KSTEPS, TILES = H // 128, I // 128
@@ -432,9 +431,7 @@ def run_gpu(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    if RING_EMPTY != "mbarrier":  # its probe and SPLIT consumers arrive on the mbarrier
-        sys.exit("perf/proto_gluon_gate_up.py hands ring slots back by mbarrier: run it with "
-                 f"DLMC_NVFP4_RING_EMPTY=mbarrier (got {RING_EMPTY!r})")
+    require_mbarrier_ring("proto_gluon_gate_up.py")  # its probe and SPLIT consumers
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compile-only", action="store_true")
     parser.add_argument("--stages", type=int, default=4)
