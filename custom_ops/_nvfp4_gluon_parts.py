@@ -255,9 +255,8 @@ def ring_barriers(STAGES: gl.constexpr, EMPTY_ARRIVALS: gl.constexpr = 1):
     named barriers)."""
     if NAMED_EMPTY:
         empty = gl.allocate_shared_memory(gl.int32, [8, 1], TAGS)
-        for s in gl.static_range(8):
-            empty.index(s).store(gl.full([1], 0, gl.int32,
-                                         gl.BlockedLayout([1], [32], [gl.num_warps()], [0])))
+        empty._reinterpret(gl.int32, [8], TAGS).store(
+            gl.zeros([8], gl.int32, gl.BlockedLayout([1], [32], [gl.num_warps()], [0])))
     else:
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
