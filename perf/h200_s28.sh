@@ -7,8 +7,10 @@
 #                                 # opposite orders, then NVFP4 + FP8 rounds in both modes
 #   bash perf/h200_s28.sh ring2   # call 2 (carry .whl): the same after the arrival was pinned
 #                                 # before the slot's decode (a zero read back after it):
-#                                 # GPU tests in named mode, the op in both modes, 3 passes,
-#                                 # then NVFP4 + FP8 rounds in both modes
+#                                 # GPU tests in named mode, the op in both modes, 3 passes
+#   bash perf/h200_s28.sh rounds  # call 3: NVFP4 + FP8 rounds: named mode, the default, and
+#                                 # DLMC_NVFP4_SHARED=separate (the shared expert outside the
+#                                 # op, which then takes the Gluon gate/up)
 set -u
 HERE="$(dirname "$0")"
 source "$HERE/h200_session.sh" lib
@@ -53,8 +55,14 @@ ring2)
     op op_named2 named
     op op_named3 named
     op op_mbarrier3 mbarrier
-    ring_rounds
   fi
   tar_out s28_ring2 ;;
-*) echo "usage: $0 ring|ring2" >&2; exit 2 ;;
+rounds)
+  ring_rounds
+  # the shared expert outside the op (cuBLAS SwiGLU): the op is then routed-only and takes the
+  # Gluon gate/up; what the round would gain from moving the shared expert out of the op
+  DLMC_NVFP4_SHARED=separate round round_nvfp4_shared_separate 150 \
+    --precision nvfp4 --kv-cache-dtype fp8 --modes graph --no-loop
+  tar_out s28_rounds ;;
+*) echo "usage: $0 ring|ring2|rounds" >&2; exit 2 ;;
 esac
