@@ -272,7 +272,6 @@ def _ticket_producer(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, count_
                 i += 1
         item = after
     _end_tickets(ticket, item, num_items, ids, empty, ready, i, STAGES)
-    drain_slots(i + 1, STAGES, 1)
 
 
 @gluon.jit

@@ -24,7 +24,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from dlmc.custom_ops._nvfp4_gluon_ring import NAMED_EMPTY, wait_slot
+from dlmc.custom_ops._nvfp4_gluon_ring import NAMED_EMPTY, drain_slots, wait_slot
 from dlmc.custom_ops.nvfp4_scale_codes import PAIR_ADD, PAIR_MUL
 from dlmc.custom_ops.nvfp4_words import DECODE_WORDS_ASM
 
@@ -203,7 +203,7 @@ def _end_tickets(ticket, item, total, ids, empty, ready, i, STAGES: gl.constexpr
                  TICKETS: gl.constexpr = True):
     """After the last item (`TICKETS`: every program has taken one ticket past the items, and
     the last of those resets the counter `ticket`): a slot tagged -1 ends the consumers'
-    loop."""
+    loop; then (named hand-back) the producer waits out the consumers' last arrivals."""
     if TICKETS:  # noqa: SIM102 (a static condition around a runtime one)
         if item == total + gl.num_programs(0) - 1:
             gl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
@@ -211,6 +211,7 @@ def _end_tickets(ticket, item, total, ids, empty, ready, i, STAGES: gl.constexpr
     wait_slot(empty, i, STAGES)
     _tag_slot(ids, s, -1)
     mbarrier.arrive(ready.index(s), count=1)
+    drain_slots(i + 1, STAGES, 1)  # (named hand-back: the consumers' last arrivals)
 
 
 @gluon.jit

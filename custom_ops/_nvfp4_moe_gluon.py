@@ -78,7 +78,7 @@ from dlmc.custom_ops._nvfp4_gluon_parts import (
     ring_barriers,
     shared_layouts,
 )
-from dlmc.custom_ops._nvfp4_gluon_ring import drain_slots, release_slot, wait_slot
+from dlmc.custom_ops._nvfp4_gluon_ring import release_slot, wait_slot
 from dlmc.custom_ops._occupancy import resident_programs
 
 __all__ = ["fused_applies", "gate_up_applies", "launch_moe_gluon", "programs_per_sm"]
@@ -189,7 +189,6 @@ def _producer(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, expert_of_block_ptr, so
                                  item * 1024 + expert, STAGES, H, I, BLOCK_M)
         item = after
     _end_tickets(ticket, item, total, ids, empty, ready, i, STAGES, TICKETS)
-    drain_slots(i + 1, STAGES, 1)
 
 
 @gluon.jit
