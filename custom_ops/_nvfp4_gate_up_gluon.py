@@ -21,10 +21,13 @@ from dlmc.custom_ops._nvfp4_gluon_parts import (
     _mma_chunk,
     _store_tile,
     _tag_slot,
+    gdc_launch_dependents,
+    gdc_wait,
     mma_layout,
     operand_layout,
 )
 from dlmc.custom_ops._nvfp4_gluon_ring import release_slot, wait_slot
+from dlmc.custom_ops._nvfp4_self_route import tab_scalar
 
 __all__ = ["X_L", "gate_up_copies", "x_layout", "x_operands", "x_ring", "x_rows_layout",
            "x_step"]
@@ -78,11 +81,16 @@ def x_ring(x_d, unused, STAGES: gl.constexpr, X_TMA: gl.constexpr):
 
 
 @gluon.jit
-def _x_copies(x_d, x_slot, bar, sorted_pair_ptr, slot0, num_pairs, a_row_div, k):
+def _x_copies(x_d, x_slot, bar, sorted_pair_ptr, slot0, num_pairs, a_row_div, k, pair_tab,
+              g, SELF: gl.constexpr):
     """TMA copies of K-step k of the part's 8 x rows (pair p reads row p // `a_row_div`;
-    padding slots row 0) into the slot's [8, 128] tile."""
+    padding slots row 0) into the slot's [8, 128] tile; the pairs from the alignment, or
+    (`SELF`) rows 8 g.. of the program's own table (`_nvfp4_self_route`)."""
     for r in gl.static_range(8):
-        pair = gl.load(sorted_pair_ptr + slot0 + r)
+        if SELF:
+            pair = tab_scalar(pair_tab, 8 * g + r)
+        else:
+            pair = gl.load(sorted_pair_ptr + slot0 + r)
         row = (pair < num_pairs).to(gl.int32) * (pair // a_row_div)
         tma.async_copy_global_to_shared(x_d, [row, k * 128], bar, x_slot.slice(r, 1))
 
@@ -91,11 +99,14 @@ def _x_copies(x_d, x_slot, bar, sorted_pair_ptr, slot0, num_pairs, a_row_div, k)
 def gate_up_copies(g_d, gs_d, u_d, us_d, run, i, empty, ready, g_buf, gs_buf, u_buf, us_buf,
                    ids, tag, STAGES: gl.constexpr, H: gl.constexpr, x_d, x_buf, sorted_pair_ptr,
                    slot0, num_pairs, a_row_div, X_TMA: gl.constexpr = False,
-                   TAG: gl.constexpr = True):
+                   TAG: gl.constexpr = True, pair_tab=None, g=0, gdc_step=-1,
+                   SELF: gl.constexpr = False):
     """The producer's TMA copies of a gate/up item: run `run` (128 gate and up rows) K-step by
     K-step into ring slots i, i + 1, ..., each tagged `tag` (unless not `TAG`; `X_TMA`: with
     the part's x rows, `x_buf` [STAGES, 8, 128]; else `x_d` and the rest are not read); returns
-    the ring position after it."""
+    the ring position after it. `SELF` (`_nvfp4_self_route`): the x rows' pairs from
+    `pair_tab` (item g of the program), and after K-step `gdc_step`'s copies the producer
+    waits for the previous launch (the alignment) and lets the next one launch."""
     for k in range(H // 128):
         s = i % STAGES
         wait_slot(empty, i, STAGES)
@@ -106,7 +117,7 @@ def gate_up_copies(g_d, gs_d, u_d, us_d, run, i, empty, ready, g_buf, gs_buf, u_
             mbarrier.expect(bar, 2 * g_d.block_type.nbytes + 2 * gs_d.block_type.nbytes
                             + 8 * x_d.block_type.nbytes)
             _x_copies(x_d, x_buf.index(s), bar, sorted_pair_ptr, slot0, num_pairs, a_row_div,
-                      k)
+                      k, pair_tab, g, SELF)
         else:
             mbarrier.expect(bar, 2 * g_d.block_type.nbytes + 2 * gs_d.block_type.nbytes)
         # chunk k of the run at byte run * 128 * H/2 + k * 8192 (128-byte rows); its codes at
@@ -117,6 +128,10 @@ def gate_up_copies(g_d, gs_d, u_d, us_d, run, i, empty, ready, g_buf, gs_buf, u_
                                         gs_buf.index(s))
         tma.async_copy_global_to_shared(us_d, [run * (H // 16) + k * 8, 0], bar,
                                         us_buf.index(s))
+        if SELF:  # noqa: SIM102 (a static condition around a runtime one)
+            if k == gdc_step:
+                gdc_wait()
+                gdc_launch_dependents()
         i += 1
     return i
 
@@ -126,19 +141,24 @@ def _gate_up_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr, c
                   num_pairs, stride_x, stride_h, a_row_div, slot0, tile, expert, i, empty,
                   ready, g_buf, gs_buf, u_buf, us_buf, STAGES: gl.constexpr, H: gl.constexpr,
                   BLOCK_M: gl.constexpr, SIGNAL: gl.constexpr = True, x_buf=None,
-                  X_TMA: gl.constexpr = False, WARPS: gl.constexpr = 4):
+                  X_TMA: gl.constexpr = False, WARPS: gl.constexpr = 4, rows_tab=None,
+                  g=0, SELF: gl.constexpr = False):
     """h rows slot0..slot0+7, columns tile * 128 + [0, 128) (even columns first), then (with
     `SIGNAL`) one count on the routing block's counter. The x rows: from the ring (`X_TMA`,
     `x_buf`), else loaded from global memory (each consumer warp all of them, a K-step
     ahead). `WARPS`: the consumer warps (4, or 8 in perf/proto_gluon_gate_up.py). Returns the
-    ring position after the item."""
+    ring position after the item. `SELF` (with `X_TMA`): the part's pairs from row g of
+    `rows_tab` (`_nvfp4_self_route`'s table), not from the alignment."""
     mma: gl.constexpr = mma_layout(WARPS)
     x_l: gl.constexpr = x_rows_layout(WARPS)
     alpha_g = gl.load(gate_alpha_ptr + expert) * 128.0  # * 2^7: the decode's 2^-7
     alpha_u = gl.load(up_alpha_ptr + expert) * 128.0
     pairs_x = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(1, x_l)))
-    rows = gl.where(pairs_x < num_pairs, pairs_x // a_row_div, 0).to(gl.int64)
-    pairs = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(0, mma)))
+    rows = gl.where(pairs_x < num_pairs, pairs_x // a_row_div, 0).to(gl.int64)  # (X_TMA: unread)
+    if SELF:
+        pairs = rows_tab.index(g).load(gl.SliceLayout(0, mma))
+    else:
+        pairs = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(0, mma)))
     acc_g = gl.zeros([128, 8], gl.float32, mma)
     acc_u = gl.zeros([128, 8], gl.float32, mma)
     if not X_TMA:

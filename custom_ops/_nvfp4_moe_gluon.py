@@ -50,7 +50,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from dlmc.custom_ops import _nvfp4_down_gluon
+from dlmc.custom_ops import _nvfp4_down_gluon, _nvfp4_self_route
 from dlmc.custom_ops._nvfp4_gate_up_gluon import (
     _gate_up_item,
     gate_up_copies,
@@ -79,6 +79,12 @@ from dlmc.custom_ops._nvfp4_gluon_parts import (
     shared_layouts,
 )
 from dlmc.custom_ops._nvfp4_gluon_ring import release_slot, wait_slot
+from dlmc.custom_ops._nvfp4_self_route import (
+    route_tables,
+    self_route,
+    self_route_fits,
+    tab_scalar,
+)
 from dlmc.custom_ops._occupancy import resident_programs
 
 __all__ = ["fused_applies", "gate_up_applies", "launch_moe_gluon", "programs_per_sm"]
@@ -192,6 +198,32 @@ def _producer(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, expert_of_block_ptr, so
 
 
 @gluon.jit
+def _self_producer(g_d, gs_d, u_d, us_d, x_d, num_pairs, a_row_div, empty, ready, g_buf,
+                   gs_buf, u_buf, us_buf, x_buf, ids, experts_tab, pairs_tab,
+                   G: gl.constexpr, STAGES: gl.constexpr, H: gl.constexpr, I: gl.constexpr,
+                   BLOCK_M: gl.constexpr):
+    """The gate/up items alone by program (p, p + grid, ...), their experts and pairs from the
+    program's own tables (`_nvfp4_self_route`): after the first `STAGES` K-steps of its first
+    item (at once if it has none) this warp waits for the previous launch and lets the next
+    one launch."""
+    GDC_STEP: gl.constexpr = min(STAGES, H // 128) - 1
+    i = 0  # ring slots filled so far
+    for g in range(G):
+        expert = tab_scalar(experts_tab, g)
+        if expert >= 0:
+            item = gl.program_id(0) + g * gl.num_programs(0)
+            slot0, tile = _place(item, I // 128, BLOCK_M)
+            i = gate_up_copies(g_d, gs_d, u_d, us_d, expert * (I // 128) + tile, i, empty,
+                               ready, g_buf, gs_buf, u_buf, us_buf, ids, item * 1024 + expert,
+                               STAGES, H, x_d, x_buf, x_d, slot0, num_pairs, a_row_div, True,
+                               True, pairs_tab, g, gl.where(g == 0, GDC_STEP, -1), True)
+        elif g == 0:
+            gdc_wait()
+            gdc_launch_dependents()
+    _end_tickets(ids, 0, 0, ids, empty, ready, i, STAGES, False)
+
+
+@gluon.jit
 def _down_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, slot0, tile, expert, i,
                empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf, STAGES: gl.constexpr,
                I: gl.constexpr):
@@ -224,19 +256,21 @@ def _down_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, slot0, ti
 def _consumer(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, down_alpha_ptr, h_ptr,
               y_ptr, count_ptr, gate_up_items, num_pairs, stride_x, stride_h, stride_y,
               a_row_div, empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf, x_buf, ids,
-              STAGES: gl.constexpr, H: gl.constexpr, I: gl.constexpr, BLOCK_M: gl.constexpr,
-              X_TMA: gl.constexpr):
-    """Runs the items the producer tagged, in its order, until the tag -1."""
+              rows_tab, STAGES: gl.constexpr, H: gl.constexpr, I: gl.constexpr,
+              BLOCK_M: gl.constexpr, X_TMA: gl.constexpr, SELF: gl.constexpr):
+    """Runs the items the producer tagged, in its order, until the tag -1 (`SELF`: the
+    gate/up items' pairs from the program's table, row (item - p) / grid)."""
     i = 0  # ring slots consumed so far
     tag = _tag(ids, ready, i, STAGES)
     while tag >= 0:
         item, expert = tag // 1024, tag % 1024
         if item < gate_up_items:
             slot0, tile = _place(item, I // 128, BLOCK_M)
+            g = (item - gl.program_id(0)) // gl.num_programs(0)  # (`SELF`: its table row)
             i = _gate_up_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr,
                               count_ptr, num_pairs, stride_x, stride_h, a_row_div, slot0, tile,
                               expert, i, empty, ready, g_buf, gs_buf, u_buf, us_buf, STAGES, H,
-                              BLOCK_M, True, x_buf, X_TMA)
+                              BLOCK_M, True, x_buf, X_TMA, 4, rows_tab, g, SELF)
         else:
             slot0, tile = _place(item - gate_up_items, H // 128, BLOCK_M)
             i = _down_item(sorted_pair_ptr, down_alpha_ptr, y_ptr, num_pairs, stride_y, slot0,
@@ -253,7 +287,9 @@ def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, x_ptr, expert_o
                       STAGES: gl.constexpr, H: gl.constexpr, I: gl.constexpr,
                       BLOCK_M: gl.constexpr, PDL_ENTER: gl.constexpr = False,
                       PDL_AFTER: gl.constexpr = False, TICKETS: gl.constexpr = False,
-                      X_TMA: gl.constexpr = False):
+                      X_TMA: gl.constexpr = False, ids_ptr=None, SELF: gl.constexpr = False,
+                      G: gl.constexpr = 1, PAIRS_PAD: gl.constexpr = 16,
+                      EXPERTS_PAD: gl.constexpr = 16):
     """`PDL_ENTER`: launched with PDL right after the routing (wait for it, then let the next
     kernel launch). `PDL_AFTER`: launched with PDL after the shared expert's down parts, which
     come after the routing: let the next kernel launch at once, and finish only after the
@@ -261,7 +297,15 @@ def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, x_ptr, expert_o
     for the down items alone): items
     handed out by a counter (`count_ptr[2 * num_slots]`, zero between launches) instead of by
     program: balanced, and free of deadlock whatever number of programs is resident. `X_TMA`:
-    gate/up items' x rows by the producer's TMA copies (`x_d`: x's [1, 128] boxes)."""
+    gate/up items' x rows by the producer's TMA copies (`x_d`: x's [1, 128] boxes).
+    `SELF` (gate/up items alone, by program, `X_TMA`, launched with PDL right after the
+    routing, `PDL_ENTER` off): each program's `G` items routed from `ids_ptr` by the program
+    itself (`_nvfp4_self_route`; `PAIRS_PAD`, `EXPERTS_PAD`: powers of two at least the pairs
+    and experts); the producer waits for the routing launch after its first copies."""
+    if SELF:
+        experts_tab, pairs_tab, rows_tab = route_tables(G)
+        self_route(ids_ptr, num_pairs, gate_up_items, experts_tab, pairs_tab, rows_tab, G,
+                   I // 128, BLOCK_M, PAIRS_PAD, EXPERTS_PAD)
     if PDL_ENTER:
         gdc_wait()
     if PDL_ENTER or PDL_AFTER:
@@ -271,17 +315,30 @@ def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, x_ptr, expert_o
                                       h_d.layout)
     ids = gl.allocate_shared_memory(gl.int32, [STAGES, 1], TAGS)  # one tag per ring slot
     x_buf = x_ring(x_d, h_buf, STAGES, X_TMA)
+    if not SELF:  # (placeholders: not read)
+        experts_tab, pairs_tab, rows_tab = ids, ids, ids
     empty, ready = ring_barriers(STAGES)
-    gl.warp_specialize([
-        (_consumer, (x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, down_alpha_ptr,
-                     h_ptr, y_ptr, count_ptr, gate_up_items, num_pairs, stride_x, stride_h,
-                     stride_y, a_row_div, empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf,
-                     x_buf, ids, STAGES, H, I, BLOCK_M, X_TMA)),
-        (_producer, (g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, expert_of_block_ptr,
-                     sorted_pair_ptr, count_ptr, num_slots, gate_up_items, down_items,
-                     num_pairs, shared_id, a_row_div, empty, ready, g_buf, gs_buf, u_buf,
-                     us_buf, h_buf, x_buf, ids, STAGES, H, I, BLOCK_M, TICKETS, X_TMA)),
-    ], [1], [40])
+    if SELF:
+        gl.warp_specialize([
+            (_consumer, (x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, down_alpha_ptr,
+                          h_ptr, y_ptr, count_ptr, gate_up_items, num_pairs, stride_x, stride_h,
+                          stride_y, a_row_div, empty, ready, g_buf, gs_buf, u_buf, us_buf,
+                          h_buf, x_buf, ids, rows_tab, STAGES, H, I, BLOCK_M, X_TMA, SELF)),
+            (_self_producer, (g_d, gs_d, u_d, us_d, x_d, num_pairs, a_row_div, empty, ready,
+                              g_buf, gs_buf, u_buf, us_buf, x_buf, ids, experts_tab, pairs_tab,
+                              G, STAGES, H, I, BLOCK_M)),
+        ], [1], [40])
+    else:
+        gl.warp_specialize([
+            (_consumer, (x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, down_alpha_ptr,
+                          h_ptr, y_ptr, count_ptr, gate_up_items, num_pairs, stride_x, stride_h,
+                          stride_y, a_row_div, empty, ready, g_buf, gs_buf, u_buf, us_buf,
+                          h_buf, x_buf, ids, rows_tab, STAGES, H, I, BLOCK_M, X_TMA, SELF)),
+            (_producer, (g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, expert_of_block_ptr,
+                         sorted_pair_ptr, count_ptr, num_slots, gate_up_items, down_items,
+                         num_pairs, shared_id, a_row_div, empty, ready, g_buf, gs_buf, u_buf,
+                         us_buf, h_buf, x_buf, ids, STAGES, H, I, BLOCK_M, TICKETS, X_TMA)),
+        ], [1], [40])
     if PDL_AFTER:
         gdc_wait()
 
@@ -343,7 +400,7 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
                      weights: tuple[torch.Tensor, ...], alphas: tuple[torch.Tensor, ...],
                      h: torch.Tensor, y: torch.Tensor, count: torch.Tensor, num_slots: int,
                      num_pairs: int, shared_id: int, a_row_div: int, pdl: str = "",
-                     gate_up_only: bool = False) -> None:
+                     gate_up_only: bool = False, topk_ids: torch.Tensor | None = None) -> None:
     """h[slot] = silu(x @ gate^T) * (x @ up^T) (even-odd columns) and y[pair] = h @ down^T for
     the routed pairs of the routing (`sorted_pair`, `expert_of_block`: 16-, 32- or 64-slot
     blocks; blocks of expert `shared_id` skipped). x bf16 `[rows, H]` (pair p reads row
@@ -354,6 +411,10 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
     `pdl`: "" (plain launch), "enter" (PDL after the routing), "after" (PDL after the shared
     expert's down parts). `gate_up_only`: h alone, items by program (the Gluon down kernel
     that follows takes the ticket counter; it waits for each 8-slot part's `I / 128` counts).
+    `topk_ids` (`[T, K]` of the routing that `sorted_pair` aligns, `shared_id` experts): with
+    `gate_up_only`, `pdl` "enter" and `_nvfp4_self_route.SELF_ROUTE`, each program routes its
+    own items (`_nvfp4_self_route`) where the routing fits it, instead of waiting for the
+    alignment launch.
     Session 27 also ran gate/up alone on one program per possible item (commit 2660087): 92.8-94.1
     against 89.7 / 89.8 µs per layer for the op on this persistent grid."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -365,16 +426,28 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
     descs.append(TensorDescriptor.from_tensor(x, [1, 128], x_layout()))
     block_m = sorted_pair.shape[0] // expert_of_block.shape[0]
     parts = expert_of_block.shape[0] * (block_m // 8)
+    gate_up_items = parts * (I // 128)
     down_items = 0 if gate_up_only else parts * (H // 128)
-    check_item_tags(parts * (I // 128) + down_items, shared_id, "the fused Gluon kernel")
+    check_item_tags(gate_up_items + down_items, shared_id, "the fused Gluon kernel")
     args = (*descs, x, expert_of_block, sorted_pair, *alphas, h, y, count, num_slots,
-            parts * (I // 128), down_items, num_pairs, shared_id, x.stride(0),
+            gate_up_items, down_items, num_pairs, shared_id, x.stride(0),
             h.stride(0), y.stride(0), a_row_div)
     tickets = 0 if gate_up_only else int(TICKETS)
-    options = {"STAGES": STAGES, "H": H, "I": I, "BLOCK_M": block_m, "PDL_ENTER": pdl == "enter",
-               "PDL_AFTER": pdl == "after", "TICKETS": tickets, "X_TMA": X_TMA, "num_warps": 4,
-               "maxnreg": MAXNREG, **({"launch_pdl": True} if pdl else {})}
-    key = (x.device, STAGES, PROGRAMS_PER_SM, MAXNREG, tickets, X_TMA, H, I, block_m, pdl)
+    routed = (topk_ids is not None and _nvfp4_self_route.SELF_ROUTE and gate_up_only
+              and pdl == "enter" and X_TMA and topk_ids.numel() == num_pairs
+              and self_route_fits(num_pairs, shared_id))
+    options = {"STAGES": STAGES, "H": H, "I": I, "BLOCK_M": block_m,
+               "PDL_ENTER": pdl == "enter" and not routed, "PDL_AFTER": pdl == "after",
+               "TICKETS": tickets, "X_TMA": X_TMA, "num_warps": 4, "maxnreg": MAXNREG,
+               **({"launch_pdl": True} if pdl else {})}
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    if routed:
+        options |= {"ids_ptr": topk_ids.reshape(-1), "SELF": True,
+                    "PAIRS_PAD": max(16, 1 << (num_pairs - 1).bit_length()),
+                    "EXPERTS_PAD": max(16, 1 << (shared_id - 1).bit_length()),
+                    "G": -(-gate_up_items // (sms * programs_per_sm(x.device)))}
+    key = (x.device, STAGES, PROGRAMS_PER_SM, MAXNREG, tickets, X_TMA, H, I, block_m, pdl,
+           routed)
     if count.numel() < 2 * num_slots + 1:
         raise ValueError(f"nvfp4_moe: the fused Gluon kernel needs {2 * num_slots + 1} counters "
                          f"(`moe_overlap.counters(device, num_slots + 1)`), got {count.numel()}")
@@ -385,5 +458,7 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
         if fit < 1:
             raise RuntimeError(f"nvfp4_moe: the fused Gluon kernel (STAGES={STAGES}, "
                                f"MAXNREG={MAXNREG}) does not fit on an SM of {x.device}")
-        _PROGRAMS[key] = fit * torch.cuda.get_device_properties(x.device).multi_processor_count
+        _PROGRAMS[key] = fit * sms
+    if routed:  # each program's items: p, p + grid, ...
+        options["G"] = -(-gate_up_items // _PROGRAMS[key])
     _moe_gluon_kernel[(_PROGRAMS[key],)](*args, **options)

@@ -194,7 +194,8 @@ def _nvfp4_moe_impl(
         return out  # ([0, H] whether combined or not)
     num_pairs = T * pairs_per_token
     edges = edge_pdl(x.device) and down_input_scale is None  # alignment and combine with PDL
-    if sorted_pair is None or expert_of_block is None:  # else aligned by dlmc::moe_route_align
+    aligned_here = sorted_pair is None or expert_of_block is None
+    if aligned_here:  # else aligned by dlmc::moe_route_align (which also wrote topk_ids)
         block_m, sorted_pair, expert_of_block = route_pairs(topk_ids, E, has_shared, edges)
     num_blocks = expert_of_block.shape[0]
     a, a_row_div = x.contiguous(), pairs_per_token
@@ -293,7 +294,11 @@ def _nvfp4_moe_impl(
             (gate_weight, gate_weight_scale, up_weight, up_weight_scale, down_weight,
              down_weight_scale),
             (gate_alpha, up_alpha, down_alpha), h, y, count, num_slots, num_pairs, E, a_row_div,
-            pdl="after" if has_shared else "enter", gate_up_only=gluon_gate_up)
+            pdl="after" if has_shared else "enter", gate_up_only=gluon_gate_up,
+            # the gate/up programs may route themselves while the alignment runs: topk_ids
+            # was written before it (its PDL launch waits for the kernel before, then lets
+            # gate/up launch)
+            topk_ids=topk_ids if edges and aligned_here else None)
     if gluon_down:  # (writers: gate/up's programs per block, or its items per 8-slot part)
         launch_down_gluon(h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
                           down_alpha, y, num_pairs, E,

@@ -11,6 +11,7 @@ eager and replayed in a CUDA graph, with its items by program or by ticket.
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -100,13 +101,17 @@ def down_types() -> dict[str, str]:
 def compile_gluon_sm90(kernel, types: dict[str, str], consts: dict[str, object],
                        maxnreg: int) -> tuple[object, dict[str, int]]:
     """`kernel` lowered for sm_90 with 4 warps and `maxnreg` registers (arguments not in `types`
-    are i32, `consts` are constexprs): the compiled kernel and its resource usage."""
+    are i32, `consts` are constexprs; constexprs left out, and arguments that default to None,
+    take their defaults): the compiled kernel and its resource usage."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import compile as triton_compile
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from tests.custom_ops.test_kernels_compile_sm90 import resource_usage
 
+    consts = {p.name: p.default for p in kernel.params
+              if p.name not in types and (p.is_constexpr or p.default is None)
+              and p.default is not inspect.Parameter.empty} | consts
     signature = {name: types.get(name, "i32") for name in kernel.arg_names}
     signature |= dict.fromkeys(consts, "constexpr")
     compiled = triton_compile(GluonASTSource(kernel, signature, consts),

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import dlmc.custom_ops.nvfp4_moe as op_module
-from dlmc.custom_ops import _nvfp4_down_gluon, _nvfp4_moe_gluon
+from dlmc.custom_ops import _nvfp4_down_gluon, _nvfp4_moe_gluon, _nvfp4_self_route
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
 from tests.custom_ops.test_nvfp4_down_gluon import (
     against_triton,
@@ -52,15 +52,15 @@ def test_the_gate_up_switch_applies_only_with_its_conditions(monkeypatch) -> Non
     assert not applies(cuda, *args, True, False)  # switched off
 
 
-def torch_gate_up(experts: dict[str, torch.Tensor], calls: list[tuple[str, bool]]):
+def torch_gate_up(experts: dict[str, torch.Tensor], calls: list[tuple[str, bool, bool]]):
     """A stand-in for `launch_moe_gluon(gate_up_only=True)` on the CPU: every routed pair's h
     row (even-odd columns, bf16), then one count per item on its block's counter (`I / 128`
     per 8-slot part that holds a pair), as the kernel's gate/up items signal."""
     gate, up = (dequantized(experts, name) for name in ("gate", "up"))
 
     def launch(x, sorted_pair, expert_of_block, weights, alphas, h, y, count, num_slots,
-               num_pairs, shared_id, a_row_div, pdl="", gate_up_only=False):
-        calls.append((pdl, gate_up_only))
+               num_pairs, shared_id, a_row_div, pdl="", gate_up_only=False, topk_ids=None):
+        calls.append((pdl, gate_up_only, topk_ids is not None))
         assert count.numel() >= 2 * num_slots + 1 and int(count.abs().sum()) == 0
         block_m = sorted_pair.shape[0] // expert_of_block.shape[0]
         for block, expert in enumerate(expert_of_block.tolist()):
@@ -92,7 +92,7 @@ def test_wiring_of_the_gluon_gate_up_matches_the_reference(monkeypatch) -> None:
     x = torch.randn(20, 128, generator=gen).bfloat16().to(DEVICE)
     ids, w = random_routing(gen, 20, 4, 2, skew=True)
     args = op_args(x, ids, w, experts)
-    calls: list[tuple[str, bool]] = []
+    calls: list[tuple[str, bool, bool]] = []
     down_calls: list[int] = []
     counters = op_module.counters(torch.device(DEVICE), 1)
     monkeypatch.setattr(op_module, "down_gluon_applies", lambda *a: True)
@@ -106,43 +106,53 @@ def test_wiring_of_the_gluon_gate_up_matches_the_reference(monkeypatch) -> None:
         launched.append(kernel.fn.__name__), real_launcher(kernel))[1])
     with kernel_variant(7):
         out = nvfp4_moe(*args)
-    assert calls == [("enter", True)] and down_calls == [1]
+    # (no routing handed over: the interpreter's launches have no PDL to route during)
+    assert calls == [("enter", True, False)] and down_calls == [1]
     assert "_gate_up_kernel" not in launched and "_down_kernel" not in launched, launched
     assert_matches_reference(out, nvfp4_moe_reference(*args))
     assert int(counters.abs().sum()) == 0
 
 
-def spy_gate_up_only(monkeypatch) -> list[bool]:
-    """`DLMC_NVFP4_GATE_UP=gluon`, and the `gate_up_only` of each `launch_moe_gluon` call."""
+def spy_gate_up_only(monkeypatch, self_route: bool = False) -> list[tuple[bool, bool]]:
+    """`DLMC_NVFP4_GATE_UP=gluon` and `DLMC_NVFP4_SELF_ROUTE` as `self_route`, and per
+    `launch_moe_gluon` call (`gate_up_only`, whether it was handed `topk_ids`)."""
     monkeypatch.setattr(_nvfp4_down_gluon, "GATE_UP", "gluon")
-    calls: list[bool] = []
+    monkeypatch.setattr(_nvfp4_self_route, "SELF_ROUTE", self_route)
+    calls: list[tuple[bool, bool]] = []
     real = op_module.launch_moe_gluon
     monkeypatch.setattr(op_module, "launch_moe_gluon", lambda *a, **k: (
-        calls.append(k.get("gate_up_only", False)), real(*a, **k))[1])
+        calls.append((k.get("gate_up_only", False), k.get("topk_ids") is not None)),
+        real(*a, **k))[1])
     return calls
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["llada", "skewed", "one_token"])
-def test_gluon_gate_up_equals_the_triton_kernels_gpu(monkeypatch, case: str) -> None:
+@pytest.mark.parametrize("self_route", [False, True], ids=["aligned", "self_routed"])
+@pytest.mark.parametrize("case", ["llada", "skewed", "one_token", "two_blocks"])
+def test_gluon_gate_up_equals_the_triton_kernels_gpu(monkeypatch, case: str,
+                                                      self_route: bool) -> None:
     """`DLMC_NVFP4_GATE_UP=gluon` then the Gluon down kernel (tickets): bit for bit the Triton
     kernels at LLaDA2.1-mini shapes (32 x top-8 of 256), with every token on the same 8
-    experts, and for one token; the counters zero afterwards."""
-    calls = spy_gate_up_only(monkeypatch)
+    experts (one full block each, or two with 32 tokens of 64 experts), and for one token;
+    the counters zero afterwards. `self_route`: the gate/up programs route their own items
+    (`_nvfp4_self_route`), which takes the llada shape in several items per program."""
+    calls = spy_gate_up_only(monkeypatch, self_route)
     gen = torch.Generator().manual_seed(4)
-    E, H, I, T = (256, 2048, 512, 32) if case == "llada" else (8, 256, 256, 16)
+    E, H, I, T = {"llada": (256, 2048, 512, 32), "two_blocks": (64, 256, 256, 32)}.get(
+        case, (8, 256, 256, 16))
     T = 1 if case == "one_token" else T
     experts = {k: v.to(DEVICE) for k, v in random_experts(gen, E, H, I).items()}
     x = torch.randn(T, H, generator=gen).bfloat16().to(DEVICE)
-    ids, w = random_routing(gen, T, E, 8, skew=case == "skewed")
+    ids, w = random_routing(gen, T, E, 8, skew=case in ("skewed", "two_blocks"))
     out = against_triton(monkeypatch, "gluon", experts, x, ids, w, {})
-    assert calls == [True]  # the Gluon gate/up ran, alone
+    assert calls == [(True, True)]  # the Gluon gate/up ran, alone, handed the routing
     assert_matches_reference(out, nvfp4_moe_reference(*op_args(x, ids, w, experts)))
 
 
 @pytest.mark.gpu
-def test_gluon_gate_up_replays_in_a_cuda_graph_gpu(monkeypatch) -> None:
+@pytest.mark.parametrize("self_route", [False, True], ids=["aligned", "self_routed"])
+def test_gluon_gate_up_replays_in_a_cuda_graph_gpu(monkeypatch, self_route: bool) -> None:
     """Captured once, replayed on new x and routing: the eager Triton path's output."""
-    calls = spy_gate_up_only(monkeypatch)
+    calls = spy_gate_up_only(monkeypatch, self_route)
     assert_graph_replays_like_triton(monkeypatch, "gluon", 256)
-    assert calls and all(calls)
+    assert calls and all(gate_up_only for gate_up_only, _ in calls)

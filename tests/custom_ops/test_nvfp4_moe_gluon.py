@@ -120,6 +120,20 @@ def check_lowering() -> None:
         # TMA copies: gate, up, their codes (+ 8 x rows per K-step with `X_TMA`); down, per
         # ring slot (two, unrolled): two weight chunks, their codes, four h halves
         assert ptx.count("cp.async.bulk.tensor") == 4 + 8 * x_tma + 2 * 8, (pdl, x_tma)
+    # gate/up items alone, self-routed (`_nvfp4_self_route`): 6 items per program of the
+    # LLaDA2.1-mini routing (tables padded to 8 rows); the producer's copies are gate/up's
+    # alone, and it waits for the alignment at one of two places (after its first item's
+    # first copies, or at once without one), then lets the next launch start
+    consts = {"STAGES": stages, "H": 2048, "I": 512, "BLOCK_M": 16, "PDL_ENTER": False,
+              "PDL_AFTER": False, "TICKETS": 0, "X_TMA": True, "SELF": True, "G": 6,
+              "PAIRS_PAD": 256, "EXPERTS_PAD": 256}
+    compiled, usage = compile_gluon_sm90(kernel, types | {"ids_ptr": "*i32"}, consts,
+                                         _nvfp4_moe_gluon.MAXNREG)
+    assert usage["REG"] <= _nvfp4_moe_gluon.MAXNREG and usage["LOCAL"] == 0, usage
+    assert compiled.metadata.shared <= stages * _nvfp4_moe_gluon.STAGE_BYTES + 1024
+    ptx = compiled.asm["ptx"]
+    assert ptx.count("griddepcontrol.wait") == 2 and "griddepcontrol.launch_dependents" in ptx
+    assert ptx.count("cp.async.bulk.tensor") == 4 + 8
 
 
 def test_the_kernel_lowers_for_sm90() -> None:
@@ -141,7 +155,7 @@ def torch_fused(experts: dict[str, torch.Tensor], calls: list[str]):
     gate, up, down = (dequantized(experts, name) for name in ("gate", "up", "down"))
 
     def launch(x, sorted_pair, expert_of_block, weights, alphas, h, y, count, num_slots,
-               num_pairs, shared_id, a_row_div, pdl="", gate_up_only=False):
+               num_pairs, shared_id, a_row_div, pdl="", gate_up_only=False, topk_ids=None):
         assert not gate_up_only  # the fused kernel: gate/up and down items
         calls.append(pdl)
         assert count.numel() >= 2 * num_slots + 1  # the ticket counter's room

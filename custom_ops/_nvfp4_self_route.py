@@ -1,0 +1,115 @@
+"""The Gluon gate/up launch's own routing (`DLMC_NVFP4_SELF_ROUTE`): each program works out its
+items' experts and pairs from `topk_ids` instead of waiting for `moe_align`'s output.
+
+Under PDL the gate/up launch (`launch_moe_gluon(gate_up_only=True)`, items by program) starts
+together with the alignment, one program, which it used to wait for (`griddepcontrol.wait`)
+before its first copy. Here each program first computes, for its own items (p, p + grid, ...,
+at most `G`), what `moe_align.align_pairs` puts there: the experts' pair counts
+(`gl.histogram`), their blocks of `BLOCK_M` slots in expert order (a scan), the block of item
+p's part and its expert, and the part's 8 pairs (the expert's pairs in pair order, the
+`part`-th 8 of its block; padding `num_pairs`), into three small shared tables. The producer
+copies the first `STAGES` K-steps of its first item, then waits for the previous launch (so
+that the down kernel, which it then lets launch, reads a finished alignment, and this launch
+finishes after it) and goes on; the consumers read the pairs from the tables, never the
+alignment. The layout is the alignment's by construction (GPU tests: bit for bit).
+
+Limits: at most `MAX_PAIRS` pairs and `MAX_EXPERTS` experts (the tiles live in the registers of
+four warps before the warp-specialized part); larger routings wait for the alignment.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from dlmc.env import env_choice
+
+__all__ = ["MAX_EXPERTS", "MAX_PAIRS", "SELF_ROUTE", "route_tables", "self_route",
+           "self_route_fits", "tab_scalar"]
+
+MAX_PAIRS, MAX_EXPERTS = 512, 512
+# DLMC_NVFP4_SELF_ROUTE (read at import): "1" or "0" (wait for the alignment); the module's
+# value may be set per call by tests and benches
+SELF_ROUTE = env_choice("DLMC_NVFP4_SELF_ROUTE", "0", ("1", "0")) == "1"
+
+_SCALAR = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))  # the producer warp's reads
+_TABLE = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # rank-1 rows, as ring tags
+
+
+def self_route_fits(num_pairs: int, num_experts: int) -> bool:
+    """Whether a routing of `num_pairs` pairs over `num_experts` experts takes this path."""
+    return 0 < num_pairs <= MAX_PAIRS and num_experts <= MAX_EXPERTS
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.constexpr_function
+def _rows(n: int) -> int:
+    """Table rows for n items: a power of two (shared memory views need one)."""
+    return 1 << (n - 1).bit_length()
+
+
+@gluon.jit
+def route_tables(G: gl.constexpr):
+    """The tables of a program's `G` items (rows padded to a power of two): expert (-1: no
+    work) `[G, 1]`, the part's pairs one per row `[8 G, 1]` (the producer's scalar reads) and
+    by item `[G, 8]` (the consumers')."""
+    ROWS: gl.constexpr = _rows(G)
+    experts = gl.allocate_shared_memory(gl.int32, [ROWS, 1], _TABLE)
+    pairs = gl.allocate_shared_memory(gl.int32, [8 * ROWS, 1], _TABLE)
+    rows = gl.allocate_shared_memory(gl.int32, [ROWS, 8], _TABLE)
+    return experts, pairs, rows
+
+
+@gluon.jit
+def tab_scalar(tab, index):
+    """Row `index` of a `[n, 1]` table, as a scalar (the producer warp)."""
+    return gl.max(tab.index(index).load(_SCALAR), axis=0)
+
+
+@gluon.jit
+def self_route(ids_ptr, num_pairs, num_items, experts_tab, pairs_tab, rows_tab,
+               G: gl.constexpr, TILES: gl.constexpr, BLOCK_M: gl.constexpr,
+               PAIRS_PAD: gl.constexpr, EXPERTS_PAD: gl.constexpr):
+    """Fill the tables (`route_tables`) for items p + g * grid, g < G (an 8-slot part of a
+    routing block and one of `TILES` N-tiles, `_nvfp4_gluon_parts._place`) of the routing
+    `ids` (int32 or int64, `num_pairs` of them) that `moe_align` makes at `BLOCK_M`; four
+    warps, before the warp-specialized part."""
+    line: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    grid2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 4], [1, 0])
+    PARTS: gl.constexpr = BLOCK_M // 8
+    pair = gl.arange(0, PAIRS_PAD, line)
+    is_pair = pair < num_pairs
+    ids = gl.load(ids_ptr + pair, mask=is_pair, other=0).to(gl.int32)
+    counts = gl.histogram(ids, EXPERTS_PAD, mask=is_pair, layout=line)  # [E]
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    block_end = gl.associative_scan(blocks, 0, _add)
+    block_start = block_end - blocks
+    used = gl.sum(blocks, axis=0)
+    experts = gl.arange(0, EXPERTS_PAD, line)
+    pair2 = gl.expand_dims(gl.convert_layout(pair, gl.SliceLayout(0, grid2)), 0)  # [1, P]
+    r = gl.expand_dims(gl.arange(0, 8, gl.SliceLayout(1, grid2)), 1)  # [8, 1]
+    for g in gl.static_range(G):
+        item = gl.program_id(0) + g * gl.num_programs(0)
+        block = item // (PARTS * TILES)
+        # the expert whose blocks hold `block`: the experts whose blocks end at or before it
+        expert = gl.sum((block_end <= block).to(gl.int32), axis=0)
+        mine = experts == expert
+        first = ((block - gl.sum(gl.where(mine, block_start, 0), axis=0)) * BLOCK_M
+                 + ((item // TILES) % PARTS) * 8)  # the part's first rank in the expert
+        count = gl.sum(gl.where(mine, counts, 0), axis=0)
+        work = (item < num_items) & (block < used) & (first < count)
+        taken = is_pair & (ids == expert)
+        rank = gl.associative_scan(taken.to(gl.int32), 0, _add) - 1  # [P] rank in the expert
+        hit = (gl.expand_dims(gl.convert_layout(taken, gl.SliceLayout(0, grid2)), 0)
+               & (gl.expand_dims(gl.convert_layout(rank, gl.SliceLayout(0, grid2)), 0)
+                  == first + r))  # [8, P]
+        found = gl.sum(hit.to(gl.int32), axis=1)
+        pairs = gl.where(found > 0, gl.sum(gl.where(hit, pair2, 0), axis=1), num_pairs)  # [8]
+        rows_tab.index(g).store(pairs)
+        pairs_tab._reinterpret(gl.int32, [8 * _rows(G)], _TABLE).slice(8 * g, 8).store(
+            gl.convert_layout(pairs, gl.BlockedLayout([1], [32], [4], [0])))
+        experts_tab.index(g).store(gl.full([1], gl.where(work, expert, -1), gl.int32, line))

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Session 29's H200 calls (helpers of perf/h200_session.sh). Each call's output is tarred in $OUT.
+#   bash perf/h200_s29.sh self    # call 3 (carry .whl): the Gluon gate/up GPU tests (aligned and
+#                                 # self-routed), then the op (routed experts) with
+#                                 # DLMC_NVFP4_SELF_ROUTE=0 / 1, one process each, three passes,
+#                                 # and perf/probe_op_edges.py with it on
+#   bash perf/h200_s29.sh rounds  # call 4: NVFP4 + FP8 rounds, DLMC_NVFP4_SELF_ROUTE=1 vs 0
+set -u
+HERE="$(dirname "$0")"
+source "$HERE/h200_session.sh" lib
+source <(sed -n '/^op_rows()/,/^}/p' "$HERE/h200_s27.sh")
+
+op() {  # op NAME SELF [bench args]: the op (routed experts) with DLMC_NVFP4_SELF_ROUTE=SELF
+  local name=$1 self=$2; shift 2
+  DLMC_NVFP4_SELF_ROUTE=$self timeout 120 python3 perf/bench_nvfp4_moe.py --tokens 32 \
+    --iters 60 --downs gluon "$@" --out "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
+  echo "$name rc=$? $(op_rows "$OUT/$name.txt")"
+}
+
+case "${1:-}" in
+self)
+  python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
+  TEST_TIMEOUT=300 gpu_tests self -n 4 tests/custom_ops/test_nvfp4_gate_up_gluon.py \
+    tests/custom_ops/test_nvfp4_down_gluon.py
+  if ! grep -qE "failed|error|Timeout" "$OUT/gpu_tests_self.txt"; then
+    op op_self1 1 --profile
+    op op_aligned1 0 --profile
+    op op_aligned2 0
+    op op_self2 1
+    op op_self3 1
+    op op_aligned3 0
+    DLMC_NVFP4_SELF_ROUTE=1 timeout 120 python3 perf/probe_op_edges.py --passes 8 \
+      --out "$OUT/probe_op_edges_self.json" > "$OUT/probe_op_edges_self.txt" 2>&1
+    tail -5 "$OUT/probe_op_edges_self.txt"
+  fi
+  tar_out s29_self ;;
+rounds)
+  ab_rounds DLMC_NVFP4_SELF_ROUTE=1 self_route 200
+  grep -h "graph" "$OUT"/round_*.txt | tail -4
+  tar_out s29_rounds ;;
+*) echo "usage: $0 self|rounds" >&2; exit 2 ;;
+esac
