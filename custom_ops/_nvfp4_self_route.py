@@ -102,14 +102,15 @@ def self_route(ids_ptr, num_pairs, num_items, experts_tab, pairs_tab, rows_tab,
                  + ((item // TILES) % PARTS) * 8)  # the part's first rank in the expert
         count = gl.sum(gl.where(mine, counts, 0), axis=0)
         work = (item < num_items) & (block < used) & (first < count)
-        taken = is_pair & (ids == expert)
-        rank = gl.associative_scan(taken.to(gl.int32), 0, _add) - 1  # [P] rank in the expert
-        hit = (gl.expand_dims(gl.convert_layout(taken, gl.SliceLayout(0, grid2)), 0)
-               & (gl.expand_dims(gl.convert_layout(rank, gl.SliceLayout(0, grid2)), 0)
-                  == first + r))  # [8, P]
-        found = gl.sum(hit.to(gl.int32), axis=1)
-        pairs = gl.where(found > 0, gl.sum(gl.where(hit, pair2, 0), axis=1), num_pairs)  # [8]
-        rows_tab.index(g).store(pairs)
-        pairs_tab._reinterpret(gl.int32, [8 * _rows(G)], _TABLE).slice(8 * g, 8).store(
-            gl.convert_layout(pairs, gl.BlockedLayout([1], [32], [4], [0])))
         experts_tab.index(g).store(gl.full([1], gl.where(work, expert, -1), gl.int32, line))
+        if work:  # (the part's pairs: unread for an item without work)
+            taken = is_pair & (ids == expert)
+            rank = gl.associative_scan(taken.to(gl.int32), 0, _add) - 1  # [P] rank in expert
+            hit = (gl.expand_dims(gl.convert_layout(taken, gl.SliceLayout(0, grid2)), 0)
+                   & (gl.expand_dims(gl.convert_layout(rank, gl.SliceLayout(0, grid2)), 0)
+                      == first + r))  # [8, P]
+            found = gl.sum(hit.to(gl.int32), axis=1)
+            pairs = gl.where(found > 0, gl.sum(gl.where(hit, pair2, 0), axis=1), num_pairs)
+            rows_tab.index(g).store(pairs)
+            pairs_tab._reinterpret(gl.int32, [8 * _rows(G)], _TABLE).slice(8 * g, 8).store(
+                gl.convert_layout(pairs, gl.BlockedLayout([1], [32], [4], [0])))
