@@ -28,9 +28,12 @@ __all__ = ["MAX_EXPERTS", "MAX_PAIRS", "SELF_ROUTE", "route_tables", "self_route
            "self_route_fits", "tab_scalar"]
 
 MAX_PAIRS, MAX_EXPERTS = 512, 512
-# DLMC_NVFP4_SELF_ROUTE (read at import): "1" or "0" (wait for the alignment); the module's
-# value may be set per call by tests and benches
-SELF_ROUTE = env_choice("DLMC_NVFP4_SELF_ROUTE", "0", ("1", "0")) == "1"
+# DLMC_NVFP4_SELF_ROUTE (read at import): "1" (the default since session 29: the op alone,
+# routed experts, 88.5 / 88.7 against 89.8 / 89.3 µs per LLaDA2.1-mini layer in one H200 call,
+# bit for bit; the NVFP4 round, whose op carries the shared expert and so the Triton gate/up,
+# is unchanged: 2.838 ms queued both ways; perf/README.md) or "0" (wait for the alignment). The
+# module's value may be set per call by tests and benches.
+SELF_ROUTE = env_choice("DLMC_NVFP4_SELF_ROUTE", "1", ("1", "0")) == "1"
 
 _SCALAR = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))  # the producer warp's reads
 _TABLE = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # rank-1 rows, as ring tags
