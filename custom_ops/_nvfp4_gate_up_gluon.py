@@ -87,7 +87,7 @@ def _x_copies(x_d, x_slot, bar, sorted_pair_ptr, slot0, num_pairs, a_row_div, k,
     padding slots row 0) into the slot's [8, 128] tile; the pairs from the alignment, or
     (`SELF`) rows 8 g.. of the program's own table (`_nvfp4_self_route`)."""
     for r in gl.static_range(8):
-        if SELF:
+        if SELF:  # noqa: SIM108 (a static choice: one of the two is compiled)
             pair = tab_scalar(pair_tab, 8 * g + r)
         else:
             pair = gl.load(sorted_pair_ptr + slot0 + r)

@@ -4,7 +4,11 @@
 #                                 # self-routed), then the op (routed experts) with
 #                                 # DLMC_NVFP4_SELF_ROUTE=0 / 1, one process each, three passes,
 #                                 # and perf/probe_op_edges.py with it on
-#   bash perf/h200_s29.sh rounds  # call 4: NVFP4 + FP8 rounds, DLMC_NVFP4_SELF_ROUTE=1 vs 0
+#   bash perf/h200_s29.sh rounds  # call 7: NVFP4 + FP8 rounds, DLMC_NVFP4_SELF_ROUTE=1 vs 0
+#   bash perf/h200_s29.sh shared  # next session (carry .whl): DLMC_NVFP4_SHARED=router (the
+#                                 # shared expert in the router's launches): its tests on the
+#                                 # GPU (not gpu-marked: they run the CUDA kernels there), then
+#                                 # NVFP4 + FP8 rounds at the default and with it
 set -u
 HERE="$(dirname "$0")"
 source "$HERE/h200_session.sh" lib
@@ -38,5 +42,16 @@ rounds)
   ab_rounds DLMC_NVFP4_SELF_ROUTE=1 self_route 200
   grep -h "graph" "$OUT"/round_*.txt | tail -4
   tar_out s29_rounds ;;
-*) echo "usage: $0 self|rounds" >&2; exit 2 ;;
+shared)
+  python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -rf -n 4 \
+    tests/custom_ops/test_router_shared.py tests/models/test_moe.py -k "router or shared" \
+    > "$OUT/tests_router.txt" 2>&1
+  echo "router tests rc=$?"; tail -2 "$OUT/tests_router.txt"
+  if ! grep -qE "failed|error" "$OUT/tests_router.txt"; then
+    ab_rounds DLMC_NVFP4_SHARED=router shared_router 200
+    grep -h "graph" "$OUT"/round_*.txt | tail -4
+  fi
+  tar_out s29_shared ;;
+*) echo "usage: $0 self|rounds|shared" >&2; exit 2 ;;
 esac

@@ -149,6 +149,7 @@ class NVFP4Experts(nn.Module):
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         shared_expert: bool = False, routing: PairRouting | None = None,
+        shared_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x bf16 `[T, H]`, topk_ids int `[T, K]`, topk_weights fp32 `[T, K]` -> bf16 `[T, H]`.
 
@@ -156,18 +157,24 @@ class NVFP4Experts(nn.Module):
         bf16 expert outputs (routed scaling belongs in `topk_weights`). `shared_expert`: plus the
         shared expert's bf16 output with weight 1.0 in the same fp32 sum (`set_shared_expert`).
         `routing`: the pairs' alignment for `nvfp4_moe` if already made, with the shared
-        expert's tail when `shared_expert` (the reference needs none).
+        expert's tail when `shared_expert` (the reference needs none). `shared_rows` (bf16
+        `[T, H]`, without `shared_expert`; the op only): the shared expert's output computed
+        elsewhere (`DLMC_NVFP4_SHARED=router`), added in the same fp32 sum where its pair row
+        would be: the op runs the routed experts alone and returns its pair rows.
         """
+        if shared_rows is not None:
+            if shared_expert or self.use_reference:
+                raise ValueError("NVFP4Experts: shared_rows is for the op's routed experts "
+                                 "alone (not with shared_expert=True or use_reference)")
+            rows = nvfp4_moe(x, topk_ids, topk_weights, *self._op_args(),
+                             emulate_w4a4=self.emulate_w4a4, pairs=True,
+                             **self._input_scales(), **({"routing": routing} if routing else {}))
+            return moe_combine.combine_pointwise(rows, topk_weights, shared_rows=shared_rows)
         moe = nvfp4_moe_reference if self.use_reference else nvfp4_moe
         kwargs: dict[str, object] = {}
         if routing is not None and not self.use_reference:
             kwargs["routing"] = routing
-        if self.emulate_w4a4:
-            kwargs |= {
-                "gate_input_scale": self.gate_proj_input_scale,
-                "up_input_scale": self.up_proj_input_scale,
-                "down_input_scale": self.down_proj_input_scale,
-            }
+        kwargs |= self._input_scales()
         if shared_expert:
             if self.shared_expert_id is None:
                 raise ValueError("NVFP4Experts: shared_expert=True needs set_shared_expert first")
@@ -183,6 +190,14 @@ class NVFP4Experts(nn.Module):
         return moe(
             x, topk_ids, topk_weights, *self._op_args(), emulate_w4a4=self.emulate_w4a4, **kwargs
         )
+
+    def _input_scales(self) -> dict[str, torch.Tensor]:
+        """The op's activation scales with W4A4 emulation, else none."""
+        if not self.emulate_w4a4:
+            return {}
+        return {"gate_input_scale": self.gate_proj_input_scale,
+                "up_input_scale": self.up_proj_input_scale,
+                "down_input_scale": self.down_proj_input_scale}
 
     @torch.no_grad()
     def dequantize_to_bf16(self) -> dict[str, torch.Tensor]:
