@@ -22,9 +22,10 @@ runs it as the BF16 tail blocks of its FP4 launches (`DLMC_NVFP4_SHARED=fused`, 
 same BF16 parts run as extra programs of the router's two launches, `dlmc::router_gemm_shared`
 and `dlmc::moe_route_shared`, and the op runs the routed experts alone; the experts add the
 shared rows in the same fp32 sum, so the block's output is the fused one's bit for bit).
-Numerics: the fused block sums the routed pairs and the shared expert's bf16 output in fp32 and rounds once; the unfused block rounds the routed sum to
-bf16 and adds the shared output in bf16 (a second rounding). The shared expert's own output is
-the same bf16 maths either way (bf16 gate/up, SiLU, product and down), up to fp32 summation order
+Numerics: the fused block sums the routed pairs and the shared expert's
+bf16 output in fp32 and rounds once; the unfused block rounds the routed sum to bf16 and adds
+the shared output in bf16 (a second rounding). The shared expert's own output is the same bf16
+maths either way (bf16 gate/up, SiLU, product and down), up to fp32 summation order
 inside its GEMMs.
 """
 
