@@ -224,6 +224,25 @@ def _self_producer(g_d, gs_d, u_d, us_d, x_d, num_pairs, a_row_div, empty, ready
 
 
 @gluon.jit
+def _any_producer(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, expert_of_block_ptr,
+                  sorted_pair_ptr, count_ptr, num_slots, gate_up_items, down_items, num_pairs,
+                  shared_id, a_row_div, empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf, x_buf,
+                  ids, experts_tab, pairs_tab, STAGES: gl.constexpr, H: gl.constexpr,
+                  I: gl.constexpr, BLOCK_M: gl.constexpr, TICKETS: gl.constexpr,
+                  X_TMA: gl.constexpr, SELF: gl.constexpr, G: gl.constexpr):
+    """The producer warp: `_self_producer` with `SELF`, else `_producer`."""
+    if SELF:
+        _self_producer(g_d, gs_d, u_d, us_d, x_d, num_pairs, a_row_div, empty, ready, g_buf,
+                       gs_buf, u_buf, us_buf, x_buf, ids, experts_tab, pairs_tab, G, STAGES, H,
+                       I, BLOCK_M)
+    else:
+        _producer(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, expert_of_block_ptr,
+                  sorted_pair_ptr, count_ptr, num_slots, gate_up_items, down_items, num_pairs,
+                  shared_id, a_row_div, empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf,
+                  x_buf, ids, STAGES, H, I, BLOCK_M, TICKETS, X_TMA)
+
+
+@gluon.jit
 def _down_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, slot0, tile, expert, i,
                empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf, STAGES: gl.constexpr,
                I: gl.constexpr):
@@ -318,27 +337,17 @@ def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, x_ptr, expert_o
     if not SELF:  # (placeholders: not read)
         experts_tab, pairs_tab, rows_tab = ids, ids, ids
     empty, ready = ring_barriers(STAGES)
-    if SELF:
-        gl.warp_specialize([
-            (_consumer, (x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, down_alpha_ptr,
-                          h_ptr, y_ptr, count_ptr, gate_up_items, num_pairs, stride_x, stride_h,
-                          stride_y, a_row_div, empty, ready, g_buf, gs_buf, u_buf, us_buf,
-                          h_buf, x_buf, ids, rows_tab, STAGES, H, I, BLOCK_M, X_TMA, SELF)),
-            (_self_producer, (g_d, gs_d, u_d, us_d, x_d, num_pairs, a_row_div, empty, ready,
-                              g_buf, gs_buf, u_buf, us_buf, x_buf, ids, experts_tab, pairs_tab,
-                              G, STAGES, H, I, BLOCK_M)),
-        ], [1], [40])
-    else:
-        gl.warp_specialize([
-            (_consumer, (x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, down_alpha_ptr,
-                          h_ptr, y_ptr, count_ptr, gate_up_items, num_pairs, stride_x, stride_h,
-                          stride_y, a_row_div, empty, ready, g_buf, gs_buf, u_buf, us_buf,
-                          h_buf, x_buf, ids, rows_tab, STAGES, H, I, BLOCK_M, X_TMA, SELF)),
-            (_producer, (g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, expert_of_block_ptr,
+    gl.warp_specialize([
+        (_consumer, (x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, down_alpha_ptr,
+                     h_ptr, y_ptr, count_ptr, gate_up_items, num_pairs, stride_x, stride_h,
+                     stride_y, a_row_div, empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf,
+                     x_buf, ids, rows_tab, STAGES, H, I, BLOCK_M, X_TMA, SELF)),
+        (_any_producer, (g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, expert_of_block_ptr,
                          sorted_pair_ptr, count_ptr, num_slots, gate_up_items, down_items,
                          num_pairs, shared_id, a_row_div, empty, ready, g_buf, gs_buf, u_buf,
-                         us_buf, h_buf, x_buf, ids, STAGES, H, I, BLOCK_M, TICKETS, X_TMA)),
-        ], [1], [40])
+                         us_buf, h_buf, x_buf, ids, experts_tab, pairs_tab, STAGES, H, I,
+                         BLOCK_M, TICKETS, X_TMA, SELF, G)),
+    ], [1], [40])
     if PDL_AFTER:
         gdc_wait()
 

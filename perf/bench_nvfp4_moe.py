@@ -89,6 +89,18 @@ def make_routing(T: int, E: int, K: int, device: str, gen: torch.Generator
     return ids.to(torch.int32), weights / weights.sum(dim=1, keepdim=True)
 
 
+# LLaDA2.1-mini's MoE layer for the probes: experts, hidden, width, top-k, block tokens, layers
+LLADA = (256, 2048, 512, 8, 32, 19)
+
+
+def llada_layers(device: str, gen: torch.Generator
+                 ) -> tuple[list[list[torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """`LLADA`'s layers in v7's stored forms and a uniform routing per layer (the probes')."""
+    E, H, I, K, T, L = LLADA
+    layers = [kernel_layer(make_layer(E, H, I, device, gen), "v7") for _ in range(L)]
+    return layers, [make_routing(T, E, K, device, gen) for _ in range(L)]
+
+
 def make_shared(H: int, I: int, device: str, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """A BF16 shared expert as `nvfp4_moe`'s `shared_*` keyword arguments."""
     shapes = {"shared_gate": (I, H), "shared_up": (I, H), "shared_down": (H, I)}

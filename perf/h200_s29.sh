@@ -15,10 +15,7 @@ source "$HERE/h200_session.sh" lib
 source <(sed -n '/^op_rows()/,/^}/p' "$HERE/h200_s27.sh")
 
 op() {  # op NAME SELF [bench args]: the op (routed experts) with DLMC_NVFP4_SELF_ROUTE=SELF
-  local name=$1 self=$2; shift 2
-  DLMC_NVFP4_SELF_ROUTE=$self timeout 120 python3 perf/bench_nvfp4_moe.py --tokens 32 \
-    --iters 60 --downs gluon "$@" --out "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
-  echo "$name rc=$? $(op_rows "$OUT/$name.txt")"
+  op_env "$1" "DLMC_NVFP4_SELF_ROUTE=$2" "${@:3}"
 }
 
 case "${1:-}" in

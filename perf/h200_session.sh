@@ -69,6 +69,15 @@ gpu_tests() {
   echo "gpu tests $name rc=$?"; tail -3 "$OUT/gpu_tests_$name.txt"
 }
 
+# op_env NAME ENV=VALUE [bench args]: the op alone (routed experts, 32 tokens, Gluon down
+# kernel) with ENV=VALUE into $OUT/NAME.* (its summary by h200_s27.sh's `op_rows`)
+op_env() {
+  local name=$1 setting=$2; shift 2
+  env "$setting" timeout 120 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 60 \
+    --downs gluon "$@" --out "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
+  echo "$name rc=$? $(op_rows "$OUT/$name.txt")"
+}
+
 # ab_rounds ENV=VALUE NAME [LIMIT]: the NVFP4 + FP8 graph round at the defaults
 # (round_nvfp4_default) and with ENV=VALUE (round_nvfp4_NAME), one after the other
 ab_rounds() {

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_nvfp4_moe import kernel_layer, make_layer, make_routing, make_shared  # noqa: E402
+from bench_nvfp4_moe import LLADA, llada_layers, make_shared  # noqa: E402
 from probe_l2_prefetch import l2_prefetch  # noqa: E402
 
 from dlmc.bench.timing import cuda_times  # noqa: E402
@@ -71,9 +71,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device, gen = "cuda", torch.Generator(device="cuda").manual_seed(0)
-    E, H, I, K, T, L = 256, 2048, 512, 8, 32, 19
-    layers = [kernel_layer(make_layer(E, H, I, device, gen), "v7") for _ in range(L)]
-    routing = [make_routing(T, E, K, device, gen) for _ in range(L)]
+    E, H, I, K, T, L = LLADA
+    layers, routing = llada_layers(device, gen)
     shared = [make_shared(H, I, device, gen) for _ in range(L)]
     x = torch.randn(T, H, device=device, generator=gen).bfloat16()
     experts = [ids.unique().to(torch.int32) for ids, _ in routing]  # ascending

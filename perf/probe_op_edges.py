@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_nvfp4_moe import kernel_layer, make_layer, make_routing  # noqa: E402
+from bench_nvfp4_moe import LLADA, llada_layers  # noqa: E402
 
 from dlmc.bench.timing import cuda_times  # noqa: E402
 from dlmc.custom_ops.moe_align import route_pairs  # noqa: E402
@@ -44,9 +44,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device, gen = "cuda", torch.Generator(device="cuda").manual_seed(0)
-    E, H, I, K, T, L = 256, 2048, 512, 8, 32, 19
-    layers = [kernel_layer(make_layer(E, H, I, device, gen), "v7") for _ in range(L)]
-    routing = [make_routing(T, E, K, device, gen) for _ in range(L)]
+    E, H, I, K, T, L = LLADA
+    layers, routing = llada_layers(device, gen)
     x = torch.randn(T, H, device=device, generator=gen).bfloat16()
     aligned = [route_pairs(ids, E) for ids, _ in routing]
 
