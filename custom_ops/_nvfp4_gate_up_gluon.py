@@ -25,9 +25,9 @@ from dlmc.custom_ops._nvfp4_gluon_parts import (
     gdc_wait,
     mma_layout,
     operand_layout,
+    tab_scalar,
 )
 from dlmc.custom_ops._nvfp4_gluon_ring import release_slot, wait_slot
-from dlmc.custom_ops._nvfp4_self_route import tab_scalar
 
 __all__ = ["X_L", "gate_up_copies", "x_layout", "x_operands", "x_ring", "x_rows_layout",
            "x_step"]

@@ -29,7 +29,7 @@ from dlmc.custom_ops.nvfp4_scale_codes import PAIR_ADD, PAIR_MUL
 from dlmc.custom_ops.nvfp4_words import DECODE_WORDS_ASM
 
 __all__ = ["H_OP", "MMA", "TAGS", "W_OP", "check_item_tags", "chunk_rings",
-           "gdc_launch_dependents", "gdc_wait", "ring_barriers", "shared_layouts"]
+           "gdc_launch_dependents", "gdc_wait", "ring_barriers", "shared_layouts", "tab_scalar"]
 
 _ASM = gl.constexpr(DECODE_WORDS_ASM.value)
 _PMUL, _PADD = gl.constexpr(PAIR_MUL), gl.constexpr(PAIR_ADD)
@@ -188,6 +188,13 @@ def _tag_slot(ids, s, tag):
     """The producer writes ring slot s's item tag (`item * 1024 + expert`, -1: no more items)
     before the slot's arrival on `ready` (the same thread: the arrival releases it)."""
     ids.index(s).store(gl.full([1], tag, gl.int32, TAG_L))
+
+
+@gluon.jit
+def tab_scalar(tab, index):
+    """Row `index` of a `[n, 1]` int32 table in shared memory, as a scalar (the producer
+    warp; `_nvfp4_self_route`'s tables)."""
+    return gl.max(tab.index(index).load(TAG_L), axis=0)
 
 
 @gluon.jit

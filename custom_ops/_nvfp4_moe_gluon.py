@@ -81,9 +81,9 @@ from dlmc.custom_ops._nvfp4_gluon_parts import (
 from dlmc.custom_ops._nvfp4_gluon_ring import release_slot, wait_slot
 from dlmc.custom_ops._nvfp4_self_route import (
     route_tables,
+    self_producer,
     self_route,
     self_route_fits,
-    tab_scalar,
 )
 from dlmc.custom_ops._occupancy import resident_programs
 
@@ -198,41 +198,15 @@ def _producer(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, expert_of_block_ptr, so
 
 
 @gluon.jit
-def _self_producer(g_d, gs_d, u_d, us_d, x_d, num_pairs, a_row_div, empty, ready, g_buf,
-                   gs_buf, u_buf, us_buf, x_buf, ids, experts_tab, pairs_tab,
-                   G: gl.constexpr, STAGES: gl.constexpr, H: gl.constexpr, I: gl.constexpr,
-                   BLOCK_M: gl.constexpr):
-    """The gate/up items alone by program (p, p + grid, ...), their experts and pairs from the
-    program's own tables (`_nvfp4_self_route`): after the first `STAGES` K-steps of its first
-    item (at once if it has none) this warp waits for the previous launch and lets the next
-    one launch."""
-    GDC_STEP: gl.constexpr = min(STAGES, H // 128) - 1
-    i = 0  # ring slots filled so far
-    for g in range(G):
-        expert = tab_scalar(experts_tab, g)
-        if expert >= 0:
-            item = gl.program_id(0) + g * gl.num_programs(0)
-            slot0, tile = _place(item, I // 128, BLOCK_M)
-            i = gate_up_copies(g_d, gs_d, u_d, us_d, expert * (I // 128) + tile, i, empty,
-                               ready, g_buf, gs_buf, u_buf, us_buf, ids, item * 1024 + expert,
-                               STAGES, H, x_d, x_buf, x_d, slot0, num_pairs, a_row_div, True,
-                               True, pairs_tab, g, gl.where(g == 0, GDC_STEP, -1), True)
-        elif g == 0:
-            gdc_wait()
-            gdc_launch_dependents()
-    _end_tickets(ids, 0, 0, ids, empty, ready, i, STAGES, False)
-
-
-@gluon.jit
 def _any_producer(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, expert_of_block_ptr,
                   sorted_pair_ptr, count_ptr, num_slots, gate_up_items, down_items, num_pairs,
                   shared_id, a_row_div, empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf, x_buf,
                   ids, experts_tab, pairs_tab, STAGES: gl.constexpr, H: gl.constexpr,
                   I: gl.constexpr, BLOCK_M: gl.constexpr, TICKETS: gl.constexpr,
                   X_TMA: gl.constexpr, SELF: gl.constexpr, G: gl.constexpr):
-    """The producer warp: `_self_producer` with `SELF`, else `_producer`."""
+    """The producer warp: `_nvfp4_self_route.self_producer` with `SELF`, else `_producer`."""
     if SELF:
-        _self_producer(g_d, gs_d, u_d, us_d, x_d, num_pairs, a_row_div, empty, ready, g_buf,
+        self_producer(g_d, gs_d, u_d, us_d, x_d, num_pairs, a_row_div, empty, ready, g_buf,
                        gs_buf, u_buf, us_buf, x_buf, ids, experts_tab, pairs_tab, G, STAGES, H,
                        I, BLOCK_M)
     else:

@@ -22,10 +22,18 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from dlmc.custom_ops._nvfp4_gate_up_gluon import gate_up_copies
+from dlmc.custom_ops._nvfp4_gluon_parts import (
+    _end_tickets,
+    _place,
+    gdc_launch_dependents,
+    gdc_wait,
+    tab_scalar,
+)
 from dlmc.env import env_choice
 
-__all__ = ["MAX_EXPERTS", "MAX_PAIRS", "SELF_ROUTE", "route_tables", "self_route",
-           "self_route_fits", "tab_scalar"]
+__all__ = ["MAX_EXPERTS", "MAX_PAIRS", "SELF_ROUTE", "route_tables", "self_producer",
+           "self_route", "self_route_fits"]
 
 MAX_PAIRS, MAX_EXPERTS = 512, 512
 # DLMC_NVFP4_SELF_ROUTE (read at import): "1" (the default since session 29: the op alone,
@@ -35,7 +43,6 @@ MAX_PAIRS, MAX_EXPERTS = 512, 512
 # module's value may be set per call by tests and benches.
 SELF_ROUTE = env_choice("DLMC_NVFP4_SELF_ROUTE", "1", ("1", "0")) == "1"
 
-_SCALAR = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))  # the producer warp's reads
 _TABLE = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # rank-1 rows, as ring tags
 
 
@@ -65,12 +72,6 @@ def route_tables(G: gl.constexpr):
     pairs = gl.allocate_shared_memory(gl.int32, [8 * ROWS, 1], _TABLE)
     rows = gl.allocate_shared_memory(gl.int32, [ROWS, 8], _TABLE)
     return experts, pairs, rows
-
-
-@gluon.jit
-def tab_scalar(tab, index):
-    """Row `index` of a `[n, 1]` table, as a scalar (the producer warp)."""
-    return gl.max(tab.index(index).load(_SCALAR), axis=0)
 
 
 @gluon.jit
@@ -117,3 +118,29 @@ def self_route(ids_ptr, num_pairs, num_items, experts_tab, pairs_tab, rows_tab,
             rows_tab.index(g).store(pairs)
             pairs_tab._reinterpret(gl.int32, [8 * _rows(G)], _TABLE).slice(8 * g, 8).store(
                 gl.convert_layout(pairs, gl.BlockedLayout([1], [32], [4], [0])))
+
+
+@gluon.jit
+def self_producer(g_d, gs_d, u_d, us_d, x_d, num_pairs, a_row_div, empty, ready, g_buf,
+                  gs_buf, u_buf, us_buf, x_buf, ids, experts_tab, pairs_tab,
+                  G: gl.constexpr, STAGES: gl.constexpr, H: gl.constexpr, I: gl.constexpr,
+                  BLOCK_M: gl.constexpr):
+    """The gate/up items alone by program (p, p + grid, ...), their experts and pairs from the
+    program's own tables (`self_route`): after the first `STAGES` K-steps of its first
+    item (at once if it has none) this warp waits for the previous launch and lets the next
+    one launch."""
+    GDC_STEP: gl.constexpr = min(STAGES, H // 128) - 1
+    i = 0  # ring slots filled so far
+    for g in range(G):
+        expert = tab_scalar(experts_tab, g)
+        if expert >= 0:
+            item = gl.program_id(0) + g * gl.num_programs(0)
+            slot0, tile = _place(item, I // 128, BLOCK_M)
+            i = gate_up_copies(g_d, gs_d, u_d, us_d, expert * (I // 128) + tile, i, empty,
+                               ready, g_buf, gs_buf, u_buf, us_buf, ids, item * 1024 + expert,
+                               STAGES, H, x_d, x_buf, x_d, slot0, num_pairs, a_row_div, True,
+                               True, pairs_tab, g, gl.where(g == 0, GDC_STEP, -1), True)
+        elif g == 0:
+            gdc_wait()
+            gdc_launch_dependents()
+    _end_tickets(ids, 0, 0, ids, empty, ready, i, STAGES, False)
