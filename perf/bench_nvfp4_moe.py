@@ -41,7 +41,7 @@ if not torch.cuda.is_available():  # --smoke on a CPU machine: Triton's interpre
 
 import dlmc.custom_ops.nvfp4_moe as nvfp4_module
 from dlmc.bench.timing import copy_bandwidth_gbps, cuda_times
-from dlmc.custom_ops import _nvfp4_down_gluon, _nvfp4_moe_gluon
+from dlmc.custom_ops import _nvfp4_down_gluon, _nvfp4_moe_gluon, _nvfp4_self_route
 from dlmc.custom_ops._nvfp4_gluon_ring import RING_EMPTY
 from dlmc.custom_ops.nvfp4_moe import (
     _KERNEL_NAME,
@@ -219,6 +219,9 @@ def main() -> None:
         "kernel": args.kernels[0] if len(args.kernels) == 1 else args.kernels,
         "tile_rows": ROWS,  # rows per contiguous run of v5-v7's layout (DLMC_NVFP4_TILE_ROWS)
         "ring_empty": RING_EMPTY,  # how the Gluon kernels hand ring slots back
+        # whether the Gluon gate/up programs route themselves, and their prologue's layout
+        "self_route": _nvfp4_self_route.SELF_ROUTE,
+        "self_route_layout": "replicated" if _nvfp4_self_route.REPLICATED else "spread",
         "torch": torch.__version__, "python": platform.python_version(), "results": [],
     }
     if device == "cuda":

@@ -5,6 +5,10 @@
 #                                 # DLMC_NVFP4_SELF_ROUTE=0 / 1, one process each, three passes,
 #                                 # and perf/probe_op_edges.py with it on
 #   bash perf/h200_s29.sh rounds  # call 7: NVFP4 + FP8 rounds, DLMC_NVFP4_SELF_ROUTE=1 vs 0
+#   bash perf/h200_s29.sh layout  # next session (carry .whl): the Gluon gate/up GPU tests
+#                                 # (aligned, spread and replicated self-routing), then the op
+#                                 # with DLMC_NVFP4_SELF_ROUTE_LAYOUT=spread / replicated, one
+#                                 # process each, three passes
 #   bash perf/h200_s29.sh shared  # next session (carry .whl): DLMC_NVFP4_SHARED=router (the
 #                                 # shared expert in the router's launches): its tests on the
 #                                 # GPU (not gpu-marked: they run the CUDA kernels there), then
@@ -39,6 +43,17 @@ rounds)
   ab_rounds DLMC_NVFP4_SELF_ROUTE=1 self_route 200
   grep -h "graph" "$OUT"/round_*.txt | tail -4
   tar_out s29_rounds ;;
+layout)
+  python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
+  TEST_TIMEOUT=300 gpu_tests layout -n 4 tests/custom_ops/test_nvfp4_gate_up_gluon.py
+  if ! grep -qE "failed|error|Timeout" "$OUT/gpu_tests_layout.txt"; then
+    for pass in 1 2 3; do
+      op_env "op_spread$pass" DLMC_NVFP4_SELF_ROUTE_LAYOUT=spread $([ $pass = 1 ] && echo --profile)
+      op_env "op_replicated$pass" DLMC_NVFP4_SELF_ROUTE_LAYOUT=replicated \
+        $([ $pass = 1 ] && echo --profile)
+    done
+  fi
+  tar_out s29_layout ;;
 shared)
   python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
   timeout 300 python3 -m pytest -q -p no:cacheprovider -rf -n 4 \
@@ -50,5 +65,5 @@ shared)
     grep -h "graph" "$OUT"/round_*.txt | tail -4
   fi
   tar_out s29_shared ;;
-*) echo "usage: $0 self|rounds|shared" >&2; exit 2 ;;
+*) echo "usage: $0 self|rounds|layout|shared" >&2; exit 2 ;;
 esac
