@@ -425,13 +425,14 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
                **({"launch_pdl": True} if pdl else {})}
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     if routed:
-        options |= {"ids_ptr": topk_ids.reshape(-1), "SELF": True,
-                    "PAIRS_PAD": max(16, 1 << (num_pairs - 1).bit_length()),
-                    "EXPERTS_PAD": max(16, 1 << (shared_id - 1).bit_length()),
-                    "REPLICATED": _nvfp4_self_route.REPLICATED,
+        pads = (max(16, 1 << (num_pairs - 1).bit_length()),
+                max(16, 1 << (shared_id - 1).bit_length()))
+        options |= {"ids_ptr": topk_ids.reshape(-1), "SELF": True, "PAIRS_PAD": pads[0],
+                    "EXPERTS_PAD": pads[1],
+                    "REPLICATED": _nvfp4_self_route.replicated_fits(*pads),
                     "G": -(-gate_up_items // (sms * programs_per_sm(x.device)))}
     key = (x.device, STAGES, PROGRAMS_PER_SM, MAXNREG, tickets, X_TMA, H, I, block_m, pdl,
-           routed, routed and _nvfp4_self_route.REPLICATED)
+           routed, options.get("REPLICATED", False))
     if count.numel() < 2 * num_slots + 1:
         raise ValueError(f"nvfp4_moe: the fused Gluon kernel needs {2 * num_slots + 1} counters "
                          f"(`moe_overlap.counters(device, num_slots + 1)`), got {count.numel()}")

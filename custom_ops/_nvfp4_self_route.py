@@ -32,8 +32,8 @@ from dlmc.custom_ops._nvfp4_gluon_parts import (
 )
 from dlmc.env import env_choice
 
-__all__ = ["MAX_EXPERTS", "MAX_PAIRS", "REPLICATED", "SELF_ROUTE", "route_tables",
-           "self_producer", "self_route", "self_route_fits"]
+__all__ = ["MAX_EXPERTS", "MAX_PAIRS", "REPLICATED", "SELF_ROUTE", "replicated_fits",
+           "route_tables", "self_producer", "self_route", "self_route_fits"]
 
 MAX_PAIRS, MAX_EXPERTS = 512, 512
 # DLMC_NVFP4_SELF_ROUTE (read at import): "1" (the default since session 29: the op alone,
@@ -51,6 +51,12 @@ REPLICATED = env_choice("DLMC_NVFP4_SELF_ROUTE_LAYOUT", "spread",
                         ("spread", "replicated")) == "replicated"
 
 _TABLE = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # rank-1 rows, as ring tags
+
+
+def replicated_fits(pairs_pad: int, experts_pad: int) -> bool:
+    """Whether the prologue takes `REPLICATED` tiles at these sizes: set, and at most 256 pairs
+    and experts (at 512 each warp's `[8, 512]` tile needs a stack frame at 80 registers)."""
+    return REPLICATED and pairs_pad <= 256 and experts_pad <= 256
 
 
 def self_route_fits(num_pairs: int, num_experts: int) -> bool:

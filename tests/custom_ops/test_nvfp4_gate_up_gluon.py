@@ -113,6 +113,20 @@ def test_wiring_of_the_gluon_gate_up_matches_the_reference(monkeypatch) -> None:
     assert int(counters.abs().sum()) == 0
 
 
+def test_self_routing_limits(monkeypatch) -> None:
+    """The gate/up programs route themselves for 1..512 pairs over at most 512 experts, and
+    with `DLMC_NVFP4_SELF_ROUTE_LAYOUT=replicated` take replicated tiles up to 256 of each."""
+    fits = _nvfp4_self_route.self_route_fits
+    assert fits(1, 256) and fits(512, 512)
+    assert not (fits(0, 256) or fits(513, 256) or fits(256, 513))
+    monkeypatch.setattr(_nvfp4_self_route, "REPLICATED", True)
+    replicated = _nvfp4_self_route.replicated_fits
+    assert replicated(256, 256) and replicated(16, 16)
+    assert not (replicated(512, 256) or replicated(256, 512))
+    monkeypatch.setattr(_nvfp4_self_route, "REPLICATED", False)
+    assert not replicated(256, 256)
+
+
 def spy_gate_up_only(monkeypatch, self_route: bool | str = False) -> list[tuple[bool, bool]]:
     """`DLMC_NVFP4_GATE_UP=gluon` and `DLMC_NVFP4_SELF_ROUTE` as `self_route` ("replicated":
     on, with `DLMC_NVFP4_SELF_ROUTE_LAYOUT=replicated`), and per `launch_moe_gluon` call
@@ -131,19 +145,20 @@ def spy_gate_up_only(monkeypatch, self_route: bool | str = False) -> list[tuple[
 @pytest.mark.gpu
 @pytest.mark.parametrize("self_route", [False, True, "replicated"],
                          ids=["aligned", "self_routed", "replicated"])
-@pytest.mark.parametrize("case", ["llada", "skewed", "one_token", "two_blocks"])
+@pytest.mark.parametrize("case", ["llada", "skewed", "one_token", "two_blocks", "64_tokens"])
 def test_gluon_gate_up_equals_the_triton_kernels_gpu(monkeypatch, case: str,
                                                       self_route: bool | str) -> None:
     """`DLMC_NVFP4_GATE_UP=gluon` then the Gluon down kernel (tickets): bit for bit the Triton
     kernels at LLaDA2.1-mini shapes (32 x top-8 of 256), with every token on the same 8
-    experts (one full block each, or two with 32 tokens of 64 experts), and for one token;
-    the counters zero afterwards. `self_route`: the gate/up programs route their own items
+    experts (one full block each, or two with 32 tokens of 64 experts), for one token, and
+    for 64 tokens (512 pairs: the self-routing's largest tiles); the counters zero
+    afterwards. `self_route`: the gate/up programs route their own items
     (`_nvfp4_self_route`, spread or replicated tiles), which takes the llada shape in several
     items per program."""
     calls = spy_gate_up_only(monkeypatch, self_route)
     gen = torch.Generator().manual_seed(4)
-    E, H, I, T = {"llada": (256, 2048, 512, 32), "two_blocks": (64, 256, 256, 32)}.get(
-        case, (8, 256, 256, 16))
+    E, H, I, T = {"llada": (256, 2048, 512, 32), "two_blocks": (64, 256, 256, 32),
+                  "64_tokens": (256, 2048, 512, 64)}.get(case, (8, 256, 256, 16))
     T = 1 if case == "one_token" else T
     experts = {k: v.to(DEVICE) for k, v in random_experts(gen, E, H, I).items()}
     x = torch.randn(T, H, generator=gen).bfloat16().to(DEVICE)
