@@ -256,18 +256,18 @@ class MoEBlock(nn.Module):
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
 
     def _routes_shared(self, x: torch.Tensor) -> bool:
-        """`shared_in_router`, on the kernel path, with the router's split GEMM, NVFP4 experts
-        running the op, and the router and alignment as separate launches (`route_align`
-        "off")."""
-        takes_routing = getattr(self.experts, "takes_pair_routing", None)
-        return (self.shared_in_router and self.route_align == "off" and _kernel_path(x)
-                and self.gate._split_gemm(x) and takes_routing is not None
-                and takes_routing(x))
+        """`shared_in_router`, with the router's split GEMM, experts running the op, and the
+        router and alignment as separate launches (`route_align` "off")."""
+        return (self.shared_in_router and self.route_align == "off"
+                and self._kernel_experts(x) and self.gate._split_gemm(x))
 
     def _fuses_route_align(self, x: torch.Tensor) -> bool:
+        return self.route_align in ("on", "last") and self._kernel_experts(x)
+
+    def _kernel_experts(self, x: torch.Tensor) -> bool:
+        """On the kernel path, with experts whose op takes a `routing` (and shared rows)."""
         takes_routing = getattr(self.experts, "takes_pair_routing", None)
-        return (self.route_align in ("on", "last") and _kernel_path(x)
-                and takes_routing is not None and takes_routing(x))
+        return _kernel_path(x) and takes_routing is not None and takes_routing(x)
 
     @torch.no_grad()
     def fuse_shared_expert(self) -> bool:

@@ -162,42 +162,35 @@ class NVFP4Experts(nn.Module):
         elsewhere (`DLMC_NVFP4_SHARED=router`), added in the same fp32 sum where its pair row
         would be: the op runs the routed experts alone and returns its pair rows.
         """
-        if shared_rows is not None:
-            if shared_expert or self.use_reference:
-                raise ValueError("NVFP4Experts: shared_rows is for the op's routed experts "
-                                 "alone (not with shared_expert=True or use_reference)")
-            rows = nvfp4_moe(x, topk_ids, topk_weights, *self._op_args(),
-                             emulate_w4a4=self.emulate_w4a4, pairs=True,
-                             **self._input_scales(), **({"routing": routing} if routing else {}))
-            return moe_combine.combine_pointwise(rows, topk_weights, shared_rows=shared_rows)
+        if shared_rows is not None and (shared_expert or self.use_reference):
+            raise ValueError("NVFP4Experts: shared_rows is for the op's routed experts alone "
+                             "(not with shared_expert=True or use_reference)")
         moe = nvfp4_moe_reference if self.use_reference else nvfp4_moe
         kwargs: dict[str, object] = {}
         if routing is not None and not self.use_reference:
             kwargs["routing"] = routing
-        kwargs |= self._input_scales()
+        if self.emulate_w4a4:
+            kwargs |= {
+                "gate_input_scale": self.gate_proj_input_scale,
+                "up_input_scale": self.up_proj_input_scale,
+                "down_input_scale": self.down_proj_input_scale,
+            }
         if shared_expert:
             if self.shared_expert_id is None:
                 raise ValueError("NVFP4Experts: shared_expert=True needs set_shared_expert first")
             kwargs |= {f"shared_{p}": getattr(self, f"shared_{p}_proj_weight")
                        for p in ("gate", "up", "down")}
-        if (moe_combine.COMBINE == "outside" and not self.use_reference
-                and torch.compiler.is_compiling()):
+        if shared_rows is not None or (moe_combine.COMBINE == "outside" and not self.use_reference
+                                       and torch.compiler.is_compiling()):
             # The pair rows, summed by pointwise ops that Inductor fuses into their consumer
-            # (eager runs keep the one combine launch instead of 2K+1 pointwise ones).
+            # (eager runs keep the one combine launch instead of 2K+1 pointwise ones, unless
+            # shared rows from elsewhere join the sum).
             rows = moe(x, topk_ids, topk_weights, *self._op_args(),
                        emulate_w4a4=self.emulate_w4a4, pairs=True, **kwargs)
-            return moe_combine.combine_pointwise(rows, topk_weights, shared_expert)
+            return moe_combine.combine_pointwise(rows, topk_weights, shared_expert, shared_rows)
         return moe(
             x, topk_ids, topk_weights, *self._op_args(), emulate_w4a4=self.emulate_w4a4, **kwargs
         )
-
-    def _input_scales(self) -> dict[str, torch.Tensor]:
-        """The op's activation scales with W4A4 emulation, else none."""
-        if not self.emulate_w4a4:
-            return {}
-        return {"gate_input_scale": self.gate_proj_input_scale,
-                "up_input_scale": self.up_proj_input_scale,
-                "down_input_scale": self.down_proj_input_scale}
 
     @torch.no_grad()
     def dequantize_to_bf16(self) -> dict[str, torch.Tensor]:
