@@ -264,12 +264,14 @@ def _nvfp4_block(seed=4, use_reference=False):
 @pytest.mark.parametrize("use_reference", [False, True])
 @torch.no_grad()
 def test_fused_nvfp4_shared_expert_matches_unfused(monkeypatch, use_reference):
-    """NVFP4 experts take the shared expert as the BF16 tail blocks of `nvfp4_moe` (the op under
-    Triton's interpreter on CPU, or the reference): the unfused block's result up to the fp32
+    """NVFP4 experts take the shared expert as the BF16 tail blocks of `nvfp4_moe` (the op on
+    CUDA or under Triton's interpreter on CPU, or the reference): the unfused block's result up to the fp32
     sum (it rounds the routed sum to bf16 and adds the shared output in bf16) and the GEMMs'
     summation order."""
     monkeypatch.delenv("DLMC_NVFP4_SHARED", raising=False)
     cfg, block, x = _nvfp4_block(use_reference=use_reference)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the op compiled on a GPU
+    block, x = block.to(device), x.to(device)
     shared = block.shared_experts
     routed, shared_out = block.experts(x, *block.gate(x)).float(), shared(x).float()
     want = block(x).float()
@@ -447,7 +449,8 @@ def test_nvfp4_shared_expert_in_the_router_equals_fused(monkeypatch, tokens):
 
     monkeypatch.setattr(moe, "_kernel_path", lambda x: True)
     _, block, x = _nvfp4_block()
-    x = x[:tokens]
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels compiled on a GPU
+    block, x = block.to(device), x[:tokens].to(device)
     block.gate.gemm = "triton"  # the router's split GEMM under the interpreter
     monkeypatch.setenv("DLMC_NVFP4_SHARED", "fused")
     assert block.fuse_shared_expert() and not block.shared_in_router
