@@ -265,9 +265,9 @@ def _nvfp4_block(seed=4, use_reference=False):
 @torch.no_grad()
 def test_fused_nvfp4_shared_expert_matches_unfused(monkeypatch, use_reference):
     """NVFP4 experts take the shared expert as the BF16 tail blocks of `nvfp4_moe` (the op on
-    CUDA or under Triton's interpreter on CPU, or the reference): the unfused block's result up to the fp32
-    sum (it rounds the routed sum to bf16 and adds the shared output in bf16) and the GEMMs'
-    summation order."""
+    CUDA or under Triton's interpreter on CPU, or the reference): the unfused block's result up
+    to the fp32 sum (it rounds the routed sum to bf16 and adds the shared output in bf16) and
+    the GEMMs' summation order."""
     monkeypatch.delenv("DLMC_NVFP4_SHARED", raising=False)
     cfg, block, x = _nvfp4_block(use_reference=use_reference)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the op compiled on a GPU
