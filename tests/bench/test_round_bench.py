@@ -141,3 +141,46 @@ def test_uniform_routing_through_the_fused_route_align_path(tiny_dir, monkeypatc
         fixed_ids = blocks[0].gate.ids[:16]
         assert fused_bytes[1] == sum(b.gate.ids[:16].unique().numel() for b in blocks) / len(
             blocks) and fixed_ids.shape == (16, model.config.num_experts_per_tok)
+
+
+def test_uniform_routing_with_the_shared_expert_in_the_router(nvfp4_dir, monkeypatch):
+    """`DLMC_NVFP4_SHARED=router` in a bench round (the CUDA code path under Triton's
+    interpreter): FixedRouter hands the model router's two launches the shared expert
+    (`route_shared`, once per block and forward, no second router run) and routes with the
+    fixed ids: the fused-shared model's logits bit for bit."""
+    import torch
+
+    import dlmc.models.moe as moe
+    from dlmc.bench.round_bench import FixedRouter, use_uniform_routing
+    from dlmc.engine.attention import MaskedAttention, block_causal_mask
+    from dlmc.loading.loader import load_model
+    from dlmc.models.moe import fuse_shared_experts
+
+    monkeypatch.setattr(moe, "_kernel_path", lambda x: True)
+    model = load_model(nvfp4_dir, torch.device("cpu"), torch.bfloat16, precision="nvfp4").model
+    use_uniform_routing(model, max_tokens=64, seed=0)
+    blocks = [m for m in model.modules() if isinstance(m, moe.MoEBlock)]
+    assert blocks and all(isinstance(b.gate, FixedRouter) for b in blocks)
+    for block in blocks:
+        block.gate.router.gemm = "triton"  # the router's split GEMM under the interpreter
+        block.experts.use_reference = False  # the op under the interpreter (CPU loads pick
+        # the reference)
+    monkeypatch.setenv("DLMC_NVFP4_SHARED", "fused")
+    assert fuse_shared_experts(model) == len(blocks)
+    tokens, positions = torch.arange(16), torch.arange(48, 64)
+    mask = block_causal_mask(positions, positions, 16, torch.bfloat16)
+    runs = []
+    for block in blocks:
+        block.gate.router.register_forward_hook(lambda *a: runs.append("forward"))
+        route_shared = block.gate.router.route_shared
+        block.gate.router.route_shared = lambda *a, f=route_shared: runs.append("shared") or f(*a)
+    with torch.inference_mode():
+        want = model(tokens, positions, MaskedAttention(mask))
+    assert runs == ["forward"] * len(blocks)
+    runs.clear()
+    for block in blocks:
+        block.shared_in_router = True
+    with torch.inference_mode():
+        got = model(tokens, positions, MaskedAttention(mask))
+    assert runs == ["shared"] * len(blocks)
+    assert torch.equal(got, want)
