@@ -24,6 +24,7 @@ from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.moe_shared_parts import shared_gate_up_part, shared_parts, shared_split
 from dlmc.custom_ops.nvfp4_moe import shared_part_tiles
+from dlmc.custom_ops.router_gemm import router_gemm_program  # by name: Inductor's kernel source
 from dlmc.custom_ops.small_m_linear import check_small_m_operands
 
 __all__ = ["router_gemm_shared", "router_gemm_shared_reference"]
@@ -43,9 +44,8 @@ def router_shared_kernel(x_ptr, w_ptr, part_ptr, gate_w, up_w, h_ptr, tokens, st
     numbered along N-tiles first: the shared expert's gate/up parts (PARTS per I-tile)."""
     row = tl.program_id(1)
     if row < SPLITS:
-        _router.router_gemm_program(x_ptr, w_ptr, part_ptr, tokens, stride_x, row,
-                                    tl.program_id(0), N, K, K_PER_SPLIT, BLOCK_T, BLOCK_N,
-                                    BLOCK_K, INTERPRETED)
+        router_gemm_program(x_ptr, w_ptr, part_ptr, tokens, stride_x, row, tl.program_id(0), N,
+                            K, K_PER_SPLIT, BLOCK_T, BLOCK_N, BLOCK_K, INTERPRETED)
     else:
         q = (row - SPLITS) * tl.num_programs(0) + tl.program_id(0)
         if q < PARTS * tl.cdiv(I, SH_BLOCK_N):
