@@ -282,7 +282,7 @@ def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, x_ptr, expert_o
                       PDL_AFTER: gl.constexpr = False, TICKETS: gl.constexpr = False,
                       X_TMA: gl.constexpr = False, ids_ptr=None, SELF: gl.constexpr = False,
                       G: gl.constexpr = 1, PAIRS_PAD: gl.constexpr = 16,
-                      EXPERTS_PAD: gl.constexpr = 16, REPLICATED: gl.constexpr = False):
+                      EXPERTS_PAD: gl.constexpr = 16):
     """`PDL_ENTER`: launched with PDL right after the routing (wait for it, then let the next
     kernel launch). `PDL_AFTER`: launched with PDL after the shared expert's down parts, which
     come after the routing: let the next kernel launch at once, and finish only after the
@@ -298,7 +298,7 @@ def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, x_ptr, expert_o
     if SELF:
         experts_tab, pairs_tab, rows_tab = route_tables(G)
         self_route(ids_ptr, num_pairs, gate_up_items, experts_tab, pairs_tab, rows_tab, G,
-                   I // 128, BLOCK_M, PAIRS_PAD, EXPERTS_PAD, REPLICATED)
+                   I // 128, BLOCK_M, PAIRS_PAD, EXPERTS_PAD)
     if PDL_ENTER:
         gdc_wait()
     if PDL_ENTER or PDL_AFTER:
@@ -425,14 +425,12 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
                **({"launch_pdl": True} if pdl else {})}
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     if routed:
-        pads = (max(16, 1 << (num_pairs - 1).bit_length()),
-                max(16, 1 << (shared_id - 1).bit_length()))
-        options |= {"ids_ptr": topk_ids.reshape(-1), "SELF": True, "PAIRS_PAD": pads[0],
-                    "EXPERTS_PAD": pads[1],
-                    "REPLICATED": _nvfp4_self_route.replicated_fits(*pads),
+        options |= {"ids_ptr": topk_ids.reshape(-1), "SELF": True,
+                    "PAIRS_PAD": max(16, 1 << (num_pairs - 1).bit_length()),
+                    "EXPERTS_PAD": max(16, 1 << (shared_id - 1).bit_length()),
                     "G": -(-gate_up_items // (sms * programs_per_sm(x.device)))}
     key = (x.device, STAGES, PROGRAMS_PER_SM, MAXNREG, tickets, X_TMA, H, I, block_m, pdl,
-           routed, options.get("REPLICATED", False))
+           routed)
     if count.numel() < 2 * num_slots + 1:
         raise ValueError(f"nvfp4_moe: the fused Gluon kernel needs {2 * num_slots + 1} counters "
                          f"(`moe_overlap.counters(device, num_slots + 1)`), got {count.numel()}")

@@ -32,8 +32,8 @@ from dlmc.custom_ops._nvfp4_gluon_parts import (
 )
 from dlmc.env import env_choice
 
-__all__ = ["MAX_EXPERTS", "MAX_PAIRS", "REPLICATED", "SELF_ROUTE", "replicated_fits",
-           "route_tables", "self_producer", "self_route", "self_route_fits"]
+__all__ = ["MAX_EXPERTS", "MAX_PAIRS", "SELF_ROUTE", "route_tables", "self_producer",
+           "self_route", "self_route_fits"]
 
 MAX_PAIRS, MAX_EXPERTS = 512, 512
 # DLMC_NVFP4_SELF_ROUTE (read at import): "1" (the default since session 29: the op alone,
@@ -42,21 +42,8 @@ MAX_PAIRS, MAX_EXPERTS = 512, 512
 # is unchanged: 2.838 ms queued both ways; perf/README.md) or "0" (wait for the alignment). The
 # module's value may be set per call by tests and benches.
 SELF_ROUTE = env_choice("DLMC_NVFP4_SELF_ROUTE", "1", ("1", "0")) == "1"
-# DLMC_NVFP4_SELF_ROUTE_LAYOUT (read at import): "spread" (the default, measured above: the
-# routing tiles over the four warps; its sm_90 SASS has 121 more block barriers than the
-# aligned form, the prologue's cross-warp reductions and scans) or "replicated" (opt-in, not
-# yet measured on a GPU: after the histogram every warp computes all of it, so reductions and
-# scans stay inside a warp)
-REPLICATED = env_choice("DLMC_NVFP4_SELF_ROUTE_LAYOUT", "spread",
-                        ("spread", "replicated")) == "replicated"
 
 _TABLE = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # rank-1 rows, as ring tags
-
-
-def replicated_fits(pairs_pad: int, experts_pad: int) -> bool:
-    """Whether the prologue takes `REPLICATED` tiles at these sizes: set, and at most 256 pairs
-    and experts (at 512 each warp's `[8, 512]` tile needs a stack frame at 80 registers)."""
-    return REPLICATED and pairs_pad <= 256 and experts_pad <= 256
 
 
 def self_route_fits(num_pairs: int, num_experts: int) -> bool:
@@ -87,49 +74,26 @@ def route_tables(G: gl.constexpr):
     return experts, pairs, rows
 
 
-@gluon.constexpr_function
-def _vector_layout(n: int, replicated: bool) -> object:
-    """`[n]` over four warps (spread), or (`replicated`) `n / 32` consecutive elements per lane
-    of one warp, which the other warps repeat (the layout covers 4n): reductions and scans then
-    stay inside a warp (shuffles, no block barrier)."""
-    return gl.BlockedLayout([max(1, n // 32) if replicated else 1], [32], [4], [0])
-
-
-@gluon.constexpr_function
-def _hits_layout(n: int, replicated: bool) -> object:
-    """`[8, n]`: the 8 ranks in registers, n as `_vector_layout` lays it out."""
-    return gl.BlockedLayout([1, max(1, n // 32) if replicated else 1], [1, 32], [1, 4], [1, 0])
-
-
 @gluon.jit
 def self_route(ids_ptr, num_pairs, num_items, experts_tab, pairs_tab, rows_tab,
                G: gl.constexpr, TILES: gl.constexpr, BLOCK_M: gl.constexpr,
-               PAIRS_PAD: gl.constexpr, EXPERTS_PAD: gl.constexpr,
-               REPLICATED: gl.constexpr = False):
+               PAIRS_PAD: gl.constexpr, EXPERTS_PAD: gl.constexpr):
     """Fill the tables (`route_tables`) for items p + g * grid, g < G (an 8-slot part of a
     routing block and one of `TILES` N-tiles, `_nvfp4_gluon_parts._place`) of the routing
     `ids` (int32 or int64, `num_pairs` of them) that `moe_align` makes at `BLOCK_M`; four
-    warps, before the warp-specialized part. `REPLICATED` (`DLMC_NVFP4_SELF_ROUTE_LAYOUT`):
-    after the histogram each warp computes all of it (`_vector_layout`)."""
-    spread: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    line: gl.constexpr = _vector_layout(PAIRS_PAD, REPLICATED)
-    eline: gl.constexpr = _vector_layout(EXPERTS_PAD, REPLICATED)
-    grid2: gl.constexpr = _hits_layout(PAIRS_PAD, REPLICATED)
+    warps, before the warp-specialized part."""
+    line: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    grid2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 4], [1, 0])
     PARTS: gl.constexpr = BLOCK_M // 8
-    spread_pair = gl.arange(0, PAIRS_PAD, spread)
-    spread_ids = gl.load(ids_ptr + spread_pair, mask=spread_pair < num_pairs, other=0)
-    spread_ids = spread_ids.to(gl.int32)
-    counts = gl.convert_layout(gl.histogram(spread_ids, EXPERTS_PAD,
-                                            mask=spread_pair < num_pairs, layout=spread),
-                               eline)  # [E]
     pair = gl.arange(0, PAIRS_PAD, line)
     is_pair = pair < num_pairs
-    ids = gl.convert_layout(spread_ids, line)
+    ids = gl.load(ids_ptr + pair, mask=is_pair, other=0).to(gl.int32)
+    counts = gl.histogram(ids, EXPERTS_PAD, mask=is_pair, layout=line)  # [E]
     blocks = (counts + BLOCK_M - 1) // BLOCK_M
     block_end = gl.associative_scan(blocks, 0, _add)
     block_start = block_end - blocks
     used = gl.sum(blocks, axis=0)
-    experts = gl.arange(0, EXPERTS_PAD, eline)
+    experts = gl.arange(0, EXPERTS_PAD, line)
     pair2 = gl.expand_dims(gl.convert_layout(pair, gl.SliceLayout(0, grid2)), 0)  # [1, P]
     r = gl.expand_dims(gl.arange(0, 8, gl.SliceLayout(1, grid2)), 1)  # [8, 1]
     for g in gl.static_range(G):
@@ -142,7 +106,7 @@ def self_route(ids_ptr, num_pairs, num_items, experts_tab, pairs_tab, rows_tab,
                  + ((item // TILES) % PARTS) * 8)  # the part's first rank in the expert
         count = gl.sum(gl.where(mine, counts, 0), axis=0)
         work = (item < num_items) & (block < used) & (first < count)
-        experts_tab.index(g).store(gl.full([1], gl.where(work, expert, -1), gl.int32, spread))
+        experts_tab.index(g).store(gl.full([1], gl.where(work, expert, -1), gl.int32, line))
         if work:  # (the part's pairs: unread for an item without work)
             taken = is_pair & (ids == expert)
             rank = gl.associative_scan(taken.to(gl.int32), 0, _add) - 1  # [P] rank in expert
@@ -153,7 +117,7 @@ def self_route(ids_ptr, num_pairs, num_items, experts_tab, pairs_tab, rows_tab,
             pairs = gl.where(found > 0, gl.sum(gl.where(hit, pair2, 0), axis=1), num_pairs)
             rows_tab.index(g).store(pairs)
             pairs_tab._reinterpret(gl.int32, [8 * _rows(G)], _TABLE).slice(8 * g, 8).store(
-                gl.convert_layout(pairs, spread))
+                gl.convert_layout(pairs, gl.BlockedLayout([1], [32], [4], [0])))
 
 
 @gluon.jit

@@ -219,9 +219,7 @@ def main() -> None:
         "kernel": args.kernels[0] if len(args.kernels) == 1 else args.kernels,
         "tile_rows": ROWS,  # rows per contiguous run of v5-v7's layout (DLMC_NVFP4_TILE_ROWS)
         "ring_empty": RING_EMPTY,  # how the Gluon kernels hand ring slots back
-        # whether the Gluon gate/up programs route themselves, and their prologue's layout
-        "self_route": _nvfp4_self_route.SELF_ROUTE,
-        "self_route_layout": "replicated" if _nvfp4_self_route.REPLICATED else "spread",
+        "self_route": _nvfp4_self_route.SELF_ROUTE,  # whether gate/up programs route themselves
         "torch": torch.__version__, "python": platform.python_version(), "results": [],
     }
     if device == "cuda":

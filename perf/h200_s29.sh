@@ -5,11 +5,12 @@
 #                                 # DLMC_NVFP4_SELF_ROUTE=0 / 1, one process each, three passes,
 #                                 # and perf/probe_op_edges.py with it on
 #   bash perf/h200_s29.sh rounds  # call 7: NVFP4 + FP8 rounds, DLMC_NVFP4_SELF_ROUTE=1 vs 0
-#   bash perf/h200_s29.sh layout  # next session (carry .whl): the Gluon gate/up GPU tests
+#   bash perf/h200_s29.sh layout  # session 30, call 1 (carry .whl): the Gluon gate/up GPU tests
 #                                 # (aligned, spread and replicated self-routing), then the op
 #                                 # with DLMC_NVFP4_SELF_ROUTE_LAYOUT=spread / replicated, one
-#                                 # process each, three passes
-#   bash perf/h200_s29.sh shared  # next session (carry .whl): DLMC_NVFP4_SHARED=router (the
+#                                 # process each, three passes (replicated was slower and was
+#                                 # removed after it: the switch no longer exists)
+#   bash perf/h200_s29.sh shared  # session 30, calls 2-5 (carry .whl): DLMC_NVFP4_SHARED=router (the
 #                                 # shared expert in the router's launches): its tests on the
 #                                 # GPU (not gpu-marked: they run the CUDA kernels there), then
 #                                 # NVFP4 + FP8 rounds at the default and with it

@@ -113,27 +113,18 @@ def test_wiring_of_the_gluon_gate_up_matches_the_reference(monkeypatch) -> None:
     assert int(counters.abs().sum()) == 0
 
 
-def test_self_routing_limits(monkeypatch) -> None:
-    """The gate/up programs route themselves for 1..512 pairs over at most 512 experts, and
-    with `DLMC_NVFP4_SELF_ROUTE_LAYOUT=replicated` take replicated tiles up to 256 of each."""
+def test_self_routing_limits() -> None:
+    """The gate/up programs route themselves for 1..512 pairs over at most 512 experts."""
     fits = _nvfp4_self_route.self_route_fits
     assert fits(1, 256) and fits(512, 512)
     assert not (fits(0, 256) or fits(513, 256) or fits(256, 513))
-    monkeypatch.setattr(_nvfp4_self_route, "REPLICATED", True)
-    replicated = _nvfp4_self_route.replicated_fits
-    assert replicated(256, 256) and replicated(16, 16)
-    assert not (replicated(512, 256) or replicated(256, 512))
-    monkeypatch.setattr(_nvfp4_self_route, "REPLICATED", False)
-    assert not replicated(256, 256)
 
 
-def spy_gate_up_only(monkeypatch, self_route: bool | str = False) -> list[tuple[bool, bool]]:
-    """`DLMC_NVFP4_GATE_UP=gluon` and `DLMC_NVFP4_SELF_ROUTE` as `self_route` ("replicated":
-    on, with `DLMC_NVFP4_SELF_ROUTE_LAYOUT=replicated`), and per `launch_moe_gluon` call
-    (`gate_up_only`, whether it was handed `topk_ids`)."""
+def spy_gate_up_only(monkeypatch, self_route: bool = False) -> list[tuple[bool, bool]]:
+    """`DLMC_NVFP4_GATE_UP=gluon` and `DLMC_NVFP4_SELF_ROUTE` as `self_route`, and per
+    `launch_moe_gluon` call (`gate_up_only`, whether it was handed `topk_ids`)."""
     monkeypatch.setattr(_nvfp4_down_gluon, "GATE_UP", "gluon")
-    monkeypatch.setattr(_nvfp4_self_route, "SELF_ROUTE", bool(self_route))
-    monkeypatch.setattr(_nvfp4_self_route, "REPLICATED", self_route == "replicated")
+    monkeypatch.setattr(_nvfp4_self_route, "SELF_ROUTE", self_route)
     calls: list[tuple[bool, bool]] = []
     real = op_module.launch_moe_gluon
     monkeypatch.setattr(op_module, "launch_moe_gluon", lambda *a, **k: (
@@ -143,18 +134,16 @@ def spy_gate_up_only(monkeypatch, self_route: bool | str = False) -> list[tuple[
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("self_route", [False, True, "replicated"],
-                         ids=["aligned", "self_routed", "replicated"])
+@pytest.mark.parametrize("self_route", [False, True], ids=["aligned", "self_routed"])
 @pytest.mark.parametrize("case", ["llada", "skewed", "one_token", "two_blocks", "64_tokens"])
 def test_gluon_gate_up_equals_the_triton_kernels_gpu(monkeypatch, case: str,
-                                                      self_route: bool | str) -> None:
+                                                      self_route: bool) -> None:
     """`DLMC_NVFP4_GATE_UP=gluon` then the Gluon down kernel (tickets): bit for bit the Triton
     kernels at LLaDA2.1-mini shapes (32 x top-8 of 256), with every token on the same 8
     experts (one full block each, or two with 32 tokens of 64 experts), for one token, and
     for 64 tokens (512 pairs: the self-routing's largest tiles); the counters zero
     afterwards. `self_route`: the gate/up programs route their own items
-    (`_nvfp4_self_route`, spread or replicated tiles), which takes the llada shape in several
-    items per program."""
+    (`_nvfp4_self_route`), which takes the llada shape in several items per program."""
     calls = spy_gate_up_only(monkeypatch, self_route)
     gen = torch.Generator().manual_seed(4)
     E, H, I, T = {"llada": (256, 2048, 512, 32), "two_blocks": (64, 256, 256, 32),
@@ -169,9 +158,8 @@ def test_gluon_gate_up_equals_the_triton_kernels_gpu(monkeypatch, case: str,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("self_route", [False, True, "replicated"],
-                         ids=["aligned", "self_routed", "replicated"])
-def test_gluon_gate_up_replays_in_a_cuda_graph_gpu(monkeypatch, self_route: bool | str) -> None:
+@pytest.mark.parametrize("self_route", [False, True], ids=["aligned", "self_routed"])
+def test_gluon_gate_up_replays_in_a_cuda_graph_gpu(monkeypatch, self_route: bool) -> None:
     """Captured once, replayed on new x and routing: the eager Triton path's output."""
     calls = spy_gate_up_only(monkeypatch, self_route)
     assert_graph_replays_like_triton(monkeypatch, "gluon", 256)
