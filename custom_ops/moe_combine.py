@@ -159,14 +159,11 @@ def moe_combine_reference(y: torch.Tensor, topk_weights: torch.Tensor,
 
 
 def combine_pointwise(y: torch.Tensor, topk_weights: torch.Tensor,
-                      shared_expert: bool = False,
-                      shared_rows: torch.Tensor | None = None) -> torch.Tensor:
+                      shared_expert: bool = False) -> torch.Tensor:
     """`moe_combine`'s sum as one pointwise expression (no reduction): `w[t, 0] * y[t, 0]`, plus
     each next pair in pair order, plus the shared expert's row, in fp32, then bf16, the order
     of the kernel's loop. Inductor fuses such an expression into the kernel that consumes it
-    (`DLMC_MOE_COMBINE=outside`). Shapes as in `moe_combine`; K >= 1. `shared_rows` (bf16
-    `[T, H]`, with `shared_expert` False): the shared expert's rows computed elsewhere
-    (`DLMC_NVFP4_SHARED=router`), added where its pair row would be."""
+    (`DLMC_MOE_COMBINE=outside`). Shapes as in `moe_combine`; K >= 1."""
     tokens, top_k = topk_weights.shape
     rows = y.view(tokens, top_k + int(shared_expert), y.shape[1])  # [T, P, H]
     weights = topk_weights.float()
@@ -175,6 +172,4 @@ def combine_pointwise(y: torch.Tensor, topk_weights: torch.Tensor,
         acc = acc + weights[:, k:k + 1] * rows[:, k].float()
     if shared_expert:
         acc = acc + rows[:, top_k].float()
-    if shared_rows is not None:
-        acc = acc + shared_rows.float()
     return acc.to(torch.bfloat16)

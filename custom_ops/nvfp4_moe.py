@@ -53,7 +53,7 @@ from dlmc.custom_ops.nvfp4_words import (
 )
 from dlmc.quant.nvfp4_format import dequantize_blocks, fake_quantize_activation
 
-__all__ = ["nvfp4_moe", "nvfp4_moe_reference", "shared_part_tiles"]
+__all__ = ["nvfp4_moe", "nvfp4_moe_reference"]
 
 # Read at import. Triton 3.6's CPU interpreter multiplies bf16 as raw uint16 and truncates
 # fp32 -> bf16; under TRITON_INTERPRET=1 the kernels dot in fp32 (exact for these operands) and
@@ -155,16 +155,6 @@ def _check_tiled_tile(variant: int, block_k: int) -> None:
 def _shared_block_k(k: int, kernel: str) -> int:
     """K-tile of the BF16 shared-expert programs (`bf16_moe.bf16_tile_dot`) of `kernel`."""
     return min(_SHARED_BLOCK_K[kernel], max(16, triton.next_power_of_2(k)))
-
-
-def shared_part_tiles(hidden: int, inter: int) -> dict[str, tuple[int, int]]:
-    """(N-tile, K-tile) of the shared expert's gate/up and down parts as this op runs them
-    (`moe_shared_parts`, default launch configs): launches outside the op that run the same
-    parts with these tiles compute the same bits (`router_shared`, `route_shared`)."""
-    variant = effective_variant(hidden, inter)
-    return {"gate_up": (_block_n(inter, _GATE_UP_BLOCK_N[variant]),
-                        _shared_block_k(hidden, "gate_up")),
-            "down": (_block_n(hidden, _DOWN_BLOCK_N[variant]), _shared_block_k(inter, "down"))}
 
 
 def _alphas(scale_2: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:

@@ -38,8 +38,8 @@ from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.nvfp4_tiles import round_bf16
 from dlmc.custom_ops.small_m_linear import check_small_m_operands
 
-__all__ = ["MAX_TOKENS", "k_splits", "launch_split_k", "router_gemm",
-           "router_gemm_program", "router_gemm_reference", "router_splits", "split_k_fake"]
+__all__ = ["MAX_TOKENS", "k_splits", "launch_split_k", "router_gemm", "router_gemm_reference",
+           "router_splits", "split_k_fake"]
 
 MAX_TOKENS = 64  # one [BLOCK_T, BLOCK_K] tile of tokens per program
 # (BLOCK_N, SPLITS, BLOCK_K, num_warps, num_stages): 256 experts in 16 N tiles x 16 K splits =
@@ -68,15 +68,17 @@ def _split_dot(acc, x, w, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def router_gemm_program(x_ptr, w_ptr, part_ptr, tokens, stride_x, split, pid_n,
-                        N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
-                        BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        INTERPRETED: tl.constexpr, BF16_WEIGHT: tl.constexpr = False):
-    """part[split, t, n] = sum over k in split's K range of x[t, k] * w[n, k] for N-tile
-    `pid_n`: fp32 w through the exact three-way split, or (`BF16_WEIGHT`,
-    `dlmc::split_k_linear`) bf16 w in one dot."""
+def router_gemm_kernel(x_ptr, w_ptr, part_ptr, tokens, stride_x, N: tl.constexpr,
+                       K: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       INTERPRETED: tl.constexpr, PDL: tl.constexpr = False,
+                       BF16_WEIGHT: tl.constexpr = False):
+    """part[split, t, n] = sum over k in split's K range of x[t, k] * w[n, k]: fp32 w through
+    the exact three-way split, or (`BF16_WEIGHT`, `dlmc::split_k_linear`) bf16 w in one dot."""
+    pdl_enter(PDL)
+    split = tl.program_id(1)
     t = tl.arange(0, BLOCK_T)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     k_start = split * K_PER_SPLIT
@@ -94,19 +96,6 @@ def router_gemm_program(x_ptr, w_ptr, part_ptr, tokens, stride_x, split, pid_n,
             acc = tl.dot(x, w, acc)
     out = part_ptr + (split * tokens + t[:, None]).to(tl.int64) * N + n[None, :]
     tl.store(out, acc, mask=(t[:, None] < tokens) & (n[None, :] < N))
-
-
-@triton.jit
-def router_gemm_kernel(x_ptr, w_ptr, part_ptr, tokens, stride_x, N: tl.constexpr,
-                       K: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_T: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       INTERPRETED: tl.constexpr, PDL: tl.constexpr = False,
-                       BF16_WEIGHT: tl.constexpr = False):
-    """`router_gemm_program` for program (N-tile, split)."""
-    pdl_enter(PDL)
-    router_gemm_program(x_ptr, w_ptr, part_ptr, tokens, stride_x, tl.program_id(1),
-                        tl.program_id(0), N, K, K_PER_SPLIT, BLOCK_T, BLOCK_N, BLOCK_K,
-                        INTERPRETED, BF16_WEIGHT)
 
 
 def k_splits(inner: int, splits: int, block_k: int) -> tuple[int, int]:

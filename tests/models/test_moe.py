@@ -3,7 +3,6 @@ import torch
 
 from dlmc.custom_ops.moe_align import append_shared_column
 from dlmc.custom_ops.moe_route_align import moe_route_align
-from dlmc.custom_ops.route_shared import moe_route_shared
 from dlmc.custom_ops.router_gemm import router_gemm as moe_router_gemm
 from dlmc.errors import ConfigError
 from dlmc.loading.tiny import TINY_CONFIG
@@ -436,42 +435,3 @@ def test_block_through_fused_route_align_equals_two_launches(monkeypatch, fuse_s
     assert len(fused) == 1 and len(aligned) == 1  # the experts did not align again
     assert fused[0][-1] is fuse_shared  # shared_expert
     assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize("tokens", [1, 15])
-@torch.no_grad()
-def test_nvfp4_shared_expert_in_the_router_equals_fused(monkeypatch, tokens):
-    """`DLMC_NVFP4_SHARED=router` (the kernel path under Triton's interpreter): the router's two
-    launches carry the shared expert (`router_gemm_shared`, `moe_route_shared`), the op runs
-    the routed experts alone, and the block's output is the fused block's bit for bit;
-    `route_align` "on" keeps the fused path."""
-    import dlmc.models.moe as moe
-
-    monkeypatch.setattr(moe, "_kernel_path", lambda x: True)
-    _, block, x = _nvfp4_block()
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels compiled on a GPU
-    block, x = block.to(device), x[:tokens].to(device)
-    block.gate.gemm = "triton"  # the router's split GEMM under the interpreter
-    monkeypatch.setenv("DLMC_NVFP4_SHARED", "fused")
-    assert block.fuse_shared_expert() and not block.shared_in_router
-    want = block(x)
-    block.shared_in_router = True
-    calls = []
-    monkeypatch.setattr(moe, "moe_route_shared",
-                        lambda *a: calls.append(a[-1].shape) or moe_route_shared(*a))
-    got = block(x)
-    assert calls == [block.experts.shared_down_proj_weight.shape]
-    assert torch.equal(got, want)
-    torch._dynamo.reset()  # traced through the ops' fakes (fullgraph, AOT)
-    assert torch.equal(torch.compile(block, backend="aot_eager", fullgraph=True)(x), want)
-    torch._dynamo.reset()
-    block.route_align = "on"
-    assert not block._routes_shared(x)
-
-
-def test_nvfp4_shared_router_switch(monkeypatch):
-    """`DLMC_NVFP4_SHARED=router` fuses the shared expert and marks it for the router."""
-    monkeypatch.setenv("DLMC_NVFP4_SHARED", "router")
-    _, block, _ = _nvfp4_block()
-    assert block.fuse_shared_expert() and block.shared_in_router
-    assert block.shared_experts is None

@@ -64,16 +64,6 @@ class FixedRouter(nn.Module):
         routing = self.alignments.get((x.shape[0], shared_expert))
         return ids, weights, routing or route_pairs(ids, self.num_experts, shared_expert)
 
-    def route_shared(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-                     down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`Router.route_shared`: the model router's two launches run (they carry the shared
-        expert, whose rows are returned), the routing is the fixed one."""
-        shared_rows = self.router.route_shared(x, gate, up, down)[2]
-        return *self.forward(x), shared_rows
-
-    def _split_gemm(self, x: torch.Tensor) -> bool:
-        return self.router._split_gemm(x)
-
     def real_weights(self, x: torch.Tensor, fused: bool, shared_expert: bool,
                      ticket: torch.Tensor | None = None) -> torch.Tensor:
         """The model's router on `x` (its launches: `route_align` when the block `fused`s
@@ -98,8 +88,6 @@ class UniformRoutingMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         block = self.block
-        if block._routes_shared(x):  # the model router runs in the block (`route_shared`)
-            return block(x)
         ticket = block.route_ticket if block.route_align == "last" else None
         real = block.gate.real_weights(x, block._fuses_route_align(x),
                                        block.shared_expert_id is not None, ticket)  # [T, K]

@@ -18,14 +18,10 @@ its layer's experts module as one more expert, id E, which every token takes wit
 kernel pair then runs routed + shared experts. `BF16Experts` stack it as expert E;
 `NVFP4Experts` keep it in BF16 beside the packed experts (`set_shared_expert`) and `nvfp4_moe`
 runs it as the BF16 tail blocks of its FP4 launches (`DLMC_NVFP4_SHARED=fused`, the default;
-`separate` keeps today's `SwiGLUMLP`; `router`, opt-in: where the router runs its split GEMM, the
-same BF16 parts run as extra programs of the router's two launches, `dlmc::router_gemm_shared`
-and `dlmc::moe_route_shared`, and the op runs the routed experts alone; the experts add the
-shared rows in the same fp32 sum, so the block's output is the fused one's bit for bit).
-Numerics: the fused block sums the routed pairs and the shared expert's
-bf16 output in fp32 and rounds once; the unfused block rounds the routed sum to bf16 and adds
-the shared output in bf16 (a second rounding). The shared expert's own output is the same bf16
-maths either way (bf16 gate/up, SiLU, product and down), up to fp32 summation order
+`separate` keeps today's `SwiGLUMLP`). Numerics: the fused block sums the routed pairs and the
+shared expert's bf16 output in fp32 and rounds once; the unfused block rounds the routed sum to
+bf16 and adds the shared output in bf16 (a second rounding). The shared expert's own output is
+the same bf16 maths either way (bf16 gate/up, SiLU, product and down), up to fp32 summation order
 inside its GEMMs.
 """
 
@@ -41,10 +37,8 @@ from dlmc.custom_ops.moe_align import PairRouting, append_shared_column
 from dlmc.custom_ops.moe_route import moe_route, moe_route_reference
 from dlmc.custom_ops.moe_route_align import moe_route_align
 from dlmc.custom_ops.moe_route_last_align import moe_route_last_align
-from dlmc.custom_ops.route_shared import moe_route_shared
 from dlmc.custom_ops.router_gemm import MAX_TOKENS as ROUTER_GEMM_MAX_TOKENS
 from dlmc.custom_ops.router_gemm import router_gemm
-from dlmc.custom_ops.router_shared import router_gemm_shared
 from dlmc.models.config import LLaDA2Config
 from dlmc.models.layers import SwiGLUMLP, env_choice
 from dlmc.models.nvfp4_experts import NVFP4Experts
@@ -99,18 +93,6 @@ class Router(nn.Module):
         if ticket is not None:
             return moe_route_last_align(self._logits(x), self.expert_bias.float(), ticket, *args)
         return moe_route_align(self._logits(x), self.expert_bias.float(), *args)
-
-    def route_shared(self, x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
-                     down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`forward`'s routing plus a BF16 shared expert's output (gate/up `[I, H]`, down
-        `[H, I]`) in the router's two launches: `dlmc::router_gemm_shared` (the router GEMM and
-        the shared gate/up), `dlmc::moe_route_shared` (the routing and the shared down).
-        Returns (topk_ids, topk_weights, bf16 `[T, H]`). Needs `_split_gemm(x)`."""
-        cfg = self.config
-        partials, h = router_gemm_shared(x, self.weight.float(), gate, up)
-        return moe_route_shared(partials, self.expert_bias.float(), cfg.n_group,
-                                cfg.topk_group, cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                                cfg.routed_scaling_factor, h, down)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         if self._split_gemm(x):
@@ -228,21 +210,12 @@ class MoEBlock(nn.Module):
             else None
         )
         self.shared_expert_id: int | None = None
-        # `DLMC_NVFP4_SHARED=router` (set by `fuse_shared_expert`): where the router runs its
-        # split GEMM, the fused shared expert runs in the router's launches instead of the op
-        self.shared_in_router = False
         # "on": dlmc::moe_route_align on CUDA; "last": dlmc::moe_route_last_align; "off":
         # moe_route, then moe_align in the experts
         self.route_align = env_choice("DLMC_FUSED_ROUTE_ALIGN", "off", ("off", "on", "last"))
         self.register_buffer("route_ticket", torch.zeros(1, dtype=torch.int32), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._routes_shared(x):  # the shared expert in the router's launches
-            experts = self.experts
-            topk_ids, topk_weights, shared_rows = self.gate.route_shared(
-                x, experts.shared_gate_proj_weight, experts.shared_up_proj_weight,
-                experts.shared_down_proj_weight)
-            return experts(x, topk_ids, topk_weights, shared_rows=shared_rows)
         expert_kwargs: dict[str, object] = {}
         if self.shared_expert_id is not None:  # the last expert, every token with weight 1.0
             expert_kwargs["shared_expert"] = True
@@ -255,19 +228,10 @@ class MoEBlock(nn.Module):
         routed = self.experts(x, topk_ids, topk_weights, **expert_kwargs)
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
 
-    def _routes_shared(self, x: torch.Tensor) -> bool:
-        """`shared_in_router`, with the router's split GEMM, experts running the op, and the
-        router and alignment as separate launches (`route_align` "off")."""
-        return (self.shared_in_router and self.route_align == "off"
-                and self._kernel_experts(x) and self.gate._split_gemm(x))
-
     def _fuses_route_align(self, x: torch.Tensor) -> bool:
-        return self.route_align in ("on", "last") and self._kernel_experts(x)
-
-    def _kernel_experts(self, x: torch.Tensor) -> bool:
-        """On the kernel path, with experts whose op takes a `routing` (and shared rows)."""
         takes_routing = getattr(self.experts, "takes_pair_routing", None)
-        return _kernel_path(x) and takes_routing is not None and takes_routing(x)
+        return (self.route_align in ("on", "last") and _kernel_path(x)
+                and takes_routing is not None and takes_routing(x))
 
     @torch.no_grad()
     def fuse_shared_expert(self) -> bool:
@@ -285,12 +249,10 @@ class MoEBlock(nn.Module):
         if shared.gate_proj.weight.shape[0] != experts.gate_proj_weight.shape[1]:  # width I
             return False
         if type(experts) is NVFP4Experts:
-            mode = env_choice("DLMC_NVFP4_SHARED", "fused", ("fused", "separate", "router"))
-            if mode == "separate":
+            if env_choice("DLMC_NVFP4_SHARED", "fused", ("fused", "separate")) == "separate":
                 return False
             self.shared_expert_id = experts.set_shared_expert(
                 shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
-            self.shared_in_router = mode == "router"
             self.shared_experts = None
             return True
         for proj in EXPERT_PROJECTIONS:

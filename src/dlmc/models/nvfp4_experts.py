@@ -149,7 +149,6 @@ class NVFP4Experts(nn.Module):
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         shared_expert: bool = False, routing: PairRouting | None = None,
-        shared_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x bf16 `[T, H]`, topk_ids int `[T, K]`, topk_weights fp32 `[T, K]` -> bf16 `[T, H]`.
 
@@ -157,14 +156,8 @@ class NVFP4Experts(nn.Module):
         bf16 expert outputs (routed scaling belongs in `topk_weights`). `shared_expert`: plus the
         shared expert's bf16 output with weight 1.0 in the same fp32 sum (`set_shared_expert`).
         `routing`: the pairs' alignment for `nvfp4_moe` if already made, with the shared
-        expert's tail when `shared_expert` (the reference needs none). `shared_rows` (bf16
-        `[T, H]`, without `shared_expert`; the op only): the shared expert's output computed
-        elsewhere (`DLMC_NVFP4_SHARED=router`), added in the same fp32 sum where its pair row
-        would be: the op runs the routed experts alone and returns its pair rows.
+        expert's tail when `shared_expert` (the reference needs none).
         """
-        if shared_rows is not None and (shared_expert or self.use_reference):
-            raise ValueError("NVFP4Experts: shared_rows is for the op's routed experts alone "
-                             "(not with shared_expert=True or use_reference)")
         moe = nvfp4_moe_reference if self.use_reference else nvfp4_moe
         kwargs: dict[str, object] = {}
         if routing is not None and not self.use_reference:
@@ -180,14 +173,13 @@ class NVFP4Experts(nn.Module):
                 raise ValueError("NVFP4Experts: shared_expert=True needs set_shared_expert first")
             kwargs |= {f"shared_{p}": getattr(self, f"shared_{p}_proj_weight")
                        for p in ("gate", "up", "down")}
-        if shared_rows is not None or (moe_combine.COMBINE == "outside" and not self.use_reference
-                                       and torch.compiler.is_compiling()):
+        if (moe_combine.COMBINE == "outside" and not self.use_reference
+                and torch.compiler.is_compiling()):
             # The pair rows, summed by pointwise ops that Inductor fuses into their consumer
-            # (eager runs keep the one combine launch instead of 2K+1 pointwise ones, unless
-            # shared rows from elsewhere join the sum).
+            # (eager runs keep the one combine launch instead of 2K+1 pointwise ones).
             rows = moe(x, topk_ids, topk_weights, *self._op_args(),
                        emulate_w4a4=self.emulate_w4a4, pairs=True, **kwargs)
-            return moe_combine.combine_pointwise(rows, topk_weights, shared_expert, shared_rows)
+            return moe_combine.combine_pointwise(rows, topk_weights, shared_expert)
         return moe(
             x, topk_ids, topk_weights, *self._op_args(), emulate_w4a4=self.emulate_w4a4, **kwargs
         )
