@@ -10,11 +10,10 @@
 #                                 # with DLMC_NVFP4_SELF_ROUTE_LAYOUT=spread / replicated, one
 #                                 # process each, three passes (replicated was slower and was
 #                                 # removed after it: the switch no longer exists)
-#   bash perf/h200_s29.sh shared  # session 30, calls 2-5 (carry .whl; router mode was 0.38 ms
-#                                 # per round slower and was removed after them): DLMC_NVFP4_SHARED=router (the
-#                                 # shared expert in the router's launches): its tests on the
-#                                 # GPU (not gpu-marked: they run the CUDA kernels there), then
-#                                 # NVFP4 + FP8 rounds at the default and with it
+#   bash perf/h200_s29.sh shared  # session 30, calls 2-5 (carry .whl): DLMC_NVFP4_SHARED=router
+#                                 # (the shared expert in the router's launches): its tests on
+#                                 # the GPU, then NVFP4 + FP8 rounds at the default and with it
+#                                 # (0.38 ms per round slower: removed after them)
 set -u
 HERE="$(dirname "$0")"
 source "$HERE/h200_session.sh" lib
