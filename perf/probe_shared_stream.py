@@ -21,6 +21,8 @@ The graphs are replayed in turn, `--passes` times; each form's median over its p
 medians is reported (µs per layer) with its difference to `fused`.
 
     python3 perf/probe_shared_stream.py --out perf/results/s31/probe_shared_stream.json
+    python3 perf/probe_shared_stream.py --smoke   # CPU: tiny shapes under Triton's interpreter,
+                                                  # one stream, the output checks only
 """
 
 from __future__ import annotations
@@ -35,7 +37,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_nvfp4_moe import LLADA, llada_layers, make_shared, separate_shared  # noqa: E402
+from bench_nvfp4_moe import (  # noqa: E402  (sets TRITON_INTERPRET without a GPU)
+    LLADA,
+    kernel_layer,
+    make_layer,
+    make_shared,
+    separate_shared,
+)
 
 from dlmc.bench.timing import cuda_times  # noqa: E402
 from dlmc.custom_ops.moe_route import moe_route  # noqa: E402
@@ -51,16 +59,20 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=40)
     parser.add_argument("--passes", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes on the CPU (Triton's interpreter): output checks only")
     args = parser.parse_args()
-    device, gen = "cuda", torch.Generator(device="cuda").manual_seed(0)
-    E, H, I, K, T, L = LLADA
+    device = "cpu" if args.smoke else "cuda"
+    gen = torch.Generator(device=device).manual_seed(0)
+    E, H, I, K, T, L = (16, 256, 256, 8, 4, 2) if args.smoke else LLADA
     cfg = LLADA21_MINI
-    layers, _ = llada_layers(device, gen)  # the routing comes from each layer's router here
+    # the routing comes from each layer's router here
+    layers = [kernel_layer(make_layer(E, H, I, device, gen), "v7") for _ in range(L)]
     shared = [make_shared(H, I, device, gen) for _ in range(L)]
     routers = [(torch.randn(E, H, device=device, generator=gen) * H ** -0.5,
                 torch.randn(E, device=device, generator=gen) * 0.01) for _ in range(L)]
     x = torch.randn(T, H, device=device, generator=gen).bfloat16()
-    side = torch.cuda.Stream()
+    side = None if args.smoke else torch.cuda.Stream()
 
     def route(router: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return moe_route(router_gemm(x, router[0]), router[1], cfg.n_group, cfg.topk_group,
@@ -69,7 +81,7 @@ def main() -> None:
 
     def layer(form: str, weights: list[torch.Tensor], sh: dict[str, torch.Tensor],
               router: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        if form == "side":
+        if form == "side" and side is not None:
             main_stream = torch.cuda.current_stream()
             side.wait_stream(main_stream)  # fork: x is ready
             with torch.cuda.stream(side):
@@ -78,7 +90,7 @@ def main() -> None:
             rows = nvfp4_moe(x, ids, w, *weights, pairs=True)
             main_stream.wait_stream(side)  # join before the rows are summed
             return rows, shared_out
-        if form == "serial":
+        if form in ("serial", "side"):  # "side" on one stream in --smoke
             shared_out = separate_shared(x, sh)
             ids, w = route(router)
             return nvfp4_moe(x, ids, w, *weights, pairs=True), shared_out
@@ -89,7 +101,8 @@ def main() -> None:
         return [layer(form, *parts) for parts in zip(layers, shared, routers, strict=True)]
 
     outs = {form: run(form) for form in FORMS}
-    torch.cuda.synchronize()
+    if not args.smoke:
+        torch.cuda.synchronize()
     P = K + 1  # the fused op's pair rows per token: K routed, then the shared expert's
     fused_rows = outs["fused"][0][0].view(T, P, H)
     same = {"side_vs_routed": torch.equal(outs["side"][0][0], outs["routed"][0][0]),
@@ -97,6 +110,9 @@ def main() -> None:
             "fused_routed_rows_vs_routed": torch.equal(fused_rows[:, :K].reshape(T * K, H),
                                                        outs["routed"][0][0]),
             "side_shared_vs_serial": torch.equal(outs["side"][0][1], outs["serial"][0][1])}
+    if args.smoke:
+        print(f"outputs equal: {same}")
+        sys.exit(0 if all(same.values()) else 1)
     graphs = {}
     for form in FORMS:
         graphs[form] = torch.cuda.CUDAGraph()
