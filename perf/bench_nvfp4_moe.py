@@ -101,6 +101,41 @@ def llada_layers(device: str, gen: torch.Generator
     return layers, [make_routing(T, E, K, device, gen) for _ in range(L)]
 
 
+def graphs_in_turn(runs: dict[str, object], passes: int, iters: int, layers: int
+                   ) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Each of `runs` (name -> callable) captured as a CUDA graph, the graphs replayed in turn
+    `passes` times: (median over the passes of each pass's median, in µs per layer; the
+    passes' medians). The probes' timing (a slow pass hits every form alike)."""
+    graphs = {}
+    for name, run in runs.items():
+        graphs[name] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[name]):
+            run()
+    medians: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(passes):
+        for name, graph in graphs.items():
+            medians[name].append(statistics.median(cuda_times(graph.replay, iters))
+                                 / layers * 1e3)
+    return {name: statistics.median(values) for name, values in medians.items()}, medians
+
+
+def write_report(checks: dict, us: dict[str, float], medians: dict[str, list[float]],
+                 base: str, out: Path | None) -> None:
+    """Print each form's µs per layer (its difference to `base`, its passes) and `checks`;
+    write them, the command and the versions to `out` as JSON."""
+    for name, value in us.items():
+        print(f"{name:8s} {value:7.2f} us/layer  ({value - us[base]:+.2f})  "
+              f"passes {[round(v, 2) for v in medians[name]]}")
+    print(f"checks: {checks}")
+    report = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "python": platform.python_version(), **checks,
+              "us_per_layer": us, "pass_medians_us": medians,
+               f"minus_{base}_us": {name: us[name] - us[base] for name in us}}
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+
+
 def make_shared(H: int, I: int, device: str, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """A BF16 shared expert as `nvfp4_moe`'s `shared_*` keyword arguments."""
     shapes = {"shared_gate": (I, H), "shared_up": (I, H), "shared_down": (H, I)}

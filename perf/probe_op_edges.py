@@ -18,18 +18,15 @@ op's critical path (the profile's kernel times overlap under PDL).
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import statistics
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_nvfp4_moe import LLADA, llada_layers  # noqa: E402
+from bench_nvfp4_moe import LLADA, graphs_in_turn, llada_layers, write_report  # noqa: E402
 
-from dlmc.bench.timing import cuda_times  # noqa: E402
 from dlmc.custom_ops.moe_align import route_pairs  # noqa: E402
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe  # noqa: E402
 
@@ -56,29 +53,9 @@ def main() -> None:
     outs = {name: run(*form) for name, form in FORMS.items()}
     same = (torch.equal(outs["full"][0], outs["aligned"][0])
             and torch.equal(outs["pairs"][0], outs["neither"][0]))
-    graphs = {}
-    for name, form in FORMS.items():
-        graphs[name] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[name]):
-            run(*form)
-    medians: dict[str, list[float]] = {name: [] for name in FORMS}
-    for _ in range(args.passes):
-        for name, graph in graphs.items():
-            medians[name].append(statistics.median(cuda_times(graph.replay, args.iters))
-                                 / L * 1e3)
-    us = {name: statistics.median(values) for name, values in medians.items()}
-    report = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "python": platform.python_version(),
-              "outputs_equal_with_and_without_alignment": same,
-              "us_per_layer": us, "pass_medians_us": medians,
-              "minus_full_us": {name: us[name] - us["full"] for name in FORMS}}
-    for name in FORMS:
-        print(f"{name:8s} {us[name]:7.2f} us/layer  ({us[name] - us['full']:+.2f})  "
-              f"passes {[round(v, 2) for v in medians[name]]}")
-    print(f"outputs equal with and without the alignment launch: {same}")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    us, medians = graphs_in_turn({name: partial(run, *form) for name, form in FORMS.items()},
+                                 args.passes, args.iters, L)
+    write_report({"outputs_equal_with_and_without_alignment": same}, us, medians, "full", args.out)
 
 
 if __name__ == "__main__":

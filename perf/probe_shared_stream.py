@@ -28,10 +28,8 @@ medians is reported (µs per layer) with its difference to `fused`.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import statistics
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -39,13 +37,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_nvfp4_moe import (  # noqa: E402  (sets TRITON_INTERPRET without a GPU)
     LLADA,
+    graphs_in_turn,
     kernel_layer,
     make_layer,
     make_shared,
     separate_shared,
+    write_report,
 )
 
-from dlmc.bench.timing import cuda_times  # noqa: E402
 from dlmc.custom_ops.moe_route import moe_route  # noqa: E402
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe  # noqa: E402
 from dlmc.custom_ops.router_gemm import router_gemm  # noqa: E402
@@ -113,28 +112,9 @@ def main() -> None:
     if args.smoke:
         print(f"outputs equal: {same}")
         sys.exit(0 if all(same.values()) else 1)
-    graphs = {}
-    for form in FORMS:
-        graphs[form] = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graphs[form]):
-            run(form)
-    medians: dict[str, list[float]] = {form: [] for form in FORMS}
-    for _ in range(args.passes):
-        for form, graph in graphs.items():
-            medians[form].append(statistics.median(cuda_times(graph.replay, args.iters))
-                                 / L * 1e3)
-    us = {form: statistics.median(values) for form, values in medians.items()}
-    report = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "python": platform.python_version(),
-              "outputs_equal": same, "us_per_layer": us, "pass_medians_us": medians,
-              "minus_fused_us": {form: us[form] - us["fused"] for form in FORMS}}
-    for form in FORMS:
-        print(f"{form:7s} {us[form]:7.2f} us/layer  ({us[form] - us['fused']:+.2f})  "
-              f"passes {[round(v, 2) for v in medians[form]]}")
-    print(f"outputs equal: {same}")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    us, medians = graphs_in_turn({form: partial(run, form) for form in FORMS}, args.passes,
+                                 args.iters, L)
+    write_report({"outputs_equal": same}, us, medians, "fused", args.out)
 
 
 if __name__ == "__main__":
