@@ -51,8 +51,8 @@ SELF_ROUTE = env_choice("DLMC_NVFP4_SELF_ROUTE", "1", ("1", "0")) == "1"
 # fill, so the first `STAGES` K-steps), a K-step number, or "last" (the item's last K-step).
 # The alignment takes ~3.4 µs from the programs' start, about when the first fill is consumed,
 # so the ring may run dry while the producer waits; a later step waits when the alignment is
-# done, and only the down launch (whose programs find no room before gate/up's leave) starts
-# later. The module's value may be set per call by tests and benches.
+# done, and only the down launch starts later (its programs wait for gate/up's first rows
+# anyway, a full item later). The module's value may be set per call by tests and benches.
 WAIT_STEP = os.environ.get("DLMC_NVFP4_SELF_WAIT_STEP", "first")
 
 
