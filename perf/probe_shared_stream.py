@@ -14,6 +14,8 @@ in the next norm):
 
     fused     router GEMM, routing, the op with the shared expert (the round today)
     side      the shared expert on a side stream; router GEMM, routing, the op routed-only
+    side_op   the same, forked after the routing (beside the op alone: what one opaque op
+              holding the experts and the shared expert could do)
     serial    the same launches on one stream (`DLMC_NVFP4_SHARED=separate`)
     routed    router GEMM, routing, the op routed-only (no shared expert: the bound)
 
@@ -50,7 +52,7 @@ from dlmc.custom_ops.nvfp4_moe import nvfp4_moe  # noqa: E402
 from dlmc.custom_ops.router_gemm import router_gemm  # noqa: E402
 from dlmc.models.shapes import LLADA21_MINI  # noqa: E402
 
-FORMS = ("fused", "side", "serial", "routed")
+FORMS = ("fused", "side", "side_op", "serial", "routed")
 
 
 def main() -> None:
@@ -80,16 +82,19 @@ def main() -> None:
 
     def layer(form: str, weights: list[torch.Tensor], sh: dict[str, torch.Tensor],
               router: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        if form == "side" and side is not None:
+        if form in ("side", "side_op") and side is not None:
             main_stream = torch.cuda.current_stream()
-            side.wait_stream(main_stream)  # fork: x is ready
+            if form == "side_op":
+                ids, w = route(router)
+            side.wait_stream(main_stream)  # fork: x (and for side_op the routing) is ready
             with torch.cuda.stream(side):
                 shared_out = separate_shared(x, sh)
-            ids, w = route(router)
+            if form == "side":
+                ids, w = route(router)
             rows = nvfp4_moe(x, ids, w, *weights, pairs=True)
             main_stream.wait_stream(side)  # join before the rows are summed
             return rows, shared_out
-        if form in ("serial", "side"):  # "side" on one stream in --smoke
+        if form in ("serial", "side", "side_op"):  # the side forms on one stream in --smoke
             shared_out = separate_shared(x, sh)
             ids, w = route(router)
             return nvfp4_moe(x, ids, w, *weights, pairs=True), shared_out
@@ -105,6 +110,7 @@ def main() -> None:
     P = K + 1  # the fused op's pair rows per token: K routed, then the shared expert's
     fused_rows = outs["fused"][0][0].view(T, P, H)
     same = {"side_vs_routed": torch.equal(outs["side"][0][0], outs["routed"][0][0]),
+            "side_op_vs_routed": torch.equal(outs["side_op"][0][0], outs["routed"][0][0]),
             "serial_vs_routed": torch.equal(outs["serial"][0][0], outs["routed"][0][0]),
             "fused_routed_rows_vs_routed": torch.equal(fused_rows[:, :K].reshape(T * K, H),
                                                        outs["routed"][0][0]),
