@@ -8,10 +8,11 @@ at most `G`), what `moe_align.align_pairs` puts there: the experts' pair counts
 (`gl.histogram`), their blocks of `BLOCK_M` slots in expert order (a scan), the block of item
 p's part and its expert, and the part's 8 pairs (the expert's pairs in pair order, the
 `part`-th 8 of its block; padding `num_pairs`), into three small shared tables. The producer
-copies the first `STAGES` K-steps of its first item, then waits for the previous launch (so
-that the down kernel, which it then lets launch, reads a finished alignment, and this launch
-finishes after it) and goes on; the consumers read the pairs from the tables, never the
-alignment. The layout is the alignment's by construction (GPU tests: bit for bit).
+copies its first item up to K-step `wait_step` (by default the ring's first fill, the first
+`STAGES` K-steps), then waits for the previous launch (so that the down kernel, which it then
+lets launch, reads a finished alignment, and this launch finishes after it) and goes on;
+the consumers read the pairs from the tables, never the alignment. The layout is the
+alignment's by construction (GPU tests: bit for bit).
 
 Limits: at most `MAX_PAIRS` pairs and `MAX_EXPERTS` experts (the tiles live in the registers of
 four warps before the warp-specialized part); larger routings wait for the alignment.
