@@ -203,13 +203,12 @@ def _any_producer(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, expert_of_block_ptr
                   shared_id, a_row_div, empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf, x_buf,
                   ids, experts_tab, pairs_tab, STAGES: gl.constexpr, H: gl.constexpr,
                   I: gl.constexpr, BLOCK_M: gl.constexpr, TICKETS: gl.constexpr,
-                  X_TMA: gl.constexpr, SELF: gl.constexpr, G: gl.constexpr,
-                  WAIT_STEP: gl.constexpr):
+                  X_TMA: gl.constexpr, SELF: gl.constexpr, G: gl.constexpr):
     """The producer warp: `_nvfp4_self_route.self_producer` with `SELF`, else `_producer`."""
     if SELF:
         self_producer(g_d, gs_d, u_d, us_d, x_d, num_pairs, a_row_div, empty, ready, g_buf,
                        gs_buf, u_buf, us_buf, x_buf, ids, experts_tab, pairs_tab, G, STAGES, H,
-                       I, BLOCK_M, WAIT_STEP)
+                       I, BLOCK_M)
     else:
         _producer(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, expert_of_block_ptr,
                   sorted_pair_ptr, count_ptr, num_slots, gate_up_items, down_items, num_pairs,
@@ -283,7 +282,7 @@ def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, x_ptr, expert_o
                       PDL_AFTER: gl.constexpr = False, TICKETS: gl.constexpr = False,
                       X_TMA: gl.constexpr = False, ids_ptr=None, SELF: gl.constexpr = False,
                       G: gl.constexpr = 1, PAIRS_PAD: gl.constexpr = 16,
-                      EXPERTS_PAD: gl.constexpr = 16, WAIT_STEP: gl.constexpr = 0):
+                      EXPERTS_PAD: gl.constexpr = 16):
     """`PDL_ENTER`: launched with PDL right after the routing (wait for it, then let the next
     kernel launch). `PDL_AFTER`: launched with PDL after the shared expert's down parts, which
     come after the routing: let the next kernel launch at once, and finish only after the
@@ -295,8 +294,7 @@ def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, x_ptr, expert_o
     `SELF` (gate/up items alone, by program, `X_TMA`, launched with PDL right after the
     routing, `PDL_ENTER` off): each program's `G` items routed from `ids_ptr` by the program
     itself (`_nvfp4_self_route`; `PAIRS_PAD`, `EXPERTS_PAD`: powers of two at least the pairs
-    and experts); the producer waits for the routing launch after its first item's K-step
-    `WAIT_STEP` (`_nvfp4_self_route.wait_step`)."""
+    and experts); the producer waits for the routing launch after its first copies."""
     if SELF:
         experts_tab, pairs_tab, rows_tab = route_tables(G)
         self_route(ids_ptr, num_pairs, gate_up_items, experts_tab, pairs_tab, rows_tab, G,
@@ -322,7 +320,7 @@ def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, x_ptr, expert_o
                          sorted_pair_ptr, count_ptr, num_slots, gate_up_items, down_items,
                          num_pairs, shared_id, a_row_div, empty, ready, g_buf, gs_buf, u_buf,
                          us_buf, h_buf, x_buf, ids, experts_tab, pairs_tab, STAGES, H, I,
-                         BLOCK_M, TICKETS, X_TMA, SELF, G, WAIT_STEP)),
+                         BLOCK_M, TICKETS, X_TMA, SELF, G)),
     ], [1], [40])
     if PDL_AFTER:
         gdc_wait()
@@ -430,10 +428,9 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
         options |= {"ids_ptr": topk_ids.reshape(-1), "SELF": True,
                     "PAIRS_PAD": max(16, 1 << (num_pairs - 1).bit_length()),
                     "EXPERTS_PAD": max(16, 1 << (shared_id - 1).bit_length()),
-                    "G": -(-gate_up_items // (sms * programs_per_sm(x.device))),
-                    "WAIT_STEP": _nvfp4_self_route.wait_step(STAGES, H)}
+                    "G": -(-gate_up_items // (sms * programs_per_sm(x.device)))}
     key = (x.device, STAGES, PROGRAMS_PER_SM, MAXNREG, tickets, X_TMA, H, I, block_m, pdl,
-           routed, options.get("WAIT_STEP"))
+           routed)
     if count.numel() < 2 * num_slots + 1:
         raise ValueError(f"nvfp4_moe: the fused Gluon kernel needs {2 * num_slots + 1} counters "
                          f"(`moe_overlap.counters(device, num_slots + 1)`), got {count.numel()}")

@@ -8,19 +8,16 @@ at most `G`), what `moe_align.align_pairs` puts there: the experts' pair counts
 (`gl.histogram`), their blocks of `BLOCK_M` slots in expert order (a scan), the block of item
 p's part and its expert, and the part's 8 pairs (the expert's pairs in pair order, the
 `part`-th 8 of its block; padding `num_pairs`), into three small shared tables. The producer
-copies its first item up to K-step `wait_step` (by default the ring's first fill, the first
-`STAGES` K-steps), then waits for the previous launch (so that the down kernel, which it then
-lets launch, reads a finished alignment, and this launch finishes after it) and goes on;
-the consumers read the pairs from the tables, never the alignment. The layout is the
-alignment's by construction (GPU tests: bit for bit).
+copies the first `STAGES` K-steps of its first item, then waits for the previous launch (so
+that the down kernel, which it then lets launch, reads a finished alignment, and this launch
+finishes after it) and goes on; the consumers read the pairs from the tables, never the
+alignment. The layout is the alignment's by construction (GPU tests: bit for bit).
 
 Limits: at most `MAX_PAIRS` pairs and `MAX_EXPERTS` experts (the tiles live in the registers of
 four warps before the warp-specialized part); larger routings wait for the alignment.
 """
 
 from __future__ import annotations
-
-import os
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -34,10 +31,9 @@ from dlmc.custom_ops._nvfp4_gluon_parts import (
     tab_scalar,
 )
 from dlmc.env import env_choice
-from dlmc.errors import ConfigError
 
-__all__ = ["MAX_EXPERTS", "MAX_PAIRS", "SELF_ROUTE", "WAIT_STEP", "route_tables",
-           "self_producer", "self_route", "self_route_fits", "wait_step"]
+__all__ = ["MAX_EXPERTS", "MAX_PAIRS", "SELF_ROUTE", "route_tables", "self_producer",
+           "self_route", "self_route_fits"]
 
 MAX_PAIRS, MAX_EXPERTS = 512, 512
 # DLMC_NVFP4_SELF_ROUTE (read at import): "1" (the default since session 29: the op alone,
@@ -46,38 +42,8 @@ MAX_PAIRS, MAX_EXPERTS = 512, 512
 # is unchanged: 2.838 ms queued both ways; perf/README.md) or "0" (wait for the alignment). The
 # module's value may be set per call by tests and benches.
 SELF_ROUTE = env_choice("DLMC_NVFP4_SELF_ROUTE", "1", ("1", "0")) == "1"
-# DLMC_NVFP4_SELF_WAIT_STEP (read at import; a latency experiment, not yet measured): after
-# which K-step's copies of its first item the producer waits for the alignment launch and lets
-# the next launch start. "first" (the default, as measured in session 29: the ring's first
-# fill, so the first `STAGES` K-steps), a K-step number, or "last" (the item's last K-step).
-# The alignment takes ~3.4 µs from the programs' start, about when the first fill is consumed,
-# so the ring may run dry while the producer waits; a later step waits when the alignment is
-# done, and only the down launch starts later (its programs wait for gate/up's first rows
-# anyway, a full item later). The module's value may be set per call by tests and benches.
-WAIT_STEP = os.environ.get("DLMC_NVFP4_SELF_WAIT_STEP", "first")
-
-
-def _check_wait_step(setting: str) -> str:
-    if setting not in ("first", "last") and not setting.isdigit():
-        raise ConfigError(f"DLMC_NVFP4_SELF_WAIT_STEP={setting!r}: expected first, last or a "
-                          "K-step number (0, 1, ...)")
-    return setting
-
-
-_check_wait_step(WAIT_STEP)
 
 _TABLE = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # rank-1 rows, as ring tags
-
-
-def wait_step(stages: int, hidden: int, setting: str | None = None) -> int:
-    """The K-step (0-based, of the first item's `hidden / 128`) after whose copies the
-    self-routed producer waits: `setting` (default `WAIT_STEP`) "first", "last" or a number
-    (clamped to the item's K-steps)."""
-    setting = _check_wait_step(WAIT_STEP if setting is None else setting)
-    steps = hidden // 128
-    if setting == "first":
-        return min(stages, steps) - 1
-    return steps - 1 if setting == "last" else min(int(setting), steps - 1)
 
 
 def self_route_fits(num_pairs: int, num_experts: int) -> bool:
@@ -158,11 +124,12 @@ def self_route(ids_ptr, num_pairs, num_items, experts_tab, pairs_tab, rows_tab,
 def self_producer(g_d, gs_d, u_d, us_d, x_d, num_pairs, a_row_div, empty, ready, g_buf,
                   gs_buf, u_buf, us_buf, x_buf, ids, experts_tab, pairs_tab,
                   G: gl.constexpr, STAGES: gl.constexpr, H: gl.constexpr, I: gl.constexpr,
-                  BLOCK_M: gl.constexpr, WAIT_STEP: gl.constexpr):
+                  BLOCK_M: gl.constexpr):
     """The gate/up items alone by program (p, p + grid, ...), their experts and pairs from the
-    program's own tables (`self_route`): after K-step `WAIT_STEP` of its first item
-    (`wait_step`; at once if it has none) this warp waits for the previous launch and lets
-    the next one launch."""
+    program's own tables (`self_route`): after the first `STAGES` K-steps of its first
+    item (at once if it has none) this warp waits for the previous launch and lets the next
+    one launch."""
+    GDC_STEP: gl.constexpr = min(STAGES, H // 128) - 1
     i = 0  # ring slots filled so far
     for g in range(G):
         expert = tab_scalar(experts_tab, g)
@@ -172,7 +139,7 @@ def self_producer(g_d, gs_d, u_d, us_d, x_d, num_pairs, a_row_div, empty, ready,
             i = gate_up_copies(g_d, gs_d, u_d, us_d, expert * (I // 128) + tile, i, empty,
                                ready, g_buf, gs_buf, u_buf, us_buf, ids, item * 1024 + expert,
                                STAGES, H, x_d, x_buf, x_d, slot0, num_pairs, a_row_div, True,
-                               True, pairs_tab, g, gl.where(g == 0, WAIT_STEP, -1), True)
+                               True, pairs_tab, g, gl.where(g == 0, GDC_STEP, -1), True)
         elif g == 0:
             gdc_wait()
             gdc_launch_dependents()

@@ -15,7 +15,6 @@ import torch
 import dlmc.custom_ops.nvfp4_moe as op_module
 from dlmc.custom_ops import _nvfp4_down_gluon, _nvfp4_moe_gluon, _nvfp4_self_route
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
-from dlmc.errors import ConfigError
 from tests.custom_ops.test_nvfp4_down_gluon import (
     against_triton,
     assert_graph_replays_like_triton,
@@ -119,19 +118,6 @@ def test_self_routing_limits() -> None:
     fits = _nvfp4_self_route.self_route_fits
     assert fits(1, 256) and fits(512, 512)
     assert not (fits(0, 256) or fits(513, 256) or fits(256, 513))
-
-
-def test_self_routed_wait_step() -> None:
-    """`DLMC_NVFP4_SELF_WAIT_STEP`: the K-step of the first item after which the producer waits
-    for the alignment: the ring's first fill ("first", the default), the item's last K-step,
-    or a number clamped to the item; anything else names the variable."""
-    wait_step = _nvfp4_self_route.wait_step
-    assert wait_step(3, 2048) == wait_step(3, 2048, "first") == 2  # 16 K-steps of 128
-    assert wait_step(8, 512, "first") == 3  # an item shorter than the ring
-    assert wait_step(3, 2048, "last") == 15 and wait_step(3, 2048, "7") == 7
-    assert wait_step(3, 2048, "40") == 15
-    with pytest.raises(ConfigError, match="DLMC_NVFP4_SELF_WAIT_STEP='-1'"):
-        wait_step(3, 2048, "-1")
 
 
 def spy_gate_up_only(monkeypatch, self_route: bool = False) -> list[tuple[bool, bool]]:

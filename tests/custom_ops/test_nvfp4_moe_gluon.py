@@ -20,7 +20,6 @@ from dlmc.custom_ops import (
     _nvfp4_gate_up_gluon,
     _nvfp4_gluon_parts,
     _nvfp4_moe_gluon,
-    _nvfp4_self_route,
 )
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
 from tests.custom_ops.test_nvfp4_down_gluon import (
@@ -124,20 +123,17 @@ def check_lowering() -> None:
     # gate/up items alone, self-routed (`_nvfp4_self_route`): 6 items per program of the
     # LLaDA2.1-mini routing (tables padded to 8 rows); the producer's copies are gate/up's
     # alone, and it waits for the alignment at one of two places (after its first item's
-    # K-step `WAIT_STEP`, or at once without one), then lets the next launch start
-    for setting in ("first", "last"):
-        consts = {"STAGES": stages, "H": 2048, "I": 512, "BLOCK_M": 16, "PDL_ENTER": False,
-                  "PDL_AFTER": False, "TICKETS": 0, "X_TMA": True, "SELF": True, "G": 6,
-                  "PAIRS_PAD": 256, "EXPERTS_PAD": 256,
-                  "WAIT_STEP": _nvfp4_self_route.wait_step(stages, 2048, setting)}
-        compiled, usage = compile_gluon_sm90(kernel, types | {"ids_ptr": "*i32"}, consts,
-                                             _nvfp4_moe_gluon.MAXNREG)
-        assert usage["REG"] <= _nvfp4_moe_gluon.MAXNREG and usage["LOCAL"] == 0, usage
-        assert compiled.metadata.shared <= stages * _nvfp4_moe_gluon.STAGE_BYTES + 1024
-        ptx = compiled.asm["ptx"]
-        assert ptx.count("griddepcontrol.wait") == 2
-        assert "griddepcontrol.launch_dependents" in ptx
-        assert ptx.count("cp.async.bulk.tensor") == 4 + 8
+    # first copies, or at once without one), then lets the next launch start
+    consts = {"STAGES": stages, "H": 2048, "I": 512, "BLOCK_M": 16, "PDL_ENTER": False,
+              "PDL_AFTER": False, "TICKETS": 0, "X_TMA": True, "SELF": True, "G": 6,
+              "PAIRS_PAD": 256, "EXPERTS_PAD": 256}
+    compiled, usage = compile_gluon_sm90(kernel, types | {"ids_ptr": "*i32"}, consts,
+                                         _nvfp4_moe_gluon.MAXNREG)
+    assert usage["REG"] <= _nvfp4_moe_gluon.MAXNREG and usage["LOCAL"] == 0, usage
+    assert compiled.metadata.shared <= stages * _nvfp4_moe_gluon.STAGE_BYTES + 1024
+    ptx = compiled.asm["ptx"]
+    assert ptx.count("griddepcontrol.wait") == 2 and "griddepcontrol.launch_dependents" in ptx
+    assert ptx.count("cp.async.bulk.tensor") == 4 + 8
 
 
 def test_the_kernel_lowers_for_sm90() -> None:
