@@ -132,6 +132,9 @@ SWEEP_VARIANTS: dict[str, PagedAttentionVariant] = {
     "ilv16": dataclasses.replace(_INTERLEAVED, num_splits=16),
     "ilv16-bf16part": dataclasses.replace(_INTERLEAVED, num_splits=16,
                                           partial_dtype=torch.bfloat16),
+    # a quarter of the partials: at a 1k prefix (16 tiles of 64 keys) each split's two
+    # speculative tiles are all its keys, half of ilv32's splits find none; not measured yet
+    "ilv8": dataclasses.replace(_INTERLEAVED, num_splits=8),
 }
 
 

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Session 31's H200 calls (helpers of perf/h200_session.sh); output tarred in $OUT.
+#   bash perf/h200_s31.sh record  # the op at the defaults in 5 processes (routed experts, one
+#                                 # copy measurement each); the paged-attention variants with
+#                                 # fewer splits (ilv16, ilv8) against ilv32 (the FP8 default)
+#                                 # at 1k / 4k prefixes; NVFP4 + FP8 rounds default / ilv16 / ilv8
+set -u
+HERE="$(dirname "$0")"
+source "$HERE/h200_session.sh" lib
+source <(sed -n '/^op_rows()/,/^}/p' "$HERE/h200_s27.sh")
+
+record() {
+  for pass in 1 2 3 4 5; do
+    op_env "op_default_$pass" "DLMC_NVFP4_SELF_ROUTE=1" $([ $pass = 1 ] && echo --profile)
+  done
+  timeout 200 python3 perf/bench_paged_attention.py --prefixes 1024 4096 --no-flashinfer \
+    --sweep ilv32 ilv16 ilv16-bf16part ilv8 --out "$OUT/attention_splits.json" \
+    > "$OUT/attention_splits.txt" 2>&1
+  echo "attention rc=$?"; tail -20 "$OUT/attention_splits.txt"
+  local args=(--precision nvfp4 --kv-cache-dtype fp8 --modes graph --no-loop)
+  round round_nvfp4_default 200 "${args[@]}"
+  for variant in ilv16 ilv8; do
+    ( export DLMC_ATTENTION_VARIANT=$variant; round "round_nvfp4_$variant" 200 "${args[@]}" )
+  done
+}
+
+case "${1:-}" in
+record) record; tar_out s31_record ;;
+*) echo "usage: $0 record" >&2; exit 2 ;;
+esac
