@@ -4,6 +4,8 @@
 #                                 # copy measurement each); the paged-attention variants with
 #                                 # fewer splits (ilv16, ilv8) against ilv32 (the FP8 default)
 #                                 # at 1k / 4k prefixes; NVFP4 + FP8 rounds default / ilv16 / ilv8
+#   bash perf/h200_s31.sh splits  # the GPU tests of ilv16 / ilv8 (graph-captured, appending),
+#                                 # the split counts at 2k / 3k prefixes
 set -u
 HERE="$(dirname "$0")"
 source "$HERE/h200_session.sh" lib
@@ -24,7 +26,17 @@ record() {
   done
 }
 
+splits() {
+  TEST_TIMEOUT=300 gpu_tests splits -k "ilv16 or ilv8" \
+    tests/custom_ops/test_paged_attention_variants.py tests/custom_ops/test_paged_attention_append.py
+  timeout 200 python3 perf/bench_paged_attention.py --prefixes 2048 3072 --no-flashinfer \
+    --sweep ilv32 ilv16 ilv8 --out "$OUT/attention_splits_2k3k.json" \
+    > "$OUT/attention_splits_2k3k.txt" 2>&1
+  echo "attention rc=$?"; grep "triton" "$OUT/attention_splits_2k3k.txt"
+}
+
 case "${1:-}" in
 record) record; tar_out s31_record ;;
-*) echo "usage: $0 record" >&2; exit 2 ;;
+splits) splits; tar_out s31_splits ;;
+*) echo "usage: $0 record|splits" >&2; exit 2 ;;
 esac
