@@ -128,12 +128,13 @@ SWEEP_VARIANTS: dict[str, PagedAttentionVariant] = {
     "ilv32-f16dot": dataclasses.replace(_INTERLEAVED, fp8_dot_f16=True),
     "ilv32-pdl": dataclasses.replace(_INTERLEAVED, pdl=True),
     # half the partials for the merge to read (8.6 MB at 4k with 32 splits, fp32), twice the
-    # tiles per split; not measured yet
+    # tiles per split: H200, 1.1-1.3 µs faster than ilv32 up to a 2k prefix, 0.8 slower at 4k
+    # (perf/README.md, session 31)
     "ilv16": dataclasses.replace(_INTERLEAVED, num_splits=16),
     "ilv16-bf16part": dataclasses.replace(_INTERLEAVED, num_splits=16,
                                           partial_dtype=torch.bfloat16),
     # a quarter of the partials: at a 1k prefix (16 tiles of 64 keys) each split's two
-    # speculative tiles are all its keys, half of ilv32's splits find none; not measured yet
+    # speculative tiles are all its keys; as fast as ilv16 there, 7.5 µs slower at 4k
     "ilv8": dataclasses.replace(_INTERLEAVED, num_splits=8),
 }
 
