@@ -6,6 +6,8 @@
 #                                 # at 1k / 4k prefixes; NVFP4 + FP8 rounds default / ilv16 / ilv8
 #   bash perf/h200_s31.sh splits  # the GPU tests of ilv16 / ilv8 (graph-captured, appending),
 #                                 # the split counts at 2k / 3k prefixes
+#   bash perf/h200_s31.sh health  # (carry .whl) pytest -m gpu -n 4 of the test files that
+#                                 # session 30's call 6 and this session's calls did not run
 set -u
 HERE="$(dirname "$0")"
 source "$HERE/h200_session.sh" lib
@@ -35,8 +37,19 @@ splits() {
   echo "attention rc=$?"; grep "triton" "$OUT/attention_splits_2k3k.txt"
 }
 
+health() {
+  python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
+  local skip="test_nvfp4_loading|test_runner|test_nvfp4_moe.py|test_moe_overlap|test_moe.py"
+  skip="$skip|test_pdl|gluon|test_paged_attention_variants|test_paged_attention_append"
+  local files
+  files=$(grep -rl "mark.gpu" tests --include="test_*.py" | grep -vE "$skip" | sort)
+  echo "$files" > "$OUT/health_files.txt"
+  TEST_TIMEOUT=450 gpu_tests health -n 4 $files
+}
+
 case "${1:-}" in
+health) health; tar_out s31_health ;;
 record) record; tar_out s31_record ;;
 splits) splits; tar_out s31_splits ;;
-*) echo "usage: $0 record|splits" >&2; exit 2 ;;
+*) echo "usage: $0 record|splits|health" >&2; exit 2 ;;
 esac
