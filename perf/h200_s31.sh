@@ -44,7 +44,7 @@ health() {
   local files
   files=$(grep -rl "mark.gpu" tests --include="test_*.py" | grep -vE "$skip" | sort)
   echo "$files" > "$OUT/health_files.txt"
-  TEST_TIMEOUT=450 gpu_tests health -n 4 $files
+  TEST_TIMEOUT=${TEST_TIMEOUT:-560} gpu_tests health -n 4 $files
 }
 
 case "${1:-}" in

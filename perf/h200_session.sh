@@ -61,10 +61,11 @@ round() {
   grep -E "│ +(eager|compile|graph)|loop|rc=" "$OUT/$name.txt" | head -7
 }
 
-# gpu_tests NAME FILES...: the gpu-marked tests of FILES into $OUT/gpu_tests_NAME.txt
+# gpu_tests NAME FILES...: the gpu-marked tests of FILES into $OUT/gpu_tests_NAME.txt, one
+# line per test as it finishes (-v), so a run cut off by its timeout still names its failures
 gpu_tests() {
   local name=$1; shift
-  timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -rf -m gpu "$@" \
+  timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -v -p no:cacheprovider -rf -m gpu "$@" \
     > "$OUT/gpu_tests_$name.txt" 2>&1
   echo "gpu tests $name rc=$?"; tail -3 "$OUT/gpu_tests_$name.txt"
 }
