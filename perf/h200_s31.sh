@@ -6,8 +6,11 @@
 #                                 # at 1k / 4k prefixes; NVFP4 + FP8 rounds default / ilv16 / ilv8
 #   bash perf/h200_s31.sh splits  # the GPU tests of ilv16 / ilv8 (graph-captured, appending),
 #                                 # the split counts at 2k / 3k prefixes
-#   bash perf/h200_s31.sh health  # (carry .whl) pytest -m gpu -n 4 of the test files that
-#                                 # session 30's call 6 and this session's calls did not run
+#   bash perf/h200_s31.sh health [rest|fuzz|all]  # (carry .whl) pytest -m gpu -n 4 -v of the
+#                                 # test files that session 30's call 6 and this session's calls
+#                                 # did not run: "rest" (default) without, "fuzz" only, the three
+#                                 # files with 200-example GPU fuzzes (nvfp4_moe_v4/v5,
+#                                 # paged_attention); all of them did not fit 450 s (call 4)
 set -u
 HERE="$(dirname "$0")"
 source "$HERE/h200_session.sh" lib
@@ -41,14 +44,21 @@ health() {
   python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
   local skip="test_nvfp4_loading|test_runner|test_nvfp4_moe.py|test_moe_overlap|test_moe.py"
   skip="$skip|test_pdl|gluon|test_paged_attention_variants|test_paged_attention_append"
-  local files
+  local fuzz="test_nvfp4_moe_v4|test_nvfp4_moe_v5|test_paged_attention.py"
+  local files part=${1:-rest}
   files=$(grep -rl "mark.gpu" tests --include="test_*.py" | grep -vE "$skip" | sort)
-  echo "$files" > "$OUT/health_files.txt"
-  TEST_TIMEOUT=${TEST_TIMEOUT:-560} gpu_tests health -n 4 $files
+  case "$part" in
+  rest) files=$(echo "$files" | grep -vE "$fuzz") ;;
+  fuzz) files=$(echo "$files" | grep -E "$fuzz") ;;
+  all) ;;
+  *) echo "health: expected rest, fuzz or all, got $part" >&2; return 2 ;;
+  esac
+  echo "$files" > "$OUT/health_files_$part.txt"
+  TEST_TIMEOUT=${TEST_TIMEOUT:-560} gpu_tests "health_$part" -n 4 $files
 }
 
 case "${1:-}" in
-health) health; tar_out s31_health ;;
+health) health "${2:-rest}"; tar_out "s31_health_${2:-rest}" ;;
 record) record; tar_out s31_record ;;
 splits) splits; tar_out s31_splits ;;
 *) echo "usage: $0 record|splits|health" >&2; exit 2 ;;
