@@ -130,7 +130,7 @@ def write_report(checks: dict, us: dict[str, float], medians: dict[str, list[flo
     report = {"command": " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "python": platform.python_version(), **checks,
               "us_per_layer": us, "pass_medians_us": medians,
-               f"minus_{base}_us": {name: us[name] - us[base] for name in us}}
+              f"minus_{base}_us": {name: us[name] - us[base] for name in us}}
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2) + "\n")

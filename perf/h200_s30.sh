@@ -6,7 +6,9 @@
 #   bash perf/h200_s30.sh wait    # (carry .whl) DLMC_NVFP4_SELF_WAIT_STEP: the Gluon gate/up
 #                                 # GPU tests with "last", then the op (routed experts) with
 #                                 # first (the default) / 7 / last, one process each, 3 passes
-#   bash perf/h200_s30.sh both    # (carry .whl) `wait`, then `stream`, in one call (~6 min)
+#   bash perf/h200_s30.sh both    # (carry .whl) `wait`, then `stream`, in one call (~6 min);
+#                                 # run as session 31's call 1. DLMC_NVFP4_SELF_WAIT_STEP was
+#                                 # removed after it (no gain): `wait` now times one form thrice
 set -u
 HERE="$(dirname "$0")"
 source "$HERE/h200_session.sh" lib
