@@ -215,12 +215,13 @@ def align_pairs_to_blocks(
     reference otherwise. `pdl` (the body of an opaque op on sm_90+ only, `_pdl.launcher`):
     the kernel launches with programmatic dependent launch.
     """
-    if _kernel_applies(topk_ids, num_experts):  # opaque op when interpreted, else traced body
+    if _kernel_applies(topk_ids, num_experts):
         if pdl and not _INTERPRETED:
             return _align(topk_ids.contiguous(), num_experts, block_m, shared_expert,
                           PDL_LAUNCH)
-        align = _moe_align_op if _INTERPRETED else _moe_align_impl
-        return align(topk_ids.contiguous(), num_experts, block_m, shared_expert)
+        # The registered op, never its body: Dynamo cannot trace `_pdl.launcher` itself
+        # (`hasattr` on a Triton kernel), and eager launches are direct only inside an op.
+        return _moe_align_op(topk_ids.contiguous(), num_experts, block_m, shared_expert)
     return align_pairs_to_blocks_reference(topk_ids, num_experts, block_m, shared_expert)
 
 
