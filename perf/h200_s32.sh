@@ -4,8 +4,6 @@
 #                                 # under torch.compile) and of the align users; v6's GPU fuzz
 #                                 # alone with -s (each example prints a line), which session
 #                                 # 32's call 2 cut off unfinished
-#   bash perf/h200_s32.sh v6      # test_v6_equals_v3_gpu (v6's GPU fuzz split off at 15
-#                                 # examples) with -s
 set -u
 HERE="$(dirname "$0")"
 source "$HERE/h200_session.sh" lib
@@ -18,14 +16,7 @@ check() {
   echo "v6 examples: $(grep -c '^v6 == v3' "$OUT/gpu_tests_fuzz_v6.txt")"
 }
 
-v6() {
-  TEST_TIMEOUT=${FUZZ_TIMEOUT:-420} gpu_tests v6 -s \
-    tests/custom_ops/test_nvfp4_moe_v5.py::test_v6_equals_v3_gpu
-  echo "v6 examples: $(grep -c '^v6 == v3' "$OUT/gpu_tests_v6.txt")"
-}
-
 case "${1:-}" in
 check) check; tar_out s32_check ;;
-v6) v6; tar_out s32_v6 ;;
-*) echo "usage: $0 check|v6" >&2; exit 2 ;;
+*) echo "usage: $0 check" >&2; exit 2 ;;
 esac

@@ -122,35 +122,19 @@ GPU_FUZZ = given(  # shapes the tiled layout takes (others run v3 itself: nothin
 )
 
 
-def _gpu_fuzz_case(variant: int, seed: int, tokens: int, num_experts: int, top_k: int,
-                   hidden: int, inter: int, skew: bool, scale_2_log2: tuple[float, float]) -> None:
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [5, 6, 7])
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@GPU_FUZZ
+def test_v5_v6_equal_v3_gpu(variant: int, seed: int, tokens: int, num_experts: int, top_k: int,
+                            hidden: int, inter: int, skew: bool,
+                            scale_2_log2: tuple[float, float]) -> None:
     """The compiled asm paths: bit for bit v3, every E4M3 and E2M1 code."""
     v3_v5_case(variant, seed, tokens, num_experts, min(top_k, num_experts), hidden, inter, skew,
                ALL_CODES, scale_2_log2=scale_2_log2)
     # progress for `pytest -s` runs with a time limit (perf/README.md records the count)
     print(f"v{variant} == v3: tokens={tokens} experts={num_experts} top_k={top_k} "
           f"hidden={hidden} inter={inter} skew={skew} scale_2_log2={scale_2_log2}", flush=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", [5, 7])
-@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
-@GPU_FUZZ
-def test_v5_v6_equal_v3_gpu(variant: int, seed: int, tokens: int, num_experts: int, top_k: int,
-                            hidden: int, inter: int, skew: bool,
-                            scale_2_log2: tuple[float, float]) -> None:
-    """v5 and v7 (the default kernel): 200 examples, ~1 s each on the H200."""
-    _gpu_fuzz_case(variant, seed, tokens, num_experts, top_k, hidden, inter, skew, scale_2_log2)
-
-
-@pytest.mark.gpu
-@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
-@GPU_FUZZ
-def test_v6_equals_v3_gpu(seed: int, tokens: int, num_experts: int, top_k: int, hidden: int,
-                          inter: int, skew: bool, scale_2_log2: tuple[float, float]) -> None:
-    """v6 (not a default): 15 examples. Each takes ~20 s on the H200 (session 32: 17 in 330 s),
-    so 200 never fit one device call; v7 runs v6's decode and has the 200-example fuzz."""
-    _gpu_fuzz_case(6, seed, tokens, num_experts, top_k, hidden, inter, skew, scale_2_log2)
 
 
 @pytest.mark.gpu
