@@ -117,7 +117,7 @@ def self_route(ids_ptr, num_pairs, num_items, experts_tab, pairs_tab, rows_tab,
             pairs = gl.where(found > 0, gl.sum(gl.where(hit, pair2, 0), axis=1), num_pairs)
             rows_tab.index(g).store(pairs)
             pairs_tab._reinterpret(gl.int32, [8 * _rows(G)], _TABLE).slice(8 * g, 8).store(
-                gl.convert_layout(pairs, gl.BlockedLayout([1], [32], [4], [0])))
+                gl.convert_layout(pairs, line))
 
 
 @gluon.jit
