@@ -3,6 +3,7 @@
 # carry [".whl"] for pytest-xdist; timeout_s ~590). Output tarred in $OUT.
 #   bash perf/gpu_sweep.sh list        # the parts' files (checks that they cover every
 #                                      # gpu-marked file once); runs nothing
+#   bash perf/gpu_sweep.sh files PART  # PART's files, one per line; runs nothing
 #   bash perf/gpu_sweep.sh PART        # pytest -m gpu -n 4 -v of PART's files, where PART is
 #     default    NVFP4 loading, runner, op, overlap, MoE model, PDL (~460 s, session 30)
 #     kernels    the Gluon kernels and the attention variants / append files (not timed whole)
@@ -46,6 +47,7 @@ list)
     exit 1
   fi
   echo "$(echo "$all" | wc -l) files, each in one part" ;;
+files) part_files "${2:-}" ;;
 default|kernels|rest|fuzz-moe|fuzz-other)
   files=$(part_files "$1") || exit 2
   source "$HERE/h200_session.sh" lib
@@ -54,5 +56,5 @@ default|kernels|rest|fuzz-moe|fuzz-other)
   # shellcheck disable=SC2086  # one argument per file
   TEST_TIMEOUT=${TEST_TIMEOUT:-560} gpu_tests "sweep_$1" -n 4 $files
   tar_out "gpu_sweep_$1" ;;
-*) echo "usage: $0 list|default|kernels|rest|fuzz-moe|fuzz-other" >&2; exit 2 ;;
+*) echo "usage: $0 list|files PART|default|kernels|rest|fuzz-moe|fuzz-other" >&2; exit 2 ;;
 esac

@@ -42,17 +42,14 @@ splits() {
 
 health() {
   python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
-  local skip="test_nvfp4_loading|test_runner|test_nvfp4_moe.py|test_moe_overlap|test_moe.py"
-  skip="$skip|test_pdl|gluon|test_paged_attention_variants|test_paged_attention_append"
-  local fuzz="test_nvfp4_moe_v4|test_nvfp4_moe_v5|test_paged_attention.py"
-  local files part=${1:-rest}
-  files=$(grep -rl "mark.gpu" tests --include="test_*.py" | grep -vE "$skip" | sort)
+  local files part=${1:-rest}  # (the parts of perf/gpu_sweep.sh)
   case "$part" in
-  rest) files=$(echo "$files" | grep -vE "$fuzz") ;;
-  fuzz) files=$(echo "$files" | grep -E "$fuzz") ;;
-  all) ;;
+  rest) files=$(bash "$HERE/gpu_sweep.sh" files rest) ;;
+  fuzz) files=$(for p in fuzz-moe fuzz-other; do bash "$HERE/gpu_sweep.sh" files $p; done) ;;
+  all) files=$(for p in rest fuzz-moe fuzz-other; do bash "$HERE/gpu_sweep.sh" files $p; done) ;;
   *) echo "health: expected rest, fuzz or all, got $part" >&2; return 2 ;;
   esac
+  files=$(echo "$files" | sort)
   echo "$files" > "$OUT/health_files_$part.txt"
   TEST_TIMEOUT=${TEST_TIMEOUT:-560} gpu_tests "health_$part" -n 4 $files
 }
