@@ -25,6 +25,7 @@ import torch._inductor.config
 
 from dlmc.engine.kv_cache import DenseKVCache
 from dlmc.errors import ConfigError
+from dlmc.graphs.in_flight import DoneReads, run_if_not
 from dlmc.graphs.round import (
     NoiseSampling,
     RoundBuffers,
@@ -158,6 +159,9 @@ class RoundRunner:
         # A temperature-only sampled round's inputs (`NoiseSampling`, allocated by the first).
         self.noise: NoiseSampling | None = None
         self._graphs: dict[tuple[Any, ...], torch.cuda.CUDAGraph] = {}
+        # Rounds in flight (`launch_guarded`): the guard's condition and the host's flag reads.
+        self._go = torch.zeros((), dtype=torch.bool, device=device)
+        self.done_reads = DoneReads(self.buf.done)
         self._fill_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pool: Any = None
         self.compile_s = 0.0  # time spent in first calls (compile / autotune / capture)
@@ -198,6 +202,11 @@ class RoundRunner:
     def step_fused(self, algorithm: str, key_len: int, sampling: Any = None) -> bool:
         """`step`, fused with the refresh of the block in `prev_tokens`/`prev_positions`
         (`denoise_round_fused`): one forward of 2 blocks instead of a refresh + a round."""
+        self.launch_fused(algorithm, key_len, sampling)
+        return bool(self.buf.done)
+
+    def launch_fused(self, algorithm: str, key_len: int, sampling: Any = None) -> None:
+        """`step_fused` without reading the "done" flag."""
         whole = self._whole_round_sampling(sampling)
         if whole is False:
             logits = self._logits_buffer()
@@ -206,14 +215,29 @@ class RoundRunner:
                 self.model, self.buf, self.prev_tokens, self.prev_positions, logits, self.cache,
                 key_len, self.bl))
             decide(logits, self.buf, self.mask_id, algorithm, sampling=sampling)
-        else:
-            fn = (denoise_round_fused if self.mode == "eager"
-                  else _compile("round_fused", denoise_round_fused))
-            key = ("round_fused" if sampling is None else "sampled_fused", algorithm, key_len)
-            self._run(key, lambda: fn(self.model, self.buf, self.prev_tokens,
-                                      self.prev_positions, self.cache, key_len, self.bl,
-                                      self.mask_id, algorithm, whole))
-        return bool(self.buf.done)
+            return
+        fn = (denoise_round_fused if self.mode == "eager"
+              else _compile("round_fused", denoise_round_fused))
+        key = ("round_fused" if sampling is None else "sampled_fused", algorithm, key_len)
+        self._run(key, lambda: fn(self.model, self.buf, self.prev_tokens, self.prev_positions,
+                                  self.cache, key_len, self.bl, self.mask_id, algorithm, whole))
+
+    def launch_guarded(self, algorithm: str, key_len: int) -> None:
+        """A greedy round that runs only if the block is not done when it starts (`buf.done`
+        False): a round queued before the host has read the last one's flag
+        (`dlmc.graphs.in_flight`). In graph mode the guard is a conditional node of the
+        captured graph; otherwise the flag is read on the host first."""
+        key = ("guarded", algorithm, key_len)
+        if (self.mode != "graph" or key not in self._graphs) and bool(self.buf.done):
+            # (The capture's warm-up runs the round unguarded, writing the block's K/V: it must
+            # not capture on a finished block, whose cached K/V the loop may keep.)
+            return
+        if self.mode != "graph":
+            self.launch(algorithm, key_len)
+            return
+        self._run(key,
+                  lambda: self._round_fn()(self.model, self.buf, self.cache, key_len, self.bl,
+                                           self.mask_id, algorithm, None), guarded=True)
 
     def fill(self, tokens: torch.Tensor, positions: torch.Tensor, key_len: int) -> None:
         """K/V of `tokens` at `positions` (a prefill chunk or a finished block's refresh)."""
@@ -267,7 +291,7 @@ class RoundRunner:
     def _round_fn(self) -> Callable[..., Any]:
         return denoise_round if self.mode == "eager" else _compile("round", denoise_round)
 
-    def _run(self, key: tuple[Any, ...], fn: Callable[[], None]) -> None:
+    def _run(self, key: tuple[Any, ...], fn: Callable[[], None], guarded: bool = False) -> None:
         if self.mode != "graph":
             first = key not in self._graphs
             started = time.perf_counter()
@@ -278,12 +302,13 @@ class RoundRunner:
             return
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._capture(fn)
+            graph = self._capture(fn, guarded)
             self._graphs[key] = graph
         graph.replay()
 
-    def _capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
-        """Warm up (compile, autotune) and capture `fn`, leaving the round state unchanged."""
+    def _capture(self, fn: Callable[[], None], guarded: bool = False) -> torch.cuda.CUDAGraph:
+        """Warm up (compile, autotune) and capture `fn`, leaving the round state unchanged;
+        `guarded`: `fn` runs only while `buf.done` is False (`in_flight.run_if_not`)."""
         started = time.perf_counter()
         saved = {f.name: getattr(self.buf, f.name).clone() for f in fields(self.buf)}
         stream = torch.cuda.Stream()
@@ -296,7 +321,11 @@ class RoundRunner:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            fn()
+            if guarded:
+                with run_if_not(graph, self.buf.done, self._go):
+                    fn()
+            else:
+                fn()
         for name, value in saved.items():
             getattr(self.buf, name).copy_(value)
         torch.cuda.synchronize()

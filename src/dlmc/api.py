@@ -43,6 +43,9 @@ class LLM:
     `refresh`: how a finished block whose last round changed it gets its final K/V cached:
     "fused" (default: inside the next block's first round, one 2-block forward) or "separate"
     (a forward of its own; the reference mode always does this).
+    `lookahead`: greedy rounds are queued one ahead of the host's read of the last round's
+    "done" flag, so the GPU does not idle between rounds (default True; graph mode needs CUDA
+    graph conditional nodes, CUDA 12.4+, and otherwise runs rounds one by one).
     """
 
     def __init__(
@@ -57,6 +60,7 @@ class LLM:
         mode: str | None = None,
         kv_cache_dtype: str = "auto",
         refresh: str = "fused",
+        lookahead: bool = True,
     ) -> None:
         role_defaults(role)  # validates the role
         self.model_id = os.fspath(model)
@@ -91,6 +95,7 @@ class LLM:
             self.model, self.special_ids.mask_token_id, self.special_ids.eos_token_id,
             self.max_context, self.device, self.dtype, mode=self.mode,
             kv_cache_dtype=self.kv_cache_dtype, kv_scales=self.kv_scales, refresh=refresh,
+            lookahead=lookahead,
         )
 
     # -- tokenizer -------------------------------------------------------------------------
@@ -262,6 +267,7 @@ class LLM:
             "mode": self.mode if cfg.greedy or self._decoder.paged else "reference",
             "kv_cache_dtype": self.kv_cache_dtype,
             "refresh": self._decoder.refresh,
+            "lookahead": self._decoder.lookahead,
             "self_conditioning_active": False,
             "mask_token_id": self.special_ids.mask_token_id,
             "eos_token_id": self.special_ids.eos_token_id,

@@ -141,3 +141,25 @@ def test_uniform_routing_through_the_fused_route_align_path(tiny_dir, monkeypatc
         fixed_ids = blocks[0].gate.ids[:16]
         assert fused_bytes[1] == sum(b.gate.ids[:16].unique().numel() for b in blocks) / len(
             blocks) and fixed_ids.shape == (16, model.config.num_experts_per_tok)
+
+
+def test_in_flight_times_time_rounds_that_ran(tiny_bf16):
+    """`in_flight_times` (the bench's decode-loop pattern) on the CPU: one time per round; a
+    chunk long enough for the block to finish is refused rather than timing skipped rounds."""
+    import torch
+
+    from dlmc.bench.round_bench import in_flight_times
+    from dlmc.graphs.runner import RoundRunner
+
+    dec = tiny_bf16._decoder
+    mask = tiny_bf16.special_ids.mask_token_id
+    runner = RoundRunner(tiny_bf16.model, dec.cache, 8, mask, "eager")
+    runner.buf.positions.copy_(torch.arange(32, 40))
+    runner.buf.editable.fill_(True)
+    runner.buf.max_post.fill_(0)
+    key_len = runner.key_len(40)
+    times = in_flight_times(runner, key_len, rounds=9, mask_id=mask)
+    assert len(times) == 9 and all(t > 0 for t in times)
+    assert int(runner.buf.step) == 7  # two chunks of 1 + 6 rounds (bl 8: chunks of 6 times)
+    with pytest.raises(RuntimeError, match="the block finished after 8 rounds"):
+        in_flight_times(runner, key_len, rounds=12, mask_id=mask, chunk=12)

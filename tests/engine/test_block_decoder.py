@@ -224,3 +224,63 @@ def test_kv_layout_choice_and_errors():
         decoder(mode="eager", kv_cache_dtype="fp8", kv_layout="dense")
     fp32 = BlockDecoder(model, MASK, EOS, 64, torch.device("cpu"), torch.float32, mode="eager")
     assert not fp32.paged
+
+
+def _flip_script():
+    flip = [0]
+
+    def script(i, tokens):
+        flip[0] ^= 1
+        return logits_for([1 + flip[0]] * 4, [0.95] * 4)  # edits every filled position
+
+    return script
+
+
+SCRIPTS = {
+    "fallback": lambda: (lambda i, t: logits_for([1] * 4, [0.3, 0.31, 0.32, 0.33])),
+    "editing": _flip_script,
+    "one_round_blocks": lambda: (lambda i, t: logits_for([3] * 4, [0.99] * 4)),
+    "eos": lambda: (lambda i, t: logits_for([1, EOS, 1, 1], [0.95] * 4) if i >= 2
+                    else logits_for([3] * 4, [0.95] * 4)),
+}
+
+
+@pytest.mark.parametrize("refresh", ["fused", "separate"])
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_rounds_in_flight_equal_rounds_one_by_one(name, refresh):
+    """With a round queued ahead of the host's read (`lookahead`), the same rounds run: the
+    same answer, round and forward counts, and model calls (a queued round that finds its
+    block done runs nothing)."""
+    results = []
+    for lookahead in (False, True):
+        model = ScriptedModel(SCRIPTS[name]())
+        dec = BlockDecoder(model, MASK, EOS, 4096, torch.device("cpu"), torch.float32,
+                           refresh=refresh, lookahead=lookahead)
+        gen = dec.decode([7, 7, 7, 7, 7], joint(max_new_tokens=16, max_refine_steps=2))
+        with pytest.raises(StopIteration) as stop:
+            while True:
+                next(gen)
+        out = stop.value.value
+        results.append((out, model.calls, model.other_calls, model.fused_calls))
+    assert results[0] == results[1]
+    assert results[0][0].num_forwards > results[0][0].blocks  # blocks of several rounds
+
+
+def test_rounds_in_flight_stop_when_cancelled():
+    model = ScriptedModel(lambda i, t: logits_for([1] * 4, [0.3] * 4))
+    dec = BlockDecoder(model, MASK, EOS, 4096, torch.device("cpu"), torch.float32,
+                       lookahead=True)
+    gen = dec.decode([7] * 4, joint(max_new_tokens=64), cancel=lambda: model.calls >= 7)
+    with pytest.raises(StopIteration) as stop:
+        while True:
+            next(gen)
+    out = stop.value.value
+    # Block 1 took 5 rounds; block 2's first two ran, the cancel was seen before a third.
+    assert out.finish_reason == "cancelled" and model.calls == 7
+    assert out.answer_ids == (1, 1, 1, 1) and out.num_forwards == 7
+
+
+def test_lookahead_must_be_a_bool():
+    with pytest.raises(ConfigError, match="lookahead='yes'"):
+        BlockDecoder(ScriptedModel(lambda i, t: None), MASK, EOS, 64, torch.device("cpu"),
+                     torch.float32, lookahead="yes")

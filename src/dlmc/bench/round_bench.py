@@ -15,6 +15,7 @@ from dlmc.bench.timing import cuda_times, queued_cuda_times
 from dlmc.custom_ops.moe_align import PairRouting, route_pairs
 from dlmc.engine.decode_config import DecodeConfig
 from dlmc.engine.kv_cache import DenseKVCache
+from dlmc.graphs.round import EDITS_OFF
 from dlmc.graphs.runner import RoundRunner
 from dlmc.models.moe import MoEBlock
 
@@ -193,13 +194,60 @@ def time_rounds(model: nn.Module, cache: Any, bench: RoundBenchConfig, mode: str
                                    bench.rounds)
         result.update(queued_median_ms=statistics.median(queued), queued_min_ms=min(queued),
                       queued_max_ms=max(queued))
+        if sampling is None:  # the decode loop's pattern: one guarded round in flight
+            flight = in_flight_times(runner, key_len, bench.rounds, mask_id)
+            result.update(in_flight_median_ms=statistics.median(flight),
+                          in_flight_min_ms=min(flight), in_flight_max_ms=max(flight))
     return result
+
+
+def in_flight_times(runner: RoundRunner, key_len: int, rounds: int, mask_id: int,
+                    chunk: int | None = None) -> list[float]:
+    """Milliseconds per round as the decode loop runs greedy rounds (`lookahead`): each guarded
+    round is queued before the host reads the last one's done flag. CUDA events after
+    consecutive rounds give the device time from one round's end to the next's, launch gaps
+    included (wall clock without a GPU: CPU smoke tests). The block restarts from all masks
+    every `chunk` rounds (default 24, at most block length - 2) with no commit threshold met
+    (one commit per round), so no timed round finds it done (it would then be skipped: a
+    time of nothing); one that does raises."""
+    buf, reads = runner.buf, runner.done_reads
+    chunk = chunk or max(1, min(24, runner.bl - 2))
+    cuda = buf.done.is_cuda
+    times: list[float] = []
+    while len(times) < rounds:
+        buf.tokens.fill_(mask_id)
+        buf.threshold.fill_(EDITS_OFF)
+        for counter in (buf.step, buf.post):
+            counter.zero_()
+        runner.launch("joint", key_len)
+        last = reads.queue()
+        stamps: list[Any] = [torch.cuda.Event(enable_timing=True) if cuda else 0.0
+                             for _ in range(chunk + 1)]
+        for i in range(chunk + 1):
+            if i:
+                runner.launch_guarded("joint", key_len)
+            if cuda:
+                stamps[i].record()
+            else:
+                stamps[i] = time.perf_counter()
+            if i:
+                queued = reads.queue()
+                if reads.read(last):
+                    reads.drop()
+                    raise RuntimeError("in-flight timing: the block finished after "
+                                       f"{i} rounds; a skipped round would have been timed")
+                last = queued
+        if reads.read(last):
+            raise RuntimeError("in-flight timing: the last timed round found the block done")
+        times += [a.elapsed_time(b) if cuda else (b - a) * 1e3
+                  for a, b in zip(stamps, stamps[1:], strict=False)]
+    return times[:rounds]
 
 
 def loop_overhead(model: nn.Module, bench: RoundBenchConfig, mask_id: int, round_ms: float,
                   blocks: int = 4, kv_cache_dtype: str = "bf16",
                   refresh: str = "fused", mode: str = "graph",
-                  kv_layout: str = "auto") -> dict[str, Any]:
+                  kv_layout: str = "auto", lookahead: bool = True) -> dict[str, Any]:
     """Wall time of a whole graph-mode decode (prefill + `blocks` blocks) against the sum of
     its forwards: rounds at the measured median, fused rounds (a round + the previous block's
     refresh, 2 blocks) and fill forwards (prefill chunks, separate refreshes) timed here."""
@@ -209,7 +257,7 @@ def loop_overhead(model: nn.Module, bench: RoundBenchConfig, mask_id: int, round
     bl = bench.block_length
     decoder = BlockDecoder(model, mask_id, -1, bench.prefix + (blocks + 1) * bl + 1024, device,
                            torch.bfloat16, mode=mode, kv_cache_dtype=kv_cache_dtype,
-                           refresh=refresh, kv_layout=kv_layout)
+                           refresh=refresh, kv_layout=kv_layout, lookahead=lookahead)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     gen = torch.Generator(device="cpu").manual_seed(bench.seed)
     prompt = torch.randint(0, model.config.vocab_size - 1, (bench.prefix,), generator=gen)
@@ -248,7 +296,8 @@ def loop_overhead(model: nn.Module, bench: RoundBenchConfig, mask_id: int, round
     fills = out.total_forwards - out.num_forwards
     plain = out.num_forwards - out.fused_rounds
     busy_ms = plain * round_ms + out.fused_rounds * fused_ms + fills * fill_ms
-    return {"refresh": refresh, "wall_ms": wall_ms, "rounds": out.num_forwards,
+    return {"refresh": refresh, "lookahead": decoder.lookahead, "wall_ms": wall_ms,
+            "rounds": out.num_forwards,
             "fused_rounds": out.fused_rounds, "fused_round_ms_median": fused_ms,
             "fill_forwards": fills, "fill_ms_median": fill_ms, "sum_of_forwards_ms": busy_ms,
             "overhead_ratio": wall_ms / busy_ms - 1.0, "blocks": blocks}

@@ -118,13 +118,17 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
         r["fraction_of_copy_bw"] = r["gb_per_s"] / bandwidth
         if "queued_median_ms" in r:  # graph replays queued back to back
             r["queued_fraction_of_copy_bw"] = gb_per_s(r["queued_median_ms"]) / bandwidth
+        if "in_flight_median_ms" in r:  # the decode loop's pattern: a round in flight
+            r["in_flight_fraction_of_copy_bw"] = gb_per_s(r["in_flight_median_ms"]) / bandwidth
     graph = [r for r in results if r["mode"] == "graph"]
     # The whole-decode loop, once per refresh mode (a finished block's K/V rewritten inside
     # the next block's first round, or by a forward of its own): same prompt, same run.
     overhead = ([loop_overhead(net, cfg, mask_id, graph[0]["median_ms"],
                                kv_cache_dtype=kv_cache_dtype, refresh=refresh,
-                               kv_layout="paged" if paged else "dense")
-                 for refresh in ("fused", "separate")] if loop and graph else None)
+                               kv_layout="paged" if paged else "dense", lookahead=lookahead)
+                 for refresh, lookahead in (("fused", True), ("fused", False),
+                                            ("separate", True))]
+                if loop and graph else None)
     report = {"shape": model or shape, "precision": precision, "kv_cache_dtype": kv_cache_dtype,
               "kv_layout": "paged" if paged else "dense",
               "block_length": block_length,
@@ -148,6 +152,9 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
     # graph replays queued back to back (no "done" read between them): the device's own time
     rows += [("graph, queued", r["queued_median_ms"], r["queued_min_ms"], r["queued_max_ms"])
              for r in graph if "queued_median_ms" in r]
+    # the decode loop's pattern: the next round queued before the host reads the last's flag
+    rows += [("graph, in flight", r["in_flight_median_ms"], r["in_flight_min_ms"],
+              r["in_flight_max_ms"]) for r in graph if "in_flight_median_ms" in r]
     for name, median, low, high in rows:
         table.add_row(name, f"{median:.3f}", f"{low:.3f}–{high:.3f}", f"{nbytes / 1e9:.2f}",
                       f"{gb_per_s(median):.0f}", f"{bandwidth:.0f}",
@@ -155,7 +162,8 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
     console = Console()
     console.print(table)
     for o in overhead or ():
-        console.print(f"loop ({o['refresh']} refresh): wall {o['wall_ms']:.1f} ms for "
+        console.print(f"loop ({o['refresh']} refresh, lookahead {o['lookahead']}): "
+                      f"wall {o['wall_ms']:.1f} ms for "
                       f"{o['rounds']} rounds ({o['fused_rounds']} fused, "
                       f"{o['fused_round_ms_median']:.3f} ms each) + {o['fill_forwards']} fills "
                       f"({o['fill_ms_median']:.3f} ms each); host overhead "

@@ -12,7 +12,9 @@ tokens (the last round's when it changed nothing, else one refresh forward).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Generator
+from typing import Any
 
 import torch
 
@@ -22,11 +24,13 @@ from dlmc.engine.events import BlockEvent, DecodeOutput, RoundEvent
 from dlmc.engine.kv_cache import DenseKVCache
 from dlmc.engine.rules import step_quotas
 from dlmc.errors import ConfigError
+from dlmc.graphs.in_flight import guarded_capture_problem
 from dlmc.graphs.round import EDITS_OFF, RoundBuffers, decide
 from dlmc.graphs.runner import MAX_STEPS, RoundRunner
 from dlmc.kv.paged_cache import KVCacheConfig, PagedKVCache
 from dlmc.kv.scales import KVScales
 
+log = logging.getLogger(__name__)
 Event = RoundEvent | BlockEvent
 PREFILL_CHUNK = 512
 # How a finished block's stale K/V are rewritten from its final tokens (static rounds):
@@ -74,13 +78,16 @@ class BlockDecoder:
     """Runs one request at a time on `model`, reusing one static KV cache and round buffers.
 
     `mode`: "eager", "compile" or "graph" for the static round, or "reference".
+    `lookahead`: greedy static rounds keep the next round queued while the host reads the
+    last one's done flag (`dlmc.graphs.in_flight`; graph mode needs CUDA graph conditional
+    nodes, else rounds run one by one).
     """
 
     def __init__(
         self, model: torch.nn.Module, mask_id: int, eos_id: int, max_context: int,
         device: torch.device, dtype: torch.dtype, mode: str = "eager",
         kv_cache_dtype: str = "bf16", kv_scales: KVScales | None = None,
-        refresh: str = "fused", kv_layout: str = "auto",
+        refresh: str = "fused", kv_layout: str = "auto", lookahead: bool = True,
     ) -> None:
         self.model, self.mask_id, self.eos_id = model, mask_id, eos_id
         self.max_context, self.device, self.dtype, self.mode = (
@@ -89,6 +96,12 @@ class BlockDecoder:
         if refresh not in REFRESH_MODES:
             raise ConfigError(f"refresh={refresh!r}: expected one of {', '.join(REFRESH_MODES)}")
         self.kv_cache_dtype, self.kv_scales, self.refresh = kv_cache_dtype, kv_scales, refresh
+        if not isinstance(lookahead, bool):
+            raise ConfigError(f"lookahead={lookahead!r}: expected True or False")
+        problem = guarded_capture_problem() if mode == "graph" else None
+        if lookahead and problem:
+            log.info("rounds one by one, not in flight: %s", problem)
+        self.lookahead = lookahead and problem is None
         self._cache: DenseKVCache | PagedKVCache | None = None
         self._runners: dict[int, RoundRunner] = {}
 
@@ -160,30 +173,15 @@ class BlockDecoder:
                 start = b * bl
                 self._start_block(buf, canvas[start : start + bl], positions[start : start + bl],
                                   plen, cfg)
-                n, cancelled = 0, False
-                while True:
-                    if cancel is not None and cancel():
-                        cancelled = True
-                        break
-                    if runner is not None and pending:  # carries the previous block's refresh
-                        done = runner.step_fused(cfg.algorithm, runner.key_len(start + bl),
-                                                 sampling)
-                        pending, fused = False, fused + 1
-                        if paged:
-                            self.cache.advance(bl)
-                    elif runner is not None:
-                        done = runner.step(cfg.algorithm, runner.key_len(start + bl), sampling)
-                    else:
-                        logits = self._reference_logits(buf.tokens, start, bl, canvas, positions,
-                                                        use_cache)
-                        decide(logits, buf, self.mask_id, cfg.algorithm, cfg.num_to_transfer,
-                               sampling)
-                        done = bool(buf.done)
-                    n += 1
-                    if rounds:
-                        yield self._round_event(buf, b, n)
-                    if done:
-                        break
+                if runner is not None and self.lookahead and sampling is None and not rounds:
+                    n, cancelled = self._rounds_in_flight(
+                        runner, cfg.algorithm, runner.key_len(start + bl), pending, cancel)
+                else:
+                    n, cancelled = yield from self._rounds_one_by_one(
+                        runner, buf, b, canvas, positions, pending, cfg, sampling, use_cache,
+                        rounds, cancel)
+                fused += pending and n > 0
+                pending = pending and n == 0
                 forwards += n
                 total += n
                 if cancelled:
@@ -215,6 +213,67 @@ class BlockDecoder:
         if finish == "cancelled":  # only the blocks that finished
             answer = answer[: max(0, b * bl - plen)]
         return DecodeOutput(tuple(answer), finish, forwards, total, b - first + 1, fused)
+
+    def _rounds_one_by_one(
+        self, runner: RoundRunner | None, buf: RoundBuffers, b: int, canvas: torch.Tensor,
+        positions: torch.Tensor, pending: bool, cfg: DecodeConfig, sampling: Any,
+        use_cache: bool, rounds: bool, cancel: Callable[[], bool] | None,
+    ) -> Generator[Event, None, tuple[int, bool]]:
+        """The rounds of block `b`, each read back before the next (RoundEvents if `rounds`):
+        (rounds run, cancelled). `pending`: the first round carries the previous block's
+        refresh (static rounds)."""
+        bl = cfg.block_length
+        start, n = b * bl, 0
+        while True:
+            if cancel is not None and cancel():
+                return n, True
+            if runner is not None and pending and n == 0:  # carries the previous block's refresh
+                done = runner.step_fused(cfg.algorithm, runner.key_len(start + bl), sampling)
+                if self.paged:
+                    self.cache.advance(bl)
+            elif runner is not None:
+                done = runner.step(cfg.algorithm, runner.key_len(start + bl), sampling)
+            else:
+                logits = self._reference_logits(buf.tokens, start, bl, canvas, positions,
+                                                use_cache)
+                decide(logits, buf, self.mask_id, cfg.algorithm, cfg.num_to_transfer, sampling)
+                done = bool(buf.done)
+            n += 1
+            if rounds:
+                yield self._round_event(buf, b, n)
+            if done:
+                return n, False
+
+    def _rounds_in_flight(
+        self, runner: RoundRunner, algorithm: str, key_len: int, pending: bool,
+        cancel: Callable[[], bool] | None,
+    ) -> tuple[int, bool]:
+        """The greedy rounds of the block in `runner.buf` with the next round queued before the
+        host reads the last one's done flag (`dlmc.graphs.in_flight`): the same rounds, tokens
+        and count as one by one, without the device idling for each round's launch. Returns
+        (rounds run, cancelled)."""
+        if cancel is not None and cancel():
+            return 0, True
+        reads = runner.done_reads
+        if pending:  # the first round carries the previous block's refresh
+            runner.launch_fused(algorithm, key_len)
+            if self.paged:
+                self.cache.advance(runner.bl)
+        else:
+            runner.launch(algorithm, key_len)
+        last, launched = reads.queue(), 1
+        while True:
+            # Every round before `last` was read back not done, so the round in flight ran.
+            if cancel is not None and cancel():
+                reads.drop()
+                return launched, True
+            runner.launch_guarded(algorithm, key_len)  # skipped if round `launched` ends it
+            queued = reads.queue()
+            launched += 1
+            if reads.read(last):
+                reads.drop()  # (the skipped round's flag)
+                return launched - 1, False
+            last = queued
 
     def _start_block(self, buf: RoundBuffers, tokens: torch.Tensor, positions: torch.Tensor,
                      plen: int, cfg: DecodeConfig) -> None:
