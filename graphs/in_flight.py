@@ -1,101 +1,117 @@
-"""Rounds in flight: the decode loop queues round r + 1 before it reads round r's "done" flag.
+"""Rounds in flight: the decode loop queues round r + 1 before it reads round r's flags, where
+round r cannot be the block's last.
 
 A round's one host sync (is the block done?) used to stop the device after every round: the
-host read the flag, then launched the next replay, so the device sat idle for the graph's
-launch latency each round (the gap between `dlmc bench round`'s "host read" and "queued"
-times). With a round in flight the host reads round r's flag while round r + 1 is already
-queued behind it.
+host read the flag, then launched the next replay, so the device sat idle for the launch
+latency each round (the gap between `dlmc bench round`'s "host read" and "queued" times).
 
-Round r + 1 may find the block already finished. It then must change nothing, so the queued
-round is *guarded*: it runs only while `buf.done` is False when it starts on the device. In a
-CUDA graph the guard is a conditional node (CUDA 12.4+, `CUDAGraph.begin_capture_to_if_node`):
-a one-thread kernel turns `~done` into the node's condition, and a round queued past the end of
-its block costs that kernel alone. Outside graphs the guard reads the flag on the host.
+Round r + 1 may be queued before round r's flags are read only if round r cannot end the
+block, so that exactly the rounds of the one-by-one loop run (no round to undo or skip). The
+LLaDA2.1 rule (`decide`, "joint") ends a block after round r when no editable mask was left
+before it and it edited nothing, or when its post-fill rounds exceed `max_post`. Masks never
+come back (a proposal is never the mask), so if masks were left after round r - 1, round r
+has active masks and at most its own post-fill count of 1: it cannot end the block when
+`max_post >= 1` (ORL: 16 refine steps). The host knows the masks left after round r - 1
+(`RoundBuffers.masks_left`, read with its done flag), so while a block still has masks it
+keeps one round queued ahead; in the post-fill rounds, whose end depends on edits, and under
+the LLaDA2.0 rule (a round may commit every mask left), it reads each round before the next.
 
-`DoneReads` copies each queued round's flag into its own pinned host slot (the next round
-overwrites `buf.done`), so the host can read round r's flag while round r + 1 runs.
+(A guard inside the graph, a CUDA graph conditional node, would let any round be queued; torch
+2.11, the H200's, has no conditional-node capture: perf/README.md, session 33.)
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from dlmc.errors import ConfigError
-
-SLOTS = 4  # host slots for done flags: a slot is reused only after it has been read
+SLOTS = 4  # host slots for flag reads: a slot is reused only after it has been read
 
 
-def guarded_capture_problem() -> str | None:
-    """Why this torch / CUDA build cannot capture a guarded round (None: it can)."""
-    version = torch.version.cuda
-    if version is None:
-        return "torch is not a CUDA build"
-    major, minor = (int(p) for p in version.split(".")[:2])
-    if (major, minor) < (12, 4):
-        return f"CUDA graph conditional nodes need CUDA 12.4 or later (torch built with {version})"
-    if not hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node"):
-        return f"torch {torch.__version__} has no CUDA graph conditional nodes"
-    return None
+class FlagReads:
+    """Host reads of device bool flags `[]` as they stand after each queued round.
 
-
-@contextlib.contextmanager
-def run_if_not(graph: torch.cuda.CUDAGraph, flag: torch.Tensor, scratch: torch.Tensor
-               ) -> Iterator[None]:
-    """Inside `graph`'s capture: what is captured in the body runs only while the device's
-    bool `flag` `[]` is False when the graph reaches it (`scratch`: a bool `[]` CUDA tensor of
-    the caller's, written with `~flag` first; it must outlive the graph)."""
-    problem = guarded_capture_problem()
-    if problem:
-        raise ConfigError(f"a guarded round (rounds in flight) cannot be captured: {problem}; "
-                          "pass lookahead=False")
-    torch.logical_not(flag, out=scratch)
-    graph.begin_capture_to_if_node(scratch)
-    try:
-        yield
-    finally:
-        graph.end_capture_to_conditional_node()
-
-
-class DoneReads:
-    """Host reads of a device bool flag `[]` as it stands after each queued round.
-
-    `queue()` (after a round is queued) copies the flag into a free pinned slot and records an
+    `queue()` (after a round is queued) copies the flags into a free pinned slot and records an
     event; `read(slot)` waits for that event only, not for rounds queued after it."""
 
-    def __init__(self, flag: torch.Tensor) -> None:
-        self.flag = flag
-        cuda = flag.is_cuda
-        self.host = torch.zeros(SLOTS, dtype=torch.bool, pin_memory=cuda)
+    def __init__(self, *flags: torch.Tensor) -> None:
+        self.flags = flags
+        cuda = flags[0].is_cuda
+        self.host = torch.zeros(SLOTS, len(flags), dtype=torch.bool, pin_memory=cuda)
         self.events = [torch.cuda.Event() if cuda else None for _ in range(SLOTS)]
         self.pending: list[int] = []  # slots queued, not yet read, oldest first
         self.free = list(range(SLOTS))
 
     def queue(self) -> int:
-        """The flag after everything queued so far, into a slot; returns the slot."""
+        """The flags after everything queued so far, into a slot; returns the slot."""
         if not self.free:
-            raise RuntimeError(f"more than {SLOTS} done flags queued without a read")
+            raise RuntimeError(f"more than {SLOTS} flag reads queued without a read")
         slot = self.free.pop(0)
-        self.host[slot].copy_(self.flag, non_blocking=True)
+        for column, flag in enumerate(self.flags):
+            self.host[slot, column].copy_(flag, non_blocking=True)
         event = self.events[slot]
         if event is not None:
             event.record()
         self.pending.append(slot)
         return slot
 
-    def read(self, slot: int) -> bool:
-        """The flag copied into `slot` (waits for that copy); frees the slot."""
+    def read(self, slot: int) -> tuple[bool, ...]:
+        """The flags copied into `slot` (waits for that copy); frees the slot."""
         event = self.events[slot]
         if event is not None:
             event.synchronize()
-        value = bool(self.host[slot])
+        values = tuple(bool(v) for v in self.host[slot].tolist())
         self.pending.remove(slot)
         self.free.append(slot)
-        return value
+        return values
 
     def drop(self) -> None:
         """Forget the slots not read (a block left early): they are free again."""
         self.free.extend(self.pending)
         self.pending.clear()
+
+
+def may_queue_ahead(algorithm: str, max_post: int) -> bool:
+    """Whether a block's rounds may be queued one ahead while masks are left (module
+    docstring): the LLaDA2.1 rule with at least one post-fill round allowed."""
+    return algorithm == "joint" and max_post >= 1
+
+
+def block_in_flight(
+    reads: FlagReads, first: Callable[[], None], launch: Callable[[], None], ahead: bool,
+    cancel: Callable[[], bool] | None = None, after_launch: Callable[[], Any] | None = None,
+) -> tuple[int, bool]:
+    """The rounds of one block, each launched before the last one is read where that one
+    cannot end the block: `first()` queues round 1, `launch()` every later round; `reads`
+    holds (done, masks_left) of each round; `ahead`: `may_queue_ahead` for the block, which
+    starts with masks. `after_launch()` runs after every launch (a bench's timing event).
+    Returns (rounds run, cancelled); the rounds run are the one-by-one loop's."""
+    first()
+    if after_launch is not None:
+        after_launch()
+    queued = deque([reads.queue()])  # rounds launched, not yet read
+    n = 0  # rounds read
+    masks_left = True  # before round 1 (the caller's block starts with masks)
+    while True:
+        if cancel is not None and cancel():
+            reads.drop()
+            return n + len(queued), True
+        if ahead and masks_left and len(queued) == 1:  # round n + 1 cannot end the block
+            launch()
+            if after_launch is not None:
+                after_launch()
+            queued.append(reads.queue())
+        done, masks_left = reads.read(queued.popleft())
+        n += 1
+        if done:
+            if queued:  # (cannot happen: round n + 1 was queued only if round n could not end)
+                raise RuntimeError("a round was queued past the end of its block")
+            return n, False
+        if not queued:
+            launch()
+            if after_launch is not None:
+                after_launch()
+            queued.append(reads.queue())

@@ -50,6 +50,7 @@ class RoundBuffers:
     post: torch.Tensor  # [] int32, post-fill rounds counted so far (joint)
     step: torch.Tensor  # [] int32, rounds run in this block
     done: torch.Tensor  # [] bool: no further round should run
+    masks_left: torch.Tensor  # [] bool: editable masks remain after the last round
     changed: torch.Tensor  # [] bool: the last round changed a token
     committed: torch.Tensor  # [bl] bool, mask -> token in the last round
     edited: torch.Tensor  # [bl] bool, token -> token in the last round
@@ -63,7 +64,7 @@ class RoundBuffers:
         return cls(z(block_length, dtype=torch.long), z(block_length, dtype=torch.long),
                    z(block_length, dtype=b), z(dtype=torch.float32), z(dtype=torch.float32),
                    z(dtype=i32), z(max_steps, dtype=i32), z(dtype=i32), z(dtype=i32),
-                   z(dtype=i32), z(dtype=b), z(dtype=b), z(block_length, dtype=b),
+                   z(dtype=i32), z(dtype=b), z(dtype=b), z(dtype=b), z(block_length, dtype=b),
                    z(block_length, dtype=b))
 
 
@@ -90,7 +91,8 @@ def decide(
         new, committed = threshold_step(tokens, x0, p, active, buf.threshold, quota)
         edited = torch.zeros_like(committed)
         step = buf.step + 1
-        done = ~(buf.editable & (new == mask_id)).any() | (step >= buf.steps)
+        masks_left = (buf.editable & (new == mask_id)).any()
+        done = ~masks_left | (step >= buf.steps)
     else:
         new, committed, edited = joint_threshold_step(
             tokens, x0, p, active, buf.editable, buf.threshold, buf.edit_threshold,
@@ -99,13 +101,15 @@ def decide(
         step = buf.step + 1
         # llada2.md §5.4: a round with no masks left counts as a post-fill round; the next
         # round runs only while post <= max_post; a mask-free round that edits nothing ends it.
-        post = buf.post + (~(buf.editable & (new == mask_id)).any()).to(torch.int32)
+        masks_left = (buf.editable & (new == mask_id)).any()
+        post = buf.post + (~masks_left).to(torch.int32)
         done = (~any_active & ~edited.any()) | (post > buf.max_post)
         buf.post.copy_(post)
     buf.changed.copy_((new != tokens).any())
     buf.tokens.copy_(new)
     buf.step.copy_(step)
     buf.done.copy_(done)
+    buf.masks_left.copy_(masks_left)
     buf.committed.copy_(committed)
     buf.edited.copy_(edited)
 

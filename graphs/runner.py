@@ -25,7 +25,7 @@ import torch._inductor.config
 
 from dlmc.engine.kv_cache import DenseKVCache
 from dlmc.errors import ConfigError
-from dlmc.graphs.in_flight import DoneReads, run_if_not
+from dlmc.graphs.in_flight import FlagReads
 from dlmc.graphs.round import (
     NoiseSampling,
     RoundBuffers,
@@ -159,9 +159,8 @@ class RoundRunner:
         # A temperature-only sampled round's inputs (`NoiseSampling`, allocated by the first).
         self.noise: NoiseSampling | None = None
         self._graphs: dict[tuple[Any, ...], torch.cuda.CUDAGraph] = {}
-        # Rounds in flight (`launch_guarded`): the guard's condition and the host's flag reads.
-        self._go = torch.zeros((), dtype=torch.bool, device=device)
-        self.done_reads = DoneReads(self.buf.done)
+        # The host's reads of each round's (done, masks_left) with rounds in flight.
+        self.flag_reads = FlagReads(self.buf.done, self.buf.masks_left)
         self._fill_inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pool: Any = None
         self.compile_s = 0.0  # time spent in first calls (compile / autotune / capture)
@@ -222,23 +221,6 @@ class RoundRunner:
         self._run(key, lambda: fn(self.model, self.buf, self.prev_tokens, self.prev_positions,
                                   self.cache, key_len, self.bl, self.mask_id, algorithm, whole))
 
-    def launch_guarded(self, algorithm: str, key_len: int) -> None:
-        """A greedy round that runs only if the block is not done when it starts (`buf.done`
-        False): a round queued before the host has read the last one's flag
-        (`dlmc.graphs.in_flight`). In graph mode the guard is a conditional node of the
-        captured graph; otherwise the flag is read on the host first."""
-        key = ("guarded", algorithm, key_len)
-        if (self.mode != "graph" or key not in self._graphs) and bool(self.buf.done):
-            # (The capture's warm-up runs the round unguarded, writing the block's K/V: it must
-            # not capture on a finished block, whose cached K/V the loop may keep.)
-            return
-        if self.mode != "graph":
-            self.launch(algorithm, key_len)
-            return
-        self._run(key,
-                  lambda: self._round_fn()(self.model, self.buf, self.cache, key_len, self.bl,
-                                           self.mask_id, algorithm, None), guarded=True)
-
     def fill(self, tokens: torch.Tensor, positions: torch.Tensor, key_len: int) -> None:
         """K/V of `tokens` at `positions` (a prefill chunk or a finished block's refresh)."""
         n = tokens.shape[0]
@@ -291,7 +273,7 @@ class RoundRunner:
     def _round_fn(self) -> Callable[..., Any]:
         return denoise_round if self.mode == "eager" else _compile("round", denoise_round)
 
-    def _run(self, key: tuple[Any, ...], fn: Callable[[], None], guarded: bool = False) -> None:
+    def _run(self, key: tuple[Any, ...], fn: Callable[[], None]) -> None:
         if self.mode != "graph":
             first = key not in self._graphs
             started = time.perf_counter()
@@ -302,13 +284,12 @@ class RoundRunner:
             return
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._capture(fn, guarded)
+            graph = self._capture(fn)
             self._graphs[key] = graph
         graph.replay()
 
-    def _capture(self, fn: Callable[[], None], guarded: bool = False) -> torch.cuda.CUDAGraph:
-        """Warm up (compile, autotune) and capture `fn`, leaving the round state unchanged;
-        `guarded`: `fn` runs only while `buf.done` is False (`in_flight.run_if_not`)."""
+    def _capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        """Warm up (compile, autotune) and capture `fn`, leaving the round state unchanged."""
         started = time.perf_counter()
         saved = {f.name: getattr(self.buf, f.name).clone() for f in fields(self.buf)}
         stream = torch.cuda.Stream()
@@ -321,11 +302,7 @@ class RoundRunner:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            if guarded:
-                with run_if_not(graph, self.buf.done, self._go):
-                    fn()
-            else:
-                fn()
+            fn()
         for name, value in saved.items():
             getattr(self.buf, name).copy_(value)
         torch.cuda.synchronize()

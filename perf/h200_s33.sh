@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Session 33's H200 calls (helpers of perf/h200_session.sh); output tarred in $OUT.
-#   bash perf/h200_s33.sh flight   # (carry .whl) rounds in flight (graphs/in_flight.py): their GPU tests and
-#                                  # the runner's, then the NVFP4 + FP8 round with host read /
-#                                  # queued / in flight and the whole-decode loop with lookahead
-#                                  # on and off
+#   bash perf/h200_s33.sh flight   # (carry .whl) rounds in flight (graphs/in_flight.py): their
+#                                  # GPU tests and the runner's, then the NVFP4 + FP8 round with
+#                                  # host read / queued / in flight and the whole-decode loop
+#                                  # with lookahead on and off. Call 1 ran the first form (CUDA
+#                                  # graph conditional nodes): torch 2.11 has none.
 #   bash perf/h200_s33.sh ipdl     # the same round with Inductor's PDL (TORCHINDUCTOR_ENABLE_PDL=1)
 set -u
 HERE="$(dirname "$0")"

@@ -144,8 +144,8 @@ def test_uniform_routing_through_the_fused_route_align_path(tiny_dir, monkeypatc
 
 
 def test_in_flight_times_time_rounds_that_ran(tiny_bf16):
-    """`in_flight_times` (the bench's decode-loop pattern) on the CPU: one time per round; a
-    chunk long enough for the block to finish is refused rather than timing skipped rounds."""
+    """`in_flight_times` (the bench's decode-loop pattern) on the CPU: one time per round over
+    whole blocks of `block_length` filling rounds and their post-fill rounds."""
     import torch
 
     from dlmc.bench.round_bench import in_flight_times
@@ -156,10 +156,12 @@ def test_in_flight_times_time_rounds_that_ran(tiny_bf16):
     runner = RoundRunner(tiny_bf16.model, dec.cache, 8, mask, "eager")
     runner.buf.positions.copy_(torch.arange(32, 40))
     runner.buf.editable.fill_(True)
-    runner.buf.max_post.fill_(0)
-    key_len = runner.key_len(40)
-    times = in_flight_times(runner, key_len, rounds=9, mask_id=mask)
-    assert len(times) == 9 and all(t > 0 for t in times)
-    assert int(runner.buf.step) == 7  # two chunks of 1 + 6 rounds (bl 8: chunks of 6 times)
-    with pytest.raises(RuntimeError, match="the block finished after 8 rounds"):
-        in_flight_times(runner, key_len, rounds=12, mask_id=mask, chunk=12)
+    launches = []
+    launch = runner.launch
+    runner.launch = lambda *a: (launches.append(int(runner.buf.step)), launch(*a))
+    times = in_flight_times(runner, runner.key_len(40), rounds=12, mask_id=mask)
+    assert len(times) == 12 and all(t > 0 for t in times)
+    # Blocks of 8 filling rounds + 1 or 2 post-fill rounds (one allowed), then a new block.
+    first = launches.index(0, 1)
+    assert first in (9, 10) and launches[:first] == list(range(first))
+    assert launches.count(0) == 2  # two blocks: 8 or 9 times from the first, the rest after

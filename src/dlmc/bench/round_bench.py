@@ -15,6 +15,7 @@ from dlmc.bench.timing import cuda_times, queued_cuda_times
 from dlmc.custom_ops.moe_align import PairRouting, route_pairs
 from dlmc.engine.decode_config import DecodeConfig
 from dlmc.engine.kv_cache import DenseKVCache
+from dlmc.graphs.in_flight import block_in_flight
 from dlmc.graphs.round import EDITS_OFF
 from dlmc.graphs.runner import RoundRunner
 from dlmc.models.moe import MoEBlock
@@ -201,44 +202,39 @@ def time_rounds(model: nn.Module, cache: Any, bench: RoundBenchConfig, mode: str
     return result
 
 
-def in_flight_times(runner: RoundRunner, key_len: int, rounds: int, mask_id: int,
-                    chunk: int | None = None) -> list[float]:
-    """Milliseconds per round as the decode loop runs greedy rounds (`lookahead`): each guarded
-    round is queued before the host reads the last one's done flag. CUDA events after
-    consecutive rounds give the device time from one round's end to the next's, launch gaps
-    included (wall clock without a GPU: CPU smoke tests). The block restarts from all masks
-    every `chunk` rounds (default 24, at most block length - 2) with no commit threshold met
-    (one commit per round), so no timed round finds it done (it would then be skipped: a
-    time of nothing); one that does raises."""
-    buf, reads = runner.buf, runner.done_reads
-    chunk = chunk or max(1, min(24, runner.bl - 2))
+def in_flight_times(runner: RoundRunner, key_len: int, rounds: int, mask_id: int
+                    ) -> list[float]:
+    """Milliseconds per round as the decode loop runs greedy rounds (`lookahead`,
+    `dlmc.graphs.in_flight.block_in_flight`): whole blocks from all masks, no commit threshold
+    met (one commit per round) and one post-fill round allowed, so each block runs its
+    `block_length` filling rounds one ahead of the host's reads and its last round or two
+    read one by one. CUDA events after consecutive launches give the device time from one
+    round's end to the next's, launch gaps included (wall clock without a GPU: CPU smoke
+    tests); blocks repeat until `rounds` times are taken."""
+    buf = runner.buf
     cuda = buf.done.is_cuda
     times: list[float] = []
+    stamps: list[Any] = []  # after each launch of the current block
+
+    def stamp() -> None:
+        if cuda:
+            stamps.append(torch.cuda.Event(enable_timing=True))
+            stamps[-1].record()
+        else:
+            stamps.append(time.perf_counter())
+
     while len(times) < rounds:
         buf.tokens.fill_(mask_id)
         buf.threshold.fill_(EDITS_OFF)
+        buf.max_post.fill_(1)
         for counter in (buf.step, buf.post):
             counter.zero_()
-        runner.launch("joint", key_len)
-        last = reads.queue()
-        stamps: list[Any] = [torch.cuda.Event(enable_timing=True) if cuda else 0.0
-                             for _ in range(chunk + 1)]
-        for i in range(chunk + 1):
-            if i:
-                runner.launch_guarded("joint", key_len)
-            if cuda:
-                stamps[i].record()
-            else:
-                stamps[i] = time.perf_counter()
-            if i:
-                queued = reads.queue()
-                if reads.read(last):
-                    reads.drop()
-                    raise RuntimeError("in-flight timing: the block finished after "
-                                       f"{i} rounds; a skipped round would have been timed")
-                last = queued
-        if reads.read(last):
-            raise RuntimeError("in-flight timing: the last timed round found the block done")
+        stamps.clear()
+        n, _ = block_in_flight(runner.flag_reads, lambda: runner.launch("joint", key_len),
+                               lambda: runner.launch("joint", key_len), True,
+                               after_launch=stamp)
+        if len(stamps) != n or n < 2:
+            raise RuntimeError(f"in-flight timing: {len(stamps)} launches for {n} rounds")
         times += [a.elapsed_time(b) if cuda else (b - a) * 1e3
                   for a, b in zip(stamps, stamps[1:], strict=False)]
     return times[:rounds]

@@ -12,7 +12,6 @@ tokens (the last round's when it changed nothing, else one refresh forward).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Generator
 from typing import Any
 
@@ -24,13 +23,12 @@ from dlmc.engine.events import BlockEvent, DecodeOutput, RoundEvent
 from dlmc.engine.kv_cache import DenseKVCache
 from dlmc.engine.rules import step_quotas
 from dlmc.errors import ConfigError
-from dlmc.graphs.in_flight import guarded_capture_problem
+from dlmc.graphs.in_flight import block_in_flight, may_queue_ahead
 from dlmc.graphs.round import EDITS_OFF, RoundBuffers, decide
 from dlmc.graphs.runner import MAX_STEPS, RoundRunner
 from dlmc.kv.paged_cache import KVCacheConfig, PagedKVCache
 from dlmc.kv.scales import KVScales
 
-log = logging.getLogger(__name__)
 Event = RoundEvent | BlockEvent
 PREFILL_CHUNK = 512
 # How a finished block's stale K/V are rewritten from its final tokens (static rounds):
@@ -78,9 +76,8 @@ class BlockDecoder:
     """Runs one request at a time on `model`, reusing one static KV cache and round buffers.
 
     `mode`: "eager", "compile" or "graph" for the static round, or "reference".
-    `lookahead`: greedy static rounds keep the next round queued while the host reads the
-    last one's done flag (`dlmc.graphs.in_flight`; graph mode needs CUDA graph conditional
-    nodes, else rounds run one by one).
+    `lookahead`: greedy static rounds (LLaDA2.1 rule) keep the next round queued while the host
+    reads the last one's flags, as long as masks are left (`dlmc.graphs.in_flight`).
     """
 
     def __init__(
@@ -98,10 +95,7 @@ class BlockDecoder:
         self.kv_cache_dtype, self.kv_scales, self.refresh = kv_cache_dtype, kv_scales, refresh
         if not isinstance(lookahead, bool):
             raise ConfigError(f"lookahead={lookahead!r}: expected True or False")
-        problem = guarded_capture_problem() if mode == "graph" else None
-        if lookahead and problem:
-            log.info("rounds one by one, not in flight: %s", problem)
-        self.lookahead = lookahead and problem is None
+        self.lookahead = lookahead
         self._cache: DenseKVCache | PagedKVCache | None = None
         self._runners: dict[int, RoundRunner] = {}
 
@@ -175,7 +169,7 @@ class BlockDecoder:
                                   plen, cfg)
                 if runner is not None and self.lookahead and sampling is None and not rounds:
                     n, cancelled = self._rounds_in_flight(
-                        runner, cfg.algorithm, runner.key_len(start + bl), pending, cancel)
+                        runner, cfg, runner.key_len(start + bl), pending, cancel)
                 else:
                     n, cancelled = yield from self._rounds_one_by_one(
                         runner, buf, b, canvas, positions, pending, cfg, sampling, use_cache,
@@ -245,35 +239,27 @@ class BlockDecoder:
                 return n, False
 
     def _rounds_in_flight(
-        self, runner: RoundRunner, algorithm: str, key_len: int, pending: bool,
+        self, runner: RoundRunner, cfg: DecodeConfig, key_len: int, pending: bool,
         cancel: Callable[[], bool] | None,
     ) -> tuple[int, bool]:
-        """The greedy rounds of the block in `runner.buf` with the next round queued before the
-        host reads the last one's done flag (`dlmc.graphs.in_flight`): the same rounds, tokens
-        and count as one by one, without the device idling for each round's launch. Returns
-        (rounds run, cancelled)."""
+        """The greedy rounds of the block in `runner.buf`, the next one queued before the host
+        reads the last one's flags wherever that one cannot end the block
+        (`dlmc.graphs.in_flight`): the rounds, tokens and count of the one-by-one loop.
+        Returns (rounds run, cancelled)."""
+
+        def first() -> None:
+            if pending:  # the first round carries the previous block's refresh
+                runner.launch_fused(cfg.algorithm, key_len)
+                if self.paged:
+                    self.cache.advance(runner.bl)
+            else:
+                runner.launch(cfg.algorithm, key_len)
+
         if cancel is not None and cancel():
             return 0, True
-        reads = runner.done_reads
-        if pending:  # the first round carries the previous block's refresh
-            runner.launch_fused(algorithm, key_len)
-            if self.paged:
-                self.cache.advance(runner.bl)
-        else:
-            runner.launch(algorithm, key_len)
-        last, launched = reads.queue(), 1
-        while True:
-            # Every round before `last` was read back not done, so the round in flight ran.
-            if cancel is not None and cancel():
-                reads.drop()
-                return launched, True
-            runner.launch_guarded(algorithm, key_len)  # skipped if round `launched` ends it
-            queued = reads.queue()
-            launched += 1
-            if reads.read(last):
-                reads.drop()  # (the skipped round's flag)
-                return launched - 1, False
-            last = queued
+        return block_in_flight(runner.flag_reads, first,
+                               lambda: runner.launch(cfg.algorithm, key_len),
+                               may_queue_ahead(cfg.algorithm, cfg.max_refine_steps), cancel)
 
     def _start_block(self, buf: RoundBuffers, tokens: torch.Tensor, positions: torch.Tensor,
                      plen: int, cfg: DecodeConfig) -> None:
