@@ -116,6 +116,12 @@ def compile_options() -> dict[str, Any]:
       Without it two processes' graphs of the tiny NVFP4 model gave different first tokens
       (perf/README.md, session 18); in session 19 fresh compiles agreed with and without it,
       and it cost nothing in the NVFP4 round (3.070 vs 3.071 ms queued). Opt-in.
+    - `DLMC_INDUCTOR_PDL` (default 1): Inductor launches its kernels with programmatic
+      dependent launch (torch's `triton.enable_pdl`; torch itself keeps it to CUDA sm_90+), so
+      each starts while the kernel before it finishes. It shortens queued rounds only, which
+      rounds in flight now are: NVFP4 + FP8 round in flight 2.774 ms against 2.836-2.843
+      without (H200, perf/README.md, session 33). `0` turns it off; a user's own
+      `TORCHINDUCTOR_ENABLE_PDL` is left as set.
     """
     flag = os.environ.get("DLMC_MAX_AUTOTUNE_GEMM", "0")
     if flag not in ("0", "1"):
@@ -129,7 +135,12 @@ def compile_options() -> dict[str, Any]:
     unroll = os.environ.get("DLMC_UNROLL_REDUCTIONS", "8")
     if not unroll.isdigit() or not 1 <= int(unroll) <= 64:
         raise ConfigError(f"DLMC_UNROLL_REDUCTIONS={unroll!r}: expected an integer 1..64")
+    pdl = os.environ.get("DLMC_INDUCTOR_PDL", "1")
+    if pdl not in ("0", "1"):
+        raise ConfigError(f"DLMC_INDUCTOR_PDL={pdl!r}: expected 0 or 1")
     options: dict[str, Any] = {"unroll_reductions_threshold": int(unroll)}
+    if "TORCHINDUCTOR_ENABLE_PDL" not in os.environ:
+        options["triton.enable_pdl"] = pdl == "1"
     if deterministic == "1":
         options["deterministic"] = True
     return options | ({"max_autotune_gemm": True} if flag == "1" else {})

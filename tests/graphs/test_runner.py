@@ -176,10 +176,20 @@ def test_compile_options_from_the_environment(monkeypatch):
     monkeypatch.delenv("DLMC_MAX_AUTOTUNE_GEMM", raising=False)
     monkeypatch.delenv("DLMC_UNROLL_REDUCTIONS", raising=False)
     monkeypatch.delenv("DLMC_DETERMINISTIC_COMPILE", raising=False)
-    assert compile_options() == {"unroll_reductions_threshold": 8}
+    monkeypatch.delenv("DLMC_INDUCTOR_PDL", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_ENABLE_PDL", raising=False)
+    assert compile_options() == {"unroll_reductions_threshold": 8, "triton.enable_pdl": True}
     monkeypatch.setenv("DLMC_MAX_AUTOTUNE_GEMM", "1")
     monkeypatch.setenv("DLMC_UNROLL_REDUCTIONS", "16")
-    assert compile_options() == {"max_autotune_gemm": True, "unroll_reductions_threshold": 16}
+    monkeypatch.setenv("DLMC_INDUCTOR_PDL", "0")
+    assert compile_options() == {"max_autotune_gemm": True, "unroll_reductions_threshold": 16,
+                                 "triton.enable_pdl": False}
+    monkeypatch.setenv("TORCHINDUCTOR_ENABLE_PDL", "1")  # the user's own switch stands
+    assert "triton.enable_pdl" not in compile_options()
+    monkeypatch.setenv("DLMC_INDUCTOR_PDL", "on")
+    with pytest.raises(ConfigError, match="DLMC_INDUCTOR_PDL='on'"):
+        compile_options()
+    monkeypatch.setenv("DLMC_INDUCTOR_PDL", "1")
     monkeypatch.setenv("DLMC_MAX_AUTOTUNE_GEMM", "yes")
     with pytest.raises(ConfigError, match="DLMC_MAX_AUTOTUNE_GEMM='yes'"):
         compile_options()
@@ -196,10 +206,18 @@ def test_deterministic_compile_switch(monkeypatch):
     has and that changes Inductor's cache key (so it also gets its own cache directory)."""
     monkeypatch.delenv("DLMC_MAX_AUTOTUNE_GEMM", raising=False)
     monkeypatch.delenv("DLMC_UNROLL_REDUCTIONS", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_ENABLE_PDL", raising=False)
     monkeypatch.setenv("DLMC_DETERMINISTIC_COMPILE", "1")
     options = compile_options()
-    assert options == {"unroll_reductions_threshold": 8, "deterministic": True}
-    assert all(hasattr(torch._inductor.config, name) for name in options)
+    assert options == {"unroll_reductions_threshold": 8, "deterministic": True,
+                       "triton.enable_pdl": True}
+    # every option is one this torch's Inductor has (a dotted name: a sub-config's field)
+    for name in options:
+        config = torch._inductor.config
+        *parents, field = name.split(".")
+        for parent in parents:
+            config = getattr(config, parent)
+        assert hasattr(config, field), name
     assert "DLMC_DETERMINISTIC_COMPILE=1" in kernel_switches()
     monkeypatch.setenv("DLMC_DETERMINISTIC_COMPILE", "on")
     with pytest.raises(ConfigError, match="DLMC_DETERMINISTIC_COMPILE='on'"):
