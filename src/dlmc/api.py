@@ -43,7 +43,7 @@ class LLM:
     `refresh`: how a finished block whose last round changed it gets its final K/V cached:
     "fused" (default: inside the next block's first round, one 2-block forward) or "separate"
     (a forward of its own; the reference mode always does this).
-    `lookahead`: greedy rounds under the LLaDA2.1 rule are queued one ahead of the host's read
+    `lookahead`: rounds under the LLaDA2.1 rule are queued one ahead of the host's read
     of the last round's flags while the block still has masks (a round that may end the block
     is read first), so the GPU does not idle between rounds; the same rounds and tokens as
     without (default True).

@@ -284,3 +284,22 @@ def test_lookahead_must_be_a_bool():
     with pytest.raises(ConfigError, match="lookahead='yes'"):
         BlockDecoder(ScriptedModel(lambda i, t: None), MASK, EOS, 64, torch.device("cpu"),
                      torch.float32, lookahead="yes")
+
+
+@pytest.mark.parametrize("top_p", [None, 0.9])
+def test_sampled_rounds_in_flight_draw_what_rounds_one_by_one_draw(top_p):
+    """Sampled static rounds (the paged cache) in flight launch the same rounds in the same
+    order, so a seeded decode draws the same numbers: the same answer and counts."""
+    results = []
+    for lookahead in (False, True):
+        model = ScriptedModel(lambda i, t: logits_for([1, 2, 3, 4], [0.6, 0.5, 0.4, 0.7]))
+        dec = BlockDecoder(model, MASK, EOS, 4096, torch.device("cpu"), torch.bfloat16,
+                           kv_layout="paged", lookahead=lookahead)
+        cfg = joint(max_new_tokens=16, temperature=0.9, seed=3, top_p=top_p)
+        gen = dec.decode([7, 7, 7, 7, 7], cfg)
+        with pytest.raises(StopIteration) as stop:
+            while True:
+                next(gen)
+        results.append((stop.value.value, model.calls, model.fused_calls))
+    assert results[0] == results[1]
+    assert len(set(results[0][0].answer_ids)) > 1  # sampled: not one token everywhere

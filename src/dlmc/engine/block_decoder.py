@@ -76,8 +76,8 @@ class BlockDecoder:
     """Runs one request at a time on `model`, reusing one static KV cache and round buffers.
 
     `mode`: "eager", "compile" or "graph" for the static round, or "reference".
-    `lookahead`: greedy static rounds (LLaDA2.1 rule) keep the next round queued while the host
-    reads the last one's flags, as long as masks are left (`dlmc.graphs.in_flight`).
+    `lookahead`: static rounds (LLaDA2.1 rule) keep the next round queued while the host reads
+    the last one's flags, as long as masks are left (`dlmc.graphs.in_flight`).
     """
 
     def __init__(
@@ -167,9 +167,9 @@ class BlockDecoder:
                 start = b * bl
                 self._start_block(buf, canvas[start : start + bl], positions[start : start + bl],
                                   plen, cfg)
-                if runner is not None and self.lookahead and sampling is None and not rounds:
+                if runner is not None and self.lookahead and not rounds:
                     n, cancelled = self._rounds_in_flight(
-                        runner, cfg, runner.key_len(start + bl), pending, cancel)
+                        runner, cfg, runner.key_len(start + bl), pending, sampling, cancel)
                 else:
                     n, cancelled = yield from self._rounds_one_by_one(
                         runner, buf, b, canvas, positions, pending, cfg, sampling, use_cache,
@@ -240,25 +240,26 @@ class BlockDecoder:
 
     def _rounds_in_flight(
         self, runner: RoundRunner, cfg: DecodeConfig, key_len: int, pending: bool,
-        cancel: Callable[[], bool] | None,
+        sampling: Any, cancel: Callable[[], bool] | None,
     ) -> tuple[int, bool]:
-        """The greedy rounds of the block in `runner.buf`, the next one queued before the host
-        reads the last one's flags wherever that one cannot end the block
-        (`dlmc.graphs.in_flight`): the rounds, tokens and count of the one-by-one loop.
-        Returns (rounds run, cancelled)."""
+        """The rounds of the block in `runner.buf`, the next one queued before the host reads
+        the last one's flags wherever that one cannot end the block (`dlmc.graphs.in_flight`):
+        the rounds, tokens and count of the one-by-one loop. The same rounds are launched in the
+        same order, so a sampled decode draws the same numbers from its generator. Returns
+        (rounds run, cancelled)."""
 
         def first() -> None:
             if pending:  # the first round carries the previous block's refresh
-                runner.launch_fused(cfg.algorithm, key_len)
+                runner.launch_fused(cfg.algorithm, key_len, sampling)
                 if self.paged:
                     self.cache.advance(runner.bl)
             else:
-                runner.launch(cfg.algorithm, key_len)
+                runner.launch(cfg.algorithm, key_len, sampling)
 
         if cancel is not None and cancel():
             return 0, True
         return block_in_flight(runner.flag_reads, first,
-                               lambda: runner.launch(cfg.algorithm, key_len),
+                               lambda: runner.launch(cfg.algorithm, key_len, sampling),
                                may_queue_ahead(cfg.algorithm, cfg.max_refine_steps), cancel)
 
     def _start_block(self, buf: RoundBuffers, tokens: torch.Tensor, positions: torch.Tensor,
