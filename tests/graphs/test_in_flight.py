@@ -75,13 +75,19 @@ def test_may_queue_ahead_needs_the_joint_rule_and_a_post_fill_round():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("checkpoint", ["bf16", "nvfp4"])
-def test_graph_rounds_in_flight_equal_rounds_one_by_one_on_cuda(tiny_dir, nvfp4_dir, checkpoint):
-    """Graph mode with rounds in flight gives the tokens and counts of rounds one by one."""
+@pytest.mark.parametrize(("checkpoint", "sampling"), [
+    ("bf16", {}), ("nvfp4", {}),
+    ("nvfp4", {"temperature": 0.8, "seed": 7}),  # whole rounds on eagerly drawn noise
+    ("nvfp4", {"temperature": 0.8, "top_p": 0.9, "seed": 7}),  # captured forward + eager decision
+])
+def test_graph_rounds_in_flight_equal_rounds_one_by_one_on_cuda(tiny_dir, nvfp4_dir, checkpoint,
+                                                                sampling):
+    """Graph mode with rounds in flight gives the tokens and counts of rounds one by one,
+    greedy and sampled (the same launches in the same order: the same draws)."""
     from dlmc import LLM
 
     model_dir = tiny_dir if checkpoint == "bf16" else nvfp4_dir
-    kwargs = {"prompt_token_ids": list(range(50, 111)), "max_new_tokens": 96}
+    kwargs = {"prompt_token_ids": list(range(50, 111)), "max_new_tokens": 96, **sampling}
     results = {}
     for lookahead in (False, True):
         llm = LLM(model_dir, device="cuda", dtype="bf16", mode="graph", lookahead=lookahead)
