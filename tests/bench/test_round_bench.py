@@ -21,14 +21,21 @@ def test_loop_overhead_counts_fused_and_separate_refreshes(tiny_bf16):
             for refresh in ("fused", "separate")}
     fused, separate = runs["fused"], runs["separate"]
     assert separate["fused_rounds"] == 0 and separate["fused_round_ms_median"] == 0.0
-    # Separate: 1 prefill chunk + one refresh per block (but the last) whose last round changed
-    # it; fused: the same refreshes ride on the next block's first round instead.
-    refreshes = separate["fill_forwards"] - 1
+    # One prefill chunk (48 prompt tokens = 3 blocks of 16, in one chunk of 512 // 16 * 16),
+    # timed as a chunk of its own; separate: one refresh per block (but the last) whose last
+    # round changed it; fused: the same refreshes ride on the next block's first round instead.
+    refreshes = separate["fill_forwards"]
     assert refreshes >= 1  # the tiny model's blocks end with a changing round: refreshes happen
-    assert fused["fill_forwards"] == 1 and fused["fused_rounds"] == refreshes
+    assert fused["fill_forwards"] == 0 and fused["fused_rounds"] == refreshes
     assert fused["fused_rounds"] == 0 or fused["fused_round_ms_median"] > 0
     for run in runs.values():
         assert run["wall_ms"] > 0 and run["sum_of_forwards_ms"] > 0 and run["blocks"] == 3
+        assert (run["prefill_chunks"], run["prefill_chunk_tokens"]) == (1, 512)
+        assert run["prefill_ms_median"] > 0 and run["round_ms"] == 1.0
+        plain = run["rounds"] - run["fused_rounds"]
+        assert run["sum_of_forwards_ms"] == pytest.approx(
+            plain * 1.0 + run["fused_rounds"] * run["fused_round_ms_median"]
+            + run["prefill_ms_median"] + run["fill_forwards"] * run["fill_ms_median"])
 
 
 def test_uniform_routing_and_touched_bytes_with_the_shared_expert_fused(tiny_dir):

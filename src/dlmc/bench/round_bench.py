@@ -245,9 +245,10 @@ def loop_overhead(model: nn.Module, bench: RoundBenchConfig, mask_id: int, round
                   refresh: str = "fused", mode: str = "graph",
                   kv_layout: str = "auto", lookahead: bool = True) -> dict[str, Any]:
     """Wall time of a whole graph-mode decode (prefill + `blocks` blocks) against the sum of
-    its forwards: rounds at the measured median, fused rounds (a round + the previous block's
-    refresh, 2 blocks) and fill forwards (prefill chunks, separate refreshes) timed here."""
-    from dlmc.engine.block_decoder import BlockDecoder
+    its forwards: rounds at `round_ms` (the caller's median for this loop's pattern), fused
+    rounds (a round + the previous block's refresh, 2 blocks), prefill chunks (the decoder's
+    chunk of up to 512 tokens) and separate refreshes (one block) timed here."""
+    from dlmc.engine.block_decoder import PREFILL_CHUNK, BlockDecoder
 
     device = next(model.parameters()).device
     bl = bench.block_length
@@ -281,6 +282,16 @@ def loop_overhead(model: nn.Module, bench: RoundBenchConfig, mask_id: int, round
         decoder.cache.advance(bench.prefix)
     fill_key = runner.key_len(bench.prefix + bl)
     fill_ms = statistics.median(cuda_times(lambda: runner.fill(tokens, positions, fill_key), 20))
+    chunk = max(bl, PREFILL_CHUNK // bl * bl)  # `BlockDecoder._prefill`'s chunk
+    prefill_chunks = -(-(bench.prefix // bl * bl) // chunk)
+    prefill_ms = 0.0
+    if prefill_chunks:  # a chunk at the prompt's start, as the first of a decode
+        if decoder.paged:
+            decoder.cache.reset()
+        ids = torch.randint(0, 100, (chunk,), device=device)
+        at = torch.arange(chunk, device=device)
+        prefill_ms = statistics.median(
+            cuda_times(lambda: runner.fill(ids, at, runner.key_len(chunk)), 10))
     fused_ms = 0.0
     if out.fused_rounds:  # block at prefix + bl, carrying the refresh of the block at prefix
         fused_key = runner.key_len(bench.prefix + 2 * bl)
@@ -289,12 +300,15 @@ def loop_overhead(model: nn.Module, bench: RoundBenchConfig, mask_id: int, round
         runner.buf.positions.copy_(positions + bl)
         fused_ms = statistics.median(
             cuda_times(lambda: runner.step_fused(cfg.algorithm, fused_key), 20))
-    fills = out.total_forwards - out.num_forwards
+    fills = out.total_forwards - out.num_forwards - prefill_chunks  # separate refreshes
     plain = out.num_forwards - out.fused_rounds
-    busy_ms = plain * round_ms + out.fused_rounds * fused_ms + fills * fill_ms
+    busy_ms = (plain * round_ms + out.fused_rounds * fused_ms + prefill_chunks * prefill_ms
+               + fills * fill_ms)
     return {"refresh": refresh, "lookahead": decoder.lookahead, "wall_ms": wall_ms,
-            "rounds": out.num_forwards,
+            "rounds": out.num_forwards, "round_ms": round_ms,
             "fused_rounds": out.fused_rounds, "fused_round_ms_median": fused_ms,
+            "prefill_chunks": prefill_chunks, "prefill_chunk_tokens": chunk,
+            "prefill_ms_median": prefill_ms,
             "fill_forwards": fills, "fill_ms_median": fill_ms, "sum_of_forwards_ms": busy_ms,
             "overhead_ratio": wall_ms / busy_ms - 1.0, "blocks": blocks}
 

@@ -124,7 +124,11 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
     graph = [r for r in results if r["mode"] == "graph"]
     # The whole-decode loop, once per refresh mode (a finished block's K/V rewritten inside
     # the next block's first round, or by a forward of its own): same prompt, same run.
-    overhead = ([loop_overhead(net, cfg, mask_id, graph[0]["median_ms"],
+    def loop_round_ms(lookahead: bool) -> float:  # the round time of the loop's pattern
+        r = graph[0]
+        return r.get("in_flight_median_ms", r["median_ms"]) if lookahead else r["median_ms"]
+
+    overhead = ([loop_overhead(net, cfg, mask_id, loop_round_ms(lookahead),
                                kv_cache_dtype=kv_cache_dtype, refresh=refresh,
                                kv_layout="paged" if paged else "dense", lookahead=lookahead)
                  for refresh, lookahead in (("fused", True), ("fused", False),
@@ -165,9 +169,11 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
     for o in overhead or ():
         console.print(f"loop ({o['refresh']} refresh, lookahead {o['lookahead']}): "
                       f"wall {o['wall_ms']:.1f} ms for "
-                      f"{o['rounds']} rounds ({o['fused_rounds']} fused, "
-                      f"{o['fused_round_ms_median']:.3f} ms each) + {o['fill_forwards']} fills "
-                      f"({o['fill_ms_median']:.3f} ms each); host overhead "
+                      f"{o['rounds']} rounds at {o['round_ms']:.3f} ms ({o['fused_rounds']} "
+                      f"fused, {o['fused_round_ms_median']:.3f} ms each) + "
+                      f"{o['prefill_chunks']} prefill chunks of {o['prefill_chunk_tokens']} "
+                      f"tokens ({o['prefill_ms_median']:.3f} ms each) + {o['fill_forwards']} "
+                      f"refreshes ({o['fill_ms_median']:.3f} ms each); host overhead "
                       f"{o['overhead_ratio']:.1%}")
     if profile:
         report["profile"] = profile_rounds(net, cache, cfg, mask_id)
