@@ -12,9 +12,10 @@ from typing import Any
 import torch
 
 from dlmc.engine.attention import MaskedAttention, block_causal_mask
-from dlmc.engine.block_decoder import BlockDecoder, paged_cache_problem
+from dlmc.engine.block_decoder import BlockDecoder
 from dlmc.engine.decode_config import DecodeConfig, resolve_decode_config, role_defaults
 from dlmc.engine.events import BlockEvent, DecodeOutput, RoundEvent
+from dlmc.engine.kv_layout import paged_cache_problem
 from dlmc.errors import ConfigError, DlmcError
 from dlmc.kv.scales import resolve_kv_cache_dtype
 from dlmc.loading.hub import resolve_model

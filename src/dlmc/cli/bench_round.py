@@ -106,7 +106,7 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
 
     bandwidth = copy_bandwidth_gbps()
     c = net.config
-    from dlmc.engine.block_decoder import uses_paged_cache
+    from dlmc.engine.kv_layout import uses_paged_cache
 
     paged = uses_paged_cache(kv_layout, kv_cache_dtype, device, torch.bfloat16, "graph")
     cache = _cache(c, prefix, block_length, kv_cache_dtype, paged, device, gen)

@@ -21,6 +21,7 @@ from dlmc.engine.attention import CachedAttention, MaskedAttention, block_causal
 from dlmc.engine.decode_config import DecodeConfig
 from dlmc.engine.events import BlockEvent, DecodeOutput, RoundEvent
 from dlmc.engine.kv_cache import DenseKVCache
+from dlmc.engine.kv_layout import uses_paged_cache
 from dlmc.engine.rules import step_quotas
 from dlmc.errors import ConfigError
 from dlmc.graphs.in_flight import block_in_flight, may_queue_ahead
@@ -35,43 +36,6 @@ PREFILL_CHUNK = 512
 # "fused" into the next block's first round (one forward of 2 blocks), or "separate" (a
 # refresh forward of its own). The refresh of the last block is skipped in both.
 REFRESH_MODES = ("fused", "separate")
-# Where K/V live: "paged" (the paged cache and its Triton attention: attends exactly the live
-# prefix, one graph for every prefix length), "dense" (a static [max_context] cache attended
-# up to a power-of-two key-length bucket), or "auto": paged where it runs (CUDA, bf16, static
-# rounds), dense elsewhere. An FP8 cache is always paged.
-KV_LAYOUTS = ("auto", "dense", "paged")
-
-
-def paged_cache_problem(device: torch.device, dtype: torch.dtype, mode: str) -> str | None:
-    """Why the paged (FP8 or BF16) cache cannot run with these settings (None: it can)."""
-    if dtype != torch.bfloat16 or mode == "reference":
-        return (f"runs with bf16 activations and a static round mode (got dtype {dtype}, mode "
-                f"{mode!r}); use kv_cache_dtype 'bf16'")
-    if mode == "compile" and device.type != "cuda":
-        return ("with mode 'compile' needs a CUDA device (on CPU the paged cache attends with "
-                "the reference, which reads its length on the host); use mode 'eager' or "
-                "kv_cache_dtype 'bf16'")
-    return None
-
-
-def uses_paged_cache(kv_layout: str, kv_cache_dtype: str, device: torch.device,
-                     dtype: torch.dtype, mode: str) -> bool:
-    """Whether K/V go to the paged cache (see KV_LAYOUTS); a combination that cannot run is a
-    ConfigError naming the option."""
-    problem = paged_cache_problem(device, dtype, mode)
-    if kv_cache_dtype == "fp8" and problem:
-        raise ConfigError(f"kv_cache_dtype 'fp8' {problem}")
-    if kv_layout not in KV_LAYOUTS:
-        raise ConfigError(f"kv_layout={kv_layout!r}: expected one of {', '.join(KV_LAYOUTS)}")
-    if kv_layout == "paged" and problem:
-        raise ConfigError("kv_layout 'paged' " + problem.replace(
-            "kv_cache_dtype 'bf16'", "kv_layout 'dense'"))
-    if kv_layout == "dense" and kv_cache_dtype == "fp8":
-        raise ConfigError("kv_layout 'dense' holds bf16 K/V only; an FP8 cache is paged")
-    return kv_cache_dtype == "fp8" or kv_layout == "paged" or (
-        kv_layout == "auto" and device.type == "cuda" and problem is None)
-
-
 class BlockDecoder:
     """Runs one request at a time on `model`, reusing one static KV cache and round buffers.
 
