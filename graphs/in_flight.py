@@ -89,6 +89,7 @@ def block_in_flight(
     holds (done, masks_left) of each round; `ahead`: `may_queue_ahead` for the block, which
     starts with masks. `after_launch()` runs after every launch (a bench's timing event).
     Returns (rounds run, cancelled); the rounds run are the one-by-one loop's."""
+    reads.drop()  # (slots a decode that raised midway left unread)
     first()
     if after_launch is not None:
         after_launch()

@@ -59,6 +59,13 @@ def test_block_in_flight_queues_ahead_only_while_masks_are_left(ahead):
     assert not block.reads.pending
 
 
+def test_block_in_flight_frees_slots_a_raising_decode_left():
+    block = Block([(False, True), (False, True), (False, False), (True, False)])
+    for _ in range(SLOTS):  # an earlier decode that raised with its reads unread
+        block.reads.queue()
+    assert block_in_flight(block.reads, block.launch, block.launch, True) == (4, False)
+
+
 def test_block_in_flight_one_round_block_and_cancel():
     block = Block([(False, False), (True, False)])  # round 1 fills it, round 2 ends it
     assert block_in_flight(block.reads, block.launch, block.launch, True) == (2, False)
