@@ -90,10 +90,15 @@ def block_in_flight(
     starts with masks. `after_launch()` runs after every launch (a bench's timing event).
     Returns (rounds run, cancelled); the rounds run are the one-by-one loop's."""
     reads.drop()  # (slots a decode that raised midway left unread)
-    first()
-    if after_launch is not None:
-        after_launch()
-    queued = deque([reads.queue()])  # rounds launched, not yet read
+    queued: deque[int] = deque()  # rounds launched, not yet read
+
+    def queue(round_fn: Callable[[], None]) -> None:
+        round_fn()
+        if after_launch is not None:
+            after_launch()
+        queued.append(reads.queue())
+
+    queue(first)
     n = 0  # rounds read
     masks_left = True  # before round 1 (the caller's block starts with masks)
     while True:
@@ -101,10 +106,7 @@ def block_in_flight(
             reads.drop()
             return n + len(queued), True
         if ahead and masks_left and len(queued) == 1:  # round n + 1 cannot end the block
-            launch()
-            if after_launch is not None:
-                after_launch()
-            queued.append(reads.queue())
+            queue(launch)
         done, masks_left = reads.read(queued.popleft())
         n += 1
         if done:
@@ -112,7 +114,4 @@ def block_in_flight(
                 raise RuntimeError("a round was queued past the end of its block")
             return n, False
         if not queued:
-            launch()
-            if after_launch is not None:
-                after_launch()
-            queued.append(reads.queue())
+            queue(launch)

@@ -195,7 +195,7 @@ def time_rounds(model: nn.Module, cache: Any, bench: RoundBenchConfig, mode: str
                                    bench.rounds)
         result.update(queued_median_ms=statistics.median(queued), queued_min_ms=min(queued),
                       queued_max_ms=max(queued))
-        if sampling is None:  # the decode loop's pattern: one guarded round in flight
+        if sampling is None:  # the decode loop's pattern: a round queued ahead (greedy)
             flight = in_flight_times(runner, key_len, bench.rounds, mask_id)
             result.update(in_flight_median_ms=statistics.median(flight),
                           in_flight_min_ms=min(flight), in_flight_max_ms=max(flight))
@@ -248,7 +248,7 @@ def loop_overhead(model: nn.Module, bench: RoundBenchConfig, mask_id: int, round
     its forwards: rounds at `round_ms` (the caller's median for this loop's pattern), fused
     rounds (a round + the previous block's refresh, 2 blocks), prefill chunks (the decoder's
     chunk of up to 512 tokens) and separate refreshes (one block) timed here."""
-    from dlmc.engine.block_decoder import PREFILL_CHUNK, BlockDecoder
+    from dlmc.engine.block_decoder import BlockDecoder, prefill_chunk
 
     device = next(model.parameters()).device
     bl = bench.block_length
@@ -282,7 +282,7 @@ def loop_overhead(model: nn.Module, bench: RoundBenchConfig, mask_id: int, round
         decoder.cache.advance(bench.prefix)
     fill_key = runner.key_len(bench.prefix + bl)
     fill_ms = statistics.median(cuda_times(lambda: runner.fill(tokens, positions, fill_key), 20))
-    chunk = max(bl, PREFILL_CHUNK // bl * bl)  # `BlockDecoder._prefill`'s chunk
+    chunk = prefill_chunk(bl)
     prefill_chunks = -(-(bench.prefix // bl * bl) // chunk)
     prefill_ms = 0.0
     if prefill_chunks:  # a chunk at the prompt's start, as the first of a decode

@@ -36,6 +36,13 @@ PREFILL_CHUNK = 512
 # "fused" into the next block's first round (one forward of 2 blocks), or "separate" (a
 # refresh forward of its own). The refresh of the last block is skipped in both.
 REFRESH_MODES = ("fused", "separate")
+
+
+def prefill_chunk(block_length: int) -> int:
+    """Tokens per prefill forward: whole blocks, at most PREFILL_CHUNK (at least one block)."""
+    return max(block_length, PREFILL_CHUNK // block_length * block_length)
+
+
 class BlockDecoder:
     """Runs one request at a time on `model`, reusing one static KV cache and round buffers.
 
@@ -275,7 +282,7 @@ class BlockDecoder:
     def _prefill(self, prefix: torch.Tensor, bl: int, runner: RoundRunner | None) -> int:
         """K/V of the prompt's full blocks, block-causal, in fixed-size chunks (the last one
         padded with masks when the chunk size is static); returns the forwards run."""
-        chunk = max(bl, PREFILL_CHUNK // bl * bl)
+        chunk = prefill_chunk(bl)
         count = 0
         with torch.inference_mode():
             for start in range(0, prefix.shape[0], chunk):
