@@ -31,6 +31,7 @@ from dlmc.custom_ops.qk_norm_rope import (
     qk_norm_rope_args,
     qk_norm_rope_reference,
     qk_norm_rope_row,
+    qkv_layout,
 )
 
 __all__ = ["qk_norm_rope_append", "qk_norm_rope_append_reference"]
@@ -39,18 +40,18 @@ __all__ = ["qk_norm_rope_append", "qk_norm_rope_append_reference"]
 @triton.jit
 def qk_norm_rope_append_kernel(
     qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr,
-    v_cache_ptr, page_table_ptr, offset_ptr, k_scale_ptr, v_scale_ptr, eps, stride_t, stride_cp,
-    stride_cs, stride_ch, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
-    ROTARY: tl.constexpr, PAGE_SIZE: tl.constexpr, MAX_TOKENS: tl.constexpr,
-    QUANTIZE: tl.constexpr, EMULATE_FP8: tl.constexpr,
-    PDL: tl.constexpr = False,
+    v_cache_ptr, page_table_ptr, offset_ptr, k_scale_ptr, v_scale_ptr, eps, stride_t, stride_s,
+    stride_cp, stride_cs, stride_ch, NUM_Q: tl.constexpr, NUM_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr, ROTARY: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    MAX_TOKENS: tl.constexpr, QUANTIZE: tl.constexpr, EMULATE_FP8: tl.constexpr,
+    SPLITS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)  # q heads, then k heads, then v heads
     row = qk_norm_rope_row(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr,
-                           v_ptr, eps, stride_t, token, head, NUM_Q, NUM_KV, HEAD_DIM,
-                           ROTARY)  # [D] bf16, the k or v row just stored
+                           v_ptr, eps, stride_t, stride_s, token, head, NUM_Q, NUM_KV,
+                           HEAD_DIM, ROTARY, SPLITS)  # [D] bf16, the k or v row just stored
     if head >= NUM_Q:
         is_v = head >= NUM_Q + NUM_KV
         kv_head = head - NUM_Q - tl.where(is_v, NUM_KV, 0)
@@ -69,18 +70,18 @@ def _qk_norm_rope_append_impl(
     k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor, offset: torch.Tensor,
     k_scale: torch.Tensor, v_scale: torch.Tensor,
 ) -> QKV:
-    tokens, head_dim = qkv.shape[0], q_weight.shape[0]
+    (tokens, stride_s, splits), head_dim = qkv_layout(qkv), q_weight.shape[0]
     q, k, v = new_qkv(qkv, num_q_heads, num_kv_heads, head_dim)
     num_pages, page_size = k_cache.shape[:2]
     quantize = k_cache.dtype == torch.float8_e4m3fn
     if tokens:
         launcher(qk_norm_rope_append_kernel)[(tokens, num_q_heads + 2 * num_kv_heads)](
             qkv, q_weight, k_weight, cos, sin, q, k, v, k_cache, v_cache, page_table,
-            offset, k_scale, v_scale, eps, qkv.stride(0), k_cache.stride(0), k_cache.stride(1),
-            k_cache.stride(2), NUM_Q=num_q_heads, NUM_KV=num_kv_heads, HEAD_DIM=head_dim,
-            ROTARY=cos.shape[1],
+            offset, k_scale, v_scale, eps, qkv.stride(-2), stride_s, k_cache.stride(0),
+            k_cache.stride(1), k_cache.stride(2), NUM_Q=num_q_heads, NUM_KV=num_kv_heads,
+            HEAD_DIM=head_dim, ROTARY=cos.shape[1],
             MAX_TOKENS=min(num_pages, page_table.numel()) * page_size, PAGE_SIZE=page_size,
-            QUANTIZE=quantize, EMULATE_FP8=quantize and INTERPRETED, num_warps=1)
+            QUANTIZE=quantize, EMULATE_FP8=quantize and INTERPRETED, SPLITS=splits, num_warps=1)
     return q, k, v
 
 
@@ -107,14 +108,14 @@ def qk_norm_rope_append(
 ) -> QKV:
     """`qk_norm_rope` (Triton) whose launch also stores the returned k and v in a paged cache.
 
-    qkv, q_weight, k_weight, cos, sin, num_q_heads, num_kv_heads, eps: as
-    `qk_norm_rope` (qkv bf16 `[T, (Hq + 2·Hkv)·D]`, weights bf16 `[D]`, cos/sin bf16
-    `[T, R]`). k_cache, v_cache: `[num_pages, page_size, Hkv, D]` float8_e4m3fn
-    or bfloat16 (mutated); page_table `[max_pages]` int32; offset a 1-element int32 device
-    tensor; k_scale, v_scale 1-element float32: as `kv_append`. Returns `qk_norm_rope`'s bf16
-    `(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D])`; token t's k/v rows, exactly these values,
-    are stored at sequence position `offset + t` as `kv_append(k, v, ...)` stores them (bit for
-    bit; positions past the pools' capacity dropped). No host sync.
+    qkv, q_weight, k_weight, cos, sin, num_q_heads, num_kv_heads, eps: as `qk_norm_rope` (qkv
+    bf16 `[T, (Hq + 2·Hkv)·D]` or fp32 partials `[S, T, ...]`, weights bf16 `[D]`, cos/sin bf16
+    `[T, R]`). k_cache, v_cache: `[num_pages, page_size, Hkv, D]` float8_e4m3fn or bfloat16
+    (mutated); page_table `[max_pages]` int32; offset a 1-element int32 device tensor; k_scale,
+    v_scale 1-element float32: as `kv_append`. Returns `qk_norm_rope`'s bf16 `(q [T, Hq, D], k
+    [T, Hkv, D], v [T, Hkv, D])`; token t's k/v rows, exactly these values, are stored at
+    sequence position `offset + t` as `kv_append(k, v, ...)` stores them (bit for bit; positions
+    past the pools' capacity dropped). No host sync.
     """
     args = qk_norm_rope_args("qk_norm_rope_append", qkv, q_weight, k_weight, cos, sin,
                              num_q_heads, num_kv_heads, eps)

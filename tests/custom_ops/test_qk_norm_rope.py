@@ -12,7 +12,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlmc.custom_ops.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
+from dlmc.custom_ops.qk_norm_rope import (
+    qk_norm_rope,
+    qk_norm_rope_reference,
+    qkv_partials_sum,
+)
 from dlmc.models.layers import rope_cos_sin
 
 from .graph_capture import compile_and_capture
@@ -76,6 +80,10 @@ def test_bad_shapes_name_the_tensor() -> None:
     qkv, q_w, k_w, cos, sin, nq, nkv, eps = make_case(3, 4, 2, 16, 8, 1.0, 0)
     with pytest.raises(ValueError, match=r"qkv must be bf16 \[T, 128\]"):
         qk_norm_rope(qkv[:, :64], q_w, k_w, cos, sin, nq, nkv, eps)
+    with pytest.raises(ValueError, match=r"or fp32 partials \[S, T, 128\], got torch.float32"):
+        qk_norm_rope(qkv.float(), q_w, k_w, cos, sin, nq, nkv, eps)  # fp32 needs [S, T, W]
+    with pytest.raises(ValueError, match=r"got torch.bfloat16 \(2, 3, 128\)"):
+        qk_norm_rope(qkv.expand(2, 3, 128), q_w, k_w, cos, sin, nq, nkv, eps)
     with pytest.raises(ValueError, match="cos/sin must be"):
         qk_norm_rope(qkv, q_w, k_w, cos[:, :3], sin[:, :3], nq, nkv, eps)
     with pytest.raises(ValueError, match="power of two"):
@@ -83,11 +91,49 @@ def test_bad_shapes_name_the_tensor() -> None:
                      cos, sin, nq, nkv, eps)
 
 
+def make_partials(case: tuple, splits: int, seed: int) -> torch.Tensor:
+    """fp32 partials `[S, T, W]` that sum to about `case`'s qkv (split-K's output), with
+    sums that land between bf16 values so that rounding the sum matters."""
+    qkv = case[0].float().cpu()
+    gen = torch.Generator().manual_seed(seed)
+    parts = torch.randn((splits, *qkv.shape), generator=gen) * qkv.abs().mean() / 4
+    parts[0] += qkv - parts.sum(0)
+    return parts.to(DEVICE)
+
+
+@settings(max_examples=6, deadline=None)
+@given(splits=st.sampled_from([1, 2, 4]), tokens=st.sampled_from([1, 5, 17]),
+       head_dim=st.sampled_from([16, 64]), seed=st.integers(0, 2**16))
+def test_split_k_partials_read_as_their_rounded_sum(splits: int, tokens: int, head_dim: int,
+                                                    seed: int) -> None:
+    """qkv as `dlmc::split_k_linear`'s fp32 partials: the same q, k, v bit for bit as the bf16
+    rounding of their in-order sum (`qkv_partials_sum`), and the reference's maths."""
+    case = make_case(tokens, 4, 2, head_dim, head_dim // 2, 1.0, seed)
+    parts = make_partials(case, splits, seed)
+    rounded = qkv_partials_sum(parts)
+    assert rounded.dtype == BF16 and rounded.shape == case[0].shape
+    got = qk_norm_rope(parts, *case[1:])
+    for g, w in zip(got, qk_norm_rope(rounded, *case[1:]), strict=True):
+        assert torch.equal(g, w)
+    for g, w in zip(got, qk_norm_rope_reference(parts, *case[1:]), strict=True):
+        assert_close_heads(g, w)
+
+
+def test_partials_sum_in_order() -> None:
+    """`qkv_partials_sum` adds s = 0, 1, ... in fp32 and rounds once: 1 + 2^-24 + 2^-24 is 1 in
+    that order (each add rounds back to 1) where another order would give 1 + 2^-23."""
+    parts = torch.tensor([[[1.0]], [[2.0**-24]], [[2.0**-24]]])
+    assert qkv_partials_sum(parts).item() == 1.0
+    big = torch.tensor([[[1.0 + 2.0**-8]], [[2.0**-9]]])  # 1 + 3·2^-9: rounds to 1 + 2^-7
+    assert qkv_partials_sum(big).item() == 1.0 + 2.0**-7
+
+
 def test_opcheck() -> None:
     qkv, q_w, k_w, cos, sin, nq, nkv, eps = make_case(3, 4, 2, 16, 8, 1.0, 1)
-    torch.library.opcheck(torch.ops.dlmc.qk_norm_rope.default,
-                          (qkv, q_w, k_w, cos, sin, nq, nkv, eps),
-                          test_utils=("test_schema", "test_faketensor"))
+    for x in (qkv, make_partials((qkv,), 3, 1)):
+        torch.library.opcheck(torch.ops.dlmc.qk_norm_rope.default,
+                              (x, q_w, k_w, cos, sin, nq, nkv, eps),
+                              test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.gpu

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlmc.custom_ops.kv_append import kv_append_reference
-from dlmc.custom_ops.qk_norm_rope import qk_norm_rope_reference
+from dlmc.custom_ops.qk_norm_rope import qk_norm_rope_reference, qkv_partials_sum
 from dlmc.custom_ops.qk_norm_rope_append import (
     qk_norm_rope_append,
     qk_norm_rope_append_reference,
@@ -25,7 +25,7 @@ from dlmc.errors import ConfigError
 
 from .graph_capture import compile_and_capture
 from .test_kv_append import as_bits
-from .test_qk_norm_rope import assert_close_heads, make_case
+from .test_qk_norm_rope import assert_close_heads, make_case, make_partials
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn
@@ -112,6 +112,26 @@ def test_fp8_saturates_and_matches_the_reference_op() -> None:
         assert_close_heads(g, w)
     assert (cache[0].float().abs() == 448).any() and (cache[1].float().abs() == 448).any()
     assert torch.equal(as_bits(cache[1]), as_bits(ref_cache[1]))  # v is copied exactly
+
+
+@pytest.mark.parametrize("dtype", [FP8, torch.bfloat16])
+def test_split_k_partials_store_what_their_rounded_sum_stores(dtype: torch.dtype) -> None:
+    """qkv as fp32 split-K partials `[4, T, W]`: outputs and caches bit for bit those of the
+    bf16 rounding of their in-order sum."""
+    case = make_case(17, 4, 2, 64, 32, 1.0, 9)
+    parts = make_partials(case, 4, 9)
+    cache = make_cache(17, 2, 64, page_size=4, num_pages=9, table_len=9, offset=5,
+                       scales=(0.05, 2.0), dtype=dtype, seed=9)
+    want_cache = tuple(t.clone() for t in cache)
+    got = qk_norm_rope_append(parts, *case[1:], *cache)
+    want = qk_norm_rope_append(qkv_partials_sum(parts), *case[1:], *want_cache)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    for g, w in zip(cache[:2], want_cache[:2], strict=True):
+        assert torch.equal(as_bits(g), as_bits(w))
+    assert_matches((parts, *case[1:]), make_cache(17, 2, 64, page_size=4, num_pages=9,
+                                                  table_len=9, offset=5, scales=(0.05, 2.0),
+                                                  dtype=dtype, seed=9))
 
 
 def test_errors_name_the_tensor() -> None:

@@ -197,3 +197,34 @@ def test_generate_equal_with_fused_route_align_on_and_off(tiny_dir, monkeypatch)
     for switch in ("on", "last"):
         assert results[switch][0] == results["off"][0], switch
         assert torch.equal(results[switch][1], results["off"][1]), switch
+
+
+def test_qkv_split_k_partials_reach_the_norm_rope(tiny_dir, monkeypatch):
+    """`DLMC_QKV_SPLIT_K=1`: every layer's qkv goes through `split_k_linear` and its fp32
+    partials straight into the q/k norm + rope (summed there); bf16 logits within bf16
+    rounding of the cuBLAS-style bf16 qkv. (On CPU the partials come from the Triton
+    interpreter and are summed by the reference maths; the GPU kernels: test_split_k_linear.)"""
+    import dlmc.models.llada2 as llada2
+    from dlmc.loading.loader import load_model
+
+    ids = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(5))
+    pos = torch.arange(24)
+    mask = block_causal_mask(pos, pos, 16, torch.bfloat16)
+    loaded = load_model(tiny_dir, torch.device("cpu"), torch.bfloat16)
+    with torch.inference_mode():
+        want = loaded.model(ids, pos, MaskedAttention(mask))
+    calls = []
+    split = llada2.split_k_linear
+    monkeypatch.setattr(llada2, "takes_split_k", lambda x, gemm: True)  # as for CUDA x
+    monkeypatch.setattr(llada2, "split_k_linear",
+                        lambda x, w: calls.append(tuple(w.shape)) or split(x, w))
+    attentions = [m for m in loaded.model.modules() if isinstance(m, llada2.Attention)]
+    for attention in attentions:
+        attention.qkv_partials = True  # as read from the environment at construction
+    with torch.inference_mode():
+        got = loaded.model(ids, pos, MaskedAttention(mask))
+    cfg = loaded.config
+    qkv_shape = ((cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim,
+                 cfg.hidden_size)
+    assert calls == [qkv_shape] * cfg.num_hidden_layers
+    assert (got - want).float().norm() / want.float().norm() < 2e-2

@@ -13,7 +13,8 @@ from dlmc.custom_ops.split_k_linear import split_k_linear
 from dlmc.env import env_choice
 
 __all__ = ["RMSNorm", "SwiGLUMLP", "apply_partial_rope", "env_choice", "fuse_gate_up_projections",
-           "linear", "rms_norm", "rope_cos_sin", "small_m_gemm", "wide_gemm"]
+           "linear", "qkv_split_k", "rms_norm", "rope_cos_sin", "small_m_gemm", "takes_split_k",
+           "wide_gemm"]
 
 
 def small_m_gemm() -> str:
@@ -31,6 +32,20 @@ def wide_gemm(gemm: str) -> str:
     (qkv's product goes to a Triton kernel, which cannot take the sum in; gate/up's
     [10240, 2048] runs faster in cuBLAS: perf/README.md, session 19)."""
     return "cublas" if gemm == "splitk" else gemm
+
+
+def qkv_split_k() -> bool:
+    """`DLMC_QKV_SPLIT_K` ("0" default, "1"): under `DLMC_SMALL_M_GEMM=splitk`, the attention's
+    qkv projection also runs `dlmc::split_k_linear`, whose fp32 partials the q/k norm + rope
+    kernel sums as it reads them (no reduction launch)."""
+    return env_choice("DLMC_QKV_SPLIT_K", "0", ("0", "1")) == "1"
+
+
+def takes_split_k(x: torch.Tensor, gemm: str) -> bool:
+    """Whether `linear` under `gemm` runs `dlmc::split_k_linear` for `x`: "splitk" and a bf16
+    CUDA `[T <= 64, K]`."""
+    return (gemm == "splitk" and x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2
+            and x.shape[0] <= MAX_TOKENS)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, gemm: str) -> torch.Tensor:

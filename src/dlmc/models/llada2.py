@@ -17,16 +17,22 @@ from torch import nn
 from dlmc.custom_ops._registration import INTERPRETED
 from dlmc.custom_ops.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
 from dlmc.custom_ops.qk_norm_rope_append import qk_norm_rope_append
+from dlmc.custom_ops.split_k_linear import split_k_linear
 from dlmc.models.config import LLaDA2Config
 from dlmc.models.layers import (
     RMSNorm,
     SwiGLUMLP,
     linear,
+    qkv_split_k,
     rope_cos_sin,
     small_m_gemm,
+    takes_split_k,
     wide_gemm,
 )
 from dlmc.models.moe import MoEBlock
+
+# qkv dtypes the norm/rope kernels take: bf16 `[T, W]`, or split-K's fp32 partials `[S, T, W]`
+_KERNEL_QKV = (torch.bfloat16, torch.float32)
 
 
 class AttentionContext(Protocol):
@@ -62,12 +68,16 @@ class Attention(nn.Module):
         self.key_layernorm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.dense = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
         self.gemm = small_m_gemm()
+        self.qkv_partials = qkv_split_k()
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        qkv = linear(x, self.query_key_value.weight, wide_gemm(self.gemm))  # [T, (Hq+2Hkv)*D]
+        if self.qkv_partials and takes_split_k(x, self.gemm):  # summed by the norm/rope kernel
+            qkv = split_k_linear(x, self.query_key_value.weight)  # fp32 [S, T, (Hq+2Hkv)*D]
+        else:
+            qkv = linear(x, self.query_key_value.weight, wide_gemm(self.gemm))  # [T, (Hq+2Hkv)*D]
         args = (qkv, self.query_layernorm.weight, self.key_layernorm.weight, cos, sin,
                 self.num_heads, self.num_kv_heads, self.query_layernorm.eps)
         target = self._rope_append_target(qkv, ctx)
@@ -75,7 +85,7 @@ class Attention(nn.Module):
             q, k, v = qk_norm_rope_append(*args, *target)
             out = ctx.attend_appended(self.layer_idx, q, k, v)
         else:
-            norm_rope = qk_norm_rope if qkv.is_cuda and qkv.dtype == torch.bfloat16 else (
+            norm_rope = qk_norm_rope if qkv.is_cuda and qkv.dtype in _KERNEL_QKV else (
                 qk_norm_rope_reference)  # one Triton launch on the GPU; eager maths elsewhere
             q, k, v = norm_rope(*args)
             out = ctx.attend(self.layer_idx, q, k, v)  # q [T, Hq, D], k/v [T, Hkv, D]
@@ -86,7 +96,7 @@ class Attention(nn.Module):
         """The context's `rope_append_target` of this layer, where it has one and the Triton
         kernel runs (bf16 on CUDA, or under the interpreter); else None."""
         target = getattr(ctx, "rope_append_target", None)
-        if target is None or qkv.dtype != torch.bfloat16 or not (qkv.is_cuda or INTERPRETED):
+        if target is None or qkv.dtype not in _KERNEL_QKV or not (qkv.is_cuda or INTERPRETED):
             return None
         return target(self.layer_idx)
 
