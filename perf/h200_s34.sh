@@ -2,7 +2,7 @@
 # Session 34's H200 calls (helpers of perf/h200_session.sh); output tarred in $OUT.
 #   bash perf/h200_s34.sh early   # weights before the wait: the NVFP4 + FP8 round (--no-loop)
 #                                 # at the defaults, with DLMC_PDL=1 + DLMC_QKV_SPLIT_K=1, and
-#                                 # each alone
+#                                 # with DLMC_QKV_SPLIT_K=1 alone
 #   bash perf/h200_s34.sh isolate # (carry .whl) the new code's tests on the GPU, then
 #                                 # DLMC_PDL=1 + DLMC_QKV_SPLIT_K=1 with DLMC_EARLY_WEIGHTS=0
 #                                 # (weights after the wait), with it, and the defaults
@@ -38,7 +38,6 @@ early)
   env_round round_default
   env_round round_pdl_qkv DLMC_PDL=1 DLMC_QKV_SPLIT_K=1
   env_round round_qkv DLMC_QKV_SPLIT_K=1
-  env_round round_pdl DLMC_PDL=1
   tar_out s34_early ;;
 isolate)
   new_tests 150
