@@ -67,12 +67,14 @@ def _bf16_rne(x):
 def _qkv(row_ptr, offs, stride_s, SPLITS: tl.constexpr):
     """qkv[row, offs] as fp32: the bf16 element (`SPLITS` 0), or the bf16 rounding of the fp32
     sum of the `SPLITS` partials `stride_s` apart (s = 0, 1, ...)."""
-    if SPLITS == 0:
-        return tl.load(row_ptr + offs).to(tl.float32)
-    acc = tl.load(row_ptr + offs)
-    for s in tl.static_range(1, SPLITS):
-        acc += tl.load(row_ptr + s * stride_s + offs)
-    return _bf16_rne(acc)
+    if SPLITS == 0:  # (no early return: Triton compiles the code after it for every SPLITS)
+        value = tl.load(row_ptr + offs).to(tl.float32)
+    else:
+        acc = tl.load(row_ptr + offs)
+        for s in tl.static_range(1, SPLITS):
+            acc += tl.load(row_ptr + s * stride_s + offs)
+        value = _bf16_rne(acc)
+    return value
 
 
 @triton.jit

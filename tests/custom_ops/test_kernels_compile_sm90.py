@@ -342,12 +342,14 @@ def check_moe_align(tokens: int, top_k: int, num_experts: int, block_m: int, num
     assert compiled.metadata.shared <= 48 * 1024  # one program, no opt-in shared memory needed
 
 
-def check_qk_norm_rope(float_type: str) -> None:
+def check_qk_norm_rope(float_type: str, splits: int) -> None:
+    """qkv bf16 (`splits` 0) or split-K's fp32 partials (summed as read)."""
     pointers = {name: "*bf16" for name in ("qkv_ptr", "q_w_ptr", "k_w_ptr", "cos_ptr", "sin_ptr",
                                            "q_ptr", "k_ptr", "v_ptr")}
-    types = pointers | {"eps": float_type, "stride_t": "i32"}
+    types = pointers | {"eps": float_type, "stride_t": "i32", "stride_s": "i32",
+                        "qkv_ptr": "*fp32" if splits else "*bf16"}
     compile_sm90(_qk_norm_rope_kernel, types, {
-        "NUM_Q": 16, "NUM_KV": 4, "HEAD_DIM": 128, "ROTARY": 64}, 1)
+        "NUM_Q": 16, "NUM_KV": 4, "HEAD_DIM": 128, "ROTARY": 64, "SPLITS": splits}, 1)
 
 
 def check_rope_tables() -> None:
@@ -359,12 +361,13 @@ def check_rope_tables() -> None:
     assert "cos.approx" not in ptx and "sin.approx" not in ptx
 
 
-def check_qk_norm_rope_append(float_type: str, kv_type: str) -> None:
+def check_qk_norm_rope_append(float_type: str, kv_type: str, splits: int) -> None:
     """`dlmc::qk_norm_rope_append` as its launcher passes the arguments: qk_norm_rope's, the
     pools `kv_type`, the page table, offset and scales, int strides; the FP8 store rounds as
-    kv_append's does."""
+    kv_append's does. qkv bf16 (`splits` 0) or split-K's fp32 partials."""
     pointers = {name: "*bf16" for name in ("qkv_ptr", "q_w_ptr", "k_w_ptr", "cos_ptr", "sin_ptr",
                                            "q_ptr", "k_ptr", "v_ptr")}
+    pointers["qkv_ptr"] = "*fp32" if splits else "*bf16"
     types = pointers | {"k_cache_ptr": kv_type,
                         "v_cache_ptr": kv_type, "page_table_ptr": "*i32", "offset_ptr": "*i32",
                         "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "eps": float_type}
@@ -372,7 +375,7 @@ def check_qk_norm_rope_append(float_type: str, kv_type: str) -> None:
     fp8 = kv_type == "*fp8e4nv"
     compiled = compile_sm90(qk_norm_rope_append_kernel, types, {
         "NUM_Q": 16, "NUM_KV": 4, "HEAD_DIM": 128, "ROTARY": 64, "PAGE_SIZE": 16,
-        "MAX_TOKENS": 4096, "QUANTIZE": fp8, "EMULATE_FP8": False}, 1)
+        "MAX_TOKENS": 4096, "QUANTIZE": fp8, "EMULATE_FP8": False, "SPLITS": splits}, 1)
     ptx = compiled.asm["ptx"]
     if fp8:
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "div.rn.f32" in ptx
@@ -454,6 +457,15 @@ def check_router_gemm() -> None:
         "BLOCK_N": block_n, "BLOCK_K": block_k, "INTERPRETED": False, "BF16_WEIGHT": True},
         num_warps, num_stages=num_stages).asm["ptx"]
     assert "mma" in ptx and "cvt.rn.bf16" not in ptx
+    # under PDL a split is one step (`launch_split_k`): its weight tile is loaded before the
+    # wait for the previous kernel, x after it
+    per_split = linear_splits(2048)[1]
+    ptx = compile_sm90(router_gemm_kernel, types | {"w_ptr": "*bf16"}, {
+        "N": 2048, "K": 2048, "K_PER_SPLIT": per_split, "BLOCK_T": 32, "BLOCK_N": block_n,
+        "BLOCK_K": per_split, "INTERPRETED": False, "BF16_WEIGHT": True}, num_warps,
+        ("x_ptr", "w_ptr", "part_ptr", "stride_x"), num_stages=1).asm["ptx"]
+    wait = ptx.index("griddepcontrol.wait")
+    assert "ld.global.v4" in ptx[:wait] and "ld.global.v4" in ptx[wait:]
 
 
 def test_kernels_compile_for_sm90() -> None:
@@ -479,11 +491,13 @@ if __name__ == "__main__":
     check_moe_align(32, 8, 256, 16, 4, shared_expert=True)  # ... with the shared expert fused
     check_moe_align(512, 8, 16, 64, 16)  # a prefill chunk
     check_moe_align(512, 8, 256, 32, 16, shared_expert=True)
-    check_qk_norm_rope("fp64")  # Inductor passes Python floats as fp64
-    check_qk_norm_rope("fp32")
+    check_qk_norm_rope("fp64", 0)  # Inductor passes Python floats as fp64
+    check_qk_norm_rope("fp32", 0)
+    check_qk_norm_rope("fp64", 4)  # qkv from split_k_linear (DLMC_QKV_SPLIT_K=1)
     check_rope_tables()
-    check_qk_norm_rope_append("fp64", "*fp8e4nv")  # as Inductor calls it
-    check_qk_norm_rope_append("fp32", "*bf16")
+    check_qk_norm_rope_append("fp64", "*fp8e4nv", 0)  # as Inductor calls it
+    check_qk_norm_rope_append("fp32", "*bf16", 0)
+    check_qk_norm_rope_append("fp64", "*fp8e4nv", 4)
     check_moe_route("fp64", 1)
     check_moe_route("fp32", 8)  # router_gemm's split-K partials
     check_moe_route_align(32, 1, shared_expert=False)  # a diffusion block, cuBLAS logits
