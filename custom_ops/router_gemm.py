@@ -32,12 +32,11 @@ import torch
 import triton
 import triton.language as tl
 
-from dlmc.custom_ops._pdl import launcher, pdl_active, pdl_enter
+from dlmc.custom_ops._pdl import launcher, pdl_enter
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.nvfp4_tiles import round_bf16
 from dlmc.custom_ops.small_m_linear import check_small_m_operands
-from dlmc.env import env_choice
 
 __all__ = ["MAX_TOKENS", "k_splits", "launch_split_k", "router_gemm", "router_gemm_reference",
            "router_splits", "split_k_fake"]
@@ -69,62 +68,32 @@ def _split_dot(acc, x, w, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _x_tile(x_ptr, tokens, stride_x, kk, K: tl.constexpr, BLOCK_T: tl.constexpr):
-    """x[t, kk] for the block's tokens, bf16 `[BLOCK_T, BK]` (zeros past `tokens` or K)."""
-    t = tl.arange(0, BLOCK_T)
-    return tl.load(x_ptr + t[:, None] * stride_x + kk[None, :],
-                   mask=(t[:, None] < tokens) & (kk[None, :] < K), other=0.0)
-
-
-@triton.jit
-def _w_tile(w_ptr, n, kk, N: tl.constexpr, K: tl.constexpr):
-    """w[n, kk] transposed, `[BK, BN]` (zeros past N or K), loaded along K (wide loads)."""
-    w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + kk[None, :],
-                mask=(n[:, None] < N) & (kk[None, :] < K), other=0.0)
-    return tl.trans(w)
-
-
-@triton.jit
-def _dot(acc, x, w, INTERPRETED: tl.constexpr, BF16_WEIGHT: tl.constexpr):
-    """acc + x @ w: fp32 w through the exact three-way split, bf16 w in one dot."""
-    if not BF16_WEIGHT:
-        acc = _split_dot(acc, x, w, INTERPRETED)
-    elif INTERPRETED:  # the interpreter's bf16 dot is wrong: widen (exact products)
-        acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-    else:
-        acc = tl.dot(x, w, acc)
-    return acc
-
-
-@triton.jit
 def router_gemm_kernel(x_ptr, w_ptr, part_ptr, tokens, stride_x, N: tl.constexpr,
                        K: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_T: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        INTERPRETED: tl.constexpr, PDL: tl.constexpr = False,
                        BF16_WEIGHT: tl.constexpr = False):
     """part[split, t, n] = sum over k in split's K range of x[t, k] * w[n, k]: fp32 w through
-    the exact three-way split, or (`BF16_WEIGHT`, `dlmc::split_k_linear`) bf16 w in one dot.
-
-    With one K step per split (`K_PER_SPLIT == BLOCK_K`) the weight tile is loaded before
-    `pdl_enter`: weights are never written by the kernels before, so under PDL the program
-    streams them while the previous kernel finishes, and waits only to read x."""
+    the exact three-way split, or (`BF16_WEIGHT`, `dlmc::split_k_linear`) bf16 w in one dot."""
+    pdl_enter(PDL)
     split = tl.program_id(1)
+    t = tl.arange(0, BLOCK_T)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     k_start = split * K_PER_SPLIT
-    if K_PER_SPLIT == BLOCK_K:
-        w = _w_tile(w_ptr, n, k_start + k, N, K)  # [BK, BN], before the wait
-        pdl_enter(PDL)
-        acc = _dot(acc, _x_tile(x_ptr, tokens, stride_x, k_start + k, K, BLOCK_T), w,
-                   INTERPRETED, BF16_WEIGHT)
-    else:
-        pdl_enter(PDL)
-        for k0 in range(0, K_PER_SPLIT, BLOCK_K):
-            kk = k_start + k0 + k
-            acc = _dot(acc, _x_tile(x_ptr, tokens, stride_x, kk, K, BLOCK_T),
-                       _w_tile(w_ptr, n, kk, N, K), INTERPRETED, BF16_WEIGHT)
-    t = tl.arange(0, BLOCK_T)
+    for k0 in range(0, K_PER_SPLIT, BLOCK_K):
+        kk = k_start + k0 + k
+        x = tl.load(x_ptr + t[:, None] * stride_x + kk[None, :],
+                    mask=(t[:, None] < tokens) & (kk[None, :] < K), other=0.0)  # [BT, BK]
+        w = tl.load(w_ptr + n[None, :].to(tl.int64) * K + kk[:, None],
+                    mask=(n[None, :] < N) & (kk[:, None] < K), other=0.0)  # [BK, BN]
+        if not BF16_WEIGHT:
+            acc = _split_dot(acc, x, w, INTERPRETED)
+        elif INTERPRETED:  # the interpreter's bf16 dot is wrong: widen (exact products)
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
     out = part_ptr + (split * tokens + t[:, None]).to(tl.int64) * N + n[None, :]
     tl.store(out, acc, mask=(t[:, None] < tokens) & (n[None, :] < N))
 
@@ -141,24 +110,14 @@ def router_splits(inner: int) -> tuple[int, int]:
     return k_splits(inner, _CONFIG[1], _CONFIG[2])
 
 
-# Under PDL a split of at most this many K steps is one step whose weight tile loads before the
-# wait (`router_gemm_kernel`): at BLOCK_N 32, 32 KB of bf16 per program in registers.
-# `DLMC_EARLY_WEIGHTS=0` keeps the configured steps (for comparison).
-EARLY_MAX_K = 512 if env_choice("DLMC_EARLY_WEIGHTS", "1", ("0", "1")) == "1" else 0
-
-
 def launch_split_k(x: torch.Tensor, weight: torch.Tensor, config: tuple[int, ...],
                    bf16_weight: bool) -> torch.Tensor:
     """The partials `[S, T, N]` fp32 of `x @ weight^T` under `config` (BLOCK_N, SPLITS,
     BLOCK_K, num_warps, num_stages), fp32 or (`bf16_weight`) bf16 weights: the body of this op
-    and of `dlmc::split_k_linear`. Under PDL (`DLMC_PDL=1`, sm_90+) a split's K range of at
-    most `EARLY_MAX_K` is one step (same splits, so the same sums), its weights read before
-    the wait for the previous kernel."""
+    and of `dlmc::split_k_linear`."""
     tokens, (features, inner) = x.shape[0], weight.shape
     block_n, splits, block_k, num_warps, num_stages = config
     splits, per_split = k_splits(inner, splits, block_k)
-    if pdl_active(x.device) and block_k < per_split <= EARLY_MAX_K:
-        block_k, num_stages = per_split, 1  # one step: weights before the wait
     partial = torch.empty((splits, tokens, features), dtype=torch.float32, device=x.device)
     if not tokens:
         return partial

@@ -141,37 +141,6 @@ def test_tiny_model_logits_and_graph_tokens_with_split_k(tiny_dir, monkeypatch) 
     assert o_proj in shapes and all(rows != qkv_rows for rows, _ in shapes), shapes
 
 
-def test_one_step_splits_under_pdl(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under PDL a split of at most `EARLY_MAX_K` runs as one K step whose weight tile is read
-    before the wait: the same splits (S, K range) and still the product. A spy on the launch
-    checks the step; larger splits keep the configured step."""
-    import dlmc.custom_ops.router_gemm as router_module
-
-    monkeypatch.setattr(router_module, "pdl_active", lambda device: True)
-    steps: list[tuple[int, int]] = []
-    kernel_launcher = router_module.launcher
-
-    def spy(kernel):
-        inner = kernel_launcher(kernel)
-
-        class Grid:
-            def __getitem__(self, grid):
-                def launch(*args, **kwargs):
-                    steps.append((kwargs["K_PER_SPLIT"], kwargs["BLOCK_K"]))
-                    return inner[grid](*args, **kwargs)
-                return launch
-        return Grid()
-
-    monkeypatch.setattr(router_module, "launcher", spy)
-    for inner in (2048, 300):  # splits of 512 (one step of 512) and of 128 (already one step)
-        x, weight = make_case(7, 40, inner, inner)
-        assert_partials(split_k_linear(x, weight), x, weight)
-    monkeypatch.setattr(split_k_module, "_CONFIG", (16, 2, 128, 4, 2))  # splits of 1024
-    x, weight = make_case(3, 16, 2048, 5)
-    assert_partials(split_k_linear(x, weight), x, weight)
-    assert steps == [(512, 512), (128, 128), (1024, 128)]
-
-
 @pytest.mark.gpu
 def test_tiny_nvfp4_model_with_qkv_partials(nvfp4_dir, monkeypatch) -> None:
     """`DLMC_QKV_SPLIT_K=1` on the tiny NVFP4 model with the FP8 paged cache (the round's path:
