@@ -7,6 +7,10 @@
 #                                 # defaults, DLMC_QKV_SPLIT_K=1, and DLMC_PDL=1 +
 #                                 # DLMC_QKV_SPLIT_K=1 with DLMC_EARLY_WEIGHTS=0 (weights
 #                                 # after the wait)
+#   bash perf/h200_s34.sh next    # (carry .whl) for the next session: the two tests call 4 cut
+#                                 # (the tiny NVFP4 model with qkv partials, DLMC_PDL's
+#                                 # cross-process test), then the BF16 round at the defaults and
+#                                 # with DLMC_QKV_SPLIT_K=1 (before making it the default)
 # Env: ROUND_TIMEOUT (170 per round).
 set -u
 HERE="$(dirname "$0")"
@@ -46,5 +50,19 @@ isolate)  # call 3's default round failed to compile (qk_norm_rope's SPLITS=0 pa
   env_round round_qkv DLMC_QKV_SPLIT_K=1
   env_round round_pdl_qkv_late DLMC_PDL=1 DLMC_QKV_SPLIT_K=1 DLMC_EARLY_WEIGHTS=0
   tar_out s34_isolate ;;
-*) echo "usage: $0 early|isolate" >&2; exit 2 ;;
+next)
+  python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
+  TEST_TIMEOUT=240 gpu_tests qkv -n 2 \
+    tests/custom_ops/test_split_k_linear.py::test_tiny_nvfp4_model_with_qkv_partials \
+    tests/custom_ops/test_pdl.py::test_graph_generate_equal_with_pdl_on_and_off
+  ( export PRECISION=bf16
+    env_round_bf16() { local name=$1; shift
+      env "$@" timeout "${ROUND_TIMEOUT:-170}" dlmc bench round --shape llada2.1-mini \
+        --block-length 32 --prefix 1024 --routing uniform --rounds 60 --precision bf16 \
+        --modes graph --no-loop --out "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
+      echo "$name rc=$?" >> "$OUT/$name.txt"; grep -E "│ +graph|rc=" "$OUT/$name.txt" | head -4; }
+    env_round_bf16 round_bf16_default
+    env_round_bf16 round_bf16_qkv DLMC_QKV_SPLIT_K=1 )
+  tar_out s34_next ;;
+*) echo "usage: $0 early|isolate|next" >&2; exit 2 ;;
 esac
