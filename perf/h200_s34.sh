@@ -28,6 +28,16 @@ env_round() {
   grep -E "│ +graph|│ +(queued|flight)|rc=|Error" "$OUT/$name.txt" | head -8
 }
 
+# bf16_round NAME [ENV=VALUE ...]: the BF16 graph round (BF16 experts and cache), --no-loop
+bf16_round() {
+  local name=$1; shift
+  env "$@" timeout "${ROUND_TIMEOUT:-170}" dlmc bench round --shape llada2.1-mini \
+    --block-length 32 --prefix 1024 --routing uniform --rounds 60 --precision bf16 \
+    --modes graph --no-loop --out "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
+  echo "$name rc=$?" >> "$OUT/$name.txt"
+  grep -E "│ +graph|│ +(queued|flight)|rc=|Error" "$OUT/$name.txt" | head -8
+}
+
 # new_tests: every test (not only gpu-marked) of the files this session changed, on CUDA
 new_tests() {
   python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
@@ -55,14 +65,8 @@ next)
   TEST_TIMEOUT=240 gpu_tests qkv -n 2 \
     tests/custom_ops/test_split_k_linear.py::test_tiny_nvfp4_model_with_qkv_partials \
     tests/custom_ops/test_pdl.py::test_graph_generate_equal_with_pdl_on_and_off
-  ( export PRECISION=bf16
-    env_round_bf16() { local name=$1; shift
-      env "$@" timeout "${ROUND_TIMEOUT:-170}" dlmc bench round --shape llada2.1-mini \
-        --block-length 32 --prefix 1024 --routing uniform --rounds 60 --precision bf16 \
-        --modes graph --no-loop --out "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
-      echo "$name rc=$?" >> "$OUT/$name.txt"; grep -E "│ +graph|rc=" "$OUT/$name.txt" | head -4; }
-    env_round_bf16 round_bf16_default
-    env_round_bf16 round_bf16_qkv DLMC_QKV_SPLIT_K=1 )
+  bf16_round round_bf16_default
+  bf16_round round_bf16_qkv DLMC_QKV_SPLIT_K=1
   tar_out s34_next ;;
 *) echo "usage: $0 early|isolate|next" >&2; exit 2 ;;
 esac
