@@ -27,9 +27,9 @@ from dlmc.custom_ops._registration import traced_triton_op
 
 QKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
-__all__ = ["apply_partial_rope", "new_qkv", "qk_norm_rope", "qk_norm_rope_args",
-           "qk_norm_rope_reference", "qk_norm_rope_row", "qkv_layout", "qkv_partials_sum",
-           "rms_norm"]
+__all__ = ["apply_partial_rope", "kernel_takes_qkv", "new_qkv", "qk_norm_rope",
+           "qk_norm_rope_args", "qk_norm_rope_reference", "qk_norm_rope_row", "qkv_layout",
+           "qkv_partials_sum", "rms_norm"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -140,6 +140,13 @@ def new_qkv(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int, head_dim: in
                  for heads in (num_q_heads, num_kv_heads, num_kv_heads))
 
 
+def kernel_takes_qkv(qkv: torch.Tensor) -> bool:
+    """Whether the norm/rope kernels take `qkv`'s form: bf16 `[T, W]` or fp32 split-K
+    partials `[S, T, W]` (an fp32 model's `[T, W]` is not: it runs the reference)."""
+    return (qkv.dtype == torch.bfloat16 and qkv.dim() == 2
+            or qkv.dtype == torch.float32 and qkv.dim() == 3 and qkv.shape[0] >= 1)
+
+
 def qkv_layout(qkv: torch.Tensor) -> tuple[int, int, int]:
     """(tokens, the kernels' `stride_s`, `SPLITS`) of bf16 `[T, W]` (0, 0) or partials
     `[S, T, W]`."""
@@ -188,9 +195,7 @@ def qk_norm_rope_args(op: str, qkv: torch.Tensor, q_weight: torch.Tensor,
     and laid out as its kernel reads them; shared with `dlmc::qk_norm_rope_append`."""
     head_dim = q_weight.shape[0]
     width = (num_q_heads + 2 * num_kv_heads) * head_dim
-    bf16 = qkv.dtype == torch.bfloat16 and qkv.dim() == 2
-    partials = qkv.dtype == torch.float32 and qkv.dim() == 3 and qkv.shape[0] >= 1
-    if not (bf16 or partials) or qkv.shape[-1] != width:
+    if not kernel_takes_qkv(qkv) or qkv.shape[-1] != width:
         raise ValueError(f"{op}: qkv must be bf16 [T, {width}] or fp32 partials "
                          f"[S, T, {width}], got {qkv.dtype} {tuple(qkv.shape)}")
     tokens = qkv.shape[-2]
@@ -201,7 +206,7 @@ def qk_norm_rope_args(op: str, qkv: torch.Tensor, q_weight: torch.Tensor,
     if cos.shape != sin.shape or cos.shape[0] != tokens or rotary % 2 or rotary > head_dim:
         raise ValueError(f"{op}: cos/sin must be [T={tokens}, R] with R even and "
                          f"<= {head_dim}, got {tuple(cos.shape)} / {tuple(sin.shape)}")
-    if bf16 and qkv.stride(1) != 1 or partials and not qkv.is_contiguous():
+    if qkv.dim() == 2 and qkv.stride(1) != 1 or qkv.dim() == 3 and not qkv.is_contiguous():
         qkv = qkv.contiguous()
     return (qkv, q_weight.to(torch.bfloat16),
             k_weight.to(torch.bfloat16), cos.to(torch.bfloat16).contiguous(),

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlmc.custom_ops.qk_norm_rope import (
+    kernel_takes_qkv,
     qk_norm_rope,
     qk_norm_rope_reference,
     qkv_partials_sum,
@@ -117,6 +118,16 @@ def test_split_k_partials_read_as_their_rounded_sum(splits: int, tokens: int, he
         assert torch.equal(g, w)
     for g, w in zip(got, qk_norm_rope_reference(parts, *case[1:]), strict=True):
         assert_close_heads(g, w)
+
+
+def test_kernel_forms_of_qkv() -> None:
+    """The kernels take bf16 `[T, W]` and fp32 partials `[S, T, W]`; an fp32 model's `[T, W]`
+    (and a bf16 3-D tensor) goes to the reference maths instead (the model asks this)."""
+    assert kernel_takes_qkv(torch.zeros(3, 8, dtype=BF16))
+    assert kernel_takes_qkv(torch.zeros(2, 3, 8))
+    assert not kernel_takes_qkv(torch.zeros(3, 8))
+    assert not kernel_takes_qkv(torch.zeros(2, 3, 8, dtype=BF16))
+    assert not kernel_takes_qkv(torch.zeros(0, 3, 8))
 
 
 def test_partials_sum_in_order() -> None:

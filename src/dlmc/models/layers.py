@@ -41,18 +41,21 @@ def qkv_split_k() -> bool:
     return env_choice("DLMC_QKV_SPLIT_K", "0", ("0", "1")) == "1"
 
 
-def takes_split_k(x: torch.Tensor, gemm: str) -> bool:
-    """Whether `linear` under `gemm` runs `dlmc::split_k_linear` for `x`: "splitk" and a bf16
-    CUDA `[T <= 64, K]`."""
-    return (gemm == "splitk" and x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2
+def _small_m_input(x: torch.Tensor) -> bool:
+    """Whether dlmc's small-M GEMMs take `x`: a bf16 CUDA `[T <= 64, K]`."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2
             and x.shape[0] <= MAX_TOKENS)
+
+
+def takes_split_k(x: torch.Tensor, gemm: str) -> bool:
+    """Whether `linear` under `gemm` runs `dlmc::split_k_linear` for `x`."""
+    return gemm == "splitk" and _small_m_input(x)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, gemm: str) -> torch.Tensor:
     """`F.linear(x, weight)` (bf16), through `dlmc::small_m_linear` or `dlmc::split_k_linear`
     when `gemm` is "triton" or "splitk" and `x` is a bf16 CUDA tensor of at most 64 rows."""
-    if (gemm != "cublas" and x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2
-            and x.shape[0] <= MAX_TOKENS):
+    if gemm != "cublas" and _small_m_input(x):
         if gemm == "splitk":  # one rounding of the fp32 sum, as F.linear's accumulator
             return split_k_linear(x, weight).sum(0).to(torch.bfloat16)
         return small_m_linear(x, weight)

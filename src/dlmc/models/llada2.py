@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dlmc.custom_ops._registration import INTERPRETED
-from dlmc.custom_ops.qk_norm_rope import qk_norm_rope, qk_norm_rope_reference
+from dlmc.custom_ops.qk_norm_rope import kernel_takes_qkv, qk_norm_rope, qk_norm_rope_reference
 from dlmc.custom_ops.qk_norm_rope_append import qk_norm_rope_append
 from dlmc.custom_ops.split_k_linear import split_k_linear
 from dlmc.models.config import LLaDA2Config
@@ -30,9 +30,6 @@ from dlmc.models.layers import (
     wide_gemm,
 )
 from dlmc.models.moe import MoEBlock
-
-# qkv dtypes the norm/rope kernels take: bf16 `[T, W]`, or split-K's fp32 partials `[S, T, W]`
-_KERNEL_QKV = (torch.bfloat16, torch.float32)
 
 
 class AttentionContext(Protocol):
@@ -85,7 +82,7 @@ class Attention(nn.Module):
             q, k, v = qk_norm_rope_append(*args, *target)
             out = ctx.attend_appended(self.layer_idx, q, k, v)
         else:
-            norm_rope = qk_norm_rope if qkv.is_cuda and qkv.dtype in _KERNEL_QKV else (
+            norm_rope = qk_norm_rope if qkv.is_cuda and kernel_takes_qkv(qkv) else (
                 qk_norm_rope_reference)  # one Triton launch on the GPU; eager maths elsewhere
             q, k, v = norm_rope(*args)
             out = ctx.attend(self.layer_idx, q, k, v)  # q [T, Hq, D], k/v [T, Hkv, D]
@@ -94,9 +91,10 @@ class Attention(nn.Module):
     def _rope_append_target(self, qkv: torch.Tensor, ctx: AttentionContext
                             ) -> tuple[torch.Tensor, ...] | None:
         """The context's `rope_append_target` of this layer, where it has one and the Triton
-        kernel runs (bf16 on CUDA, or under the interpreter); else None."""
+        kernel runs (bf16 qkv or split-K partials, on CUDA or under the interpreter); else
+        None."""
         target = getattr(ctx, "rope_append_target", None)
-        if target is None or qkv.dtype not in _KERNEL_QKV or not (qkv.is_cuda or INTERPRETED):
+        if target is None or not kernel_takes_qkv(qkv) or not (qkv.is_cuda or INTERPRETED):
             return None
         return target(self.layer_idx)
 
