@@ -120,6 +120,7 @@ def test_tiny_model_logits_and_graph_tokens_with_split_k(tiny_dir, monkeypatch) 
     monkeypatch.setattr(layers, "split_k_linear",
                         lambda x, w: shapes.append(tuple(w.shape)) or op(x, w))
     logits, tokens = {}, {}
+    monkeypatch.setenv("DLMC_QKV_SPLIT_K", "0")  # qkv in cuBLAS (its partials: below)
     for switch in ("cublas", "splitk"):
         monkeypatch.setenv("DLMC_SMALL_M_GEMM", switch)
         llm = LLM(tiny_dir, device="cuda", dtype="bf16", mode="graph")

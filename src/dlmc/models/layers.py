@@ -28,17 +28,17 @@ def small_m_gemm() -> str:
 
 
 def wide_gemm(gemm: str) -> str:
-    """The choice for qkv and the dense MLP's gate/up under `gemm`: "splitk" is "cublas" there
-    (qkv's product goes to a Triton kernel, which cannot take the sum in; gate/up's
-    [10240, 2048] runs faster in cuBLAS: perf/README.md, session 19)."""
+    """The choice for qkv (under `DLMC_QKV_SPLIT_K=0`) and the dense MLP's gate/up under `gemm`:
+    "splitk" is "cublas" there (gate/up's [10240, 2048] runs faster in cuBLAS: perf/README.md,
+    session 19)."""
     return "cublas" if gemm == "splitk" else gemm
 
 
 def qkv_split_k() -> bool:
-    """`DLMC_QKV_SPLIT_K` ("0" default, "1"): under `DLMC_SMALL_M_GEMM=splitk`, the attention's
+    """`DLMC_QKV_SPLIT_K` ("1" default, "0"): under `DLMC_SMALL_M_GEMM=splitk`, the attention's
     qkv projection also runs `dlmc::split_k_linear`, whose fp32 partials the q/k norm + rope
-    kernel sums as it reads them (no reduction launch)."""
-    return env_choice("DLMC_QKV_SPLIT_K", "0", ("0", "1")) == "1"
+    kernel sums as it reads them (no reduction launch; perf/README.md, sessions 34-35)."""
+    return env_choice("DLMC_QKV_SPLIT_K", "1", ("0", "1")) == "1"
 
 
 def _small_m_input(x: torch.Tensor) -> bool:
