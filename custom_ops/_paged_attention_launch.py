@@ -201,15 +201,13 @@ def _sm_count(device_index: int | None) -> int:
 
 
 def fused_merge_applies(variant: PagedAttentionVariant, barrier: torch.Tensor | None,
-                        programs: int, head_dim: int, device: torch.device) -> bool:
+                        programs: int, device: torch.device) -> bool:
     """Whether the split kernel merges itself: the variant asks, a barrier is given, the
     kernels are compiled (the interpreter runs programs one by one, so a barrier would never
-    open) and the grid's programs are all resident at once (the barrier waits for every
-    program of a KV head): one per SM, or two at head dim <= 128 with one own-loop stage
-    (66 KB of shared memory and <= 176 registers, tests/custom_ops/test_kernels_compile_sm90)."""
-    per_sm = 2 if head_dim <= 128 and variant.own_stages == 1 else 1
+    open) and the grid's programs fit one per SM, so all are resident at once whatever else
+    the SMs hold (the barrier waits for every program of a KV head)."""
     return (variant.fused_merge and barrier is not None and not INTERPRETED
-            and device.type == "cuda" and programs <= per_sm * _sm_count(device.index))
+            and device.type == "cuda" and programs <= _sm_count(device.index))
 
 
 def fused_merge_rows(num_rows: int, head_programs: int) -> int:
@@ -253,7 +251,7 @@ def launch_paged_attention(
                            dtype=torch.float32)  # [S+1, Hkv, M]
     out = torch.empty_like(q)  # [Tq, Hq, D]
     grid = (triton.cdiv(num_rows, block_m), num_kv_heads, parts)
-    fused = fused_merge_applies(variant, barrier, math.prod(grid), head_dim, q.device)
+    fused = fused_merge_applies(variant, barrier, math.prod(grid), q.device)
     merge_rows = fused_merge_rows(num_rows, grid[0] * parts) if fused else variant.merge_rows
     chunk, merge_warps = flat_merge_config(num_splits, merge_rows, head_dim)
     launch = {"launch_pdl": True} if pdl else {}

@@ -27,14 +27,14 @@ FUSED = SWEEP_VARIANTS["ilv32-fused"]
 def test_fused_merge_applies_only_with_a_barrier_compiled_on_cuda() -> None:
     barrier = torch.zeros(8, dtype=torch.int32)
     cpu = torch.device("cpu")
-    assert not fused_merge_applies(FUSED, barrier, 132, 128, cpu)  # the interpreter: one by one
-    assert not fused_merge_applies(FUSED, None, 132, 128, cpu)
-    assert not fused_merge_applies(SWEEP_VARIANTS["ilv32"], barrier, 132, 128, cpu)
+    assert not fused_merge_applies(FUSED, barrier, 132, cpu)  # the interpreter: one by one
+    assert not fused_merge_applies(FUSED, None, 132, cpu)
+    assert not fused_merge_applies(SWEEP_VARIANTS["ilv32"], barrier, 132, cpu)
 
 
 def test_fused_merge_rows_cover_every_row() -> None:
-    # LLaDA2.1-mini: 32 queries x 4 heads per KV head = 128 rows, 2 x 33 programs per KV head
-    assert fused_merge_rows(128, 66) == 2
+    # LLaDA2.1-mini: 32 queries x 4 heads per KV head = 64 rows, 33 programs per KV head
+    assert fused_merge_rows(64, 33) == 2
     for rows, programs in ((64, 33), (1, 9), (128, 8), (96, 33), (5, 5), (256, 3)):
         per = fused_merge_rows(rows, programs)
         assert per & (per - 1) == 0 and per * programs >= rows, (rows, programs, per)
