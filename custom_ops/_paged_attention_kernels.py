@@ -12,8 +12,7 @@ Layout of the work (flash-decoding for a block of queries):
   own keys. The grid is `(cdiv(M, BLOCK_M), Hkv, NUM_SPLITS + 1)` whatever the prefix: empty
   splits write nothing, so the launch is CUDA-graph safe.
 - Each split writes a normalized partial output `[M, D]` (fp32, or bf16 when `o_part` is bf16)
-  and its log2-sum-exp; a merge kernel (`_paged_attention_merge.py`) combines them, or, with
-  FUSED_MERGE, the same programs do after a barrier of each KV head's programs. Tiles and
+  and its log2-sum-exp; a merge kernel (`_paged_attention_merge.py`) combines them. Tiles and
   key ranges: `_paged_attention_tiles.py`.
 
 Loops are `while` loops because the interpreter (numpy >= 2) cannot index with loaded scalars.
@@ -25,7 +24,6 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._paged_attention_merge import head_barrier, live_splits, merge_rows
 from ._paged_attention_tiles import cache_tile, interleaved_split, new_tile, split_range
 from .kv_append import append_tokens
 
@@ -33,9 +31,9 @@ from .kv_append import append_tokens
 @triton.jit
 def paged_attention_split_kernel(
     q_ptr, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, page_table_ptr, prefix_len_ptr,
-    k_scale_ptr, v_scale_ptr, o_part_ptr, lse_part_ptr, out_ptr, barrier_ptr,
+    k_scale_ptr, v_scale_ptr, o_part_ptr, lse_part_ptr,
     stride_qt, stride_qh, stride_nt, stride_nh,
-    stride_cp, stride_cs, stride_ch, stride_ot, stride_oh,
+    stride_cp, stride_cs, stride_ch,
     num_queries, num_rows, scale_log2, max_tokens, num_pages, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     CAUSAL_BLOCK: tl.constexpr,
@@ -44,8 +42,7 @@ def paged_attention_split_kernel(
     LOOP_WHILE: tl.constexpr, NUM_STAGES: tl.constexpr, WINDOWED: tl.constexpr,
     INTERLEAVED: tl.constexpr, DOT_F16: tl.constexpr, PDL: tl.constexpr,
     OWN_STAGES: tl.constexpr, SPEC_TILES: tl.constexpr, APPEND: tl.constexpr,
-    APPEND_T: tl.constexpr, EMULATE_FP8: tl.constexpr, FUSED_MERGE: tl.constexpr,
-    SPECULATIVE: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+    APPEND_T: tl.constexpr, EMULATE_FP8: tl.constexpr,
 ):
     """One program per (row block, KV head, split); see the module docstring.
 
@@ -59,10 +56,6 @@ def paged_attention_split_kernel(
     K/V at positions `prefix_len + t`, APPEND_T tokens at a time, after its partial output
     (`kv_append`'s code: same FP8 rounding, EMULATE_FP8 under the interpreter, positions past
     capacity dropped), so each token of each KV head is stored exactly once whatever BLOCK_M.
-    FUSED_MERGE: the merge runs here, not in a second launch: the programs of a KV head meet
-    at a barrier on `barrier_ptr[2 * kv_head ..]` once their parts are stored, then program
-    `i` of the head merges rows `i * MERGE_ROWS ..` into `out` (`merge_rows`, the flat merge's
-    code; SPECULATIVE as there); every program must be resident at once (the launcher checks).
     A separate pass, not the attention loop's tiles: storing those raised the registers from
     161-168 to 250-255 at D=128 (spilling). Cache splits read only keys below `prefix_len`
     (interleaved speculative tiles mask what they read past it), so the output is unchanged.
@@ -163,16 +156,6 @@ def paged_attention_split_kernel(
                     stride_cp, stride_cs, stride_ch, HEAD_DIM, PAGE_SIZE,
                     k_cache_ptr.dtype.element_ty.is_fp8(), EMULATE_FP8)
                 t += APPEND_T
-    if FUSED_MERGE:
-        head_programs = tl.num_programs(0) * tl.num_programs(2)
-        head_barrier(barrier_ptr + 2 * kv_head, head_programs)
-        first_row = (split * tl.num_programs(0) + pid_m) * MERGE_ROWS
-        if first_row < num_rows:
-            live = live_splits(tl.load(prefix_len_ptr), max_tokens, window, NUM_SPLITS,
-                               MIN_SPLIT_KEYS, BLOCK_N, INTERLEAVED)
-            merge_rows(o_part_ptr, lse_part_ptr, out_ptr, first_row + tl.arange(0, MERGE_ROWS),
-                       kv_head, num_kv_heads, num_rows, live, stride_ot, stride_oh, GROUP,
-                       HEAD_DIM, NUM_SPLITS, SPECULATIVE, MERGE_ROWS, MERGE_CHUNK)
 
 
 def split_launch_config(head_dim: int) -> tuple[int, int, int]:

@@ -66,11 +66,6 @@ class PagedAttentionVariant:
             each may start while the kernel before it finishes and waits for it on the
             device (griddepcontrol), hiding launch gaps. Eager or graph-captured launches
             only, not under torch.compile (Inductor drops launch_pdl); off in the interpreter.
-        fused_merge: the split kernel merges the parts itself (flat merges; one launch): each
-            KV head's programs meet at a barrier once their parts are stored, then each merges
-            a few rows. Needs a `barrier` (int32 zeros, `2 * Hkv`) and every program resident
-            at once (at most one per SM: `fused_merge_applies`); else, and in the interpreter
-            (programs run one by one), the separate merge launch runs.
     """
 
     num_splits: int = 0
@@ -85,7 +80,6 @@ class PagedAttentionVariant:
     partial_dtype: torch.dtype = torch.float32
     fp8_dot_f16: bool = False
     pdl: bool = False
-    fused_merge: bool = False
 
     def __post_init__(self) -> None:
         def check(cond: bool, message: str) -> None:
@@ -109,8 +103,6 @@ class PagedAttentionVariant:
               "split_order='interleaved' needs merge='masked' or 'speculative'")
         check(flat or (self.merge_rows == 1 and not self.pdl),
               "merge_rows and pdl need merge='masked' or 'speculative'")
-        check(flat or not self.fused_merge,
-              "fused_merge needs merge='masked' or 'speculative'")
         check(self.merge_rows in (1, 2, 4, 8, 16),
               f"merge_rows must be a power of two from 1 to 16, got {self.merge_rows}")
         check(self.partial_dtype in (torch.float32, torch.bfloat16),
@@ -135,7 +127,6 @@ SWEEP_VARIANTS: dict[str, PagedAttentionVariant] = {
     "ilv32-bf16part": dataclasses.replace(_INTERLEAVED, partial_dtype=torch.bfloat16),
     "ilv32-f16dot": dataclasses.replace(_INTERLEAVED, fp8_dot_f16=True),
     "ilv32-pdl": dataclasses.replace(_INTERLEAVED, pdl=True),
-    "ilv32-fused": dataclasses.replace(_INTERLEAVED, fused_merge=True),
     # half the partials for the merge to read (8.6 MB at 4k with 32 splits, fp32), twice the
     # tiles per split: H200, 1.1-1.3 µs faster than ilv32 up to a 2k prefix, 0.8 slower at 4k
     # (perf/README.md, session 31)
@@ -200,32 +191,16 @@ def _sm_count(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def fused_merge_applies(variant: PagedAttentionVariant, barrier: torch.Tensor | None,
-                        programs: int, device: torch.device) -> bool:
-    """Whether the split kernel merges itself: the variant asks, a barrier is given, the
-    kernels are compiled (the interpreter runs programs one by one, so a barrier would never
-    open) and the grid's programs fit one per SM, so all are resident at once whatever else
-    the SMs hold (the barrier waits for every program of a KV head)."""
-    return (variant.fused_merge and barrier is not None and not INTERPRETED
-            and device.type == "cuda" and programs <= _sm_count(device.index))
-
-
-def fused_merge_rows(num_rows: int, head_programs: int) -> int:
-    """Rows each program of a KV head merges in the fused merge (a power of two)."""
-    return triton.next_power_of_2(math.ceil(num_rows / head_programs))
-
-
 def launch_paged_attention(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, page_table: torch.Tensor, prefix_len: torch.Tensor,
     k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float, window: int,
     causal_block: int, num_splits: int, variant: PagedAttentionVariant | None = None,
-    append: bool = False, barrier: torch.Tensor | None = None,
+    append: bool = False,
 ) -> torch.Tensor:
     """Launch the split and merge kernels (arguments as in `paged_attention`; 0 = unset;
     `variant` None = `default_variant`). `append`: the split kernel also stores `k_new`/`v_new`
-    in the caches at `prefix_len ..` (as `dlmc::kv_append`), mutating `k_cache`/`v_cache`.
-    `barrier`: int32 zeros (`2 * Hkv`, left at zeros) for a variant's fused merge."""
+    in the caches at `prefix_len ..` (as `dlmc::kv_append`), mutating `k_cache`/`v_cache`."""
     num_queries, num_q_heads, head_dim = q.shape
     variant = variant or default_variant(k_cache.dtype, head_dim, q.device)
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
@@ -251,15 +226,12 @@ def launch_paged_attention(
                            dtype=torch.float32)  # [S+1, Hkv, M]
     out = torch.empty_like(q)  # [Tq, Hq, D]
     grid = (triton.cdiv(num_rows, block_m), num_kv_heads, parts)
-    fused = fused_merge_applies(variant, barrier, math.prod(grid), q.device)
-    merge_rows = fused_merge_rows(num_rows, grid[0] * parts) if fused else variant.merge_rows
-    chunk, merge_warps = flat_merge_config(num_splits, merge_rows, head_dim)
     launch = {"launch_pdl": True} if pdl else {}
     launcher(paged_attention_split_kernel)[grid](
         q, k_new, v_new, k_cache, v_cache, page_table, prefix_len, k_scale, v_scale,
-        o_part, lse_part, out, barrier if fused else lse_part,
+        o_part, lse_part,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         num_queries, num_rows, softmax_scale * math.log2(math.e), capacity, num_pages, window,
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, CAUSAL_BLOCK=causal_block,
         NUM_SPLITS=num_splits, MIN_SPLIT_KEYS=min_split_keys, BLOCK_M=block_m,
@@ -268,12 +240,9 @@ def launch_paged_attention(
         DOT_F16=variant.fp8_dot_f16 and k_cache.dtype == torch.float8_e4m3fn, PDL=pdl,
         OWN_STAGES=variant.own_stages or num_stages, SPEC_TILES=variant.speculative_tiles,
         APPEND=append, APPEND_T=append_tile_tokens(head_dim),
-        EMULATE_FP8=INTERPRETED and k_cache.dtype == torch.float8_e4m3fn, FUSED_MERGE=fused,
-        SPECULATIVE=variant.merge == "speculative", MERGE_ROWS=merge_rows, MERGE_CHUNK=chunk,
+        EMULATE_FP8=INTERPRETED and k_cache.dtype == torch.float8_e4m3fn,
         num_warps=num_warps, **launch,
     )
-    if fused:
-        return out
     merge_args = (o_part, lse_part, out, prefix_len, out.stride(0), out.stride(1), num_rows,
                   capacity, window)
     if variant.merge == "chunked":
@@ -283,11 +252,12 @@ def launch_paged_attention(
             LOOP_WHILE=INTERPRETED, num_warps=4 if head_dim <= 256 else 8,
         )
         return out
-    merge_grid = (triton.cdiv(num_rows, merge_rows), num_kv_heads)
-    launcher(paged_attention_merge_flat_kernel)[merge_grid](
+    rows = variant.merge_rows
+    chunk, merge_warps = flat_merge_config(num_splits, rows, head_dim)
+    launcher(paged_attention_merge_flat_kernel)[(triton.cdiv(num_rows, rows), num_kv_heads)](
         *merge_args, GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
         MIN_SPLIT_KEYS=min_split_keys, BLOCK_N=block_n, INTERLEAVED=interleaved,
-        SPECULATIVE=variant.merge == "speculative", ROWS=merge_rows, CHUNK=chunk, PDL=pdl,
+        SPECULATIVE=variant.merge == "speculative", ROWS=rows, CHUNK=chunk, PDL=pdl,
         num_warps=merge_warps, **launch,
     )
     return out

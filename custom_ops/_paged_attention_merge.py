@@ -85,7 +85,7 @@ def paged_attention_merge_kernel(
 
 
 @triton.jit
-def live_splits(raw_prefix, max_tokens, window, NUM_SPLITS: tl.constexpr,
+def _live_splits(raw_prefix, max_tokens, window, NUM_SPLITS: tl.constexpr,
                  MIN_SPLIT_KEYS: tl.constexpr, BLOCK_N: tl.constexpr,
                  INTERLEAVED: tl.constexpr):
     """Cache splits that found keys (and wrote a part), by the split kernel's own rule."""
@@ -97,19 +97,32 @@ def live_splits(raw_prefix, max_tokens, window, NUM_SPLITS: tl.constexpr,
 
 
 @triton.jit
-def merge_rows(o_part_ptr, lse_part_ptr, out_ptr, rows, kv_head, num_kv_heads, num_rows, live,
-               stride_ot, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-               NUM_SPLITS: tl.constexpr, SPECULATIVE: tl.constexpr, ROWS: tl.constexpr,
-               CHUNK: tl.constexpr):
-    """Merge `rows` ([ROWS]) of one KV head: its own part and the `live` cache parts (all
-    NUM_SPLITS loaded at once when SPECULATIVE, dead ones dropped), stored into `out`."""
+def paged_attention_merge_flat_kernel(
+    o_part_ptr, lse_part_ptr, out_ptr, prefix_len_ptr, stride_ot, stride_oh, num_rows,
+    max_tokens, window,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    MIN_SPLIT_KEYS: tl.constexpr, BLOCK_N: tl.constexpr, INTERLEAVED: tl.constexpr,
+    SPECULATIVE: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
+):
+    """One program per (ROWS rows, KV head): the own part and every live cache part."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [R]
+    kv_head = tl.program_id(1)
+    num_kv_heads = tl.num_programs(1)
     row_mask = rows < num_rows
     dims = tl.arange(0, HEAD_DIM)
+    # Not written by the split kernel, and the split only lets this grid start after its own
+    # wait for the kernels before it: no wait needed for the prefix.
+    raw_prefix = tl.load(prefix_len_ptr)
+    if PDL:
+        gdc_wait()  # the split grid's parts are visible from here on
+        gdc_launch_dependents()  # the next kernel may start (and wait) while this one runs
     own = (NUM_SPLITS * num_kv_heads + kv_head) * num_rows + rows  # [R]
     m_i = tl.load(lse_part_ptr + own, mask=row_mask, other=0.0)  # [R], the own part is live
     l_i = tl.full([ROWS], 1.0, tl.float32)
     acc = tl.load(o_part_ptr + own[:, None] * HEAD_DIM + dims[None, :],
                   mask=row_mask[:, None], other=0.0).to(tl.float32)  # [R, D]
+    live = _live_splits(raw_prefix, max_tokens, window, NUM_SPLITS, MIN_SPLIT_KEYS, BLOCK_N,
+                        INTERLEAVED)
     for first in tl.static_range(0, NUM_SPLITS, CHUNK):  # unrolled: the loads all overlap
         parts = first + tl.arange(0, CHUNK)  # [C]
         if SPECULATIVE:
@@ -135,50 +148,6 @@ def merge_rows(o_part_ptr, lse_part_ptr, out_ptr, rows, kv_head, num_kv_heads, n
     out = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + pos[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :], out,
              mask=row_mask[:, None])
-
-
-@triton.jit
-def head_barrier(counter_ptr, count):
-    """Wait until all `count` programs of a group have arrived at `counter_ptr` (int32, 0 at
-    the launch's start): a CTA barrier (this program's stores come first), a release arrival,
-    acquire polls, a CTA barrier (as cooperative groups' grid sync). Every program of the
-    group must be resident at once (the launcher checks). The second counter at
-    `counter_ptr + 1` counts the programs that got past the wait; the last sets both back to
-    0, so the next launch in the stream starts from zeros (capturable in a CUDA graph)."""
-    tl.debug_barrier()
-    tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
-    arrived = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-    while arrived < count:
-        arrived = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-    tl.debug_barrier()
-    left = tl.atomic_add(counter_ptr + 1, 1, sem="relaxed", scope="gpu")
-    if left == count - 1:  # every program is past its polls
-        tl.store(counter_ptr, 0)
-        tl.store(counter_ptr + 1, 0)
-
-
-@triton.jit
-def paged_attention_merge_flat_kernel(
-    o_part_ptr, lse_part_ptr, out_ptr, prefix_len_ptr, stride_ot, stride_oh, num_rows,
-    max_tokens, window,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    MIN_SPLIT_KEYS: tl.constexpr, BLOCK_N: tl.constexpr, INTERLEAVED: tl.constexpr,
-    SPECULATIVE: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
-):
-    """One program per (ROWS rows, KV head): the own part and every live cache part."""
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [R]
-    kv_head = tl.program_id(1)
-    num_kv_heads = tl.num_programs(1)
-    # Not written by the split kernel, and the split only lets this grid start after its own
-    # wait for the kernels before it: no wait needed for the prefix.
-    raw_prefix = tl.load(prefix_len_ptr)
-    if PDL:
-        gdc_wait()  # the split grid's parts are visible from here on
-        gdc_launch_dependents()  # the next kernel may start (and wait) while this one runs
-    live = live_splits(raw_prefix, max_tokens, window, NUM_SPLITS, MIN_SPLIT_KEYS, BLOCK_N,
-                        INTERLEAVED)
-    merge_rows(o_part_ptr, lse_part_ptr, out_ptr, rows, kv_head, num_kv_heads, num_rows, live,
-               stride_ot, stride_oh, GROUP, HEAD_DIM, NUM_SPLITS, SPECULATIVE, ROWS, CHUNK)
 
 
 def merge_chunk(num_splits: int) -> int:

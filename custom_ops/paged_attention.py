@@ -47,11 +47,11 @@ def _launch_op(append: bool) -> Callable[..., torch.Tensor]:
         q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
         v_cache: torch.Tensor, page_table: torch.Tensor, prefix_len: torch.Tensor,
         k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float, window: int,
-        causal_block: int, num_splits: int, barrier: torch.Tensor | None,
+        causal_block: int, num_splits: int,
     ) -> torch.Tensor:
         return launch_paged_attention(q, k_new, v_new, k_cache, v_cache, page_table, prefix_len,
                                       k_scale, v_scale, softmax_scale, window, causal_block,
-                                      num_splits, append=append, barrier=barrier)
+                                      num_splits, append=append)
 
     return launch
 
@@ -60,19 +60,18 @@ def paged_attention_fake(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, page_table: torch.Tensor, prefix_len: torch.Tensor,
     k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float, window: int,
-    causal_block: int, num_splits: int, barrier: torch.Tensor | None,
+    causal_block: int, num_splits: int,
 ) -> torch.Tensor:
     """Fake (meta) function of both ops: the output has q's shape, dtype and strides; reads no
-    data (the appending op's cache writes and the barrier's counters, left at zeros, are
-    declared by `mutates_args`)."""
+    data (the appending op's cache writes are declared by `mutates_args`)."""
     return torch.empty_like(q)
 
 
 _paged_attention_op = traced_triton_op("dlmc::paged_attention", _launch_op(False),
-                                       paged_attention_fake, mutates_args=("barrier",))
+                                       paged_attention_fake)
 _paged_attention_append_op = traced_triton_op(
     "dlmc::paged_attention_append", _launch_op(True), paged_attention_fake,
-    mutates_args=("k_cache", "v_cache", "barrier"))
+    mutates_args=("k_cache", "v_cache"))
 
 
 def _check(cond: bool, message: str) -> None:
@@ -126,7 +125,7 @@ def paged_attention(
     v_cache: torch.Tensor, page_table: torch.Tensor, prefix_len: torch.Tensor, *,
     k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float,
     window: int | None = None, causal_block: int | None = None, num_splits: int | None = None,
-    backend: str = "triton", append: bool = False, barrier: torch.Tensor | None = None,
+    backend: str = "triton", append: bool = False,
 ) -> torch.Tensor:
     """Attention of a block of `Tq` queries over the cached prefix plus the block itself.
 
@@ -154,10 +153,6 @@ def paged_attention(
             reference: `kv_append_reference`, then the attention. The output does not change:
             the block attends its own K/V in BF16 either way. False (default): the pure
             `dlmc::paged_attention`, the caches untouched.
-        barrier: int32 `[2 * Hkv]` zeros on q's device, kept by the caller (`PagedKVCache`
-            keeps one for all its layers) and left at zeros: with it, the launch variants that
-            merge inside the split kernel (`fused_merge_applies`) run as one launch. Calls
-            that may run at the same time need their own. None: the merge's own launch.
 
     GQA: query head `h` reads KV head `h // (Hq // Hkv)`. Softmax in fp32 over
     `q·kᵀ·softmax_scale`. Returns `[Tq, Hq, D]` bfloat16.
@@ -177,16 +172,10 @@ def paged_attention(
             causal_block=causal_block)
     _check(backend == "triton", f"backend={backend!r} is not one of {BACKENDS} (FlashInfer: "
            "use PagedKVCache(backend='flashinfer'), which plans on the host)")
-    if barrier is not None:
-        hkv = k_cache.shape[2]
-        _check(barrier.shape == (2 * hkv,) and barrier.dtype == torch.int32
-               and barrier.device == q.device,
-               f"barrier must be int32 [{2 * hkv}] (2 * Hkv) zeros on {q.device}, got "
-               f"{barrier.dtype} {tuple(barrier.shape)} on {barrier.device}")
     op = torch.ops.dlmc.paged_attention_append if append else torch.ops.dlmc.paged_attention
     return op(q, k_new, v_new, k_cache, v_cache, page_table, prefix_len.reshape(1),
               k_scale.reshape(1), v_scale.reshape(1), float(softmax_scale), window or 0,
-              causal_block or 0, num_splits or 0, barrier)
+              causal_block or 0, num_splits or 0)
 
 
 def gather_prefix(cache: torch.Tensor, page_table: torch.Tensor, start: int, end: int,

@@ -138,9 +138,7 @@ def bench_prefix(args: argparse.Namespace, prefix: int, env: dict[str, object],
     def rel_err(out: torch.Tensor, ref: torch.Tensor = ref) -> float:
         return float((out.float() - ref).abs().max() / ref.abs().max())
 
-    # the fused merge's counters (left at zeros by every call), as PagedKVCache keeps them
-    barrier = torch.zeros(2 * args.kv_heads, dtype=torch.int32, device="cuda")
-    calls = [lambda i=i: paged_attention(**layer_args(t, i), **opts, barrier=barrier)
+    calls = [lambda i=i: paged_attention(**layer_args(t, i), **opts)
              for i in range(args.layers)]
     err = rel_err(calls[0]())
     record("triton", "default", prefix, time_graph(calls, args.iters), err)
@@ -149,7 +147,7 @@ def bench_prefix(args: argparse.Namespace, prefix: int, env: dict[str, object],
     for name in sweep_names(args):
         def launch(i: int, name: str = name) -> torch.Tensor:
             return launch_paged_attention(*layer_args(t, i).values(), scale, 0, 0, 0,
-                                          SWEEP_VARIANTS[name], barrier=barrier)
+                                          SWEEP_VARIANTS[name])
         try:
             err = rel_err(launch(0))
             calls = [lambda i=i, f=launch: f(i) for i in range(args.layers)]

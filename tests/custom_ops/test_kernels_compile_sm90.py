@@ -47,17 +47,13 @@ def compile_sm90(kernel: triton.JITFunction, types: dict[str, str], constexprs: 
     Kernels that take `PDL` compile as `DLMC_PDL=1` launches them unless `constexprs` says
     otherwise: their PTX must then wait for the previous grid (griddepcontrol); `nvfp4_moe`'s
     down kernel with `OVERLAP` waits per slot instead. `nvfp4_moe`'s `moe_overlap` parameters
-    and its Gluon-down switches (`H_EVEN_ODD`, `PARTS_ONLY`, `SHARED_DOWN`) default to off, as
-    does the paged attention's fused merge (`FUSED_MERGE`)."""
+    and its Gluon-down switches (`H_EVEN_ODD`, `PARTS_ONLY`, `SHARED_DOWN`) default to off."""
     names = kernel.arg_names
     if "PDL" in names and "PDL" not in constexprs:
         constexprs = constexprs | {"PDL": True}
     overlap = {"OVERLAP": False, "GATE_UP_TILES": 1, "GATE_UP_SPLIT": 1, "H_EVEN_ODD": False,
                "PARTS_ONLY": False, "SHARED_DOWN": False, "DOWN_TILES": 1, "DOWN_SPLIT": 1,
-               "DOWN_BLOCK_N": 16, "DOWN_BLOCK_K": 16, "FUSED_MERGE": False, "MERGE_ROWS": 1,
-               "MERGE_CHUNK": 1}
-    if "FUSED_MERGE" in names:  # the split kernel: no fused merge unless asked for
-        overlap["SPECULATIVE"] = False
+               "DOWN_BLOCK_N": 16, "DOWN_BLOCK_K": 16}
     constexprs = {k: v for k, v in overlap.items() if k in names} | constexprs
     signature = {name: "constexpr" if name in constexprs else types[name] for name in names}
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in divisible}
@@ -83,8 +79,7 @@ def split_types(kv_type: str, part_type: str, float_type: str) -> dict[str, str]
     pointers = {"q_ptr": "*bf16", "k_new_ptr": "*bf16", "v_new_ptr": "*bf16",
                 "k_cache_ptr": kv_type, "v_cache_ptr": kv_type, "page_table_ptr": "*i32",
                 "prefix_len_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
-                "o_part_ptr": part_type, "lse_part_ptr": "*fp32", "scale_log2": float_type,
-                "out_ptr": "*bf16", "barrier_ptr": "*i32"}
+                "o_part_ptr": part_type, "lse_part_ptr": "*fp32", "scale_log2": float_type}
     return {name: pointers.get(name, "i32") for name in SPLIT_ARGS}
 
 
@@ -180,30 +175,6 @@ def check_appending_split(head_dim: int, kv_type: str, interleaved: bool,
     (pure, pure_spills), (fused, fused_spills) = usage[False], usage[True]
     assert pure_spills == fused_spills == 0, usage
     assert fused <= pure + 8, usage
-
-
-def check_fused_merge() -> None:
-    """The FP8 default's split kernel with the merge fused in (`ilv32-fused`, as launched at
-    LLaDA2.1-mini shapes): one release arrival, acquire polls of one thread between CTA
-    barriers, the same registers (168 in session 35) and shared memory as without, no spills."""
-    block_m, block_n, num_warps = split_launch_config(128)
-    types = split_types("*fp8e4nv", "*fp32", "fp64")
-    chunk, _ = flat_merge_config(32, 2, 128)
-    usage = {}
-    for fused in (False, True):
-        compiled = compile_sm90(paged_attention_split_kernel, types, {
-            "GROUP": 4, "HEAD_DIM": 128, "PAGE_SIZE": 16, "CAUSAL_BLOCK": 0, "NUM_SPLITS": 32,
-            "MIN_SPLIT_KEYS": 128, "BLOCK_M": block_m, "BLOCK_N": block_n, "DOT_FP32": False,
-            "LOOP_WHILE": False, "NUM_STAGES": 3, "WINDOWED": False, "INTERLEAVED": True,
-            "DOT_F16": False, "PDL": False, "OWN_STAGES": 1, "SPEC_TILES": 2, "APPEND": False,
-            "APPEND_T": 32, "EMULATE_FP8": False, "FUSED_MERGE": fused, "SPECULATIVE": True,
-            "MERGE_ROWS": 2, "MERGE_CHUNK": chunk}, num_warps, SPLIT_DIVISIBLE)
-        usage[fused] = (*ptxas_usage(compiled), compiled.metadata.shared)
-    ptx = compiled.asm["ptx"]
-    assert ptx.count("atom.global.gpu.release.add") == 1
-    assert "ld.global.gpu.acquire.b32" in ptx
-    assert usage[True][1] == 0 and usage[True][2] == usage[False][2], usage
-    assert usage[True][0] <= usage[False][0] + 8, usage
 
 
 def check_kv_append() -> None:
@@ -384,7 +355,6 @@ if __name__ == "__main__":
     check_appending_split(128, "*fp8e4nv", interleaved=True)  # the CUDA FP8 default (ilv32)
     check_appending_split(128, "*bf16", interleaved=False)  # the CUDA BF16 default (base)
     check_appending_split(512, "*fp8e4nv", interleaved=False, causal_block=32)  # prefill chunk
-    check_fused_merge()
     check_kv_append()
     check_nvfp4_moe_v3()
     check_moe_align(32, 8, 256, 16, 4)  # a diffusion block

@@ -94,13 +94,11 @@ def test_fuzz_against_reference(
                              num_splits=num_splits)
 
 
-@pytest.mark.parametrize("barrier", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8])
-def test_opcheck(dtype: torch.dtype, barrier: bool) -> None:
+def test_opcheck(dtype: torch.dtype) -> None:
     case = make_case(num_queries=3, num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=4,
                      prefix=9, dtype=dtype)
-    counters = torch.zeros(4, dtype=torch.int32, device=DEVICE) if barrier else None
-    args = (*case.values(), 0.3, 0, 0, 2, counters)
+    args = tuple(case.values()) + (0.3, 0, 0, 2)
     torch.library.opcheck(torch.ops.dlmc.paged_attention.default, args,
                           test_utils=opcheck_utils(dtype))
 
@@ -122,15 +120,6 @@ def test_errors_name_the_tensor(name: str, bad: object, message: str) -> None:
     case[name] = bad(case[name])  # type: ignore[operator]
     with pytest.raises(ConfigError, match=message):
         paged_attention(**case, softmax_scale=1.0)
-
-
-@pytest.mark.parametrize("barrier", [torch.zeros(3, dtype=torch.int32),
-                                     torch.zeros(4, dtype=torch.int64)])
-def test_bad_barrier_names_the_tensor(barrier: torch.Tensor) -> None:
-    case = make_case(num_queries=2, num_q_heads=2, num_kv_heads=2, head_dim=32, page_size=4,
-                     prefix=3)
-    with pytest.raises(ConfigError, match=r"barrier must be int32 \[4\] \(2 \* Hkv\)"):
-        paged_attention(**case, softmax_scale=1.0, barrier=barrier.to(DEVICE))
 
 
 def test_unknown_backend_names_the_option() -> None:
@@ -167,18 +156,15 @@ def test_fuzz_against_reference_gpu(
 @pytest.mark.gpu
 @pytest.mark.parametrize("window", [None, 700])
 def test_compile_and_cuda_graph_replay(window: int | None) -> None:
-    """One captured graph serves every prefix length: only the device tensor changes. With a
-    barrier, as `PagedKVCache` passes it (the fused merge's counters: a graph input mutated in
-    place, left at zeros)."""
+    """One captured graph serves every prefix length: only the device tensor changes."""
     case = make_case(num_queries=32, num_q_heads=16, num_kv_heads=4, head_dim=128, page_size=16,
                      prefix=3000, k_scale=0.03, v_scale=0.02, seed=1)
-    barrier = torch.zeros(8, dtype=torch.int32, device="cuda")
     options = {"softmax_scale": 128**-0.5, "window": window}
     inputs = {name: case.pop(name) for name in ("q", "k_new", "v_new")}
 
     @torch.compile(fullgraph=True)
     def block_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
-        return paged_attention(q, k_new, v_new, **case, **options, barrier=barrier)
+        return paged_attention(q, k_new, v_new, **case, **options)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -197,4 +183,3 @@ def test_compile_and_cuda_graph_replay(window: int | None) -> None:
         ref = paged_attention_reference(**inputs, **case, **options)
         bound = ref.float().abs().max().item()
         torch.testing.assert_close(out.float(), ref.float(), atol=0.02 * bound, rtol=0.02)
-        assert not barrier.any(), barrier

@@ -106,8 +106,6 @@ class PagedKVCache:
             `fused_kv_append(dtype)`, or the constructor's `fused_append`).
         rope_append: whether the append may be folded into `qk_norm_rope_append` (the Triton
             backend without `fused_append`, and `rope_kv_append()`); see `rope_append_target`.
-        barrier: `[2 * Hkv]` int32 zeros, the counters of the attention's fused merge (every
-            layer's launch leaves them at zeros; see `paged_attention`'s `barrier`).
     """
 
     def __init__(
@@ -135,7 +133,6 @@ class PagedKVCache:
         self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                   for _ in range(config.num_layers)]
         self.page_table = torch.arange(config.num_pages, dtype=torch.int32, device=self.device)
-        self.barrier = torch.zeros(2 * config.num_kv_heads, dtype=torch.int32, device=self.device)
         self.prefix_len = torch.zeros(1, dtype=torch.int32, device=self.device)
         self.length = 0
         fp8 = config.dtype == "fp8"
@@ -243,7 +240,7 @@ class PagedKVCache:
             q, k, v, self.k[layer], self.v[layer], self.page_table, self.prefix_len,
             k_scale=self.k_scale[layer], v_scale=self.v_scale[layer],
             softmax_scale=softmax_scale, window=window, causal_block=causal_block,
-            backend=self.backend, append=append, barrier=self.barrier)
+            backend=self.backend, append=append)
 
     def append_and_attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
