@@ -11,6 +11,7 @@
 #                                 # (the tiny NVFP4 model with qkv partials, DLMC_PDL's
 #                                 # cross-process test), then the BF16 round at the defaults and
 #                                 # with DLMC_QKV_SPLIT_K=1 (before making it the default)
+#   source perf/h200_s34.sh lib   # the helpers only
 # Env: ROUND_TIMEOUT (170 per round).
 set -u
 HERE="$(dirname "$0")"
@@ -49,6 +50,7 @@ new_tests() {
 }
 
 case "${1:-}" in
+lib) ;;  # sourced for env_round / bf16_round / new_tests
 early)
   env_round round_default
   env_round round_pdl_qkv DLMC_PDL=1 DLMC_QKV_SPLIT_K=1
