@@ -6,6 +6,10 @@
 #                                 # the NVFP4 + FP8 round with it and at the defaults
 #                                 # (the fused merge was measured, found no faster in the
 #                                 # round, and reverted: run it from commit abe15f5)
+#   bash perf/h200_s35.sh spec    # (carry .whl; prepared after the device time ran out) the
+#                                 # merge that reads parts 16-31 only when live: its GPU
+#                                 # tests, ilv32 / ilv32-spec16 / ilv16 alone at 1k-16k, the
+#                                 # NVFP4 + FP8 round with it and at the defaults
 # Env: ROUND_TIMEOUT (150 per round), TEST_TIMEOUT (200).
 set -u
 HERE="$(dirname "$0")"
@@ -24,5 +28,16 @@ fused)
   ROUND_TIMEOUT=${ROUND_TIMEOUT:-150} env_round round_fused DLMC_ATTENTION_VARIANT=ilv32-fused
   ROUND_TIMEOUT=${ROUND_TIMEOUT:-150} env_round round_default
   tar_out s35_fused ;;
-*) echo "usage: $0 fused" >&2; exit 2 ;;
+spec)
+  python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
+  TEST_TIMEOUT=${TEST_TIMEOUT:-200} gpu_tests spec -n 4 \
+    tests/custom_ops/test_paged_attention_variants.py tests/custom_ops/test_paged_attention.py
+  timeout 150 python3 perf/bench_paged_attention.py --sweep ilv32 ilv32-spec16 ilv16 \
+    --no-flashinfer --prefixes 1024 2048 4096 16384 --capacity 32768 \
+    --out "$OUT/attention_spec.json" > "$OUT/attention_spec.txt" 2>&1
+  echo "bench rc=$?"; grep -E "ilv|default " "$OUT/attention_spec.txt" | head -16
+  ROUND_TIMEOUT=${ROUND_TIMEOUT:-150} env_round round_spec16 DLMC_ATTENTION_VARIANT=ilv32-spec16
+  ROUND_TIMEOUT=${ROUND_TIMEOUT:-150} env_round round_default
+  tar_out s35_spec ;;
+*) echo "usage: $0 fused|spec" >&2; exit 2 ;;
 esac
