@@ -155,19 +155,15 @@ def paged_attention_merge_flat_kernel(
     live = _live_splits(raw_prefix, max_tokens, window, NUM_SPLITS, MIN_SPLIT_KEYS, BLOCK_N,
                         INTERLEAVED)
     for first in tl.static_range(0, NUM_SPLITS, CHUNK):  # unrolled: the loads all overlap
-        if SPECULATIVE and first < SPEC_PARTS:  # loaded while the prefix is on its way
-            m_i, l_i, acc = _fold_parts(o_part_ptr, lse_part_ptr, first, live, rows, row_mask,
-                                        kv_head, num_kv_heads, num_rows, dims, m_i, l_i, acc,
-                                        HEAD_DIM, NUM_SPLITS, True, CHUNK)
-        elif SPECULATIVE:
+        if SPECULATIVE and first >= SPEC_PARTS:
             if first < live:  # past the speculative parts: only chunks with a live part
                 m_i, l_i, acc = _fold_parts(o_part_ptr, lse_part_ptr, first, live, rows,
                                             row_mask, kv_head, num_kv_heads, num_rows, dims,
                                             m_i, l_i, acc, HEAD_DIM, NUM_SPLITS, False, CHUNK)
-        else:
+        else:  # speculative ones are loaded while the prefix is on its way
             m_i, l_i, acc = _fold_parts(o_part_ptr, lse_part_ptr, first, live, rows, row_mask,
                                         kv_head, num_kv_heads, num_rows, dims, m_i, l_i, acc,
-                                        HEAD_DIM, NUM_SPLITS, False, CHUNK)
+                                        HEAD_DIM, NUM_SPLITS, SPECULATIVE, CHUNK)
     pos = rows // GROUP
     head = kv_head * GROUP + rows % GROUP
     out = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
