@@ -59,9 +59,6 @@ class PagedAttentionVariant:
             trips), `"masked"` (prefix with the own part, then all live parts: two) or
             `"speculative"` (all parts with the prefix, dead ones dropped: one).
         merge_rows: rows per merge program (flat merges; a power of two up to 16).
-        speculative_parts: cache parts the speculative merge loads before the prefix is known
-            (0: all of them); the later ones are loaded once the prefix says they are live,
-            so short prefixes read fewer dead parts. A power of two.
         partial_dtype: `torch.float32` or `torch.bfloat16` partial outputs (LSEs stay fp32).
         fp8_dot_f16: FP8 cache tiles and q as FP16 dot operands (one conversion per pair; an
             FP8 cache only, BF16 caches keep BF16; q must stay below 65504 in magnitude).
@@ -80,7 +77,6 @@ class PagedAttentionVariant:
     speculative_tiles: int = 1
     merge: str = "chunked"
     merge_rows: int = 1
-    speculative_parts: int = 0
     partial_dtype: torch.dtype = torch.float32
     fp8_dot_f16: bool = False
     pdl: bool = False
@@ -109,11 +105,6 @@ class PagedAttentionVariant:
               "merge_rows and pdl need merge='masked' or 'speculative'")
         check(self.merge_rows in (1, 2, 4, 8, 16),
               f"merge_rows must be a power of two from 1 to 16, got {self.merge_rows}")
-        parts = self.speculative_parts
-        check(parts >= 0 and parts & (parts - 1) == 0,
-              f"speculative_parts must be 0 (all) or a power of two, got {parts}")
-        check(parts == 0 or self.merge == "speculative",
-              "speculative_parts needs merge='speculative'")
         check(self.partial_dtype in (torch.float32, torch.bfloat16),
               f"partial_dtype must be torch.float32 or torch.bfloat16, got {self.partial_dtype}")
 
@@ -136,9 +127,6 @@ SWEEP_VARIANTS: dict[str, PagedAttentionVariant] = {
     "ilv32-bf16part": dataclasses.replace(_INTERLEAVED, partial_dtype=torch.bfloat16),
     "ilv32-f16dot": dataclasses.replace(_INTERLEAVED, fp8_dot_f16=True),
     "ilv32-pdl": dataclasses.replace(_INTERLEAVED, pdl=True),
-    # the merge reads parts 16-31 only when the prefix reaches them (ilv16's 17-part merge up
-    # to 1k keys, ilv32's splits past it); not yet timed on a GPU
-    "ilv32-spec16": dataclasses.replace(_INTERLEAVED, speculative_parts=16),
     # half the partials for the merge to read (8.6 MB at 4k with 32 splits, fp32), twice the
     # tiles per split: H200, 1.1-1.3 µs faster than ilv32 up to a 2k prefix, 0.8 slower at 4k
     # (perf/README.md, session 31)
@@ -266,14 +254,10 @@ def launch_paged_attention(
         return out
     rows = variant.merge_rows
     chunk, merge_warps = flat_merge_config(num_splits, rows, head_dim)
-    spec_parts = variant.speculative_parts or num_splits
-    if spec_parts < num_splits:  # chunks must not straddle the speculative parts' end
-        chunk = min(chunk, spec_parts)
     launcher(paged_attention_merge_flat_kernel)[(triton.cdiv(num_rows, rows), num_kv_heads)](
         *merge_args, GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
         MIN_SPLIT_KEYS=min_split_keys, BLOCK_N=block_n, INTERLEAVED=interleaved,
         SPECULATIVE=variant.merge == "speculative", ROWS=rows, CHUNK=chunk, PDL=pdl,
-        SPEC_PARTS=spec_parts,
         num_warps=merge_warps, **launch,
     )
     return out

@@ -10,9 +10,7 @@ wrote nothing, so the merge works out from the device prefix which parts are liv
 - `paged_attention_merge_flat_kernel`: ROWS rows per program; the prefix and the own part are
   loaded together, then every cache part at once (statically unrolled chunks, so their loads
   overlap): two round trips. SPECULATIVE loads the cache parts without waiting for the prefix
-  and drops the dead ones afterwards (one round trip; dead parts are read, never used); with
-  SPEC_PARTS < NUM_SPLITS only the first SPEC_PARTS are loaded so, the rest only when the
-  prefix says some of them are live (short prefixes read fewer dead parts). PDL:
+  and drops the dead ones afterwards (one round trip; dead parts are read, never used). PDL:
   launched with programmatic dependent launch, it reads the prefix (written before the split
   kernel's own wait) and then waits for the split grid before touching the parts.
 
@@ -99,43 +97,14 @@ def _live_splits(raw_prefix, max_tokens, window, NUM_SPLITS: tl.constexpr,
 
 
 @triton.jit
-def _fold_parts(o_part_ptr, lse_part_ptr, first, live, rows, row_mask, kv_head, num_kv_heads,
-                num_rows, dims, m_i, l_i, acc, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                SPECULATIVE: tl.constexpr, CHUNK: tl.constexpr):
-    """Fold cache parts `first .. first+CHUNK-1` of ROWS rows into (m, l, acc): SPECULATIVE
-    loads every existing part (not waiting for `live`) and drops the dead ones after."""
-    parts = first + tl.arange(0, CHUNK)  # [C]
-    if SPECULATIVE:
-        load = (parts < NUM_SPLITS)[None, :] & row_mask[:, None]  # [R, C]
-    else:
-        load = (parts < live)[None, :] & row_mask[:, None]
-    index = (parts[None, :] * num_kv_heads + kv_head) * num_rows + rows[:, None]  # [R, C]
-    lse = tl.load(lse_part_ptr + index, mask=load, other=float("-inf"))  # [R, C]
-    o = tl.load(o_part_ptr + index[:, :, None] * HEAD_DIM + dims[None, None, :],
-                mask=load[:, :, None], other=0.0).to(tl.float32)  # [R, C, D]
-    if SPECULATIVE:  # dead parts hold stale data: select, never multiply, them away
-        alive = (parts < live)[None, :]
-        lse = tl.where(alive, lse, float("-inf"))
-        o = tl.where(alive[:, :, None], o, 0.0)
-    m_new = tl.maximum(m_i, tl.max(lse, axis=1))  # [R]
-    w = tl.exp2(lse - m_new[:, None])  # [R, C], 0 for dead parts
-    alpha = tl.exp2(m_i - m_new)
-    return (m_new, l_i * alpha + tl.sum(w, axis=1),
-            acc * alpha[:, None] + tl.sum(w[:, :, None] * o, axis=1))
-
-
-@triton.jit
 def paged_attention_merge_flat_kernel(
     o_part_ptr, lse_part_ptr, out_ptr, prefix_len_ptr, stride_ot, stride_oh, num_rows,
     max_tokens, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     MIN_SPLIT_KEYS: tl.constexpr, BLOCK_N: tl.constexpr, INTERLEAVED: tl.constexpr,
     SPECULATIVE: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr,
-    SPEC_PARTS: tl.constexpr,
 ):
-    """One program per (ROWS rows, KV head): the own part and every live cache part.
-    SPEC_PARTS (SPECULATIVE only; a multiple of CHUNK): the chunks of parts below it are loaded
-    before the prefix is known, the later ones after it, and only if one of theirs is live."""
+    """One program per (ROWS rows, KV head): the own part and every live cache part."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [R]
     kv_head = tl.program_id(1)
     num_kv_heads = tl.num_programs(1)
@@ -155,15 +124,25 @@ def paged_attention_merge_flat_kernel(
     live = _live_splits(raw_prefix, max_tokens, window, NUM_SPLITS, MIN_SPLIT_KEYS, BLOCK_N,
                         INTERLEAVED)
     for first in tl.static_range(0, NUM_SPLITS, CHUNK):  # unrolled: the loads all overlap
-        if SPECULATIVE and first >= SPEC_PARTS:
-            if first < live:  # past the speculative parts: only chunks with a live part
-                m_i, l_i, acc = _fold_parts(o_part_ptr, lse_part_ptr, first, live, rows,
-                                            row_mask, kv_head, num_kv_heads, num_rows, dims,
-                                            m_i, l_i, acc, HEAD_DIM, NUM_SPLITS, False, CHUNK)
-        else:  # speculative ones are loaded while the prefix is on its way
-            m_i, l_i, acc = _fold_parts(o_part_ptr, lse_part_ptr, first, live, rows, row_mask,
-                                        kv_head, num_kv_heads, num_rows, dims, m_i, l_i, acc,
-                                        HEAD_DIM, NUM_SPLITS, SPECULATIVE, CHUNK)
+        parts = first + tl.arange(0, CHUNK)  # [C]
+        if SPECULATIVE:
+            load = (parts < NUM_SPLITS)[None, :] & row_mask[:, None]  # [R, C]
+        else:
+            load = (parts < live)[None, :] & row_mask[:, None]
+        index = (parts[None, :] * num_kv_heads + kv_head) * num_rows + rows[:, None]  # [R, C]
+        lse = tl.load(lse_part_ptr + index, mask=load, other=float("-inf"))  # [R, C]
+        o = tl.load(o_part_ptr + index[:, :, None] * HEAD_DIM + dims[None, None, :],
+                    mask=load[:, :, None], other=0.0).to(tl.float32)  # [R, C, D]
+        if SPECULATIVE:  # dead parts hold stale data: select, never multiply, them away
+            alive = (parts < live)[None, :]
+            lse = tl.where(alive, lse, float("-inf"))
+            o = tl.where(alive[:, :, None], o, 0.0)
+        m_new = tl.maximum(m_i, tl.max(lse, axis=1))  # [R]
+        w = tl.exp2(lse - m_new[:, None])  # [R, C], 0 for dead parts
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(w, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, axis=1)
+        m_i = m_new
     pos = rows // GROUP
     head = kv_head * GROUP + rows % GROUP
     out = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)

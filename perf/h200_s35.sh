@@ -6,10 +6,11 @@
 #                                 # the NVFP4 + FP8 round with it and at the defaults
 #                                 # (the fused merge was measured, found no faster in the
 #                                 # round, and reverted: run it from commit abe15f5)
-#   bash perf/h200_s35.sh spec    # (carry .whl; prepared after the device time ran out) the
-#                                 # merge that reads parts 16-31 only when live: its GPU
-#                                 # tests, ilv32 / ilv32-spec16 / ilv16 alone at 1k-16k, the
-#                                 # NVFP4 + FP8 round with it and at the defaults
+#   bash perf/h200_s35.sh spec    # (carry .whl) the merge that reads parts 16-31 only when
+#                                 # live: its GPU tests, ilv32 / ilv32-spec16 / ilv16 alone
+#                                 # at 1k-16k, the NVFP4 + FP8 round with it and at the
+#                                 # defaults (run in session 36, found slower, and
+#                                 # reverted: run it from commit 047c53b)
 # Env: ROUND_TIMEOUT (150 per round), TEST_TIMEOUT (200).
 set -u
 HERE="$(dirname "$0")"

@@ -125,13 +125,12 @@ def check_variants(head_dim: int, kv_type: str, windowed: bool) -> None:
                    "prefix_len_ptr": "*i32"}
     names = paged_attention_merge_flat_kernel.arg_names
     types = {name: merge_types.get(name, "i32") for name in names}
-    for speculative, rows, spec_parts in ((False, 1, 32), (True, 4, 32), (True, 1, 16)):
+    for speculative, rows in ((False, 1), (True, 4)):
         chunk, merge_warps = flat_merge_config(32, rows, head_dim)
         compiled = compile_sm90(paged_attention_merge_flat_kernel, types, {
             "GROUP": 4, "HEAD_DIM": head_dim, "NUM_SPLITS": 32, "MIN_SPLIT_KEYS": 128,
             "BLOCK_N": block_n, "INTERLEAVED": True, "SPECULATIVE": speculative, "ROWS": rows,
-            "CHUNK": min(chunk, spec_parts), "PDL": True, "SPEC_PARTS": spec_parts},
-            merge_warps, launch_pdl=True)
+            "CHUNK": chunk, "PDL": True}, merge_warps, launch_pdl=True)
         assert "griddepcontrol.wait" in compiled.asm["ptx"]
         assert "griddepcontrol.launch_dependents" in compiled.asm["ptx"]
 

@@ -64,18 +64,6 @@ def test_speculative_tiles_ignore_stale_page_ids(name: str) -> None:
     assert_matches_reference(case, SWEEP_VARIANTS[name], softmax_scale=0.125, num_splits=4)
 
 
-@pytest.mark.parametrize("split_order", ["contiguous", "interleaved"])
-def test_speculative_parts_then_the_live_rest(split_order: str) -> None:
-    """The merge loads the first 2 of 8 parts before the prefix arrives and later chunks only
-    when live: prefixes whose live splits end inside, at and past the speculative ones."""
-    variant = PagedAttentionVariant(merge="speculative", split_order=split_order,
-                                    speculative_parts=2, min_split_keys=64)
-    for prefix in (0, 1, 64, 65, 128, 129, 300, 511, 700):
-        case = make_case(num_queries=3, num_q_heads=4, num_kv_heads=2, head_dim=64,
-                         page_size=16, prefix=prefix, k_scale=0.05, v_scale=0.02, seed=prefix)
-        assert_matches_reference(case, variant, softmax_scale=0.125, num_splits=8)
-
-
 @st.composite
 def variants(draw: st.DrawFn) -> PagedAttentionVariant:
     """Any valid combination of the variant options (interleaving needs a flat merge)."""
@@ -86,7 +74,6 @@ def variants(draw: st.DrawFn) -> PagedAttentionVariant:
         merge=merge, split_order="interleaved" if interleaved else "contiguous",
         speculative_tiles=draw(st.sampled_from([1, 2])) if interleaved else 1,
         merge_rows=draw(st.sampled_from([1, 2, 4, 16])) if flat else 1,
-        speculative_parts=draw(st.sampled_from([0, 1, 2, 4])) if merge == "speculative" else 0,
         partial_dtype=draw(st.sampled_from([torch.float32, BF16])),
         fp8_dot_f16=draw(st.booleans()), own_stages=draw(st.sampled_from([0, 1])),
         pdl=flat and draw(st.booleans()))
@@ -124,8 +111,6 @@ def test_fuzz_variants_against_reference(
         ({"merge": "masked", "merge_rows": 3}, "merge_rows must be a power of two"),
         ({"speculative_tiles": 2, "merge": "masked"}, "speculative_tiles=2 needs"),
         ({"partial_dtype": torch.float16}, "partial_dtype must be"),
-        ({"merge": "speculative", "speculative_parts": 3}, "speculative_parts must be 0"),
-        ({"merge": "masked", "speculative_parts": 4}, "speculative_parts needs merge="),
     ],
 )
 def test_variant_errors_name_the_option(options: dict[str, object], message: str) -> None:
