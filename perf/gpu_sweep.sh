@@ -17,6 +17,7 @@
 # Env: TEST_TIMEOUT (560).
 set -u
 HERE="$(dirname "$0")"
+PARTS="default op runner kernels rest fuzz-moe fuzz-other"
 
 DEFAULT="test_nvfp4_loading|test_moe_overlap|tests/models/test_moe\.py|test_pdl"
 OP="test_nvfp4_moe\.py"
@@ -36,13 +37,11 @@ part_files() {  # part_files PART: the part's test files, one per line
   fuzz-moe) echo "$all" | grep -E "$FUZZ_MOE" ;;
   fuzz-other) echo "$all" | grep -E "$FUZZ_OTHER" ;;
   rest) echo "$all" | grep -vE "$DEFAULT|$OP|$RUNNER|$KERNELS|$FUZZ_MOE|$FUZZ_OTHER" ;;
-  *) echo "gpu_sweep: expected list, default, op, runner, kernels, rest, fuzz-moe or fuzz-other," \
-       "got $1" >&2
+  *) echo "gpu_sweep: expected list, files PART or one of: $PARTS; got $1" >&2
      return 2 ;;
   esac
 }
 
-PARTS="default op runner kernels rest fuzz-moe fuzz-other"
 case "${1:-}" in
 list)
   for part in $PARTS; do
@@ -57,14 +56,12 @@ list)
   fi
   echo "$(echo "$all" | wc -l) files, each in one part" ;;
 files) part_files "${2:-}" ;;
-default|op|runner|kernels|rest|fuzz-moe|fuzz-other)
-  files=$(part_files "$1") || exit 2
+*)
+  files=$(part_files "${1:-}") || exit 2
   source "$HERE/h200_session.sh" lib
   python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
   echo "$files" > "$OUT/sweep_files_$1.txt"
   # shellcheck disable=SC2086  # one argument per file
   TEST_TIMEOUT=${TEST_TIMEOUT:-560} gpu_tests "sweep_$1" -n 4 $files
   tar_out "gpu_sweep_$1" ;;
-*) echo "usage: $0 list|files PART|default|op|runner|kernels|rest|fuzz-moe|fuzz-other" >&2
-   exit 2 ;;
 esac
