@@ -6,6 +6,7 @@ from dlmc.engine.rules import (
     propose,
     propose_with_noise,
     row_argmax,
+    row_argmax_sumexp,
     step_quotas,
     threshold_step,
 )
@@ -106,3 +107,21 @@ def test_row_argmax_matches_torch_and_takes_the_first_of_equal_maxima(width):
     assert torch.equal(top, logits.max(-1).values)
     first = (logits == logits.max(-1, keepdim=True).values).float().argmax(-1)
     assert torch.equal(index, first)
+
+
+@pytest.mark.parametrize("width", [1, 255, 256, 257, 5000])
+def test_row_argmax_sumexp_is_the_two_pass_max_argmax_and_sum(width):
+    gen = torch.Generator().manual_seed(width)
+    logits = torch.randn(5, width, generator=gen) * 4
+    logits[1] = torch.randint(-3, 4, (width,), generator=gen).float()  # ties
+    logits[0] = float("-inf")  # every chunk but one holds -inf only
+    logits[0, width // 2] = 1.0
+    logits[2, : width // 2] = float("-inf")
+    top, index, total = row_argmax_sumexp(logits)
+    want_top, want_index = row_argmax(logits)
+    assert torch.equal(top, want_top)
+    assert torch.equal(index, want_index)
+    want = torch.exp(logits.double() - want_top.double()[:, None]).sum(-1)
+    assert torch.isfinite(total).all()
+    assert total[0] == 1.0
+    torch.testing.assert_close(total.double(), want, rtol=1e-5, atol=0)

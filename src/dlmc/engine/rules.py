@@ -32,6 +32,26 @@ def row_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return top, index
 
 
+def row_argmax_sumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(max, argmax, sum(exp(logits - max)))` of each row of `logits [bl, V]` in one pass.
+
+    Each of the `ARGMAX_CHUNKS` column chunks takes its max, first argmax and its sum of
+    `exp(x - chunk max)` together (one reduction kernel when compiled, where `row_argmax` then
+    `chunked_row_sum` read the row twice); the chunk sums are rescaled to the row's max,
+    `sum_c s_c * exp(m_c - max)`, as an online softmax does. A chunk of -inf only (padding,
+    masked columns) adds 0. The argmax is `row_argmax`'s, the sum equals the two-pass one up to
+    the order of the fp32 sums.
+    """
+    chunks = _chunks(logits, float("-inf"))
+    part_max, part_idx = chunks.max(dim=-1)  # [bl, C]
+    finite = torch.where(part_max == float("-inf"), 0.0, part_max)  # no -inf - -inf
+    part_sum = torch.exp(chunks - finite[..., None]).sum(dim=-1)  # [bl, C]
+    top, which = part_max.max(dim=-1)  # [bl]
+    index = which * chunks.shape[-1] + part_idx.gather(1, which[:, None])[:, 0]
+    total = (part_sum * torch.exp(finite - top[:, None])).sum(dim=-1)  # [bl]
+    return top, index, total
+
+
 def chunked_row_sum(x: torch.Tensor) -> torch.Tensor:
     """Row sums of `x [bl, V]` through `ARGMAX_CHUNKS` partial sums (parallel when compiled)."""
     return _chunks(x, 0.0).sum(dim=-1).sum(dim=-1)  # [bl]
@@ -54,8 +74,8 @@ def propose(
     if temperature <= 0.0 and top_k is None and (top_p is None or top_p >= 1.0):
         # Greedy: p(argmax) = exp(0) / sum(exp(logits - max)) = 1 / that sum. Row reductions
         # instead of a materialised [bl, V] softmax (the vocabulary is ~157k wide).
-        top, x0 = row_argmax(logits)  # [bl]
-        return x0, 1.0 / chunked_row_sum(torch.exp(logits - top[:, None]))
+        _, x0, total = row_argmax_sumexp(logits)  # [bl]
+        return x0, 1.0 / total
     if temperature > 0.0:
         logits = logits / temperature
     if top_k is not None and top_k < logits.shape[-1]:

@@ -1,0 +1,104 @@
+"""Time the greedy decision's row reductions: two passes against one (session 38).
+
+The round's greedy `propose` needs, per block position, the argmax of the fp32 logits
+`[32, V]` and `1 / sum(exp(logits - max))`. Up to session 37 it read the logits twice
+(`row_argmax`, then `chunked_row_sum` of the exponentials: two Inductor kernels of ~11 µs each
+in session 36's profile); `row_argmax_sumexp` takes each chunk's max, argmax and sum of
+exponentials in one pass. Both forms are compiled (fullgraph) on the same bf16 logits, cast to
+fp32 and the mask column set to -inf as `decide` does, and replayed in one CUDA graph of
+`--copies` calls (the logits stay in L2, as in the round, where lm_head has just written them);
+median µs per call over `--iters` replays, the kernels each form launches (profiler), and the
+check that both give the same tokens and probabilities within 1e-5.
+
+    python3 perf/bench_decision.py --out perf/results/s38/decision.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+from dlmc.bench.timing import cuda_times
+from dlmc.engine.rules import chunked_row_sum, propose, row_argmax
+
+VOCAB = 157184  # LLaDA2.1-mini
+MASK_ID = 156895
+
+
+def two_pass(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Session 37's greedy `propose`: argmax, then the sum of exponentials, two reads."""
+    x = logits.float()
+    x[:, MASK_ID % x.shape[1]] = float("-inf")
+    top, x0 = row_argmax(x)
+    return x0, 1.0 / chunked_row_sum(torch.exp(x - top[:, None]))
+
+
+def one_pass(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy `propose` now (`row_argmax_sumexp`)."""
+    x = logits.float()
+    x[:, MASK_ID % x.shape[1]] = float("-inf")
+    return propose(x)
+
+
+def kernels(fn, logits: torch.Tensor) -> list[str]:
+    """Names of the device kernels one call of `fn` launches."""
+    if not torch.cuda.is_available():
+        return []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn(logits)
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def graph_us(fn, logits: torch.Tensor, copies: int, iters: int) -> float:
+    """Median µs of one call from CUDA-graph replays of `copies` calls (wall clock on CPU)."""
+    if not torch.cuda.is_available():
+        return statistics.median(cuda_times(lambda: fn(logits), iters, warmup=1)) * 1e3
+    fn(logits)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(copies):
+            fn(logits)
+    return statistics.median(cuda_times(graph.replay, iters, warmup=3)) * 1e3 / copies
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--vocab", type=int, default=VOCAB)
+    parser.add_argument("--copies", type=int, default=20)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--out", help="JSON file for the results")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=device).manual_seed(0)
+    logits = (torch.randn(args.tokens, args.vocab, generator=gen, device=device) * 3).to(
+        torch.bfloat16)
+    forms = {"two_pass": torch.compile(two_pass, fullgraph=True),
+             "one_pass": torch.compile(one_pass, fullgraph=True)}
+    (x_old, p_old), (x_new, p_new) = (fn(logits) for fn in forms.values())
+    if not torch.equal(x_old, x_new):
+        sys.exit("bench_decision: the two forms chose different tokens")
+    torch.testing.assert_close(p_new, p_old, rtol=1e-5, atol=0)
+    rows = {}
+    for name, fn in forms.items():
+        names = kernels(fn, logits)
+        us = graph_us(fn, logits, args.copies, args.iters)
+        rows[name] = {"us_per_call": us, "kernels": names}
+        print(f"{name:9s} {us:8.2f} µs per call, {len(names)} kernels: {', '.join(names)}")
+    ratio = rows["one_pass"]["us_per_call"] / rows["two_pass"]["us_per_call"]
+    print(f"one_pass / two_pass = {ratio:.3f}")
+    result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+              "torch": torch.__version__, "tokens": args.tokens, "vocab": args.vocab,
+              "copies": args.copies, "iters": args.iters, "rows": rows, "ratio": ratio}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
