@@ -5,8 +5,10 @@ The round's greedy `propose` needs, per block position, the argmax of the fp32 l
 (`row_argmax`, then `chunked_row_sum` of the exponentials: two Inductor kernels of ~11 µs each
 in session 36's profile); `row_argmax_sumexp` takes each chunk's max, argmax and sum of
 exponentials in one pass. Both forms are compiled (fullgraph) on the same bf16 logits, cast to
-fp32 and the mask column set to -inf as `decide` does, and replayed in one CUDA graph of
-`--copies` calls (the logits stay in L2, as in the round, where lm_head has just written them);
+fp32 and the mask column set to -inf as `decide` does (the two-pass form at session 37's
+chunking, 256 chunks; the one-pass form at each of `--widths`, `ARGMAX_CHUNK_WIDTH`), and
+replayed in one CUDA graph of `--copies` calls (the logits stay in L2, as in the round, where
+lm_head has just written them);
 median µs per call over `--iters` replays, the kernels each form launches (profiler), and the
 check that both give the same tokens and probabilities within 1e-5.
 
@@ -22,6 +24,7 @@ import sys
 
 import torch
 
+import dlmc.engine.rules as rules
 from dlmc.bench.timing import cuda_times
 from dlmc.engine.rules import chunked_row_sum, propose, row_argmax
 
@@ -72,29 +75,40 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=VOCAB)
     parser.add_argument("--copies", type=int, default=20)
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--widths", type=int, nargs="*",
+                        help="chunk widths of the one-pass form (default: 256 chunks' width)")
     parser.add_argument("--out", help="JSON file for the results")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator(device=device).manual_seed(0)
     logits = (torch.randn(args.tokens, args.vocab, generator=gen, device=device) * 3).to(
         torch.bfloat16)
-    forms = {"two_pass": torch.compile(two_pass, fullgraph=True),
-             "one_pass": torch.compile(one_pass, fullgraph=True)}
-    (x_old, p_old), (x_new, p_new) = (fn(logits) for fn in forms.values())
-    if not torch.equal(x_old, x_new):
-        sys.exit("bench_decision: the two forms chose different tokens")
-    torch.testing.assert_close(p_new, p_old, rtol=1e-5, atol=0)
-    rows = {}
-    for name, fn in forms.items():
+    old_width = -(-args.vocab // 256)  # session 37's 256 chunks
+    forms = [("two_pass", old_width, two_pass)] + [
+        ("one_pass", width, one_pass) for width in args.widths or [old_width]]
+    rows, want = {}, None
+    for name, width, form in forms:
+        torch._dynamo.reset()  # each form traced at its chunk width
+        rules.ARGMAX_CHUNK_WIDTH = width
+        fn = torch.compile(form, fullgraph=True)
+        x0, p = fn(logits)
+        if want is None:
+            want = (x0, p)
+        elif not torch.equal(x0, want[0]):
+            sys.exit(f"bench_decision: {name} at width {width} chose other tokens")
+        torch.testing.assert_close(p, want[1], rtol=1e-5, atol=0)
         names = kernels(fn, logits)
         us = graph_us(fn, logits, args.copies, args.iters)
-        rows[name] = {"us_per_call": us, "kernels": names}
-        print(f"{name:9s} {us:8.2f} µs per call, {len(names)} kernels: {', '.join(names)}")
-    ratio = rows["one_pass"]["us_per_call"] / rows["two_pass"]["us_per_call"]
-    print(f"one_pass / two_pass = {ratio:.3f}")
+        rows[f"{name}_{width}"] = {"us_per_call": us, "kernels": names}
+        print(f"{name} width {width:5d} {us:8.2f} µs per call, {len(names)} kernels: "
+              f"{', '.join(names)}")
+    base = rows[f"two_pass_{old_width}"]["us_per_call"]
+    for key, row in rows.items():
+        row["ratio"] = row["us_per_call"] / base
+        print(f"{key} / two_pass_{old_width} = {row['ratio']:.3f}")
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
               "torch": torch.__version__, "tokens": args.tokens, "vocab": args.vocab,
-              "copies": args.copies, "iters": args.iters, "rows": rows, "ratio": ratio}
+              "copies": args.copies, "iters": args.iters, "rows": rows}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from dlmc.engine import rules
 from dlmc.engine.rules import (
     joint_threshold_step,
     propose,
@@ -97,8 +98,10 @@ def test_greedy_propose_matches_the_softmax_of_the_argmax():
     torch.testing.assert_close(p, probs.gather(-1, x0[:, None])[:, 0], rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("chunk", [16, 1024])
 @pytest.mark.parametrize("width", [1, 255, 256, 257, 5000])
-def test_row_argmax_matches_torch_and_takes_the_first_of_equal_maxima(width):
+def test_row_argmax_matches_torch_and_takes_the_first_of_equal_maxima(width, chunk, monkeypatch):
+    monkeypatch.setattr(rules, "ARGMAX_CHUNK_WIDTH", chunk)
     gen = torch.Generator().manual_seed(width)
     logits = torch.randint(-3, 4, (5, width), generator=gen).float()  # many ties
     logits[0] = float("-inf")
@@ -109,8 +112,10 @@ def test_row_argmax_matches_torch_and_takes_the_first_of_equal_maxima(width):
     assert torch.equal(index, first)
 
 
+@pytest.mark.parametrize("chunk", [16, 1024])
 @pytest.mark.parametrize("width", [1, 255, 256, 257, 5000])
-def test_row_argmax_sumexp_is_the_two_pass_max_argmax_and_sum(width):
+def test_row_argmax_sumexp_is_the_two_pass_max_argmax_and_sum(width, chunk, monkeypatch):
+    monkeypatch.setattr(rules, "ARGMAX_CHUNK_WIDTH", chunk)
     gen = torch.Generator().manual_seed(width)
     logits = torch.randn(5, width, generator=gen) * 4
     logits[1] = torch.randint(-3, 4, (width,), generator=gen).float()  # ties

@@ -8,21 +8,24 @@ from __future__ import annotations
 
 import torch
 
-ARGMAX_CHUNKS = 256
+# Columns per chunk of the chunked row reductions. Session 38 (H200, perf/bench_decision.py):
+# TODO width table
+ARGMAX_CHUNK_WIDTH = 1024
 
 
 def _chunks(x: torch.Tensor, fill: float) -> torch.Tensor:
-    """`x [bl, V]` as `[bl, ARGMAX_CHUNKS, ceil(V / ARGMAX_CHUNKS)]`, padded with `fill`."""
+    """`x [bl, V]` as `[bl, C, ARGMAX_CHUNK_WIDTH]` with `C = ceil(V / ARGMAX_CHUNK_WIDTH)`,
+    padded with `fill`."""
     rows, width = x.shape
-    chunk = -(-width // ARGMAX_CHUNKS)
-    padded = torch.nn.functional.pad(x, (0, chunk * ARGMAX_CHUNKS - width), value=fill)
-    return padded.view(rows, ARGMAX_CHUNKS, chunk)
+    count = max(1, -(-width // ARGMAX_CHUNK_WIDTH))
+    padded = torch.nn.functional.pad(x, (0, count * ARGMAX_CHUNK_WIDTH - width), value=fill)
+    return padded.view(rows, count, ARGMAX_CHUNK_WIDTH)
 
 
 def row_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`(max, argmax)` of each row of `logits [bl, V]`, the first index among equal maxima.
 
-    In two stages over `ARGMAX_CHUNKS` column chunks: a compiled argmax over a few very long
+    In two stages over column chunks of `ARGMAX_CHUNK_WIDTH`: a compiled argmax over a few very long
     rows runs one program per row, a chunked one fills the GPU (~7x faster at 32 x 157k).
     """
     chunks = _chunks(logits, float("-inf"))
@@ -35,7 +38,7 @@ def row_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def row_argmax_sumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(max, argmax, sum(exp(logits - max)))` of each row of `logits [bl, V]` in one pass.
 
-    Each of the `ARGMAX_CHUNKS` column chunks takes its max, first argmax and its sum of
+    Each column chunk takes its max, first argmax and its sum of
     `exp(x - chunk max)` together (one reduction kernel when compiled, where `row_argmax` then
     `chunked_row_sum` read the row twice); the chunk sums are rescaled to the row's max,
     `sum_c s_c * exp(m_c - max)`, as an online softmax does. A chunk of -inf only (padding,
@@ -53,7 +56,7 @@ def row_argmax_sumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
 
 
 def chunked_row_sum(x: torch.Tensor) -> torch.Tensor:
-    """Row sums of `x [bl, V]` through `ARGMAX_CHUNKS` partial sums (parallel when compiled)."""
+    """Row sums of `x [bl, V]` through partial sums over column chunks (parallel when compiled)."""
     return _chunks(x, 0.0).sum(dim=-1).sum(dim=-1)  # [bl]
 
 
