@@ -41,7 +41,7 @@ print(min((v['us_per_call'], k) for k, v in r.items() if k.startswith('one'))[1]
   env_round round_s37_rules
   cp /tmp/rules_new.py $R
   python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
-  TEST_TIMEOUT=${TEST_TIMEOUT:-250} gpu_tests fuzz_op -p no:xdist \
+  TEST_TIMEOUT=${TEST_TIMEOUT:-250} gpu_tests fuzz_op \
     "tests/custom_ops/test_nvfp4_moe.py::test_matches_reference_gpu"
   tar_out s38_widths ;;
 *) echo "h200_s38.sh: expected decision or widths; got ${1:-nothing}" >&2; exit 2 ;;
