@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import torch
 
-# Columns per chunk of the chunked row reductions. Session 38 (H200, perf/bench_decision.py):
-# TODO width table
-ARGMAX_CHUNK_WIDTH = 1024
+# Columns per chunk of the chunked row reductions: 614 = LLaDA2's vocabulary (157,184) / 256.
+# Session 38 (H200, perf/bench_decision.py, the one-pass greedy reductions at 32 x 157,184):
+# 10.64 µs at 614, 10.65 at 1024, 11.39 at 512; 2048-8192 leave Inductor's persistent
+# reduction for a looped one, 14.9-30.6 µs (two passes at 614: 17.56).
+ARGMAX_CHUNK_WIDTH = 614
 
 
 def _chunks(x: torch.Tensor, fill: float) -> torch.Tensor:
