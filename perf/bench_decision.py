@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
 
 import dlmc.engine.rules as rules
-from dlmc.bench.timing import cuda_times
+from dlmc.bench.timing import graph_us
 from dlmc.engine.rules import chunked_row_sum, propose, row_argmax
 
 VOCAB = 157184  # LLaDA2.1-mini
@@ -57,18 +56,6 @@ def kernels(fn, logits: torch.Tensor) -> list[str]:
     return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
-def graph_us(fn, logits: torch.Tensor, copies: int, iters: int) -> float:
-    """Median µs of one call from CUDA-graph replays of `copies` calls (wall clock on CPU)."""
-    if not torch.cuda.is_available():
-        return statistics.median(cuda_times(lambda: fn(logits), iters, warmup=1)) * 1e3
-    fn(logits)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(copies):
-            fn(logits)
-    return statistics.median(cuda_times(graph.replay, iters, warmup=3)) * 1e3 / copies
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=32)
@@ -98,7 +85,7 @@ def main() -> None:
             sys.exit(f"bench_decision: {name} at width {width} chose other tokens")
         torch.testing.assert_close(p, want[1], rtol=1e-5, atol=0)
         names = kernels(fn, logits)
-        us = graph_us(fn, logits, args.copies, args.iters)
+        us = graph_us(lambda _, f=fn: f(logits), args.copies, args.iters)
         rows[f"{name}_{width}"] = {"us_per_call": us, "kernels": names}
         print(f"{name} width {width:5d} {us:8.2f} µs per call, {len(names)} kernels: "
               f"{', '.join(names)}")

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -34,22 +32,11 @@ import dlmc.custom_ops.moe_route_align as mra
 import dlmc.custom_ops.router_gemm as rg
 import dlmc.custom_ops.small_m_linear as sml
 import dlmc.custom_ops.split_k_linear as skl
-from dlmc.bench.timing import copy_bandwidth_gbps, cuda_times
+from dlmc.bench.timing import copy_bandwidth_gbps, graph_us
 
 SHAPES = {"qkv": (3072, 2048, torch.bfloat16), "o_proj": (2048, 2048, torch.bfloat16),
           "mlp_gate_up": (10240, 2048, torch.bfloat16), "mlp_down": (2048, 5120, torch.bfloat16),
           "router": (256, 2048, torch.float32)}
-
-
-def graph_us(fn: Callable[[int], object], copies: int, iters: int) -> float:
-    """Median µs of one call, from CUDA-graph replays of `copies` calls on distinct weights."""
-    for i in range(copies):
-        fn(i)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(copies):
-            fn(i)
-    return statistics.median(cuda_times(graph.replay, iters, warmup=3)) * 1e3 / copies
 
 
 def route_align_rows(x: torch.Tensor, ws: list[torch.Tensor], bias: torch.Tensor,

@@ -32,6 +32,21 @@ def cuda_times(fn: Callable[[], object], iters: int, warmup: int = 0) -> list[fl
     return times
 
 
+def graph_us(call: Callable[[int], object], copies: int, iters: int) -> float:
+    """Median µs of one call from CUDA-graph replays of `call(0)`, ..., `call(copies - 1)` (on
+    distinct weights, say) captured in one graph; where there is no GPU, the median wall clock
+    of the calls run one by one (CPU smoke tests of the perf/ scripts)."""
+    for i in range(copies):
+        call(i)
+    if not torch.cuda.is_available():
+        return statistics.median(cuda_times(lambda: call(0), iters)) * 1e3
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(copies):
+            call(i)
+    return statistics.median(cuda_times(graph.replay, iters, warmup=3)) * 1e3 / copies
+
+
 def queued_cuda_times(fn: Callable[[], object], iters: int) -> list[float]:
     """Milliseconds of each of `iters` calls of `fn` queued back to back on the current stream
     (no host sync between them): CUDA events between consecutive calls, so each time is the
