@@ -40,9 +40,9 @@ def row_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def row_argmax_sumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(max, argmax, sum(exp(logits - max)))` of each row of `logits [bl, V]` in one pass.
 
-    Each column chunk takes its max, first argmax and its sum of
-    `exp(x - chunk max)` together (one reduction kernel when compiled, where `row_argmax` then
-    `chunked_row_sum` read the row twice); the chunk sums are rescaled to the row's max,
+    Each column chunk takes its max, first argmax and sum of `exp(x - chunk max)` together
+    (one reduction kernel when compiled, where `row_argmax` then `chunked_row_sum` read the
+    row twice); the chunk sums are rescaled to the row's max,
     `sum_c s_c * exp(m_c - max)`, as an online softmax does. A chunk of -inf only (padding,
     masked columns) adds 0. The argmax is `row_argmax`'s, the sum equals the two-pass one up to
     the order of the fp32 sums.
