@@ -24,16 +24,23 @@ def _chunks(x: torch.Tensor, fill: float) -> torch.Tensor:
     return padded.view(rows, count, ARGMAX_CHUNK_WIDTH)
 
 
-def row_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(max, argmax)` of each row of `logits [bl, V]`, the first index among equal maxima.
-
-    In two stages over column chunks of `ARGMAX_CHUNK_WIDTH`: a compiled argmax over a few very long
-    rows runs one program per row, a chunked one fills the GPU (~7x faster at 32 x 157k).
-    """
-    chunks = _chunks(logits, float("-inf"))
+def _chunk_argmax(chunks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`chunks [bl, C, W]` -> each chunk's max `[bl, C]`, and each row's max and first argmax
+    (a column of the unchunked row) `[bl]`."""
     part_max, part_idx = chunks.max(dim=-1)  # [bl, C]
     top, which = part_max.max(dim=-1)  # [bl]
     index = which * chunks.shape[-1] + part_idx.gather(1, which[:, None])[:, 0]
+    return part_max, top, index
+
+
+def row_argmax(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(max, argmax)` of each row of `logits [bl, V]`, the first index among equal maxima.
+
+    In two stages over column chunks of `ARGMAX_CHUNK_WIDTH`: a compiled argmax over a few
+    very long rows runs one program per row, a chunked one fills the GPU (~7x faster at
+    32 x 157k).
+    """
+    _, top, index = _chunk_argmax(_chunks(logits, float("-inf")))
     return top, index
 
 
@@ -42,17 +49,14 @@ def row_argmax_sumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
 
     Each column chunk takes its max, first argmax and sum of `exp(x - chunk max)` together
     (one reduction kernel when compiled, where `row_argmax` then `chunked_row_sum` read the
-    row twice); the chunk sums are rescaled to the row's max,
-    `sum_c s_c * exp(m_c - max)`, as an online softmax does. A chunk of -inf only (padding,
-    masked columns) adds 0. The argmax is `row_argmax`'s, the sum equals the two-pass one up to
-    the order of the fp32 sums.
+    row twice); the chunk sums are rescaled to the row's max, `sum_c s_c * exp(m_c - max)`,
+    as an online softmax does. A chunk of -inf only (padding, masked columns) adds 0. The
+    argmax is `row_argmax`'s, the sum equals the two-pass one up to the order of the fp32 sums.
     """
     chunks = _chunks(logits, float("-inf"))
-    part_max, part_idx = chunks.max(dim=-1)  # [bl, C]
+    part_max, top, index = _chunk_argmax(chunks)
     finite = torch.where(part_max == float("-inf"), 0.0, part_max)  # no -inf - -inf
     part_sum = torch.exp(chunks - finite[..., None]).sum(dim=-1)  # [bl, C]
-    top, which = part_max.max(dim=-1)  # [bl]
-    index = which * chunks.shape[-1] + part_idx.gather(1, which[:, None])[:, 0]
     total = (part_sum * torch.exp(finite - top[:, None])).sum(dim=-1)  # [bl]
     return top, index, total
 
