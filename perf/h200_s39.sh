@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Session 39's H200 calls (helpers of perf/h200_session.sh); output tarred in $OUT.
+#   bash perf/h200_s39.sh combine  # (carry .whl) the Gluon gate/up + down GPU tests with the
+#                                  # combine in the down kernel (DLMC_NVFP4_DOWN_COMBINE=1, the
+#                                  # new default: bit for bit the Triton kernels + moe_combine),
+#                                  # then the op alone in 8 processes alternating
+#                                  # DLMC_NVFP4_DOWN_COMBINE=1 / 0 (routed experts, 32 tokens)
+# Env: TEST_TIMEOUT, PASSES (4 per setting).
+set -u
+HERE="$(dirname "$0")"
+source "$HERE/h200_session.sh" lib
+source <(sed -n '/^op_rows()/,/^}/p' "$HERE/h200_s27.sh")
+
+# ab_op NAME_A ENV_A NAME_B ENV_B: the op in PASSES process pairs, A then B, B then A, ...
+ab_op() {
+  local pass
+  for pass in $(seq 1 "${PASSES:-4}"); do
+    if [ $((pass % 2)) = 1 ]; then
+      op_env "op_$1_$pass" "$2" $([ "$pass" = 1 ] && echo --profile)
+      op_env "op_$3_$pass" "$4" $([ "$pass" = 1 ] && echo --profile)
+    else
+      op_env "op_$3_$pass" "$4"
+      op_env "op_$1_$pass" "$2"
+    fi
+  done
+}
+
+case "${1:-}" in
+combine)
+  python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
+  TEST_TIMEOUT=${TEST_TIMEOUT:-240} gpu_tests combine -n 4 \
+    tests/custom_ops/test_nvfp4_gate_up_gluon.py tests/custom_ops/test_nvfp4_down_gluon.py
+  ab_op combine DLMC_NVFP4_DOWN_COMBINE=1 launch DLMC_NVFP4_DOWN_COMBINE=0
+  tar_out s39_combine ;;
+*) echo "h200_s39.sh: expected combine; got ${1:-nothing}" >&2; exit 2 ;;
+esac
