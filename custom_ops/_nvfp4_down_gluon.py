@@ -30,7 +30,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from dlmc.custom_ops._nvfp4_down_combine import LINE, count_pairs, finish_pairs
 from dlmc.custom_ops._nvfp4_gluon_parts import (
     H_OP,
     MMA,
@@ -215,10 +214,10 @@ def _consumer(expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr, num_items,
 
 
 @gluon.jit
-def _ring_acc(sorted_pair_ptr, alpha_ptr, slot0, expert, i, empty, ready, w_buf, s_buf, h_buf,
-              STAGES: gl.constexpr, KSTEPS: gl.constexpr):
-    """The K loop of `_ring_item`: (fp32 accumulator [128, 8], alpha * 2^7, the part's pairs,
-    the ring position after it)."""
+def _ring_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, slot0, tile, expert, i,
+               empty, ready, w_buf, s_buf, h_buf, STAGES: gl.constexpr, KSTEPS: gl.constexpr):
+    """y rows of the part's pairs, columns tile * 128 + [0, 128), with the weights, codes and
+    h rows all from the ring (ring slots i, i + 1, ...); returns the ring position after it."""
     # the epilogue's loads before the K loop (their latency hides there)
     alpha = gl.load(alpha_ptr + expert) * 128.0  # * 2^7: the decode's w * 2^-7
     pairs = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(0, MMA)))
@@ -232,24 +231,8 @@ def _ring_acc(sorted_pair_ptr, alpha_ptr, slot0, expert, i, empty, ready, w_buf,
         token = release_slot(empty, s)
         acc = _mma_chunk(words, codes, h_even, h_odd, acc, 4, token)
         i += 1
-    return acc, alpha, pairs, i
-
-
-@gluon.jit
-def _ring_store(y_ptr, num_pairs, stride_y, tile, acc, alpha, pairs):
-    """`_ring_acc`'s result to the y rows of the part's pairs, columns tile * 128 + [0, 128)."""
     cols = tile * 128 + gl.arange(0, 128, gl.SliceLayout(1, MMA))
     _store_tile(y_ptr, pairs, stride_y, cols, (acc * alpha).to(gl.bfloat16), pairs < num_pairs)
-
-
-@gluon.jit
-def _ring_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, slot0, tile, expert, i,
-               empty, ready, w_buf, s_buf, h_buf, STAGES: gl.constexpr, KSTEPS: gl.constexpr):
-    """y rows of the part's pairs, columns tile * 128 + [0, 128), with the weights, codes and
-    h rows all from the ring (ring slots i, i + 1, ...); returns the ring position after it."""
-    acc, alpha, pairs, i = _ring_acc(sorted_pair_ptr, alpha_ptr, slot0, expert, i, empty, ready,
-                                     w_buf, s_buf, h_buf, STAGES, KSTEPS)
-    _ring_store(y_ptr, num_pairs, stride_y, tile, acc, alpha, pairs)
     return i
 
 
@@ -308,64 +291,20 @@ def _ticket_consumer(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, emp
 
 
 @gluon.jit
-def _combine_consumer(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, empty, ready,
-                      w_buf, s_buf, h_buf, ids, comb_ptr, w_ptr, out_ptr, stride_wt, stride_wk,
-                      stride_out, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
-                      TILES: gl.constexpr, BLOCK_M: gl.constexpr, TOP_K: gl.constexpr):
-    """`_ticket_consumer` that also combines (`_nvfp4_down_combine`): after each item's K loop
-    it finishes the counts of the item two back and counts the previous item's pairs (their
-    stores a K loop old), then stores this item's rows; after the last item, the rest."""
-    i = 0  # K-steps consumed so far
-    token = gl.full([128], -1, gl.int32, LINE)  # the counts issued after the last K loop
-    old = gl.zeros([128], gl.int32, LINE)
-    counted_tile = 0  # their item's N-tile
-    prev_slot0 = 0  # the item stored after the last K loop (none yet: prev_live 0)
-    prev_tile = 0
-    prev_live = 0
-    tag = _tag(ids, ready, i, STAGES)
-    while tag >= 0:
-        item, expert = tag // 1024, tag % 1024
-        slot0, tile = _place(item, TILES, BLOCK_M)
-        acc, alpha, pairs, i = _ring_acc(sorted_pair_ptr, alpha_ptr, slot0, expert, i, empty,
-                                         ready, w_buf, s_buf, h_buf, STAGES, KSTEPS)
-        finish_pairs(comb_ptr, y_ptr, w_ptr, out_ptr, stride_y, stride_wt, stride_wk,
-                     stride_out, token, old, counted_tile, TOP_K, TILES)
-        token, old = count_pairs(comb_ptr, sorted_pair_ptr, num_pairs, prev_slot0, prev_tile,
-                                 prev_live, TOP_K, TILES)
-        counted_tile = prev_tile
-        _ring_store(y_ptr, num_pairs, stride_y, tile, acc, alpha, pairs)
-        prev_slot0 = slot0
-        prev_tile = tile
-        prev_live = 1
-        tag = _tag(ids, ready, i, STAGES)
-    finish_pairs(comb_ptr, y_ptr, w_ptr, out_ptr, stride_y, stride_wt, stride_wk, stride_out,
-                 token, old, counted_tile, TOP_K, TILES)
-    token, old = count_pairs(comb_ptr, sorted_pair_ptr, num_pairs, prev_slot0, prev_tile,
-                             prev_live, TOP_K, TILES)
-    finish_pairs(comb_ptr, y_ptr, w_ptr, out_ptr, stride_y, stride_wt, stride_wk, stride_out,
-                 token, old, prev_tile, TOP_K, TILES)
-
-
-@gluon.jit
 def _down_gluon_kernel(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr,
                        num_items, num_pairs, shared_id, stride_y, h_ptr, stride_h, count_ptr,
-                       num_slots, writers, comb_ptr, w_ptr, out_ptr, stride_wt, stride_wk,
-                       stride_out, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
+                       num_slots, writers, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
                        TILES: gl.constexpr, I: gl.constexpr, H: gl.constexpr,
                        BLOCK_M: gl.constexpr, OVERLAP: gl.constexpr = False,
                        PDL: gl.constexpr = False, TICKETS: gl.constexpr = False,
-                       PER_PART: gl.constexpr = False, COMBINE: gl.constexpr = False,
-                       TOP_K: gl.constexpr = 8):
+                       PER_PART: gl.constexpr = False):
     """`OVERLAP`: launched while gate/up runs (with PDL: `PDL`, which also lets the next
     kernel launch at once); the consumers wait per routing block for its h rows
     (`moe_overlap`'s counters in `count_ptr`, `writers` gate/up programs per block) and load
     them from global memory instead of the producer's TMA copies. `TICKETS` (with `OVERLAP`):
     items from the counter `count_ptr[2 * num_slots]` (zero between launches) in turn, and the
     producer waits for the rows and copies them. `PER_PART`: `writers` counts per 8-slot part
-    that holds a pair (the Gluon gate/up items of `_nvfp4_moe_gluon`), not per block.
-    `COMBINE` (with `TICKETS`; pairs `t * TOP_K + k`, no shared expert): the consumers also
-    write `out[t] = sum_k w[t, k] * y[t * TOP_K + k]` (`_nvfp4_down_combine`; counters
-    `comb_ptr[t * TILES + tile]`, zero between launches); else those arguments are unread."""
+    that holds a pair (the Gluon gate/up items of `_nvfp4_moe_gluon`), not per block."""
     if PDL:
         gdc_launch_dependents()
     w_buf = gl.allocate_shared_memory(w_d.dtype, [STAGES] + w_d.block_type.shape, w_d.layout)
@@ -375,27 +314,15 @@ def _down_gluon_kernel(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, alph
     empty, ready = ring_barriers(STAGES)
     if TICKETS:  # (with OVERLAP: the producer waits for gate/up's rows and copies them)
         ids = gl.allocate_shared_memory(gl.int32, [STAGES, 1], TAGS)  # one tag per ring slot
-        if COMBINE:
-            gl.warp_specialize([
-                (_combine_consumer, (sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y,
-                                     empty, ready, w_buf, s_buf, h_buf, ids, comb_ptr, w_ptr,
-                                     out_ptr, stride_wt, stride_wk, stride_out, STAGES, KSTEPS,
-                                     TILES, BLOCK_M, TOP_K)),
-                (_ticket_producer, (w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr,
-                                    count_ptr, num_slots, writers, num_items, num_pairs,
-                                    shared_id, empty, ready, w_buf, s_buf, h_buf, ids, STAGES,
-                                    KSTEPS, TILES, I, H, BLOCK_M, PER_PART)),
-            ], [1], [40])
-        else:
-            gl.warp_specialize([
-                (_ticket_consumer, (sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y,
-                                    empty, ready, w_buf, s_buf, h_buf, ids, STAGES, KSTEPS,
-                                    TILES, BLOCK_M)),
-                (_ticket_producer, (w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr,
-                                    count_ptr, num_slots, writers, num_items, num_pairs,
-                                    shared_id, empty, ready, w_buf, s_buf, h_buf, ids, STAGES,
-                                    KSTEPS, TILES, I, H, BLOCK_M, PER_PART)),
-            ], [1], [40])
+        gl.warp_specialize([
+            (_ticket_consumer, (sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, empty,
+                                ready, w_buf, s_buf, h_buf, ids, STAGES, KSTEPS, TILES,
+                                BLOCK_M)),
+            (_ticket_producer, (w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, count_ptr,
+                                num_slots, writers, num_items, num_pairs, shared_id, empty,
+                                ready, w_buf, s_buf, h_buf, ids, STAGES, KSTEPS, TILES, I, H,
+                                BLOCK_M, PER_PART)),
+        ], [1], [40])
     else:  # program p's items p, p + grid, ... (the producer and the consumers alike)
         gl.warp_specialize([
             (_consumer, (expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr, num_items,
@@ -415,9 +342,7 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
                       words: torch.Tensor, codes: torch.Tensor, alpha: torch.Tensor,
                       y: torch.Tensor, num_pairs: int, shared_id: int,
                       count: torch.Tensor | None = None, num_slots: int = 0, writers: int = 0,
-                      pdl: bool = False, per_part: bool = False,
-                      combine: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                      ) -> None:
+                      pdl: bool = False, per_part: bool = False) -> None:
     """y[pair] = bf16(alpha[e] * h[slot] @ down[e]^T) for every routed pair of the routing
     (`sorted_pair`, `expert_of_block`: blocks of 16, 32 or 64 slots, cut into 8-slot parts;
     blocks of expert `shared_id` skipped). h bf16 `[S, I]` with `H_EVEN_ODD` columns; words
@@ -430,10 +355,7 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
     that follows waits for this kernel only). With `count`, `TICKETS` (read at each launch)
     hands the items out by the ticket counter after the slots' (`2 * num_slots + 1` counters,
     `moe_overlap.counters(device, num_slots + 1)`). `per_part`: `writers` per 8-slot part that
-    holds a pair (gate/up in `_nvfp4_moe_gluon`'s items), else per routing block.
-    `combine` (out bf16 `[T, H]`, topk_weights fp32 `[T, K]`, int32 counters `[T * H / 128]`,
-    zero; with `count` and `TICKETS`, pairs `t * K + k`, no shared expert): the kernel also
-    writes out, `moe_combine`'s sum (`_nvfp4_down_combine`), and leaves the counters zero."""
+    holds a pair (gate/up in `_nvfp4_moe_gluon`'s items), else per routing block."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     tickets = TICKETS and count is not None
@@ -441,9 +363,6 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
         raise ValueError(f"nvfp4_moe: the Gluon down kernel with tickets needs "
                          f"{2 * num_slots + 1} counters (`moe_overlap.counters(device, "
                          f"num_slots + 1)`), got {count.numel()}")
-    if combine is not None and not tickets:
-        raise ValueError("nvfp4_moe: the Gluon down kernel combines only with its counters and "
-                         "items by ticket (`count`, DLMC_NVFP4_DOWN_TICKETS=1)")
 
     E, H, half_i = words.shape
     I = 2 * half_i
@@ -456,12 +375,10 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
     if tickets:
         check_item_tags(items, shared_id, "the Gluon down kernel with tickets")
     sms = torch.cuda.get_device_properties(h.device).multi_processor_count
-    out, weights, comb = combine if combine is not None else (y, alpha.view(1, -1), alpha)
     _down_gluon_kernel[(sms * PROGRAMS_PER_SM,)](
         w_d, s_d, h_d, expert_of_block, sorted_pair, alpha, y, items, num_pairs, shared_id,
         y.stride(0), h, h.stride(0), expert_of_block if count is None else count, num_slots,
-        writers, comb, weights, out, weights.stride(0), weights.stride(1), out.stride(0),
-        STAGES=STAGES, KSTEPS=I // 128, TILES=H // 128, I=I, H=H, BLOCK_M=block_m,
-        OVERLAP=count is not None, PDL=pdl, TICKETS=tickets, PER_PART=per_part,
-        COMBINE=combine is not None, TOP_K=weights.shape[1] if combine is not None else 8,
-        num_warps=4, maxnreg=MAXNREG, **({"launch_pdl": True} if pdl else {}))
+        writers, STAGES=STAGES, KSTEPS=I // 128, TILES=H // 128, I=I, H=H, BLOCK_M=block_m,
+        OVERLAP=count is not None, PDL=pdl, TICKETS=tickets, PER_PART=per_part, num_warps=4,
+        maxnreg=MAXNREG,
+        **({"launch_pdl": True} if pdl else {}))

@@ -19,7 +19,6 @@ import os
 import torch
 import triton
 
-from dlmc.custom_ops._nvfp4_down_combine import down_combine
 from dlmc.custom_ops._nvfp4_down_gluon import (
     down_gluon_applies,
     down_tickets,
@@ -237,14 +236,7 @@ def _nvfp4_moe_impl(
     # (unread without overlap; a Gluon kernel with a ticket counter: one more slot's room, for
     # it; the fused kernel's launch checks for that room)
     ticket_room = int(fused or gluon_gate_up or (gluon_down and down_tickets()))
-    # `DLMC_NVFP4_DOWN_COMBINE`: with both Gluon launches (no shared expert) and items by
-    # ticket, the down kernel writes the combined rows itself, counting each token's pairs per
-    # N-tile on T * H/128 counters after the ticket (`_nvfp4_down_combine`)
-    fuse_combine = (gluon_gate_up and overlap and down_tickets() and down_combine()
-                    and not pairs)
-    combine_room = -(-(T * (H // 128)) // 2) if fuse_combine else 0
-    count = (counters(x.device, num_slots + ticket_room + combine_room) if overlap
-             else expert_of_block)
+    count = counters(x.device, num_slots + ticket_room) if overlap else expert_of_block
     tiles1 = triton.cdiv(I, block_n1)
     rows1 = parts1 if fused or gluon_gate_up else num_blocks + parts1
     gate_alpha = _alphas(gate_weight_scale_2, gate_up_input_scale)
@@ -312,12 +304,7 @@ def _nvfp4_moe_impl(
                           down_alpha, y, num_pairs, E,
                           count if overlap else None, num_slots,
                           I // 128 if gluon_gate_up else tiles1, pdl=bool(pdl),
-                          per_part=gluon_gate_up, combine=(
-                              out, topk_weights,
-                              count[2 * num_slots + 1:2 * num_slots + 1 + T * (H // 128)])
-                          if fuse_combine else None)
-    if fuse_combine:
-        return out  # [T, H], combined by the down kernel
+                          per_part=gluon_gate_up)
     if pairs:
         return y  # [T*P, H]
     return combine_pairs(y, topk_weights, out, has_shared, edges)  # [T, H]

@@ -41,12 +41,7 @@ if not torch.cuda.is_available():  # --smoke on a CPU machine: Triton's interpre
 
 import dlmc.custom_ops.nvfp4_moe as nvfp4_module
 from dlmc.bench.timing import copy_bandwidth_gbps, cuda_times
-from dlmc.custom_ops import (
-    _nvfp4_down_combine,
-    _nvfp4_down_gluon,
-    _nvfp4_moe_gluon,
-    _nvfp4_self_route,
-)
+from dlmc.custom_ops import _nvfp4_down_gluon, _nvfp4_moe_gluon, _nvfp4_self_route
 from dlmc.custom_ops._nvfp4_gluon_ring import RING_EMPTY
 from dlmc.custom_ops.nvfp4_moe import (
     _KERNEL_NAME,
@@ -260,7 +255,6 @@ def main() -> None:
         "tile_rows": ROWS,  # rows per contiguous run of v5-v7's layout (DLMC_NVFP4_TILE_ROWS)
         "ring_empty": RING_EMPTY,  # how the Gluon kernels hand ring slots back
         "self_route": _nvfp4_self_route.SELF_ROUTE,  # whether gate/up programs route themselves
-        "down_combine": _nvfp4_down_combine.COMBINE,  # whether the down kernel combines
         "torch": torch.__version__, "python": platform.python_version(), "results": [],
     }
     if device == "cuda":

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Session 39's H200 calls (helpers of perf/h200_session.sh); output tarred in $OUT.
-#   bash perf/h200_s39.sh combine  # (carry .whl) the Gluon gate/up + down GPU tests with the
-#                                  # combine in the down kernel (DLMC_NVFP4_DOWN_COMBINE=1, the
-#                                  # new default: bit for bit the Triton kernels + moe_combine),
-#                                  # then the op alone in 8 processes alternating
-#                                  # DLMC_NVFP4_DOWN_COMBINE=1 / 0 (routed experts, 32 tokens)
+#   bash perf/h200_s39.sh combine  # (carry .whl; ran at commit 99194c9, whose combine in the
+#                                  # down kernel was removed after it) the Gluon gate/up + down
+#                                  # GPU tests with the combine in the down kernel
+#                                  # (DLMC_NVFP4_DOWN_COMBINE=1), then the op alone in 8
+#                                  # processes alternating DLMC_NVFP4_DOWN_COMBINE=1 / 0
+#                                  # (routed experts, 32 tokens)
 # Env: TEST_TIMEOUT, PASSES (4 per setting).
 set -u
 HERE="$(dirname "$0")"

@@ -21,7 +21,6 @@ import torch
 
 import dlmc.custom_ops.nvfp4_moe as op_module
 from dlmc.custom_ops import _nvfp4_down_gluon, _nvfp4_gluon_parts
-from dlmc.custom_ops.moe_combine import moe_combine_reference
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
 from dlmc.errors import ConfigError
 from tests.custom_ops.test_nvfp4_moe import (
@@ -71,29 +70,21 @@ def check_lowering() -> None:
     fences and copies them: `fence.proxy.async.global`; relaxed adds: the first ticket, one
     ahead per item, the reader count; exchanges: the last reader's two counter resets and the
     ticket reset). With tickets, `PER_PART` (waiting for gate/up's counts per 8-slot part) the
-    same. `COMBINE` (`_nvfp4_down_combine`, with tickets and `PER_PART`): two release adds
-    (the counts in the loop and after it), each finish's reset (a relaxed exchange) and its
-    predicated acquire fence, every combined row read from L2 (`ld.global.cg`)."""
+    same."""
     kernel, types = _nvfp4_down_gluon._down_gluon_kernel, down_types()
-    for overlap, tickets, per_part, combine in ((False, False, False, False),
-                                                (True, False, False, False),
-                                                (True, True, False, False),
-                                                (True, True, True, False),
-                                                (True, True, True, True)):
+    for overlap, tickets, per_part in ((False, False, False), (True, False, False),
+                                       (True, True, False), (True, True, True)):
         consts = {"STAGES": _nvfp4_down_gluon.STAGES, "KSTEPS": 4, "TILES": 16, "I": 512,
                   "H": 2048, "BLOCK_M": 16, "OVERLAP": overlap, "PDL": overlap,
-                  "TICKETS": tickets, "PER_PART": per_part, "COMBINE": combine, "TOP_K": 8}
+                  "TICKETS": tickets, "PER_PART": per_part}
         compiled, usage = compile_gluon_sm90(kernel, types, consts, _nvfp4_down_gluon.MAXNREG)
-        form = (overlap, tickets, per_part, combine)
+        form = (overlap, tickets, per_part)
         assert usage["REG"] <= _nvfp4_down_gluon.MAXNREG, (form, usage)
         assert usage["LOCAL"] == 0 and usage["STACK"] == 0, (form, usage)
         ptx = compiled.asm["ptx"]
         assert ptx.count("griddepcontrol.wait") == int(overlap), form
         assert ptx.count("relaxed.add") == int(overlap) + 2 * tickets, form
-        assert ptx.count("release.add") == 2 * combine, form
-        assert ptx.count("relaxed.exch") == 2 * overlap + tickets + 3 * combine, form
-        assert ptx.count("@p fence.acq_rel.gpu") == 3 * combine, form
-        assert ("ld.global.cg" in ptx) == combine, form
+        assert ptx.count("relaxed.exch") == 2 * overlap + tickets, form
         assert ("fence.proxy.async.global" in ptx) == tickets, form
         assert ".reqntid 256" in ptx  # 3 programs per SM at 80 registers: 61440 of 65536
 
@@ -104,8 +95,7 @@ def down_types() -> dict[str, str]:
     return {"w_d": f"tensordesc<u8[64, 128],{w!r}>", "s_d": f"tensordesc<i32[8, 32],{s!r}>",
             "h_d": f"tensordesc<bf16[8, 64],{h!r}>", "expert_of_block_ptr": "*i32",
             "sorted_pair_ptr": "*i32", "alpha_ptr": "*fp32", "y_ptr": "*bf16",
-            "h_ptr": "*bf16", "count_ptr": "*i32", "comb_ptr": "*i32", "w_ptr": "*fp32",
-            "out_ptr": "*bf16"}
+            "h_ptr": "*bf16", "count_ptr": "*i32"}
 
 
 def compile_gluon_sm90(kernel, types: dict[str, str], consts: dict[str, object],
@@ -174,21 +164,14 @@ def even_odd_rows_to_natural(h: torch.Tensor) -> torch.Tensor:
     return h.reshape(rows, cols // 128, 2, 64).transpose(2, 3).reshape(rows, cols)
 
 
-def torch_down(dequantized: torch.Tensor, calls: list[int | str]):
+def torch_down(dequantized: torch.Tensor, calls: list[int]):
     """A stand-in for `launch_down_gluon` on the CPU: reads h as the kernel does (even-odd
     columns, the routing's blocks, blocks of the shared expert skipped) and writes y in bf16, with
-    the down weights dequantized to fp32 `[E, H, I]` (alpha included). Given `combine` (calls
-    "combine", else 1), it also writes the combined rows as the kernel does (in pair order, in
-    fp32), after checking that the combine counters are zero and that the routing has K pairs
-    per token."""
+    the down weights dequantized to fp32 `[E, H, I]` (alpha included)."""
 
     def launch(h, sorted_pair, expert_of_block, words, codes, alpha, y, num_pairs, shared_id,
-               count=None, num_slots=0, writers=0, pdl=False, per_part=False, combine=None):
-        calls.append(1 if combine is None else "combine")
-        if combine is not None:
-            out, weights, comb = combine
-            assert comb.numel() == out.shape[0] * out.shape[1] // 128
-            assert int(comb.abs().sum()) == 0 and num_pairs == weights.numel()
+               count=None, num_slots=0, writers=0, pdl=False, per_part=False):
+        calls.append(1)
         natural = even_odd_rows_to_natural(h.float())
         block_m = sorted_pair.shape[0] // expert_of_block.shape[0]
         for block, expert in enumerate(expert_of_block.tolist()):
@@ -205,8 +188,6 @@ def torch_down(dequantized: torch.Tensor, calls: list[int | str]):
                 pair = int(sorted_pair[slot])
                 if pair < num_pairs:
                     y[pair] = (dequantized[expert] @ natural[slot]).bfloat16()
-        if combine is not None:
-            out.copy_(moe_combine_reference(y, weights))
 
     return launch
 

@@ -13,12 +13,7 @@ import pytest
 import torch
 
 import dlmc.custom_ops.nvfp4_moe as op_module
-from dlmc.custom_ops import (
-    _nvfp4_down_combine,
-    _nvfp4_down_gluon,
-    _nvfp4_moe_gluon,
-    _nvfp4_self_route,
-)
+from dlmc.custom_ops import _nvfp4_down_gluon, _nvfp4_moe_gluon, _nvfp4_self_route
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
 from tests.custom_ops.test_nvfp4_down_gluon import (
     against_triton,
@@ -86,16 +81,12 @@ def torch_gate_up(experts: dict[str, torch.Tensor], calls: list[tuple[str, bool,
     return launch
 
 
-@pytest.mark.parametrize("combine", [True, False], ids=["combine_in_down", "combine_launch"])
-def test_wiring_of_the_gluon_gate_up_matches_the_reference(monkeypatch, combine: bool) -> None:
+def test_wiring_of_the_gluon_gate_up_matches_the_reference(monkeypatch) -> None:
     """`DLMC_NVFP4_GATE_UP=gluon`: no Triton expert kernel, the fused kernel's gate/up items
     alone right after the routing ("enter"), then the Gluon down kernel waiting for `I / 128`
     counts per 8-slot part; the output is the reference's and the counters are zero
     afterwards. Skewed routing puts 20 tokens on two experts (16-slot blocks, some with an
-    empty part). `combine` (`DLMC_NVFP4_DOWN_COMBINE`, on by default): the down launch is
-    handed the output, the weights and zeroed counters and no `moe_combine` kernel runs;
-    off: the combine kernel runs after it."""
-    monkeypatch.setattr(_nvfp4_down_combine, "COMBINE", combine)
+    empty part)."""
     gen = torch.Generator().manual_seed(7)
     experts = random_experts(gen, 4, 128, 256)
     x = torch.randn(20, 128, generator=gen).bfloat16().to(DEVICE)
@@ -113,17 +104,11 @@ def test_wiring_of_the_gluon_gate_up_matches_the_reference(monkeypatch, combine:
     real_launcher = op_module.launcher
     monkeypatch.setattr(op_module, "launcher", lambda kernel: (
         launched.append(kernel.fn.__name__), real_launcher(kernel))[1])
-    combined: list[int] = []  # `moe_combine` launches
-    real_combine = op_module.combine_pairs
-    monkeypatch.setattr(op_module, "combine_pairs", lambda *a, **k: (
-        combined.append(1), real_combine(*a, **k))[1])
     with kernel_variant(7):
         out = nvfp4_moe(*args)
     # (no routing handed over: the interpreter's launches have no PDL to route during)
-    assert calls == [("enter", True, False)]
-    assert down_calls == (["combine"] if combine else [1])
+    assert calls == [("enter", True, False)] and down_calls == [1]
     assert "_gate_up_kernel" not in launched and "_down_kernel" not in launched, launched
-    assert combined == ([] if combine else [1])
     assert_matches_reference(out, nvfp4_moe_reference(*args))
     assert int(counters.abs().sum()) == 0
 
