@@ -6,6 +6,10 @@
 #                                  # (DLMC_NVFP4_DOWN_COMBINE=1), then the op alone in 8
 #                                  # processes alternating DLMC_NVFP4_DOWN_COMBINE=1 / 0
 #                                  # (routed experts, 32 tokens)
+#   bash perf/h200_s39.sh align    # (carry .whl) the Gluon gate/up, down and fused GPU tests
+#                                  # with the alignment written by the gate/up programs
+#                                  # (DLMC_NVFP4_SELF_ALIGN=1, no moe_align launch), then the
+#                                  # op alone in 8 processes alternating DLMC_NVFP4_SELF_ALIGN=1 / 0
 # Env: TEST_TIMEOUT, PASSES (4 per setting).
 set -u
 HERE="$(dirname "$0")"
@@ -33,5 +37,11 @@ combine)
     tests/custom_ops/test_nvfp4_gate_up_gluon.py tests/custom_ops/test_nvfp4_down_gluon.py
   ab_op combine DLMC_NVFP4_DOWN_COMBINE=1 launch DLMC_NVFP4_DOWN_COMBINE=0
   tar_out s39_combine ;;
-*) echo "h200_s39.sh: expected combine; got ${1:-nothing}" >&2; exit 2 ;;
+align)
+  python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
+  TEST_TIMEOUT=${TEST_TIMEOUT:-240} gpu_tests align -n 4 tests/custom_ops/test_nvfp4_gate_up_gluon.py \
+    tests/custom_ops/test_nvfp4_down_gluon.py tests/custom_ops/test_nvfp4_moe_gluon.py
+  ab_op self_align DLMC_NVFP4_SELF_ALIGN=1 launch_align DLMC_NVFP4_SELF_ALIGN=0
+  tar_out s39_align ;;
+*) echo "h200_s39.sh: expected combine or align; got ${1:-nothing}" >&2; exit 2 ;;
 esac
