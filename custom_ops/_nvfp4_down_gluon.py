@@ -239,20 +239,15 @@ def _ring_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, slot0, ti
 @gluon.jit
 def _ticket_producer(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, count_ptr, num_slots,
                      writers, num_items, num_pairs, shared_id, empty, ready, w_buf, s_buf, h_buf,
-                     ids, align_writers, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
-                     TILES: gl.constexpr, I: gl.constexpr, H: gl.constexpr,
-                     BLOCK_M: gl.constexpr, PER_PART: gl.constexpr,
-                     ALIGN_WAIT: gl.constexpr = False):
+                     ids, STAGES: gl.constexpr, KSTEPS: gl.constexpr, TILES: gl.constexpr,
+                     I: gl.constexpr, H: gl.constexpr, BLOCK_M: gl.constexpr,
+                     PER_PART: gl.constexpr):
     """`_producer` with `OVERLAP` and `TICKETS`: the next unclaimed item from the counter,
     taken one item ahead; items without work skipped; each slot tagged with its item. The h
     rows come by TMA as without `OVERLAP`: after the item's first weight copies this warp spins
     until gate/up has stored the routing block's rows (`_wait_rows`, counting itself as the
-    item's reader), then fences, so that TMA reads those rows. `ALIGN_WAIT`: first spin until
-    the `align_writers` gate/up programs that wrote the alignment have counted themselves on
-    the ready counter after the ticket (`_wait_alignment`)."""
+    item's reader), then fences, so that TMA reads those rows."""
     ticket = count_ptr + 2 * num_slots
-    if ALIGN_WAIT:
-        _wait_alignment(ticket + 1, align_writers)
     item = gl.atomic_add(ticket, 1, sem="relaxed", scope="gpu")
     i = 0  # K-steps copied so far (the ring position)
     while item < num_items:
@@ -280,18 +275,6 @@ def _ticket_producer(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, count_
 
 
 @gluon.jit
-def _wait_alignment(ready_ptr, writers):
-    """Spin until `writers` programs have counted on `ready_ptr` (acquire: the alignment they
-    wrote is visible), then count this program on `ready_ptr + 1`; the launch's last program
-    zeroes both (every program is past its spin by then)."""
-    while gl.atomic_add(ready_ptr, 0, sem="acquire", scope="gpu") < writers:
-        pass
-    if gl.atomic_add(ready_ptr + 1, 1, sem="relaxed", scope="gpu") == gl.num_programs(0) - 1:
-        gl.atomic_xchg(ready_ptr, 0, sem="relaxed", scope="gpu")
-        gl.atomic_xchg(ready_ptr + 1, 0, sem="relaxed", scope="gpu")
-
-
-@gluon.jit
 def _ticket_consumer(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, empty, ready,
                      w_buf, s_buf, h_buf, ids, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
                      TILES: gl.constexpr, BLOCK_M: gl.constexpr):
@@ -310,20 +293,18 @@ def _ticket_consumer(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, emp
 @gluon.jit
 def _down_gluon_kernel(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr,
                        num_items, num_pairs, shared_id, stride_y, h_ptr, stride_h, count_ptr,
-                       num_slots, writers, align_writers, STAGES: gl.constexpr,
-                       KSTEPS: gl.constexpr, TILES: gl.constexpr, I: gl.constexpr,
-                       H: gl.constexpr, BLOCK_M: gl.constexpr, OVERLAP: gl.constexpr = False,
+                       num_slots, writers, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
+                       TILES: gl.constexpr, I: gl.constexpr, H: gl.constexpr,
+                       BLOCK_M: gl.constexpr, OVERLAP: gl.constexpr = False,
                        PDL: gl.constexpr = False, TICKETS: gl.constexpr = False,
-                       PER_PART: gl.constexpr = False, ALIGN_WAIT: gl.constexpr = False):
+                       PER_PART: gl.constexpr = False):
     """`OVERLAP`: launched while gate/up runs (with PDL: `PDL`, which also lets the next
     kernel launch at once); the consumers wait per routing block for its h rows
     (`moe_overlap`'s counters in `count_ptr`, `writers` gate/up programs per block) and load
     them from global memory instead of the producer's TMA copies. `TICKETS` (with `OVERLAP`):
     items from the counter `count_ptr[2 * num_slots]` (zero between launches) in turn, and the
     producer waits for the rows and copies them. `PER_PART`: `writers` counts per 8-slot part
-    that holds a pair (the Gluon gate/up items of `_nvfp4_moe_gluon`), not per block.
-    `ALIGN_WAIT` (with `TICKETS`): the alignment was written by the `align_writers` gate/up
-    programs (`_nvfp4_self_route`'s `ALIGN`), not by a launch before: wait for their counts."""
+    that holds a pair (the Gluon gate/up items of `_nvfp4_moe_gluon`), not per block."""
     if PDL:
         gdc_launch_dependents()
     w_buf = gl.allocate_shared_memory(w_d.dtype, [STAGES] + w_d.block_type.shape, w_d.layout)
@@ -339,8 +320,8 @@ def _down_gluon_kernel(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, alph
                                 BLOCK_M)),
             (_ticket_producer, (w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, count_ptr,
                                 num_slots, writers, num_items, num_pairs, shared_id, empty,
-                                ready, w_buf, s_buf, h_buf, ids, align_writers, STAGES, KSTEPS,
-                                TILES, I, H, BLOCK_M, PER_PART, ALIGN_WAIT)),
+                                ready, w_buf, s_buf, h_buf, ids, STAGES, KSTEPS, TILES, I, H,
+                                BLOCK_M, PER_PART)),
         ], [1], [40])
     else:  # program p's items p, p + grid, ... (the producer and the consumers alike)
         gl.warp_specialize([
@@ -361,8 +342,7 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
                       words: torch.Tensor, codes: torch.Tensor, alpha: torch.Tensor,
                       y: torch.Tensor, num_pairs: int, shared_id: int,
                       count: torch.Tensor | None = None, num_slots: int = 0, writers: int = 0,
-                      pdl: bool = False, per_part: bool = False,
-                      align_writers: int = 0) -> None:
+                      pdl: bool = False, per_part: bool = False) -> None:
     """y[pair] = bf16(alpha[e] * h[slot] @ down[e]^T) for every routed pair of the routing
     (`sorted_pair`, `expert_of_block`: blocks of 16, 32 or 64 slots, cut into 8-slot parts;
     blocks of expert `shared_id` skipped). h bf16 `[S, I]` with `H_EVEN_ODD` columns; words
@@ -375,10 +355,7 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
     that follows waits for this kernel only). With `count`, `TICKETS` (read at each launch)
     hands the items out by the ticket counter after the slots' (`2 * num_slots + 1` counters,
     `moe_overlap.counters(device, num_slots + 1)`). `per_part`: `writers` per 8-slot part that
-    holds a pair (gate/up in `_nvfp4_moe_gluon`'s items), else per routing block.
-    `align_writers` > 0 (with `count` and `TICKETS`): the alignment is being written by that
-    many gate/up programs (`launch_moe_gluon(align=True)`); wait for their ready counts
-    (`2 * num_slots + 3` counters)."""
+    holds a pair (gate/up in `_nvfp4_moe_gluon`'s items), else per routing block."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     tickets = TICKETS and count is not None
@@ -386,12 +363,6 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
         raise ValueError(f"nvfp4_moe: the Gluon down kernel with tickets needs "
                          f"{2 * num_slots + 1} counters (`moe_overlap.counters(device, "
                          f"num_slots + 1)`), got {count.numel()}")
-    if align_writers and not tickets:
-        raise ValueError("nvfp4_moe: the Gluon down kernel waits for a written alignment only "
-                         "with its counters and items by ticket")
-    if align_writers and count.numel() < 2 * num_slots + 3:
-        raise ValueError(f"nvfp4_moe: the Gluon down kernel waiting for a written alignment "
-                         f"needs {2 * num_slots + 3} counters, got {count.numel()}")
 
     E, H, half_i = words.shape
     I = 2 * half_i
@@ -407,7 +378,7 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
     _down_gluon_kernel[(sms * PROGRAMS_PER_SM,)](
         w_d, s_d, h_d, expert_of_block, sorted_pair, alpha, y, items, num_pairs, shared_id,
         y.stride(0), h, h.stride(0), expert_of_block if count is None else count, num_slots,
-        writers, align_writers, STAGES=STAGES, KSTEPS=I // 128, TILES=H // 128, I=I, H=H,
-        BLOCK_M=block_m, OVERLAP=count is not None, PDL=pdl, TICKETS=tickets,
-        PER_PART=per_part, ALIGN_WAIT=align_writers > 0, num_warps=4, maxnreg=MAXNREG,
+        writers, STAGES=STAGES, KSTEPS=I // 128, TILES=H // 128, I=I, H=H, BLOCK_M=block_m,
+        OVERLAP=count is not None, PDL=pdl, TICKETS=tickets, PER_PART=per_part, num_warps=4,
+        maxnreg=MAXNREG,
         **({"launch_pdl": True} if pdl else {}))

@@ -87,8 +87,7 @@ from dlmc.custom_ops._nvfp4_self_route import (
 )
 from dlmc.custom_ops._occupancy import resident_programs
 
-__all__ = ["fused_applies", "gate_up_applies", "launch_moe_gluon", "programs_per_sm",
-           "self_align_applies"]
+__all__ = ["fused_applies", "gate_up_applies", "launch_moe_gluon", "programs_per_sm"]
 
 # ring depth, programs per SM (at most what fits: `programs_per_sm`), registers per thread (80:
 # no spills in sm_90 SASS, and 3 programs of 256 threads fit in an SM's 64 K registers); the
@@ -283,7 +282,7 @@ def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, x_ptr, expert_o
                       PDL_AFTER: gl.constexpr = False, TICKETS: gl.constexpr = False,
                       X_TMA: gl.constexpr = False, ids_ptr=None, SELF: gl.constexpr = False,
                       G: gl.constexpr = 1, PAIRS_PAD: gl.constexpr = 16,
-                      EXPERTS_PAD: gl.constexpr = 16, ALIGN: gl.constexpr = False):
+                      EXPERTS_PAD: gl.constexpr = 16):
     """`PDL_ENTER`: launched with PDL right after the routing (wait for it, then let the next
     kernel launch). `PDL_AFTER`: launched with PDL after the shared expert's down parts, which
     come after the routing: let the next kernel launch at once, and finish only after the
@@ -295,21 +294,11 @@ def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, x_ptr, expert_o
     `SELF` (gate/up items alone, by program, `X_TMA`, launched with PDL right after the
     routing, `PDL_ENTER` off): each program's `G` items routed from `ids_ptr` by the program
     itself (`_nvfp4_self_route`; `PAIRS_PAD`, `EXPERTS_PAD`: powers of two at least the pairs
-    and experts); the producer waits for the routing launch after its first copies.
-    `ALIGN` (with `SELF`, `DLMC_NVFP4_SELF_ALIGN`: no alignment launch before this one): wait
-    for the launch before (it wrote `ids_ptr`) first; the programs also write the alignment
-    (`sorted_pair_ptr`, `expert_of_block_ptr`) and then count themselves on the ready counter
-    `count_ptr[2 * num_slots + 1]` (release), which the Gluon down kernel waits for."""
+    and experts); the producer waits for the routing launch after its first copies."""
     if SELF:
-        if ALIGN:
-            gdc_wait()
         experts_tab, pairs_tab, rows_tab = route_tables(G)
         self_route(ids_ptr, num_pairs, gate_up_items, experts_tab, pairs_tab, rows_tab, G,
-                   I // 128, BLOCK_M, PAIRS_PAD, EXPERTS_PAD, sorted_pair_ptr,
-                   expert_of_block_ptr, ALIGN)
-        if ALIGN:
-            gl.thread_barrier()  # every warp's stores of the alignment, then one count
-            gl.atomic_add(count_ptr + 2 * num_slots + 1, 1, sem="release", scope="gpu")
+                   I // 128, BLOCK_M, PAIRS_PAD, EXPERTS_PAD)
     if PDL_ENTER:
         gdc_wait()
     if PDL_ENTER or PDL_AFTER:
@@ -394,8 +383,7 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
                      weights: tuple[torch.Tensor, ...], alphas: tuple[torch.Tensor, ...],
                      h: torch.Tensor, y: torch.Tensor, count: torch.Tensor, num_slots: int,
                      num_pairs: int, shared_id: int, a_row_div: int, pdl: str = "",
-                     gate_up_only: bool = False, topk_ids: torch.Tensor | None = None,
-                     align: bool = False) -> int:
+                     gate_up_only: bool = False, topk_ids: torch.Tensor | None = None) -> None:
     """h[slot] = silu(x @ gate^T) * (x @ up^T) (even-odd columns) and y[pair] = h @ down^T for
     the routed pairs of the routing (`sorted_pair`, `expert_of_block`: 16-, 32- or 64-slot
     blocks; blocks of expert `shared_id` skipped). x bf16 `[rows, H]` (pair p reads row
@@ -409,11 +397,7 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
     `topk_ids` (`[T, K]` of the routing that `sorted_pair` aligns, `shared_id` experts): with
     `gate_up_only`, `pdl` "enter" and `_nvfp4_self_route.SELF_ROUTE`, each program routes its
     own items (`_nvfp4_self_route`) where the routing fits it, instead of waiting for the
-    alignment launch. `align` (where it routes itself; `self_align_applies`): no alignment
-    launch came before; the programs write `sorted_pair` and `expert_of_block` (allocated,
-    unwritten) and count themselves done with it on `count[2 * num_slots + 1]` (which then
-    needs `2 * num_slots + 3` entries; the Gluon down kernel waits for it and zeroes it).
-    Returns the grid (the programs that count).
+    alignment launch.
     Session 27 also ran gate/up alone on one program per possible item (commit 2660087): 92.8-94.1
     against 89.7 / 89.8 µs per layer for the op on this persistent grid."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -435,13 +419,6 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
     routed = (topk_ids is not None and _nvfp4_self_route.SELF_ROUTE and gate_up_only
               and pdl == "enter" and X_TMA and topk_ids.numel() == num_pairs
               and self_route_fits(num_pairs, shared_id))
-    if align and not routed:
-        raise ValueError("nvfp4_moe: the Gluon gate/up writes the alignment only where it "
-                         "routes itself (gate/up alone after the routing, with topk_ids)")
-    if align and count.numel() < 2 * num_slots + 3:
-        raise ValueError(f"nvfp4_moe: the Gluon gate/up writing the alignment needs "
-                         f"{2 * num_slots + 3} counters (`moe_overlap.counters(device, "
-                         f"num_slots + 2)`), got {count.numel()}")
     options = {"STAGES": STAGES, "H": H, "I": I, "BLOCK_M": block_m,
                "PDL_ENTER": pdl == "enter" and not routed, "PDL_AFTER": pdl == "after",
                "TICKETS": tickets, "X_TMA": X_TMA, "num_warps": 4, "maxnreg": MAXNREG,
@@ -452,10 +429,8 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
                     "PAIRS_PAD": max(16, 1 << (num_pairs - 1).bit_length()),
                     "EXPERTS_PAD": max(16, 1 << (shared_id - 1).bit_length()),
                     "G": -(-gate_up_items // (sms * programs_per_sm(x.device)))}
-    if align:
-        options["ALIGN"] = True
     key = (x.device, STAGES, PROGRAMS_PER_SM, MAXNREG, tickets, X_TMA, H, I, block_m, pdl,
-           routed, align)
+           routed)
     if count.numel() < 2 * num_slots + 1:
         raise ValueError(f"nvfp4_moe: the fused Gluon kernel needs {2 * num_slots + 1} counters "
                          f"(`moe_overlap.counters(device, num_slots + 1)`), got {count.numel()}")
@@ -470,13 +445,3 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
     if routed:  # each program's items: p, p + grid, ...
         options["G"] = -(-gate_up_items // _PROGRAMS[key])
     _moe_gluon_kernel[(_PROGRAMS[key],)](*args, **options)
-    return _PROGRAMS[key]
-
-
-def self_align_applies(num_pairs: int, num_experts: int) -> bool:
-    """Whether the Gluon gate/up launch (where it runs alone after the routing, handed
-    `topk_ids`) also writes the alignment, so that none is launched:
-    `DLMC_NVFP4_SELF_ALIGN` and `DLMC_NVFP4_SELF_ROUTE` on, x rows by TMA, and the routing
-    within the self-routing's limits."""
-    return (_nvfp4_self_route.SELF_ALIGN and _nvfp4_self_route.SELF_ROUTE and X_TMA
-            and self_route_fits(num_pairs, num_experts))

@@ -15,14 +15,6 @@ alignment. The layout is the alignment's by construction (GPU tests: bit for bit
 
 Limits: at most `MAX_PAIRS` pairs and `MAX_EXPERTS` experts (the tiles live in the registers of
 four warps before the warp-specialized part); larger routings wait for the alignment.
-
-`DLMC_NVFP4_SELF_ALIGN` (read at import; "1" by default, "0"): where the op aligns the routing
-itself, no `moe_align` launch at all. The gate/up programs wait for the launch before theirs
-(which wrote `topk_ids`) before they route, and each writes the alignment of the parts whose
-first N-tile it holds (`ALIGN`: the part's 8 pair ids or padding, and for a block's first part
-the block's expert or -1), exactly what `moe_align` writes; then it counts itself on a ready
-counter (release). The Gluon down kernel, which reads the alignment, waits for every gate/up
-program's count (acquire) before its first item, and its last program zeroes the counter.
 """
 
 from __future__ import annotations
@@ -40,8 +32,8 @@ from dlmc.custom_ops._nvfp4_gluon_parts import (
 )
 from dlmc.env import env_choice
 
-__all__ = ["MAX_EXPERTS", "MAX_PAIRS", "SELF_ALIGN", "SELF_ROUTE", "route_tables",
-           "self_producer", "self_route", "self_route_fits"]
+__all__ = ["MAX_EXPERTS", "MAX_PAIRS", "SELF_ROUTE", "route_tables", "self_producer",
+           "self_route", "self_route_fits"]
 
 MAX_PAIRS, MAX_EXPERTS = 512, 512
 # DLMC_NVFP4_SELF_ROUTE (read at import): "1" (the default since session 29: the op alone,
@@ -50,7 +42,6 @@ MAX_PAIRS, MAX_EXPERTS = 512, 512
 # is unchanged: 2.838 ms queued both ways; perf/README.md) or "0" (wait for the alignment). The
 # module's value may be set per call by tests and benches.
 SELF_ROUTE = env_choice("DLMC_NVFP4_SELF_ROUTE", "1", ("1", "0")) == "1"
-SELF_ALIGN = env_choice("DLMC_NVFP4_SELF_ALIGN", "1", ("1", "0")) == "1"
 
 _TABLE = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # rank-1 rows, as ring tags
 
@@ -86,14 +77,11 @@ def route_tables(G: gl.constexpr):
 @gluon.jit
 def self_route(ids_ptr, num_pairs, num_items, experts_tab, pairs_tab, rows_tab,
                G: gl.constexpr, TILES: gl.constexpr, BLOCK_M: gl.constexpr,
-               PAIRS_PAD: gl.constexpr, EXPERTS_PAD: gl.constexpr, sorted_pair_ptr=None,
-               expert_of_block_ptr=None, ALIGN: gl.constexpr = False):
+               PAIRS_PAD: gl.constexpr, EXPERTS_PAD: gl.constexpr):
     """Fill the tables (`route_tables`) for items p + g * grid, g < G (an 8-slot part of a
     routing block and one of `TILES` N-tiles, `_nvfp4_gluon_parts._place`) of the routing
     `ids` (int32 or int64, `num_pairs` of them) that `moe_align` makes at `BLOCK_M`; four
-    warps, before the warp-specialized part. `ALIGN`: also write `moe_align`'s output for the
-    parts of the items in N-tile 0 (`sorted_pair_ptr`: the part's 8 pair ids, padding
-    `num_pairs`; `expert_of_block_ptr`: for part 0, the block's expert, -1 if unused)."""
+    warps, before the warp-specialized part."""
     line: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     grid2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 4], [1, 0])
     PARTS: gl.constexpr = BLOCK_M // 8
@@ -130,15 +118,6 @@ def self_route(ids_ptr, num_pairs, num_items, experts_tab, pairs_tab, rows_tab,
             rows_tab.index(g).store(pairs)
             pairs_tab._reinterpret(gl.int32, [8 * _rows(G)], _TABLE).slice(8 * g, 8).store(
                 gl.convert_layout(pairs, line))
-        else:  # (padding: what the alignment holds for a part without pairs)
-            pairs = gl.full([8], num_pairs, gl.int32, gl.SliceLayout(1, grid2))
-        if ALIGN:  # noqa: SIM102 (a static condition around a runtime one)
-            if (item < num_items) & (item % TILES == 0):  # the part's alignment, once
-                part = (item // TILES) % PARTS
-                gl.store(sorted_pair_ptr + block * BLOCK_M + part * 8
-                         + gl.arange(0, 8, gl.SliceLayout(1, grid2)), pairs)
-                if part == 0:
-                    gl.store(expert_of_block_ptr + block, gl.where(block < used, expert, -1))
 
 
 @gluon.jit

@@ -25,21 +25,14 @@ from dlmc.custom_ops._nvfp4_down_gluon import (
     launch_down_gluon,
     shared_down_in_gate_up,
 )
-from dlmc.custom_ops._nvfp4_moe_gluon import (
-    fused_applies,
-    gate_up_applies,
-    launch_moe_gluon,
-    self_align_applies,
-)
+from dlmc.custom_ops._nvfp4_moe_gluon import fused_applies, gate_up_applies, launch_moe_gluon
 from dlmc.custom_ops._nvfp4_moe_kernels import _down_kernel, _gate_up_kernel
 from dlmc.custom_ops._pdl import PDL_LAUNCH, launcher
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.moe_align import (
     PairRouting,
-    aligned_blocks,
     check_pair_routing,
-    route_block_m,
     route_pairs,
 )
 from dlmc.custom_ops.moe_combine import combine_pairs
@@ -202,8 +195,9 @@ def _nvfp4_moe_impl(
     num_pairs = T * pairs_per_token
     edges = edge_pdl(x.device) and down_input_scale is None  # alignment and combine with PDL
     aligned_here = sorted_pair is None or expert_of_block is None
-    if aligned_here:  # (aligned below) else by dlmc::moe_route_align (which wrote topk_ids)
-        block_m = route_block_m(T, K, E, has_shared)
+    if aligned_here:  # else aligned by dlmc::moe_route_align (which also wrote topk_ids)
+        block_m, sorted_pair, expert_of_block = route_pairs(topk_ids, E, has_shared, edges)
+    num_blocks = expert_of_block.shape[0]
     a, a_row_div = x.contiguous(), pairs_per_token
     if gate_up_input_scale is not None:  # W4A4 emulation: quantize each routed pair's row
         pair_expert = topk_ids.reshape(-1).long()  # [T*K]
@@ -213,6 +207,10 @@ def _nvfp4_moe_impl(
             a = torch.cat([a.view(T, K, H), x[:, None]], dim=1).reshape(num_pairs, H)
         a_row_div = 1
     g_w, u_w, d_w = (shared_gate, shared_up, shared_down) if has_shared else (x, x, x)
+    # h: a row per routing slot, then (shared expert) a row per token (`moe_shared_parts`).
+    routed_rows = num_blocks * block_m
+    h = torch.empty((routed_rows + shared * -(-T // block_m) * block_m, I), dtype=torch.bfloat16,
+                    device=x.device)
     block_n1, block_k1, launch = _launch_config(I, H, _GATE_UP_BLOCK_N[variant], "gate_up")
     _check_tiled_tile(variant, block_k1)
     parts1 = shared_parts(T, block_m, block_n1) if has_shared else 0
@@ -234,28 +232,10 @@ def _nvfp4_moe_impl(
     # down kernel (which then waits for each 8-slot part's items)
     gluon_gate_up = gate_up_applies(x.device, variant, H, I, down_input_scale is not None,
                                     OPAQUE_OP, bool(pdl), E, gluon_down, has_shared)
-    # `DLMC_NVFP4_SELF_ALIGN` (the Gluon gate/up routing itself while the op aligns the
-    # routing, the down kernel by ticket): no alignment launch; the gate/up programs write it
-    # (`_nvfp4_self_route`), the down kernel waits for their ready counts
-    self_align = (aligned_here and edges and gluon_gate_up and down_tickets()
-                  and self_align_applies(num_pairs, E))
-    if self_align:  # (no shared expert with the Gluon gate/up)
-        num_blocks = aligned_blocks(T, K, E, block_m)
-        sorted_pair = torch.empty(num_blocks * block_m, dtype=torch.int32, device=x.device)
-        expert_of_block = torch.empty(num_blocks, dtype=torch.int32, device=x.device)
-    elif aligned_here:
-        _, sorted_pair, expert_of_block = route_pairs(topk_ids, E, has_shared, edges)
-    num_blocks = expert_of_block.shape[0]
-    # h: a row per routing slot, then (shared expert) a row per token (`moe_shared_parts`).
-    routed_rows = num_blocks * block_m
-    h = torch.empty((routed_rows + shared * -(-T // block_m) * block_m, I), dtype=torch.bfloat16,
-                    device=x.device)
     num_slots = num_blocks + shared * -(-T // block_m)
     # (unread without overlap; a Gluon kernel with a ticket counter: one more slot's room, for
-    # it, two with the written alignment's ready counters; the fused kernel's launch checks for
-    # that room)
-    ticket_room = 2 if self_align else int(fused or gluon_gate_up
-                                           or (gluon_down and down_tickets()))
+    # it; the fused kernel's launch checks for that room)
+    ticket_room = int(fused or gluon_gate_up or (gluon_down and down_tickets()))
     count = counters(x.device, num_slots + ticket_room) if overlap else expert_of_block
     tiles1 = triton.cdiv(I, block_n1)
     rows1 = parts1 if fused or gluon_gate_up else num_blocks + parts1
@@ -307,10 +287,9 @@ def _nvfp4_moe_impl(
             GATE_UP_SPLIT=shared_split(block_n1), OVERLAP=overlap, PARTS_ONLY=parts_only,
             **pdl, **launch2,
         )
-    align_writers = 0  # (the gate/up programs that write the alignment, with self_align)
     if fused or gluon_gate_up:  # after the shared expert's Triton parts, if any; gate/up alone
         # before the Gluon down kernel
-        grid = launch_moe_gluon(
+        launch_moe_gluon(
             a, sorted_pair, expert_of_block,
             (gate_weight, gate_weight_scale, up_weight, up_weight_scale, down_weight,
              down_weight_scale),
@@ -319,16 +298,13 @@ def _nvfp4_moe_impl(
             # the gate/up programs may route themselves while the alignment runs: topk_ids
             # was written before it (its PDL launch waits for the kernel before, then lets
             # gate/up launch)
-            topk_ids=topk_ids if edges and aligned_here else None,
-            **({"align": True} if self_align else {}))
-        align_writers = grid if self_align else 0
+            topk_ids=topk_ids if edges and aligned_here else None)
     if gluon_down:  # (writers: gate/up's programs per block, or its items per 8-slot part)
         launch_down_gluon(h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
                           down_alpha, y, num_pairs, E,
                           count if overlap else None, num_slots,
                           I // 128 if gluon_gate_up else tiles1, pdl=bool(pdl),
-                          per_part=gluon_gate_up,
-                          **({"align_writers": align_writers} if align_writers else {}))
+                          per_part=gluon_gate_up)
     if pairs:
         return y  # [T*P, H]
     return combine_pairs(y, topk_weights, out, has_shared, edges)  # [T, H]

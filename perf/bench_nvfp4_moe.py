@@ -255,7 +255,6 @@ def main() -> None:
         "tile_rows": ROWS,  # rows per contiguous run of v5-v7's layout (DLMC_NVFP4_TILE_ROWS)
         "ring_empty": RING_EMPTY,  # how the Gluon kernels hand ring slots back
         "self_route": _nvfp4_self_route.SELF_ROUTE,  # whether gate/up programs route themselves
-        "self_align": _nvfp4_self_route.SELF_ALIGN,  # ... and write the alignment (no launch)
         "torch": torch.__version__, "python": platform.python_version(), "results": [],
     }
     if device == "cuda":

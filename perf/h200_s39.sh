@@ -6,8 +6,10 @@
 #                                  # (DLMC_NVFP4_DOWN_COMBINE=1), then the op alone in 8
 #                                  # processes alternating DLMC_NVFP4_DOWN_COMBINE=1 / 0
 #                                  # (routed experts, 32 tokens)
-#   bash perf/h200_s39.sh align    # (carry .whl) the Gluon gate/up, down and fused GPU tests
-#                                  # with the alignment written by the gate/up programs
+#   bash perf/h200_s39.sh align    # (carry .whl; ran at commit 211498f, whose written
+#                                  # alignment was removed after it) the Gluon gate/up, down
+#                                  # and fused GPU tests with the alignment written by the
+#                                  # gate/up programs
 #                                  # (DLMC_NVFP4_SELF_ALIGN=1, no moe_align launch), then the
 #                                  # op alone in 8 processes alternating DLMC_NVFP4_SELF_ALIGN=1 / 0
 # Env: TEST_TIMEOUT, PASSES (4 per setting).

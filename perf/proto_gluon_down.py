@@ -204,8 +204,7 @@ def compile_only(args: argparse.Namespace) -> dict:
                "h_d": f"tensordesc<bf16[8, 64],{a!r}>", "expert_of_block_ptr": "*i32",
                "sorted_pair_ptr": "*i32", "alpha_ptr": "*fp32", "y_ptr": "*bf16"} | scalars | {
                "shared_id": "i32", "stride_y": "i32", "h_ptr": "*bf16", "stride_h": "i32",
-               "count_ptr": "*i32", "num_slots": "i32", "writers": "i32",
-               "align_writers": "i32"}
+               "count_ptr": "*i32", "num_slots": "i32", "writers": "i32"}
         consts |= {"BLOCK_M": BM}
     else:
         w, s, a = layouts(args.swizzled)
@@ -289,8 +288,7 @@ def run_gpu(args: argparse.Namespace) -> dict:
                     *lay["descs"][True, True], lay["expert_of_block"], lay["sorted_pair"],
                     lay["alpha"], lay["y_new"], blocks * 2 * TILES, T * K, E,
                     lay["y_new"].stride(0), lay["h_eo"], lay["h_eo"].stride(0),
-                    lay["expert_of_block"], 0, 0, 0, STAGES=stages, KSTEPS=KSTEPS, TILES=TILES,
-                    I=I,
+                    lay["expert_of_block"], 0, 0, STAGES=stages, KSTEPS=KSTEPS, TILES=TILES, I=I,
                     H=H, BLOCK_M=BM, num_warps=4, maxnreg=maxnreg)
                 continue
             down_gluon[grid](

@@ -70,27 +70,21 @@ def check_lowering() -> None:
     fences and copies them: `fence.proxy.async.global`; relaxed adds: the first ticket, one
     ahead per item, the reader count; exchanges: the last reader's two counter resets and the
     ticket reset). With tickets, `PER_PART` (waiting for gate/up's counts per 8-slot part) the
-    same. `ALIGN_WAIT` (with tickets and `PER_PART`: the gate/up programs write the alignment):
-    the producer first spins on the ready counter (acquire loads), counts itself (a relaxed
-    add) and, last, zeroes both (two more exchanges)."""
+    same."""
     kernel, types = _nvfp4_down_gluon._down_gluon_kernel, down_types()
-    for overlap, tickets, per_part, align in ((False, False, False, False),
-                                              (True, False, False, False),
-                                              (True, True, False, False),
-                                              (True, True, True, False),
-                                              (True, True, True, True)):
+    for overlap, tickets, per_part in ((False, False, False), (True, False, False),
+                                       (True, True, False), (True, True, True)):
         consts = {"STAGES": _nvfp4_down_gluon.STAGES, "KSTEPS": 4, "TILES": 16, "I": 512,
                   "H": 2048, "BLOCK_M": 16, "OVERLAP": overlap, "PDL": overlap,
-                  "TICKETS": tickets, "PER_PART": per_part, "ALIGN_WAIT": align}
+                  "TICKETS": tickets, "PER_PART": per_part}
         compiled, usage = compile_gluon_sm90(kernel, types, consts, _nvfp4_down_gluon.MAXNREG)
-        form = (overlap, tickets, per_part, align)
+        form = (overlap, tickets, per_part)
         assert usage["REG"] <= _nvfp4_down_gluon.MAXNREG, (form, usage)
         assert usage["LOCAL"] == 0 and usage["STACK"] == 0, (form, usage)
         ptx = compiled.asm["ptx"]
         assert ptx.count("griddepcontrol.wait") == int(overlap), form
-        assert ptx.count("relaxed.add") == int(overlap) + 2 * tickets + align, form
-        assert ptx.count("ld.global.gpu.acquire") == int(overlap) + align, form  # (add of 0)
-        assert ptx.count("relaxed.exch") == 2 * overlap + tickets + 2 * align, form
+        assert ptx.count("relaxed.add") == int(overlap) + 2 * tickets, form
+        assert ptx.count("relaxed.exch") == 2 * overlap + tickets, form
         assert ("fence.proxy.async.global" in ptx) == tickets, form
         assert ".reqntid 256" in ptx  # 3 programs per SM at 80 registers: 61440 of 65536
 
@@ -176,8 +170,8 @@ def torch_down(dequantized: torch.Tensor, calls: list[int]):
     the down weights dequantized to fp32 `[E, H, I]` (alpha included)."""
 
     def launch(h, sorted_pair, expert_of_block, words, codes, alpha, y, num_pairs, shared_id,
-               count=None, num_slots=0, writers=0, pdl=False, per_part=False, align_writers=0):
-        calls.append(align_writers or 1)  # (the gate/up programs that wrote the alignment)
+               count=None, num_slots=0, writers=0, pdl=False, per_part=False):
+        calls.append(1)
         natural = even_odd_rows_to_natural(h.float())
         block_m = sorted_pair.shape[0] // expert_of_block.shape[0]
         for block, expert in enumerate(expert_of_block.tolist()):

@@ -14,7 +14,6 @@ import torch
 
 import dlmc.custom_ops.nvfp4_moe as op_module
 from dlmc.custom_ops import _nvfp4_down_gluon, _nvfp4_moe_gluon, _nvfp4_self_route
-from dlmc.custom_ops.moe_align import align_pairs_to_blocks_reference
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
 from tests.custom_ops.test_nvfp4_down_gluon import (
     against_triton,
@@ -60,15 +59,10 @@ def torch_gate_up(experts: dict[str, torch.Tensor], calls: list[tuple[str, bool,
     gate, up = (dequantized(experts, name) for name in ("gate", "up"))
 
     def launch(x, sorted_pair, expert_of_block, weights, alphas, h, y, count, num_slots,
-               num_pairs, shared_id, a_row_div, pdl="", gate_up_only=False, topk_ids=None,
-               align=False):
-        calls.append((pdl, gate_up_only, topk_ids is not None) + ((True,) if align else ()))
-        assert count.numel() >= 2 * num_slots + 1 + 2 * align and int(count.abs().sum()) == 0
+               num_pairs, shared_id, a_row_div, pdl="", gate_up_only=False, topk_ids=None):
+        calls.append((pdl, gate_up_only, topk_ids is not None))
+        assert count.numel() >= 2 * num_slots + 1 and int(count.abs().sum()) == 0
         block_m = sorted_pair.shape[0] // expert_of_block.shape[0]
-        if align:  # the programs write the alignment (no launch made it): what moe_align makes
-            made = align_pairs_to_blocks_reference(topk_ids, shared_id, block_m)
-            sorted_pair.copy_(made[0])
-            expert_of_block.copy_(made[1])
         for block, expert in enumerate(expert_of_block.tolist()):
             if expert < 0 or expert == shared_id:
                 continue
@@ -83,12 +77,8 @@ def torch_gate_up(experts: dict[str, torch.Tensor], calls: list[tuple[str, bool,
                         natural = (g * torch.sigmoid(g) * u).bfloat16()
                         h[slot] = natural.view(-1, 64, 2).transpose(1, 2).reshape(-1)
                 count[block] += h.shape[1] // 128
-        return WRITERS if align else None
 
     return launch
-
-
-WRITERS = 7  # the stand-in's gate/up programs (what the Gluon down kernel is told to wait for)
 
 
 def test_wiring_of_the_gluon_gate_up_matches_the_reference(monkeypatch) -> None:
@@ -119,44 +109,6 @@ def test_wiring_of_the_gluon_gate_up_matches_the_reference(monkeypatch) -> None:
     # (no routing handed over: the interpreter's launches have no PDL to route during)
     assert calls == [("enter", True, False)] and down_calls == [1]
     assert "_gate_up_kernel" not in launched and "_down_kernel" not in launched, launched
-    assert_matches_reference(out, nvfp4_moe_reference(*args))
-    assert int(counters.abs().sum()) == 0
-
-
-def test_wiring_of_the_written_alignment(monkeypatch) -> None:
-    """`DLMC_NVFP4_SELF_ALIGN` (on by default) where the op aligns the routing with PDL edges
-    (forced here: the CPU has no PDL): no alignment launch; the gate/up launch, handed the
-    routing, is asked to write the alignment into the op's buffers, and the down launch to wait
-    for that launch's programs; the output is the reference's and the counters are zero.
-    Switched off, the alignment is launched and the gate/up launch only routes itself."""
-    gen = torch.Generator().manual_seed(8)
-    experts = random_experts(gen, 4, 128, 256)
-    x = torch.randn(20, 128, generator=gen).bfloat16().to(DEVICE)
-    ids, w = random_routing(gen, 20, 4, 2, skew=True)
-    args = op_args(x, ids, w, experts)
-    calls: list[tuple[str, bool, bool]] = []
-    down_calls: list[int] = []
-    aligned: list[int] = []
-    counters = op_module.counters(torch.device(DEVICE), 1)
-    monkeypatch.setattr(op_module, "edge_pdl", lambda device: True)
-    monkeypatch.setattr(op_module, "down_gluon_applies", lambda *a: True)
-    monkeypatch.setattr(op_module, "gate_up_applies", lambda *a: True)
-    real_route_pairs = op_module.route_pairs
-    monkeypatch.setattr(op_module, "route_pairs", lambda *a: (
-        aligned.append(1), real_route_pairs(*a))[1])
-    monkeypatch.setattr(op_module, "launch_moe_gluon", torch_gate_up(experts, calls))
-    monkeypatch.setattr(op_module, "launch_down_gluon",
-                        torch_down(dequantized_down(experts), down_calls))
-    with kernel_variant(7):
-        out = nvfp4_moe(*args)
-    assert aligned == [] and calls == [("enter", True, True, True)]
-    assert down_calls == [WRITERS]
-    assert_matches_reference(out, nvfp4_moe_reference(*args))
-    assert int(counters.abs().sum()) == 0
-    monkeypatch.setattr(_nvfp4_self_route, "SELF_ALIGN", False)  # switched off: the launch
-    with kernel_variant(7):
-        out = nvfp4_moe(*args)
-    assert aligned == [1] and calls[1:] == [("enter", True, True)] and down_calls[1:] == [1]
     assert_matches_reference(out, nvfp4_moe_reference(*args))
     assert int(counters.abs().sum()) == 0
 
