@@ -12,7 +12,9 @@
 #                                  # gate/up programs
 #                                  # (DLMC_NVFP4_SELF_ALIGN=1, no moe_align launch), then the
 #                                  # op alone in 8 processes alternating DLMC_NVFP4_SELF_ALIGN=1 / 0
-# Env: TEST_TIMEOUT, PASSES (4 per setting).
+#   bash perf/h200_s39.sh record   # the op alone at the defaults in RECORD (6) processes
+#                                  # (routed experts, 32 tokens; the first with a profile)
+# Env: TEST_TIMEOUT, PASSES (4 per setting), RECORD (6).
 set -u
 HERE="$(dirname "$0")"
 source "$HERE/h200_session.sh" lib
@@ -45,5 +47,10 @@ align)
     tests/custom_ops/test_nvfp4_down_gluon.py tests/custom_ops/test_nvfp4_moe_gluon.py
   ab_op self_align DLMC_NVFP4_SELF_ALIGN=1 launch_align DLMC_NVFP4_SELF_ALIGN=0
   tar_out s39_align ;;
-*) echo "h200_s39.sh: expected combine or align; got ${1:-nothing}" >&2; exit 2 ;;
+record)
+  for pass in $(seq 1 "${RECORD:-6}"); do
+    op_env "op_default_$pass" "DLMC_NVFP4_SELF_ROUTE=1" $([ "$pass" = 1 ] && echo --profile)
+  done
+  tar_out s39_record ;;
+*) echo "h200_s39.sh: expected combine, align or record; got ${1:-nothing}" >&2; exit 2 ;;
 esac
