@@ -14,6 +14,8 @@
 #                                  # op alone in 8 processes alternating DLMC_NVFP4_SELF_ALIGN=1 / 0
 #   bash perf/h200_s39.sh record   # the op alone at the defaults in RECORD (6) processes
 #                                  # (routed experts, 32 tokens; the first with a profile)
+#   bash perf/h200_s39.sh alignprobe  # perf/probe_align.py: moe_align alone at 4 / 8 / 16
+#                                  # warps against one-element adds, in CUDA graphs
 # Env: TEST_TIMEOUT, PASSES (4 per setting), RECORD (6).
 set -u
 HERE="$(dirname "$0")"
@@ -52,5 +54,10 @@ record)
     op_env "op_default_$pass" "DLMC_NVFP4_SELF_ROUTE=1" $([ "$pass" = 1 ] && echo --profile)
   done
   tar_out s39_record ;;
-*) echo "h200_s39.sh: expected combine, align or record; got ${1:-nothing}" >&2; exit 2 ;;
+alignprobe)
+  timeout 120 python3 perf/probe_align.py --out "$OUT/align.json" > "$OUT/align.txt" 2>&1
+  echo "probe rc=$?"; cat "$OUT/align.txt"
+  tar_out s39_alignprobe ;;
+*) echo "h200_s39.sh: expected combine, align, record or alignprobe; got ${1:-nothing}" >&2
+   exit 2 ;;
 esac
