@@ -1,6 +1,6 @@
 """How long `moe_align` takes by itself (session 39): the LLaDA2.1-mini routing (32 tokens x
 top-8 of 256, uniform, 16-slot blocks) aligned `--copies` times in one CUDA graph (no PDL, so
-each launch waits for the one before and nothing else), at 4 (the default), 8 and 16 warps,
+each launch waits for the one before and nothing else), at each of `--warps` (4: the default),
 against the same number of one-element `torch.add` launches (the floor of a dependent launch).
 In the round's profile `moe_align` shows 3.7 µs per layer, but it is launched with PDL there,
 so that figure includes its wait for `moe_route`.
@@ -31,6 +31,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--copies", type=int, default=20)
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--warps", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--out", help="write the report here (JSON)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -45,7 +46,7 @@ def main() -> None:
                                  "default_warps": default_warps, "us_per_call": {}}
     if device == "cuda":
         report["gpu"] = torch.cuda.get_device_name()
-    for warps in (4, 8, 16):
+    for warps in args.warps:
         def align(_: int, warps: int = warps) -> None:
             moe_align_kernel[(1,)](ids.reshape(-1), sorted_pair, expert_of_block, T * K, K, E,
                                    **constants, num_warps=warps)
