@@ -15,7 +15,8 @@
 #   bash perf/h200_s39.sh record   # the op alone at the defaults in RECORD (6) processes
 #                                  # (routed experts, 32 tokens; the first with a profile)
 #   bash perf/h200_s39.sh alignprobe  # perf/probe_align.py: moe_align alone at 4 / 8 / 16
-#                                  # warps (WARPS) against one-element adds, in CUDA graphs
+#                                  # warps (WARPS) against one-element adds, in CUDA graphs;
+#                                  # PARTS=1: its pieces alone too
 # Env: TEST_TIMEOUT, PASSES (4 per setting), RECORD (6).
 set -u
 HERE="$(dirname "$0")"
@@ -55,7 +56,7 @@ record)
   done
   tar_out s39_record ;;
 alignprobe)
-  timeout 120 python3 perf/probe_align.py --warps ${WARPS:-4 8 16} --out "$OUT/align.json" \
+  timeout 120 python3 perf/probe_align.py --warps ${WARPS:-4 8 16} ${PARTS:+--parts} --out "$OUT/align.json" \
     > "$OUT/align.txt" 2>&1
   echo "probe rc=$?"; cat "$OUT/align.txt"
   tar_out s39_alignprobe ;;

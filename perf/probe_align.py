@@ -2,6 +2,9 @@
 top-8 of 256, uniform, 16-slot blocks) aligned `--copies` times in one CUDA graph (no PDL, so
 each launch waits for the one before and nothing else), at each of `--warps` (4: the default),
 against the same number of one-element `torch.add` launches (the floor of a dependent launch).
+`--parts`: also the alignment's pieces alone (each a kernel of its own that stores its
+result): the histogram and block scans (`front`), those and the 256-key bitonic sort
+(`front_sort`), those and the padding and tail stores (`front_pad`).
 In the round's profile `moe_align` shows 3.7 µs per layer, but it is launched with PDL there,
 so that figure includes its wait for `moe_route`.
 
@@ -15,9 +18,12 @@ import json
 import sys
 
 import torch
+import triton
+import triton.language as tl
 
 from dlmc.bench.timing import graph_us
 from dlmc.custom_ops.moe_align import (
+    _sort_ascending,
     align_launch,
     align_pairs_to_blocks_reference,
     moe_align_kernel,
@@ -27,11 +33,46 @@ from dlmc.custom_ops.moe_align import (
 T, K, E = 32, 8, 256
 
 
+@triton.jit
+def _part_kernel(ids_ptr, sorted_pair_ptr, out_ptr, num_pairs, NUM_BLOCKS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, LOG_PAIRS_PAD: tl.constexpr, EXPERTS_PAD: tl.constexpr,
+                 FILL: tl.constexpr, SORT: tl.constexpr, PAD: tl.constexpr):
+    """`align_pairs`' first part (load, histogram, the two scans), then with `SORT` its key
+    sort, with `PAD` its padding and tail stores; stores what it computed."""
+    PAIRS_PAD: tl.constexpr = 2**LOG_PAIRS_PAD
+    pair = tl.arange(0, PAIRS_PAD)
+    is_pair = pair < num_pairs
+    expert = tl.load(ids_ptr + pair, mask=is_pair, other=0).to(tl.int32)
+    counts = tl.histogram(expert, EXPERTS_PAD, mask=is_pair)
+    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    block_end = tl.cumsum(blocks, 0)
+    block_start = block_end - blocks
+    seg_start = tl.cumsum(counts, 0) - counts
+    tl.store(out_ptr + tl.arange(0, EXPERTS_PAD), block_start + seg_start)
+    if SORT:
+        key = tl.where(is_pair, expert, EXPERTS_PAD) * PAIRS_PAD + pair
+        key = _sort_ascending(key, LOG_PAIRS_PAD)
+        tl.store(out_ptr + EXPERTS_PAD + pair, key)
+    if PAD:
+        row = tl.arange(0, BLOCK_M)
+        last_row = (blocks - 1)[:, None] * BLOCK_M + row[None, :]
+        is_pad = (blocks > 0)[:, None] & (last_row >= counts[:, None])
+        tl.store(sorted_pair_ptr + block_start[:, None] * BLOCK_M + last_row, num_pairs,
+                 mask=is_pad)
+        used = tl.sum(blocks, 0)
+        fill = tl.arange(0, FILL)
+        for start in range(0, NUM_BLOCKS * BLOCK_M, FILL):
+            s = start + fill
+            tail = s - used * BLOCK_M
+            tl.store(sorted_pair_ptr + s, num_pairs, mask=(tail >= 0) & (s < NUM_BLOCKS * BLOCK_M))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--copies", type=int, default=20)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--parts", action="store_true", help="also time the pieces")
     parser.add_argument("--out", help="write the report here (JSON)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -57,6 +98,19 @@ def main() -> None:
         print(f"moe_align {warps:2d} warps: {us:6.2f} us per call, equal to the reference: {same}")
         if not same:
             sys.exit("moe_align gave another alignment than the reference")
+    if args.parts:
+        scratch = torch.empty(E + 512, dtype=torch.int32, device=device)
+        for name, sort, pad in (("front", False, False), ("front_sort", True, False),
+                                ("front_pad", False, True)):
+            def part(_: int, sort: bool = sort, pad: bool = pad) -> None:
+                _part_kernel[(1,)](ids.reshape(-1), sorted_pair, scratch, T * K,
+                                   NUM_BLOCKS=constants["NUM_BLOCKS"], BLOCK_M=block_m,
+                                   LOG_PAIRS_PAD=constants["LOG_PAIRS_PAD"],
+                                   EXPERTS_PAD=constants["EXPERTS_PAD"], FILL=constants["FILL"],
+                                   SORT=sort, PAD=pad, num_warps=default_warps)
+            us = graph_us(part, args.copies, args.iters)
+            report["us_per_call"][name] = us
+            print(f"{name:18s}: {us:6.2f} us per call")
     one = torch.zeros(1, device=device)
     us = graph_us(lambda _: one.add_(1.0), args.copies, args.iters)
     report["us_per_call"]["one_element_add"] = us
