@@ -17,7 +17,12 @@
 #   bash perf/h200_s39.sh alignprobe  # perf/probe_align.py: moe_align alone at 4 / 8 / 16
 #                                  # warps (WARPS) against one-element adds, in CUDA graphs;
 #                                  # PARTS=1: its pieces alone too
-# Env: TEST_TIMEOUT, PASSES (4 per setting), RECORD (6).
+#   bash perf/h200_s39.sh alignnew # (carry .whl) moe_align with whole-line padding stores:
+#                                  # perf/probe_align.py --parts, the GPU tests of the three
+#                                  # alignment kernels and the self-routed gate/up, then the
+#                                  # NVFP4 + FP8 round with it and with session 38's moe_align
+#                                  # (results/s39/moe_align_s38.py.txt)
+# Env: TEST_TIMEOUT, PASSES (4 per setting), RECORD (6), ROUND_TIMEOUT (170).
 set -u
 HERE="$(dirname "$0")"
 source "$HERE/h200_session.sh" lib
@@ -60,6 +65,22 @@ alignprobe)
     > "$OUT/align.txt" 2>&1
   echo "probe rc=$?"; cat "$OUT/align.txt"
   tar_out s39_alignprobe ;;
-*) echo "h200_s39.sh: expected combine, align, record or alignprobe; got ${1:-nothing}" >&2
+alignnew)
+  source "$HERE/h200_s34.sh" lib
+  timeout 120 python3 perf/probe_align.py --warps 4 --parts --out "$OUT/align.json" \
+    > "$OUT/align.txt" 2>&1
+  echo "probe rc=$?"; cat "$OUT/align.txt"
+  python3 -m pip install --no-deps -q .whl/*.whl 2>&1 | grep -v WARN | tail -1
+  TEST_TIMEOUT=${TEST_TIMEOUT:-150} gpu_tests alignnew -n 4 tests/custom_ops/test_moe_align.py \
+    tests/custom_ops/test_moe_route_align.py tests/custom_ops/test_moe_route_last_align.py \
+    tests/custom_ops/test_nvfp4_gate_up_gluon.py
+  env_round round_align_new
+  A=custom_ops/moe_align.py
+  cp $A /tmp/moe_align_new.py
+  cp perf/results/s39/moe_align_s38.py.txt $A
+  env_round round_align_s38
+  cp /tmp/moe_align_new.py $A
+  tar_out s39_alignnew ;;
+*) echo "h200_s39.sh: expected combine, align, record, alignprobe or alignnew; got ${1:-nothing}" >&2
    exit 2 ;;
 esac
