@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -116,8 +117,7 @@ def main() -> None:
     report["us_per_call"]["one_element_add"] = us
     print(f"one-element add:    {us:6.2f} us per call")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+        Path(args.out).write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
