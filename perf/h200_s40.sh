@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Session 40's H200 calls (helpers of perf/h200_session.sh); output tarred in $OUT.
+#   bash perf/h200_s40.sh last   # the NVFP4 + FP8 round with DLMC_FUSED_ROUTE_ALIGN=last
+#                                # (moe_route's last program aligns the pairs, one launch
+#                                # fewer) against the default, alternating processes
+#                                # (ORDER, default "last off last off")
+# Env: ROUND_TIMEOUT (170), ORDER.
+set -u
+HERE="$(dirname "$0")"
+source "$HERE/h200_session.sh" lib
+source "$HERE/h200_s34.sh" lib
+
+case "${1:-}" in
+last)
+  n=0
+  for mode in ${ORDER:-last off last off}; do
+    n=$((n + 1))
+    env_round "round_${mode}_$n" DLMC_FUSED_ROUTE_ALIGN=$mode
+  done
+  tar_out s40_last ;;
+*) echo "h200_s40.sh: expected last; got ${1:-nothing}" >&2
+   exit 2 ;;
+esac
