@@ -44,8 +44,13 @@ from dlmc.custom_ops.moe_route import (
     route_warps_per_token,
 )
 from dlmc.custom_ops.moe_route_align import route_align_outputs, route_align_setup
+from dlmc.env import env_choice
 
 __all__ = ["last_align_applies", "moe_route_last_align"]
+
+# Warps per program: 0 (default) takes max(moe_align's, moe_route's per-token warps), else this
+# many (`DLMC_ROUTE_LAST_WARPS`, read at import: perf/probe_route_align.py's sweep in rounds)
+_WARPS = int(env_choice("DLMC_ROUTE_LAST_WARPS", "0", ("0", "1", "2", "4", "8", "16")))
 
 
 @triton.jit
@@ -83,7 +88,7 @@ def _moe_route_last_align_impl(
     _, tokens, num_experts = logits.shape
     if tokens == 0:
         return outputs
-    warps = max(align_warps, route_warps_per_token(num_experts, n_group))
+    warps = _WARPS or max(align_warps, route_warps_per_token(num_experts, n_group))
     launcher(moe_route_last_align_kernel)[(tokens,)](  # a program per token
         logits, expert_bias, *outputs, ticket, logits.stride(0), logits.stride(1),
         routed_scaling_factor, num_experts, **align_constants,

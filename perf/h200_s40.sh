@@ -4,7 +4,11 @@
 #                                # (moe_route's last program aligns the pairs, one launch
 #                                # fewer) against the default, alternating processes
 #                                # (ORDER, default "last off last off")
-# Env: ROUND_TIMEOUT (170), ORDER.
+#   bash perf/h200_s40.sh warps  # perf/probe_route_align.py (routing + alignment alone: two
+#                                # launches, or moe_route_last_align at 1 / 2 / 4 warps), then
+#                                # rounds with DLMC_FUSED_ROUTE_ALIGN=last at LAST_WARPS (2) and
+#                                # the default (ORDER, default "last off")
+# Env: ROUND_TIMEOUT (170), ORDER, LAST_WARPS.
 set -u
 HERE="$(dirname "$0")"
 source "$HERE/h200_session.sh" lib
@@ -18,6 +22,17 @@ last)
     env_round "round_${mode}_$n" DLMC_FUSED_ROUTE_ALIGN=$mode
   done
   tar_out s40_last ;;
-*) echo "h200_s40.sh: expected last; got ${1:-nothing}" >&2
+warps)
+  timeout 120 python3 perf/probe_route_align.py --out "$OUT/route_align.json" \
+    > "$OUT/route_align.txt" 2>&1
+  echo "probe rc=$?"; cat "$OUT/route_align.txt"
+  n=0
+  for mode in ${ORDER:-last off}; do
+    n=$((n + 1))
+    env_round "round_${mode}_$n" DLMC_FUSED_ROUTE_ALIGN=$mode \
+      DLMC_ROUTE_LAST_WARPS=$([ "$mode" = last ] && echo "${LAST_WARPS:-2}" || echo 0)
+  done
+  tar_out s40_warps ;;
+*) echo "h200_s40.sh: expected last or warps; got ${1:-nothing}" >&2
    exit 2 ;;
 esac
