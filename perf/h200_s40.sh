@@ -8,6 +8,13 @@
 #                                # launches, or moe_route_last_align at 1 / 2 / 4 warps), then
 #                                # rounds with DLMC_FUSED_ROUTE_ALIGN=last at LAST_WARPS (2) and
 #                                # the default (ORDER, default "last off")
+#   bash perf/h200_s40.sh route  # moe_route's picks as one max over order keys, each token's
+#                                # groups reduced in registers first: the routing GPU tests,
+#                                # perf/probe_route_align.py with it, with session 39's
+#                                # moe_route reduced in that order
+#                                # (results/s40/moe_route_reordered.py.txt) and with session
+#                                # 39's (results/s40/moe_route_head.py.txt), then rounds with
+#                                # it and with session 39's
 # Env: ROUND_TIMEOUT (170), ORDER, LAST_WARPS.
 set -u
 HERE="$(dirname "$0")"
@@ -33,6 +40,23 @@ warps)
       DLMC_ROUTE_LAST_WARPS=$([ "$mode" = last ] && echo "${LAST_WARPS:-2}" || echo 0)
   done
   tar_out s40_warps ;;
-*) echo "h200_s40.sh: expected last or warps; got ${1:-nothing}" >&2
+route)
+  R=custom_ops/moe_route.py
+  cp $R /tmp/moe_route_keys.py
+  TEST_TIMEOUT=${TEST_TIMEOUT:-150} gpu_tests route tests/custom_ops/test_moe_route.py \
+    tests/custom_ops/test_moe_route_align.py tests/custom_ops/test_moe_route_last_align.py
+  for form in keys reordered head; do
+    [ $form = keys ] || cp perf/results/s40/moe_route_$form.py.txt $R
+    timeout 120 python3 perf/probe_route_align.py --warps 1 --out "$OUT/route_$form.json" \
+      > "$OUT/route_$form.txt" 2>&1
+    echo "probe $form rc=$?"; cat "$OUT/route_$form.txt"
+    cp /tmp/moe_route_keys.py $R
+  done
+  env_round round_keys
+  cp perf/results/s40/moe_route_head.py.txt $R
+  env_round round_head
+  cp /tmp/moe_route_keys.py $R
+  tar_out s40_route ;;
+*) echo "h200_s40.sh: expected last, warps or route; got ${1:-nothing}" >&2
    exit 2 ;;
 esac

@@ -105,6 +105,20 @@ def test_ties_go_to_the_lower_index_in_descending_order() -> None:
         torch.testing.assert_close(weights.cpu(), want)
 
 
+def test_negative_biased_scores_and_their_ties_keep_the_order() -> None:
+    # Biased scores all below zero (sigmoid - 3): the kernel's order keys flip negative floats'
+    # bits; equal logits tie to the lower index, -inf-free groups of mixed order.
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randint(-3, 4, (9, 64), generator=gen).float().to(DEVICE) / 2  # many ties
+    expert_bias = torch.full((64,), -3.0, device=DEVICE)
+    expert_bias[::7] = -2.5
+    for config in ((8, 3, 8, True, 2.5), (1, 1, 16, False, 1.0), (64, 5, 5, True, 1.0)):
+        ids, weights = moe_route(logits, expert_bias, *config)
+        want_ids, want_weights = moe_route_reference(logits, expert_bias, *config)
+        assert ids.tolist() == want_ids.tolist()
+        torch.testing.assert_close(weights, want_weights, rtol=1e-6, atol=0)
+
+
 def test_bias_selects_but_does_not_weight() -> None:
     # 16 experts in 4 groups of 4, keep 2 groups, top 4: group 3 wins through the bias alone.
     logits = torch.full((1, 16), -4.0, device=DEVICE)
