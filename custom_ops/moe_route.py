@@ -33,34 +33,12 @@ MAX_KERNEL_EXPERTS = 512
 MAX_KERNEL_TOP_K = 16
 
 
-# The key of no candidate: INT64_MIN, at or below every key made from a float (equal only for
-# the NaN pattern 0xFFFFFFFF at index NUM - 1, which then decodes to that index anyway).
-_NO_KEY = tl.constexpr(-(2**63))
-
-
 @triton.jit
-def _order_keys(values, index, valid, NUM: tl.constexpr):
-    """int64 keys whose max is the largest of `values` (fp32) at the lowest `index` (< NUM):
-    the value's bits mapped to an order-preserving int32 (negative floats' magnitude bits
-    flipped) in the high word, `NUM - 1 - index` in the low one; `_NO_KEY` where not `valid`.
-    One max-reduction of these picks what a max and then a min over the ties did."""
-    bits = values.to(tl.int32, bitcast=True)
-    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
-    keys = (ordered.to(tl.int64) << 32) | (NUM - 1 - index).to(tl.int64)
-    return tl.where(valid, keys, _NO_KEY)
-
-
-@triton.jit
-def _key_index(key, NUM: tl.constexpr):
-    """The index a max key of `_order_keys` names."""
-    return NUM - 1 - key.to(tl.int32)  # the low word (below 2^31)
-
-
-@triton.jit
-def _key_value(key):
-    """The fp32 value a key of `_order_keys` holds."""
-    ordered = (key >> 32).to(tl.int32)
-    return tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
+def _argmax_first(values, candidate, index, NONE: tl.constexpr):
+    """Per row of `values [TT, N]`: the lowest `index [1, N]` of the largest value among
+    `candidate`s (NONE if none is). -> `[TT]`"""
+    best = tl.max(tl.where(candidate, values, float("-inf")), 1)  # [TT]
+    return tl.min(tl.where(candidate & (values == best[:, None]), index, NONE), 1)
 
 
 @triton.jit
@@ -87,38 +65,34 @@ def route_tokens(logits_ptr, bias_ptr, ids_ptr, weights_ptr, token, is_token, st
     bias = tl.load(bias_ptr + expert, mask=is_expert, other=0.0)  # [1, G, S]
     biased = tl.where(is_expert, scores + bias, float("-inf"))  # [TT, G, S], selection only
     # Group score: the sum of the group's two best biased scores (the best one for groups of 1).
-    # Every pick below is one max over order keys (`_order_keys`: value, then lowest index).
-    top1_key = tl.max(_order_keys(biased, member, member < GROUP_SIZE, GROUP_PAD), 2)  # [TT, G]
-    top1 = _key_value(top1_key)
+    top1 = tl.max(biased, 2)  # [TT, G]
     group_score = top1
     if GROUP_SIZE > 1:
-        first = _key_index(top1_key, GROUP_PAD)  # [TT, G]
+        first = tl.min(tl.where(biased == top1[:, :, None], member, GROUP_PAD), 2)  # [TT, G]
         group_score = top1 + tl.max(
             tl.where(member == first[:, :, None], float("-inf"), biased), 2)
     is_group = group * GROUP_SIZE < NUM_EXPERTS  # [1, G]
-    group_keys = _order_keys(group_score, group, is_group, GROUPS_PAD)  # [TT, G]
     kept = tl.zeros([TOKENS, GROUPS_PAD], dtype=tl.int1)  # [TT, G]
     for _ in tl.static_range(TOPK_GROUP):
-        pick = _key_index(tl.max(group_keys, 1), GROUPS_PAD)  # [TT]
-        is_pick = group == pick[:, None]
-        kept = kept | is_pick
-        group_keys = tl.where(is_pick, _NO_KEY, group_keys)
+        pick = _argmax_first(group_score, is_group & ~kept, group, GROUPS_PAD)  # [TT]
+        kept = kept | (group == pick[:, None])
     # Experts outside the kept groups score -inf, as in the reference's masked_fill.
     masked = tl.where(kept[:, :, None], biased, float("-inf"))  # [TT, G, S]
     slot = tl.arange(0, TOP_K_PAD)[None, :]  # [1, K]
-    keys = _order_keys(masked, expert, is_expert, NUM_EXPERTS)  # [TT, G, S]
+    taken = tl.zeros([TOKENS, GROUPS_PAD, GROUP_PAD], dtype=tl.int1)  # [TT, G, S]
     topk_ids = tl.zeros([TOKENS, TOP_K_PAD], dtype=tl.int64)
     topk_weights = tl.zeros([TOKENS, TOP_K_PAD], dtype=tl.float32)
     total = tl.zeros([TOKENS], dtype=tl.float32)
     for k in tl.static_range(TOP_K):
-        # [TT]: the best score, ties to the lowest id (groups first: one token's tile holds
-        # them in each thread's registers, its members across the lanes; exact in any order)
-        best = tl.max(tl.max(keys, 1), 1)
-        pick = tl.minimum(_key_index(best, NUM_EXPERTS), NUM_EXPERTS - 1)  # [TT]
+        candidate = is_expert & ~taken
+        best = tl.max(tl.max(tl.where(candidate, masked, float("-inf")), 2), 1)  # [TT]
+        pick = tl.min(tl.min(tl.where(candidate & (masked == best[:, None, None]), expert,
+                                      NUM_EXPERTS), 2), 1)  # [TT], ties to the lowest id
+        pick = tl.minimum(pick, NUM_EXPERTS - 1)  # NaN scores: stay a valid expert id
         chosen = expert == pick[:, None, None]  # [TT, G, S]
-        keys = tl.where(chosen, _NO_KEY, keys)
+        taken = taken | chosen
         topk_ids = tl.where(slot == k, pick[:, None].to(tl.int64), topk_ids)
-        weight = tl.sum(tl.sum(tl.where(chosen, scores, 0.0), 1), 1)  # [TT], its unbiased score
+        weight = tl.sum(tl.sum(tl.where(chosen, scores, 0.0), 2), 1)  # [TT], the unbiased score
         topk_weights = tl.where(slot == k, weight[:, None], topk_weights)
         total += weight  # slot order
     if NORM_TOPK_PROB:
