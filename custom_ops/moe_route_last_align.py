@@ -16,7 +16,10 @@ one per call site that may run concurrently (the model keeps one per MoE layer,
 at 0). Under the interpreter the programs run one after another, so the last one runs last.
 Opt-in in the model (`DLMC_FUSED_ROUTE_ALIGN=last`); off by default: on the H200 it took 10.4 µs
 per layer against 4.7 + 3.7 µs for `moe_route` + `moe_align` (the last program's serial
-alignment is longer than the launch it saves; perf/README.md, session 18).
+alignment is longer than the launch it saves; perf/README.md, session 18). Session 40, with
+the leaner `moe_align`: 9.3 against 4.7 + 3.3 µs in the round's profile, rounds 0.04 ms slower;
+alone (perf/probe_route_align.py) 9.2 µs at 4 warps, 10.3-10.5 at 1-2, against 7.5 for the two
+launches: at 4 warps `moe_route`'s part alone takes 6.4 µs against 4.5 at its own 1 warp.
 """
 
 from __future__ import annotations
@@ -44,13 +47,8 @@ from dlmc.custom_ops.moe_route import (
     route_warps_per_token,
 )
 from dlmc.custom_ops.moe_route_align import route_align_outputs, route_align_setup
-from dlmc.env import env_choice
 
 __all__ = ["last_align_applies", "moe_route_last_align"]
-
-# Warps per program: 0 (default) takes max(moe_align's, moe_route's per-token warps), else this
-# many (`DLMC_ROUTE_LAST_WARPS`, read at import: perf/probe_route_align.py's sweep in rounds)
-_WARPS = int(env_choice("DLMC_ROUTE_LAST_WARPS", "0", ("0", "1", "2", "4", "8", "16")))
 
 
 @triton.jit
@@ -88,7 +86,7 @@ def _moe_route_last_align_impl(
     _, tokens, num_experts = logits.shape
     if tokens == 0:
         return outputs
-    warps = _WARPS or max(align_warps, route_warps_per_token(num_experts, n_group))
+    warps = max(align_warps, route_warps_per_token(num_experts, n_group))
     launcher(moe_route_last_align_kernel)[(tokens,)](  # a program per token
         logits, expert_bias, *outputs, ticket, logits.stride(0), logits.stride(1),
         routed_scaling_factor, num_experts, **align_constants,
