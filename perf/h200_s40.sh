@@ -4,11 +4,13 @@
 #                                # (moe_route's last program aligns the pairs, one launch
 #                                # fewer) against the default, alternating processes
 #                                # (ORDER, default "last off last off")
-#   bash perf/h200_s40.sh warps  # perf/probe_route_align.py (routing + alignment alone: two
+#   bash perf/h200_s40.sh warps  # (ran at commit 9425263; DLMC_ROUTE_LAST_WARPS was removed
+#                                # after it) perf/probe_route_align.py (routing + alignment alone: two
 #                                # launches, or moe_route_last_align at 1 / 2 / 4 warps), then
 #                                # rounds with DLMC_FUSED_ROUTE_ALIGN=last at LAST_WARPS (2) and
 #                                # the default (ORDER, default "last off")
-#   bash perf/h200_s40.sh route  # moe_route's picks as one max over order keys, each token's
+#   bash perf/h200_s40.sh route  # (ran at commit ffcf256; the order keys were removed after
+#                                # it) moe_route's picks as one max over order keys, each token's
 #                                # groups reduced in registers first: the routing GPU tests,
 #                                # perf/probe_route_align.py with it, with session 39's
 #                                # moe_route reduced in that order
