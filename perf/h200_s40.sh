@@ -44,20 +44,17 @@ warps)
   tar_out s40_warps ;;
 route)
   R=custom_ops/moe_route.py
-  cp $R /tmp/moe_route_keys.py
   TEST_TIMEOUT=${TEST_TIMEOUT:-150} gpu_tests route tests/custom_ops/test_moe_route.py \
     tests/custom_ops/test_moe_route_align.py tests/custom_ops/test_moe_route_last_align.py
   for form in keys reordered head; do
-    [ $form = keys ] || cp perf/results/s40/moe_route_$form.py.txt $R
-    timeout 120 python3 perf/probe_route_align.py --warps 1 --out "$OUT/route_$form.json" \
-      > "$OUT/route_$form.txt" 2>&1
+    run=(swapped $R perf/results/s40/moe_route_$form.py.txt)
+    [ $form = keys ] && run=()
+    "${run[@]}" timeout 120 python3 perf/probe_route_align.py --warps 1 \
+      --out "$OUT/route_$form.json" > "$OUT/route_$form.txt" 2>&1
     echo "probe $form rc=$?"; cat "$OUT/route_$form.txt"
-    cp /tmp/moe_route_keys.py $R
   done
   env_round round_keys
-  cp perf/results/s40/moe_route_head.py.txt $R
-  env_round round_head
-  cp /tmp/moe_route_keys.py $R
+  swapped $R perf/results/s40/moe_route_head.py.txt env_round round_head
   tar_out s40_route ;;
 *) echo "h200_s40.sh: expected last, warps or route; got ${1:-nothing}" >&2
    exit 2 ;;

@@ -89,6 +89,16 @@ ab_rounds() {
 }
 
 # tar_out NAME: everything in $OUT as $OUT/NAME.tgz (a call returns at most 8 files)
+# swapped FILE ALT COMMAND...: COMMAND with FILE's text replaced by ALT's for its duration;
+# COMMAND's exit status
+swapped() {
+  local file=$1 alt=$2 rc; shift 2
+  cp "$file" /tmp/swapped.orig && cp "$alt" "$file"
+  "$@"; rc=$?
+  cp /tmp/swapped.orig "$file"
+  return $rc
+}
+
 tar_out() {
   tar -C "$OUT" -czf "/tmp/$1.tgz" . && rm -rf "${OUT:?}"/* && mv "/tmp/$1.tgz" "$OUT/"
 }

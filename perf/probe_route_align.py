@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from dlmc.bench.timing import graph_us
+from dlmc.bench.timing import graph_us, launch_floor_us
 from dlmc.custom_ops.moe_align import (
     align_pairs_to_blocks_reference,
     moe_align_kernel,
@@ -97,16 +97,13 @@ def main() -> None:
     forms = [("route+align", lambda _: (route(report["route_warps"]), align()), True)]
     forms += [(f"last_{w}", lambda _, w=w: last(w), True) for w in args.warps]
     forms += [(f"route_{w}", lambda _, w=w: route(w), False) for w in args.warps]
+    times = report["us_per_call"]
     for name, call, aligned in forms:
         sorted_pair.fill_(-7)
-        us = graph_us(call, args.copies, args.iters)
+        times[name] = graph_us(call, args.copies, args.iters)
         check(name, aligned)
-        report["us_per_call"][name] = us
-        print(f"{name:12s}: {us:6.2f} us per call")
-    one = torch.zeros(1, device=device)
-    us = graph_us(lambda _: one.add_(1.0), args.copies, args.iters)
-    report["us_per_call"]["one_element_add"] = us
-    print(f"one-element add: {us:6.2f} us per call")
+    times["one_element_add"] = launch_floor_us(device, args.copies, args.iters)
+    print("\n".join(f"{name:15s}: {us:6.2f} us per call" for name, us in times.items()))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
 

@@ -47,6 +47,13 @@ def graph_us(call: Callable[[int], object], copies: int, iters: int) -> float:
     return statistics.median(cuda_times(graph.replay, iters, warmup=3)) * 1e3 / copies
 
 
+def launch_floor_us(device: str | torch.device, copies: int, iters: int) -> float:
+    """`graph_us` of a one-element add: what a dependent launch costs by itself, the floor that
+    perf/'s probes of short kernels compare with."""
+    one = torch.zeros(1, device=device)
+    return graph_us(lambda _: one.add_(1.0), copies, iters)
+
+
 def queued_cuda_times(fn: Callable[[], object], iters: int) -> list[float]:
     """Milliseconds of each of `iters` calls of `fn` queued back to back on the current stream
     (no host sync between them): CUDA events between consecutive calls, so each time is the
