@@ -17,6 +17,9 @@
 #                                # (results/s40/moe_route_reordered.py.txt) and with session
 #                                # 39's (results/s40/moe_route_head.py.txt), then rounds with
 #                                # it and with session 39's
+#   bash perf/h200_s40.sh one    # perf/probe_route_align.py with moe_route_align (one program
+#                                # routes and aligns) at 4-32 warps, then rounds with
+#                                # DLMC_FUSED_ROUTE_ALIGN=on and the default (ORDER, "on off")
 # Env: ROUND_TIMEOUT (170), ORDER, LAST_WARPS.
 set -u
 HERE="$(dirname "$0")"
@@ -56,6 +59,16 @@ route)
   env_round round_keys
   swapped $R perf/results/s40/moe_route_head.py.txt env_round round_head
   tar_out s40_route ;;
-*) echo "h200_s40.sh: expected last, warps or route; got ${1:-nothing}" >&2
+one)
+  timeout 150 python3 perf/probe_route_align.py --warps 1 4 --one-warps 4 8 16 32 \
+    --out "$OUT/route_one.json" > "$OUT/route_one.txt" 2>&1
+  echo "probe rc=$?"; cat "$OUT/route_one.txt"
+  n=0
+  for mode in ${ORDER:-on off}; do
+    n=$((n + 1))
+    env_round "round_${mode}_$n" DLMC_FUSED_ROUTE_ALIGN=$mode
+  done
+  tar_out s40_one ;;
+*) echo "h200_s40.sh: expected last, warps, route or one; got ${1:-nothing}" >&2
    exit 2 ;;
 esac

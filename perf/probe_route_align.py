@@ -9,6 +9,8 @@ each launch waits for the one before and nothing else), in three forms:
   take a ticket aligns), for each of `--warps`; the op launches it at
   max(moe_align's warps, moe_route's);
 - `route_W`: `moe_route` alone at W warps, to see what the warps cost the routing itself;
+- `one_W`: `moe_route_align`, one program that routes every token and aligns (`--one-warps`;
+  the op launches it at 32);
 
 against one-element `torch.add` launches (the floor of a dependent launch). Every form's ids,
 weights and alignment are checked against `moe_route` + `align_pairs_to_blocks_reference`.
@@ -37,7 +39,7 @@ from dlmc.custom_ops.moe_route import (
     route_constants,
     route_warps_per_token,
 )
-from dlmc.custom_ops.moe_route_align import route_align_setup
+from dlmc.custom_ops.moe_route_align import moe_route_align_kernel, route_align_setup
 from dlmc.custom_ops.moe_route_last_align import moe_route_last_align_kernel
 
 T, E, SPLITS = 32, 256, 16
@@ -49,6 +51,7 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=20)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--one-warps", type=int, nargs="*", default=[32])
     parser.add_argument("--out", help="write the report here (JSON)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -94,9 +97,16 @@ def main() -> None:
             logits3.stride(0), logits3.stride(1), SCALE, E, **align_constants, **route_kw,
             num_warps=warps)
 
+    def one(warps: int) -> None:
+        moe_route_align_kernel[(1,)](
+            logits3, bias, ids, weights, sorted_pair, expert_of_block, T, logits3.stride(0),
+            logits3.stride(1), SCALE, E, TOKENS_PAD=T, **route_kw, **align_constants,
+            num_warps=warps)
+
     forms = [("route+align", lambda _: (route(report["route_warps"]), align()), True)]
     forms += [(f"last_{w}", lambda _, w=w: last(w), True) for w in args.warps]
     forms += [(f"route_{w}", lambda _, w=w: route(w), False) for w in args.warps]
+    forms += [(f"one_{w}", lambda _, w=w: one(w), True) for w in args.one_warps]
     times = report["us_per_call"]
     for name, call, aligned in forms:
         sorted_pair.fill_(-7)
