@@ -12,6 +12,8 @@ the experts; on the H200 the one-program fused launch took 27.6 µs per layer ag
 moe_route's per-token programs in one launch whose last program aligns the pairs (a ticket
 counter per layer, `MoEBlock.route_ticket`; on the H200 the one launch took 10.4 µs per layer
 against 4.7 + 3.7 µs for the two, the round 3.105 against 3.079 ms queued, session 18).
+Session 40, with the leaner `moe_align`: `on` 26.8 µs per layer, the round 3.118 against 2.749
+ms in flight; `last` 9.3 µs, 2.792 against 2.751: both stay off.
 
 `fuse_shared_experts(model)` (after loading; off unless called) moves each shared expert into
 its layer's experts module as one more expert, id E, which every token takes with weight 1.0
