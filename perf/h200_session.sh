@@ -88,7 +88,6 @@ ab_rounds() {
   ( export "$setting"; round "round_nvfp4_$name" "$limit" "${args[@]}" )
 }
 
-# tar_out NAME: everything in $OUT as $OUT/NAME.tgz (a call returns at most 8 files)
 # swapped FILE ALT COMMAND...: COMMAND with FILE's text replaced by ALT's for its duration;
 # COMMAND's exit status
 swapped() {
@@ -99,6 +98,7 @@ swapped() {
   return $rc
 }
 
+# tar_out NAME: everything in $OUT as $OUT/NAME.tgz (a call returns at most 8 files)
 tar_out() {
   tar -C "$OUT" -czf "/tmp/$1.tgz" . && rm -rf "${OUT:?}"/* && mv "/tmp/$1.tgz" "$OUT/"
 }
