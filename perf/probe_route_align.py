@@ -1,7 +1,7 @@
 """How long the LLaDA2.1-mini routing takes by itself (session 40): the router's split-K
 partials (`[16, 32, 256]` fp32, random) routed (group-limited top-8 of 256) and aligned for the
 experts (16-slot blocks, the shared expert's tail) `--copies` times in one CUDA graph (no PDL:
-each launch waits for the one before and nothing else), in three forms:
+each launch waits for the one before and nothing else), in these forms:
 
 - `route+align`: `moe_route` (one program per token, its warps) then `moe_align` (one
   program, its warps): the round's default, two launches;
