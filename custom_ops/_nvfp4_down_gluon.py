@@ -297,16 +297,20 @@ def _down_gluon_kernel(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, alph
                        TILES: gl.constexpr, I: gl.constexpr, H: gl.constexpr,
                        BLOCK_M: gl.constexpr, OVERLAP: gl.constexpr = False,
                        PDL: gl.constexpr = False, TICKETS: gl.constexpr = False,
-                       PER_PART: gl.constexpr = False):
+                       PER_PART: gl.constexpr = False, WAIT_FIRST: gl.constexpr = False):
     """`OVERLAP`: launched while gate/up runs (with PDL: `PDL`, which also lets the next
     kernel launch at once); the consumers wait per routing block for its h rows
     (`moe_overlap`'s counters in `count_ptr`, `writers` gate/up programs per block) and load
     them from global memory instead of the producer's TMA copies. `TICKETS` (with `OVERLAP`):
     items from the counter `count_ptr[2 * num_slots]` (zero between launches) in turn, and the
     producer waits for the rows and copies them. `PER_PART`: `writers` counts per 8-slot part
-    that holds a pair (the Gluon gate/up items of `_nvfp4_moe_gluon`), not per block."""
+    that holds a pair (the Gluon gate/up items of `_nvfp4_moe_gluon`), not per block.
+    `WAIT_FIRST` (with `PDL`): launched right after the alignment, which runs beside gate/up
+    (`DLMC_NVFP4_ALIGN_AFTER`): wait for it before reading the alignment."""
     if PDL:
         gdc_launch_dependents()
+    if WAIT_FIRST:
+        gdc_wait()
     w_buf = gl.allocate_shared_memory(w_d.dtype, [STAGES] + w_d.block_type.shape, w_d.layout)
     s_buf = gl.allocate_shared_memory(s_d.dtype, [STAGES] + s_d.block_type.shape, s_d.layout)
     h_buf = gl.allocate_shared_memory(h_d.dtype, [2 * STAGES] + h_d.block_type.shape,
@@ -342,7 +346,8 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
                       words: torch.Tensor, codes: torch.Tensor, alpha: torch.Tensor,
                       y: torch.Tensor, num_pairs: int, shared_id: int,
                       count: torch.Tensor | None = None, num_slots: int = 0, writers: int = 0,
-                      pdl: bool = False, per_part: bool = False) -> None:
+                      pdl: bool = False, per_part: bool = False,
+                      wait_first: bool = False) -> None:
     """y[pair] = bf16(alpha[e] * h[slot] @ down[e]^T) for every routed pair of the routing
     (`sorted_pair`, `expert_of_block`: blocks of 16, 32 or 64 slots, cut into 8-slot parts;
     blocks of expert `shared_id` skipped). h bf16 `[S, I]` with `H_EVEN_ODD` columns; words
@@ -355,7 +360,11 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
     that follows waits for this kernel only). With `count`, `TICKETS` (read at each launch)
     hands the items out by the ticket counter after the slots' (`2 * num_slots + 1` counters,
     `moe_overlap.counters(device, num_slots + 1)`). `per_part`: `writers` per 8-slot part that
-    holds a pair (gate/up in `_nvfp4_moe_gluon`'s items), else per routing block."""
+    holds a pair (gate/up in `_nvfp4_moe_gluon`'s items), else per routing block.
+    `wait_first` (with `pdl`): launched right after the alignment kernel, which did not wait
+    for gate/up (`moe_align.align_after_waiting_kernel`): wait for it before anything else."""
+    if wait_first and not pdl:
+        raise ValueError("launch_down_gluon: wait_first needs pdl")
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     tickets = TICKETS and count is not None
@@ -379,6 +388,7 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
         w_d, s_d, h_d, expert_of_block, sorted_pair, alpha, y, items, num_pairs, shared_id,
         y.stride(0), h, h.stride(0), expert_of_block if count is None else count, num_slots,
         writers, STAGES=STAGES, KSTEPS=I // 128, TILES=H // 128, I=I, H=H, BLOCK_M=block_m,
-        OVERLAP=count is not None, PDL=pdl, TICKETS=tickets, PER_PART=per_part, num_warps=4,
+        OVERLAP=count is not None, PDL=pdl, TICKETS=tickets, PER_PART=per_part,
+        WAIT_FIRST=wait_first, num_warps=4,
         maxnreg=MAXNREG,
         **({"launch_pdl": True} if pdl else {}))

@@ -87,7 +87,8 @@ from dlmc.custom_ops._nvfp4_self_route import (
 )
 from dlmc.custom_ops._occupancy import resident_programs
 
-__all__ = ["fused_applies", "gate_up_applies", "launch_moe_gluon", "programs_per_sm"]
+__all__ = ["fused_applies", "gate_up_applies", "launch_moe_gluon", "programs_per_sm",
+           "self_routes"]
 
 # ring depth, programs per SM (at most what fits: `programs_per_sm`), registers per thread (80:
 # no spills in sm_90 SASS, and 3 programs of 256 threads fit in an SM's 64 K registers); the
@@ -282,7 +283,7 @@ def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, x_ptr, expert_o
                       PDL_AFTER: gl.constexpr = False, TICKETS: gl.constexpr = False,
                       X_TMA: gl.constexpr = False, ids_ptr=None, SELF: gl.constexpr = False,
                       G: gl.constexpr = 1, PAIRS_PAD: gl.constexpr = 16,
-                      EXPERTS_PAD: gl.constexpr = 16):
+                      EXPERTS_PAD: gl.constexpr = 16, WAIT_FIRST: gl.constexpr = False):
     """`PDL_ENTER`: launched with PDL right after the routing (wait for it, then let the next
     kernel launch). `PDL_AFTER`: launched with PDL after the shared expert's down parts, which
     come after the routing: let the next kernel launch at once, and finish only after the
@@ -294,11 +295,18 @@ def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, x_ptr, expert_o
     `SELF` (gate/up items alone, by program, `X_TMA`, launched with PDL right after the
     routing, `PDL_ENTER` off): each program's `G` items routed from `ids_ptr` by the program
     itself (`_nvfp4_self_route`; `PAIRS_PAD`, `EXPERTS_PAD`: powers of two at least the pairs
-    and experts); the producer waits for the routing launch after its first copies."""
+    and experts); the producer waits for the routing launch after its first copies.
+    `WAIT_FIRST` (with `SELF`): the op's first launch (`DLMC_NVFP4_ALIGN_AFTER`): wait for the
+    kernel before (which may have written the routing) before routing, then let the alignment
+    launch beside this kernel (the producer's later wait returns at once)."""
     if SELF:
+        if WAIT_FIRST:
+            gdc_wait()
         experts_tab, pairs_tab, rows_tab = route_tables(G)
         self_route(ids_ptr, num_pairs, gate_up_items, experts_tab, pairs_tab, rows_tab, G,
                    I // 128, BLOCK_M, PAIRS_PAD, EXPERTS_PAD)
+        if WAIT_FIRST:
+            gdc_launch_dependents()
     if PDL_ENTER:
         gdc_wait()
     if PDL_ENTER or PDL_AFTER:
@@ -324,6 +332,17 @@ def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, x_ptr, expert_o
     ], [1], [40])
     if PDL_AFTER:
         gdc_wait()
+
+
+def self_routes(topk_ids: torch.Tensor | None, num_pairs: int, num_experts: int, pdl: str,
+                gate_up_only: bool) -> bool:
+    """Whether `launch_moe_gluon`'s gate/up programs route their own items
+    (`_nvfp4_self_route`): handed the routing's `topk_ids`, gate/up items alone, launched with
+    PDL after the alignment ("enter") or first ("first"), x rows by TMA, `DLMC_NVFP4_SELF_ROUTE`,
+    and a routing within the tables' limits."""
+    return (topk_ids is not None and _nvfp4_self_route.SELF_ROUTE and gate_up_only
+            and pdl in ("enter", "first") and X_TMA and topk_ids.numel() == num_pairs
+            and self_route_fits(num_pairs, num_experts))
 
 
 def _runs(device: torch.device, variant: int, hidden: int, inter: int, emulate_w4a4: bool,
@@ -392,12 +411,14 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
     y bf16 `[P, H]`; `count`: `moe_overlap.counters` for `num_slots` slots and the ticket
     counter after them (`2 * num_slots + 1` entries, zero; left zero).
     `pdl`: "" (plain launch), "enter" (PDL after the routing), "after" (PDL after the shared
-    expert's down parts). `gate_up_only`: h alone, items by program (the Gluon down kernel
-    that follows takes the ticket counter; it waits for each 8-slot part's `I / 128` counts).
-    `topk_ids` (`[T, K]` of the routing that `sorted_pair` aligns, `shared_id` experts): with
-    `gate_up_only`, `pdl` "enter" and `_nvfp4_self_route.SELF_ROUTE`, each program routes its
-    own items (`_nvfp4_self_route`) where the routing fits it, instead of waiting for the
-    alignment launch.
+    expert's down parts), "first" (the op's first launch, self-routed: `self_routes` must hold;
+    its programs wait for the kernel before, route themselves, then let `moe_align` launch
+    beside them, for which the grid leaves one program's room: `DLMC_NVFP4_ALIGN_AFTER`).
+    `gate_up_only`: h alone, items by program (the Gluon down kernel that follows takes the
+    ticket counter; it waits for each 8-slot part's `I / 128` counts).
+    `topk_ids` (`[T, K]` of the routing that `sorted_pair` aligns, `shared_id` experts): where
+    `self_routes`, each program routes its own items (`_nvfp4_self_route`) instead of waiting
+    for the alignment launch (or, "first", instead of reading an alignment made before).
     Session 27 also ran gate/up alone on one program per possible item (commit 2660087): 92.8-94.1
     against 89.7 / 89.8 µs per layer for the op on this persistent grid."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -416,13 +437,14 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
             gate_up_items, down_items, num_pairs, shared_id, x.stride(0),
             h.stride(0), y.stride(0), a_row_div)
     tickets = 0 if gate_up_only else int(TICKETS)
-    routed = (topk_ids is not None and _nvfp4_self_route.SELF_ROUTE and gate_up_only
-              and pdl == "enter" and X_TMA and topk_ids.numel() == num_pairs
-              and self_route_fits(num_pairs, shared_id))
+    routed = self_routes(topk_ids, num_pairs, shared_id, pdl, gate_up_only)
+    if pdl == "first" and not routed:
+        raise ValueError("launch_moe_gluon: pdl='first' needs a self-routed gate/up launch "
+                         "(`self_routes`)")
     options = {"STAGES": STAGES, "H": H, "I": I, "BLOCK_M": block_m,
                "PDL_ENTER": pdl == "enter" and not routed, "PDL_AFTER": pdl == "after",
                "TICKETS": tickets, "X_TMA": X_TMA, "num_warps": 4, "maxnreg": MAXNREG,
-               **({"launch_pdl": True} if pdl else {})}
+               "WAIT_FIRST": pdl == "first", **({"launch_pdl": True} if pdl else {})}
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     if routed:
         options |= {"ids_ptr": topk_ids.reshape(-1), "SELF": True,
@@ -442,6 +464,7 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
             raise RuntimeError(f"nvfp4_moe: the fused Gluon kernel (STAGES={STAGES}, "
                                f"MAXNREG={MAXNREG}) does not fit on an SM of {x.device}")
         _PROGRAMS[key] = fit * sms
+    grid = _PROGRAMS[key] - (pdl == "first")  # ("first": room for the alignment's program)
     if routed:  # each program's items: p, p + grid, ...
-        options["G"] = -(-gate_up_items // _PROGRAMS[key])
-    _moe_gluon_kernel[(_PROGRAMS[key],)](*args, **options)
+        options["G"] = -(-gate_up_items // grid)
+    _moe_gluon_kernel[(grid,)](*args, **options)

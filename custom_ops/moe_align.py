@@ -25,7 +25,8 @@ from dlmc.custom_ops._pdl import PDL_LAUNCH, launcher, pdl_enter
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
 
-__all__ = ["PairRouting", "aligned_blocks", "align_pairs_to_blocks",
+__all__ = ["PairRouting", "align_after_waiting_kernel", "aligned_blocks", "alignment_buffers",
+           "align_pairs_to_blocks",
            "align_pairs_to_blocks_reference", "append_shared_column", "block_rows",
            "moe_block_size", "route_block_m", "route_pairs"]
 
@@ -137,8 +138,12 @@ def align_pairs(ids_ptr, sorted_pair_ptr, expert_of_block_ptr, num_pairs, top_k,
 def moe_align_kernel(ids_ptr, sorted_pair_ptr, expert_of_block_ptr, num_pairs, top_k,
                      shared_expert, NUM_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr,
                      LOG_PAIRS_PAD: tl.constexpr, EXPERTS_PAD: tl.constexpr,
-                     SHARED_BLOCKS: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr = False):
-    pdl_enter(PDL)
+                     SHARED_BLOCKS: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr = False,
+                     WAIT: tl.constexpr = True):
+    if WAIT:
+        pdl_enter(PDL)
+    elif PDL:  # launched after a kernel that has waited for the routing's writer
+        tl.extra.cuda.gdc_launch_dependents()
     align_pairs(ids_ptr, sorted_pair_ptr, expert_of_block_ptr, num_pairs, top_k, shared_expert,
                 NUM_BLOCKS, BLOCK_M, LOG_PAIRS_PAD, EXPERTS_PAD, SHARED_BLOCKS, FILL)
 
@@ -151,18 +156,47 @@ def _moe_align_impl(topk_ids: torch.Tensor, num_experts: int, block_m: int,
 def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int, shared_expert: bool,
            launch: dict[str, bool]) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's body; `launch`: extra launch options (`_pdl.PDL_LAUNCH` or none)."""
+    out = alignment_buffers(topk_ids, num_experts, block_m, shared_expert)
+    _align_into(topk_ids, num_experts, shared_expert, *out, launch)
+    return out
+
+
+def alignment_buffers(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                      shared_expert: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialized `(sorted_pair, expert_of_block)` of `align_pairs_to_blocks`' shapes."""
+    num_blocks = aligned_blocks(*topk_ids.shape, num_experts, block_m, shared_expert)
+    return (torch.empty(num_blocks * block_m, dtype=torch.int32, device=topk_ids.device),
+            torch.empty(num_blocks, dtype=torch.int32, device=topk_ids.device))
+
+
+def _align_into(topk_ids: torch.Tensor, num_experts: int, shared_expert: bool,
+                sorted_pair: torch.Tensor, expert_of_block: torch.Tensor,
+                launch: dict[str, bool]) -> None:
     tokens, top_k = topk_ids.shape
     num_pairs = tokens * top_k
-    num_blocks = aligned_blocks(tokens, top_k, num_experts, block_m, shared_expert)
-    sorted_pair = torch.empty(num_blocks * block_m, dtype=torch.int32, device=topk_ids.device)
-    expert_of_block = torch.empty(num_blocks, dtype=torch.int32, device=topk_ids.device)
     if num_pairs == 0:
-        return sorted_pair, expert_of_block
+        return
+    block_m = sorted_pair.shape[0] // expert_of_block.shape[0]
     constants, num_warps = align_launch(tokens, top_k, num_experts, block_m, shared_expert)
     launcher(moe_align_kernel)[(1,)](
         topk_ids.reshape(-1), sorted_pair, expert_of_block, num_pairs, top_k, num_experts,
         **constants, num_warps=num_warps, **launch)
-    return sorted_pair, expert_of_block
+
+
+def align_after_waiting_kernel(topk_ids: torch.Tensor, num_experts: int,
+                               sorted_pair: torch.Tensor, expert_of_block: torch.Tensor) -> None:
+    """`align_pairs_to_blocks(topk_ids, num_experts, block_m)` (no shared expert) into
+    `alignment_buffers`' tensors, launched with PDL and without waiting for the kernel before
+    it: only right after a PDL kernel that has itself waited for `topk_ids`' writer before
+    letting this one launch (`nvfp4_moe`'s self-routed gate/up, `DLMC_NVFP4_ALIGN_AFTER`), so
+    that it runs beside that kernel. The body of an opaque op on sm_90+ only."""
+    if not _kernel_applies(topk_ids, num_experts) or _INTERPRETED:
+        raise ValueError(f"align_after_waiting_kernel: needs a CUDA routing of at most "
+                         f"{MAX_KERNEL_PAIRS} pairs over {MAX_KERNEL_EXPERTS} experts, got "
+                         f"{topk_ids.device} [{', '.join(map(str, topk_ids.shape))}] over "
+                         f"{num_experts}")
+    _align_into(topk_ids.contiguous(), num_experts, False, sorted_pair, expert_of_block,
+                PDL_LAUNCH | {"WAIT": False})
 
 
 def align_launch(tokens: int, top_k: int, num_experts: int, block_m: int,

@@ -19,20 +19,29 @@ import os
 import torch
 import triton
 
+from dlmc.custom_ops import _nvfp4_self_route
 from dlmc.custom_ops._nvfp4_down_gluon import (
     down_gluon_applies,
     down_tickets,
     launch_down_gluon,
     shared_down_in_gate_up,
 )
-from dlmc.custom_ops._nvfp4_moe_gluon import fused_applies, gate_up_applies, launch_moe_gluon
+from dlmc.custom_ops._nvfp4_moe_gluon import (
+    fused_applies,
+    gate_up_applies,
+    launch_moe_gluon,
+    self_routes,
+)
 from dlmc.custom_ops._nvfp4_moe_kernels import _down_kernel, _gate_up_kernel
 from dlmc.custom_ops._pdl import PDL_LAUNCH, launcher
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.moe_align import (
     PairRouting,
+    align_after_waiting_kernel,
+    alignment_buffers,
     check_pair_routing,
+    route_block_m,
     route_pairs,
 )
 from dlmc.custom_ops.moe_combine import combine_pairs
@@ -196,8 +205,7 @@ def _nvfp4_moe_impl(
     edges = edge_pdl(x.device) and down_input_scale is None  # alignment and combine with PDL
     aligned_here = sorted_pair is None or expert_of_block is None
     if aligned_here:  # else aligned by dlmc::moe_route_align (which also wrote topk_ids)
-        block_m, sorted_pair, expert_of_block = route_pairs(topk_ids, E, has_shared, edges)
-    num_blocks = expert_of_block.shape[0]
+        block_m = route_block_m(T, K, E, has_shared)
     a, a_row_div = x.contiguous(), pairs_per_token
     if gate_up_input_scale is not None:  # W4A4 emulation: quantize each routed pair's row
         pair_expert = topk_ids.reshape(-1).long()  # [T*K]
@@ -207,10 +215,6 @@ def _nvfp4_moe_impl(
             a = torch.cat([a.view(T, K, H), x[:, None]], dim=1).reshape(num_pairs, H)
         a_row_div = 1
     g_w, u_w, d_w = (shared_gate, shared_up, shared_down) if has_shared else (x, x, x)
-    # h: a row per routing slot, then (shared expert) a row per token (`moe_shared_parts`).
-    routed_rows = num_blocks * block_m
-    h = torch.empty((routed_rows + shared * -(-T // block_m) * block_m, I), dtype=torch.bfloat16,
-                    device=x.device)
     block_n1, block_k1, launch = _launch_config(I, H, _GATE_UP_BLOCK_N[variant], "gate_up")
     _check_tiled_tile(variant, block_k1)
     parts1 = shared_parts(T, block_m, block_n1) if has_shared else 0
@@ -232,6 +236,19 @@ def _nvfp4_moe_impl(
     # down kernel (which then waits for each 8-slot part's items)
     gluon_gate_up = gate_up_applies(x.device, variant, H, I, down_input_scale is not None,
                                     OPAQUE_OP, bool(pdl), E, gluon_down, has_shared)
+    # `DLMC_NVFP4_ALIGN_AFTER`: the self-routed gate/up launches first and the alignment (for
+    # the down kernel) beside it, so that no launch sits before gate/up
+    align_after = (aligned_here and edges and gluon_gate_up and _nvfp4_self_route.ALIGN_AFTER
+                   and self_routes(topk_ids, num_pairs, E, "first", True))
+    if align_after:
+        sorted_pair, expert_of_block = alignment_buffers(topk_ids, E, block_m)
+    elif aligned_here:
+        _, sorted_pair, expert_of_block = route_pairs(topk_ids, E, has_shared, edges)
+    num_blocks = expert_of_block.shape[0]
+    # h: a row per routing slot, then (shared expert) a row per token (`moe_shared_parts`).
+    routed_rows = num_blocks * block_m
+    h = torch.empty((routed_rows + shared * -(-T // block_m) * block_m, I), dtype=torch.bfloat16,
+                    device=x.device)
     num_slots = num_blocks + shared * -(-T // block_m)
     # (unread without overlap; a Gluon kernel with a ticket counter: one more slot's room, for
     # it; the fused kernel's launch checks for that room)
@@ -294,17 +311,20 @@ def _nvfp4_moe_impl(
             (gate_weight, gate_weight_scale, up_weight, up_weight_scale, down_weight,
              down_weight_scale),
             (gate_alpha, up_alpha, down_alpha), h, y, count, num_slots, num_pairs, E, a_row_div,
-            pdl="after" if has_shared else "enter", gate_up_only=gluon_gate_up,
+            pdl="after" if has_shared else "first" if align_after else "enter",
+            gate_up_only=gluon_gate_up,
             # the gate/up programs may route themselves while the alignment runs: topk_ids
             # was written before it (its PDL launch waits for the kernel before, then lets
-            # gate/up launch)
+            # gate/up launch); or ("first") they wait for the kernel before themselves
             topk_ids=topk_ids if edges and aligned_here else None)
+    if align_after:  # beside gate/up, which has waited for the kernel before
+        align_after_waiting_kernel(topk_ids, E, sorted_pair, expert_of_block)
     if gluon_down:  # (writers: gate/up's programs per block, or its items per 8-slot part)
         launch_down_gluon(h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
                           down_alpha, y, num_pairs, E,
                           count if overlap else None, num_slots,
                           I // 128 if gluon_gate_up else tiles1, pdl=bool(pdl),
-                          per_part=gluon_gate_up)
+                          per_part=gluon_gate_up, wait_first=align_after)
     if pairs:
         return y  # [T*P, H]
     return combine_pairs(y, topk_weights, out, has_shared, edges)  # [T, H]

@@ -70,19 +70,24 @@ def check_lowering() -> None:
     fences and copies them: `fence.proxy.async.global`; relaxed adds: the first ticket, one
     ahead per item, the reader count; exchanges: the last reader's two counter resets and the
     ticket reset). With tickets, `PER_PART` (waiting for gate/up's counts per 8-slot part) the
-    same."""
+    same, and `WAIT_FIRST` (launched after the alignment that runs beside gate/up) one more
+    wait, before the first load."""
     kernel, types = _nvfp4_down_gluon._down_gluon_kernel, down_types()
-    for overlap, tickets, per_part in ((False, False, False), (True, False, False),
-                                       (True, True, False), (True, True, True)):
+    for overlap, tickets, per_part, first in ((False, False, False, False),
+                                              (True, False, False, False),
+                                              (True, True, False, False),
+                                              (True, True, True, False), (True, True, True, True)):
         consts = {"STAGES": _nvfp4_down_gluon.STAGES, "KSTEPS": 4, "TILES": 16, "I": 512,
                   "H": 2048, "BLOCK_M": 16, "OVERLAP": overlap, "PDL": overlap,
-                  "TICKETS": tickets, "PER_PART": per_part}
+                  "TICKETS": tickets, "PER_PART": per_part, "WAIT_FIRST": first}
         compiled, usage = compile_gluon_sm90(kernel, types, consts, _nvfp4_down_gluon.MAXNREG)
-        form = (overlap, tickets, per_part)
+        form = (overlap, tickets, per_part, first)
         assert usage["REG"] <= _nvfp4_down_gluon.MAXNREG, (form, usage)
         assert usage["LOCAL"] == 0 and usage["STACK"] == 0, (form, usage)
         ptx = compiled.asm["ptx"]
-        assert ptx.count("griddepcontrol.wait") == int(overlap), form
+        assert ptx.count("griddepcontrol.wait") == int(overlap) + first, form
+        if first:
+            assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global"), form
         assert ptx.count("relaxed.add") == int(overlap) + 2 * tickets, form
         assert ptx.count("relaxed.exch") == 2 * overlap + tickets, form
         assert ("fence.proxy.async.global" in ptx) == tickets, form

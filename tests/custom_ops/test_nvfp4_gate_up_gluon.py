@@ -120,31 +120,47 @@ def test_self_routing_limits() -> None:
     assert not (fits(0, 256) or fits(513, 256) or fits(256, 513))
 
 
-def spy_gate_up_only(monkeypatch, self_route: bool = False) -> list[tuple[bool, bool]]:
-    """`DLMC_NVFP4_GATE_UP=gluon` and `DLMC_NVFP4_SELF_ROUTE` as `self_route`, and per
-    `launch_moe_gluon` call (`gate_up_only`, whether it was handed `topk_ids`)."""
+def spy_gate_up_only(monkeypatch, self_route: bool = False, align_after: bool = False
+                     ) -> list[tuple[bool, bool]]:
+    """`DLMC_NVFP4_GATE_UP=gluon`, `DLMC_NVFP4_SELF_ROUTE` as `self_route` and
+    `DLMC_NVFP4_ALIGN_AFTER` as `align_after`, and per `launch_moe_gluon` call
+    (`gate_up_only`, whether it was handed `topk_ids`), checking that it launched first
+    ("first") exactly with `align_after`."""
     monkeypatch.setattr(_nvfp4_down_gluon, "GATE_UP", "gluon")
     monkeypatch.setattr(_nvfp4_self_route, "SELF_ROUTE", self_route)
+    monkeypatch.setattr(_nvfp4_self_route, "ALIGN_AFTER", align_after)
     calls: list[tuple[bool, bool]] = []
     real = op_module.launch_moe_gluon
-    monkeypatch.setattr(op_module, "launch_moe_gluon", lambda *a, **k: (
-        calls.append((k.get("gate_up_only", False), k.get("topk_ids") is not None)),
-        real(*a, **k))[1])
+
+    def launch(*a, **k) -> None:
+        assert (k.get("pdl") == "first") == align_after, k.get("pdl")
+        calls.append((k.get("gate_up_only", False), k.get("topk_ids") is not None))
+        real(*a, **k)
+
+    monkeypatch.setattr(op_module, "launch_moe_gluon", launch)
     return calls
 
 
+# (self_route, align_after): aligned first, self-routed beside the alignment, self-routed first
+# with the alignment beside it (`DLMC_NVFP4_ALIGN_AFTER`)
+ROUTINGS = pytest.mark.parametrize("self_route,align_after",
+                                   [(False, False), (True, False), (True, True)],
+                                   ids=["aligned", "self_routed", "align_after"])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("self_route", [False, True], ids=["aligned", "self_routed"])
+@ROUTINGS
 @pytest.mark.parametrize("case", ["llada", "skewed", "one_token", "two_blocks", "64_tokens"])
-def test_gluon_gate_up_equals_the_triton_kernels_gpu(monkeypatch, case: str,
-                                                      self_route: bool) -> None:
+def test_gluon_gate_up_equals_the_triton_kernels_gpu(monkeypatch, case: str, self_route: bool,
+                                                      align_after: bool) -> None:
     """`DLMC_NVFP4_GATE_UP=gluon` then the Gluon down kernel (tickets): bit for bit the Triton
     kernels at LLaDA2.1-mini shapes (32 x top-8 of 256), with every token on the same 8
     experts (one full block each, or two with 32 tokens of 64 experts), for one token, and
     for 64 tokens (512 pairs: the self-routing's largest tiles); the counters zero
     afterwards. `self_route`: the gate/up programs route their own items
-    (`_nvfp4_self_route`), which takes the llada shape in several items per program."""
-    calls = spy_gate_up_only(monkeypatch, self_route)
+    (`_nvfp4_self_route`), which takes the llada shape in several items per program;
+    `align_after`: they launch first and the alignment beside them."""
+    calls = spy_gate_up_only(monkeypatch, self_route, align_after)
     gen = torch.Generator().manual_seed(4)
     E, H, I, T = {"llada": (256, 2048, 512, 32), "two_blocks": (64, 256, 256, 32),
                   "64_tokens": (256, 2048, 512, 64)}.get(case, (8, 256, 256, 16))
@@ -158,9 +174,10 @@ def test_gluon_gate_up_equals_the_triton_kernels_gpu(monkeypatch, case: str,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("self_route", [False, True], ids=["aligned", "self_routed"])
-def test_gluon_gate_up_replays_in_a_cuda_graph_gpu(monkeypatch, self_route: bool) -> None:
+@ROUTINGS
+def test_gluon_gate_up_replays_in_a_cuda_graph_gpu(monkeypatch, self_route: bool,
+                                                   align_after: bool) -> None:
     """Captured once, replayed on new x and routing: the eager Triton path's output."""
-    calls = spy_gate_up_only(monkeypatch, self_route)
+    calls = spy_gate_up_only(monkeypatch, self_route, align_after)
     assert_graph_replays_like_triton(monkeypatch, "gluon", 256)
     assert calls and all(gate_up_only for gate_up_only, _ in calls)

@@ -124,16 +124,23 @@ def check_lowering() -> None:
     # LLaDA2.1-mini routing (tables padded to 8 rows); the producer's copies are gate/up's
     # alone, and it waits for the alignment at one of two places (after its first item's
     # first copies, or at once without one), then lets the next launch start
-    consts = {"STAGES": stages, "H": 2048, "I": 512, "BLOCK_M": 16, "PDL_ENTER": False,
-              "PDL_AFTER": False, "TICKETS": 0, "X_TMA": True, "SELF": True, "G": 6,
-              "PAIRS_PAD": 256, "EXPERTS_PAD": 256}
-    compiled, usage = compile_gluon_sm90(kernel, types | {"ids_ptr": "*i32"}, consts,
-                                         _nvfp4_moe_gluon.MAXNREG)
-    assert usage["REG"] <= _nvfp4_moe_gluon.MAXNREG and usage["LOCAL"] == 0, usage
-    assert compiled.metadata.shared <= stages * _nvfp4_moe_gluon.STAGE_BYTES + 1024
-    ptx = compiled.asm["ptx"]
-    assert ptx.count("griddepcontrol.wait") == 2 and "griddepcontrol.launch_dependents" in ptx
-    assert ptx.count("cp.async.bulk.tensor") == 4 + 8
+    # alignment (two waits, two launch_dependents); `WAIT_FIRST` (the op's first launch,
+    # `DLMC_NVFP4_ALIGN_AFTER`): a wait before the routing reads `ids_ptr` and a
+    # launch_dependents after it, too
+    for wait_first in (False, True):
+        consts = {"STAGES": stages, "H": 2048, "I": 512, "BLOCK_M": 16, "PDL_ENTER": False,
+                  "PDL_AFTER": False, "TICKETS": 0, "X_TMA": True, "SELF": True, "G": 6,
+                  "PAIRS_PAD": 256, "EXPERTS_PAD": 256, "WAIT_FIRST": wait_first}
+        compiled, usage = compile_gluon_sm90(kernel, types | {"ids_ptr": "*i32"}, consts,
+                                             _nvfp4_moe_gluon.MAXNREG)
+        assert usage["REG"] <= _nvfp4_moe_gluon.MAXNREG and usage["LOCAL"] == 0, usage
+        assert compiled.metadata.shared <= stages * _nvfp4_moe_gluon.STAGE_BYTES + 1024
+        ptx = compiled.asm["ptx"]
+        assert ptx.count("griddepcontrol.wait") == 2 + wait_first, wait_first
+        assert ptx.count("griddepcontrol.launch_dependents") == 2 + wait_first, wait_first
+        if wait_first:  # the wait comes before the routing's loads of the ids
+            assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global"), wait_first
+        assert ptx.count("cp.async.bulk.tensor") == 4 + 8
 
 
 def test_the_kernel_lowers_for_sm90() -> None:
