@@ -30,6 +30,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
+from dlmc.custom_ops._nvfp4_down_self_route import (
+    down_route_tables,
+    fill_down_tables,
+    self_item,
+)
 from dlmc.custom_ops._nvfp4_gluon_parts import (
     H_OP,
     MMA,
@@ -43,6 +48,7 @@ from dlmc.custom_ops._nvfp4_gluon_parts import (
     _store_tile,
     _tag,
     _tag_slot,
+    _wait_live_rows,
     _wait_rows,
     check_item_tags,
     gdc_launch_dependents,
@@ -215,16 +221,24 @@ def _consumer(expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr, num_items,
 
 @gluon.jit
 def _ring_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, slot0, tile, expert, i,
-               empty, ready, w_buf, s_buf, h_buf, STAGES: gl.constexpr, KSTEPS: gl.constexpr):
+               empty, ready, w_buf, s_buf, h_buf, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
+               SELF: gl.constexpr = False):
     """y rows of the part's pairs, columns tile * 128 + [0, 128), with the weights, codes and
-    h rows all from the ring (ring slots i, i + 1, ...); returns the ring position after it."""
+    h rows all from the ring (ring slots i, i + 1, ...); returns the ring position after it.
+    `SELF` (`_nvfp4_down_self_route`, KSTEPS >= 2): the part's pairs, which gate/up wrote
+    before the counts that the producer acquired after filling the item's first slot, are
+    read after the second slot's wait (the producer filled it after that acquire)."""
     # the epilogue's loads before the K loop (their latency hides there)
     alpha = gl.load(alpha_ptr + expert) * 128.0  # * 2^7: the decode's w * 2^-7
-    pairs = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(0, MMA)))
+    offs = slot0 + gl.arange(0, 8, gl.SliceLayout(0, MMA))
+    if not SELF:
+        pairs = gl.load(sorted_pair_ptr + offs)
     acc = gl.zeros([128, 8], gl.float32, MMA)
-    for _ in gl.static_range(KSTEPS):
+    for k in gl.static_range(KSTEPS):
         s = i % STAGES
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        if SELF and k == 1:
+            pairs = gl.load(sorted_pair_ptr + offs)
         words, codes = _chunk(w_buf.index(s), s_buf.index(s))
         h_even = h_buf.index(2 * s).permute([1, 0]).load(H_OP)
         h_odd = h_buf.index(2 * s + 1).permute([1, 0]).load(H_OP)
@@ -241,19 +255,27 @@ def _ticket_producer(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, count_
                      writers, num_items, num_pairs, shared_id, empty, ready, w_buf, s_buf, h_buf,
                      ids, STAGES: gl.constexpr, KSTEPS: gl.constexpr, TILES: gl.constexpr,
                      I: gl.constexpr, H: gl.constexpr, BLOCK_M: gl.constexpr,
-                     PER_PART: gl.constexpr):
+                     PER_PART: gl.constexpr, counts=None, ends=None,
+                     SELF: gl.constexpr = False, EXPERTS_PAD: gl.constexpr = 16):
     """`_producer` with `OVERLAP` and `TICKETS`: the next unclaimed item from the counter,
     taken one item ahead; items without work skipped; each slot tagged with its item. The h
     rows come by TMA as without `OVERLAP`: after the item's first weight copies this warp spins
     until gate/up has stored the routing block's rows (`_wait_rows`, counting itself as the
-    item's reader), then fences, so that TMA reads those rows."""
+    item's reader), then fences, so that TMA reads those rows. `SELF`: the items' experts
+    from the tables `counts`, `ends` (`_nvfp4_down_self_route`); their pairs, which the
+    consumers read, gate/up has written before its counts."""
     ticket = count_ptr + 2 * num_slots
     item = gl.atomic_add(ticket, 1, sem="relaxed", scope="gpu")
     i = 0  # K-steps copied so far (the ring position)
     while item < num_items:
         after = gl.atomic_add(ticket, 1, sem="relaxed", scope="gpu")  # read after the copies
-        slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr, item,
-                                              num_items, num_pairs, shared_id, TILES, BLOCK_M)
+        if SELF:
+            slot0, tile, expert, has_work, live = self_item(
+                counts, ends, item, num_items, TILES, BLOCK_M, EXPERTS_PAD)
+        else:
+            slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr, item,
+                                                  num_items, num_pairs, shared_id, TILES,
+                                                  BLOCK_M)
         if has_work:
             run = expert * (H // 128) + tile
             for k in gl.static_range(KSTEPS):
@@ -265,8 +287,12 @@ def _ticket_producer(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, count_
                                 + 2 * h_d.block_type.nbytes)
                 _weight_copies(w_d, s_d, run, k, bar, w_buf.index(s), s_buf.index(s), I)
                 if k == 0:
-                    _wait_rows(count_ptr, num_slots, sorted_pair_ptr, num_pairs, slot0, writers,
-                               TILES, BLOCK_M, PER_PART, 1)
+                    if SELF:
+                        _wait_live_rows(count_ptr, num_slots, slot0 // BLOCK_M, live, writers,
+                                        TILES, PER_PART)
+                    else:
+                        _wait_rows(count_ptr, num_slots, sorted_pair_ptr, num_pairs, slot0,
+                                   writers, TILES, BLOCK_M, PER_PART, 1)
                     _fence_proxy_async_global()
                 _h_copies(h_d, slot0, k, bar, h_buf, s)
                 i += 1
@@ -277,16 +303,16 @@ def _ticket_producer(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, count_
 @gluon.jit
 def _ticket_consumer(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, empty, ready,
                      w_buf, s_buf, h_buf, ids, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
-                     TILES: gl.constexpr, BLOCK_M: gl.constexpr):
+                     TILES: gl.constexpr, BLOCK_M: gl.constexpr, SELF: gl.constexpr = False):
     """`_consumer` without `OVERLAP` (h rows from the ring) over the items the producer
-    tagged, in its order, until the tag -1."""
+    tagged, in its order, until the tag -1 (`SELF`: `_ring_item`'s)."""
     i = 0  # K-steps consumed so far
     tag = _tag(ids, ready, i, STAGES)
     while tag >= 0:
         item, expert = tag // 1024, tag % 1024
         slot0, tile = _place(item, TILES, BLOCK_M)
         i = _ring_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, slot0, tile,
-                       expert, i, empty, ready, w_buf, s_buf, h_buf, STAGES, KSTEPS)
+                       expert, i, empty, ready, w_buf, s_buf, h_buf, STAGES, KSTEPS, SELF)
         tag = _tag(ids, ready, i, STAGES)
 
 
@@ -297,7 +323,9 @@ def _down_gluon_kernel(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, alph
                        TILES: gl.constexpr, I: gl.constexpr, H: gl.constexpr,
                        BLOCK_M: gl.constexpr, OVERLAP: gl.constexpr = False,
                        PDL: gl.constexpr = False, TICKETS: gl.constexpr = False,
-                       PER_PART: gl.constexpr = False, WAIT_FIRST: gl.constexpr = False):
+                       PER_PART: gl.constexpr = False, ids_ptr=None,
+                       SELF: gl.constexpr = False, PAIRS_PAD: gl.constexpr = 16,
+                       EXPERTS_PAD: gl.constexpr = 16):
     """`OVERLAP`: launched while gate/up runs (with PDL: `PDL`, which also lets the next
     kernel launch at once); the consumers wait per routing block for its h rows
     (`moe_overlap`'s counters in `count_ptr`, `writers` gate/up programs per block) and load
@@ -305,12 +333,11 @@ def _down_gluon_kernel(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, alph
     items from the counter `count_ptr[2 * num_slots]` (zero between launches) in turn, and the
     producer waits for the rows and copies them. `PER_PART`: `writers` counts per 8-slot part
     that holds a pair (the Gluon gate/up items of `_nvfp4_moe_gluon`), not per block.
-    `WAIT_FIRST` (with `PDL`): launched right after the alignment, which runs beside gate/up
-    (`DLMC_NVFP4_ALIGN_AFTER`): wait for it before reading the alignment."""
+    `SELF` (with `TICKETS`): no alignment; the items' routing from `ids_ptr`
+    (`_nvfp4_down_self_route`; `PAIRS_PAD`, `EXPERTS_PAD`: powers of two at least the pairs
+    and experts; the launch before has waited for the routing's writer)."""
     if PDL:
         gdc_launch_dependents()
-    if WAIT_FIRST:
-        gdc_wait()
     w_buf = gl.allocate_shared_memory(w_d.dtype, [STAGES] + w_d.block_type.shape, w_d.layout)
     s_buf = gl.allocate_shared_memory(s_d.dtype, [STAGES] + s_d.block_type.shape, s_d.layout)
     h_buf = gl.allocate_shared_memory(h_d.dtype, [2 * STAGES] + h_d.block_type.shape,
@@ -318,14 +345,19 @@ def _down_gluon_kernel(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, alph
     empty, ready = ring_barriers(STAGES)
     if TICKETS:  # (with OVERLAP: the producer waits for gate/up's rows and copies them)
         ids = gl.allocate_shared_memory(gl.int32, [STAGES, 1], TAGS)  # one tag per ring slot
+        if SELF:
+            counts, ends = down_route_tables(EXPERTS_PAD)
+            fill_down_tables(ids_ptr, num_pairs, counts, ends, BLOCK_M, PAIRS_PAD, EXPERTS_PAD)
+        else:  # (placeholders: not read)
+            counts, ends = ids, ids
         gl.warp_specialize([
             (_ticket_consumer, (sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, empty,
                                 ready, w_buf, s_buf, h_buf, ids, STAGES, KSTEPS, TILES,
-                                BLOCK_M)),
+                                BLOCK_M, SELF)),
             (_ticket_producer, (w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, count_ptr,
                                 num_slots, writers, num_items, num_pairs, shared_id, empty,
                                 ready, w_buf, s_buf, h_buf, ids, STAGES, KSTEPS, TILES, I, H,
-                                BLOCK_M, PER_PART)),
+                                BLOCK_M, PER_PART, counts, ends, SELF, EXPERTS_PAD)),
         ], [1], [40])
     else:  # program p's items p, p + grid, ... (the producer and the consumers alike)
         gl.warp_specialize([
@@ -347,7 +379,7 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
                       y: torch.Tensor, num_pairs: int, shared_id: int,
                       count: torch.Tensor | None = None, num_slots: int = 0, writers: int = 0,
                       pdl: bool = False, per_part: bool = False,
-                      wait_first: bool = False) -> None:
+                      topk_ids: torch.Tensor | None = None) -> None:
     """y[pair] = bf16(alpha[e] * h[slot] @ down[e]^T) for every routed pair of the routing
     (`sorted_pair`, `expert_of_block`: blocks of 16, 32 or 64 slots, cut into 8-slot parts;
     blocks of expert `shared_id` skipped). h bf16 `[S, I]` with `H_EVEN_ODD` columns; words
@@ -361,10 +393,11 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
     hands the items out by the ticket counter after the slots' (`2 * num_slots + 1` counters,
     `moe_overlap.counters(device, num_slots + 1)`). `per_part`: `writers` per 8-slot part that
     holds a pair (gate/up in `_nvfp4_moe_gluon`'s items), else per routing block.
-    `wait_first` (with `pdl`): launched right after the alignment kernel, which did not wait
-    for gate/up (`moe_align.align_after_waiting_kernel`): wait for it before anything else."""
-    if wait_first and not pdl:
-        raise ValueError("launch_down_gluon: wait_first needs pdl")
+    `topk_ids` (`[T, K]`, `num_pairs` ids over `shared_id` experts; with `count` and `TICKETS`):
+    the programs route their items themselves (`_nvfp4_down_self_route`); `sorted_pair` and
+    `expert_of_block` then only give the shapes (`moe_align.alignment_buffers`, unwritten).
+    The launch before must have waited for the routing's writer (the self-routed gate/up
+    launched "first")."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     tickets = TICKETS and count is not None
@@ -383,12 +416,21 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
     items = expert_of_block.shape[0] * (block_m // 8) * (H // 128)
     if tickets:
         check_item_tags(items, shared_id, "the Gluon down kernel with tickets")
+    self_route = {}
+    if topk_ids is not None:
+        if not tickets or topk_ids.numel() != num_pairs or I < 256:
+            raise ValueError(f"launch_down_gluon: self-routing needs the ticket counter, "
+                             f"{num_pairs} ids and I >= 256 (two K-steps), got "
+                             f"tickets={tickets}, {topk_ids.numel()} ids, I={I}")
+        self_route = {"ids_ptr": topk_ids.reshape(-1), "SELF": True,
+                      "PAIRS_PAD": max(16, 1 << (num_pairs - 1).bit_length()),
+                      "EXPERTS_PAD": max(16, 1 << (shared_id - 1).bit_length())}
     sms = torch.cuda.get_device_properties(h.device).multi_processor_count
     _down_gluon_kernel[(sms * PROGRAMS_PER_SM,)](
         w_d, s_d, h_d, expert_of_block, sorted_pair, alpha, y, items, num_pairs, shared_id,
         y.stride(0), h, h.stride(0), expert_of_block if count is None else count, num_slots,
         writers, STAGES=STAGES, KSTEPS=I // 128, TILES=H // 128, I=I, H=H, BLOCK_M=block_m,
         OVERLAP=count is not None, PDL=pdl, TICKETS=tickets, PER_PART=per_part,
-        WAIT_FIRST=wait_first, num_warps=4,
+        **self_route, num_warps=4,
         maxnreg=MAXNREG,
         **({"launch_pdl": True} if pdl else {}))

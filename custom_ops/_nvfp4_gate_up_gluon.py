@@ -142,13 +142,16 @@ def _gate_up_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr, c
                   ready, g_buf, gs_buf, u_buf, us_buf, STAGES: gl.constexpr, H: gl.constexpr,
                   BLOCK_M: gl.constexpr, SIGNAL: gl.constexpr = True, x_buf=None,
                   X_TMA: gl.constexpr = False, WARPS: gl.constexpr = 4, rows_tab=None,
-                  g=0, SELF: gl.constexpr = False):
+                  g=0, SELF: gl.constexpr = False, PAIRS_OUT: gl.constexpr = False):
     """h rows slot0..slot0+7, columns tile * 128 + [0, 128) (even columns first), then (with
     `SIGNAL`) one count on the routing block's counter. The x rows: from the ring (`X_TMA`,
     `x_buf`), else loaded from global memory (each consumer warp all of them, a K-step
     ahead). `WARPS`: the consumer warps (4, or 8 in perf/proto_gluon_gate_up.py). Returns the
     ring position after the item. `SELF` (with `X_TMA`): the part's pairs from row g of
-    `rows_tab` (`_nvfp4_self_route`'s table), not from the alignment."""
+    `rows_tab` (`_nvfp4_self_route`'s table), not from the alignment; `PAIRS_OUT` (with
+    `SELF`, no alignment launched: `DLMC_NVFP4_DOWN_SELF_ROUTE`): an item of N-tile 0 also
+    writes them into the alignment's `sorted_pair` (before its count: the down kernel reads
+    them once it has acquired the part's counts)."""
     mma: gl.constexpr = mma_layout(WARPS)
     x_l: gl.constexpr = x_rows_layout(WARPS)
     alpha_g = gl.load(gate_alpha_ptr + expert) * 128.0  # * 2^7: the decode's 2^-7
@@ -186,6 +189,9 @@ def _gate_up_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr, c
     cols = tile * 128 + (n % 2) * 64 + n // 2  # even columns first (what down reads)
     _store_tile(h_ptr, slot0 + gl.arange(0, 8, gl.SliceLayout(0, mma)), stride_h, cols, h,
                 pairs < num_pairs)
+    if PAIRS_OUT:  # noqa: SIM102 (a static condition around a runtime one)
+        if tile == 0:
+            gl.store(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(0, mma)), pairs)
     if SIGNAL:
         gl.thread_barrier()  # every consumer thread's stores, then one release count
         gl.atomic_add(count_ptr + slot0 // BLOCK_M, 1, sem="release", scope="gpu")

@@ -133,7 +133,15 @@ def _wait_rows(count_ptr, num_slots, sorted_pair_ptr, num_pairs, slot0, writers,
     rows, then count this reader; the last of the block's readers (TILES items per 8-slot part
     that holds a pair) zeroes its counters."""
     block = slot0 // BLOCK_M
-    live = _live_parts(sorted_pair_ptr, num_pairs, block, BLOCK_M, WARPS)
+    _wait_live_rows(count_ptr, num_slots, block,
+                    _live_parts(sorted_pair_ptr, num_pairs, block, BLOCK_M, WARPS), writers,
+                    TILES, PER_PART)
+
+
+@gluon.jit
+def _wait_live_rows(count_ptr, num_slots, block, live, writers, TILES: gl.constexpr,
+                    PER_PART: gl.constexpr = False):
+    """`_wait_rows` for routing block `block` whose `live` 8-slot parts hold a pair."""
     readers = TILES * live
     if PER_PART:
         writers = writers * live

@@ -251,9 +251,11 @@ def _consumer(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, down_alpha_p
               y_ptr, count_ptr, gate_up_items, num_pairs, stride_x, stride_h, stride_y,
               a_row_div, empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf, x_buf, ids,
               rows_tab, STAGES: gl.constexpr, H: gl.constexpr, I: gl.constexpr,
-              BLOCK_M: gl.constexpr, X_TMA: gl.constexpr, SELF: gl.constexpr):
+              BLOCK_M: gl.constexpr, X_TMA: gl.constexpr, SELF: gl.constexpr,
+              PAIRS_OUT: gl.constexpr = False):
     """Runs the items the producer tagged, in its order, until the tag -1 (`SELF`: the
-    gate/up items' pairs from the program's table, row (item - p) / grid)."""
+    gate/up items' pairs from the program's table, row (item - p) / grid; `PAIRS_OUT`: written
+    into `sorted_pair` too, `_gate_up_item`)."""
     i = 0  # ring slots consumed so far
     tag = _tag(ids, ready, i, STAGES)
     while tag >= 0:
@@ -264,7 +266,7 @@ def _consumer(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, down_alpha_p
             i = _gate_up_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr,
                               count_ptr, num_pairs, stride_x, stride_h, a_row_div, slot0, tile,
                               expert, i, empty, ready, g_buf, gs_buf, u_buf, us_buf, STAGES, H,
-                              BLOCK_M, True, x_buf, X_TMA, 4, rows_tab, g, SELF)
+                              BLOCK_M, True, x_buf, X_TMA, 4, rows_tab, g, SELF, PAIRS_OUT)
         else:
             slot0, tile = _place(item - gate_up_items, H // 128, BLOCK_M)
             i = _down_item(sorted_pair_ptr, down_alpha_ptr, y_ptr, num_pairs, stride_y, slot0,
@@ -296,9 +298,10 @@ def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, x_ptr, expert_o
     routing, `PDL_ENTER` off): each program's `G` items routed from `ids_ptr` by the program
     itself (`_nvfp4_self_route`; `PAIRS_PAD`, `EXPERTS_PAD`: powers of two at least the pairs
     and experts); the producer waits for the routing launch after its first copies.
-    `WAIT_FIRST` (with `SELF`): the op's first launch (`DLMC_NVFP4_ALIGN_AFTER`): wait for the
-    kernel before (which may have written the routing) before routing, then let the alignment
-    launch beside this kernel (the producer's later wait returns at once)."""
+    `WAIT_FIRST` (with `SELF`): the op's first launch (`DLMC_NVFP4_DOWN_SELF_ROUTE`): wait for
+    the kernel before (which may have written the routing) before routing, then let the next
+    kernel launch (the producer's later wait returns at once); no alignment was launched, so
+    the items of N-tile 0 write their parts' pairs into `sorted_pair` for the down kernel."""
     if SELF:
         if WAIT_FIRST:
             gdc_wait()
@@ -323,7 +326,7 @@ def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, x_ptr, expert_o
         (_consumer, (x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, down_alpha_ptr,
                      h_ptr, y_ptr, count_ptr, gate_up_items, num_pairs, stride_x, stride_h,
                      stride_y, a_row_div, empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf,
-                     x_buf, ids, rows_tab, STAGES, H, I, BLOCK_M, X_TMA, SELF)),
+                     x_buf, ids, rows_tab, STAGES, H, I, BLOCK_M, X_TMA, SELF, WAIT_FIRST)),
         (_any_producer, (g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, expert_of_block_ptr,
                          sorted_pair_ptr, count_ptr, num_slots, gate_up_items, down_items,
                          num_pairs, shared_id, a_row_div, empty, ready, g_buf, gs_buf, u_buf,
@@ -412,8 +415,8 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
     counter after them (`2 * num_slots + 1` entries, zero; left zero).
     `pdl`: "" (plain launch), "enter" (PDL after the routing), "after" (PDL after the shared
     expert's down parts), "first" (the op's first launch, self-routed: `self_routes` must hold;
-    its programs wait for the kernel before, route themselves, then let `moe_align` launch
-    beside them, for which the grid leaves one program's room: `DLMC_NVFP4_ALIGN_AFTER`).
+    its programs wait for the kernel before, route themselves, then let the down kernel
+    launch, which routes itself too: `DLMC_NVFP4_DOWN_SELF_ROUTE`).
     `gate_up_only`: h alone, items by program (the Gluon down kernel that follows takes the
     ticket counter; it waits for each 8-slot part's `I / 128` counts).
     `topk_ids` (`[T, K]` of the routing that `sorted_pair` aligns, `shared_id` experts): where
@@ -464,7 +467,7 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
             raise RuntimeError(f"nvfp4_moe: the fused Gluon kernel (STAGES={STAGES}, "
                                f"MAXNREG={MAXNREG}) does not fit on an SM of {x.device}")
         _PROGRAMS[key] = fit * sms
-    grid = _PROGRAMS[key] - (pdl == "first")  # ("first": room for the alignment's program)
+    grid = _PROGRAMS[key]
     if routed:  # each program's items: p, p + grid, ...
         options["G"] = -(-gate_up_items // grid)
     _moe_gluon_kernel[(grid,)](*args, **options)

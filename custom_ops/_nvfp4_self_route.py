@@ -32,7 +32,7 @@ from dlmc.custom_ops._nvfp4_gluon_parts import (
 )
 from dlmc.env import env_choice
 
-__all__ = ["ALIGN_AFTER", "MAX_EXPERTS", "MAX_PAIRS", "SELF_ROUTE", "route_tables", "self_producer",
+__all__ = ["MAX_EXPERTS", "MAX_PAIRS", "SELF_ROUTE", "route_tables", "self_producer",
            "self_route", "self_route_fits"]
 
 MAX_PAIRS, MAX_EXPERTS = 512, 512
@@ -42,13 +42,6 @@ MAX_PAIRS, MAX_EXPERTS = 512, 512
 # is unchanged: 2.838 ms queued both ways; perf/README.md) or "0" (wait for the alignment). The
 # module's value may be set per call by tests and benches.
 SELF_ROUTE = env_choice("DLMC_NVFP4_SELF_ROUTE", "1", ("1", "0")) == "1"
-# DLMC_NVFP4_ALIGN_AFTER (read at import; tests and benches may set the module's value): "1"
-# (with self-routing, PDL edges, the Gluon gate/up alone) launches the self-routed gate/up first
-# (waiting for the kernel before, then routing) and `moe_align` after it, beside it, for the
-# down kernel; "0" (the default) launches `moe_align` first, as before. Session 41's probe:
-# the op without the alignment launch in its chain (routings aligned before capture) 86.2-86.4
-# against 88.0-88.3 µs per LLaDA2.1-mini layer (perf/results/s41/call1).
-ALIGN_AFTER = env_choice("DLMC_NVFP4_ALIGN_AFTER", "0", ("1", "0")) == "1"
 
 _TABLE = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # rank-1 rows, as ring tags
 

@@ -25,8 +25,7 @@ from dlmc.custom_ops._pdl import PDL_LAUNCH, launcher, pdl_enter
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
 
-__all__ = ["PairRouting", "align_after_waiting_kernel", "aligned_blocks", "alignment_buffers",
-           "align_pairs_to_blocks",
+__all__ = ["PairRouting", "aligned_blocks", "alignment_buffers", "align_pairs_to_blocks",
            "align_pairs_to_blocks_reference", "append_shared_column", "block_rows",
            "moe_block_size", "route_block_m", "route_pairs"]
 
@@ -138,12 +137,8 @@ def align_pairs(ids_ptr, sorted_pair_ptr, expert_of_block_ptr, num_pairs, top_k,
 def moe_align_kernel(ids_ptr, sorted_pair_ptr, expert_of_block_ptr, num_pairs, top_k,
                      shared_expert, NUM_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr,
                      LOG_PAIRS_PAD: tl.constexpr, EXPERTS_PAD: tl.constexpr,
-                     SHARED_BLOCKS: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr = False,
-                     WAIT: tl.constexpr = True):
-    if WAIT:
-        pdl_enter(PDL)
-    elif PDL:  # launched after a kernel that has waited for the routing's writer
-        tl.extra.cuda.gdc_launch_dependents()
+                     SHARED_BLOCKS: tl.constexpr, FILL: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     align_pairs(ids_ptr, sorted_pair_ptr, expert_of_block_ptr, num_pairs, top_k, shared_expert,
                 NUM_BLOCKS, BLOCK_M, LOG_PAIRS_PAD, EXPERTS_PAD, SHARED_BLOCKS, FILL)
 
@@ -181,22 +176,6 @@ def _align_into(topk_ids: torch.Tensor, num_experts: int, shared_expert: bool,
     launcher(moe_align_kernel)[(1,)](
         topk_ids.reshape(-1), sorted_pair, expert_of_block, num_pairs, top_k, num_experts,
         **constants, num_warps=num_warps, **launch)
-
-
-def align_after_waiting_kernel(topk_ids: torch.Tensor, num_experts: int,
-                               sorted_pair: torch.Tensor, expert_of_block: torch.Tensor) -> None:
-    """`align_pairs_to_blocks(topk_ids, num_experts, block_m)` (no shared expert) into
-    `alignment_buffers`' tensors, launched with PDL and without waiting for the kernel before
-    it: only right after a PDL kernel that has itself waited for `topk_ids`' writer before
-    letting this one launch (`nvfp4_moe`'s self-routed gate/up, `DLMC_NVFP4_ALIGN_AFTER`), so
-    that it runs beside that kernel. The body of an opaque op on sm_90+ only."""
-    if not _kernel_applies(topk_ids, num_experts) or _INTERPRETED:
-        raise ValueError(f"align_after_waiting_kernel: needs a CUDA routing of at most "
-                         f"{MAX_KERNEL_PAIRS} pairs over {MAX_KERNEL_EXPERTS} experts, got "
-                         f"{topk_ids.device} [{', '.join(map(str, topk_ids.shape))}] over "
-                         f"{num_experts}")
-    _align_into(topk_ids.contiguous(), num_experts, False, sorted_pair, expert_of_block,
-                PDL_LAUNCH | {"WAIT": False})
 
 
 def align_launch(tokens: int, top_k: int, num_experts: int, block_m: int,

@@ -19,7 +19,7 @@ import os
 import torch
 import triton
 
-from dlmc.custom_ops import _nvfp4_self_route
+from dlmc.custom_ops import _nvfp4_down_self_route
 from dlmc.custom_ops._nvfp4_down_gluon import (
     down_gluon_applies,
     down_tickets,
@@ -38,7 +38,6 @@ from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.moe_align import (
     PairRouting,
-    align_after_waiting_kernel,
     alignment_buffers,
     check_pair_routing,
     route_block_m,
@@ -236,11 +235,12 @@ def _nvfp4_moe_impl(
     # down kernel (which then waits for each 8-slot part's items)
     gluon_gate_up = gate_up_applies(x.device, variant, H, I, down_input_scale is not None,
                                     OPAQUE_OP, bool(pdl), E, gluon_down, has_shared)
-    # `DLMC_NVFP4_ALIGN_AFTER`: the self-routed gate/up launches first and the alignment (for
-    # the down kernel) beside it, so that no launch sits before gate/up
-    align_after = (aligned_here and edges and gluon_gate_up and _nvfp4_self_route.ALIGN_AFTER
-                   and self_routes(topk_ids, num_pairs, E, "first", True))
-    if align_after:
+    # `DLMC_NVFP4_DOWN_SELF_ROUTE`: no alignment launch; the self-routed gate/up launches
+    # first, then the down kernel, which routes its own items (the buffers only give shapes)
+    no_align = (aligned_here and edges and gluon_gate_up and down_tickets() and I >= 256
+                and _nvfp4_down_self_route.DOWN_SELF_ROUTE
+                and self_routes(topk_ids, num_pairs, E, "first", True))
+    if no_align:
         sorted_pair, expert_of_block = alignment_buffers(topk_ids, E, block_m)
     elif aligned_here:
         _, sorted_pair, expert_of_block = route_pairs(topk_ids, E, has_shared, edges)
@@ -311,20 +311,18 @@ def _nvfp4_moe_impl(
             (gate_weight, gate_weight_scale, up_weight, up_weight_scale, down_weight,
              down_weight_scale),
             (gate_alpha, up_alpha, down_alpha), h, y, count, num_slots, num_pairs, E, a_row_div,
-            pdl="after" if has_shared else "first" if align_after else "enter",
+            pdl="after" if has_shared else "first" if no_align else "enter",
             gate_up_only=gluon_gate_up,
             # the gate/up programs may route themselves while the alignment runs: topk_ids
             # was written before it (its PDL launch waits for the kernel before, then lets
             # gate/up launch); or ("first") they wait for the kernel before themselves
             topk_ids=topk_ids if edges and aligned_here else None)
-    if align_after:  # beside gate/up, which has waited for the kernel before
-        align_after_waiting_kernel(topk_ids, E, sorted_pair, expert_of_block)
     if gluon_down:  # (writers: gate/up's programs per block, or its items per 8-slot part)
         launch_down_gluon(h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
                           down_alpha, y, num_pairs, E,
                           count if overlap else None, num_slots,
                           I // 128 if gluon_gate_up else tiles1, pdl=bool(pdl),
-                          per_part=gluon_gate_up, wait_first=align_after)
+                          per_part=gluon_gate_up, topk_ids=topk_ids if no_align else None)
     if pairs:
         return y  # [T*P, H]
     return combine_pairs(y, topk_weights, out, has_shared, edges)  # [T, H]

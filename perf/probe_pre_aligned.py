@@ -8,8 +8,9 @@ graph), in three forms replayed in turn:
   launch in the graph; gate/up then waits for the launch before it at its start);
 - `pre_self`: the same, with the gate/up programs routing themselves as in `default` (their
   first copies go out before they wait for the launch before them);
-- `align_after`: `DLMC_NVFP4_ALIGN_AFTER=1`: the self-routed gate/up launched first (waiting
-  for the launch before it, then routing) and `moe_align` beside it, for the down kernel.
+- `no_align`: `DLMC_NVFP4_DOWN_SELF_ROUTE=1`: no alignment launch; the self-routed gate/up
+  launched first (waiting for the launch before it, then routing), then the down kernel,
+  which routes its own items.
 
 `default - pre_self` bounds what an op without the alignment launch (every kernel routing
 itself) could win. Every form's outputs are compared with `default`'s, bit for bit, and layer
@@ -28,7 +29,7 @@ import torch
 
 import dlmc.custom_ops.nvfp4_moe as nvfp4_module
 from dlmc.bench.timing import copy_bandwidth_gbps
-from dlmc.custom_ops import _nvfp4_self_route
+from dlmc.custom_ops import _nvfp4_down_self_route
 from dlmc.custom_ops.moe_align import route_pairs
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
 
@@ -63,16 +64,16 @@ def main() -> None:
 
     def run(form: str) -> list[torch.Tensor]:
         outs = []
-        _nvfp4_self_route.ALIGN_AFTER = form == "align_after"
+        _nvfp4_down_self_route.DOWN_SELF_ROUTE = form == "no_align"
         for (ids, w), layer, r in zip(routing, layers, pre, strict=True):
             forced["ids"] = ids if form == "pre_self" else None
             outs.append(nvfp4_moe(x, ids, w, *layer, routing=r if form.startswith("pre")
                                   else None))
         forced["ids"] = None
-        _nvfp4_self_route.ALIGN_AFTER = False
+        _nvfp4_down_self_route.DOWN_SELF_ROUTE = False
         return outs
 
-    forms = ("default", "pre", "pre_self", "align_after")
+    forms = ("default", "pre", "pre_self", "no_align")
     results = {form: run(form) for form in forms}
     torch.cuda.synchronize()
     checks = {f"{form}_equals_default": all(torch.equal(a, b) for a, b in

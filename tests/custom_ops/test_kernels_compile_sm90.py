@@ -63,8 +63,7 @@ def compile_sm90(kernel: triton.JITFunction, types: dict[str, str], constexprs: 
     if constexprs.get("PDL"):
         ptx = compiled.asm["ptx"]
         slot_waits = constexprs.get("OVERLAP") and "GATE_UP_TILES" in names
-        waits = not slot_waits and constexprs.get("WAIT", True)  # (moe_align's WAIT=False)
-        assert ("griddepcontrol.wait" in ptx) == waits
+        assert ("griddepcontrol.wait" in ptx) != slot_waits
         assert "griddepcontrol.launch_dependents" in ptx
     return compiled
 
@@ -321,9 +320,7 @@ def check_shared_branch_resources(variant: int, gate_up: dict[str, str],
 
 
 def check_moe_align(tokens: int, top_k: int, num_experts: int, block_m: int, num_warps: int,
-                    shared_expert: bool = False, wait: bool = True) -> None:
-    """`wait` False: launched beside the self-routed gate/up (`align_after_waiting_kernel`):
-    `compile_sm90` checks that the PTX lets the next kernel launch and waits for nothing."""
+                    shared_expert: bool = False) -> None:
     types = {"ids_ptr": "*i64", "sorted_pair_ptr": "*i32", "expert_of_block_ptr": "*i32",
              "num_pairs": "i32", "top_k": "i32", "shared_expert": "i32"}
     log_pairs_pad = max(4, (tokens * top_k - 1).bit_length())
@@ -331,8 +328,7 @@ def check_moe_align(tokens: int, top_k: int, num_experts: int, block_m: int, num
         "NUM_BLOCKS": aligned_blocks(tokens, top_k, num_experts, block_m, shared_expert),
         "BLOCK_M": block_m, "LOG_PAIRS_PAD": log_pairs_pad,
         "EXPERTS_PAD": max(16, 1 << (num_experts - 1).bit_length()),
-        "SHARED_BLOCKS": -(-tokens // block_m) if shared_expert else 0, "FILL": 1024,
-        "WAIT": wait}, num_warps)
+        "SHARED_BLOCKS": -(-tokens // block_m) if shared_expert else 0, "FILL": 1024}, num_warps)
     assert compiled.metadata.shared <= 48 * 1024  # one program, no opt-in shared memory needed
 
 
@@ -362,7 +358,6 @@ if __name__ == "__main__":
     check_kv_append()
     check_nvfp4_moe_v3()
     check_moe_align(32, 8, 256, 16, 4)  # a diffusion block
-    check_moe_align(32, 8, 256, 16, 4, wait=False)  # ... beside the self-routed gate/up
     check_moe_align(32, 8, 256, 16, 4, shared_expert=True)  # ... with the shared expert fused
     check_moe_align(512, 8, 16, 64, 16)  # a prefill chunk
     check_moe_align(512, 8, 256, 32, 16, shared_expert=True)

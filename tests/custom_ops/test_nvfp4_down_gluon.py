@@ -70,28 +70,32 @@ def check_lowering() -> None:
     fences and copies them: `fence.proxy.async.global`; relaxed adds: the first ticket, one
     ahead per item, the reader count; exchanges: the last reader's two counter resets and the
     ticket reset). With tickets, `PER_PART` (waiting for gate/up's counts per 8-slot part) the
-    same, and `WAIT_FIRST` (launched after the alignment that runs beside gate/up) one more
-    wait, before the first load."""
+    same, and `SELF` (`_nvfp4_down_self_route`: the items routed from the ids, no alignment
+    read: the kernel's only global loads are the ids, the alphas and the counters)."""
     kernel, types = _nvfp4_down_gluon._down_gluon_kernel, down_types()
-    for overlap, tickets, per_part, first in ((False, False, False, False),
-                                              (True, False, False, False),
-                                              (True, True, False, False),
-                                              (True, True, True, False), (True, True, True, True)):
+    for overlap, tickets, per_part, self_routed in ((False, False, False, False),
+                                                    (True, False, False, False),
+                                                    (True, True, False, False),
+                                                    (True, True, True, False),
+                                                    (True, True, True, True)):
         consts = {"STAGES": _nvfp4_down_gluon.STAGES, "KSTEPS": 4, "TILES": 16, "I": 512,
                   "H": 2048, "BLOCK_M": 16, "OVERLAP": overlap, "PDL": overlap,
-                  "TICKETS": tickets, "PER_PART": per_part, "WAIT_FIRST": first}
-        compiled, usage = compile_gluon_sm90(kernel, types, consts, _nvfp4_down_gluon.MAXNREG)
-        form = (overlap, tickets, per_part, first)
+                  "TICKETS": tickets, "PER_PART": per_part}
+        if self_routed:
+            consts |= {"SELF": True, "PAIRS_PAD": 256, "EXPERTS_PAD": 256}
+        compiled, usage = compile_gluon_sm90(kernel, types | {"ids_ptr": "*i32"}, consts,
+                                             _nvfp4_down_gluon.MAXNREG)
+        form = (overlap, tickets, per_part, self_routed)
         assert usage["REG"] <= _nvfp4_down_gluon.MAXNREG, (form, usage)
         assert usage["LOCAL"] == 0 and usage["STACK"] == 0, (form, usage)
         ptx = compiled.asm["ptx"]
-        assert ptx.count("griddepcontrol.wait") == int(overlap) + first, form
-        if first:
-            assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global"), form
+        assert ptx.count("griddepcontrol.wait") == int(overlap), form
         assert ptx.count("relaxed.add") == int(overlap) + 2 * tickets, form
         assert ptx.count("relaxed.exch") == 2 * overlap + tickets, form
         assert ("fence.proxy.async.global" in ptx) == tickets, form
         assert ".reqntid 256" in ptx  # 3 programs per SM at 80 registers: 61440 of 65536
+        if self_routed:  # the ids (16 B vectors of 4 lanes' ids), the alphas: no other loads
+            assert ptx.count("ld.global") <= 6, (form, ptx.count("ld.global"))
 
 
 def down_types() -> dict[str, str]:

@@ -13,7 +13,12 @@ import pytest
 import torch
 
 import dlmc.custom_ops.nvfp4_moe as op_module
-from dlmc.custom_ops import _nvfp4_down_gluon, _nvfp4_moe_gluon, _nvfp4_self_route
+from dlmc.custom_ops import (
+    _nvfp4_down_gluon,
+    _nvfp4_down_self_route,
+    _nvfp4_moe_gluon,
+    _nvfp4_self_route,
+)
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
 from tests.custom_ops.test_nvfp4_down_gluon import (
     against_triton,
@@ -120,47 +125,58 @@ def test_self_routing_limits() -> None:
     assert not (fits(0, 256) or fits(513, 256) or fits(256, 513))
 
 
-def spy_gate_up_only(monkeypatch, self_route: bool = False, align_after: bool = False
+def spy_gate_up_only(monkeypatch, self_route: bool = False, no_align: bool = False
                      ) -> list[tuple[bool, bool]]:
     """`DLMC_NVFP4_GATE_UP=gluon`, `DLMC_NVFP4_SELF_ROUTE` as `self_route` and
-    `DLMC_NVFP4_ALIGN_AFTER` as `align_after`, and per `launch_moe_gluon` call
-    (`gate_up_only`, whether it was handed `topk_ids`), checking that it launched first
-    ("first") exactly with `align_after`."""
+    `DLMC_NVFP4_DOWN_SELF_ROUTE` as `no_align`, and per `launch_moe_gluon` call
+    (`gate_up_only`, whether it was handed `topk_ids`), checking that it launched first and
+    the down kernel routed itself, with no alignment launch, exactly with `no_align`."""
     monkeypatch.setattr(_nvfp4_down_gluon, "GATE_UP", "gluon")
     monkeypatch.setattr(_nvfp4_self_route, "SELF_ROUTE", self_route)
-    monkeypatch.setattr(_nvfp4_self_route, "ALIGN_AFTER", align_after)
+    monkeypatch.setattr(_nvfp4_down_self_route, "DOWN_SELF_ROUTE", no_align)
     calls: list[tuple[bool, bool]] = []
-    real = op_module.launch_moe_gluon
+    real, real_down = op_module.launch_moe_gluon, op_module.launch_down_gluon
+    real_route = op_module.route_pairs
 
     def launch(*a, **k) -> None:
-        assert (k.get("pdl") == "first") == align_after, k.get("pdl")
+        assert (k.get("pdl") == "first") == no_align, k.get("pdl")
         calls.append((k.get("gate_up_only", False), k.get("topk_ids") is not None))
         real(*a, **k)
 
+    def down(*a, **k) -> None:
+        assert (k.get("topk_ids") is not None) == no_align
+        real_down(*a, **k)
+
+    def route(*a, **k) -> object:  # (the Triton kernels that the output is compared with align)
+        assert not (no_align and _nvfp4_down_gluon.MODE == "gluon"), "no_align: no alignment"
+        return real_route(*a, **k)
+
     monkeypatch.setattr(op_module, "launch_moe_gluon", launch)
+    monkeypatch.setattr(op_module, "launch_down_gluon", down)
+    monkeypatch.setattr(op_module, "route_pairs", route)
     return calls
 
 
-# (self_route, align_after): aligned first, self-routed beside the alignment, self-routed first
-# with the alignment beside it (`DLMC_NVFP4_ALIGN_AFTER`)
-ROUTINGS = pytest.mark.parametrize("self_route,align_after",
+# (self_route, no_align): aligned first; self-routed beside the alignment; self-routed first
+# and the down kernel self-routed, no alignment (`DLMC_NVFP4_DOWN_SELF_ROUTE`)
+ROUTINGS = pytest.mark.parametrize("self_route,no_align",
                                    [(False, False), (True, False), (True, True)],
-                                   ids=["aligned", "self_routed", "align_after"])
+                                   ids=["aligned", "self_routed", "no_align"])
 
 
 @pytest.mark.gpu
 @ROUTINGS
 @pytest.mark.parametrize("case", ["llada", "skewed", "one_token", "two_blocks", "64_tokens"])
 def test_gluon_gate_up_equals_the_triton_kernels_gpu(monkeypatch, case: str, self_route: bool,
-                                                      align_after: bool) -> None:
+                                                      no_align: bool) -> None:
     """`DLMC_NVFP4_GATE_UP=gluon` then the Gluon down kernel (tickets): bit for bit the Triton
     kernels at LLaDA2.1-mini shapes (32 x top-8 of 256), with every token on the same 8
     experts (one full block each, or two with 32 tokens of 64 experts), for one token, and
     for 64 tokens (512 pairs: the self-routing's largest tiles); the counters zero
     afterwards. `self_route`: the gate/up programs route their own items
     (`_nvfp4_self_route`), which takes the llada shape in several items per program;
-    `align_after`: they launch first and the alignment beside them."""
-    calls = spy_gate_up_only(monkeypatch, self_route, align_after)
+    `no_align`: they launch first and the down kernel routes its items too."""
+    calls = spy_gate_up_only(monkeypatch, self_route, no_align)
     gen = torch.Generator().manual_seed(4)
     E, H, I, T = {"llada": (256, 2048, 512, 32), "two_blocks": (64, 256, 256, 32),
                   "64_tokens": (256, 2048, 512, 64)}.get(case, (8, 256, 256, 16))
@@ -176,8 +192,8 @@ def test_gluon_gate_up_equals_the_triton_kernels_gpu(monkeypatch, case: str, sel
 @pytest.mark.gpu
 @ROUTINGS
 def test_gluon_gate_up_replays_in_a_cuda_graph_gpu(monkeypatch, self_route: bool,
-                                                   align_after: bool) -> None:
+                                                   no_align: bool) -> None:
     """Captured once, replayed on new x and routing: the eager Triton path's output."""
-    calls = spy_gate_up_only(monkeypatch, self_route, align_after)
+    calls = spy_gate_up_only(monkeypatch, self_route, no_align)
     assert_graph_replays_like_triton(monkeypatch, "gluon", 256)
     assert calls and all(gate_up_only for gate_up_only, _ in calls)
