@@ -151,31 +151,26 @@ def _moe_align_impl(topk_ids: torch.Tensor, num_experts: int, block_m: int,
 def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int, shared_expert: bool,
            launch: dict[str, bool]) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's body; `launch`: extra launch options (`_pdl.PDL_LAUNCH` or none)."""
-    out = alignment_buffers(topk_ids, num_experts, block_m, shared_expert)
-    _align_into(topk_ids, num_experts, shared_expert, *out, launch)
-    return out
-
-
-def alignment_buffers(topk_ids: torch.Tensor, num_experts: int, block_m: int,
-                      shared_expert: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uninitialized `(sorted_pair, expert_of_block)` of `align_pairs_to_blocks`' shapes."""
-    num_blocks = aligned_blocks(*topk_ids.shape, num_experts, block_m, shared_expert)
-    return (torch.empty(num_blocks * block_m, dtype=torch.int32, device=topk_ids.device),
-            torch.empty(num_blocks, dtype=torch.int32, device=topk_ids.device))
-
-
-def _align_into(topk_ids: torch.Tensor, num_experts: int, shared_expert: bool,
-                sorted_pair: torch.Tensor, expert_of_block: torch.Tensor,
-                launch: dict[str, bool]) -> None:
     tokens, top_k = topk_ids.shape
     num_pairs = tokens * top_k
+    sorted_pair, expert_of_block = alignment_buffers(topk_ids, num_experts, block_m,
+                                                     shared_expert)
     if num_pairs == 0:
-        return
-    block_m = sorted_pair.shape[0] // expert_of_block.shape[0]
+        return sorted_pair, expert_of_block
     constants, num_warps = align_launch(tokens, top_k, num_experts, block_m, shared_expert)
     launcher(moe_align_kernel)[(1,)](
         topk_ids.reshape(-1), sorted_pair, expert_of_block, num_pairs, top_k, num_experts,
         **constants, num_warps=num_warps, **launch)
+    return sorted_pair, expert_of_block
+
+
+def alignment_buffers(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                      shared_expert: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialized `(sorted_pair, expert_of_block)` of `align_pairs_to_blocks`' shapes (what
+    `nvfp4_moe` hands its kernels when they route themselves)."""
+    num_blocks = aligned_blocks(*topk_ids.shape, num_experts, block_m, shared_expert)
+    return (torch.empty(num_blocks * block_m, dtype=torch.int32, device=topk_ids.device),
+            torch.empty(num_blocks, dtype=torch.int32, device=topk_ids.device))
 
 
 def align_launch(tokens: int, top_k: int, num_experts: int, block_m: int,

@@ -167,6 +167,26 @@ def test_tickets_need_a_counter_past_the_slots(monkeypatch) -> None:
             count=torch.zeros(4, dtype=torch.int32), num_slots=2, writers=2)
 
 
+@pytest.mark.parametrize("tickets,ids,inter", [(False, 8, 256), (True, 7, 256), (True, 8, 128)],
+                         ids=["no_tickets", "wrong_ids", "one_k_step"])
+def test_self_routing_needs_tickets_all_ids_and_two_k_steps(monkeypatch, tickets: bool,
+                                                            ids: int, inter: int) -> None:
+    """`topk_ids` (the down kernel routing its own items, `_nvfp4_down_self_route`) is refused,
+    naming what it needs, without the ticket counter, with ids that are not the routing's
+    `num_pairs`, or with one K-step (the consumers read gate/up's pairs after the second)."""
+    monkeypatch.setattr(_nvfp4_down_gluon, "TICKETS", tickets)
+    h = torch.zeros(32, inter, dtype=torch.bfloat16)
+    words = torch.zeros(4, 256, inter // 2, dtype=torch.uint8)
+    codes = torch.zeros(4, 256, inter // 16, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=rf"self-routing needs the ticket counter, 8 ids and "
+                                         rf"I >= 256 .*tickets={tickets}, {ids} ids, I={inter}"):
+        _nvfp4_down_gluon.launch_down_gluon(
+            h, torch.zeros(32, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), words,
+            codes, torch.ones(4), torch.zeros(8, 256, dtype=torch.bfloat16), 8, 4,
+            count=torch.zeros(5, dtype=torch.int32), num_slots=2, writers=2,
+            topk_ids=torch.zeros(ids, dtype=torch.int32))
+
+
 def even_odd_rows_to_natural(h: torch.Tensor) -> torch.Tensor:
     """Inverse of the gate/up kernel's `H_EVEN_ODD` store: each 128 columns even, then odd."""
     rows, cols = h.shape
@@ -179,7 +199,8 @@ def torch_down(dequantized: torch.Tensor, calls: list[int]):
     the down weights dequantized to fp32 `[E, H, I]` (alpha included)."""
 
     def launch(h, sorted_pair, expert_of_block, words, codes, alpha, y, num_pairs, shared_id,
-               count=None, num_slots=0, writers=0, pdl=False, per_part=False):
+               count=None, num_slots=0, writers=0, pdl=False, per_part=False, topk_ids=None):
+        assert topk_ids is None  # (no PDL on the CPU: the alignment is launched)
         calls.append(1)
         natural = even_odd_rows_to_natural(h.float())
         block_m = sorted_pair.shape[0] // expert_of_block.shape[0]
