@@ -57,6 +57,7 @@ from dlmc.custom_ops._nvfp4_gluon_parts import (
     shared_layouts,
 )
 from dlmc.custom_ops._nvfp4_gluon_ring import drain_slots, release_slot, wait_slot
+from dlmc.custom_ops._nvfp4_self_route import table_pads
 from dlmc.custom_ops._pdl import INTERPRETED
 from dlmc.env import env_choice
 
@@ -423,8 +424,7 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
                              f"{num_pairs} ids and I >= 256 (two K-steps), got "
                              f"tickets={tickets}, {topk_ids.numel()} ids, I={I}")
         self_route = {"ids_ptr": topk_ids.reshape(-1), "SELF": True,
-                      "PAIRS_PAD": max(16, 1 << (num_pairs - 1).bit_length()),
-                      "EXPERTS_PAD": max(16, 1 << (shared_id - 1).bit_length())}
+                      **table_pads(num_pairs, shared_id)}
     sms = torch.cuda.get_device_properties(h.device).multi_processor_count
     _down_gluon_kernel[(sms * PROGRAMS_PER_SM,)](
         w_d, s_d, h_d, expert_of_block, sorted_pair, alpha, y, items, num_pairs, shared_id,

@@ -84,6 +84,7 @@ from dlmc.custom_ops._nvfp4_self_route import (
     self_producer,
     self_route,
     self_route_fits,
+    table_pads,
 )
 from dlmc.custom_ops._occupancy import resident_programs
 
@@ -451,8 +452,7 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     if routed:
         options |= {"ids_ptr": topk_ids.reshape(-1), "SELF": True,
-                    "PAIRS_PAD": max(16, 1 << (num_pairs - 1).bit_length()),
-                    "EXPERTS_PAD": max(16, 1 << (shared_id - 1).bit_length()),
+                    **table_pads(num_pairs, shared_id),
                     "G": -(-gate_up_items // (sms * programs_per_sm(x.device)))}
     key = (x.device, STAGES, PROGRAMS_PER_SM, MAXNREG, tickets, X_TMA, H, I, block_m, pdl,
            routed)
@@ -467,7 +467,6 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
             raise RuntimeError(f"nvfp4_moe: the fused Gluon kernel (STAGES={STAGES}, "
                                f"MAXNREG={MAXNREG}) does not fit on an SM of {x.device}")
         _PROGRAMS[key] = fit * sms
-    grid = _PROGRAMS[key]
     if routed:  # each program's items: p, p + grid, ...
-        options["G"] = -(-gate_up_items // grid)
-    _moe_gluon_kernel[(grid,)](*args, **options)
+        options["G"] = -(-gate_up_items // _PROGRAMS[key])
+    _moe_gluon_kernel[(_PROGRAMS[key],)](*args, **options)

@@ -33,7 +33,7 @@ from dlmc.custom_ops._nvfp4_gluon_parts import (
 from dlmc.env import env_choice
 
 __all__ = ["MAX_EXPERTS", "MAX_PAIRS", "SELF_ROUTE", "route_tables", "self_producer",
-           "self_route", "self_route_fits"]
+           "self_route", "self_route_fits", "table_pads"]
 
 MAX_PAIRS, MAX_EXPERTS = 512, 512
 # DLMC_NVFP4_SELF_ROUTE (read at import): "1" (the default since session 29: the op alone,
@@ -44,6 +44,14 @@ MAX_PAIRS, MAX_EXPERTS = 512, 512
 SELF_ROUTE = env_choice("DLMC_NVFP4_SELF_ROUTE", "1", ("1", "0")) == "1"
 
 _TABLE = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # rank-1 rows, as ring tags
+
+
+def table_pads(num_pairs: int, num_experts: int) -> dict[str, int]:
+    """The self-routing kernels' `PAIRS_PAD` and `EXPERTS_PAD` constexprs: powers of two, at
+    least 16, holding `num_pairs` pairs and `num_experts` experts (this module's and
+    `_nvfp4_down_self_route`'s register tiles)."""
+    return {"PAIRS_PAD": max(16, 1 << (num_pairs - 1).bit_length()),
+            "EXPERTS_PAD": max(16, 1 << (num_experts - 1).bit_length())}
 
 
 def self_route_fits(num_pairs: int, num_experts: int) -> bool:
