@@ -223,12 +223,14 @@ def _consumer(expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr, num_items,
 @gluon.jit
 def _ring_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, slot0, tile, expert, i,
                empty, ready, w_buf, s_buf, h_buf, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
-               SELF: gl.constexpr = False):
+               SELF: gl.constexpr = False, PAIR_GAP: gl.constexpr = 0):
     """y rows of the part's pairs, columns tile * 128 + [0, 128), with the weights, codes and
     h rows all from the ring (ring slots i, i + 1, ...); returns the ring position after it.
     `SELF` (`_nvfp4_down_self_route`, KSTEPS >= 2): the part's pairs, which gate/up wrote
     before the counts that the producer acquired after filling the item's first slot, are
-    read after the second slot's wait (the producer filled it after that acquire)."""
+    read after the second slot's wait (the producer filled it after that acquire).
+    `PAIR_GAP` (K, not 0): pair p's y row is p + p // K (a shared expert's row after each
+    token's K routed rows, `nvfp4_shared_launch`)."""
     # the epilogue's loads before the K loop (their latency hides there)
     alpha = gl.load(alpha_ptr + expert) * 128.0  # * 2^7: the decode's w * 2^-7
     offs = slot0 + gl.arange(0, 8, gl.SliceLayout(0, MMA))
@@ -247,7 +249,10 @@ def _ring_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, slot0, ti
         acc = _mma_chunk(words, codes, h_even, h_odd, acc, 4, token)
         i += 1
     cols = tile * 128 + gl.arange(0, 128, gl.SliceLayout(1, MMA))
-    _store_tile(y_ptr, pairs, stride_y, cols, (acc * alpha).to(gl.bfloat16), pairs < num_pairs)
+    rows = pairs
+    if PAIR_GAP:  # (padding pairs, num_pairs, are masked)
+        rows = pairs + pairs // PAIR_GAP
+    _store_tile(y_ptr, rows, stride_y, cols, (acc * alpha).to(gl.bfloat16), pairs < num_pairs)
     return i
 
 
@@ -304,16 +309,18 @@ def _ticket_producer(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, count_
 @gluon.jit
 def _ticket_consumer(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, empty, ready,
                      w_buf, s_buf, h_buf, ids, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
-                     TILES: gl.constexpr, BLOCK_M: gl.constexpr, SELF: gl.constexpr = False):
+                     TILES: gl.constexpr, BLOCK_M: gl.constexpr, SELF: gl.constexpr = False,
+                     PAIR_GAP: gl.constexpr = 0):
     """`_consumer` without `OVERLAP` (h rows from the ring) over the items the producer
-    tagged, in its order, until the tag -1 (`SELF`: `_ring_item`'s)."""
+    tagged, in its order, until the tag -1 (`SELF`, `PAIR_GAP`: `_ring_item`'s)."""
     i = 0  # K-steps consumed so far
     tag = _tag(ids, ready, i, STAGES)
     while tag >= 0:
         item, expert = tag // 1024, tag % 1024
         slot0, tile = _place(item, TILES, BLOCK_M)
         i = _ring_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, slot0, tile,
-                       expert, i, empty, ready, w_buf, s_buf, h_buf, STAGES, KSTEPS, SELF)
+                       expert, i, empty, ready, w_buf, s_buf, h_buf, STAGES, KSTEPS, SELF,
+                       PAIR_GAP)
         tag = _tag(ids, ready, i, STAGES)
 
 
@@ -326,7 +333,7 @@ def _down_gluon_kernel(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, alph
                        PDL: gl.constexpr = False, TICKETS: gl.constexpr = False,
                        PER_PART: gl.constexpr = False, ids_ptr=None,
                        SELF: gl.constexpr = False, PAIRS_PAD: gl.constexpr = 16,
-                       EXPERTS_PAD: gl.constexpr = 16):
+                       EXPERTS_PAD: gl.constexpr = 16, PAIR_GAP: gl.constexpr = 0):
     """`OVERLAP`: launched while gate/up runs (with PDL: `PDL`, which also lets the next
     kernel launch at once); the consumers wait per routing block for its h rows
     (`moe_overlap`'s counters in `count_ptr`, `writers` gate/up programs per block) and load
@@ -336,7 +343,8 @@ def _down_gluon_kernel(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, alph
     that holds a pair (the Gluon gate/up items of `_nvfp4_moe_gluon`), not per block.
     `SELF` (with `TICKETS`): no alignment; the items' routing from `ids_ptr`
     (`_nvfp4_down_self_route`; `PAIRS_PAD`, `EXPERTS_PAD`: powers of two at least the pairs
-    and experts; the launch before has waited for the routing's writer)."""
+    and experts; the launch before has waited for the routing's writer). `PAIR_GAP` (with
+    `TICKETS`): y rows as `_ring_item`'s."""
     if PDL:
         gdc_launch_dependents()
     w_buf = gl.allocate_shared_memory(w_d.dtype, [STAGES] + w_d.block_type.shape, w_d.layout)
@@ -354,7 +362,7 @@ def _down_gluon_kernel(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, alph
         gl.warp_specialize([
             (_ticket_consumer, (sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, empty,
                                 ready, w_buf, s_buf, h_buf, ids, STAGES, KSTEPS, TILES,
-                                BLOCK_M, SELF)),
+                                BLOCK_M, SELF, PAIR_GAP)),
             (_ticket_producer, (w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, count_ptr,
                                 num_slots, writers, num_items, num_pairs, shared_id, empty,
                                 ready, w_buf, s_buf, h_buf, ids, STAGES, KSTEPS, TILES, I, H,
@@ -380,7 +388,7 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
                       y: torch.Tensor, num_pairs: int, shared_id: int,
                       count: torch.Tensor | None = None, num_slots: int = 0, writers: int = 0,
                       pdl: bool = False, per_part: bool = False,
-                      topk_ids: torch.Tensor | None = None) -> None:
+                      topk_ids: torch.Tensor | None = None, pair_gap: int = 0) -> None:
     """y[pair] = bf16(alpha[e] * h[slot] @ down[e]^T) for every routed pair of the routing
     (`sorted_pair`, `expert_of_block`: blocks of 16, 32 or 64 slots, cut into 8-slot parts;
     blocks of expert `shared_id` skipped). h bf16 `[S, I]` with `H_EVEN_ODD` columns; words
@@ -398,7 +406,9 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
     the programs route their items themselves (`_nvfp4_down_self_route`); `sorted_pair` and
     `expert_of_block` then only give the shapes (`moe_align.alignment_buffers`, unwritten).
     The launch before must have waited for the routing's writer (the self-routed gate/up
-    launched "first")."""
+    launched "first").
+    `pair_gap` (K; with `count` and `TICKETS`): y has a row more per token after every K
+    pairs (a shared expert's, written by another launch): pair p goes to row p + p // K."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     tickets = TICKETS and count is not None
@@ -425,12 +435,15 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
                              f"tickets={tickets}, {topk_ids.numel()} ids, I={I}")
         self_route = {"ids_ptr": topk_ids.reshape(-1), "SELF": True,
                       **table_pads(num_pairs, shared_id)}
+    if pair_gap and not tickets:
+        raise ValueError("launch_down_gluon: pair_gap needs the ticket counter (`count` and "
+                         "DLMC_NVFP4_DOWN_TICKETS=1)")
     sms = torch.cuda.get_device_properties(h.device).multi_processor_count
     _down_gluon_kernel[(sms * PROGRAMS_PER_SM,)](
         w_d, s_d, h_d, expert_of_block, sorted_pair, alpha, y, items, num_pairs, shared_id,
         y.stride(0), h, h.stride(0), expert_of_block if count is None else count, num_slots,
         writers, STAGES=STAGES, KSTEPS=I // 128, TILES=H // 128, I=I, H=H, BLOCK_M=block_m,
         OVERLAP=count is not None, PDL=pdl, TICKETS=tickets, PER_PART=per_part,
-        **self_route, num_warps=4,
+        **self_route, PAIR_GAP=pair_gap, num_warps=4,
         maxnreg=MAXNREG,
         **({"launch_pdl": True} if pdl else {}))

@@ -17,12 +17,41 @@ read the same columns).
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
 from dlmc.custom_ops.bf16_moe import bf16_down_rows, bf16_gate_up_rows
 
-__all__ = ["shared_down_part", "shared_gate_up_part", "shared_parts", "shared_split"]
+__all__ = ["shared_block_k", "shared_down_part", "shared_gate_up_part", "shared_parts",
+           "shared_split"]
+
+
+# K-tile of the shared expert's BF16 parts (32 columns per program at BLOCK_N 128), gate_up
+# then down; `DLMC_NVFP4_SHARED_BLOCK_K="gate_up,down"` (read at import) overrides. At 128
+# (both) the parts read 16 / 8 KB of weights per step, and ptxas keeps the FP4-only kernels'
+# registers and shared memory (sm_90, LLaDA2.1-mini shapes, v7: gate/up 149 registers / 44 KB,
+# down 124 / 26 KB, `perf/sass_nvfp4_moe.py --shared`). As whole tail blocks (BLOCK_N wide) it
+# had been 64 / 32, the widest that kept those.
+def _shared_block_k_from_env() -> dict[str, int]:
+    spec = os.environ.get("DLMC_NVFP4_SHARED_BLOCK_K", "128,128")
+    try:
+        values = [int(v) for v in spec.split(",")]
+        if len(values) != 2 or any(v < 16 or v & (v - 1) for v in values):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"DLMC_NVFP4_SHARED_BLOCK_K={spec!r}: expected 'gate_up,down', two "
+                         "powers of two >= 16") from None
+    return dict(zip(("gate_up", "down"), values, strict=True))
+
+
+_SHARED_BLOCK_K = _shared_block_k_from_env()
+
+
+def shared_block_k(k: int, kernel: str) -> int:
+    """K-tile of the BF16 shared-expert programs (`bf16_moe.bf16_tile_dot`) of `kernel`."""
+    return min(_SHARED_BLOCK_K[kernel], max(16, triton.next_power_of_2(k)))
 
 
 def shared_split(block_n: int) -> int:

@@ -51,8 +51,9 @@ from dlmc.custom_ops.moe_overlap import (
     overlap_active,
     overlap_pdl,
 )
-from dlmc.custom_ops.moe_shared_parts import shared_parts, shared_split
+from dlmc.custom_ops.moe_shared_parts import shared_block_k, shared_parts, shared_split
 from dlmc.custom_ops.nvfp4_moe_checks import check_arguments, check_shared_expert
+from dlmc.custom_ops.nvfp4_shared_launch import launch_shared_parts, own_shared_launch
 from dlmc.custom_ops.nvfp4_words import (
     can_pack,
     e4m3_scales,
@@ -119,25 +120,6 @@ def _block_n(dim: int, widest: int) -> int:
 # H200 sweep in perf/results/s14/call3/sweep_gate_up.json).
 _GATE_UP_BLOCK_N = {1: 64, 2: 64, 3: 64, 4: 64, 5: 128, 6: 128, 7: 128}
 _DOWN_BLOCK_N = {1: 64, 2: 64, 3: 128, 4: 128, 5: 128, 6: 128, 7: 128}  # looked up per call
-# K-tile of the shared expert's BF16 parts (`moe_shared_parts`: 32 columns per program at
-# BLOCK_N 128), gate_up then down; `DLMC_NVFP4_SHARED_BLOCK_K="gate_up,down"` (read at import)
-# overrides. At 128 (both) the parts read 16 / 8 KB of weights per step, and ptxas keeps the
-# FP4-only kernels' registers and shared memory (sm_90, LLaDA2.1-mini shapes, v7: gate/up 149
-# registers / 44 KB, down 124 / 26 KB, `perf/sass_nvfp4_moe.py --shared`). As whole tail blocks
-# (BLOCK_N wide) it had been 64 / 32, the widest that kept those.
-def _shared_block_k_from_env() -> dict[str, int]:
-    spec = os.environ.get("DLMC_NVFP4_SHARED_BLOCK_K", "128,128")
-    try:
-        values = [int(v) for v in spec.split(",")]
-        if len(values) != 2 or any(v < 16 or v & (v - 1) for v in values):
-            raise ValueError
-    except ValueError:
-        raise ValueError(f"DLMC_NVFP4_SHARED_BLOCK_K={spec!r}: expected 'gate_up,down', two "
-                         "powers of two >= 16") from None
-    return dict(zip(("gate_up", "down"), values, strict=True))
-
-
-_SHARED_BLOCK_K = _shared_block_k_from_env()
 
 
 def _launch_config(n: int, k: int, widest: int,
@@ -160,9 +142,18 @@ def _check_tiled_tile(variant: int, block_k: int) -> None:
                          f"launch-config override gave BLOCK_K {block_k}")
 
 
-def _shared_block_k(k: int, kernel: str) -> int:
-    """K-tile of the BF16 shared-expert programs (`bf16_moe.bf16_tile_dot`) of `kernel`."""
-    return min(_SHARED_BLOCK_K[kernel], max(16, triton.next_power_of_2(k)))
+def _alone_without_alignment(x: torch.Tensor, topk_ids: torch.Tensor, E: int, I: int) -> bool:
+    """Whether the routed experts alone (no shared expert) would take `_nvfp4_moe_impl`'s
+    no-alignment path (`no_align` there, with its default overlap and PDL edges)."""
+    T, K = topk_ids.shape
+    H, variant = x.shape[1], effective_variant(x.shape[1], I)
+    gluon_down = (_launch_config(I, H, _GATE_UP_BLOCK_N[variant], "gate_up")[0] == 128
+                  and down_gluon_applies(x.device, variant, H, I, False, OPAQUE_OP,
+                                         route_block_m(T, K, E)))
+    pdl = overlap_active(x.device) and overlap_pdl(x.device)
+    return (gate_up_applies(x.device, variant, H, I, False, OPAQUE_OP, pdl, E, gluon_down, False)
+            and down_tickets() and I >= 256 and _nvfp4_down_self_route.DOWN_SELF_ROUTE
+            and self_routes(topk_ids, T * K, E, "first", True))
 
 
 def _alphas(scale_2: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
@@ -203,8 +194,14 @@ def _nvfp4_moe_impl(
     num_pairs = T * pairs_per_token
     edges = edge_pdl(x.device) and down_input_scale is None  # alignment and combine with PDL
     aligned_here = sorted_pair is None or expert_of_block is None
+    # `DLMC_NVFP4_SHARED_LAUNCH=own` (`nvfp4_shared_launch`; where the routed experts then take
+    # the no-alignment path, `no_align` below): the routed pairs as if alone (`t*K + k`), the
+    # shared expert in a launch of its own
+    own = (has_shared and own_shared_launch() and aligned_here and edges
+           and gate_up_input_scale is None and _alone_without_alignment(x, topk_ids, E, I))
+    in_routing = has_shared and not own  # the shared expert's pairs in the alignment
     if aligned_here:  # else aligned by dlmc::moe_route_align (which also wrote topk_ids)
-        block_m = route_block_m(T, K, E, has_shared)
+        block_m = route_block_m(T, K, E, in_routing)
     a, a_row_div = x.contiguous(), pairs_per_token
     if gate_up_input_scale is not None:  # W4A4 emulation: quantize each routed pair's row
         pair_expert = topk_ids.reshape(-1).long()  # [T*K]
@@ -213,6 +210,7 @@ def _nvfp4_moe_impl(
         if has_shared:  # the shared expert (BF16) reads x as is: rows t*(K+1) + K
             a = torch.cat([a.view(T, K, H), x[:, None]], dim=1).reshape(num_pairs, H)
         a_row_div = 1
+    routed_pairs, routed_div = (T * K, K) if own else (num_pairs, a_row_div)  # (Gluon kernels)
     g_w, u_w, d_w = (shared_gate, shared_up, shared_down) if has_shared else (x, x, x)
     block_n1, block_k1, launch = _launch_config(I, H, _GATE_UP_BLOCK_N[variant], "gate_up")
     _check_tiled_tile(variant, block_k1)
@@ -234,16 +232,16 @@ def _nvfp4_moe_impl(
     # gate/up projection as the fused kernel's gate/up items alone, launched before the Gluon
     # down kernel (which then waits for each 8-slot part's items)
     gluon_gate_up = gate_up_applies(x.device, variant, H, I, down_input_scale is not None,
-                                    OPAQUE_OP, bool(pdl), E, gluon_down, has_shared)
+                                    OPAQUE_OP, bool(pdl), E, gluon_down, in_routing)
     # `DLMC_NVFP4_DOWN_SELF_ROUTE`: no alignment launch; the self-routed gate/up launches
     # first, then the down kernel, which routes its own items (the buffers only give shapes)
     no_align = (aligned_here and edges and gluon_gate_up and down_tickets() and I >= 256
                 and _nvfp4_down_self_route.DOWN_SELF_ROUTE
-                and self_routes(topk_ids, num_pairs, E, "first", True))
+                and self_routes(topk_ids, routed_pairs, E, "first", True))
     if no_align:
         sorted_pair, expert_of_block = alignment_buffers(topk_ids, E, block_m)
     elif aligned_here:
-        _, sorted_pair, expert_of_block = route_pairs(topk_ids, E, has_shared, edges)
+        _, sorted_pair, expert_of_block = route_pairs(topk_ids, E, in_routing, edges)
     num_blocks = expert_of_block.shape[0]
     # h: a row per routing slot, then (shared expert) a row per token (`moe_shared_parts`).
     routed_rows = num_blocks * block_m
@@ -266,23 +264,23 @@ def _nvfp4_moe_impl(
     # `DLMC_NVFP4_SHARED_DOWN=gate_up` (with the Gluon down kernel): the shared expert's down
     # parts as the last programs of gate/up's launch, so that the Gluon kernel follows gate/up
     # directly (under the interpreter, which runs a grid column by column, only with one column)
-    fold = (gluon_down and has_shared and overlap and shared_down_in_gate_up()
-            and (not _INTERPRETED or tiles1 == 1))
+    fold = own or (gluon_down and has_shared and overlap and shared_down_in_gate_up()
+                   and (not _INTERPRETED or tiles1 == 1))
     extra1 = triton.cdiv(parts2 * tiles2, tiles1) if fold else 0  # (fold: with overlap)
     grid1 = (tiles1, rows1 + extra1) if overlap else (rows1, tiles1)
-    if rows1:
+    if rows1 and not own:  # (own: the shared expert's parts after the Gluon gate/up launch)
         launcher(_gate_up_kernel)[grid1](
             a, sorted_pair, expert_of_block, gate_weight, gate_weight_scale,
             up_weight, up_weight_scale, gate_alpha, up_alpha, h, num_pairs, a_row_div, H, I,
             a.stride(0), h.stride(0), g_w, u_w, E, num_blocks, pairs_per_token, count,
             BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=block_k1, INTERPRETED=_INTERPRETED,
-            VARIANT=variant, SHARED=has_shared, SHARED_BLOCK_K=_shared_block_k(H, "gate_up"),
+            VARIANT=variant, SHARED=has_shared, SHARED_BLOCK_K=shared_block_k(H, "gate_up"),
             SHARED_SPLIT=shared_split(block_n1), OVERLAP=overlap, H_EVEN_ODD=gluon_down,
             PARTS_ONLY=fused, **pdl, **launch,
             **(dict(SHARED_DOWN=True, y_ptr=y, stride_y=y.stride(0), shared_down_w=d_w,
                     num_slots=num_slots, gate_up_rows=rows1, down_parts=parts2,
                     DOWN_TILES=tiles2, DOWN_SPLIT=shared_split(block_n2), DOWN_BLOCK_N=block_n2,
-                    DOWN_BLOCK_K=_shared_block_k(I, "down")) if fold else {}),
+                    DOWN_BLOCK_K=shared_block_k(I, "down")) if fold else {}),
         )
     if down_input_scale is not None:  # the routed rows; the shared expert's (after) stay bf16
         slot_expert = expert_of_block.long().clamp(0, E - 1).repeat_interleave(block_m)  # [S]
@@ -299,7 +297,7 @@ def _nvfp4_moe_impl(
             num_pairs, H, I, h.stride(0), y.stride(0), d_w, E, num_blocks, pairs_per_token,
             count, num_slots, BLOCK_M=block_m,
             BLOCK_N=block_n2, BLOCK_K=block_k2, INTERPRETED=_INTERPRETED, VARIANT=variant,
-            SHARED=has_shared, SHARED_BLOCK_K=_shared_block_k(I, "down"),
+            SHARED=has_shared, SHARED_BLOCK_K=shared_block_k(I, "down"),
             SHARED_SPLIT=shared_split(block_n2), GATE_UP_TILES=tiles1,
             GATE_UP_SPLIT=shared_split(block_n1), OVERLAP=overlap, PARTS_ONLY=parts_only,
             **pdl, **launch2,
@@ -310,19 +308,24 @@ def _nvfp4_moe_impl(
             a, sorted_pair, expert_of_block,
             (gate_weight, gate_weight_scale, up_weight, up_weight_scale, down_weight,
              down_weight_scale),
-            (gate_alpha, up_alpha, down_alpha), h, y, count, num_slots, num_pairs, E, a_row_div,
-            pdl="after" if has_shared else "first" if no_align else "enter",
+            (gate_alpha, up_alpha, down_alpha), h, y, count, num_slots, routed_pairs, E,
+            routed_div, pdl="after" if in_routing else "first" if no_align else "enter",
             gate_up_only=gluon_gate_up,
             # the gate/up programs may route themselves while the alignment runs: topk_ids
             # was written before it (its PDL launch waits for the kernel before, then lets
             # gate/up launch); or ("first") they wait for the kernel before themselves
             topk_ids=topk_ids if edges and aligned_here else None)
+    if own:
+        launch_shared_parts(a, (g_w, u_w, d_w), (sorted_pair, expert_of_block, gate_weight,
+                            gate_weight_scale, up_weight, up_weight_scale, gate_alpha, up_alpha),
+                            h, y, count, num_blocks, num_slots, K, block_m, block_n1, block_n2)
     if gluon_down:  # (writers: gate/up's programs per block, or its items per 8-slot part)
         launch_down_gluon(h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
-                          down_alpha, y, num_pairs, E,
+                          down_alpha, y, routed_pairs, E,
                           count if overlap else None, num_slots,
                           I // 128 if gluon_gate_up else tiles1, pdl=bool(pdl),
-                          per_part=gluon_gate_up, topk_ids=topk_ids if no_align else None)
+                          per_part=gluon_gate_up, topk_ids=topk_ids if no_align else None,
+                          **({"pair_gap": K} if own else {}))
     if pairs:
         return y  # [T*P, H]
     return combine_pairs(y, topk_weights, out, has_shared, edges)  # [T, H]

@@ -28,7 +28,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from dlmc.custom_ops import nvfp4_moe as op
-from dlmc.custom_ops.moe_shared_parts import shared_split
+from dlmc.custom_ops.moe_shared_parts import shared_block_k, shared_split
 
 INSTRUCTION = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)")
 BACK_BRANCH = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\s+0x([0-9a-f]+)")
@@ -112,7 +112,8 @@ def main() -> None:
             constants = {"H": args.hidden, "I": args.inter, "BLOCK_M": args.block_m,
                          "BLOCK_N": block_n, "BLOCK_K": args.block_k,
                          "INTERPRETED": False, "VARIANT": variant, "SHARED": args.shared,
-                         "SHARED_BLOCK_K": op._SHARED_BLOCK_K[name],
+                         "SHARED_BLOCK_K": shared_block_k(
+                             args.hidden if name == "gate_up" else args.inter, name),
                          "SHARED_SPLIT": shared_split(block_n), "OVERLAP": args.overlap}
             if name == "down":  # the gate/up launch's tiles (same BLOCK_N) for the waits
                 constants |= {"GATE_UP_TILES": -(-args.inter // block_n),

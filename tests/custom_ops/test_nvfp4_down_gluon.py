@@ -71,21 +71,23 @@ def check_lowering() -> None:
     ahead per item, the reader count; exchanges: the last reader's two counter resets and the
     ticket reset). With tickets, `PER_PART` (waiting for gate/up's counts per 8-slot part) the
     same, and `SELF` (`_nvfp4_down_self_route`: the items routed from the ids, no alignment
-    read: the kernel's only global loads are the ids, the alphas and the counters)."""
+    read: the kernel's only global loads are the ids, the alphas and the counters), also with
+    a shared expert's y row after every 8 pairs (`PAIR_GAP`, `nvfp4_shared_launch`)."""
     kernel, types = _nvfp4_down_gluon._down_gluon_kernel, down_types()
-    for overlap, tickets, per_part, self_routed in ((False, False, False, False),
-                                                    (True, False, False, False),
-                                                    (True, True, False, False),
-                                                    (True, True, True, False),
-                                                    (True, True, True, True)):
+    for overlap, tickets, per_part, self_routed, gap in ((False, False, False, False, 0),
+                                                         (True, False, False, False, 0),
+                                                         (True, True, False, False, 0),
+                                                         (True, True, True, False, 0),
+                                                         (True, True, True, True, 0),
+                                                         (True, True, True, True, 8)):
         consts = {"STAGES": _nvfp4_down_gluon.STAGES, "KSTEPS": 4, "TILES": 16, "I": 512,
                   "H": 2048, "BLOCK_M": 16, "OVERLAP": overlap, "PDL": overlap,
                   "TICKETS": tickets, "PER_PART": per_part}
         if self_routed:
-            consts |= {"SELF": True, "PAIRS_PAD": 256, "EXPERTS_PAD": 256}
+            consts |= {"SELF": True, "PAIRS_PAD": 256, "EXPERTS_PAD": 256, "PAIR_GAP": gap}
         compiled, usage = compile_gluon_sm90(kernel, types | {"ids_ptr": "*i32"}, consts,
                                              _nvfp4_down_gluon.MAXNREG)
-        form = (overlap, tickets, per_part, self_routed)
+        form = (overlap, tickets, per_part, self_routed, gap)
         assert usage["REG"] <= _nvfp4_down_gluon.MAXNREG, (form, usage)
         assert usage["LOCAL"] == 0 and usage["STACK"] == 0, (form, usage)
         ptx = compiled.asm["ptx"]

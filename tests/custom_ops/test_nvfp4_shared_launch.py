@@ -1,0 +1,251 @@
+"""`DLMC_NVFP4_SHARED_LAUNCH=own` (`custom_ops/nvfp4_shared_launch.py`): the shared expert in a
+launch of its own between the routed experts' Gluon launches, which then run without an
+alignment as if there were no shared expert.
+
+On CPU: the switch as read at import; the launch itself under Triton's interpreter (h rows
+after the routed blocks, y rows `t*(K+1) + K`, the counters zero afterwards); the op's wiring
+with the Gluon launches replaced by torch computations. On the H200 the op's output equals the
+Triton kernels' bit for bit, eager and replayed in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dlmc.custom_ops.nvfp4_moe as op_module
+from dlmc.custom_ops import _nvfp4_down_self_route, nvfp4_shared_launch
+from dlmc.custom_ops.moe_overlap import counters
+from dlmc.custom_ops.moe_shared_parts import shared_parts
+from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
+from tests.custom_ops.test_nvfp4_down_gluon import (
+    against_triton,
+    assert_graph_replays_like_triton,
+    dequantized_down,
+)
+from tests.custom_ops.test_nvfp4_moe import (
+    DEVICE,
+    assert_matches_reference,
+    op_args,
+    random_experts,
+    random_routing,
+    shared_expert,
+)
+from tests.custom_ops.test_nvfp4_moe_gluon import dequantized
+from tests.custom_ops.test_nvfp4_moe_v4 import kernel_variant
+
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
+
+READ = "from dlmc.custom_ops import nvfp4_shared_launch as m; print(m.SHARED_LAUNCH)"
+
+
+def read_switch(value: str | None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "DLMC_NVFP4_SHARED_LAUNCH"}
+    if value is not None:
+        env["DLMC_NVFP4_SHARED_LAUNCH"] = value
+    return subprocess.run([sys.executable, "-c", READ], env=env, capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+@pytest.mark.parametrize("value,expected", [(None, "gate_up"), ("own", "own")])
+def test_the_switch_defaults_to_the_gate_up_launch(value: str | None, expected: str) -> None:
+    result = read_switch(value)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == expected
+
+
+def test_a_bad_value_is_refused_naming_the_switch() -> None:
+    result = read_switch("separate")
+    assert result.returncode != 0
+    assert "DLMC_NVFP4_SHARED_LAUNCH='separate': expected one of gate_up, own" in result.stderr
+
+
+def shared_rows(x: torch.Tensor, shared: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The shared expert as its parts compute it: h = bf16(silu(g) * u) from fp32 products,
+    y = bf16(h @ down^T) (`[T, I]`, `[T, H]`)."""
+    g = x.float() @ shared["shared_gate"].float().T
+    u = x.float() @ shared["shared_up"].float().T
+    h = (g * torch.sigmoid(g) * u).bfloat16()
+    return h, (h.float() @ shared["shared_down"].float().T).bfloat16()
+
+
+def test_the_shared_launch_fills_its_rows_only() -> None:
+    """The launch alone (interpreter: one gate/up column, I = 128): h rows after 3 routed
+    blocks of 16 and y rows `t*(K+1) + K` of 20 tokens (two token chunks) are the shared
+    expert's; the routed rows are untouched; every counter is zero again."""
+    gen = torch.Generator().manual_seed(3)
+    T, H, I, K, block_m, blocks = 20, 256, 128, 4, 16, 3
+    x = torch.randn(T, H, generator=gen).bfloat16().to(DEVICE)
+    shared = shared_expert(gen, x, x, H, I)
+    experts = {k: v.to(DEVICE) for k, v in random_experts(gen, 4, H, I).items()}
+    routed = (torch.zeros(blocks * block_m, dtype=torch.int32, device=DEVICE),
+              torch.zeros(blocks, dtype=torch.int32, device=DEVICE),
+              experts["gate_weight"], experts["gate_weight_scale"].view(torch.uint8),
+              experts["up_weight"], experts["up_weight_scale"].view(torch.uint8),
+              torch.ones(4, device=DEVICE), torch.ones(4, device=DEVICE))
+    chunks = -(-T // block_m)
+    h = torch.full(((blocks + chunks) * block_m, I), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    y = torch.full((T * (K + 1), H), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    count = counters(torch.device(DEVICE), blocks + chunks + 1)
+    nvfp4_shared_launch.launch_shared_parts(
+        x, (shared["shared_gate"], shared["shared_up"], shared["shared_down"]), routed, h, y,
+        count, blocks, blocks + chunks, K, block_m, 128, 128)
+    want_h, want_y = shared_rows(x, shared)
+    got_h = h[blocks * block_m:blocks * block_m + T]
+    torch.testing.assert_close(got_h.float(), want_h.float(), rtol=1e-2, atol=1e-2)
+    assert_matches_reference(y.view(T, K + 1, H)[:, K], want_y)
+    assert bool((h[:blocks * block_m] == 7).all()) and bool((y.view(T, K + 1, H)[:, :K] == 7).all())
+    assert int(count.abs().sum()) == 0
+    assert shared_parts(T, block_m, 128) == 2 * 4  # (two token chunks, four column parts each)
+
+
+def torch_stand_ins(experts: dict[str, torch.Tensor], x: torch.Tensor,
+                    calls: list[tuple]) -> tuple:
+    """Stand-ins for the three launches of the `own` form on the CPU, which record their
+    order and arguments: the Gluon gate/up (every routed pair's h, as the self-routed kernel
+    would, not read here), the shared launch (its rows from `shared_rows`) and the Gluon down
+    kernel (each routed pair `f = t*K + k` from the routing, stored at y row `f + f // K`)."""
+    gate, up, down = (dequantized(experts, "gate"), dequantized(experts, "up"),
+                      dequantized_down(experts))
+
+    def gate_up(x, sorted_pair, expert_of_block, weights, alphas, h, y, count, num_slots,
+                num_pairs, shared_id, a_row_div, pdl="", gate_up_only=False, topk_ids=None):
+        calls.append(("gate_up", pdl, gate_up_only, num_pairs, a_row_div, num_slots))
+
+    def shared_launch(x, weights, routed, h, y, count, num_blocks, num_slots, top_k, block_m,
+                      block_n1, block_n2):
+        calls.append(("shared", num_blocks, num_slots, top_k))
+        T = x.shape[0]
+        h_rows, y_rows = shared_rows(x, dict(zip(("shared_gate", "shared_up", "shared_down"),
+                                                 weights, strict=True)))
+        h[num_blocks * block_m:num_blocks * block_m + T] = h_rows
+        y.view(T, top_k + 1, -1)[:, top_k] = y_rows
+
+    def down_launch(h, sorted_pair, expert_of_block, words, codes, alpha, y, num_pairs,
+                    shared_id, count=None, num_slots=0, writers=0, pdl=False, per_part=False,
+                    topk_ids=None, pair_gap=0):
+        calls.append(("down", num_pairs, pair_gap, topk_ids is not None, per_part))
+        for f, expert in enumerate(topk_ids.reshape(-1).tolist()):
+            row = x[f // pair_gap].float()
+            g, u = gate[expert] @ row, up[expert] @ row
+            hidden = (g * torch.sigmoid(g) * u).bfloat16()
+            y[f + f // pair_gap] = (down[expert] @ hidden.float()).bfloat16()
+
+    return gate_up, shared_launch, down_launch
+
+
+def test_wiring_of_the_own_launch_matches_the_reference(monkeypatch) -> None:
+    """`own` where the routed experts alone take the no-alignment path: no alignment and no
+    Triton expert kernel; the Gluon gate/up first ("first", the routed pairs `T*K` with x row
+    `pair // K`), then the shared launch (the shared token chunks' slots after the routed
+    blocks'), then the Gluon down kernel (self-routed, `pair_gap` K); the output is the
+    reference's (skewed routing: 20 tokens on two of four experts, I = 256)."""
+    gen = torch.Generator().manual_seed(7)
+    T, H, I, K = 20, 128, 256, 2
+    experts = random_experts(gen, 4, H, I)
+    x = torch.randn(T, H, generator=gen).bfloat16().to(DEVICE)
+    ids, w = random_routing(gen, T, 4, K, skew=True)
+    args = op_args(x, ids, w, experts)
+    shared = shared_expert(gen, x, nvfp4_moe_reference(*args), H, I)
+    calls: list[tuple] = []
+    gate_up, shared_launch, down_launch = torch_stand_ins(experts, x, calls)
+    monkeypatch.setattr(nvfp4_shared_launch, "SHARED_LAUNCH", "own")
+    monkeypatch.setattr(op_module, "edge_pdl", lambda device: True)
+    monkeypatch.setattr(op_module, "_alone_without_alignment", lambda *a: True)
+    monkeypatch.setattr(op_module, "down_gluon_applies", lambda *a: True)
+    monkeypatch.setattr(op_module, "gate_up_applies", lambda *a: True)
+    monkeypatch.setattr(op_module, "launch_moe_gluon", gate_up)
+    monkeypatch.setattr(op_module, "launch_shared_parts", shared_launch)
+    monkeypatch.setattr(op_module, "launch_down_gluon", down_launch)
+    real_combine = op_module.combine_pairs  # (no PDL under the interpreter)
+    monkeypatch.setattr(op_module, "combine_pairs",
+                        lambda y, w, out, s, pdl: real_combine(y, w, out, s, False))
+    monkeypatch.setattr(op_module, "route_pairs", lambda *a, **k: pytest.fail("aligned"))
+    monkeypatch.setattr(op_module, "launcher", lambda kernel: pytest.fail(kernel.fn.__name__))
+    with kernel_variant(7):
+        out = nvfp4_moe(*args, **shared)
+    blocks = op_module.alignment_buffers(ids, 4, op_module.route_block_m(T, K, 4))[1].numel()
+    slots = blocks + -(-T // op_module.route_block_m(T, K, 4))
+    assert calls == [("gate_up", "first", True, T * K, K, slots), ("shared", blocks, slots, K),
+                     ("down", T * K, K, True, True)]
+    assert_matches_reference(out, nvfp4_moe_reference(*args, **shared))
+
+
+def test_own_needs_the_routed_experts_path_without_alignment(monkeypatch) -> None:
+    """`own` applies where the routed experts alone would run without an alignment: the
+    Gluon gate/up and down kernels (stood in here), the down kernel's tickets and own routing,
+    I >= 256 (two K-steps per down ring slot) and at most 512 routed pairs; else the shared
+    expert stays in the routing."""
+    alone = op_module._alone_without_alignment
+    applies: list[tuple] = []
+    monkeypatch.setattr(op_module, "down_gluon_applies", lambda *a: a[-1] == 16)
+    monkeypatch.setattr(op_module, "gate_up_applies",
+                        lambda *a: applies.append(a[-4:]) or a[-2])
+    monkeypatch.setattr(op_module, "overlap_active", lambda device: True)
+    monkeypatch.setattr(op_module, "overlap_pdl", lambda device: True)
+    x = torch.empty(32, 2048, dtype=torch.bfloat16)
+    ids = torch.zeros(32, 8, dtype=torch.int32)
+    with kernel_variant(7):
+        assert alone(x, ids, 256, 512)
+        assert applies == [(True, 256, True, False)]  # (PDL, E, the Gluon down, no shared)
+        assert not alone(x, ids, 256, 128)  # I < 256
+        assert not alone(x, torch.zeros(65, 8, dtype=torch.int32), 256, 512)  # 520 pairs
+        monkeypatch.setattr(op_module, "down_tickets", lambda: False)
+        assert not alone(x, ids, 256, 512)
+        monkeypatch.setattr(op_module, "down_tickets", lambda: True)
+        monkeypatch.setattr(_nvfp4_down_self_route, "DOWN_SELF_ROUTE", False)
+        assert not alone(x, ids, 256, 512)
+
+
+def spy_own(monkeypatch) -> list[int]:
+    """`DLMC_NVFP4_SHARED_LAUNCH=own`, counting the op's shared launches (with the Gluon
+    kernels: one per call, and no alignment)."""
+    monkeypatch.setattr(nvfp4_shared_launch, "SHARED_LAUNCH", "own")
+    calls: list[int] = []
+    real = op_module.launch_shared_parts
+    real_route = op_module.route_pairs
+
+    def launch(*a, **k) -> None:
+        calls.append(1)
+        real(*a, **k)
+
+    def route(*a, **k) -> object:  # (the Triton kernels that the output is compared with align)
+        assert op_module._nvfp4_down_gluon.MODE == "triton", "own: no alignment"
+        return real_route(*a, **k)
+
+    monkeypatch.setattr(op_module, "launch_shared_parts", launch)
+    monkeypatch.setattr(op_module, "route_pairs", route)
+    return calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["llada", "skewed", "one_token", "64_tokens"])
+def test_own_launch_equals_the_triton_kernels_gpu(monkeypatch, case: str) -> None:
+    """Bit for bit the Triton kernels with the shared expert: LLaDA2.1-mini shapes (32 x
+    top-8 of 256, I = 512), every token on the same 8 experts, one token, and 64 tokens (512
+    routed pairs: the self-routing's largest tiles); the counters zero afterwards."""
+    calls = spy_own(monkeypatch)
+    gen = torch.Generator().manual_seed(4)
+    E, H, I, T = {"llada": (256, 2048, 512, 32),
+                  "64_tokens": (256, 2048, 512, 64)}.get(case, (8, 256, 256, 16))
+    T = 1 if case == "one_token" else T
+    experts = {k: v.to(DEVICE) for k, v in random_experts(gen, E, H, I).items()}
+    x = torch.randn(T, H, generator=gen).bfloat16().to(DEVICE)
+    ids, w = random_routing(gen, T, E, 8, skew=case == "skewed")
+    args = op_args(x, ids, w, experts)
+    shared = shared_expert(gen, x, nvfp4_moe_reference(*args), H, I)
+    out = against_triton(monkeypatch, "gluon", experts, x, ids, w, shared)
+    assert calls == [1]
+    assert_matches_reference(out, nvfp4_moe_reference(*args, **shared))
+
+
+@pytest.mark.gpu
+def test_own_launch_replays_in_a_cuda_graph_gpu(monkeypatch) -> None:
+    """Captured once, replayed on new x and routing: the eager Triton path's output."""
+    calls = spy_own(monkeypatch)
+    assert_graph_replays_like_triton(monkeypatch, "gluon", 256, with_shared=True)
+    assert calls
