@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import dlmc.custom_ops.nvfp4_moe as op_module
-from dlmc.custom_ops import _nvfp4_down_self_route, nvfp4_shared_launch
+from dlmc.custom_ops import _nvfp4_down_gluon, _nvfp4_down_self_route, nvfp4_shared_launch
 from dlmc.custom_ops.moe_overlap import counters
 from dlmc.custom_ops.moe_shared_parts import shared_parts
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
@@ -214,7 +214,7 @@ def spy_own(monkeypatch) -> list[int]:
         real(*a, **k)
 
     def route(*a, **k) -> object:  # (the Triton kernels that the output is compared with align)
-        assert op_module._nvfp4_down_gluon.MODE == "triton", "own: no alignment"
+        assert _nvfp4_down_gluon.MODE == "triton", "own: no alignment"
         return real_route(*a, **k)
 
     monkeypatch.setattr(op_module, "launch_shared_parts", launch)
