@@ -58,6 +58,12 @@ from dlmc.custom_ops._nvfp4_gluon_parts import (
 )
 from dlmc.custom_ops._nvfp4_gluon_ring import drain_slots, release_slot, wait_slot
 from dlmc.custom_ops._nvfp4_self_route import table_pads
+from dlmc.custom_ops._nvfp4_shared_items import (
+    SHARED_TAG,
+    down_descriptors,
+    shared_down_copies,
+    shared_down_item,
+)
 from dlmc.custom_ops._pdl import INTERPRETED
 from dlmc.env import env_choice
 
@@ -262,66 +268,114 @@ def _ticket_producer(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, count_
                      ids, STAGES: gl.constexpr, KSTEPS: gl.constexpr, TILES: gl.constexpr,
                      I: gl.constexpr, H: gl.constexpr, BLOCK_M: gl.constexpr,
                      PER_PART: gl.constexpr, counts=None, ends=None,
-                     SELF: gl.constexpr = False, EXPERTS_PAD: gl.constexpr = 16):
+                     SELF: gl.constexpr = False, EXPERTS_PAD: gl.constexpr = 16, shared=None,
+                     SHARED_ITEMS: gl.constexpr = 0):
     """`_producer` with `OVERLAP` and `TICKETS`: the next unclaimed item from the counter,
     taken one item ahead; items without work skipped; each slot tagged with its item. The h
     rows come by TMA as without `OVERLAP`: after the item's first weight copies this warp spins
     until gate/up has stored the routing block's rows (`_wait_rows`, counting itself as the
     item's reader), then fences, so that TMA reads those rows. `SELF`: the items' experts
     from the tables `counts`, `ends` (`_nvfp4_down_self_route`); their pairs, which the
-    consumers read, gate/up has written before its counts."""
+    consumers read, gate/up has written before its counts. `SHARED_ITEMS` (their number):
+    the shared expert's items after the routed ones (`_nvfp4_shared_items`; `shared`: the
+    down and h descriptors, the shared slot, its writers, h's shared row0)."""
     ticket = count_ptr + 2 * num_slots
     item = gl.atomic_add(ticket, 1, sem="relaxed", scope="gpu")
     i = 0  # K-steps copied so far (the ring position)
-    while item < num_items:
+    routed = (w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, count_ptr, num_slots,
+              writers, num_items, num_pairs, shared_id, empty, ready, w_buf, s_buf, h_buf, ids,
+              counts, ends)
+    while item < num_items + SHARED_ITEMS:
         after = gl.atomic_add(ticket, 1, sem="relaxed", scope="gpu")  # read after the copies
-        if SELF:
-            slot0, tile, expert, has_work, live = self_item(
-                counts, ends, item, num_items, TILES, BLOCK_M, EXPERTS_PAD)
+        if SHARED_ITEMS:
+            if item >= num_items:
+                sd_d, hs_d, shared_slot, shared_writers, h_row0 = shared
+                i = shared_down_copies(sd_d, hs_d, count_ptr, num_slots, shared_slot,
+                                       shared_writers, SHARED_ITEMS, item - num_items, h_row0, i,
+                                       empty, ready, w_buf, h_buf, ids,
+                                       item * 1024 + SHARED_TAG, STAGES, TILES, I)
+            else:
+                i = _item_copies(*routed, item, i, STAGES, KSTEPS, TILES, I, H, BLOCK_M,
+                                 PER_PART, SELF, EXPERTS_PAD)
         else:
-            slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr, item,
-                                                  num_items, num_pairs, shared_id, TILES,
-                                                  BLOCK_M)
-        if has_work:
-            run = expert * (H // 128) + tile
-            for k in gl.static_range(KSTEPS):
-                s = i % STAGES
-                wait_slot(empty, i, STAGES)
-                _tag_slot(ids, s, item * 1024 + expert)
-                bar = ready.index(s)
-                mbarrier.expect(bar, w_d.block_type.nbytes + s_d.block_type.nbytes
-                                + 2 * h_d.block_type.nbytes)
-                _weight_copies(w_d, s_d, run, k, bar, w_buf.index(s), s_buf.index(s), I)
-                if k == 0:
-                    if SELF:
-                        _wait_live_rows(count_ptr, num_slots, slot0 // BLOCK_M, live, writers,
-                                        TILES, PER_PART)
-                    else:
-                        _wait_rows(count_ptr, num_slots, sorted_pair_ptr, num_pairs, slot0,
-                                   writers, TILES, BLOCK_M, PER_PART, 1)
-                    _fence_proxy_async_global()
-                _h_copies(h_d, slot0, k, bar, h_buf, s)
-                i += 1
+            i = _item_copies(*routed, item, i, STAGES, KSTEPS, TILES, I, H, BLOCK_M, PER_PART,
+                             SELF, EXPERTS_PAD)
         item = after
-    _end_tickets(ticket, item, num_items, ids, empty, ready, i, STAGES)
+    _end_tickets(ticket, item, num_items + SHARED_ITEMS, ids, empty, ready, i, STAGES)
+
+
+@gluon.jit
+def _item_copies(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, count_ptr, num_slots,
+                 writers, num_items, num_pairs, shared_id, empty, ready, w_buf, s_buf, h_buf, ids,
+                 counts, ends, item, i, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
+                 TILES: gl.constexpr, I: gl.constexpr, H: gl.constexpr, BLOCK_M: gl.constexpr,
+                 PER_PART: gl.constexpr, SELF: gl.constexpr, EXPERTS_PAD: gl.constexpr):
+    """`_ticket_producer`'s copies of routed item `item`; returns the ring position after."""
+    if SELF:
+        slot0, tile, expert, has_work, live = self_item(
+            counts, ends, item, num_items, TILES, BLOCK_M, EXPERTS_PAD)
+    else:
+        slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr, item,
+                                              num_items, num_pairs, shared_id, TILES, BLOCK_M)
+    if has_work:
+        run = expert * (H // 128) + tile
+        for k in gl.static_range(KSTEPS):
+            s = i % STAGES
+            wait_slot(empty, i, STAGES)
+            _tag_slot(ids, s, item * 1024 + expert)
+            bar = ready.index(s)
+            mbarrier.expect(bar, w_d.block_type.nbytes + s_d.block_type.nbytes
+                            + 2 * h_d.block_type.nbytes)
+            _weight_copies(w_d, s_d, run, k, bar, w_buf.index(s), s_buf.index(s), I)
+            if k == 0:
+                if SELF:
+                    _wait_live_rows(count_ptr, num_slots, slot0 // BLOCK_M, live, writers,
+                                    TILES, PER_PART)
+                else:
+                    _wait_rows(count_ptr, num_slots, sorted_pair_ptr, num_pairs, slot0,
+                               writers, TILES, BLOCK_M, PER_PART, 1)
+                _fence_proxy_async_global()
+            _h_copies(h_d, slot0, k, bar, h_buf, s)
+            i += 1
+    return i
 
 
 @gluon.jit
 def _ticket_consumer(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, empty, ready,
                      w_buf, s_buf, h_buf, ids, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
                      TILES: gl.constexpr, BLOCK_M: gl.constexpr, SELF: gl.constexpr = False,
-                     PAIR_GAP: gl.constexpr = 0):
+                     PAIR_GAP: gl.constexpr = 0, shared=None, SHARED_ITEMS: gl.constexpr = 0):
     """`_consumer` without `OVERLAP` (h rows from the ring) over the items the producer
-    tagged, in its order, until the tag -1 (`SELF`, `PAIR_GAP`: `_ring_item`'s)."""
+    tagged, in its order, until the tag -1 (`SELF`, `PAIR_GAP`: `_ring_item`'s;
+    `SHARED_ITEMS`: the shared expert's, `shared`: num_items, the tokens and K)."""
     i = 0  # K-steps consumed so far
     tag = _tag(ids, ready, i, STAGES)
     while tag >= 0:
         item, expert = tag // 1024, tag % 1024
-        slot0, tile = _place(item, TILES, BLOCK_M)
-        i = _ring_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, slot0, tile,
-                       expert, i, empty, ready, w_buf, s_buf, h_buf, STAGES, KSTEPS, SELF,
-                       PAIR_GAP)
+        routed = (sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, item, expert, i,
+                  empty, ready, w_buf, s_buf, h_buf)
+        if SHARED_ITEMS:
+            if expert == SHARED_TAG:
+                num_items, num_tokens, top_k = shared
+                i = shared_down_item(y_ptr, stride_y, num_tokens, top_k, item - num_items, i,
+                                     empty, ready, w_buf, h_buf, STAGES, TILES, KSTEPS * 128)
+            else:
+                i = _tagged_item(*routed, STAGES, KSTEPS, TILES, BLOCK_M, SELF, PAIR_GAP)
+        else:
+            i = _tagged_item(*routed, STAGES, KSTEPS, TILES, BLOCK_M, SELF, PAIR_GAP)
         tag = _tag(ids, ready, i, STAGES)
+
+
+@gluon.jit
+def _tagged_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, item, expert, i, empty,
+                 ready, w_buf, s_buf, h_buf, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
+                 TILES: gl.constexpr, BLOCK_M: gl.constexpr, SELF: gl.constexpr,
+                 PAIR_GAP: gl.constexpr):
+    """`_ticket_consumer`'s routed item `item` (`_ring_item`)."""
+    slot0, tile = _place(item, TILES, BLOCK_M)
+    return _ring_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, slot0, tile,
+                      expert, i, empty, ready, w_buf, s_buf, h_buf, STAGES, KSTEPS, SELF,
+                      PAIR_GAP)
 
 
 @gluon.jit
@@ -333,7 +387,9 @@ def _down_gluon_kernel(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, alph
                        PDL: gl.constexpr = False, TICKETS: gl.constexpr = False,
                        PER_PART: gl.constexpr = False, ids_ptr=None,
                        SELF: gl.constexpr = False, PAIRS_PAD: gl.constexpr = 16,
-                       EXPERTS_PAD: gl.constexpr = 16, PAIR_GAP: gl.constexpr = 0):
+                       EXPERTS_PAD: gl.constexpr = 16, PAIR_GAP: gl.constexpr = 0,
+                       sd_d=None, hs_d=None, shared_slot=0, shared_writers=0, h_row0=0,
+                       num_tokens=0, SHARED_ITEMS: gl.constexpr = 0):
     """`OVERLAP`: launched while gate/up runs (with PDL: `PDL`, which also lets the next
     kernel launch at once); the consumers wait per routing block for its h rows
     (`moe_overlap`'s counters in `count_ptr`, `writers` gate/up programs per block) and load
@@ -344,7 +400,9 @@ def _down_gluon_kernel(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, alph
     `SELF` (with `TICKETS`): no alignment; the items' routing from `ids_ptr`
     (`_nvfp4_down_self_route`; `PAIRS_PAD`, `EXPERTS_PAD`: powers of two at least the pairs
     and experts; the launch before has waited for the routing's writer). `PAIR_GAP` (with
-    `TICKETS`): y rows as `_ring_item`'s."""
+    `TICKETS`): y rows as `_ring_item`'s. `SHARED_ITEMS` (with `SELF`; their number): the
+    shared expert's items after the routed ones (`_nvfp4_shared_items`: `sd_d`, `hs_d`; h
+    rows `h_row0 + t` of `num_tokens`, after `shared_writers` counts on `shared_slot`)."""
     if PDL:
         gdc_launch_dependents()
     w_buf = gl.allocate_shared_memory(w_d.dtype, [STAGES] + w_d.block_type.shape, w_d.layout)
@@ -362,11 +420,14 @@ def _down_gluon_kernel(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, alph
         gl.warp_specialize([
             (_ticket_consumer, (sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, empty,
                                 ready, w_buf, s_buf, h_buf, ids, STAGES, KSTEPS, TILES,
-                                BLOCK_M, SELF, PAIR_GAP)),
+                                BLOCK_M, SELF, PAIR_GAP, (num_items, num_tokens, PAIR_GAP),
+                                SHARED_ITEMS)),
             (_ticket_producer, (w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, count_ptr,
                                 num_slots, writers, num_items, num_pairs, shared_id, empty,
                                 ready, w_buf, s_buf, h_buf, ids, STAGES, KSTEPS, TILES, I, H,
-                                BLOCK_M, PER_PART, counts, ends, SELF, EXPERTS_PAD)),
+                                BLOCK_M, PER_PART, counts, ends, SELF, EXPERTS_PAD,
+                                (sd_d, hs_d, shared_slot, shared_writers, h_row0),
+                                SHARED_ITEMS)),
         ], [1], [40])
     else:  # program p's items p, p + grid, ... (the producer and the consumers alike)
         gl.warp_specialize([
@@ -388,7 +449,8 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
                       y: torch.Tensor, num_pairs: int, shared_id: int,
                       count: torch.Tensor | None = None, num_slots: int = 0, writers: int = 0,
                       pdl: bool = False, per_part: bool = False,
-                      topk_ids: torch.Tensor | None = None, pair_gap: int = 0) -> None:
+                      topk_ids: torch.Tensor | None = None, pair_gap: int = 0,
+                      shared_items: tuple | None = None) -> None:
     """y[pair] = bf16(alpha[e] * h[slot] @ down[e]^T) for every routed pair of the routing
     (`sorted_pair`, `expert_of_block`: blocks of 16, 32 or 64 slots, cut into 8-slot parts;
     blocks of expert `shared_id` skipped). h bf16 `[S, I]` with `H_EVEN_ODD` columns; words
@@ -408,7 +470,9 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
     The launch before must have waited for the routing's writer (the self-routed gate/up
     launched "first").
     `pair_gap` (K; with `count` and `TICKETS`): y has a row more per token after every K
-    pairs (a shared expert's, written by another launch): pair p goes to row p + p // K."""
+    pairs (a shared expert's): pair p goes to row p + p // K. `shared_items` (with `topk_ids`
+    and `pair_gap`): (down bf16 `[H, I]`, h row0, counter slot, its writers, tokens <= 32) of
+    that shared expert, whose down items run after the routed ones (`_nvfp4_shared_items`)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     tickets = TICKETS and count is not None
@@ -438,6 +502,14 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
     if pair_gap and not tickets:
         raise ValueError("launch_down_gluon: pair_gap needs the ticket counter (`count` and "
                          "DLMC_NVFP4_DOWN_TICKETS=1)")
+    if shared_items is not None:
+        if not (self_route and pair_gap):
+            raise ValueError("launch_down_gluon: shared items need self-routing and pair_gap")
+        down, h_row0, slot, shared_writers, tokens = shared_items
+        sd_d, hs_d = down_descriptors(down, h)
+        self_route |= {"SHARED_ITEMS": -(-tokens // 16) * (H // 128), "sd_d": sd_d,
+                       "hs_d": hs_d, "shared_slot": slot, "shared_writers": shared_writers,
+                       "h_row0": h_row0, "num_tokens": tokens}
     sms = torch.cuda.get_device_properties(h.device).multi_processor_count
     _down_gluon_kernel[(sms * PROGRAMS_PER_SM,)](
         w_d, s_d, h_d, expert_of_block, sorted_pair, alpha, y, items, num_pairs, shared_id,

@@ -22,25 +22,15 @@ waits for nothing, provided every program is resident at once: the grid is at mo
 want of that: Gluon pads the five warps to 256 threads, and 3 programs at 96 registers did not
 fit an SM.
 
-Session 25 measured the first form of this kernel (commit 65cf2a6: every program's consumers
-walked every item, and down items loaded h from global memory after their own spin): bit for
-bit the Triton kernels with 16- and 32-slot routing blocks (64-slot blocks: equal up to
-summation order, the Triton kernels' 64-row tiles sum differently), but slower, 121.4 against
-98.4 µs per LLaDA2.1-mini layer (perf/README.md). Session 26 ran this form (tagged slots, h by
-TMA after the producer's spin, `TICKETS`) and then with the part's x rows copied into the ring
-by TMA too (`X_TMA`, the default): bit for bit again (GPU tests); routed experts alone 94.0
-against the Triton kernels' 96.3 µs (by program; tickets 99.9; the Gluon down kernel after
-Triton's gate/up: 92.0), with the shared expert 112.5 against 95.6 µs (its Triton parts run
-in launches of their own before this kernel).
+Sessions 25-26 measured this kernel (bit for bit the Triton kernels with 16- and 32-slot
+blocks) slower than separate gate/up and down launches: routed experts 94.0 against 92.0 µs
+per LLaDA2.1-mini layer, 112.5 against 95.6 with the shared expert (perf/README.md).
 
 `launch_moe_gluon(gate_up_only=True)` (`DLMC_NVFP4_GATE_UP=gluon`, the default where
 `gate_up_applies`: the Gluon down kernel and no shared expert) runs the gate/up items alone, by
 program, before the Gluon down kernel (`_nvfp4_down_gluon`, which then waits for `I / 128`
-counts per 8-slot part). Session 27 (H200, routed experts, three calls): 91.0 / 91.7, 89.8 /
-89.7 and 89.4 / 88.6 µs per layer against 91.6 / 92.9, 92.4 / 91.3 / 92.2 / 92.6 and 90.6 /
-90.7 with the Triton gate/up;
-in the profile gate/up took 60.6-61.6 against 63.7-64.6 µs and the down kernel 34.9-35.1
-against 32.6-32.9 (the persistent gate/up frees its SMs later).
+counts per 8-slot part): session 27, 88.6-91.7 against 90.6-92.9 µs per layer with the
+Triton gate/up.
 """
 
 from __future__ import annotations
@@ -85,6 +75,11 @@ from dlmc.custom_ops._nvfp4_self_route import (
     self_route,
     self_route_fits,
     table_pads,
+)
+from dlmc.custom_ops._nvfp4_shared_items import (
+    SHARED_TAG,
+    gate_up_descriptors,
+    shared_gate_up_item,
 )
 from dlmc.custom_ops._occupancy import resident_programs
 
@@ -205,12 +200,13 @@ def _any_producer(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, expert_of_block_ptr
                   shared_id, a_row_div, empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf, x_buf,
                   ids, experts_tab, pairs_tab, STAGES: gl.constexpr, H: gl.constexpr,
                   I: gl.constexpr, BLOCK_M: gl.constexpr, TICKETS: gl.constexpr,
-                  X_TMA: gl.constexpr, SELF: gl.constexpr, G: gl.constexpr):
+                  X_TMA: gl.constexpr, SELF: gl.constexpr, G: gl.constexpr, routed_grid,
+                  sg_d, su_d, xs_d, SHARED_ITEMS: gl.constexpr):
     """The producer warp: `_nvfp4_self_route.self_producer` with `SELF`, else `_producer`."""
     if SELF:
         self_producer(g_d, gs_d, u_d, us_d, x_d, num_pairs, a_row_div, empty, ready, g_buf,
                        gs_buf, u_buf, us_buf, x_buf, ids, experts_tab, pairs_tab, G, STAGES, H,
-                       I, BLOCK_M)
+                       I, BLOCK_M, routed_grid, sg_d, su_d, xs_d, h_buf, SHARED_ITEMS)
     else:
         _producer(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, expert_of_block_ptr,
                   sorted_pair_ptr, count_ptr, num_slots, gate_up_items, down_items, num_pairs,
@@ -248,31 +244,57 @@ def _down_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, slot0, ti
 
 
 @gluon.jit
+def _run_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, down_alpha_ptr, h_ptr, y_ptr,
+              count_ptr, gate_up_items, num_pairs, stride_x, stride_h, stride_y, a_row_div,
+              empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf, x_buf, rows_tab, item, expert,
+              i, routed_grid, STAGES: gl.constexpr, H: gl.constexpr, I: gl.constexpr,
+              BLOCK_M: gl.constexpr, X_TMA: gl.constexpr, SELF: gl.constexpr,
+              PAIRS_OUT: gl.constexpr):
+    """One routed item of `_consumer` (gate/up, or down); returns the ring position after it."""
+    if item < gate_up_items:
+        slot0, tile = _place(item, I // 128, BLOCK_M)
+        g = (item - gl.program_id(0)) // routed_grid  # (`SELF`: its table row)
+        i = _gate_up_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr,
+                          count_ptr, num_pairs, stride_x, stride_h, a_row_div, slot0, tile,
+                          expert, i, empty, ready, g_buf, gs_buf, u_buf, us_buf, STAGES, H,
+                          BLOCK_M, True, x_buf, X_TMA, 4, rows_tab, g, SELF, PAIRS_OUT)
+    else:
+        slot0, tile = _place(item - gate_up_items, H // 128, BLOCK_M)
+        i = _down_item(sorted_pair_ptr, down_alpha_ptr, y_ptr, num_pairs, stride_y, slot0,
+                       tile, expert, i, empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf,
+                       STAGES, I)
+    return i
+
+
+@gluon.jit
 def _consumer(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, down_alpha_ptr, h_ptr,
               y_ptr, count_ptr, gate_up_items, num_pairs, stride_x, stride_h, stride_y,
               a_row_div, empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf, x_buf, ids,
               rows_tab, STAGES: gl.constexpr, H: gl.constexpr, I: gl.constexpr,
               BLOCK_M: gl.constexpr, X_TMA: gl.constexpr, SELF: gl.constexpr,
-              PAIRS_OUT: gl.constexpr = False):
+              PAIRS_OUT: gl.constexpr = False, routed_grid=1, shared_slot=0, h_row0=0,
+              num_tokens=0, SHARED_ITEMS: gl.constexpr = False):
     """Runs the items the producer tagged, in its order, until the tag -1 (`SELF`: the
-    gate/up items' pairs from the program's table, row (item - p) / grid; `PAIRS_OUT`: written
-    into `sorted_pair` too, `_gate_up_item`)."""
+    gate/up items' pairs from the program's table, row (item - p) / routed_grid; `PAIRS_OUT`:
+    written into `sorted_pair` too, `_gate_up_item`; `SHARED_ITEMS`: the shared expert's
+    items, `_nvfp4_shared_items`)."""
     i = 0  # ring slots consumed so far
     tag = _tag(ids, ready, i, STAGES)
     while tag >= 0:
         item, expert = tag // 1024, tag % 1024
-        if item < gate_up_items:
-            slot0, tile = _place(item, I // 128, BLOCK_M)
-            g = (item - gl.program_id(0)) // gl.num_programs(0)  # (`SELF`: its table row)
-            i = _gate_up_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr,
-                              count_ptr, num_pairs, stride_x, stride_h, a_row_div, slot0, tile,
-                              expert, i, empty, ready, g_buf, gs_buf, u_buf, us_buf, STAGES, H,
-                              BLOCK_M, True, x_buf, X_TMA, 4, rows_tab, g, SELF, PAIRS_OUT)
+        args = (x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, down_alpha_ptr, h_ptr,
+                y_ptr, count_ptr, gate_up_items, num_pairs, stride_x, stride_h, stride_y,
+                a_row_div, empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf, x_buf, rows_tab,
+                item, expert, i, routed_grid)
+        if SHARED_ITEMS:
+            if expert == SHARED_TAG:
+                i = shared_gate_up_item(h_ptr, count_ptr, shared_slot, h_row0, num_tokens,
+                                        stride_h, item, i, empty, ready, g_buf, u_buf, h_buf,
+                                        STAGES, H)
+            else:
+                i = _run_item(*args, STAGES, H, I, BLOCK_M, X_TMA, SELF, PAIRS_OUT)
         else:
-            slot0, tile = _place(item - gate_up_items, H // 128, BLOCK_M)
-            i = _down_item(sorted_pair_ptr, down_alpha_ptr, y_ptr, num_pairs, stride_y, slot0,
-                           tile, expert, i, empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf,
-                           STAGES, I)
+            i = _run_item(*args, STAGES, H, I, BLOCK_M, X_TMA, SELF, PAIRS_OUT)
         tag = _tag(ids, ready, i, STAGES)
 
 
@@ -286,7 +308,9 @@ def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, x_ptr, expert_o
                       PDL_AFTER: gl.constexpr = False, TICKETS: gl.constexpr = False,
                       X_TMA: gl.constexpr = False, ids_ptr=None, SELF: gl.constexpr = False,
                       G: gl.constexpr = 1, PAIRS_PAD: gl.constexpr = 16,
-                      EXPERTS_PAD: gl.constexpr = 16, WAIT_FIRST: gl.constexpr = False):
+                      EXPERTS_PAD: gl.constexpr = 16, WAIT_FIRST: gl.constexpr = False,
+                      routed_grid=1, sg_d=None, su_d=None, xs_d=None, shared_slot=0, h_row0=0,
+                      num_tokens=0, SHARED_ITEMS: gl.constexpr = False):
     """`PDL_ENTER`: launched with PDL right after the routing (wait for it, then let the next
     kernel launch). `PDL_AFTER`: launched with PDL after the shared expert's down parts, which
     come after the routing: let the next kernel launch at once, and finish only after the
@@ -302,13 +326,17 @@ def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, x_ptr, expert_o
     `WAIT_FIRST` (with `SELF`): the op's first launch (`DLMC_NVFP4_DOWN_SELF_ROUTE`): wait for
     the kernel before (which may have written the routing) before routing, then let the next
     kernel launch (the producer's later wait returns at once); no alignment was launched, so
-    the items of N-tile 0 write their parts' pairs into `sorted_pair` for the down kernel."""
+    the items of N-tile 0 write their parts' pairs into `sorted_pair` for the down kernel.
+    `routed_grid` (with `SELF`): the programs that take routed items (p + g * routed_grid);
+    `SHARED_ITEMS`: the others run the shared expert's gate/up items (`_nvfp4_shared_items`:
+    `sg_d`, `su_d`, `xs_d`; h rows `h_row0 + t` for `num_tokens`, counted on
+    `count_ptr[shared_slot]`)."""
     if SELF:
         if WAIT_FIRST:
             gdc_wait()
         experts_tab, pairs_tab, rows_tab = route_tables(G)
         self_route(ids_ptr, num_pairs, gate_up_items, experts_tab, pairs_tab, rows_tab, G,
-                   I // 128, BLOCK_M, PAIRS_PAD, EXPERTS_PAD)
+                   I // 128, BLOCK_M, PAIRS_PAD, EXPERTS_PAD, routed_grid)
         if WAIT_FIRST:
             gdc_launch_dependents()
     if PDL_ENTER:
@@ -327,12 +355,14 @@ def _moe_gluon_kernel(g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, x_ptr, expert_o
         (_consumer, (x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, down_alpha_ptr,
                      h_ptr, y_ptr, count_ptr, gate_up_items, num_pairs, stride_x, stride_h,
                      stride_y, a_row_div, empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf,
-                     x_buf, ids, rows_tab, STAGES, H, I, BLOCK_M, X_TMA, SELF, WAIT_FIRST)),
+                     x_buf, ids, rows_tab, STAGES, H, I, BLOCK_M, X_TMA, SELF, WAIT_FIRST,
+                     routed_grid, shared_slot, h_row0, num_tokens, SHARED_ITEMS)),
         (_any_producer, (g_d, gs_d, u_d, us_d, d_d, ds_d, h_d, x_d, expert_of_block_ptr,
                          sorted_pair_ptr, count_ptr, num_slots, gate_up_items, down_items,
                          num_pairs, shared_id, a_row_div, empty, ready, g_buf, gs_buf, u_buf,
                          us_buf, h_buf, x_buf, ids, experts_tab, pairs_tab, STAGES, H, I,
-                         BLOCK_M, TICKETS, X_TMA, SELF, G)),
+                         BLOCK_M, TICKETS, X_TMA, SELF, G, routed_grid, sg_d, su_d, xs_d,
+                         SHARED_ITEMS)),
     ], [1], [40])
     if PDL_AFTER:
         gdc_wait()
@@ -406,7 +436,8 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
                      weights: tuple[torch.Tensor, ...], alphas: tuple[torch.Tensor, ...],
                      h: torch.Tensor, y: torch.Tensor, count: torch.Tensor, num_slots: int,
                      num_pairs: int, shared_id: int, a_row_div: int, pdl: str = "",
-                     gate_up_only: bool = False, topk_ids: torch.Tensor | None = None) -> None:
+                     gate_up_only: bool = False, topk_ids: torch.Tensor | None = None,
+                     shared_items: tuple | None = None) -> None:
     """h[slot] = silu(x @ gate^T) * (x @ up^T) (even-odd columns) and y[pair] = h @ down^T for
     the routed pairs of the routing (`sorted_pair`, `expert_of_block`: 16-, 32- or 64-slot
     blocks; blocks of expert `shared_id` skipped). x bf16 `[rows, H]` (pair p reads row
@@ -423,8 +454,9 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
     `topk_ids` (`[T, K]` of the routing that `sorted_pair` aligns, `shared_id` experts): where
     `self_routes`, each program routes its own items (`_nvfp4_self_route`) instead of waiting
     for the alignment launch (or, "first", instead of reading an alignment made before).
-    Session 27 also ran gate/up alone on one program per possible item (commit 2660087): 92.8-94.1
-    against 89.7 / 89.8 µs per layer for the op on this persistent grid."""
+    `shared_items` (self-routed; x `[T <= 32, H]`): (gate, up bf16 `[I, H]`, h row0, counter
+    slot) of a shared expert whose gate/up items the last `I / 64` programs run
+    (`_nvfp4_shared_items`)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     H, I = x.shape[1], h.shape[1]
@@ -450,12 +482,22 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
                "TICKETS": tickets, "X_TMA": X_TMA, "num_warps": 4, "maxnreg": MAXNREG,
                "WAIT_FIRST": pdl == "first", **({"launch_pdl": True} if pdl else {})}
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    shared_n = 0 if shared_items is None else I // 64  # programs of shared items
     if routed:
         options |= {"ids_ptr": topk_ids.reshape(-1), "SELF": True,
                     **table_pads(num_pairs, shared_id),
-                    "G": -(-gate_up_items // (sms * programs_per_sm(x.device)))}
+                    "routed_grid": sms * programs_per_sm(x.device) - shared_n}
+        options["G"] = -(-gate_up_items // options["routed_grid"])
+    if shared_items is not None:
+        if not routed:
+            raise ValueError("launch_moe_gluon: shared items need a self-routed launch")
+        gate, up, h_row0, slot = shared_items
+        options |= dict(zip(("sg_d", "su_d", "xs_d"), gate_up_descriptors(x, gate, up),
+                            strict=True))
+        options |= {"SHARED_ITEMS": True, "shared_slot": slot, "h_row0": h_row0,
+                    "num_tokens": x.shape[0]}
     key = (x.device, STAGES, PROGRAMS_PER_SM, MAXNREG, tickets, X_TMA, H, I, block_m, pdl,
-           routed)
+           routed, shared_n)
     if count.numel() < 2 * num_slots + 1:
         raise ValueError(f"nvfp4_moe: the fused Gluon kernel needs {2 * num_slots + 1} counters "
                          f"(`moe_overlap.counters(device, num_slots + 1)`), got {count.numel()}")
@@ -467,6 +509,7 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
             raise RuntimeError(f"nvfp4_moe: the fused Gluon kernel (STAGES={STAGES}, "
                                f"MAXNREG={MAXNREG}) does not fit on an SM of {x.device}")
         _PROGRAMS[key] = fit * sms
-    if routed:  # each program's items: p, p + grid, ...
-        options["G"] = -(-gate_up_items // _PROGRAMS[key])
+    if routed:  # each program's items: p, p + routed_grid, ...
+        routed_grid = _PROGRAMS[key] - shared_n
+        options |= {"G": -(-gate_up_items // routed_grid), "routed_grid": routed_grid}
     _moe_gluon_kernel[(_PROGRAMS[key],)](*args, **options)

@@ -30,6 +30,7 @@ from dlmc.custom_ops._nvfp4_gluon_parts import (
     gdc_wait,
     tab_scalar,
 )
+from dlmc.custom_ops._nvfp4_shared_items import shared_gate_up_copies
 from dlmc.env import env_choice
 
 __all__ = ["MAX_EXPERTS", "MAX_PAIRS", "SELF_ROUTE", "route_tables", "self_producer",
@@ -85,11 +86,12 @@ def route_tables(G: gl.constexpr):
 @gluon.jit
 def self_route(ids_ptr, num_pairs, num_items, experts_tab, pairs_tab, rows_tab,
                G: gl.constexpr, TILES: gl.constexpr, BLOCK_M: gl.constexpr,
-               PAIRS_PAD: gl.constexpr, EXPERTS_PAD: gl.constexpr):
-    """Fill the tables (`route_tables`) for items p + g * grid, g < G (an 8-slot part of a
-    routing block and one of `TILES` N-tiles, `_nvfp4_gluon_parts._place`) of the routing
-    `ids` (int32 or int64, `num_pairs` of them) that `moe_align` makes at `BLOCK_M`; four
-    warps, before the warp-specialized part."""
+               PAIRS_PAD: gl.constexpr, EXPERTS_PAD: gl.constexpr, routed_grid):
+    """Fill the tables (`route_tables`) for items p + g * routed_grid, g < G (an 8-slot part
+    of a routing block and one of `TILES` N-tiles, `_nvfp4_gluon_parts._place`) of the routing
+    `ids` (int32 or int64, `num_pairs` of them) that `moe_align` makes at `BLOCK_M`; programs
+    from `routed_grid` on take none (`_nvfp4_shared_items`); four warps, before the
+    warp-specialized part."""
     line: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     grid2: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, 4], [1, 0])
     PARTS: gl.constexpr = BLOCK_M // 8
@@ -105,7 +107,7 @@ def self_route(ids_ptr, num_pairs, num_items, experts_tab, pairs_tab, rows_tab,
     pair2 = gl.expand_dims(gl.convert_layout(pair, gl.SliceLayout(0, grid2)), 0)  # [1, P]
     r = gl.expand_dims(gl.arange(0, 8, gl.SliceLayout(1, grid2)), 1)  # [8, 1]
     for g in gl.static_range(G):
-        item = gl.program_id(0) + g * gl.num_programs(0)
+        item = gl.program_id(0) + g * routed_grid
         block = item // (PARTS * TILES)
         # the expert whose blocks hold `block`: the experts whose blocks end at or before it
         expert = gl.sum((block_end <= block).to(gl.int32), axis=0)
@@ -113,7 +115,8 @@ def self_route(ids_ptr, num_pairs, num_items, experts_tab, pairs_tab, rows_tab,
         first = ((block - gl.sum(gl.where(mine, block_start, 0), axis=0)) * BLOCK_M
                  + ((item // TILES) % PARTS) * 8)  # the part's first rank in the expert
         count = gl.sum(gl.where(mine, counts, 0), axis=0)
-        work = (item < num_items) & (block < used) & (first < count)
+        work = ((item < num_items) & (block < used) & (first < count)
+                & (gl.program_id(0) < routed_grid))
         experts_tab.index(g).store(gl.full([1], gl.where(work, expert, -1), gl.int32, line))
         if work:  # (the part's pairs: unread for an item without work)
             taken = is_pair & (ids == expert)
@@ -132,17 +135,19 @@ def self_route(ids_ptr, num_pairs, num_items, experts_tab, pairs_tab, rows_tab,
 def self_producer(g_d, gs_d, u_d, us_d, x_d, num_pairs, a_row_div, empty, ready, g_buf,
                   gs_buf, u_buf, us_buf, x_buf, ids, experts_tab, pairs_tab,
                   G: gl.constexpr, STAGES: gl.constexpr, H: gl.constexpr, I: gl.constexpr,
-                  BLOCK_M: gl.constexpr):
-    """The gate/up items alone by program (p, p + grid, ...), their experts and pairs from the
-    program's own tables (`self_route`): after the first `STAGES` K-steps of its first
-    item (at once if it has none) this warp waits for the previous launch and lets the next
-    one launch."""
+                  BLOCK_M: gl.constexpr, routed_grid, sg_d=None, su_d=None, xs_d=None,
+                  h_buf=None, SHARED_ITEMS: gl.constexpr = False):
+    """The gate/up items alone by program (p, p + routed_grid, ...), their experts and pairs
+    from the program's own tables (`self_route`): after the first `STAGES` K-steps of its
+    first item (at once if it has none) this warp waits for the previous launch and lets the
+    next one launch. `SHARED_ITEMS`: program `routed_grid + j` then runs shared item j
+    (`_nvfp4_shared_items`: the descriptors `sg_d`, `su_d`, `xs_d`; x in `h_buf`)."""
     GDC_STEP: gl.constexpr = min(STAGES, H // 128) - 1
     i = 0  # ring slots filled so far
     for g in range(G):
         expert = tab_scalar(experts_tab, g)
         if expert >= 0:
-            item = gl.program_id(0) + g * gl.num_programs(0)
+            item = gl.program_id(0) + g * routed_grid
             slot0, tile = _place(item, I // 128, BLOCK_M)
             i = gate_up_copies(g_d, gs_d, u_d, us_d, expert * (I // 128) + tile, i, empty,
                                ready, g_buf, gs_buf, u_buf, us_buf, ids, item * 1024 + expert,
@@ -151,4 +156,8 @@ def self_producer(g_d, gs_d, u_d, us_d, x_d, num_pairs, a_row_div, empty, ready,
         elif g == 0:
             gdc_wait()
             gdc_launch_dependents()
+    if SHARED_ITEMS:  # noqa: SIM102 (a static condition around a runtime one)
+        if gl.program_id(0) >= routed_grid:
+            i = shared_gate_up_copies(sg_d, su_d, xs_d, gl.program_id(0) - routed_grid, i,
+                                      empty, ready, g_buf, u_buf, h_buf, ids, STAGES, H)
     _end_tickets(ids, 0, 0, ids, empty, ready, i, STAGES, False)

@@ -33,6 +33,7 @@ from dlmc.custom_ops._nvfp4_moe_gluon import (
     self_routes,
 )
 from dlmc.custom_ops._nvfp4_moe_kernels import _down_kernel, _gate_up_kernel
+from dlmc.custom_ops._nvfp4_shared_items import shared_items_fit
 from dlmc.custom_ops._pdl import PDL_LAUNCH, launcher
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
@@ -53,7 +54,7 @@ from dlmc.custom_ops.moe_overlap import (
 )
 from dlmc.custom_ops.moe_shared_parts import shared_block_k, shared_parts, shared_split
 from dlmc.custom_ops.nvfp4_moe_checks import check_arguments, check_shared_expert
-from dlmc.custom_ops.nvfp4_shared_launch import launch_shared_parts, own_shared_launch
+from dlmc.custom_ops.nvfp4_shared_launch import launch_shared_parts, shared_launch_mode
 from dlmc.custom_ops.nvfp4_words import (
     can_pack,
     e4m3_scales,
@@ -197,8 +198,9 @@ def _nvfp4_moe_impl(
     # `DLMC_NVFP4_SHARED_LAUNCH=own` (`nvfp4_shared_launch`; where the routed experts then take
     # the no-alignment path, `no_align` below): the routed pairs as if alone (`t*K + k`), the
     # shared expert in a launch of its own
-    own = (has_shared and own_shared_launch() and aligned_here and edges
+    own = (has_shared and shared_launch_mode() != "gate_up" and aligned_here and edges
            and gate_up_input_scale is None and _alone_without_alignment(x, topk_ids, E, I))
+    items = own and shared_launch_mode() == "items" and shared_items_fit(T, H, I)
     in_routing = has_shared and not own  # the shared expert's pairs in the alignment
     if aligned_here:  # else aligned by dlmc::moe_route_align (which also wrote topk_ids)
         block_m = route_block_m(T, K, E, in_routing)
@@ -310,12 +312,13 @@ def _nvfp4_moe_impl(
              down_weight_scale),
             (gate_alpha, up_alpha, down_alpha), h, y, count, num_slots, routed_pairs, E,
             routed_div, pdl="after" if in_routing else "first" if no_align else "enter",
+            shared_items=(g_w, u_w, routed_rows, num_blocks) if items else None,
             gate_up_only=gluon_gate_up,
             # the gate/up programs may route themselves while the alignment runs: topk_ids
             # was written before it (its PDL launch waits for the kernel before, then lets
             # gate/up launch); or ("first") they wait for the kernel before themselves
             topk_ids=topk_ids if edges and aligned_here else None)
-    if own:
+    if own and not items:
         launch_shared_parts(a, (g_w, u_w, d_w), (sorted_pair, expert_of_block, gate_weight,
                             gate_weight_scale, up_weight, up_weight_scale, gate_alpha, up_alpha),
                             h, y, count, num_blocks, num_slots, K, block_m, block_n1, block_n2)
@@ -325,7 +328,9 @@ def _nvfp4_moe_impl(
                           count if overlap else None, num_slots,
                           I // 128 if gluon_gate_up else tiles1, pdl=bool(pdl),
                           per_part=gluon_gate_up, topk_ids=topk_ids if no_align else None,
-                          **({"pair_gap": K} if own else {}))
+                          **({"pair_gap": K} if own else {}),
+                          **({"shared_items": (d_w, routed_rows, num_blocks, I // 64, T)}
+                             if items else {}))
     if pairs:
         return y  # [T*P, H]
     return combine_pairs(y, topk_weights, out, has_shared, edges)  # [T, H]

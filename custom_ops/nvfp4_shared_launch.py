@@ -29,17 +29,18 @@ from dlmc.custom_ops._registration import INTERPRETED
 from dlmc.custom_ops.moe_shared_parts import shared_block_k, shared_parts, shared_split
 from dlmc.env import env_choice
 
-__all__ = ["SHARED_LAUNCH", "launch_shared_parts", "own_shared_launch"]
+__all__ = ["SHARED_LAUNCH", "launch_shared_parts", "shared_launch_mode"]
 
 # DLMC_NVFP4_SHARED_LAUNCH (read at import; tests and benches may set the module's value):
-# "gate_up" (the default: the shared expert in the routing and in the Triton gate/up launch)
-# or "own" (this module).
-SHARED_LAUNCH = env_choice("DLMC_NVFP4_SHARED_LAUNCH", "gate_up", ("gate_up", "own"))
+# "gate_up" (the default: the shared expert in the routing and in the Triton gate/up launch),
+# "own" (this module's launch) or "items" (the shared expert as items of the two Gluon
+# launches, `_nvfp4_shared_items`; at most 32 tokens, else "own").
+SHARED_LAUNCH = env_choice("DLMC_NVFP4_SHARED_LAUNCH", "gate_up", ("gate_up", "own", "items"))
 
 
-def own_shared_launch() -> bool:
-    """`SHARED_LAUNCH` as now set is "own"."""
-    return SHARED_LAUNCH == "own"
+def shared_launch_mode() -> str:
+    """`SHARED_LAUNCH` as now set."""
+    return SHARED_LAUNCH
 
 
 def launch_shared_parts(x: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor],

@@ -1,11 +1,13 @@
-"""`DLMC_NVFP4_SHARED_LAUNCH=own` (`custom_ops/nvfp4_shared_launch.py`): the shared expert in a
-launch of its own between the routed experts' Gluon launches, which then run without an
-alignment as if there were no shared expert.
+"""`DLMC_NVFP4_SHARED_LAUNCH` (`custom_ops/nvfp4_shared_launch.py`): "own", the shared expert
+in a launch of its own between the routed experts' Gluon launches, which then run without an
+alignment as if there were no shared expert; "items", the shared expert as items of those two
+launches (`custom_ops/_nvfp4_shared_items.py`).
 
-On CPU: the switch as read at import; the launch itself under Triton's interpreter (h rows
-after the routed blocks, y rows `t*(K+1) + K`, the counters zero afterwards); the op's wiring
-with the Gluon launches replaced by torch computations. On the H200 the op's output equals the
-Triton kernels' bit for bit, eager and replayed in a CUDA graph.
+On CPU: the switch as read at import; the own launch under Triton's interpreter (h rows after
+the routed blocks, y rows `t*(K+1) + K`, the counters zero afterwards); the op's wiring in both
+forms with the Gluon launches replaced by torch computations. On the H200: "own" gives the
+Triton kernels' output bit for bit, "items" their routed pair rows bit for bit and the shared
+rows up to summation order, eager and replayed in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from tests.custom_ops.test_nvfp4_moe import (
     shared_expert,
 )
 from tests.custom_ops.test_nvfp4_moe_gluon import dequantized
-from tests.custom_ops.test_nvfp4_moe_v4 import kernel_variant
+from tests.custom_ops.test_nvfp4_moe_v4 import bits, kernel_variant
+from tests.custom_ops.test_nvfp4_moe_v5 import stored
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
@@ -51,7 +54,8 @@ def read_switch(value: str | None) -> subprocess.CompletedProcess:
                           timeout=120, check=False)
 
 
-@pytest.mark.parametrize("value,expected", [(None, "gate_up"), ("own", "own")])
+@pytest.mark.parametrize("value,expected", [(None, "gate_up"), ("own", "own"),
+                                            ("items", "items")])
 def test_the_switch_defaults_to_the_gate_up_launch(value: str | None, expected: str) -> None:
     result = read_switch(value)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -61,7 +65,8 @@ def test_the_switch_defaults_to_the_gate_up_launch(value: str | None, expected: 
 def test_a_bad_value_is_refused_naming_the_switch() -> None:
     result = read_switch("separate")
     assert result.returncode != 0
-    assert "DLMC_NVFP4_SHARED_LAUNCH='separate': expected one of gate_up, own" in result.stderr
+    expected = "DLMC_NVFP4_SHARED_LAUNCH='separate': expected one of gate_up, own, items"
+    assert expected in result.stderr
 
 
 def shared_rows(x: torch.Tensor, shared: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -105,16 +110,26 @@ def test_the_shared_launch_fills_its_rows_only() -> None:
 
 def torch_stand_ins(experts: dict[str, torch.Tensor], x: torch.Tensor,
                     calls: list[tuple]) -> tuple:
-    """Stand-ins for the three launches of the `own` form on the CPU, which record their
-    order and arguments: the Gluon gate/up (every routed pair's h, as the self-routed kernel
-    would, not read here), the shared launch (its rows from `shared_rows`) and the Gluon down
-    kernel (each routed pair `f = t*K + k` from the routing, stored at y row `f + f // K`)."""
+    """Stand-ins for the launches of the `own` and `items` forms on the CPU, which record
+    their order and arguments: the Gluon gate/up (the routed pairs' h, as the self-routed
+    kernel would, is not read here; with shared items, the shared h rows), the shared launch
+    (its rows from `shared_rows`) and the Gluon down kernel (each routed pair `f = t*K + k`
+    from the routing, stored at y row `f + f // K`; with shared items, the shared y rows from
+    the shared h rows)."""
     gate, up, down = (dequantized(experts, "gate"), dequantized(experts, "up"),
                       dequantized_down(experts))
 
     def gate_up(x, sorted_pair, expert_of_block, weights, alphas, h, y, count, num_slots,
-                num_pairs, shared_id, a_row_div, pdl="", gate_up_only=False, topk_ids=None):
-        calls.append(("gate_up", pdl, gate_up_only, num_pairs, a_row_div, num_slots))
+                num_pairs, shared_id, a_row_div, pdl="", gate_up_only=False, topk_ids=None,
+                shared_items=None):
+        calls.append(("gate_up", pdl, gate_up_only, num_pairs, a_row_div, num_slots,
+                      shared_items is not None))
+        if shared_items is not None:
+            shared_gate, shared_up, h_row0, slot = shared_items
+            assert slot < num_slots
+            g = x.float() @ shared_gate.float().T
+            u = x.float() @ shared_up.float().T
+            h[h_row0:h_row0 + x.shape[0]] = (g * torch.sigmoid(g) * u).bfloat16()
 
     def shared_launch(x, weights, routed, h, y, count, num_blocks, num_slots, top_k, block_m,
                       block_n1, block_n2):
@@ -127,8 +142,14 @@ def torch_stand_ins(experts: dict[str, torch.Tensor], x: torch.Tensor,
 
     def down_launch(h, sorted_pair, expert_of_block, words, codes, alpha, y, num_pairs,
                     shared_id, count=None, num_slots=0, writers=0, pdl=False, per_part=False,
-                    topk_ids=None, pair_gap=0):
-        calls.append(("down", num_pairs, pair_gap, topk_ids is not None, per_part))
+                    topk_ids=None, pair_gap=0, shared_items=None):
+        calls.append(("down", num_pairs, pair_gap, topk_ids is not None, per_part,
+                      shared_items is not None))
+        if shared_items is not None:
+            shared_down, h_row0, slot, writers, tokens = shared_items
+            assert writers == h.shape[1] // 64 and tokens == x.shape[0]
+            rows = h[h_row0:h_row0 + tokens].float() @ shared_down.float().T
+            y.view(tokens, pair_gap + 1, -1)[:, pair_gap] = rows.bfloat16()
         for f, expert in enumerate(topk_ids.reshape(-1).tolist()):
             row = x[f // pair_gap].float()
             g, u = gate[expert] @ row, up[expert] @ row
@@ -138,11 +159,13 @@ def torch_stand_ins(experts: dict[str, torch.Tensor], x: torch.Tensor,
     return gate_up, shared_launch, down_launch
 
 
-def test_wiring_of_the_own_launch_matches_the_reference(monkeypatch) -> None:
-    """`own` where the routed experts alone take the no-alignment path: no alignment and no
-    Triton expert kernel; the Gluon gate/up first ("first", the routed pairs `T*K` with x row
-    `pair // K`), then the shared launch (the shared token chunks' slots after the routed
-    blocks'), then the Gluon down kernel (self-routed, `pair_gap` K); the output is the
+@pytest.mark.parametrize("mode", ["own", "items"])
+def test_wiring_of_the_shared_launch_matches_the_reference(monkeypatch, mode: str) -> None:
+    """`own` / `items` where the routed experts alone take the no-alignment path: no
+    alignment and no Triton expert kernel; the Gluon gate/up first ("first", the routed pairs
+    `T*K` with x row `pair // K`; `items`: with the shared items), then (`own`) the shared
+    launch (the shared token chunks' slots after the routed blocks'), then the Gluon down
+    kernel (self-routed, `pair_gap` K; `items`: with the shared items); the output is the
     reference's (skewed routing: 20 tokens on two of four experts, I = 256)."""
     gen = torch.Generator().manual_seed(7)
     T, H, I, K = 20, 128, 256, 2
@@ -153,7 +176,7 @@ def test_wiring_of_the_own_launch_matches_the_reference(monkeypatch) -> None:
     shared = shared_expert(gen, x, nvfp4_moe_reference(*args), H, I)
     calls: list[tuple] = []
     gate_up, shared_launch, down_launch = torch_stand_ins(experts, x, calls)
-    monkeypatch.setattr(nvfp4_shared_launch, "SHARED_LAUNCH", "own")
+    monkeypatch.setattr(nvfp4_shared_launch, "SHARED_LAUNCH", mode)
     monkeypatch.setattr(op_module, "edge_pdl", lambda device: True)
     monkeypatch.setattr(op_module, "_alone_without_alignment", lambda *a: True)
     monkeypatch.setattr(op_module, "down_gluon_applies", lambda *a: True)
@@ -170,8 +193,10 @@ def test_wiring_of_the_own_launch_matches_the_reference(monkeypatch) -> None:
         out = nvfp4_moe(*args, **shared)
     blocks = op_module.alignment_buffers(ids, 4, op_module.route_block_m(T, K, 4))[1].numel()
     slots = blocks + -(-T // op_module.route_block_m(T, K, 4))
-    assert calls == [("gate_up", "first", True, T * K, K, slots), ("shared", blocks, slots, K),
-                     ("down", T * K, K, True, True)]
+    items = mode == "items"
+    assert calls == [("gate_up", "first", True, T * K, K, slots, items),
+                     *([] if items else [("shared", blocks, slots, K)]),
+                     ("down", T * K, K, True, True, items)]
     assert_matches_reference(out, nvfp4_moe_reference(*args, **shared))
 
 
@@ -201,10 +226,10 @@ def test_own_needs_the_routed_experts_path_without_alignment(monkeypatch) -> Non
         assert not alone(x, ids, 256, 512)
 
 
-def spy_own(monkeypatch) -> list[int]:
-    """`DLMC_NVFP4_SHARED_LAUNCH=own`, counting the op's shared launches (with the Gluon
-    kernels: one per call, and no alignment)."""
-    monkeypatch.setattr(nvfp4_shared_launch, "SHARED_LAUNCH", "own")
+def spy_own(monkeypatch, mode: str) -> list[int]:
+    """`DLMC_NVFP4_SHARED_LAUNCH=mode`, counting the op's shared launches (with the Gluon
+    kernels: `own` one per call, `items` none; no alignment)."""
+    monkeypatch.setattr(nvfp4_shared_launch, "SHARED_LAUNCH", mode)
     calls: list[int] = []
     real = op_module.launch_shared_parts
     real_route = op_module.route_pairs
@@ -222,13 +247,19 @@ def spy_own(monkeypatch) -> list[int]:
     return calls
 
 
+MODES = pytest.mark.parametrize("mode", ["own", "items"])
+
+
 @pytest.mark.gpu
+@MODES
 @pytest.mark.parametrize("case", ["llada", "skewed", "one_token", "64_tokens"])
-def test_own_launch_equals_the_triton_kernels_gpu(monkeypatch, case: str) -> None:
-    """Bit for bit the Triton kernels with the shared expert: LLaDA2.1-mini shapes (32 x
-    top-8 of 256, I = 512), every token on the same 8 experts, one token, and 64 tokens (512
-    routed pairs: the self-routing's largest tiles); the counters zero afterwards."""
-    calls = spy_own(monkeypatch)
+def test_shared_launch_equals_the_triton_kernels_gpu(monkeypatch, case: str, mode: str) -> None:
+    """The Triton kernels' output with the shared expert (`own`: bit for bit; `items`: the
+    routed pair rows bit for bit, the shared rows and the output up to summation order):
+    LLaDA2.1-mini shapes (32 x top-8 of 256, I = 512), every token on the same 8 experts, one
+    token, and 64 tokens (512 routed pairs: the self-routing's largest tiles; `items` takes
+    at most 32 tokens and runs `own` there); the counters zero afterwards."""
+    calls = spy_own(monkeypatch, mode)
     gen = torch.Generator().manual_seed(4)
     E, H, I, T = {"llada": (256, 2048, 512, 32),
                   "64_tokens": (256, 2048, 512, 64)}.get(case, (8, 256, 256, 16))
@@ -238,14 +269,49 @@ def test_own_launch_equals_the_triton_kernels_gpu(monkeypatch, case: str) -> Non
     ids, w = random_routing(gen, T, E, 8, skew=case == "skewed")
     args = op_args(x, ids, w, experts)
     shared = shared_expert(gen, x, nvfp4_moe_reference(*args), H, I)
-    out = against_triton(monkeypatch, "gluon", experts, x, ids, w, shared)
-    assert calls == [1]
+    items = mode == "items" and T <= 32
+    out = against_triton(monkeypatch, "gluon", experts, x, ids, w, shared, bitwise=not items)
+    assert calls == ([] if items else [1])
     assert_matches_reference(out, nvfp4_moe_reference(*args, **shared))
+    if items:  # the pair rows: routed ones bit for bit
+        rows = against_triton(monkeypatch, "gluon", experts, x, ids, w, shared | {"pairs": True},
+                              bitwise=False).view(T, 9, H)
+        with kernel_variant(7):
+            expected = nvfp4_moe(*op_args(x, ids, w, stored(experts, 7)), **shared,
+                                 pairs=True).view(T, 9, H)  # (MODE triton again)
+        assert torch.equal(bits(rows[:, :8]), bits(expected[:, :8]))
+        assert_matches_reference(rows[:, 8], expected[:, 8])
 
 
 @pytest.mark.gpu
 def test_own_launch_replays_in_a_cuda_graph_gpu(monkeypatch) -> None:
     """Captured once, replayed on new x and routing: the eager Triton path's output."""
-    calls = spy_own(monkeypatch)
+    calls = spy_own(monkeypatch, "own")
     assert_graph_replays_like_triton(monkeypatch, "gluon", 256, with_shared=True)
     assert calls
+
+
+@pytest.mark.gpu
+def test_shared_items_replay_in_a_cuda_graph_gpu(monkeypatch) -> None:
+    """`items` captured once and replayed on new x and routing gives its eager output bit for
+    bit, and leaves the counters zero."""
+    calls = spy_own(monkeypatch, "items")
+    gen = torch.Generator().manual_seed(5)
+    experts = stored({k: v.to(DEVICE) for k, v in random_experts(gen, 64, 256, 256).items()}, 7)
+    args_of = [op_args(torch.randn(32, 256, generator=gen).bfloat16().to(DEVICE),
+                       *random_routing(gen, 32, 64, 8), experts) for _ in range(2)]
+    shared = shared_expert(gen, args_of[0][0], args_of[0][0], 256, 256)
+    static = [a.clone() for a in args_of[0]]
+    with kernel_variant(7):
+        monkeypatch.setattr(_nvfp4_down_gluon, "MODE", "gluon")
+        nvfp4_moe(*static, **shared)  # warm (compiles the kernels)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = nvfp4_moe(*static, **shared)
+        for source in (args_of[1], args_of[0]):
+            for dst, src in zip(static[:3], source[:3], strict=True):
+                dst.copy_(src)
+            graph.replay()
+            assert torch.equal(bits(out), bits(nvfp4_moe(*source, **shared)))
+            assert int(counters(out.device, 1).abs().sum()) == 0
+    assert not calls
