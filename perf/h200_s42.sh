@@ -2,8 +2,9 @@
 # Session 42's H200 calls (helpers of perf/h200_session.sh); output tarred in $OUT.
 #   bash perf/h200_s42.sh first   # the GPU tests of test_nvfp4_shared_launch.py, then the op
 #                                 # with the shared expert (`--shared-expert`) in PASSES (2)
-#                                 # process pairs alternating DLMC_NVFP4_SHARED_LAUNCH=own /
-#                                 # gate_up, then the NVFP4 + FP8 round both ways
+#                                 # process pairs alternating DLMC_NVFP4_SHARED_LAUNCH=A / B
+#                                 # (MODES, "own gate_up"), then the NVFP4 + FP8 round both
+#                                 # ways
 #   bash perf/h200_s42.sh ab      # the op and the round as in `first`, without the tests
 #   bash perf/h200_s42.sh tests   # the GPU tests of the files that run the op's Gluon path
 # Env: TEST_TIMEOUT, PASSES, ROUNDS (1: round pairs).
@@ -15,15 +16,15 @@ source <(sed -n '/^env_round()/,/^}/p' "$HERE/h200_s34.sh")
 
 ab() {
   for pass in $(seq 1 "${PASSES:-2}"); do
-    first=own second=gate_up
-    [ $((pass % 2)) = 0 ] && first=gate_up second=own
+    read -r first second <<< "${MODES:-own gate_up}"
+    [ $((pass % 2)) = 0 ] && read -r second first <<< "${MODES:-own gate_up}"
     for v in $first $second; do
       op_env "op_shared_${v}_$pass" "DLMC_NVFP4_SHARED_LAUNCH=$v" --shared-expert \
         $([ "$pass" = 1 ] && echo --profile)
     done
   done
   for pass in $(seq 1 "${ROUNDS:-1}"); do
-    for v in own gate_up; do
+    for v in ${MODES:-own gate_up}; do
       env_round "round_${v}_$pass" "DLMC_NVFP4_SHARED_LAUNCH=$v"
     done
   done
