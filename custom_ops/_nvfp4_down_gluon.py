@@ -277,8 +277,8 @@ def _ticket_producer(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, count_
     item's reader), then fences, so that TMA reads those rows. `SELF`: the items' experts
     from the tables `counts`, `ends` (`_nvfp4_down_self_route`); their pairs, which the
     consumers read, gate/up has written before its counts. `SHARED_ITEMS` (their number):
-    the shared expert's items after the routed ones (`_nvfp4_shared_items`; `shared`: the
-    down and h descriptors, the shared slot, its writers, h's shared row0)."""
+    the shared expert's items, tickets 0.., before the routed ones (`_nvfp4_shared_items`;
+    `shared`: the down and h descriptors, the shared slot, its writers, h's shared row0)."""
     ticket = count_ptr + 2 * num_slots
     item = gl.atomic_add(ticket, 1, sem="relaxed", scope="gpu")
     i = 0  # K-steps copied so far (the ring position)
@@ -288,15 +288,15 @@ def _ticket_producer(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, count_
     while item < num_items + SHARED_ITEMS:
         after = gl.atomic_add(ticket, 1, sem="relaxed", scope="gpu")  # read after the copies
         if SHARED_ITEMS:
-            if item >= num_items:
+            if item < SHARED_ITEMS:
                 sd_d, hs_d, shared_slot, shared_writers, h_row0 = shared
                 i = shared_down_copies(sd_d, hs_d, count_ptr, num_slots, shared_slot,
-                                       shared_writers, SHARED_ITEMS, item - num_items, h_row0, i,
-                                       empty, ready, w_buf, h_buf, ids,
-                                       item * 1024 + SHARED_TAG, STAGES, TILES, I)
+                                       shared_writers, SHARED_ITEMS, item, h_row0, i, empty,
+                                       ready, w_buf, h_buf, ids, item * 1024 + SHARED_TAG,
+                                       STAGES, TILES, I)
             else:
-                i = _item_copies(*routed, item, i, STAGES, KSTEPS, TILES, I, H, BLOCK_M,
-                                 PER_PART, SELF, EXPERTS_PAD)
+                i = _item_copies(*routed, item - SHARED_ITEMS, i, STAGES, KSTEPS, TILES, I, H,
+                                 BLOCK_M, PER_PART, SELF, EXPERTS_PAD)
         else:
             i = _item_copies(*routed, item, i, STAGES, KSTEPS, TILES, I, H, BLOCK_M, PER_PART,
                              SELF, EXPERTS_PAD)
@@ -347,7 +347,7 @@ def _ticket_consumer(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, emp
                      PAIR_GAP: gl.constexpr = 0, shared=None, SHARED_ITEMS: gl.constexpr = 0):
     """`_consumer` without `OVERLAP` (h rows from the ring) over the items the producer
     tagged, in its order, until the tag -1 (`SELF`, `PAIR_GAP`: `_ring_item`'s;
-    `SHARED_ITEMS`: the shared expert's, `shared`: num_items, the tokens and K)."""
+    `SHARED_ITEMS`: the shared expert's, `shared`: the tokens and K)."""
     i = 0  # K-steps consumed so far
     tag = _tag(ids, ready, i, STAGES)
     while tag >= 0:
@@ -356,9 +356,9 @@ def _ticket_consumer(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, emp
                   empty, ready, w_buf, s_buf, h_buf)
         if SHARED_ITEMS:
             if expert == SHARED_TAG:
-                num_items, num_tokens, top_k = shared
-                i = shared_down_item(y_ptr, stride_y, num_tokens, top_k, item - num_items, i,
-                                     empty, ready, w_buf, h_buf, STAGES, TILES, KSTEPS * 128)
+                num_tokens, top_k = shared
+                i = shared_down_item(y_ptr, stride_y, num_tokens, top_k, item, i, empty, ready,
+                                     w_buf, h_buf, STAGES, TILES, KSTEPS * 128)
             else:
                 i = _tagged_item(*routed, STAGES, KSTEPS, TILES, BLOCK_M, SELF, PAIR_GAP)
         else:
@@ -420,7 +420,7 @@ def _down_gluon_kernel(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, alph
         gl.warp_specialize([
             (_ticket_consumer, (sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, empty,
                                 ready, w_buf, s_buf, h_buf, ids, STAGES, KSTEPS, TILES,
-                                BLOCK_M, SELF, PAIR_GAP, (num_items, num_tokens, PAIR_GAP),
+                                BLOCK_M, SELF, PAIR_GAP, (num_tokens, PAIR_GAP),
                                 SHARED_ITEMS)),
             (_ticket_producer, (w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, count_ptr,
                                 num_slots, writers, num_items, num_pairs, shared_id, empty,

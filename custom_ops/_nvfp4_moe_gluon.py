@@ -455,7 +455,7 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
     `self_routes`, each program routes its own items (`_nvfp4_self_route`) instead of waiting
     for the alignment launch (or, "first", instead of reading an alignment made before).
     `shared_items` (self-routed; x `[T <= 32, H]`): (gate, up bf16 `[I, H]`, h row0, counter
-    slot) of a shared expert whose gate/up items the last `I / 64` programs run
+    slot) of a shared expert whose gate/up items the last `I / 32` programs run
     (`_nvfp4_shared_items`)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -482,7 +482,7 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
                "TICKETS": tickets, "X_TMA": X_TMA, "num_warps": 4, "maxnreg": MAXNREG,
                "WAIT_FIRST": pdl == "first", **({"launch_pdl": True} if pdl else {})}
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    shared_n = 0 if shared_items is None else I // 64  # programs of shared items
+    shared_n = 0 if shared_items is None else I // 32  # programs of shared items
     if routed:
         options |= {"ids_ptr": topk_ids.reshape(-1), "SELF": True,
                     **table_pads(num_pairs, shared_id),

@@ -1,19 +1,20 @@
 """The BF16 shared expert as work items of the Gluon NVFP4 kernels
 (`DLMC_NVFP4_SHARED_LAUNCH=items`, `nvfp4_shared_launch`): no launch of its own.
 
-- Gate/up (`_nvfp4_moe_gluon`'s self-routed gate/up launch): the last `I / 64` programs of the
-  grid take no routed item; program `grid - I/64 + j` runs shared item j, rows `64 j ..` of
+- Gate/up (`_nvfp4_moe_gluon`'s self-routed gate/up launch): the last `I / 32` programs of the
+  grid take no routed item; program `grid - I/32 + j` runs shared item j, rows `32 j ..` of
   gate and up for every token (at most 32): per K-step of 64 the producer copies the gate and
-  up tiles (bf16 [64, 64], 8 KB each, into the ring slot's two chunk buffers) and the tokens'
+  up tiles (bf16 [32, 64], 4 KB each, into the ring slot's two chunk buffers) and the tokens'
   x columns (bf16 [32, 64] into the slot's h-row buffer, unused by gate/up items); the
-  consumers multiply them (`mma_v2`, the weights as A, the tokens as B, fp32), store
-  `bf16(silu(g) * u)` at h rows `h_row0 + t` (natural column order) and count the item done
-  on the shared slot's counter.
-- Down (`_nvfp4_down_gluon`'s self-routed ticket launch): after the routed items, shared items
-  `(16-token part, 128-row N-tile of H)`; per K-step of 32 the producer copies the down tile
-  (bf16 [128, 32], the slot's weight buffer) and the part's h columns (bf16 [16, 32], one of
-  the slot's h boxes), the first after the shared slot's `I / 64` counts; the consumers store
-  `bf16(h @ down^T)` at y rows `t*(K+1) + K`.
+  consumers (2 x 2 warps over rows and tokens) multiply them (`mma_v2`, the weights as A, the
+  tokens as B, fp32), store `bf16(silu(g) * u)` at h rows `h_row0 + t` (natural column
+  order) and count the item done on the shared slot's counter. Items of half a routed item's
+  bytes finish early, so the down kernel can take the shared items first.
+- Down (`_nvfp4_down_gluon`'s self-routed ticket launch): before the routed items, shared
+  items `(16-token part, 128-row N-tile of H)`; per K-step of 32 the producer copies the down
+  tile (bf16 [128, 32], the slot's weight buffer) and the part's h columns (bf16 [16, 32],
+  one of the slot's h boxes), the first after the shared slot's `I / 32` counts; the
+  consumers store `bf16(h @ down^T)` at y rows `t*(K+1) + K`.
 
 Ring slots are tagged with `item * 1024 + SHARED_TAG`.
 """
@@ -46,21 +47,26 @@ ROWS_64 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwi
                                             rank=2))  # bf16 tiles of 32 columns
 A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
 B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
+# gate/up items: [32 rows, 32 tokens] over 2 x 2 warps
+MMA_22 = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, 2],
+                                                instr_shape=[16, 8]))
+A_22 = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA_22, k_width=2))
+B_22 = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA_22, k_width=2))
 
 
 def shared_items_fit(tokens: int, hidden: int, inter: int) -> bool:
     """Tokens, H and I the shared items take: at most 32 tokens (one gate/up item covers
-    them all), H a multiple of 128 and I of 64."""
-    return 0 < tokens <= 32 and hidden % 128 == 0 and inter % 64 == 0
+    them all), H a multiple of 128 and I of 32."""
+    return 0 < tokens <= 32 and hidden % 128 == 0 and inter % 32 == 0
 
 
 def gate_up_descriptors(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> list:
-    """TMA descriptors of the shared gate/up items: gate and up bf16 `[I, H]` in [64, 64]
+    """TMA descriptors of the shared gate/up items: gate and up bf16 `[I, H]` in [32, 64]
     boxes, x bf16 `[T, H]` in [32, 64] boxes."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    return [TensorDescriptor.from_tensor(gate, [64, 64], ROWS_128.value),
-            TensorDescriptor.from_tensor(up, [64, 64], ROWS_128.value),
+    return [TensorDescriptor.from_tensor(gate, [32, 64], ROWS_128.value),
+            TensorDescriptor.from_tensor(up, [32, 64], ROWS_128.value),
             TensorDescriptor.from_tensor(x, [32, 64], ROWS_128.value)]
 
 
@@ -71,6 +77,12 @@ def down_descriptors(down: torch.Tensor, h: torch.Tensor) -> list:
 
     return [TensorDescriptor.from_tensor(down, [128, 32], ROWS_64.value),
             TensorDescriptor.from_tensor(h, [16, 32], ROWS_64.value)]
+
+
+@gluon.jit
+def _rows32(buf, s):
+    """Ring slot s of a chunk buffer (bytes [64, 128]) as bf16 [32, 64] (its first half)."""
+    return buf.index(s)._reinterpret(gl.bfloat16, [64, 64], ROWS_128).slice(0, 32)
 
 
 @gluon.jit
@@ -85,12 +97,8 @@ def shared_gate_up_copies(sg_d, su_d, xs_d, j, i, empty, ready, g_buf, u_buf, h_
         _tag_slot(ids, s, j * 1024 + SHARED_TAG)
         bar = ready.index(s)
         mbarrier.expect(bar, 2 * sg_d.block_type.nbytes + xs_d.block_type.nbytes)
-        tma.async_copy_global_to_shared(
-            sg_d, [j * 64, k * 64], bar, g_buf.index(s)._reinterpret(gl.bfloat16, [64, 64],
-                                                                     ROWS_128))
-        tma.async_copy_global_to_shared(
-            su_d, [j * 64, k * 64], bar, u_buf.index(s)._reinterpret(gl.bfloat16, [64, 64],
-                                                                     ROWS_128))
+        tma.async_copy_global_to_shared(sg_d, [j * 32, k * 64], bar, _rows32(g_buf, s))
+        tma.async_copy_global_to_shared(su_d, [j * 32, k * 64], bar, _rows32(u_buf, s))
         tma.async_copy_global_to_shared(xs_d, [0, k * 64], bar, x_ring.index(s))
         i += 1
     return i
@@ -100,25 +108,24 @@ def shared_gate_up_copies(sg_d, su_d, xs_d, j, i, empty, ready, g_buf, u_buf, h_
 def shared_gate_up_item(h_ptr, count_ptr, shared_slot, h_row0, num_tokens, stride_h, j, i,
                         empty, ready, g_buf, u_buf, h_buf, STAGES: gl.constexpr,
                         H: gl.constexpr):
-    """h rows `h_row0 + t` (t < num_tokens), columns `64 j + [0, 64)`: `bf16(silu(x @ gate^T)
+    """h rows `h_row0 + t` (t < num_tokens), columns `32 j + [0, 32)`: `bf16(silu(x @ gate^T)
     * (x @ up^T))`, then one count on `count_ptr[shared_slot]`; returns the ring position
     after the item."""
     x_ring = h_buf._reinterpret(gl.bfloat16, [STAGES, 32, 64], ROWS_128)
-    acc_g = gl.zeros([64, 32], gl.float32, MMA)
-    acc_u = gl.zeros([64, 32], gl.float32, MMA)
+    acc_g = gl.zeros([32, 32], gl.float32, MMA_22)
+    acc_u = gl.zeros([32, 32], gl.float32, MMA_22)
     for _ in range(H // 64):
         s = i % STAGES
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        x = x_ring.index(s).permute([1, 0]).load(B_OP)  # [64 K, 32 tokens]
-        gate = g_buf.index(s)._reinterpret(gl.bfloat16, [64, 64], ROWS_128).load(A_OP)
-        acc_g = mma_v2(gate, x, acc_g)
-        up = u_buf.index(s)._reinterpret(gl.bfloat16, [64, 64], ROWS_128).load(A_OP)
+        x = x_ring.index(s).permute([1, 0]).load(B_22)  # [64 K, 32 tokens]
+        acc_g = mma_v2(_rows32(g_buf, s).load(A_22), x, acc_g)
+        up = _rows32(u_buf, s).load(A_22)
         release_slot(empty, s)
         acc_u = mma_v2(up, x, acc_u)
         i += 1
     h = (acc_g * (1.0 / (1.0 + gl.exp(-acc_g))) * acc_u).to(gl.bfloat16)  # tl.sigmoid's formula
-    tokens = gl.arange(0, 32, gl.SliceLayout(0, MMA))
-    cols = j * 64 + gl.arange(0, 64, gl.SliceLayout(1, MMA))
+    tokens = gl.arange(0, 32, gl.SliceLayout(0, MMA_22))
+    cols = j * 32 + gl.arange(0, 32, gl.SliceLayout(1, MMA_22))
     _store_tile(h_ptr, h_row0 + tokens, stride_h, cols, h, tokens < num_tokens)
     gl.thread_barrier()  # every consumer thread's stores, then one release count
     gl.atomic_add(count_ptr + shared_slot, 1, sem="release", scope="gpu")
@@ -131,7 +138,8 @@ def shared_down_copies(sd_d, hs_d, count_ptr, num_slots, shared_slot, writers, r
                        TILES: gl.constexpr, I: gl.constexpr):
     """The producer's copies of shared down item j (16-token part `j // TILES`, N-tile
     `j % TILES`): per K-step of 32 the down tile and the part's h columns, the first h copy
-    after the shared gate/up items' `writers` counts (this warp one of `readers`)."""
+    after the shared gate/up items' `writers` counts (this warp one of `readers`); returns
+    the ring position after it."""
     tile, part = j % TILES, j // TILES
     for k in gl.static_range(I // 32):
         s = i % STAGES

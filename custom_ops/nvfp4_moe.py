@@ -329,7 +329,7 @@ def _nvfp4_moe_impl(
                           I // 128 if gluon_gate_up else tiles1, pdl=bool(pdl),
                           per_part=gluon_gate_up, topk_ids=topk_ids if no_align else None,
                           **({"pair_gap": K} if own else {}),
-                          **({"shared_items": (d_w, routed_rows, num_blocks, I // 64, T)}
+                          **({"shared_items": (d_w, routed_rows, num_blocks, I // 32, T)}
                              if items else {}))
     if pairs:
         return y  # [T*P, H]
