@@ -13,14 +13,11 @@ and sums as the Triton down kernel, bit for bit (GPU tests).
 
 h layout: the gate/up kernel stores each routed row's 128-column K-steps even columns first,
 then odd (`H_EVEN_ODD`), so the two TMA halves are the B operands of the low- and high-nibble
-MMAs. Measured alone (perf/proto_gluon_down.py, graph replays, H200): 29.4 against the Triton
-down kernel's 34.9 µs per LLaDA2.1-mini layer (perf/README.md, session 24).
-
-In the op (`moe_overlap`: launched with PDL while gate/up runs) the programs take their items
-from a ticket counter (`TICKETS`, the default): programs that start late, on SMs that gate/up's
-programs still hold, take fewer items; for each item the producer spins until gate/up has
-stored the routing block's rows, fences, and copies them with TMA. Session 26: op 92.0-92.9
-against 96.3-97.2 µs per layer (routed experts only; by program 108 µs), the default since.
+MMAs. In the op (`moe_overlap`: launched with PDL while gate/up runs) the programs take their
+items from a ticket counter (`TICKETS`, the default): programs that start late, on SMs that
+gate/up's programs still hold, take fewer items; for each item the producer spins until
+gate/up has stored the routing block's rows, fences, and copies them with TMA (sessions 24
+and 26, perf/README.md).
 """
 
 from __future__ import annotations
@@ -60,7 +57,7 @@ from dlmc.custom_ops._nvfp4_gluon_ring import drain_slots, release_slot, wait_sl
 from dlmc.custom_ops._nvfp4_self_route import table_pads
 from dlmc.custom_ops._nvfp4_shared_items import (
     SHARED_TAG,
-    down_descriptors,
+    down_item_options,
     shared_down_copies,
     shared_down_item,
 )
@@ -74,23 +71,17 @@ STAGES, PROGRAMS_PER_SM, MAXNREG = 4, 3, 80  # the prototype's best (session 24,
 
 
 # The switches (variable: default, choices), read at import; tests and benches may set the
-# module's values per call.
-# - DLMC_NVFP4_DOWN: gluon (the default since session 26: where `down_gluon_applies`, this
-#   kernel with its items by ticket; op 92.0-92.9 against 96.3-97.2 µs per LLaDA2.1-mini layer
-#   for the routed experts, 94.2-96.1 against 95.6-96.0 with the shared expert, the NVFP4 round
-#   1.8-2.1 % faster queued in three calls; perf/README.md), triton (the Triton down kernel
-#   everywhere) or fused (gate/up and down in `_nvfp4_moe_gluon`).
+# module's values per call (measurements: perf/README.md).
+# - DLMC_NVFP4_DOWN: gluon (the default since session 26: this kernel where
+#   `down_gluon_applies`, items by ticket), triton (the Triton down kernel everywhere) or fused
+#   (gate/up and down in `_nvfp4_moe_gluon`).
 # - DLMC_NVFP4_DOWN_TICKETS (with overlap): 1, items handed out by a counter
-#   (`count[2 * num_slots]`), so that programs which start late (on SMs that gate/up's programs
-#   still hold) take fewer: 92.0-92.9 against 106-108 µs per layer with 0, items by program
-#   (routed experts only; session 26).
-# - DLMC_NVFP4_SHARED_DOWN: where the shared expert's down parts run with this kernel: "own" (a
-#   Triton launch of their own before it) or "gate_up" (the last programs of gate/up's launch;
-#   no faster: op 94.0 against 93.3-94.6 µs, rounds within 0.3 %; session 27).
-# - DLMC_NVFP4_GATE_UP (with this kernel, routed experts only, no shared expert): "gluon" (the
-#   default since session 27: the gate/up items of `_nvfp4_moe_gluon` in a launch of their own
-#   before this kernel, which then waits for each 8-slot part's items; op 88.6-91.7 against
-#   90.6-92.9 µs per layer in three calls, bit for bit) or "triton" (the Triton gate/up kernel).
+#   (`count[2 * num_slots]`), so that programs which start late take fewer; 0, by program.
+# - DLMC_NVFP4_SHARED_DOWN: the shared expert's down parts with this kernel in a Triton launch
+#   of their own ("own") or as the last programs of gate/up's launch ("gate_up", no faster).
+# - DLMC_NVFP4_GATE_UP (with this kernel and no shared expert in the routing): "gluon" (the
+#   default since session 27: `_nvfp4_moe_gluon`'s gate/up items in a launch of their own) or
+#   "triton" (the Triton gate/up kernel).
 _SWITCHES = {"DLMC_NVFP4_DOWN": ("gluon", ("gluon", "triton", "fused")),
              "DLMC_NVFP4_DOWN_TICKETS": ("1", ("1", "0")),
              "DLMC_NVFP4_SHARED_DOWN": ("own", ("own", "gate_up")),
@@ -352,30 +343,19 @@ def _ticket_consumer(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, emp
     tag = _tag(ids, ready, i, STAGES)
     while tag >= 0:
         item, expert = tag // 1024, tag % 1024
-        routed = (sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, item, expert, i,
-                  empty, ready, w_buf, s_buf, h_buf)
+        slot0, tile = _place(item, TILES, BLOCK_M)  # (a routed item's)
+        routed = (sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, slot0, tile, expert,
+                  i, empty, ready, w_buf, s_buf, h_buf)
         if SHARED_ITEMS:
             if expert == SHARED_TAG:
                 num_tokens, top_k = shared
                 i = shared_down_item(y_ptr, stride_y, num_tokens, top_k, item, i, empty, ready,
                                      w_buf, h_buf, STAGES, TILES, KSTEPS * 128)
             else:
-                i = _tagged_item(*routed, STAGES, KSTEPS, TILES, BLOCK_M, SELF, PAIR_GAP)
+                i = _ring_item(*routed, STAGES, KSTEPS, SELF, PAIR_GAP)
         else:
-            i = _tagged_item(*routed, STAGES, KSTEPS, TILES, BLOCK_M, SELF, PAIR_GAP)
+            i = _ring_item(*routed, STAGES, KSTEPS, SELF, PAIR_GAP)
         tag = _tag(ids, ready, i, STAGES)
-
-
-@gluon.jit
-def _tagged_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, item, expert, i, empty,
-                 ready, w_buf, s_buf, h_buf, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
-                 TILES: gl.constexpr, BLOCK_M: gl.constexpr, SELF: gl.constexpr,
-                 PAIR_GAP: gl.constexpr):
-    """`_ticket_consumer`'s routed item `item` (`_ring_item`)."""
-    slot0, tile = _place(item, TILES, BLOCK_M)
-    return _ring_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, slot0, tile,
-                      expert, i, empty, ready, w_buf, s_buf, h_buf, STAGES, KSTEPS, SELF,
-                      PAIR_GAP)
 
 
 @gluon.jit
@@ -458,21 +438,17 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
     alpha fp32 `[E]`, y bf16 `[P, H]`.
     `count` (`moe_overlap.counters`, `num_slots` slots, `writers` gate/up programs per routing
     block): the kernel waits per block for gate/up's rows (launched during gate/up, with PDL
-    if `pdl`); None: gate/up has finished. Launch it after the shared expert's down parts: with
-    PDL it ends with `griddepcontrol.wait`, so that its completion implies theirs (the combine
-    that follows waits for this kernel only). With `count`, `TICKETS` (read at each launch)
-    hands the items out by the ticket counter after the slots' (`2 * num_slots + 1` counters,
-    `moe_overlap.counters(device, num_slots + 1)`). `per_part`: `writers` per 8-slot part that
-    holds a pair (gate/up in `_nvfp4_moe_gluon`'s items), else per routing block.
+    if `pdl`, ending with `griddepcontrol.wait`: its completion implies the launch before's);
+    None: gate/up has finished. With `count`, `TICKETS` hands the items out by the ticket
+    counter after the slots' (`2 * num_slots + 1` counters). `per_part`: `writers` per 8-slot
+    part that holds a pair (gate/up in `_nvfp4_moe_gluon`'s items), else per routing block.
     `topk_ids` (`[T, K]`, `num_pairs` ids over `shared_id` experts; with `count` and `TICKETS`):
     the programs route their items themselves (`_nvfp4_down_self_route`); `sorted_pair` and
     `expert_of_block` then only give the shapes (`moe_align.alignment_buffers`, unwritten).
     The launch before must have waited for the routing's writer (the self-routed gate/up
     launched "first").
-    `pair_gap` (K; with `count` and `TICKETS`): y has a row more per token after every K
-    pairs (a shared expert's): pair p goes to row p + p // K. `shared_items` (with `topk_ids`
-    and `pair_gap`): (down bf16 `[H, I]`, h row0, counter slot, its writers, tokens <= 32) of
-    that shared expert, whose down items run after the routed ones (`_nvfp4_shared_items`)."""
+    `pair_gap` (K; with tickets): pair p's y row is p + p // K (a shared expert's row after
+    every K). `shared_items` (with `topk_ids`, `pair_gap`): `_nvfp4_shared_items`' items."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     tickets = TICKETS and count is not None
@@ -505,11 +481,7 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
     if shared_items is not None:
         if not (self_route and pair_gap):
             raise ValueError("launch_down_gluon: shared items need self-routing and pair_gap")
-        down, h_row0, slot, shared_writers, tokens = shared_items
-        sd_d, hs_d = down_descriptors(down, h)
-        self_route |= {"SHARED_ITEMS": -(-tokens // 16) * (H // 128), "sd_d": sd_d,
-                       "hs_d": hs_d, "shared_slot": slot, "shared_writers": shared_writers,
-                       "h_row0": h_row0, "num_tokens": tokens}
+        self_route |= down_item_options(shared_items, h)
     sms = torch.cuda.get_device_properties(h.device).multi_processor_count
     _down_gluon_kernel[(sms * PROGRAMS_PER_SM,)](
         w_d, s_d, h_d, expert_of_block, sorted_pair, alpha, y, items, num_pairs, shared_id,

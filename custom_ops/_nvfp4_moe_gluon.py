@@ -2,35 +2,28 @@
 warp-specialized Gluon kernel (`DLMC_NVFP4_DOWN=fused`, sm_90, kernel v7's stored forms).
 
 Work items: first every gate/up item (an 8-slot part of a routing block, a 128-row N-tile of
-I), then every down item (the same parts, 128-row N-tiles of H); program p walks items p,
-p + grid, ... in order (`TICKETS`: each producer takes the next unclaimed item from a counter
-instead, which balances the programs and cannot deadlock however many are resident; off until
-measured). The producer warp skips the items without work (parts whose first slot
-is padding, unused blocks) and fills a ring with TMA copies, each slot tagged with its item
-and expert (`item * 1024 + expert`; -1 ends the consumers' loop), so the consumers see only
-real work. A gate/up ring slot is one K-step: the gate and up chunks (8 KB each) and their
-codes (1 KB each). A down slot is two K-steps of the down weights in the same buffers plus the
-part's h rows (four 1 KB halves): before copying h for a down item the producer spins until
-the routing block's gate/up items have counted themselves done (`moe_overlap`'s counters,
-release / acquire, then a proxy fence for TMA), while that slot's weights are already in
-flight. The consumer warps decode the words with v7's asm and multiply them as the MMA's A
-operand with the part's 8 slots as B (`_nvfp4_down_gluon`); gate/up reads the part's x rows
-(gathered per token), stores h (bf16, each 128 columns even first) and counts itself done.
-Every program's gate/up items come before its down items, so a spin waits only for work that
-waits for nothing, provided every program is resident at once: the grid is at most what fits
-(`programs_per_sm` and the driver's occupancy calculator). Session 25's first GPU run hung for
-want of that: Gluon pads the five warps to 256 threads, and 3 programs at 96 registers did not
-fit an SM.
+I), then every down item (the same parts, 128-row N-tiles of H); program p walks items p, p +
+grid, ... in order (`TICKETS`: each producer takes the next unclaimed item from a counter
+instead, which balances the programs; off). The producer warp skips the items without work
+(parts whose first slot is padding, unused blocks) and fills a ring with TMA copies, each slot
+tagged with its item and expert (`item * 1024 + expert`; -1 ends the consumers' loop), so the
+consumers see only real work. A gate/up ring slot is one K-step: the gate and up chunks (8 KB
+each) and their codes (1 KB each). A down slot is two K-steps of the down weights in the same
+buffers plus the part's h rows (four 1 KB halves): before copying h for a down item the
+producer spins until the routing block's gate/up items have counted themselves done
+(`moe_overlap`'s counters, release / acquire, then a proxy fence for TMA), while that slot's
+weights are already in flight. The consumer warps decode the words with v7's asm and multiply
+them as the MMA's A operand with the part's 8 slots as B (`_nvfp4_down_gluon`); gate/up reads
+the part's x rows (gathered per token), stores h (bf16, each 128 columns even first) and counts
+itself done. Every program's gate/up items come before its down items, so a spin waits only for
+work that waits for nothing, provided every program is resident at once: the grid is at most
+what fits (`programs_per_sm` and the driver's occupancy calculator; Gluon pads the five warps
+to 256 threads).
 
-Sessions 25-26 measured this kernel (bit for bit the Triton kernels with 16- and 32-slot
-blocks) slower than separate gate/up and down launches: routed experts 94.0 against 92.0 µs
-per LLaDA2.1-mini layer, 112.5 against 95.6 with the shared expert (perf/README.md).
-
-`launch_moe_gluon(gate_up_only=True)` (`DLMC_NVFP4_GATE_UP=gluon`, the default where
-`gate_up_applies`: the Gluon down kernel and no shared expert) runs the gate/up items alone, by
-program, before the Gluon down kernel (`_nvfp4_down_gluon`, which then waits for `I / 128`
-counts per 8-slot part): session 27, 88.6-91.7 against 90.6-92.9 µs per layer with the
-Triton gate/up.
+As one launch this kernel was slower than separate gate/up and down launches (sessions 25-26,
+perf/README.md). `launch_moe_gluon(gate_up_only=True)` (`DLMC_NVFP4_GATE_UP=gluon`, the default
+where `gate_up_applies`) runs the gate/up items alone, by program, before the Gluon down kernel
+(`_nvfp4_down_gluon`, which then waits for `I / 128` counts per 8-slot part; session 27).
 """
 
 from __future__ import annotations
@@ -78,7 +71,7 @@ from dlmc.custom_ops._nvfp4_self_route import (
 )
 from dlmc.custom_ops._nvfp4_shared_items import (
     SHARED_TAG,
-    gate_up_descriptors,
+    gate_up_item_options,
     shared_gate_up_item,
 )
 from dlmc.custom_ops._occupancy import resident_programs
@@ -91,18 +84,14 @@ __all__ = ["fused_applies", "gate_up_applies", "launch_moe_gluon", "programs_per
 # gate/up prototype's best was the same (perf/README.md, session 25)
 STAGES, PROGRAMS_PER_SM, MAXNREG = 3, 3, 80
 # 0: items by program; 1: every item by a ticket counter; 2: gate/up items by program, then
-# down items by ticket. Session 27 (routed experts, two passes): 96.4 / 95.3 µs per layer by
-# program, 100.4 / 102.0 with 1, 91.2 / 90.8 with 2 (the Gluon gate/up + Gluon down launches:
-# 89.7-91.7)
+# down items by ticket (session 27: 0 fastest)
 TICKETS = 0
 X_TMA = True  # gate/up items' x rows copied into the ring by the producer (else loaded by the
 # consumer warps from global memory)
 # a ring slot: two weight chunks and their codes, (down items) four 1 KB halves of h rows, and
 # (gate/up items, `X_TMA`) the part's 8 x rows of the K-step (2 KB)
 STAGE_BYTES = 2 * 8192 + 2 * 1024 + 4 * 1024 + 2048
-# threads per program: four consumer warps and the producer warp, which Gluon pads to two
-# warpgroups (`.reqntid 256`: `setmaxnreg` moves registers per warpgroup)
-THREADS = 8 * 32
+THREADS = 8 * 32  # four consumer warps and the producer warp, padded to two warpgroups
 _PROGRAMS: dict[tuple, int] = {}  # the grid (resident programs), per device and kernel form
 
 
@@ -454,9 +443,8 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
     `topk_ids` (`[T, K]` of the routing that `sorted_pair` aligns, `shared_id` experts): where
     `self_routes`, each program routes its own items (`_nvfp4_self_route`) instead of waiting
     for the alignment launch (or, "first", instead of reading an alignment made before).
-    `shared_items` (self-routed; x `[T <= 32, H]`): (gate, up bf16 `[I, H]`, h row0, counter
-    slot) of a shared expert whose gate/up items the last `I / 32` programs run
-    (`_nvfp4_shared_items`)."""
+    `shared_items` (self-routed): `_nvfp4_shared_items`' items, run by the last `I / 32`
+    programs."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     H, I = x.shape[1], h.shape[1]
@@ -491,11 +479,7 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
     if shared_items is not None:
         if not routed:
             raise ValueError("launch_moe_gluon: shared items need a self-routed launch")
-        gate, up, h_row0, slot = shared_items
-        options |= dict(zip(("sg_d", "su_d", "xs_d"), gate_up_descriptors(x, gate, up),
-                            strict=True))
-        options |= {"SHARED_ITEMS": True, "shared_slot": slot, "h_row0": h_row0,
-                    "num_tokens": x.shape[0]}
+        options |= gate_up_item_options(shared_items, x)
     key = (x.device, STAGES, PROGRAMS_PER_SM, MAXNREG, tickets, X_TMA, H, I, block_m, pdl,
            routed, shared_n)
     if count.numel() < 2 * num_slots + 1:

@@ -31,8 +31,7 @@ def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s,
                     PARTS_ONLY: tl.constexpr = False, SHARED_DOWN: tl.constexpr = False,
                     y_ptr=None, stride_y=0, shared_down_w=None, num_slots=0, gate_up_rows=0,
                     down_parts=0, DOWN_TILES: tl.constexpr = 1, DOWN_SPLIT: tl.constexpr = 1,
-                    DOWN_BLOCK_N: tl.constexpr = 16, DOWN_BLOCK_K: tl.constexpr = 16,
-                    PDL_AFTER: tl.constexpr = False):
+                    DOWN_BLOCK_N: tl.constexpr = 16, DOWN_BLOCK_K: tl.constexpr = 16):
     """h[slot, n] = silu(gate) * up for the slots of one M-block and one N-tile of I (routed
     rows: each 128 columns even first, then odd, with `H_EVEN_ODD`, BLOCK_N 128,
     `_nvfp4_down_gluon`). `SHARED`:
@@ -46,15 +45,8 @@ def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s,
     `gate_up_rows` of the grid run the shared expert's `down_parts` down parts (`DOWN_TILES`
     N-tiles of `DOWN_BLOCK_N` each; the Triton down kernel's parts), last in launch order, each
     after its token chunk's gate/up parts (`moe_overlap.wait`; those parts run first), so that
-    no launch sits between gate/up and the Gluon down kernel. `PDL_AFTER` (launched with PDL,
-    `PDL` off; `nvfp4_shared_launch`: the shared expert's parts alone, between the self-routed
-    Gluon gate/up and the Gluon down kernel): let the next kernel launch at once, read only
-    what the kernels before the previous one wrote, and finish only after the previous kernel
-    has (the kernel after waits for this one alone)."""
-    if PDL_AFTER:
-        tl.extra.cuda.gdc_launch_dependents()
-    else:
-        pdl_enter(PDL)
+    no launch sits between gate/up and the Gluon down kernel."""
+    pdl_enter(PDL)
     if SHARED_DOWN and tl.program_id(1) >= gate_up_rows:
         _shared_down_program(h_ptr, shared_down_w, y_ptr, count_ptr, num_slots, num_blocks,
                              num_pairs, pairs_per_token, gate_up_rows, down_parts, H, I,
@@ -67,8 +59,6 @@ def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s,
                          pairs_per_token, count_ptr, gate_up_rows, BLOCK_M, BLOCK_N, BLOCK_K,
                          INTERPRETED, VARIANT, SHARED, SHARED_BLOCK_K, SHARED_SPLIT, OVERLAP,
                          H_EVEN_ODD, PARTS_ONLY, SHARED_DOWN)
-    if PDL_AFTER:
-        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit

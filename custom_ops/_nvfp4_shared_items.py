@@ -1,5 +1,13 @@
-"""The BF16 shared expert as work items of the Gluon NVFP4 kernels
-(`DLMC_NVFP4_SHARED_LAUNCH=items`, `nvfp4_shared_launch`): no launch of its own.
+"""The BF16 shared expert as work items of the Gluon NVFP4 kernels (`DLMC_NVFP4_SHARED_ITEMS`):
+no launch of its own, and the routed experts take their no-alignment path.
+
+With a shared expert (LLaDA2.x) `nvfp4_moe` used to keep it in the routing (`moe_align`'s
+shared tail) and run its parts in the Triton gate/up launch and a down launch of their own,
+so the LLaDA round never took the routed experts' fastest path (the self-routed Gluon gate/up
+launched first, the Gluon down kernel routing its own items, no alignment launch). With these
+items the routed experts run exactly that path, as if there were no shared expert (pairs
+`t*K + k`, x row `pair // K`), except that the down kernel stores pair p at y row
+`p + p // K` (`PAIR_GAP`), leaving each token's row `t*(K+1) + K` to the shared expert:
 
 - Gate/up (`_nvfp4_moe_gluon`'s self-routed gate/up launch): the last `I / 32` programs of the
   grid take no routed item; program `grid - I/32 + j` runs shared item j, rows `32 j ..` of
@@ -16,7 +24,16 @@
   one of the slot's h boxes), the first after the shared slot's `I / 32` counts; the
   consumers store `bf16(h @ down^T)` at y rows `t*(K+1) + K`.
 
-Ring slots are tagged with `item * 1024 + SHARED_TAG`.
+Ring slots are tagged with `item * 1024 + SHARED_TAG`. The routed pair rows equal the Triton
+kernels' bit for bit; the shared rows sum their products in another order than the Triton
+shared parts (GPU tests: equal up to that).
+
+Session 42 (H200, perf/README.md): the op with the shared expert 90.4 / 90.7 against 93.9 /
+94.0 µs per LLaDA2.1-mini layer (the Triton gate/up with the shared parts), the NVFP4 round
+2.715 against 2.748 ms in flight. A first form with gate/up items of 64 rows and the down
+items last in ticket order: 95.7 / 95.7 µs (its down kernel's tail). A launch of the shared
+expert's Triton parts of its own between the two Gluon launches (commit 1e9fe0f): 93.4 /
+94.0 against 93.5 / 93.9, removed.
 """
 
 from __future__ import annotations
@@ -35,10 +52,16 @@ from dlmc.custom_ops._nvfp4_gluon_parts import (
     _wait_live_rows,
 )
 from dlmc.custom_ops._nvfp4_gluon_ring import release_slot, wait_slot
+from dlmc.env import env_choice
 
-__all__ = ["SHARED_TAG", "gate_up_descriptors", "down_descriptors", "shared_down_copies",
-           "shared_down_item", "shared_gate_up_copies", "shared_gate_up_item",
-           "shared_items_fit"]
+__all__ = ["SHARED_ITEMS", "SHARED_TAG", "down_item_options", "gate_up_item_options",
+           "shared_down_copies", "shared_down_item", "shared_gate_up_copies",
+           "shared_gate_up_item", "shared_items_apply"]
+
+# DLMC_NVFP4_SHARED_ITEMS (read at import; tests and benches may set the module's value): "1"
+# (the default since session 42) or "0" (the shared expert in the routing and the Triton
+# gate/up launch, as before).
+SHARED_ITEMS = env_choice("DLMC_NVFP4_SHARED_ITEMS", "1", ("1", "0")) == "1"
 
 SHARED_TAG = gl.constexpr(1023)  # the expert field of a shared item's ring tag
 ROWS_128 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
@@ -54,29 +77,37 @@ A_22 = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA_22, k_width=
 B_22 = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA_22, k_width=2))
 
 
-def shared_items_fit(tokens: int, hidden: int, inter: int) -> bool:
-    """Tokens, H and I the shared items take: at most 32 tokens (one gate/up item covers
-    them all), H a multiple of 128 and I of 32."""
-    return 0 < tokens <= 32 and hidden % 128 == 0 and inter % 32 == 0
+def shared_items_apply(tokens: int, hidden: int, inter: int) -> bool:
+    """`SHARED_ITEMS`, and tokens, H and I the shared items take: at most 32 tokens (one
+    gate/up item covers them all), H a multiple of 128 and I of 32."""
+    return SHARED_ITEMS and 0 < tokens <= 32 and hidden % 128 == 0 and inter % 32 == 0
 
 
-def gate_up_descriptors(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> list:
-    """TMA descriptors of the shared gate/up items: gate and up bf16 `[I, H]` in [32, 64]
-    boxes, x bf16 `[T, H]` in [32, 64] boxes."""
+def gate_up_item_options(shared_items: tuple, x: torch.Tensor) -> dict:
+    """The Gluon gate/up kernel's options for `launch_moe_gluon`'s `shared_items` (gate, up
+    bf16 `[I, H]`, h row0, counter slot) and x bf16 `[T <= 32, H]`: gate, up and x in
+    [32, 64] TMA boxes."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    return [TensorDescriptor.from_tensor(gate, [32, 64], ROWS_128.value),
-            TensorDescriptor.from_tensor(up, [32, 64], ROWS_128.value),
-            TensorDescriptor.from_tensor(x, [32, 64], ROWS_128.value)]
+    gate, up, h_row0, slot = shared_items
+    return {"SHARED_ITEMS": True, "shared_slot": slot, "h_row0": h_row0,
+            "num_tokens": x.shape[0],
+            **{name: TensorDescriptor.from_tensor(t, [32, 64], ROWS_128.value)
+               for name, t in (("sg_d", gate), ("su_d", up), ("xs_d", x))}}
 
 
-def down_descriptors(down: torch.Tensor, h: torch.Tensor) -> list:
-    """TMA descriptors of the shared down items: down bf16 `[H, I]` in [128, 32] boxes, h bf16
-    `[S, I]` in [16, 32] boxes."""
+def down_item_options(shared_items: tuple, h: torch.Tensor) -> dict:
+    """The Gluon down kernel's options for `launch_down_gluon`'s `shared_items` (down bf16
+    `[H, I]`, h row0, counter slot, its writers, tokens): down in [128, 32] TMA boxes, h bf16
+    `[S, I]` in [16, 32] boxes, and a shared item per 16 tokens and 128 rows of H."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    return [TensorDescriptor.from_tensor(down, [128, 32], ROWS_64.value),
-            TensorDescriptor.from_tensor(h, [16, 32], ROWS_64.value)]
+    down, h_row0, slot, writers, tokens = shared_items
+    return {"SHARED_ITEMS": -(-tokens // 16) * (down.shape[0] // 128),
+            "sd_d": TensorDescriptor.from_tensor(down, [128, 32], ROWS_64.value),
+            "hs_d": TensorDescriptor.from_tensor(h, [16, 32], ROWS_64.value),
+            "shared_slot": slot, "shared_writers": writers, "h_row0": h_row0,
+            "num_tokens": tokens}
 
 
 @gluon.jit

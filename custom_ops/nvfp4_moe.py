@@ -33,7 +33,7 @@ from dlmc.custom_ops._nvfp4_moe_gluon import (
     self_routes,
 )
 from dlmc.custom_ops._nvfp4_moe_kernels import _down_kernel, _gate_up_kernel
-from dlmc.custom_ops._nvfp4_shared_items import shared_items_fit
+from dlmc.custom_ops._nvfp4_shared_items import shared_items_apply
 from dlmc.custom_ops._pdl import PDL_LAUNCH, launcher
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
@@ -54,7 +54,6 @@ from dlmc.custom_ops.moe_overlap import (
 )
 from dlmc.custom_ops.moe_shared_parts import shared_block_k, shared_parts, shared_split
 from dlmc.custom_ops.nvfp4_moe_checks import check_arguments, check_shared_expert
-from dlmc.custom_ops.nvfp4_shared_launch import launch_shared_parts, shared_launch_mode
 from dlmc.custom_ops.nvfp4_words import (
     can_pack,
     e4m3_scales,
@@ -195,13 +194,12 @@ def _nvfp4_moe_impl(
     num_pairs = T * pairs_per_token
     edges = edge_pdl(x.device) and down_input_scale is None  # alignment and combine with PDL
     aligned_here = sorted_pair is None or expert_of_block is None
-    # `DLMC_NVFP4_SHARED_LAUNCH=own` (`nvfp4_shared_launch`; where the routed experts then take
+    # `DLMC_NVFP4_SHARED_ITEMS` (`_nvfp4_shared_items`; where the routed experts alone take
     # the no-alignment path, `no_align` below): the routed pairs as if alone (`t*K + k`), the
-    # shared expert in a launch of its own
-    own = (has_shared and shared_launch_mode() != "gate_up" and aligned_here and edges
-           and gate_up_input_scale is None and _alone_without_alignment(x, topk_ids, E, I))
-    items = own and shared_launch_mode() == "items" and shared_items_fit(T, H, I)
-    in_routing = has_shared and not own  # the shared expert's pairs in the alignment
+    # shared expert as items of the two Gluon launches
+    items = (has_shared and aligned_here and edges and gate_up_input_scale is None
+             and shared_items_apply(T, H, I) and _alone_without_alignment(x, topk_ids, E, I))
+    in_routing = has_shared and not items  # the shared expert's pairs in the alignment
     if aligned_here:  # else aligned by dlmc::moe_route_align (which also wrote topk_ids)
         block_m = route_block_m(T, K, E, in_routing)
     a, a_row_div = x.contiguous(), pairs_per_token
@@ -212,7 +210,7 @@ def _nvfp4_moe_impl(
         if has_shared:  # the shared expert (BF16) reads x as is: rows t*(K+1) + K
             a = torch.cat([a.view(T, K, H), x[:, None]], dim=1).reshape(num_pairs, H)
         a_row_div = 1
-    routed_pairs, routed_div = (T * K, K) if own else (num_pairs, a_row_div)  # (Gluon kernels)
+    routed_pairs, routed_div = (T * K, K) if items else (num_pairs, a_row_div)  # (Gluon kernels)
     g_w, u_w, d_w = (shared_gate, shared_up, shared_down) if has_shared else (x, x, x)
     block_n1, block_k1, launch = _launch_config(I, H, _GATE_UP_BLOCK_N[variant], "gate_up")
     _check_tiled_tile(variant, block_k1)
@@ -266,11 +264,11 @@ def _nvfp4_moe_impl(
     # `DLMC_NVFP4_SHARED_DOWN=gate_up` (with the Gluon down kernel): the shared expert's down
     # parts as the last programs of gate/up's launch, so that the Gluon kernel follows gate/up
     # directly (under the interpreter, which runs a grid column by column, only with one column)
-    fold = own or (gluon_down and has_shared and overlap and shared_down_in_gate_up()
-                   and (not _INTERPRETED or tiles1 == 1))
+    fold = items or (gluon_down and has_shared and overlap and shared_down_in_gate_up()
+                     and (not _INTERPRETED or tiles1 == 1))
     extra1 = triton.cdiv(parts2 * tiles2, tiles1) if fold else 0  # (fold: with overlap)
     grid1 = (tiles1, rows1 + extra1) if overlap else (rows1, tiles1)
-    if rows1 and not own:  # (own: the shared expert's parts after the Gluon gate/up launch)
+    if rows1 and not items:
         launcher(_gate_up_kernel)[grid1](
             a, sorted_pair, expert_of_block, gate_weight, gate_weight_scale,
             up_weight, up_weight_scale, gate_alpha, up_alpha, h, num_pairs, a_row_div, H, I,
@@ -312,23 +310,19 @@ def _nvfp4_moe_impl(
              down_weight_scale),
             (gate_alpha, up_alpha, down_alpha), h, y, count, num_slots, routed_pairs, E,
             routed_div, pdl="after" if in_routing else "first" if no_align else "enter",
-            shared_items=(g_w, u_w, routed_rows, num_blocks) if items else None,
+            **({"shared_items": (g_w, u_w, routed_rows, num_blocks)} if items else {}),
             gate_up_only=gluon_gate_up,
             # the gate/up programs may route themselves while the alignment runs: topk_ids
             # was written before it (its PDL launch waits for the kernel before, then lets
             # gate/up launch); or ("first") they wait for the kernel before themselves
             topk_ids=topk_ids if edges and aligned_here else None)
-    if own and not items:
-        launch_shared_parts(a, (g_w, u_w, d_w), (sorted_pair, expert_of_block, gate_weight,
-                            gate_weight_scale, up_weight, up_weight_scale, gate_alpha, up_alpha),
-                            h, y, count, num_blocks, num_slots, K, block_m, block_n1, block_n2)
     if gluon_down:  # (writers: gate/up's programs per block, or its items per 8-slot part)
         launch_down_gluon(h, sorted_pair, expert_of_block, down_weight, down_weight_scale,
                           down_alpha, y, routed_pairs, E,
                           count if overlap else None, num_slots,
                           I // 128 if gluon_gate_up else tiles1, pdl=bool(pdl),
                           per_part=gluon_gate_up, topk_ids=topk_ids if no_align else None,
-                          **({"pair_gap": K} if own else {}),
+                          **({"pair_gap": K} if items else {}),
                           **({"shared_items": (d_w, routed_rows, num_blocks, I // 32, T)}
                              if items else {}))
     if pairs:

@@ -5,7 +5,12 @@
 #                                 # process pairs alternating DLMC_NVFP4_SHARED_LAUNCH=A / B
 #                                 # (MODES, "own gate_up"), then the NVFP4 + FP8 round both
 #                                 # ways
+#                                 # (calls 1, 3, 4: the switch was DLMC_NVFP4_SHARED_LAUNCH
+#                                 # then, with "own" / "items" / "gate_up")
 #   bash perf/h200_s42.sh ab      # the op and the round as in `first`, without the tests
+#   bash perf/h200_s42.sh final   # at the new default (DLMC_NVFP4_SHARED_ITEMS=1): the GPU
+#                                 # tests of the shared items and the Gluon kernels, the op
+#                                 # with the shared expert at 1 / 0, rounds at 1 / 0 / 1
 #   bash perf/h200_s42.sh tests   # the GPU tests of the files that run the op's Gluon path
 # Env: TEST_TIMEOUT, PASSES, ROUNDS (1: round pairs).
 set -u
@@ -36,10 +41,19 @@ first)
   ab ;;
 ab)
   ab ;;
+final)
+  TEST_TIMEOUT=${TEST_TIMEOUT:-150} gpu_tests final -n 4 tests/custom_ops/test_nvfp4_shared_items.py \
+    tests/custom_ops/test_nvfp4_gate_up_gluon.py tests/custom_ops/test_nvfp4_down_gluon.py
+  for v in 1 0; do
+    op_env "op_items${v}" "DLMC_NVFP4_SHARED_ITEMS=$v" --shared-expert --profile
+  done
+  env_round round_items1_a DLMC_NVFP4_SHARED_ITEMS=1
+  env_round round_items0 DLMC_NVFP4_SHARED_ITEMS=0
+  env_round round_items1_b DLMC_NVFP4_SHARED_ITEMS=1 ;;
 tests)
   TEST_TIMEOUT=${TEST_TIMEOUT:-400} gpu_tests op -n 4 tests/custom_ops/test_nvfp4_shared_launch.py \
     tests/custom_ops/test_nvfp4_gate_up_gluon.py tests/custom_ops/test_nvfp4_down_gluon.py ;;
 *)
-  echo "usage: $0 first|ab|tests" >&2; exit 2 ;;
+  echo "usage: $0 first|ab|tests|final" >&2; exit 2 ;;
 esac
 tar_out "s42_${1:-}"

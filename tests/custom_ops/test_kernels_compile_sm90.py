@@ -46,14 +46,13 @@ def compile_sm90(kernel: triton.JITFunction, types: dict[str, str], constexprs: 
     Kernels that take `PDL` compile as `DLMC_PDL=1` launches them unless `constexprs` says
     otherwise: their PTX must then wait for the previous grid (griddepcontrol); `nvfp4_moe`'s
     down kernel with `OVERLAP` waits per slot instead. `nvfp4_moe`'s `moe_overlap` parameters
-    and its Gluon-down switches (`H_EVEN_ODD`, `PARTS_ONLY`, `SHARED_DOWN`, `PDL_AFTER`) default
-    to off."""
+    and its Gluon-down switches (`H_EVEN_ODD`, `PARTS_ONLY`, `SHARED_DOWN`) default to off."""
     names = kernel.arg_names
     if "PDL" in names and "PDL" not in constexprs:
         constexprs = constexprs | {"PDL": True}
     overlap = {"OVERLAP": False, "GATE_UP_TILES": 1, "GATE_UP_SPLIT": 1, "H_EVEN_ODD": False,
                "PARTS_ONLY": False, "SHARED_DOWN": False, "DOWN_TILES": 1, "DOWN_SPLIT": 1,
-               "DOWN_BLOCK_N": 16, "DOWN_BLOCK_K": 16, "PDL_AFTER": False}
+               "DOWN_BLOCK_N": 16, "DOWN_BLOCK_K": 16}
     constexprs = {k: v for k, v in overlap.items() if k in names} | constexprs
     signature = {name: "constexpr" if name in constexprs else types[name] for name in names}
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in divisible}
@@ -267,10 +266,7 @@ def check_nvfp4_moe_overlap(gate_up: dict[str, str], down: dict[str, str]) -> No
 def check_shared_down_in_gate_up(gate_up: dict[str, str]) -> None:
     """`SHARED_DOWN` (`DLMC_NVFP4_SHARED_DOWN=gate_up`): gate/up's launch with the shared
     expert's down parts at its end counts its rows done (release) and waits for the shared
-    rows (acquire), without spills and with as many programs per SM (4 warps) as without.
-    The same launch with the shared expert's parts alone (`PARTS_ONLY`) and `PDL_AFTER`
-    (`nvfp4_shared_launch`): it lets the next kernel launch first and waits for the previous
-    one last."""
+    rows (acquire), without spills and with as many programs per SM (4 warps) as without."""
     names = _gate_up_kernel.arg_names
     types = {n: gate_up.get(n, "i32") for n in names} | {
         "count_ptr": "*i32", "y_ptr": "*bf16", "shared_down_w": "*bf16"}
@@ -292,11 +288,6 @@ def check_shared_down_in_gate_up(gate_up: dict[str, str]) -> None:
         per_sm[with_down] = 65536 // (128 * -(-usage["REG"] // 8) * 8)
         print(f"nvfp4_moe v7 gate/up, shared down parts {with_down}: {usage}")
     assert per_sm[True] == per_sm[False] >= 3, per_sm
-    after = {"PARTS_ONLY": True, "PDL": False, "PDL_AFTER": True}
-    ptx = compile_sm90(_gate_up_kernel, types, consts | fold | after, 4, divisible,
-                       num_stages=3).asm["ptx"]
-    assert ptx.count("griddepcontrol.launch_dependents") == ptx.count("griddepcontrol.wait") == 1
-    assert ptx.index("griddepcontrol.launch_dependents") < ptx.index("griddepcontrol.wait")
 
 
 def check_shared_branch_resources(variant: int, gate_up: dict[str, str],

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import dlmc.custom_ops.nvfp4_moe as op_module
-from dlmc.custom_ops import _nvfp4_down_gluon, _nvfp4_gluon_parts
+from dlmc.custom_ops import _nvfp4_down_gluon, _nvfp4_gluon_parts, _nvfp4_shared_items
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
 from dlmc.errors import ConfigError
 from tests.custom_ops.test_nvfp4_moe import (
@@ -98,6 +98,16 @@ def check_lowering() -> None:
         assert ".reqntid 256" in ptx  # 3 programs per SM at 80 registers: 61440 of 65536
         if self_routed:  # the ids (16 B vectors of 4 lanes' ids), the alphas: no other loads
             assert ptx.count("ld.global") <= 6, (form, ptx.count("ld.global"))
+    # with the shared expert's items (`_nvfp4_shared_items`): per K-step a down tile and an h
+    # box (16 unrolled steps), within the registers, without spills
+    rows = _nvfp4_shared_items.ROWS_64.value
+    compiled, usage = compile_gluon_sm90(
+        kernel, types | {"ids_ptr": "*i32", "sd_d": f"tensordesc<bf16[128, 32],{rows!r}>",
+                         "hs_d": f"tensordesc<bf16[16, 32],{rows!r}>"},
+        consts | {"SHARED_ITEMS": 32}, _nvfp4_down_gluon.MAXNREG)
+    assert usage["REG"] <= _nvfp4_down_gluon.MAXNREG and usage["LOCAL"] == 0, usage
+    assert usage["STACK"] == 0, usage
+    assert compiled.asm["ptx"].count("cp.async.bulk.tensor") == 16 + 2 * 16
 
 
 def down_types() -> dict[str, str]:

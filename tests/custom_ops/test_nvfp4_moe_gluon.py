@@ -20,6 +20,7 @@ from dlmc.custom_ops import (
     _nvfp4_gate_up_gluon,
     _nvfp4_gluon_parts,
     _nvfp4_moe_gluon,
+    _nvfp4_shared_items,
 )
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
 from tests.custom_ops.test_nvfp4_down_gluon import (
@@ -141,6 +142,20 @@ def check_lowering() -> None:
         if wait_first:  # the wait comes before the routing's loads of the ids
             assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global"), wait_first
         assert ptx.count("cp.async.bulk.tensor") == 4 + 8
+    # with the shared expert's items (`_nvfp4_shared_items`): three more copies per K-step
+    # (gate, up, x), their MMAs, the release count, within the registers and without spills
+    rows = _nvfp4_shared_items.ROWS_128.value
+    boxes = {"sg_d": f"tensordesc<bf16[32, 64],{rows!r}>",
+             "su_d": f"tensordesc<bf16[32, 64],{rows!r}>",
+             "xs_d": f"tensordesc<bf16[32, 64],{rows!r}>"}
+    compiled, usage = compile_gluon_sm90(kernel, types | {"ids_ptr": "*i32"} | boxes,
+                                         consts | {"SHARED_ITEMS": True},
+                                         _nvfp4_moe_gluon.MAXNREG)
+    assert usage["REG"] <= _nvfp4_moe_gluon.MAXNREG and usage["LOCAL"] == 0, usage
+    assert compiled.metadata.shared <= stages * _nvfp4_moe_gluon.STAGE_BYTES + 1024
+    ptx = compiled.asm["ptx"]
+    assert ptx.count("cp.async.bulk.tensor") == 4 + 8 + 3
+    assert ptx.count("atom.global.gpu.release.add") == 2  # routed and shared items' counts
 
 
 def test_the_kernel_lowers_for_sm90() -> None:
