@@ -315,9 +315,11 @@ def against_triton(monkeypatch, mode: str, experts, x, ids, w, shared,
 def test_gluon_down_equals_triton_down_gpu(monkeypatch, case: str, tickets: bool) -> None:
     """Bit for bit the Triton down kernel: LLaDA2.1-mini shapes with uniform routing (32 x
     top-8 of 256), every token on the same 8 experts (16-slot blocks full: both 8-slot parts),
-    one token, and with the shared expert's parts; items by ticket (the producer waits for
-    gate/up's rows and copies them) or by program; the counters zero again afterwards."""
+    one token, and with the shared expert's parts (in the routing: the shared items, which
+    `test_nvfp4_shared_items.py` tests, off); items by ticket (the producer waits for gate/up's
+    rows and copies them) or by program; the counters zero again afterwards."""
     monkeypatch.setattr(_nvfp4_down_gluon, "TICKETS", tickets)
+    monkeypatch.setattr(_nvfp4_shared_items, "SHARED_ITEMS", False)
     gen = torch.Generator().manual_seed(4)
     E, H, I, T = (256, 2048, 512, 32) if case in ("llada", "shared") else (8, 256, 128, 16)
     T = 1 if case == "one_token" else T

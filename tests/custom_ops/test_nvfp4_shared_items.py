@@ -212,7 +212,7 @@ def test_shared_items_equal_the_triton_kernels_gpu(monkeypatch, case: str) -> No
     shared = shared_expert(gen, x, nvfp4_moe_reference(*args), H, I)
     items = T <= 32
     out = against_triton(monkeypatch, "gluon", experts, x, ids, w, shared, bitwise=not items)
-    assert calls == [items]
+    assert calls == ([True] if items else [])  # (64 tokens: the Triton gate/up)
     assert_matches_reference(out, nvfp4_moe_reference(*args, **shared))
     if items:  # the pair rows: routed ones bit for bit
         rows = against_triton(monkeypatch, "gluon", experts, x, ids, w, shared | {"pairs": True},
