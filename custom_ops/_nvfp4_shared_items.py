@@ -15,8 +15,8 @@ items the routed experts run exactly that path, as if there were no shared exper
   up tiles (bf16 [32, 64], 4 KB each, into the ring slot's two chunk buffers) and the tokens'
   x columns (bf16 [32, 64] into the slot's h-row buffer, unused by gate/up items); the
   consumers (2 x 2 warps over rows and tokens) multiply them (`mma_v2`, the weights as A, the
-  tokens as B, fp32), store `bf16(silu(g) * u)` at h rows `h_row0 + t` (natural column
-  order) and count the item done on the shared slot's counter. Items of half a routed item's
+  tokens as B, fp32), store `SwiGLUMLP`'s bf16 `silu(g) * u` at h rows `h_row0 + t` (natural
+  column order) and count the item done on the shared slot's counter. Items of half a routed item's
   bytes finish early, so the down kernel can take the shared items first.
 - Down (`_nvfp4_down_gluon`'s self-routed ticket launch): before the routed items, shared
   items `(16-token part, 128-row N-tile of H)`; per K-step of 32 the producer copies the down
@@ -26,7 +26,10 @@ items the routed experts run exactly that path, as if there were no shared exper
 
 Ring slots are tagged with `item * 1024 + SHARED_TAG`. The routed pair rows equal the Triton
 kernels' bit for bit; the shared rows sum their products in another order than the Triton
-shared parts (GPU tests: equal up to that).
+shared parts (GPU tests: equal up to that). The GPU runs of session 42 had h as
+`bf16(silu(g) * u)` of fp32 g and u (0.52 % largest error against the reference, where the
+Triton parts give 0.13 %); h now follows the Triton parts' bf16 maths, checked on sm_90 by
+the lowering only so far.
 
 Session 42 (H200, perf/README.md): the op with the shared expert 90.4 / 90.7 against 93.9 /
 94.0 µs per LLaDA2.1-mini layer (the Triton gate/up with the shared parts), the NVFP4 round
@@ -139,9 +142,9 @@ def shared_gate_up_copies(sg_d, su_d, xs_d, j, i, empty, ready, g_buf, u_buf, h_
 def shared_gate_up_item(h_ptr, count_ptr, shared_slot, h_row0, num_tokens, stride_h, j, i,
                         empty, ready, g_buf, u_buf, h_buf, STAGES: gl.constexpr,
                         H: gl.constexpr):
-    """h rows `h_row0 + t` (t < num_tokens), columns `32 j + [0, 32)`: `bf16(silu(x @ gate^T)
-    * (x @ up^T))`, then one count on `count_ptr[shared_slot]`; returns the ring position
-    after the item."""
+    """h rows `h_row0 + t` (t < num_tokens), columns `32 j + [0, 32)`: `bf16(bf16(silu(g)) *
+    u)` with `g`, `u` the bf16-rounded `x @ gate^T`, `x @ up^T` (fp32 sums), then one count on
+    `count_ptr[shared_slot]`; returns the ring position after the item."""
     x_ring = h_buf._reinterpret(gl.bfloat16, [STAGES, 32, 64], ROWS_128)
     acc_g = gl.zeros([32, 32], gl.float32, MMA_22)
     acc_u = gl.zeros([32, 32], gl.float32, MMA_22)
@@ -154,7 +157,11 @@ def shared_gate_up_item(h_ptr, count_ptr, shared_slot, h_row0, num_tokens, strid
         release_slot(empty, s)
         acc_u = mma_v2(up, x, acc_u)
         i += 1
-    h = (acc_g * (1.0 / (1.0 + gl.exp(-acc_g))) * acc_u).to(gl.bfloat16)  # tl.sigmoid's formula
+    # `SwiGLUMLP`'s bf16 maths, as the Triton shared parts (`bf16_moe.bf16_gate_up_rows`):
+    # g and u rounded to bf16, then silu(g) (tl.sigmoid's formula), then its product with u
+    g = acc_g.to(gl.bfloat16).to(gl.float32)
+    u = acc_u.to(gl.bfloat16).to(gl.float32)
+    h = ((g * (1.0 / (1.0 + gl.exp(-g)))).to(gl.bfloat16).to(gl.float32) * u).to(gl.bfloat16)
     tokens = gl.arange(0, 32, gl.SliceLayout(0, MMA_22))
     cols = j * 32 + gl.arange(0, 32, gl.SliceLayout(1, MMA_22))
     _store_tile(h_ptr, h_row0 + tokens, stride_h, cols, h, tokens < num_tokens)

@@ -65,7 +65,7 @@ def torch_stand_ins(experts: dict[str, torch.Tensor], x: torch.Tensor,
                     calls: list[tuple]) -> tuple:
     """Stand-ins for the two Gluon launches on the CPU, which record their arguments: the
     gate/up launch (the routed pairs' h, as the self-routed kernel would, is not read here;
-    the shared h rows: `bf16(silu(g) * u)` of fp32 products) and the down kernel (each routed
+    the shared h rows in `SwiGLUMLP`'s bf16 maths) and the down kernel (each routed
     pair `f = t*K + k` from the routing, stored at y row `f + f // K`; the shared y rows from
     the shared h rows)."""
     gate, up, down = (dequantized(experts, "gate"), dequantized(experts, "up"),
@@ -79,9 +79,10 @@ def torch_stand_ins(experts: dict[str, torch.Tensor], x: torch.Tensor,
         if shared_items is not None:
             shared_gate, shared_up, h_row0, slot = shared_items
             assert slot < num_slots
-            g = x.float() @ shared_gate.float().T
-            u = x.float() @ shared_up.float().T
-            h[h_row0:h_row0 + x.shape[0]] = (g * torch.sigmoid(g) * u).bfloat16()
+            g = (x.float() @ shared_gate.float().T).bfloat16().float()
+            u = (x.float() @ shared_up.float().T).bfloat16().float()
+            h[h_row0:h_row0 + x.shape[0]] = ((g * torch.sigmoid(g)).bfloat16().float()
+                                             * u).bfloat16()
 
     def down_launch(h, sorted_pair, expert_of_block, words, codes, alpha, y, num_pairs,
                     shared_id, count=None, num_slots=0, writers=0, pdl=False, per_part=False,
