@@ -5,31 +5,17 @@ kernels bit for bit (`test_nvfp4_gate_up_gluon.py`'s `no_align` cases)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-READ = "from dlmc.custom_ops import _nvfp4_down_self_route as m; print(m.DOWN_SELF_ROUTE)"
+from tests.custom_ops.switches import assert_reads, assert_refused
 
-
-def read_switch(value: str | None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "DLMC_NVFP4_DOWN_SELF_ROUTE"}
-    if value is not None:
-        env["DLMC_NVFP4_DOWN_SELF_ROUTE"] = value
-    return subprocess.run([sys.executable, "-c", READ], env=env, capture_output=True, text=True,
-                          timeout=120, check=False)
+SWITCH = ("_nvfp4_down_self_route", "DOWN_SELF_ROUTE", "DLMC_NVFP4_DOWN_SELF_ROUTE")
 
 
 @pytest.mark.parametrize("value,expected", [(None, "True"), ("1", "True"), ("0", "False")])
 def test_the_switch_is_on_by_default_and_off_with_zero(value: str | None, expected: str) -> None:
-    result = read_switch(value)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip().splitlines()[-1] == expected
+    assert_reads(*SWITCH, value, expected)
 
 
 def test_a_bad_value_is_refused_naming_the_switch() -> None:
-    result = read_switch("yes")
-    assert result.returncode != 0
-    assert "DLMC_NVFP4_DOWN_SELF_ROUTE='yes': expected one of 1, 0" in result.stderr
+    assert_refused(*SWITCH, "yes", "1, 0")

@@ -11,10 +11,6 @@ eager and replayed in a CUDA graph.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -22,6 +18,7 @@ import dlmc.custom_ops.nvfp4_moe as op_module
 from dlmc.custom_ops import _nvfp4_down_gluon, _nvfp4_down_self_route, _nvfp4_shared_items
 from dlmc.custom_ops.moe_overlap import counters
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
+from tests.custom_ops.switches import assert_reads, assert_refused
 from tests.custom_ops.test_nvfp4_down_gluon import against_triton, dequantized_down
 from tests.custom_ops.test_nvfp4_moe import (
     DEVICE,
@@ -37,28 +34,16 @@ from tests.custom_ops.test_nvfp4_moe_v5 import stored
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
-READ = "from dlmc.custom_ops import _nvfp4_shared_items as m; print(m.SHARED_ITEMS)"
-
-
-def read_switch(value: str | None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "DLMC_NVFP4_SHARED_ITEMS"}
-    if value is not None:
-        env["DLMC_NVFP4_SHARED_ITEMS"] = value
-    return subprocess.run([sys.executable, "-c", READ], env=env, capture_output=True, text=True,
-                          timeout=120, check=False)
+SWITCH = ("_nvfp4_shared_items", "SHARED_ITEMS", "DLMC_NVFP4_SHARED_ITEMS")
 
 
 @pytest.mark.parametrize("value,expected", [(None, "True"), ("1", "True"), ("0", "False")])
 def test_the_switch_is_on_by_default_and_off_with_zero(value: str | None, expected: str) -> None:
-    result = read_switch(value)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert result.stdout.strip().splitlines()[-1] == expected
+    assert_reads(*SWITCH, value, expected)
 
 
 def test_a_bad_value_is_refused_naming_the_switch() -> None:
-    result = read_switch("items")
-    assert result.returncode != 0
-    assert "DLMC_NVFP4_SHARED_ITEMS='items': expected one of 1, 0" in result.stderr
+    assert_refused(*SWITCH, "items", "1, 0")
 
 
 def torch_stand_ins(experts: dict[str, torch.Tensor], x: torch.Tensor,
