@@ -392,8 +392,8 @@ def gate_up_applies(device: torch.device, variant: int, hidden: int, inter: int,
                     gluon_down: bool, has_shared: bool) -> bool:
     """Whether `nvfp4_moe` runs its routed gate/up projection as this kernel's gate/up items
     alone (`launch_moe_gluon(gate_up_only=True)`), before the Gluon down kernel:
-    `DLMC_NVFP4_GATE_UP=gluon`, the Gluon down kernel (`gluon_down`), no shared expert (its
-    parts would need Triton launches of their own) and where the kernel runs (`_runs`)."""
+    `DLMC_NVFP4_GATE_UP=gluon`, the Gluon down kernel (`gluon_down`), no shared expert in the
+    routing (`has_shared`; as items it is not) and where the kernel runs (`_runs`)."""
     return (_nvfp4_down_gluon.gate_up_gluon() and gluon_down and not has_shared
             and _runs(device, variant, hidden, inter, emulate_w4a4, opaque, pdl, num_experts))
 
