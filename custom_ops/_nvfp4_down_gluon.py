@@ -227,7 +227,7 @@ def _ring_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, slot0, ti
     before the counts that the producer acquired after filling the item's first slot, are
     read after the second slot's wait (the producer filled it after that acquire).
     `PAIR_GAP` (K, not 0): pair p's y row is p + p // K (a shared expert's row after each
-    token's K routed rows, `nvfp4_shared_launch`)."""
+    token's K routed rows, `_nvfp4_shared_items`)."""
     # the epilogue's loads before the K loop (their latency hides there)
     alpha = gl.load(alpha_ptr + expert) * 128.0  # * 2^7: the decode's w * 2^-7
     offs = slot0 + gl.arange(0, 8, gl.SliceLayout(0, MMA))
@@ -335,10 +335,10 @@ def _item_copies(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, count_ptr,
 def _ticket_consumer(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, empty, ready,
                      w_buf, s_buf, h_buf, ids, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
                      TILES: gl.constexpr, BLOCK_M: gl.constexpr, SELF: gl.constexpr = False,
-                     PAIR_GAP: gl.constexpr = 0, shared=None, SHARED_ITEMS: gl.constexpr = 0):
+                     PAIR_GAP: gl.constexpr = 0, num_tokens=0, SHARED_ITEMS: gl.constexpr = 0):
     """`_consumer` without `OVERLAP` (h rows from the ring) over the items the producer
     tagged, in its order, until the tag -1 (`SELF`, `PAIR_GAP`: `_ring_item`'s;
-    `SHARED_ITEMS`: the shared expert's, `shared`: the tokens and K)."""
+    `SHARED_ITEMS`: the shared expert's, for `num_tokens` tokens of `PAIR_GAP` pairs each)."""
     i = 0  # K-steps consumed so far
     tag = _tag(ids, ready, i, STAGES)
     while tag >= 0:
@@ -348,9 +348,8 @@ def _ticket_consumer(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, emp
                   i, empty, ready, w_buf, s_buf, h_buf)
         if SHARED_ITEMS:
             if expert == SHARED_TAG:
-                num_tokens, top_k = shared
-                i = shared_down_item(y_ptr, stride_y, num_tokens, top_k, item, i, empty, ready,
-                                     w_buf, h_buf, STAGES, TILES, KSTEPS * 128)
+                i = shared_down_item(y_ptr, stride_y, num_tokens, PAIR_GAP, item, i, empty,
+                                     ready, w_buf, h_buf, STAGES, TILES, KSTEPS * 128)
             else:
                 i = _ring_item(*routed, STAGES, KSTEPS, SELF, PAIR_GAP)
         else:
@@ -400,8 +399,7 @@ def _down_gluon_kernel(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, alph
         gl.warp_specialize([
             (_ticket_consumer, (sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, empty,
                                 ready, w_buf, s_buf, h_buf, ids, STAGES, KSTEPS, TILES,
-                                BLOCK_M, SELF, PAIR_GAP, (num_tokens, PAIR_GAP),
-                                SHARED_ITEMS)),
+                                BLOCK_M, SELF, PAIR_GAP, num_tokens, SHARED_ITEMS)),
             (_ticket_producer, (w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, count_ptr,
                                 num_slots, writers, num_items, num_pairs, shared_id, empty,
                                 ready, w_buf, s_buf, h_buf, ids, STAGES, KSTEPS, TILES, I, H,

@@ -72,6 +72,7 @@ from dlmc.custom_ops._nvfp4_self_route import (
 from dlmc.custom_ops._nvfp4_shared_items import (
     SHARED_TAG,
     gate_up_item_options,
+    gate_up_programs,
     shared_gate_up_item,
 )
 from dlmc.custom_ops._occupancy import resident_programs
@@ -443,8 +444,8 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
     `topk_ids` (`[T, K]` of the routing that `sorted_pair` aligns, `shared_id` experts): where
     `self_routes`, each program routes its own items (`_nvfp4_self_route`) instead of waiting
     for the alignment launch (or, "first", instead of reading an alignment made before).
-    `shared_items` (self-routed): `_nvfp4_shared_items`' items, run by the last `I / 32`
-    programs."""
+    `shared_items` (self-routed): `_nvfp4_shared_items`' items, run by the last
+    `gate_up_programs(I)` programs."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     H, I = x.shape[1], h.shape[1]
@@ -470,7 +471,7 @@ def launch_moe_gluon(x: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block
                "TICKETS": tickets, "X_TMA": X_TMA, "num_warps": 4, "maxnreg": MAXNREG,
                "WAIT_FIRST": pdl == "first", **({"launch_pdl": True} if pdl else {})}
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-    shared_n = 0 if shared_items is None else I // 32  # programs of shared items
+    shared_n = 0 if shared_items is None else gate_up_programs(I)  # programs of shared items
     if routed:
         options |= {"ids_ptr": topk_ids.reshape(-1), "SELF": True,
                     **table_pads(num_pairs, shared_id),

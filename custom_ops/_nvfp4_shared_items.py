@@ -58,6 +58,7 @@ from dlmc.custom_ops._nvfp4_gluon_ring import release_slot, wait_slot
 from dlmc.env import env_choice
 
 __all__ = ["SHARED_ITEMS", "SHARED_TAG", "down_item_options", "gate_up_item_options",
+           "gate_up_programs",
            "shared_down_copies", "shared_down_item", "shared_gate_up_copies",
            "shared_gate_up_item", "shared_items_apply"]
 
@@ -78,6 +79,11 @@ MMA_22 = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2
                                                 instr_shape=[16, 8]))
 A_22 = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA_22, k_width=2))
 B_22 = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA_22, k_width=2))
+
+
+def gate_up_programs(inter: int) -> int:
+    """The gate/up launch's programs of shared items: one per 32 rows of I."""
+    return inter // 32
 
 
 def shared_items_apply(tokens: int, hidden: int, inter: int) -> bool:
@@ -101,11 +107,13 @@ def gate_up_item_options(shared_items: tuple, x: torch.Tensor) -> dict:
 
 def down_item_options(shared_items: tuple, h: torch.Tensor) -> dict:
     """The Gluon down kernel's options for `launch_down_gluon`'s `shared_items` (down bf16
-    `[H, I]`, h row0, counter slot, its writers, tokens): down in [128, 32] TMA boxes, h bf16
-    `[S, I]` in [16, 32] boxes, and a shared item per 16 tokens and 128 rows of H."""
+    `[H, I]`, h row0, counter slot, tokens): down in [128, 32] TMA boxes, h bf16 `[S, I]` in
+    [16, 32] boxes, a shared item per 16 tokens and 128 rows of H, each waiting for the
+    `gate_up_programs` counts on the slot."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    down, h_row0, slot, writers, tokens = shared_items
+    down, h_row0, slot, tokens = shared_items
+    writers = gate_up_programs(down.shape[1])
     return {"SHARED_ITEMS": -(-tokens // 16) * (down.shape[0] // 128),
             "sd_d": TensorDescriptor.from_tensor(down, [128, 32], ROWS_64.value),
             "hs_d": TensorDescriptor.from_tensor(h, [16, 32], ROWS_64.value),

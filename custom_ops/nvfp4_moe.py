@@ -143,8 +143,10 @@ def _check_tiled_tile(variant: int, block_k: int) -> None:
 
 
 def _alone_without_alignment(x: torch.Tensor, topk_ids: torch.Tensor, E: int, I: int) -> bool:
-    """Whether the routed experts alone (no shared expert) would take `_nvfp4_moe_impl`'s
-    no-alignment path (`no_align` there, with its default overlap and PDL edges)."""
+    """Whether the routed experts alone (no shared expert in the routing) take
+    `_nvfp4_moe_impl`'s no-alignment path, given aligned there and PDL edges: the Gluon
+    gate/up and down kernels, the down kernel's tickets and own routing, I >= 256 and a
+    routing the gate/up programs route themselves."""
     T, K = topk_ids.shape
     H, variant = x.shape[1], effective_variant(x.shape[1], I)
     gluon_down = (_launch_config(I, H, _GATE_UP_BLOCK_N[variant], "gate_up")[0] == 128
@@ -194,11 +196,13 @@ def _nvfp4_moe_impl(
     num_pairs = T * pairs_per_token
     edges = edge_pdl(x.device) and down_input_scale is None  # alignment and combine with PDL
     aligned_here = sorted_pair is None or expert_of_block is None
-    # `DLMC_NVFP4_SHARED_ITEMS` (`_nvfp4_shared_items`; where the routed experts alone take
-    # the no-alignment path, `no_align` below): the routed pairs as if alone (`t*K + k`), the
-    # shared expert as items of the two Gluon launches
-    items = (has_shared and aligned_here and edges and gate_up_input_scale is None
-             and shared_items_apply(T, H, I) and _alone_without_alignment(x, topk_ids, E, I))
+    # whether the routed experts alone take the no-alignment path (`no_align` below)
+    routed_alone = aligned_here and edges and _alone_without_alignment(x, topk_ids, E, I)
+    # `DLMC_NVFP4_SHARED_ITEMS` (`_nvfp4_shared_items`, where the routed experts alone take
+    # that path): the routed pairs as if alone (`t*K + k`), the shared expert as items of the
+    # two Gluon launches
+    items = (has_shared and gate_up_input_scale is None and shared_items_apply(T, H, I)
+             and routed_alone)
     in_routing = has_shared and not items  # the shared expert's pairs in the alignment
     if aligned_here:  # else aligned by dlmc::moe_route_align (which also wrote topk_ids)
         block_m = route_block_m(T, K, E, in_routing)
@@ -235,9 +239,7 @@ def _nvfp4_moe_impl(
                                     OPAQUE_OP, bool(pdl), E, gluon_down, in_routing)
     # `DLMC_NVFP4_DOWN_SELF_ROUTE`: no alignment launch; the self-routed gate/up launches
     # first, then the down kernel, which routes its own items (the buffers only give shapes)
-    no_align = (aligned_here and edges and gluon_gate_up and down_tickets() and I >= 256
-                and _nvfp4_down_self_route.DOWN_SELF_ROUTE
-                and self_routes(topk_ids, routed_pairs, E, "first", True))
+    no_align = routed_alone and not in_routing
     if no_align:
         sorted_pair, expert_of_block = alignment_buffers(topk_ids, E, block_m)
     elif aligned_here:
@@ -264,8 +266,8 @@ def _nvfp4_moe_impl(
     # `DLMC_NVFP4_SHARED_DOWN=gate_up` (with the Gluon down kernel): the shared expert's down
     # parts as the last programs of gate/up's launch, so that the Gluon kernel follows gate/up
     # directly (under the interpreter, which runs a grid column by column, only with one column)
-    fold = items or (gluon_down and has_shared and overlap and shared_down_in_gate_up()
-                     and (not _INTERPRETED or tiles1 == 1))
+    fold = (gluon_down and has_shared and overlap and shared_down_in_gate_up()
+            and (not _INTERPRETED or tiles1 == 1))
     extra1 = triton.cdiv(parts2 * tiles2, tiles1) if fold else 0  # (fold: with overlap)
     grid1 = (tiles1, rows1 + extra1) if overlap else (rows1, tiles1)
     if rows1 and not items:
@@ -288,7 +290,7 @@ def _nvfp4_moe_impl(
                                              down_input_scale.float()[slot_expert])
         h = torch.cat([quantized, h[routed_rows:]]) if has_shared else quantized
     parts_only = gluon_down or fused  # the routed blocks in a Gluon kernel
-    rows2 = 0 if fold else parts2 if parts_only else num_blocks + parts2
+    rows2 = 0 if fold or items else parts2 if parts_only else num_blocks + parts2
     grid2 = (tiles2, rows2) if overlap else (rows2, tiles2)
     down_alpha = _alphas(down_weight_scale_2, down_input_scale)
     if rows2:  # with a Gluon kernel, before it (it waits for this launch at its end)
@@ -323,7 +325,7 @@ def _nvfp4_moe_impl(
                           I // 128 if gluon_gate_up else tiles1, pdl=bool(pdl),
                           per_part=gluon_gate_up, topk_ids=topk_ids if no_align else None,
                           **({"pair_gap": K} if items else {}),
-                          **({"shared_items": (d_w, routed_rows, num_blocks, I // 32, T)}
+                          **({"shared_items": (d_w, routed_rows, num_blocks, T)}
                              if items else {}))
     if pairs:
         return y  # [T*P, H]

@@ -72,7 +72,7 @@ def check_lowering() -> None:
     ticket reset). With tickets, `PER_PART` (waiting for gate/up's counts per 8-slot part) the
     same, and `SELF` (`_nvfp4_down_self_route`: the items routed from the ids, no alignment
     read: the kernel's only global loads are the ids, the alphas and the counters), also with
-    a shared expert's y row after every 8 pairs (`PAIR_GAP`, `nvfp4_shared_launch`)."""
+    a shared expert's y row after every 8 pairs (`PAIR_GAP`, `_nvfp4_shared_items`)."""
     kernel, types = _nvfp4_down_gluon._down_gluon_kernel, down_types()
     for overlap, tickets, per_part, self_routed, gap in ((False, False, False, False, 0),
                                                          (True, False, False, False, 0),

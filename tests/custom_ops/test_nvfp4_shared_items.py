@@ -75,8 +75,8 @@ def torch_stand_ins(experts: dict[str, torch.Tensor], x: torch.Tensor,
         calls.append(("down", num_pairs, pair_gap, topk_ids is not None, per_part,
                       shared_items is not None))
         if shared_items is not None:
-            shared_down, h_row0, slot, writers, tokens = shared_items
-            assert writers == h.shape[1] // 32 and tokens == x.shape[0]
+            shared_down, h_row0, slot, tokens = shared_items
+            assert slot < num_slots and tokens == x.shape[0]
             rows = h[h_row0:h_row0 + tokens].float() @ shared_down.float().T
             y.view(tokens, pair_gap + 1, -1)[:, pair_gap] = rows.bfloat16()
         for f, expert in enumerate(topk_ids.reshape(-1).tolist()):
@@ -93,7 +93,7 @@ def test_wiring_of_the_shared_items_matches_the_reference(monkeypatch) -> None:
     expert kernel; the Gluon gate/up first ("first", the routed pairs `T*K` with x row
     `pair // K`, the shared items with their h rows after the routed blocks' and the counter
     slot after theirs), then the Gluon down kernel (self-routed, `pair_gap` K, the shared
-    items counting `I / 32` writers); the output is the reference's (skewed routing: 20
+    items on that slot, for the T tokens); the output is the reference's (skewed routing: 20
     tokens on two of four experts, I = 256)."""
     gen = torch.Generator().manual_seed(7)
     T, H, I, K = 20, 128, 256, 2
