@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Session 42's H200 calls (helpers of perf/h200_session.sh); output tarred in $OUT.
-#   bash perf/h200_s42.sh first   # the GPU tests of test_nvfp4_shared_launch.py, then the op
+#   bash perf/h200_s42.sh first   # the GPU tests of test_nvfp4_shared_items.py, then the op
 #                                 # with the shared expert (`--shared-expert`) in PASSES (2)
-#                                 # process pairs alternating DLMC_NVFP4_SHARED_LAUNCH=A / B
-#                                 # (MODES, "own gate_up"), then the NVFP4 + FP8 round both
-#                                 # ways
-#                                 # (calls 1, 3, 4: the switch was DLMC_NVFP4_SHARED_LAUNCH
-#                                 # then, with "own" / "items" / "gate_up")
+#                                 # process pairs alternating DLMC_NVFP4_SHARED_ITEMS=A / B
+#                                 # (MODES, "1 0"), then the NVFP4 + FP8 round both ways
+#                                 # (calls 1-4 ran it at 1e9fe0f-ce8083c, when the switch was
+#                                 # DLMC_NVFP4_SHARED_LAUNCH=own|items|gate_up and the test
+#                                 # file test_nvfp4_shared_launch.py)
 #   bash perf/h200_s42.sh ab      # the op and the round as in `first`, without the tests
 #   bash perf/h200_s42.sh final   # at the new default (DLMC_NVFP4_SHARED_ITEMS=1): the GPU
 #                                 # tests of the shared items and the Gluon kernels, the op
@@ -21,23 +21,23 @@ source <(sed -n '/^env_round()/,/^}/p' "$HERE/h200_s34.sh")
 
 ab() {
   for pass in $(seq 1 "${PASSES:-2}"); do
-    read -r first second <<< "${MODES:-own gate_up}"
-    [ $((pass % 2)) = 0 ] && read -r second first <<< "${MODES:-own gate_up}"
+    read -r first second <<< "${MODES:-1 0}"
+    [ $((pass % 2)) = 0 ] && read -r second first <<< "${MODES:-1 0}"
     for v in $first $second; do
-      op_env "op_shared_${v}_$pass" "DLMC_NVFP4_SHARED_LAUNCH=$v" --shared-expert \
+      op_env "op_shared_${v}_$pass" "DLMC_NVFP4_SHARED_ITEMS=$v" --shared-expert \
         $([ "$pass" = 1 ] && echo --profile)
     done
   done
   for pass in $(seq 1 "${ROUNDS:-1}"); do
-    for v in ${MODES:-own gate_up}; do
-      env_round "round_${v}_$pass" "DLMC_NVFP4_SHARED_LAUNCH=$v"
+    for v in ${MODES:-1 0}; do
+      env_round "round_${v}_$pass" "DLMC_NVFP4_SHARED_ITEMS=$v"
     done
   done
 }
 
 case "${1:-}" in
 first)
-  TEST_TIMEOUT=${TEST_TIMEOUT:-200} gpu_tests shared -n 4 tests/custom_ops/test_nvfp4_shared_launch.py
+  TEST_TIMEOUT=${TEST_TIMEOUT:-200} gpu_tests shared -n 4 tests/custom_ops/test_nvfp4_shared_items.py
   ab ;;
 ab)
   ab ;;
@@ -51,7 +51,7 @@ final)
   env_round round_items0 DLMC_NVFP4_SHARED_ITEMS=0
   env_round round_items1_b DLMC_NVFP4_SHARED_ITEMS=1 ;;
 tests)
-  TEST_TIMEOUT=${TEST_TIMEOUT:-400} gpu_tests op -n 4 tests/custom_ops/test_nvfp4_shared_launch.py \
+  TEST_TIMEOUT=${TEST_TIMEOUT:-400} gpu_tests op -n 4 tests/custom_ops/test_nvfp4_shared_items.py \
     tests/custom_ops/test_nvfp4_gate_up_gluon.py tests/custom_ops/test_nvfp4_down_gluon.py ;;
 *)
   echo "usage: $0 first|ab|tests|final" >&2; exit 2 ;;
