@@ -380,7 +380,7 @@ def _down_gluon_kernel(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, alph
     (`_nvfp4_down_self_route`; `PAIRS_PAD`, `EXPERTS_PAD`: powers of two at least the pairs
     and experts; the launch before has waited for the routing's writer). `PAIR_GAP` (with
     `TICKETS`): y rows as `_ring_item`'s. `SHARED_ITEMS` (with `SELF`; their number): the
-    shared expert's items after the routed ones (`_nvfp4_shared_items`: `sd_d`, `hs_d`; h
+    shared expert's items, the first tickets (`_nvfp4_shared_items`: `sd_d`, `hs_d`; h
     rows `h_row0 + t` of `num_tokens`, after `shared_writers` counts on `shared_slot`)."""
     if PDL:
         gdc_launch_dependents()

@@ -324,8 +324,7 @@ def _nvfp4_moe_impl(
                           count if overlap else None, num_slots,
                           I // 128 if gluon_gate_up else tiles1, pdl=bool(pdl),
                           per_part=gluon_gate_up, topk_ids=topk_ids if no_align else None,
-                          **({"pair_gap": K} if items else {}),
-                          **({"shared_items": (d_w, routed_rows, num_blocks, T)}
+                          **({"pair_gap": K, "shared_items": (d_w, routed_rows, num_blocks, T)}
                              if items else {}))
     if pairs:
         return y  # [T*P, H]
