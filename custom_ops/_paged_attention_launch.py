@@ -2,10 +2,8 @@
 
 `default_variant` picks the op's launch (measured per cache type on the H200); the other
 settings are latency experiments that perf/bench_paged_attention.py --sweep times by name
-(`SWEEP_VARIANTS`). `DLMC_ATTENTION_VARIANT=<name>` (read once, at import) makes every call
-launch that named variant instead, to time it inside whole rounds (`dlmc bench round`). Every
-variant computes the same attention (tests/custom_ops/test_paged_attention*.py compare each
-with the reference).
+(`SWEEP_VARIANTS`) and that a caller may pass as the op's `variant`. Every variant computes the
+same attention (tests/custom_ops/test_paged_attention*.py compare each with the reference).
 """
 
 from __future__ import annotations
@@ -13,13 +11,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 
-from dlmc.custom_ops._pdl import launcher, pdl_active
+from dlmc.custom_ops._pdl import launcher
 from dlmc.custom_ops._registration import INTERPRETED
 from dlmc.errors import ConfigError
 
@@ -128,8 +125,7 @@ SWEEP_VARIANTS: dict[str, PagedAttentionVariant] = {
     "ilv32-f16dot": dataclasses.replace(_INTERLEAVED, fp8_dot_f16=True),
     "ilv32-pdl": dataclasses.replace(_INTERLEAVED, pdl=True),
     # half the partials for the merge to read (8.6 MB at 4k with 32 splits, fp32), twice the
-    # tiles per split: H200, 1.1-1.3 µs faster than ilv32 up to a 2k prefix, 0.8 slower at 4k
-    # (perf/README.md, session 31)
+    # tiles per split
     "ilv16": dataclasses.replace(_INTERLEAVED, num_splits=16),
     "ilv16-bf16part": dataclasses.replace(_INTERLEAVED, num_splits=16,
                                           partial_dtype=torch.bfloat16),
@@ -139,28 +135,12 @@ SWEEP_VARIANTS: dict[str, PagedAttentionVariant] = {
 }
 
 
-def _variant_override(name: str | None) -> PagedAttentionVariant | None:
-    """The variant `DLMC_ATTENTION_VARIANT` names (None when unset); a clear error otherwise."""
-    if not name:
-        return None
-    if name not in SWEEP_VARIANTS:
-        raise ConfigError(f"DLMC_ATTENTION_VARIANT={name!r}: expected one of "
-                          f"{', '.join(SWEEP_VARIANTS)}")
-    return SWEEP_VARIANTS[name]
-
-
-_OVERRIDE = _variant_override(os.environ.get("DLMC_ATTENTION_VARIANT"))
-
-
 def default_variant(kv_dtype: torch.dtype, head_dim: int,
                     device: torch.device) -> PagedAttentionVariant:
     """The launch a call gets unless it names one: on CUDA, an FP8 cache at head dim 128 takes
-    the interleaved splits (H200, 32 queries x 16/4 heads, graph-replayed: 15.3 vs 16.7 µs at a
-    4k prefix, 28.9 vs 30.1 µs at 16k, 12.8 vs 12.2 µs at 1k; perf/README.md); BF16 caches
-    (12.7 vs 14.1 µs at 1k) and other head dims (the interleaved kernel spills registers at
-    256/512) keep the contiguous splits."""
-    if _OVERRIDE is not None:
-        return _OVERRIDE
+    the interleaved splits, faster there at 4k and 16k prefixes; BF16 caches and other head
+    dims (the interleaved kernel spills registers at 256/512) keep the contiguous splits
+    (docs/paged_attention.md)."""
     if device.type == "cuda" and kv_dtype == torch.float8_e4m3fn and head_dim == 128:
         return _INTERLEAVED
     return DEFAULT_VARIANT
@@ -214,7 +194,7 @@ def launch_paged_attention(
                                             / block_n) * block_n)
     num_stages = variant.num_stages or (3 if head_dim <= 128 else 2)
     interleaved = variant.split_order == "interleaved"
-    pdl = (variant.pdl or pdl_active(q.device)) and not INTERPRETED
+    pdl = variant.pdl and not INTERPRETED
     if variant.pdl and torch.compiler.is_compiling():
         raise ConfigError("PagedAttentionVariant: pdl=True launches cannot be traced by "
                           "torch.compile (Inductor drops launch_pdl); call it eagerly or capture "

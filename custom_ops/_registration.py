@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.library import triton_op
 
-from dlmc.custom_ops._pdl import INTERPRETED, OPAQUE, direct_launches
+from dlmc.custom_ops._pdl import INTERPRETED, direct_launches
 
 __all__ = ["INTERPRETED", "traced_triton_op"]
 
@@ -31,11 +31,10 @@ def traced_triton_op(name: str, impl: Callable[..., Any], fake: Callable[..., An
     """`triton_op(name)` over `impl`: torch.compile traces through the body (its kernels and
     torch ops). Under `TRITON_INTERPRET=1` (CPU tests) interpreted kernels cannot be traced, so
     the same body is registered as an opaque custom op with `fake` as its fake function and
-    torch.compile calls it eagerly. So it is with `DLMC_PDL=1` or `opaque` (`_pdl`), whose
-    launches Inductor cannot make, and with `opaque` (an op that launches its kernels with PDL
-    itself). `mutates_args`: the arguments the body writes in place. An opaque op's body
-    launches its kernels directly (`_pdl.direct_launches`)."""
-    if INTERPRETED or OPAQUE or opaque:
+    torch.compile calls it eagerly. So it is with `opaque`: an op that launches its kernels
+    with PDL itself, which Inductor cannot. `mutates_args`: the arguments the body writes in
+    place. An opaque op's body launches its kernels directly (`_pdl.direct_launches`)."""
+    if INTERPRETED or opaque:
         @functools.wraps(impl)
         def direct(*args: Any, **kwargs: Any) -> Any:
             with direct_launches():

@@ -11,8 +11,6 @@ The maths is `bf16_moe_reference`.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -21,42 +19,17 @@ import triton.language as tl
 from dlmc.custom_ops._pdl import launcher, pdl_enter
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
-from dlmc.custom_ops.moe_align import (
-    PairRouting,
-    append_shared_column,
-    block_rows,
-    check_pair_routing,
-    route_pairs,
-)
+from dlmc.custom_ops.moe_align import append_shared_column, block_rows, route_pairs
 from dlmc.custom_ops.moe_combine import combine_pairs
 from dlmc.custom_ops.nvfp4_tiles import round_bf16
 
 __all__ = ["bf16_down_block", "bf16_down_rows", "bf16_gate_up_block", "bf16_gate_up_rows",
            "bf16_moe", "bf16_moe_reference", "bf16_tile_dot"]
 
-# Launch config of each kernel: (BLOCK_N, BLOCK_K, num_warps, num_stages). Tuning overrides:
-# DLMC_BF16_MOE_TILES="n,k,w,s;n,k,w,s" (gate_up; down), or "n1,k1,n2,k2" (Triton's default
-# warps and stages), or the module's `_LAUNCH` dict (perf/bench_bf16_moe.py sweeps it).
+# Launch config of each kernel: (BLOCK_N, BLOCK_K, num_warps, num_stages). perf/bench_bf16_moe.py
+# sweeps other configs by replacing entries of `_LAUNCH` (read at each call, eager launches).
 _DEFAULT_LAUNCH = {"gate_up": (64, 128, 4, 3), "down": (64, 128, 4, 3)}
-
-
-def _parse_launch(spec: str) -> dict[str, tuple[int, int, int, int]]:
-    """`DLMC_BF16_MOE_TILES` -> launch configs; a malformed value is an error naming it."""
-    try:
-        parts = [tuple(int(v) for v in p.split(",")) for p in spec.split(";")]
-        if len(parts) == 1 and len(parts[0]) == 4:  # "n1,k1,n2,k2"
-            n1, k1, n2, k2 = parts[0]
-            parts = [(n1, k1, 4, 3), (n2, k2, 4, 3)]
-        if len(parts) != 2 or any(len(p) != 4 for p in parts):
-            raise ValueError
-    except ValueError:
-        raise ValueError(f"DLMC_BF16_MOE_TILES={spec!r}: expected 'n1,k1,n2,k2' or "
-                         "'n,k,warps,stages;n,k,warps,stages' (integers)") from None
-    return dict(zip(("gate_up", "down"), parts, strict=True))
-
-
-_LAUNCH = (_parse_launch(os.environ["DLMC_BF16_MOE_TILES"]) if "DLMC_BF16_MOE_TILES" in os.environ
-           else dict(_DEFAULT_LAUNCH))
+_LAUNCH = dict(_DEFAULT_LAUNCH)
 
 
 @triton.jit
@@ -163,9 +136,7 @@ def _down_kernel(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, y_ptr, num
 
 def _bf16_moe_impl(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                    gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
-                   shared_expert: bool = False, block_m: int = 0,
-                   sorted_pair: torch.Tensor | None = None,
-                   expert_of_block: torch.Tensor | None = None) -> torch.Tensor:
+                   shared_expert: bool = False) -> torch.Tensor:
     tokens, hidden = x.shape
     shared = int(shared_expert)  # an int: a bool in symbolic-shape arithmetic fails to trace
     pairs_per_token = topk_ids.shape[1] + shared  # the shared expert's pair: column K
@@ -174,9 +145,7 @@ def _bf16_moe_impl(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     if tokens == 0:
         return out
     num_pairs = tokens * pairs_per_token
-    if sorted_pair is None or expert_of_block is None:  # else aligned by dlmc::moe_route_align
-        block_m, sorted_pair, expert_of_block = route_pairs(topk_ids, routed_experts,
-                                                            shared_expert)
+    block_m, sorted_pair, expert_of_block = route_pairs(topk_ids, routed_experts, shared_expert)
     num_blocks = expert_of_block.shape[0]
     n1, k1, w1, s1 = _LAUNCH["gate_up"]
     n2, k2, w2, s2 = _LAUNCH["down"]
@@ -202,7 +171,7 @@ _bf16_moe_op = traced_triton_op("dlmc::bf16_moe", _bf16_moe_impl, _bf16_moe_fake
 
 def bf16_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
              gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
-             shared_expert: bool = False, routing: PairRouting | None = None) -> torch.Tensor:
+             shared_expert: bool = False) -> torch.Tensor:
     """Routed-expert MoE with BF16 experts (Triton, `dlmc::bf16_moe`).
 
     x bf16 `[T, H]`; topk_ids int32/int64 `[T, K]` in `[0, E)`; topk_weights fp32 `[T, K]`;
@@ -211,9 +180,7 @@ def bf16_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     `g`, `u` the bf16-rounded gate and up projections. `shared_expert`: expert E-1 is a shared
     expert that every token also takes with weight 1.0 (topk_ids then in `[0, E-1)`): the same
     result as the `[T, K+1]` routing with that column appended (`append_shared_column`), without
-    sorting the shared rows. `routing`: the pairs' alignment if already made
-    (`route_pairs(topk_ids, E - shared_expert, shared_expert)`'s, e.g. by `moe_route_align`);
-    None aligns them here. No host sync (graph-capturable).
+    sorting the shared rows. No host sync (graph-capturable).
     """
     if x.dtype != torch.bfloat16 or x.dim() != 2:
         raise ValueError(f"bf16_moe: x must be bf16 [T, H], got {x.dtype} {tuple(x.shape)}")
@@ -223,11 +190,8 @@ def bf16_moe(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"bf16_moe: topk_ids/topk_weights must be [T={x.shape[0]}, K], got "
                          f"{tuple(topk_ids.shape)} / {tuple(topk_weights.shape)}")
-    if routing is not None:
-        check_pair_routing("bf16_moe", routing)
-    block_m, sorted_pair, expert_of_block = routing or (0, None, None)
     return _bf16_moe_op(x.contiguous(), topk_ids, topk_weights.float(), gate_proj, up_proj,
-                        down_proj, shared_expert, block_m, sorted_pair, expert_of_block)
+                        down_proj, shared_expert)
 
 
 def bf16_moe_reference(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

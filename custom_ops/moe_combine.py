@@ -3,26 +3,19 @@
 The grouped MoE kernels (`dlmc::nvfp4_moe`, `dlmc::bf16_moe`) write one bf16 row per (token, k)
 pair, `y[t*P + k]` with `P = K` (or `K+1` with a shared expert, whose row `t*P + K` has weight
 1.0). The combine is `out[t] = bf16(sum_k w[t, k] * float(y[t*P + k]))`, summed in fp32 in pair
-order. Inductor's reduction for the torch form of this sum varied between compiles on the H200
-(2.35 to 6.6 µs at T=32, K=8+1, H=2048), so it is a hand-written kernel with a fixed launch (2.5
-µs there; perf/README.md, session 16): one program per token and `BLOCK_H` columns, the `P` rows
-read coalesced along H.
-`combine_pairs` launches it inside the traced bodies of the MoE ops; `moe_combine` is the same
-kernel as a registered op. The maths is `moe_combine_reference`.
+order. Inductor's reduction for the torch form of this sum varies between compiles, so it is a
+hand-written kernel with a fixed launch: one program per token and `BLOCK_H` columns, the `P`
+rows read coalesced along H.
+`combine_pairs` launches it inside the bodies of the MoE ops; `moe_combine` is the same kernel
+as a registered op. The maths is `moe_combine_reference`.
 
-`DLMC_MOE_COMBINE` (read at import) picks what the MoE bodies run: "triton" (this kernel) or
-"inductor" (the reference's torch ops, compiled by Inductor into a reduction kernel of its own:
-6.5 µs per layer in the same H200 call, round 3.275 against 3.237 ms queued). "outside" (the
-default): where a round is compiled, `NVFP4Experts` takes the op's pair rows and sums them with
-`combine_pointwise`, pointwise torch ops that Inductor fuses into the residual add and RMSNorm
-after the MoE block (no combine launch; the norm grew from 1.96 to 3.41 µs, the 2.58 µs combine
-went: NVFP4 + FP8 round 2.887 against 2.923 ms queued, perf/README.md session 23). Eager calls
+Where a round is compiled, `NVFP4Experts` takes `nvfp4_moe`'s pair rows instead and sums them
+with `combine_pointwise`, pointwise torch ops that Inductor fuses into the residual add and
+RMSNorm after the MoE block: no combine launch (docs/nvfp4.md, "Why this default"). Eager calls
 and the MoE ops' own bodies (BF16 experts too) run the kernel.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -38,9 +31,6 @@ __all__ = ["combine_pairs", "combine_pointwise", "moe_combine", "moe_combine_ref
 
 MAX_BLOCK_H = 1024  # columns per program
 NUM_WARPS = 4
-COMBINE = os.environ.get("DLMC_MOE_COMBINE", "outside")
-if COMBINE not in ("triton", "inductor", "outside"):
-    raise ValueError(f"DLMC_MOE_COMBINE={COMBINE!r}: expected triton, inductor or outside")
 
 
 @triton.jit
@@ -74,11 +64,9 @@ def combine_pairs(y: torch.Tensor, topk_weights: torch.Tensor, out: torch.Tensor
     of each token is the shared expert's, weight 1.0); topk_weights fp32 `[T, K]`; out bf16
     `[T, H]` with unit stride along H, written and returned. Unchecked (the callers' bodies
     check); callable inside traced Triton ops (`_pdl.launcher`). T == 0 launches nothing.
-    With `DLMC_MOE_COMBINE=inductor`, `moe_combine_reference`'s torch ops instead. `pdl` (the
-    body of an opaque op on sm_90+ only): the kernel launches with programmatic dependent launch.
+    `pdl` (the body of an opaque op on sm_90+ only): the kernel launches with programmatic
+    dependent launch.
     """
-    if COMBINE == "inductor":
-        return out.copy_(moe_combine_reference(y, topk_weights, shared_expert))
     return _launch(y, topk_weights, out, shared_expert,
                    PDL_LAUNCH if pdl and not _INTERPRETED else {})
 
@@ -101,7 +89,7 @@ def _moe_combine_impl(y: torch.Tensor, topk_weights: torch.Tensor,
                       shared_expert: bool = False) -> torch.Tensor:
     out = torch.empty((topk_weights.shape[0], y.shape[1]), dtype=torch.bfloat16,
                       device=y.device)
-    return _launch(y, topk_weights, out, shared_expert)  # the kernel, whatever COMBINE says
+    return _launch(y, topk_weights, out, shared_expert)
 
 
 def _moe_combine_fake(y: torch.Tensor, topk_weights: torch.Tensor,
@@ -163,7 +151,7 @@ def combine_pointwise(y: torch.Tensor, topk_weights: torch.Tensor,
     """`moe_combine`'s sum as one pointwise expression (no reduction): `w[t, 0] * y[t, 0]`, plus
     each next pair in pair order, plus the shared expert's row, in fp32, then bf16, the order
     of the kernel's loop. Inductor fuses such an expression into the kernel that consumes it
-    (`DLMC_MOE_COMBINE=outside`). Shapes as in `moe_combine`; K >= 1."""
+    (where a round is compiled). Shapes as in `moe_combine`; K >= 1."""
     tokens, top_k = topk_weights.shape
     rows = y.view(tokens, top_k + int(shared_expert), y.shape[1])  # [T, P, H]
     weights = topk_weights.float()

@@ -13,7 +13,7 @@ into the softmax scale and multiplies the output by `v_scale`.
 Install on the H200 (no network there): download `flashinfer-python==0.5.3`,
 `apache-tvm-ffi<0.2` and `nvidia-cudnn-frontend` wheels, `pip install --no-deps` them; the first
 `plan()+run()` per (dtype, head dim) JIT-compiles with nvcc (about 18 s with `MAX_JOBS=16
-FLASHINFER_CUDA_ARCH_LIST=9.0a`). Warm it before capture (perf/README.md, "FlashInfer").
+FLASHINFER_CUDA_ARCH_LIST=9.0a`). Warm it before capture (docs/paged_attention.md).
 """
 
 from __future__ import annotations

@@ -53,10 +53,8 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
 def _bf16_rne(x):
     """fp32 -> the nearest bf16 value (ties to even), kept in fp32, by integer bit operations.
 
-    Not `x.to(bf16).to(fp32)`: with that round trip the compiled kernel's rotated elements
-    differed from eager PyTorch's on the H200 (22 %; the normalisation alone matched, and under
-    the interpreter everything matched; the exact compiler cause was not isolated), while with
-    integer rounding they match bit for bit (perf/results/s10/gpu_tests_qk_fix.txt).
+    Not `x.to(bf16).to(fp32)`: compiled for the H200, that round trip made some rotated
+    elements differ from eager PyTorch's, while integer rounding matches bit for bit.
     """
     bits = x.to(tl.int32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536

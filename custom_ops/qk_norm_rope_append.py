@@ -1,8 +1,8 @@
 """`dlmc::qk_norm_rope_append`: `dlmc::qk_norm_rope` that also stores the block's K/V in a paged
 cache, one Triton launch.
 
-In a round over the paged FP8 cache every layer ran `qk_norm_rope` (1.9 µs on the H200), then
-`kv_append` (2.8 µs) to store the k it had just made and the v it had just copied. Here the
+Without it, a round over the paged FP8 cache runs `qk_norm_rope`, then `kv_append` to store
+the k it has just made and the v it has just copied: two launches per layer. Here the
 program that makes token t's k head h (or copies its v head h) also writes that row at sequence
 position `offset + t` of the cache, quantized as `kv_append` quantizes
 (`e4m3(clamp(x / scale, ±448))` for FP8 pools, as is for BF16): the norm/rope code is

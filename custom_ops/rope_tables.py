@@ -2,10 +2,9 @@
 
 The tables are `cos(angles)`, `sin(angles)` `[T, R]` with fp32 angles `position * inv_freq[i]`
 (`cat(angles, angles)` along the last dim), rounded to bf16. Written as torch ops inside the
-compiled round, Inductor recomputed them next to their consumers: ten launches per round for the
-twenty layers' `qk_norm_rope` calls (0.028 ms on the H200, perf/README.md session 15). Computed
-in `qk_norm_rope`'s own programs instead (session 16), the cos/sin of every head's program made
-that kernel 1.0 µs slower per layer. Here one program per token writes its rows once; the
+compiled round, Inductor recomputes them next to their consumers (ten launches per round for
+the twenty layers' `qk_norm_rope` calls); computed inside `qk_norm_rope`'s programs, every
+head's program would make them again. Here one program per token writes its rows once; the
 layers read them. cos/sin are libdevice's (CUDA's `cosf`/`sinf`, what eager PyTorch runs), so
 the tables equal the eager ones bit for bit. The maths is `rope_tables_reference`.
 """

@@ -1,10 +1,10 @@
 """`dlmc::router_gemm`: the MoE router's fp32 `x.float() @ W^T` on BF16 tensor cores, split-K.
 
 The router multiplies a block of bf16 tokens by an fp32 weight (LLaDA2.1-mini: `[32, 2048] x
-[2048, 256]`, 2 MB). cuBLAS runs it as a SIMT sgemm plus a split-K reduction (6.7 + 2.5 µs per
-layer on the H200); FMA chains in Triton (`dlmc::small_m_linear`) took 10.8 µs. It is latency
-bound, so this kernel (a) spreads the weight over ~256 programs by splitting K and (b) uses BF16
-tensor cores exactly:
+[2048, 256]`, 2 MB). cuBLAS runs it as a SIMT sgemm plus a split-K reduction, about twice this
+kernel's time with the routing (docs/nvfp4.md, "Why this default"). It is latency bound, so
+this kernel (a) spreads the weight over ~256 programs by splitting K and (b) uses BF16 tensor
+cores exactly:
 
 - each fp32 weight is split in registers into three bf16 parts, `hi = bf16(w)`,
   `mid = bf16(w - hi)`, `lo = bf16(w - hi - mid)` (round to nearest even), and
@@ -36,15 +36,13 @@ from dlmc.custom_ops._pdl import launcher, pdl_enter
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.nvfp4_tiles import round_bf16
-from dlmc.custom_ops.small_m_linear import check_small_m_operands
 
-__all__ = ["MAX_TOKENS", "k_splits", "launch_split_k", "router_gemm", "router_gemm_reference",
-           "router_splits", "split_k_fake"]
+__all__ = ["MAX_TOKENS", "check_small_m_operands", "k_splits", "launch_split_k", "router_gemm",
+           "router_gemm_reference", "router_splits", "split_k_fake"]
 
 MAX_TOKENS = 64  # one [BLOCK_T, BLOCK_K] tile of tokens per program
 # (BLOCK_N, SPLITS, BLOCK_K, num_warps, num_stages): 256 experts in 16 N tiles x 16 K splits =
-# 256 programs on LLaDA2.1-mini (K range 128 each); perf/bench_small_m_linear.py sweeps it
-# (H200, GEMM + moe_route: 8.95 µs; 8 splits 9.41 µs; cuBLAS + conversion + moe_route 16.4 µs).
+# 256 programs on LLaDA2.1-mini (K range 128 each), faster than 8 splits on an H200.
 _CONFIG = (16, 16, 128, 4, 2)
 
 
@@ -167,3 +165,16 @@ def router_gemm_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     xs = x.float().split(per_split, dim=1)
     ws = weight.float().split(per_split, dim=1)
     return torch.stack([xi @ wi.t() for xi, wi in zip(xs, ws, strict=True)])  # [S, T, N]
+
+
+def check_small_m_operands(op: str, x: torch.Tensor, weight: torch.Tensor,
+                           weight_dtype: torch.dtype, max_tokens: int) -> None:
+    """x bf16 `[T <= max_tokens, K]`, weight `weight_dtype` `[N, K]`; else a ValueError naming
+    `op`, the tensor and what was expected."""
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[0] > max_tokens:
+        raise ValueError(f"{op}: x must be bf16 [T <= {max_tokens}, K], got "
+                         f"{x.dtype} {tuple(x.shape)}")
+    if weight.dtype != weight_dtype or weight.dim() != 2 or weight.shape[1] != x.shape[1]:
+        name = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(weight_dtype, weight_dtype)
+        raise ValueError(f"{op}: weight must be {name} [N, K={x.shape[1]}], got "
+                         f"{weight.dtype} {tuple(weight.shape)}")

@@ -2,10 +2,9 @@
 
 A round multiplies 32 tokens by LLaDA2.1-mini's attention weights (qkv `[3072, 2048]`, o_proj
 `[2048, 2048]`, 12.6 and 8.4 MB): 3 and 2 µs at copy speed, 6.2 µs each in cuBLAS in the round
-(its 64x16 tiles give 64-96 programs that each walk all of K; even from a warm L2 about 5 µs,
-perf/results/s19/call1/probe_l2_prefetch.json). Here K is split too, as `dlmc::router_gemm` does:
-program `(n_tile, split)` multiplies its `BLOCK_N` rows' K range and writes fp32 partials
-`[S, T, N]`; whoever consumes the product sums them in a fixed order (s = 0, 1, ...), inside a
+(its 64x16 tiles give 64-96 programs that each walk all of K). Here K is split too, as
+`dlmc::router_gemm` does: program `(n_tile, split)` multiplies its `BLOCK_N` rows' K range and
+writes fp32 partials `[S, T, N]`; whoever consumes the product sums them in a fixed order (s = 0, 1, ...), inside a
 kernel it runs anyway (Inductor fuses the sum into the residual add and RMSNorm after o_proj),
 so there is no extra launch and no atomics (deterministic). The kernel is `router_gemm`'s with
 bf16 weights in one tensor-core dot.
@@ -20,13 +19,17 @@ import torch
 
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
-from dlmc.custom_ops.router_gemm import k_splits, launch_split_k, split_k_fake
-from dlmc.custom_ops.small_m_linear import check_small_m_operands
+from dlmc.custom_ops.router_gemm import (
+    check_small_m_operands,
+    k_splits,
+    launch_split_k,
+    split_k_fake,
+)
 
 __all__ = ["MAX_TOKENS", "linear_splits", "split_k_linear", "split_k_linear_reference"]
 
 MAX_TOKENS = 64  # one [BLOCK_T, BLOCK_K] tile of tokens per program
-# (BLOCK_N, SPLITS, BLOCK_K, num_warps, num_stages); perf/bench_small_m_linear.py sweeps it.
+# (BLOCK_N, SPLITS, BLOCK_K, num_warps, num_stages)
 _CONFIG = (32, 4, 128, 4, 4)
 
 

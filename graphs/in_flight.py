@@ -17,7 +17,7 @@ keeps one round queued ahead; in the post-fill rounds, whose end depends on edit
 the LLaDA2.0 rule (a round may commit every mask left), it reads each round before the next.
 
 (A guard inside the graph, a CUDA graph conditional node, would let any round be queued; torch
-2.11, the H200's, has no conditional-node capture: perf/README.md, session 33.)
+2.11, the H200's, has no conditional-node capture.)
 """
 
 from __future__ import annotations

@@ -15,11 +15,10 @@ from typing import NamedTuple
 
 import torch
 
-from dlmc.engine.kv_cache import DenseKVCache
-from dlmc.engine.rules import joint_threshold_step, propose, propose_with_noise, threshold_step
-from dlmc.graphs.paged_round_attention import PagedRoundAttention
-from dlmc.graphs.static_attention import StaticCacheAttention
+from dlmc.graphs.rules import joint_threshold_step, propose, propose_with_noise, threshold_step
+from dlmc.kv.dense_cache import DenseKVCache
 from dlmc.kv.paged_cache import PagedKVCache
+from dlmc.kv.round_attention import PagedRoundAttention, StaticCacheAttention
 
 EDITS_OFF = 2.0  # an edit threshold no probability exceeds
 # (temperature, top_k, top_p, generator) of a sampled round; None: greedy.
@@ -99,7 +98,7 @@ def decide(
             num_to_transfer,
         )
         step = buf.step + 1
-        # llada2.md §5.4: a round with no masks left counts as a post-fill round; the next
+        # docs/llada2.md §5.4: a round with no masks left counts as a post-fill round; the next
         # round runs only while post <= max_post; a mask-free round that edits nothing ends it.
         masks_left = (buf.editable & (new == mask_id)).any()
         post = buf.post + (~masks_left).to(torch.int32)

@@ -338,7 +338,7 @@ def main() -> None:
             row["eager_ms_per_layer"] = statistics.median(cuda_times(run_all, 10)) / L
             if args.profile:
                 row["kernel_us_per_layer"] = kernel_times(run_all, L)
-            if args.shared_expert:  # today's unfused block, same layers, same run
+            if args.shared_expert:  # the unfused block, same layers, same run
                 separate = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(separate):
                     run_separate()

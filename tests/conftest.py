@@ -39,7 +39,7 @@ _interpret_without_overflow_asserts()
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if _HAS_CUDA:
         return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the H200, see perf/README.md)")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the H200: perf/gpu.sh)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)

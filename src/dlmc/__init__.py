@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "__version__"]
+__all__ = ["LLM", "KernelConfig", "__version__"]
 
 if TYPE_CHECKING:
     from dlmc.api import LLM
+    from dlmc.custom_ops.kernel_config import KernelConfig
 
 
 def __getattr__(name: str) -> Any:
@@ -17,4 +18,8 @@ def __getattr__(name: str) -> Any:
         from dlmc.api import LLM
 
         return LLM
+    if name == "KernelConfig":
+        from dlmc.custom_ops.kernel_config import KernelConfig
+
+        return KernelConfig
     raise AttributeError(f"module 'dlmc' has no attribute {name!r}")

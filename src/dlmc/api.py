@@ -11,12 +11,13 @@ from typing import Any
 
 import torch
 
-from dlmc.engine.attention import MaskedAttention, block_causal_mask
+from dlmc.custom_ops.kernel_config import KernelConfig
 from dlmc.engine.block_decoder import BlockDecoder
 from dlmc.engine.decode_config import DecodeConfig, resolve_decode_config, role_defaults
 from dlmc.engine.events import BlockEvent, DecodeOutput, RoundEvent
-from dlmc.engine.kv_layout import paged_cache_problem
 from dlmc.errors import ConfigError, DlmcError
+from dlmc.kv.attention import MaskedAttention, block_causal_mask
+from dlmc.kv.layout import paged_cache_problem
 from dlmc.kv.scales import resolve_kv_cache_dtype
 from dlmc.loading.hub import resolve_model
 from dlmc.loading.loader import load_model, parse_dtype
@@ -48,6 +49,8 @@ class LLM:
     of the last round's flags while the block still has masks (a round that may end the block
     is read first), so the GPU does not idle between rounds; the same rounds and tokens as
     without (default True).
+    `kernels`: the kernel choices (`KernelConfig`: attention backend, programmatic dependent
+    launch, deterministic compilation); the defaults are the fastest measured.
     """
 
     def __init__(
@@ -63,6 +66,7 @@ class LLM:
         kv_cache_dtype: str = "auto",
         refresh: str = "fused",
         lookahead: bool = True,
+        kernels: KernelConfig | None = None,
     ) -> None:
         role_defaults(role)  # validates the role
         self.model_id = os.fspath(model)
@@ -70,11 +74,15 @@ class LLM:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = parse_dtype(dtype, self.device)
         self.role = role
-        loaded = load_model(self.model_dir, self.device, self.dtype, precision, show_progress)
+        if kernels is not None and not isinstance(kernels, KernelConfig):
+            raise ConfigError(f"kernels={kernels!r}: expected a dlmc.KernelConfig")
+        self.kernels = kernels or KernelConfig()
+        loaded = load_model(self.model_dir, self.device, self.dtype, precision, show_progress,
+                            self.kernels)
         self.config, self.model, self.precision = loaded.config, loaded.model, loaded.precision
         self.kv_scales = loaded.kv_scales
         if self.device.type == "cuda":  # one grouped kernel pair for routed + shared experts
-            fuse_shared_experts(self.model)  # (NVFP4 too unless DLMC_NVFP4_SHARED=separate)
+            fuse_shared_experts(self.model)
             fuse_gate_up_projections(self.model)  # one GEMM for gate + up of dense MLPs
         self.mode = mode or ("graph" if self.device.type == "cuda" else "eager")
         declares_fp8 = loaded.declares_fp8_kv and not paged_cache_problem(
@@ -97,7 +105,7 @@ class LLM:
             self.model, self.special_ids.mask_token_id, self.special_ids.eos_token_id,
             self.max_context, self.device, self.dtype, mode=self.mode,
             kv_cache_dtype=self.kv_cache_dtype, kv_scales=self.kv_scales, refresh=refresh,
-            lookahead=lookahead,
+            lookahead=lookahead, kernels=self.kernels,
         )
 
     # -- tokenizer -------------------------------------------------------------------------
@@ -270,6 +278,7 @@ class LLM:
             "kv_cache_dtype": self.kv_cache_dtype,
             "refresh": self._decoder.refresh,
             "lookahead": self._decoder.lookahead,
+            "kernels": self.kernels.to_dict(),
             "self_conditioning_active": False,
             "mask_token_id": self.special_ids.mask_token_id,
             "eos_token_id": self.special_ids.eos_token_id,

@@ -49,7 +49,7 @@ def test_uniform_routing_and_touched_bytes_with_the_shared_expert_fused(tiny_dir
         touched_bytes,
         use_uniform_routing,
     )
-    from dlmc.engine.attention import MaskedAttention, block_causal_mask
+    from dlmc.kv.attention import MaskedAttention, block_causal_mask
     from dlmc.loading.loader import load_model
     from dlmc.models.moe import MoEBlock, fuse_shared_experts
 
@@ -81,73 +81,6 @@ def test_uniform_routing_and_touched_bytes_with_the_shared_expert_fused(tiny_dir
         torch.testing.assert_close(model(tokens, positions, MaskedAttention(mask)), want,
                                    rtol=1e-5, atol=1e-5)
     assert touched_bytes(model, tokens, positions, prefix=48) == before
-
-
-def test_uniform_routing_through_the_fused_route_align_path(tiny_dir, monkeypatch):
-    """The CUDA code path (Triton's interpreter on CPU): FixedRouter routes and aligns through
-    `route_align`, so a bench round with `DLMC_FUSED_ROUTE_ALIGN=on` (or `last`) gives the
-    outputs and the bytes of the two-launch path, with and without the shared expert fused;
-    `touched_bytes` counts the experts' ids whichever router path made them."""
-    import torch
-
-    import dlmc.custom_ops.moe_route_align as fused_module
-    import dlmc.models.moe as moe
-    from dlmc.bench.round_bench import FixedRouter, touched_bytes, use_uniform_routing
-    from dlmc.engine.attention import MaskedAttention, block_causal_mask
-    from dlmc.loading.loader import load_model
-    from dlmc.models.moe import fuse_shared_experts
-
-    monkeypatch.setattr(moe, "_kernel_path", lambda x: True)
-    calls = []
-    op = fused_module._moe_route_align_op
-    monkeypatch.setattr(fused_module, "_moe_route_align_op", lambda *a: calls.append(a) or op(*a))
-    import dlmc.bench.round_bench as round_bench
-
-    model = load_model(tiny_dir, torch.device("cpu"), torch.bfloat16).model
-    use_uniform_routing(model, max_tokens=64, seed=0, align_tokens=(16,))
-    blocks = [m for m in model.modules() if isinstance(m, moe.MoEBlock)]
-    assert blocks and all(isinstance(b.gate, FixedRouter) for b in blocks)
-    aligned = []  # alignments made in a forward: none for the prepared 16-token blocks
-    route_pairs = round_bench.route_pairs
-    monkeypatch.setattr(round_bench, "route_pairs", lambda *a: aligned.append(a) or route_pairs(*a))
-    tokens, positions = torch.arange(16), torch.arange(48, 64)
-    mask = block_causal_mask(positions, positions, 16, torch.bfloat16)
-
-    def run(switch: str) -> tuple[torch.Tensor, tuple[int, float]]:
-        for block in blocks:
-            block.route_align = switch
-        with torch.inference_mode():
-            logits = model(tokens, positions, MaskedAttention(mask))
-        return logits, touched_bytes(model, tokens, positions, prefix=48)
-
-    for fuse_shared in (False, True):
-        if fuse_shared:
-            assert fuse_shared_experts(model) == len(blocks)
-        calls.clear()
-        fused, fused_bytes = run("on")
-        assert len(calls) == 2 * len(blocks)  # the forward and touched_bytes' forward
-        two_launches, two_launch_bytes = run("off")
-        assert len(calls) == 2 * len(blocks)  # "off": no fused launch
-        assert torch.equal(fused, two_launches)
-        assert fused_bytes == two_launch_bytes and fused_bytes[1] > 0
-        last, last_bytes = run("last")  # the model router's launch with the block's ticket
-        assert torch.equal(last, two_launches) and last_bytes == two_launch_bytes
-        assert all(b.route_ticket.tolist() == [0] for b in blocks)
-        assert not aligned
-        if fuse_shared:  # compiled once (Inductor on CPU is the slow part): the fused model
-            compiled = torch.compile(model, fullgraph=True)  # each switch its own graph
-            outputs = {}
-            for switch in ("off", "on", "last"):
-                for block in blocks:
-                    block.route_align = switch
-                with torch.inference_mode():
-                    outputs[switch] = compiled(tokens, positions, MaskedAttention(mask))
-            assert torch.equal(outputs["on"], outputs["off"])
-            assert torch.equal(outputs["last"], outputs["off"])
-            assert not aligned  # "on" took the prepared alignment (the experts align for "off")
-        fixed_ids = blocks[0].gate.ids[:16]
-        assert fused_bytes[1] == sum(b.gate.ids[:16].unique().numel() for b in blocks) / len(
-            blocks) and fixed_ids.shape == (16, model.config.num_experts_per_tok)
 
 
 def test_in_flight_times_time_rounds_that_ran(tiny_bf16):

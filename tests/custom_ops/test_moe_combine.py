@@ -63,7 +63,7 @@ def test_fuzz_against_reference(tokens: int, top_k: int, hidden: int, shared: bo
                                 spread: int, seed: int) -> None:
     y, w = make_case(tokens, top_k, hidden, shared, seed, spread)
     assert_combined(moe_combine(y, w, shared), y, w, shared)
-    assert_combined(combine_pointwise(y, w, shared), y, w, shared)  # DLMC_MOE_COMBINE=outside
+    assert_combined(combine_pointwise(y, w, shared), y, w, shared)  # compiled rounds' form
 
 
 @pytest.mark.parametrize("shared", [False, True])

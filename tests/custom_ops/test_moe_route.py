@@ -107,7 +107,7 @@ def test_ties_go_to_the_lower_index_in_descending_order() -> None:
 
 def test_negative_biased_scores_and_their_ties_keep_the_order() -> None:
     # Biased scores all below zero (sigmoid - 3, no -inf): negative values ordered by value
-    # (session 40's order keys had to flip their bits), equal logits tied to the lower index.
+    # (order keys of such values must flip their bits), equal logits tied to the lower index.
     gen = torch.Generator().manual_seed(3)
     logits = torch.randint(-3, 4, (9, 64), generator=gen).float().to(DEVICE) / 2  # many ties
     expert_bias = torch.full((64,), -3.0, device=DEVICE)

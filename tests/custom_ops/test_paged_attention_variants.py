@@ -150,11 +150,3 @@ def test_default_variant_by_cache_type() -> None:
         assert default_variant(dtype, head_dim, device) == DEFAULT_VARIANT
         assert DEFAULT_VARIANT.split_order == "contiguous"
 
-
-def test_attention_variant_override_names_the_variable() -> None:
-    from dlmc.custom_ops._paged_attention_launch import _variant_override
-
-    assert _variant_override(None) is None and _variant_override("") is None
-    assert _variant_override("ilv32-bf16part") == SWEEP_VARIANTS["ilv32-bf16part"]
-    with pytest.raises(ConfigError, match="DLMC_ATTENTION_VARIANT='fastest'.*ilv32"):
-        _variant_override("fastest")

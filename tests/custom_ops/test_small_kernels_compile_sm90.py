@@ -6,17 +6,12 @@ routing kernels, the router and small-M GEMMs. As `test_kernels_compile_sm90.py`
 
 from __future__ import annotations
 
-from dlmc.custom_ops.moe_align import align_launch, route_block_m
 from dlmc.custom_ops.moe_route import moe_route_kernel
-from dlmc.custom_ops.moe_route_align import _num_warps, moe_route_align_kernel
-from dlmc.custom_ops.moe_route_last_align import moe_route_last_align_kernel
 from dlmc.custom_ops.qk_norm_rope import _qk_norm_rope_kernel
 from dlmc.custom_ops.qk_norm_rope_append import qk_norm_rope_append_kernel
 from dlmc.custom_ops.rope_tables import rope_tables_kernel
 from dlmc.custom_ops.router_gemm import _CONFIG as ROUTER_GEMM_CONFIG
 from dlmc.custom_ops.router_gemm import router_gemm_kernel, router_splits
-from dlmc.custom_ops.small_m_linear import _CONFIG as SMALL_M_LINEAR_CONFIG
-from dlmc.custom_ops.small_m_linear import _small_m_linear_kernel
 from dlmc.custom_ops.split_k_linear import _CONFIG as SPLIT_K_LINEAR_CONFIG
 from dlmc.custom_ops.split_k_linear import linear_splits
 
@@ -72,52 +67,6 @@ def check_moe_route(float_type: str, splits: int) -> None:
 
 
 # The arguments both fused routing kernels share (besides their token count or ticket).
-ROUTE_ALIGN_TYPES = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "ids_ptr": "*i64",
-                     "weights_ptr": "*fp32", "sorted_pair_ptr": "*i32",
-                     "expert_of_block_ptr": "*i32", "stride_split": "i32", "stride_logits": "i32",
-                     "routed_scaling_factor": "fp64", "shared_expert": "i32"}
-
-
-def check_moe_route_align(tokens: int, splits: int, shared_expert: bool) -> None:
-    """One program for the whole block at LLaDA2.1-mini's routing (E 256, top-8 of 4 groups)."""
-    types = ROUTE_ALIGN_TYPES | {"num_tokens": "i32"}
-    block_m = route_block_m(tokens, 8, 256, shared_expert)
-    align_constants, align_warps = align_launch(tokens, 8, 256, block_m, shared_expert)
-    compiled = compile_sm90(moe_route_align_kernel, types, {
-        "TOKENS_PAD": 1 << (tokens - 1).bit_length(), "NUM_SPLITS": splits, "NUM_EXPERTS": 256,
-        "GROUP_SIZE": 32, "GROUPS_PAD": 8, "GROUP_PAD": 32, "TOPK_GROUP": 4, "TOP_K": 8,
-        "TOP_K_PAD": 8, "NORM_TOPK_PROB": True, **align_constants},
-        _num_warps(tokens, 256, 8, align_warps))
-    assert compiled.metadata.shared <= 48 * 1024  # one program, no opt-in shared memory needed
-    assert "bar.sync" in compiled.asm["ptx"]  # the barrier between routing and the sort
-
-
-def check_moe_route_last_align(tokens: int, splits: int, shared_expert: bool) -> None:
-    """Per-token programs whose last aligns: the ticket is one acquire-release atomic at GPU
-    scope (LLaDA2.1-mini's routing)."""
-    types = ROUTE_ALIGN_TYPES | {"ticket_ptr": "*i32"}
-    block_m = route_block_m(tokens, 8, 256, shared_expert)
-    align_constants, align_warps = align_launch(tokens, 8, 256, block_m, shared_expert)
-    compiled = compile_sm90(moe_route_last_align_kernel, types, {
-        "NUM_SPLITS": splits, "NUM_EXPERTS": 256, "GROUP_SIZE": 32, "GROUPS_PAD": 8,
-        "GROUP_PAD": 32, "TOPK_GROUP": 4, "TOP_K": 8, "TOP_K_PAD": 8, "NORM_TOPK_PROB": True,
-        **align_constants}, align_warps)
-    ptx = compiled.asm["ptx"]
-    assert ptx.count("atom.global.gpu.acq_rel.add") == 1, "one ticket per program"
-    assert compiled.metadata.shared <= 48 * 1024
-
-
-def check_small_m_linear() -> None:
-    types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "y_ptr": "*bf16", "tokens": "i32",
-             "stride_x": "i32", "stride_y": "i32"}
-    block_n, block_k, num_warps, _ = SMALL_M_LINEAR_CONFIG
-    for block_t in (16, 32, 64):
-        compiled = compile_sm90(_small_m_linear_kernel, types, {
-            "N": 3072, "K": 2048, "BLOCK_T": block_t, "BLOCK_N": block_n, "BLOCK_K": block_k,
-            "INTERPRETED": False}, num_warps)
-        assert "mma" in compiled.asm["ptx"]  # BF16 tensor cores
-
-
 def check_router_gemm() -> None:
     """The router's fp32 GEMM on BF16 tensor cores: three mma per tile, no TF32."""
     types = {"x_ptr": "*bf16", "w_ptr": "*fp32", "part_ptr": "*fp32", "tokens": "i32",
@@ -147,18 +96,11 @@ def test_small_kernels_compile_for_sm90() -> None:
 if __name__ == "__main__":
     check_qk_norm_rope("fp64", 0)  # Inductor passes Python floats as fp64
     check_qk_norm_rope("fp32", 0)
-    check_qk_norm_rope("fp64", 4)  # qkv from split_k_linear (DLMC_QKV_SPLIT_K=1)
+    check_qk_norm_rope("fp64", 4)  # qkv from split_k_linear
     check_rope_tables()
     check_qk_norm_rope_append("fp64", "*fp8e4nv", 0)  # as Inductor calls it
     check_qk_norm_rope_append("fp32", "*bf16", 0)
     check_qk_norm_rope_append("fp64", "*fp8e4nv", 4)
     check_moe_route("fp64", 1)
     check_moe_route("fp32", 8)  # router_gemm's split-K partials
-    check_moe_route_align(32, 1, shared_expert=False)  # a diffusion block, cuBLAS logits
-    check_moe_route_align(32, 8, shared_expert=True)  # router_gemm's partials, shared fused
-    check_moe_route_align(64, 8, shared_expert=True)  # the largest one-program block
-    check_moe_route_align(1, 8, shared_expert=False)
-    check_moe_route_last_align(32, 8, shared_expert=True)
-    check_moe_route_last_align(64, 1, shared_expert=False)
     check_router_gemm()
-    check_small_m_linear()

@@ -96,73 +96,67 @@ def test_compile_and_cuda_graph_replay() -> None:
         assert torch.equal(replayed, eager)
 
 
-def test_switch_applies_to_o_proj_and_dense_down_only() -> None:
-    """DLMC_SMALL_M_GEMM=splitk: qkv and the dense MLP's gate/up stay cuBLAS (`wide_gemm`);
-    CPU tensors always take F.linear."""
-    from dlmc.models.layers import linear, wide_gemm
+def test_split_k_or_linear_takes_only_small_bf16_cuda_blocks() -> None:
+    """`split_k_or_linear` is `F.linear` for CPU tensors; `takes_split_k` wants a bf16 CUDA
+    `[T <= 64, K]`."""
+    from dlmc.models.layers import split_k_or_linear, takes_split_k
 
-    assert wide_gemm("splitk") == "cublas"
-    assert wide_gemm("triton") == "triton" and wide_gemm("cublas") == "cublas"
     x, weight = make_case(3, 16, 32, 2)
-    torch.testing.assert_close(linear(x.cpu(), weight.cpu(), "splitk"),
+    torch.testing.assert_close(split_k_or_linear(x.cpu(), weight.cpu()),
                                F.linear(x.cpu(), weight.cpu()))
+    assert not takes_split_k(x.cpu())
+    if torch.cuda.is_available():
+        assert takes_split_k(x.cuda().bfloat16())
+        assert not takes_split_k(x.cuda().float())
+        assert not takes_split_k(torch.zeros(65, 16, device="cuda", dtype=torch.bfloat16))
+
+
+def _patch_cublas(monkeypatch) -> None:
+    """Every projection through F.linear (cuBLAS), as if no block took split-K."""
+    import dlmc.models.layers as layers
+    import dlmc.models.llada2 as llada2
+
+    for module in (layers, llada2):
+        monkeypatch.setattr(module, "takes_split_k", lambda x: False)
 
 
 @pytest.mark.gpu
-def test_tiny_model_logits_and_graph_tokens_with_split_k(tiny_dir, monkeypatch) -> None:
-    """The tiny LLaDA2 model with DLMC_SMALL_M_GEMM=splitk: logits within bf16 rounding of
-    cuBLAS's (sums in another order), and graph-mode generation replays itself."""
-    import dlmc.models.layers as layers
-    from dlmc import LLM
-
-    shapes = []  # the weights that went through split_k_linear (recorded while tracing)
-    op = layers.split_k_linear
-    monkeypatch.setattr(layers, "split_k_linear",
-                        lambda x, w: shapes.append(tuple(w.shape)) or op(x, w))
-    logits, tokens = {}, {}
-    monkeypatch.setenv("DLMC_QKV_SPLIT_K", "0")  # qkv in cuBLAS (its partials: below)
-    for switch in ("cublas", "splitk"):
-        monkeypatch.setenv("DLMC_SMALL_M_GEMM", switch)
-        llm = LLM(tiny_dir, device="cuda", dtype="bf16", mode="graph")
-        runs = [llm.generate(prompt="The capital of France is", max_new_tokens=32).token_ids
-                for _ in range(2)]
-        assert runs[0] == runs[1]
-        tokens[switch] = runs[0]
-        logits[switch] = llm.logits(list(range(40, 90)))
-        del llm
-    diff = (logits["splitk"] - logits["cublas"]).norm() / logits["cublas"].norm()
-    assert diff < 2e-2, diff
+@pytest.mark.parametrize("fixture", ["tiny_dir", "nvfp4_dir"])
+def test_tiny_model_logits_and_graph_tokens_with_split_k(fixture, request, monkeypatch) -> None:
+    """The tiny LLaDA2 model (BF16, and NVFP4 with the FP8 paged cache: qkv partials into
+    `qk_norm_rope_append`): qkv, o_proj and the dense down projection go through split-K;
+    logits within bf16 rounding of cuBLAS's (sums in another order), and graph-mode generation
+    replays itself."""
     import json
     from pathlib import Path
 
-    cfg = json.loads((Path(tiny_dir) / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    o_proj = (cfg["hidden_size"], cfg["num_attention_heads"] * head_dim)
-    qkv_rows = (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * head_dim
-    assert o_proj in shapes and all(rows != qkv_rows for rows, _ in shapes), shapes
-
-
-@pytest.mark.gpu
-def test_tiny_nvfp4_model_with_qkv_partials(nvfp4_dir, monkeypatch) -> None:
-    """`DLMC_QKV_SPLIT_K=1` on the tiny NVFP4 model with the FP8 paged cache (the round's path:
-    qkv partials into `qk_norm_rope_append`): every layer's qkv goes through split-K, logits
-    within bf16 rounding of the bf16 qkv's, graph-mode generation replays itself."""
+    import dlmc.models.layers as layers
     import dlmc.models.llada2 as llada2
-    from dlmc import LLM
+    from dlmc.api import LLM
 
-    shapes = []
-    op = llada2.split_k_linear
-    monkeypatch.setattr(llada2, "split_k_linear",
-                        lambda x, w: shapes.append(tuple(w.shape)) or op(x, w))
+    model_dir = request.getfixturevalue(fixture)
+    shapes = []  # the weights that went through split_k_linear (recorded while tracing)
+    for module in (layers, llada2):
+        op = module.split_k_linear
+        monkeypatch.setattr(module, "split_k_linear",
+                            lambda x, w, op=op: shapes.append(tuple(w.shape)) or op(x, w))
     logits = {}
-    for switch in ("0", "1"):
-        monkeypatch.setenv("DLMC_QKV_SPLIT_K", switch)
-        llm = LLM(nvfp4_dir, device="cuda", precision="nvfp4", mode="graph")
+    for split in (True, False):
+        if not split:
+            _patch_cublas(monkeypatch)
+            shapes.clear()
+        llm = LLM(model_dir, device="cuda", mode="graph")
         runs = [llm.generate(prompt_token_ids=list(range(60, 110)), max_new_tokens=32).token_ids
                 for _ in range(2)]
         assert runs[0] == runs[1]
-        logits[switch] = llm.logits(list(range(40, 90)))
+        logits[split] = llm.logits(list(range(40, 90)))
         del llm
-        assert bool(shapes) == (switch == "1")
-    diff = (logits["1"] - logits["0"]).norm() / logits["0"].norm()
+        if split:
+            cfg = json.loads((Path(model_dir) / "config.json").read_text())
+            head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+            o_proj = (cfg["hidden_size"], cfg["num_attention_heads"] * head_dim)
+            qkv_rows = (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * head_dim
+            assert o_proj in shapes and any(rows == qkv_rows for rows, _ in shapes), shapes
+    assert not shapes  # the cuBLAS run took no split-K
+    diff = (logits[True] - logits[False]).norm() / logits[False].norm()
     assert diff < 2e-2, diff

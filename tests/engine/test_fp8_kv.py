@@ -5,8 +5,7 @@ import torch
 
 from dlmc import LLM
 from dlmc.errors import ConfigError
-from dlmc.graphs.paged_round_attention import PagedRoundAttention
-from dlmc.graphs.static_attention import StaticCacheAttention
+from dlmc.kv.round_attention import PagedRoundAttention, StaticCacheAttention
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +97,8 @@ def test_fp8_needs_bf16_activations(tiny_dir):
 
 @pytest.mark.gpu
 def test_fp8_cache_in_graph_rounds_matches_eager_on_cuda(tiny_dir):
-    # Reproduces the H200 crash of an FP8 paged cache inside compiled, captured rounds
-    # (perf/results/round_nvfp4_fp8_h200_crash.txt), fixed by per-layer cache allocations.
+    # An FP8 paged cache inside compiled, captured rounds (one allocation per layer: a write
+    # into a view of one pool made Inductor copy the whole pool, and crashed).
     kwargs = {"prompt_token_ids": list(range(50, 120)), "max_new_tokens": 64}
     results = {mode: LLM(tiny_dir, device="cuda", kv_cache_dtype="fp8", mode=mode).generate(
         **kwargs) for mode in ("compile", "graph")}

@@ -1,23 +1,14 @@
 """The round function: eager and compiled give identical tokens; compiled with fullgraph=True
 (which fails on any host sync or graph break inside the round)."""
 
-import hashlib
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
+from dlmc.custom_ops.kernel_config import KernelConfig
 from dlmc.engine.block_decoder import BlockDecoder
 from dlmc.engine.decode_config import DecodeConfig
 from dlmc.errors import ConfigError
-from dlmc.graphs.runner import (
-    RoundRunner,
-    compile_options,
-    inductor_cache_dir,
-    kernel_switches,
-)
+from dlmc.graphs.runner import RoundRunner
 from dlmc.kv.paged_cache import KVCacheConfig, PagedKVCache
 
 
@@ -172,69 +163,14 @@ def test_graph_replay_with_the_shared_expert_fused_on_cuda(tiny_dir):
     assert results["graph"].token_ids == results["compile"].token_ids
 
 
-def test_compile_options_from_the_environment(monkeypatch):
-    monkeypatch.delenv("DLMC_MAX_AUTOTUNE_GEMM", raising=False)
-    monkeypatch.delenv("DLMC_UNROLL_REDUCTIONS", raising=False)
-    monkeypatch.delenv("DLMC_DETERMINISTIC_COMPILE", raising=False)
-    monkeypatch.delenv("DLMC_INDUCTOR_PDL", raising=False)
-    monkeypatch.delenv("TORCHINDUCTOR_ENABLE_PDL", raising=False)
-    assert compile_options() == {"unroll_reductions_threshold": 8, "triton.enable_pdl": True}
-    monkeypatch.setenv("DLMC_MAX_AUTOTUNE_GEMM", "1")
-    monkeypatch.setenv("DLMC_UNROLL_REDUCTIONS", "16")
-    monkeypatch.setenv("DLMC_INDUCTOR_PDL", "0")
-    assert compile_options() == {"max_autotune_gemm": True, "unroll_reductions_threshold": 16,
-                                 "triton.enable_pdl": False}
-    monkeypatch.setenv("TORCHINDUCTOR_ENABLE_PDL", "1")  # the user's own switch stands
-    assert "triton.enable_pdl" not in compile_options()
-    monkeypatch.setenv("DLMC_INDUCTOR_PDL", "on")
-    with pytest.raises(ConfigError, match="DLMC_INDUCTOR_PDL='on'"):
-        compile_options()
-    monkeypatch.setenv("DLMC_INDUCTOR_PDL", "1")
-    monkeypatch.setenv("DLMC_MAX_AUTOTUNE_GEMM", "yes")
-    with pytest.raises(ConfigError, match="DLMC_MAX_AUTOTUNE_GEMM='yes'"):
-        compile_options()
-    monkeypatch.setenv("DLMC_MAX_AUTOTUNE_GEMM", "0")
-    for bad in ("0", "x", "65"):
-        monkeypatch.setenv("DLMC_UNROLL_REDUCTIONS", bad)
-        with pytest.raises(ConfigError, match=f"DLMC_UNROLL_REDUCTIONS='{bad}'"):
-            compile_options()
-
-
-
-def test_deterministic_compile_switch(monkeypatch):
-    """DLMC_DETERMINISTIC_COMPILE=1 turns on Inductor's deterministic mode, an option this torch
-    has and that changes Inductor's cache key (so it also gets its own cache directory)."""
-    monkeypatch.delenv("DLMC_MAX_AUTOTUNE_GEMM", raising=False)
-    monkeypatch.delenv("DLMC_UNROLL_REDUCTIONS", raising=False)
-    monkeypatch.delenv("TORCHINDUCTOR_ENABLE_PDL", raising=False)
-    monkeypatch.setenv("DLMC_DETERMINISTIC_COMPILE", "1")
-    options = compile_options()
-    assert options == {"unroll_reductions_threshold": 8, "deterministic": True,
-                       "triton.enable_pdl": True}
-    # every option is one this torch's Inductor has (a dotted name: a sub-config's field)
-    for name in options:
-        config = torch._inductor.config
-        *parents, field = name.split(".")
-        for parent in parents:
-            config = getattr(config, parent)
-        assert hasattr(config, field), name
-    assert "DLMC_DETERMINISTIC_COMPILE=1" in kernel_switches()
-    monkeypatch.setenv("DLMC_DETERMINISTIC_COMPILE", "on")
-    with pytest.raises(ConfigError, match="DLMC_DETERMINISTIC_COMPILE='on'"):
-        compile_options()
-
-
-def _paged_decode(llm, monkeypatch, fused: str, rope_append: str = "off"):
-    """A paged FP8 decode of the tiny model on the Triton backend (the interpreter on CPU) with
-    DLMC_FUSED_KV_APPEND=`fused` and DLMC_ROPE_KV_APPEND=`rope_append`: a prefill, a round,
-    and a round fused with the refresh."""
-    monkeypatch.setenv("DLMC_FUSED_KV_APPEND", fused)
-    monkeypatch.setenv("DLMC_ROPE_KV_APPEND", rope_append)
-    monkeypatch.setattr("dlmc.kv.paged_cache.default_backend", lambda device: "triton")
+def _paged_decode(llm, fused: bool, rope_append: bool = False):
+    """A paged FP8 decode of the tiny model on the Triton backend (the interpreter on CPU), its
+    K/V stored by the attention's kernel (`fused`), by the norm/rope launch (`rope_append`) or
+    by `kv_append`: a prefill, a round, and a round fused with the refresh."""
     dec = BlockDecoder(llm.model, llm.special_ids.mask_token_id, llm.special_ids.eos_token_id,
-                       64, torch.device("cpu"), torch.bfloat16, kv_cache_dtype="fp8")
-    assert dec.cache.backend == "triton" and dec.cache.fused_append == (fused == "on")
-    assert dec.cache.rope_append == (fused != "on" and rope_append == "on")
+                       64, torch.device("cpu"), torch.bfloat16, kv_cache_dtype="fp8",
+                       kernels=KernelConfig(attention_backend="triton"))
+    _store_kv(dec.cache, fused, rope_append)
     cfg = DecodeConfig(algorithm="threshold", threshold=0.9, steps=1, block_length=8,
                        max_new_tokens=16)  # one round per block
     gen = dec.decode(list(range(60, 68)), cfg, rounds=True)
@@ -244,6 +180,13 @@ def _paged_decode(llm, monkeypatch, fused: str, rope_append: str = "off"):
             events.append(next(gen))
         except StopIteration as stop:
             return stop.value, events, dec.cache
+
+
+def _store_kv(cache: PagedKVCache, fused: bool, rope_append: bool) -> None:
+    """Where the cache's rounds store K/V: the attention's kernel, the norm/rope launch, or
+    `kv_append` (the cache picks one by its dtype; tests try each)."""
+    assert cache.backend == "triton"
+    cache.fused_append, cache.rope_append = fused, rope_append and not fused
 
 
 def _assert_same_decode(mine, theirs) -> None:
@@ -262,14 +205,14 @@ def test_fused_kv_append_rounds_match_the_separate_append(tiny_dir, monkeypatch)
     from dlmc import LLM
 
     llm = LLM(tiny_dir, device="cpu", dtype="bf16")
-    fused = _paged_decode(llm, monkeypatch, "on")
-    separate = _paged_decode(llm, monkeypatch, "off")
+    fused = _paged_decode(llm, fused=True)
+    separate = _paged_decode(llm, fused=False)
     assert fused[0].fused_rounds == 1
     _assert_same_decode(fused, separate)
 
 
 def test_rope_kv_append_rounds_match_the_separate_append(tiny_dir, monkeypatch):
-    """With DLMC_ROPE_KV_APPEND=on (the FP8 default) the K/V stored by the norm/rope launch
+    """The K/V stored by the norm/rope launch (the FP8 default)
     (`qk_norm_rope_append`) give the tokens, round events and FP8 cache bytes of
     qk_norm_rope + kv_append. On CPU the separate path's norm/rope is the eager reference (the
     kernel only runs on CUDA), so both runs take the Triton `qk_norm_rope` maths here, as on the
@@ -288,98 +231,28 @@ def test_rope_kv_append_rounds_match_the_separate_append(tiny_dir, monkeypatch):
     monkeypatch.setattr("dlmc.models.llada2.qk_norm_rope_reference", qk_norm_rope)
     llm = LLM(tiny_dir, device="cpu", dtype="bf16")
     layers = llm.model.config.num_hidden_layers
-    folded = _paged_decode(llm, monkeypatch, "off", rope_append="on")
+    folded = _paged_decode(llm, fused=False, rope_append=True)
     assert calls["append"] == 3 * layers  # every forward, every layer
-    separate = _paged_decode(llm, monkeypatch, "off", rope_append="off")
+    separate = _paged_decode(llm, fused=False, rope_append=False)
     assert calls["append"] == 3 * layers
     _assert_same_decode(folded, separate)
 
 
 @pytest.mark.gpu
-def test_fused_kv_append_graph_rounds_match_the_separate_append_on_cuda(tiny_dir, monkeypatch):
-    """On CUDA, compiled + graph-replayed rounds with DLMC_FUSED_KV_APPEND on and off: the
-    same tokens (the op writes kv_append's bytes; the attention output is unchanged)."""
-    from dlmc import LLM
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "bf16"])
+def test_kv_stores_give_the_same_graph_rounds_on_cuda(tiny_dir, kv_cache_dtype):
+    """On CUDA, compiled + graph-replayed rounds with the K/V stored by the attention's kernel,
+    by the norm/rope launch and by `kv_append`: the same tokens (each writes kv_append's
+    bytes; the attention output is unchanged)."""
+    from dlmc.api import LLM
 
     kwargs = {"prompt_token_ids": list(range(50, 111)), "max_new_tokens": 70}
     results = {}
-    for fused in ("on", "off"):
-        monkeypatch.setenv("DLMC_FUSED_KV_APPEND", fused)
-        for kv_cache_dtype in ("fp8", "bf16"):
-            llm = LLM(tiny_dir, device="cuda", dtype="bf16", mode="graph",
-                      kv_cache_dtype=kv_cache_dtype)
-            assert llm._decoder.cache.fused_append == (fused == "on")
-            results[fused, kv_cache_dtype] = llm.generate(**kwargs)
-    for kv_cache_dtype in ("fp8", "bf16"):
-        on, off = results["on", kv_cache_dtype], results["off", kv_cache_dtype]
-        assert on.token_ids == off.token_ids and on.num_forwards == off.num_forwards
-
-
-@pytest.mark.gpu
-def test_rope_kv_append_graph_rounds_match_the_separate_append_on_cuda(tiny_dir, monkeypatch):
-    """On CUDA, compiled + graph-replayed FP8 rounds with DLMC_ROPE_KV_APPEND on and off: the
-    same tokens (qk_norm_rope_append stores kv_append's bytes and returns qk_norm_rope's q/k/v)."""
-    from dlmc import LLM
-
-    monkeypatch.delenv("DLMC_FUSED_KV_APPEND", raising=False)
-    kwargs = {"prompt_token_ids": list(range(50, 111)), "max_new_tokens": 70}
-    results = {}
-    for rope_append in ("on", "off"):
-        monkeypatch.setenv("DLMC_ROPE_KV_APPEND", rope_append)
-        llm = LLM(tiny_dir, device="cuda", dtype="bf16", mode="graph", kv_cache_dtype="fp8")
-        assert llm._decoder.cache.rope_append == (rope_append == "on")
-        results[rope_append] = llm.generate(**kwargs)
-    assert results["on"].token_ids == results["off"].token_ids
-    assert results["on"].num_forwards == results["off"].num_forwards
-def test_inductor_cache_dir_is_per_kernel_switches(monkeypatch, tmp_path):
-    """Switches that change the bodies of dlmc's ops get their own Inductor cache."""
-    for name in [k for k in os.environ if k.startswith("DLMC_")]:
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("DLMC_CACHE", str(tmp_path))
-    monkeypatch.setattr("dlmc.graphs.runner.USER_INDUCTOR_CACHE_DIR", None)  # the user's: none
-    dirs = []
-    for switches in ({}, {"DLMC_MOE_COMBINE": "inductor"}, {"DLMC_MOE_COMBINE": "triton"},
-                     {"DLMC_MOE_COMBINE": "triton", "DLMC_NVFP4_KERNEL": "v5"}):
-        for name in ("DLMC_MOE_COMBINE", "DLMC_NVFP4_KERNEL"):
-            monkeypatch.delenv(name, raising=False)
-        for name, value in switches.items():
-            monkeypatch.setenv(name, value)
-        # set by Inductor itself to its default: not the user's choice, replaced
-        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/torchinductor_default")
-        assert kernel_switches() == " ".join(f"{k}={v}" for k, v in sorted(switches.items()))
-        dirs.append(inductor_cache_dir())
-        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == dirs[-1]
-        assert dirs[-1].startswith(str(tmp_path))
-    assert dirs[0].endswith("inductor") and len(set(dirs)) == 4
-    monkeypatch.setattr("dlmc.graphs.runner.USER_INDUCTOR_CACHE_DIR", "/elsewhere")
-    assert inductor_cache_dir() == "/elsewhere" == os.environ["TORCHINDUCTOR_CACHE_DIR"]
-
-
-_IMPORT_RUNNER = """
-import os, sys
-import dlmc.graphs.runner as runner
-print(repr(runner.USER_INDUCTOR_CACHE_DIR))
-os.environ["DLMC_CACHE"] = sys.argv[1]
-print(runner.inductor_cache_dir())
-"""
-
-
-@pytest.mark.parametrize("user_dir", [None, "elsewhere"])
-def test_a_fresh_process_tells_the_users_cache_dir_from_inductors_default(tmp_path, user_dir):
-    """Importing torch._dynamo sets TORCHINDUCTOR_CACHE_DIR to Inductor's default before the
-    runner reads it: unset by the user, the process still gets dlmc's per-switch directory."""
-    env = {k: v for k, v in os.environ.items()
-           if k != "TORCHINDUCTOR_CACHE_DIR" and not k.startswith("DLMC_")}
-    if user_dir:
-        env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / user_dir)
-    env["DLMC_PDL"] = "opaque"
-    proc = subprocess.run([sys.executable, "-c", _IMPORT_RUNNER, str(tmp_path / "dlmc")],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    seen, used = proc.stdout.strip().splitlines()[-2:]
-    if user_dir:
-        assert seen == repr(str(tmp_path / user_dir)) and used == str(tmp_path / user_dir)
-    else:
-        assert seen == "None"
-        digest = hashlib.sha256(b"DLMC_PDL=opaque").hexdigest()[:12]
-        assert used == str(tmp_path / "dlmc" / f"inductor-{digest}")
+    for fused, rope_append in ((True, False), (False, True), (False, False)):
+        llm = LLM(tiny_dir, device="cuda", dtype="bf16", mode="graph",
+                  kv_cache_dtype=kv_cache_dtype)
+        _store_kv(llm._decoder.cache, fused, rope_append)
+        results[fused, rope_append] = llm.generate(**kwargs)
+    first = results[True, False]
+    for other in results.values():
+        assert other.token_ids == first.token_ids and other.num_forwards == first.num_forwards

@@ -6,9 +6,9 @@ a temperature alone it draws the Exp(1) noise eagerly and compiles the whole rou
 import pytest
 import torch
 
-from dlmc.engine.kv_cache import DenseKVCache
 from dlmc.graphs.round import fill_kv
 from dlmc.graphs.runner import RoundRunner
+from dlmc.kv.dense_cache import DenseKVCache
 
 BL = 16
 SAMPLING_ARGS = (0.7, 20, 0.95)  # temperature, top_k, top_p

@@ -165,30 +165,16 @@ def test_fused_append_matches_append_then_attend(dtype: Literal["bf16", "fp8"]) 
                                    rtol=0.02)
 
 
-def test_fused_append_switch_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """DLMC_FUSED_KV_APPEND: "auto" fuses BF16 caches on the Triton backend (FP8 measured slower
-    fused inside whole rounds), "on" both dtypes, "off" neither; the reference never fuses."""
-    monkeypatch.delenv("DLMC_FUSED_KV_APPEND", raising=False)
+def test_where_a_cache_stores_its_rounds_kv() -> None:
+    """BF16 caches on the Triton backend store K/V from the attention's kernel (one launch);
+    FP8 caches from the model's norm/rope launch (`rope_append_target`: the layer's pools,
+    table, prefix length and scales); the reference appends, then attends; a constructor's
+    `fused_append` wins."""
     assert make_cache("bf16", "triton").fused_append
     assert not make_cache("fp8", "triton").fused_append
     assert not make_cache("bf16", "reference").fused_append  # append, then attend
-    monkeypatch.setenv("DLMC_FUSED_KV_APPEND", "on")
-    assert make_cache("fp8", "triton").fused_append and make_cache("bf16", "triton").fused_append
-    assert not make_cache("fp8", "reference").fused_append
-    monkeypatch.setenv("DLMC_FUSED_KV_APPEND", "off")
-    assert not make_cache("bf16", "triton").fused_append
-    monkeypatch.setenv("DLMC_FUSED_KV_APPEND", "yes")
-    with pytest.raises(ConfigError,
-                       match="DLMC_FUSED_KV_APPEND='yes': expected one of auto, on, off"):
-        make_cache("fp8", "triton")
-
-
-def test_rope_append_switch_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """DLMC_ROPE_KV_APPEND ("on" by default): a Triton cache whose attention does not store the
-    K/V (FP8 by default) offers `qk_norm_rope_append` the layer's pools, table, prefix length
-    and scales; BF16 (fused), the reference backend and "off" offer nothing."""
-    monkeypatch.delenv("DLMC_FUSED_KV_APPEND", raising=False)
-    monkeypatch.delenv("DLMC_ROPE_KV_APPEND", raising=False)
+    assert make_cache("fp8", "triton", fused_append=True).fused_append
+    assert not make_cache("fp8", "reference", fused_append=True).fused_append
     cache = make_cache("fp8", "triton")
     assert cache.rope_append
     target = cache.rope_append_target(1)
@@ -199,8 +185,4 @@ def test_rope_append_switch_from_the_environment(monkeypatch: pytest.MonkeyPatch
     assert make_cache("bf16", "triton").rope_append_target(0) is None  # the attention stores
     assert make_cache("bf16", "triton", fused_append=False).rope_append
     assert not make_cache("fp8", "reference").rope_append
-    monkeypatch.setenv("DLMC_ROPE_KV_APPEND", "off")
-    assert make_cache("fp8", "triton").rope_append_target(0) is None
-    monkeypatch.setenv("DLMC_ROPE_KV_APPEND", "yes")
-    with pytest.raises(ConfigError, match="DLMC_ROPE_KV_APPEND='yes': expected one of on, off"):
-        make_cache("fp8", "triton")
+    assert make_cache("fp8", "reference").rope_append_target(0) is None

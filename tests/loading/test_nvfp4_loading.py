@@ -51,7 +51,6 @@ def test_fused_shared_expert_logits_match_unfused(nvfp4_dir, monkeypatch):
     from dlmc.bench.round_bench import touched_bytes
     from dlmc.models.moe import MoEBlock, fuse_shared_experts
 
-    monkeypatch.delenv("DLMC_NVFP4_SHARED", raising=False)
     ids = list(range(60, 110))
     llm = LLM(nvfp4_dir, device="cpu", dtype="bf16", precision="nvfp4")
     blocks = [m for m in llm.model.modules() if isinstance(m, MoEBlock)]
@@ -70,14 +69,15 @@ def test_fused_shared_expert_logits_match_unfused(nvfp4_dir, monkeypatch):
 
 @pytest.mark.gpu
 def test_fused_shared_expert_on_cuda_matches_separate(nvfp4_dir, monkeypatch):
-    """On CUDA LLM fuses the shared expert into the NVFP4 op by default (graph mode);
-    `DLMC_NVFP4_SHARED=separate` keeps today's cuBLAS SwiGLU: same logits up to bf16 rounding."""
+    """On CUDA LLM fuses the shared expert into the NVFP4 op (graph mode); the same model with
+    the shared expert left as its own cuBLAS SwiGLU gives the same logits up to bf16
+    rounding."""
+    import dlmc.api
     from dlmc.models.moe import MoEBlock
 
     ids = list(range(60, 110))
-    monkeypatch.delenv("DLMC_NVFP4_SHARED", raising=False)
     fused = LLM(nvfp4_dir, device="cuda", precision="nvfp4")
-    monkeypatch.setenv("DLMC_NVFP4_SHARED", "separate")
+    monkeypatch.setattr(dlmc.api, "fuse_shared_experts", lambda model: 0)
     separate = LLM(nvfp4_dir, device="cuda", precision="nvfp4")
     fused_ids = [m.shared_expert_id for m in fused.model.modules() if isinstance(m, MoEBlock)]
     assert fused_ids == [16, 16]
@@ -160,27 +160,3 @@ def graph_tokens_and_logits(model_dir) -> tuple[list[int], torch.Tensor]:
     llm = LLM(model_dir, device="cuda", precision="nvfp4", mode="graph")
     res = llm.generate(prompt_token_ids=list(range(60, 110)), max_new_tokens=64)
     return res.token_ids, llm.logits(res.prompt_token_ids + res.token_ids)
-
-
-def graph_results_by_switch(model_dir, monkeypatch, env: str, values: tuple[str, ...],
-                            module=None, attr: str | None = None) -> dict:
-    """`graph_tokens_and_logits` per value of the switch `env`: set in the environment (which
-    also gives each value its own Inductor cache directory) and, for a switch read at import,
-    as `module.attr`."""
-    results = {}
-    for value in values:
-        if module is not None:
-            monkeypatch.setattr(module, attr, value)
-        monkeypatch.setenv(env, value)
-        results[value] = graph_tokens_and_logits(model_dir)
-    return results
-
-
-@pytest.mark.gpu
-def test_nvfp4_generate_equal_with_fused_route_align_on_and_off(nvfp4_dir, monkeypatch):
-    """NVFP4 experts (shared expert separate) take dlmc::moe_route_align's alignment on CUDA in
-    graph mode: the same tokens and logits as with DLMC_FUSED_ROUTE_ALIGN=off."""
-    results = graph_results_by_switch(nvfp4_dir, monkeypatch, "DLMC_FUSED_ROUTE_ALIGN",
-                                      ("off", "on"))
-    assert results["on"][0] == results["off"][0]
-    assert torch.equal(results["on"][1], results["off"][1])

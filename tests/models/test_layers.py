@@ -1,13 +1,10 @@
-import pytest
 import torch
 
-from dlmc.errors import ConfigError
 from dlmc.models.layers import (
     RMSNorm,
     SwiGLUMLP,
     apply_partial_rope,
     fuse_gate_up_projections,
-    qkv_split_k,
     rope_cos_sin,
 )
 
@@ -67,15 +64,3 @@ def test_fused_gate_up_compiles_with_fullgraph():
     mlp.fuse_gate_up()
     compiled = torch.compile(mlp, fullgraph=True)
     torch.testing.assert_close(compiled(x), want, rtol=1e-5, atol=1e-5)
-
-
-def test_qkv_split_k_switch_defaults_on_and_names_bad_values(monkeypatch):
-    """qkv by split-K is the default (session 35); "0" turns it off; anything else is an error
-    that names the variable and the accepted values."""
-    monkeypatch.delenv("DLMC_QKV_SPLIT_K", raising=False)
-    assert qkv_split_k() is True
-    monkeypatch.setenv("DLMC_QKV_SPLIT_K", "0")
-    assert qkv_split_k() is False
-    monkeypatch.setenv("DLMC_QKV_SPLIT_K", "yes")
-    with pytest.raises(ConfigError, match="DLMC_QKV_SPLIT_K='yes'.*0.*1"):
-        qkv_split_k()

@@ -1,10 +1,9 @@
 """The model against an independent re-implementation of llada2.md §3 written from the doc."""
 
-import pytest
 import torch
 import torch.nn.functional as F
 
-from dlmc.engine.attention import MaskedAttention, block_causal_mask
+from dlmc.kv.attention import MaskedAttention, block_causal_mask
 
 
 def _rms(x, w, eps=1e-6):
@@ -136,71 +135,8 @@ def test_fused_shared_expert_logits_match_unfused(tiny_dir):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def _logits_by_switch(model_dir, device, fuse_shared):
-    """bf16 logits of the loaded tiny model with DLMC_FUSED_ROUTE_ALIGN=off, on and last."""
-    from dlmc.loading.loader import load_model
-    from dlmc.models.moe import MoEBlock, fuse_shared_experts
-
-    ids = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(4)).to(device)
-    pos = torch.arange(24, device=device)
-    mask = block_causal_mask(pos, pos, 16, torch.bfloat16)
-    loaded = load_model(model_dir, torch.device(device), torch.bfloat16)
-    if fuse_shared:
-        fuse_shared_experts(loaded.model)
-    blocks = [m for m in loaded.model.modules() if isinstance(m, MoEBlock)]
-    logits = {}
-    for switch in ("off", "on", "last"):
-        for block in blocks:
-            block.route_align = switch  # as read from the environment at construction
-        with torch.inference_mode():
-            logits[switch] = loaded.model(ids, pos, MaskedAttention(mask))
-    return logits
-
-
-def test_logits_equal_with_fused_route_align_on_and_off(tiny_dir, monkeypatch):
-    """DLMC_FUSED_ROUTE_ALIGN=on and =last vs off through the CUDA MoE path (Triton's
-    interpreter on CPU): routing in one launch changes no logit and so no token."""
-    import dlmc.custom_ops.moe_route_align as fused_module
-    import dlmc.custom_ops.moe_route_last_align as last_module
-    import dlmc.models.moe as moe
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    monkeypatch.setattr(moe, "_kernel_path", lambda x: True)
-    calls = {"on": [], "last": []}
-    for switch, module, name in (("on", fused_module, "_moe_route_align_op"),
-                                 ("last", last_module, "_moe_route_last_align_op")):
-        op = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, op=op, c=calls[switch]: c.append(a) or op(*a))
-    for fuse_shared in (False, True):
-        for c in calls.values():
-            c.clear()
-        logits = _logits_by_switch(tiny_dir, device, fuse_shared)
-        for switch in ("on", "last"):
-            assert len(calls[switch]) == 2  # the tiny model's two MoE layers, once each
-            assert calls[switch][0][-1] is fuse_shared  # shared_expert
-            assert torch.equal(logits[switch], logits["off"]), switch
-            assert torch.equal(logits[switch].argmax(-1), logits["off"].argmax(-1))
-
-
-@pytest.mark.gpu
-def test_generate_equal_with_fused_route_align_on_and_off(tiny_dir, monkeypatch):
-    """On CUDA in graph mode: the same tokens and logits with the switch on and off."""
-    from dlmc import LLM
-
-    results = {}
-    for switch in ("off", "on", "last"):
-        monkeypatch.setenv("DLMC_FUSED_ROUTE_ALIGN", switch)
-        llm = LLM(tiny_dir, device="cuda", dtype="bf16", mode="graph")
-        res = llm.generate(prompt="The capital of France is", max_new_tokens=64)
-        results[switch] = (res.token_ids, llm.logits(res.prompt_token_ids + res.token_ids))
-        del llm
-    for switch in ("on", "last"):
-        assert results[switch][0] == results["off"][0], switch
-        assert torch.equal(results[switch][1], results["off"][1]), switch
-
-
 def test_qkv_split_k_partials_reach_the_norm_rope(tiny_dir, monkeypatch):
-    """`DLMC_QKV_SPLIT_K=1`: every layer's qkv goes through `split_k_linear` and its fp32
+    """A block that takes split-K: every layer's qkv goes through `split_k_linear` and its fp32
     partials straight into the q/k norm + rope (summed there); bf16 logits within bf16
     rounding of the cuBLAS-style bf16 qkv. (On CPU the partials come from the Triton
     interpreter and are summed by the reference maths; the GPU kernels: test_split_k_linear.)"""
@@ -215,12 +151,9 @@ def test_qkv_split_k_partials_reach_the_norm_rope(tiny_dir, monkeypatch):
         want = loaded.model(ids, pos, MaskedAttention(mask))
     calls = []
     split = llada2.split_k_linear
-    monkeypatch.setattr(llada2, "takes_split_k", lambda x, gemm: True)  # as for CUDA x
+    monkeypatch.setattr(llada2, "takes_split_k", lambda x: True)  # as for CUDA x
     monkeypatch.setattr(llada2, "split_k_linear",
                         lambda x, w: calls.append(tuple(w.shape)) or split(x, w))
-    attentions = [m for m in loaded.model.modules() if isinstance(m, llada2.Attention)]
-    for attention in attentions:
-        attention.qkv_partials = True  # as read from the environment at construction
     with torch.inference_mode():
         got = loaded.model(ids, pos, MaskedAttention(mask))
     cfg = loaded.config

@@ -2,9 +2,7 @@ import pytest
 import torch
 
 from dlmc.custom_ops.moe_align import append_shared_column
-from dlmc.custom_ops.moe_route_align import moe_route_align
 from dlmc.custom_ops.router_gemm import router_gemm as moe_router_gemm
-from dlmc.errors import ConfigError
 from dlmc.loading.tiny import TINY_CONFIG
 from dlmc.models.config import LLaDA2Config
 from dlmc.models.moe import EXPERT_PROJECTIONS, BF16Experts, Router
@@ -17,11 +15,9 @@ def _router(**overrides):
     return cfg, router
 
 
-def _random_cublas_router(monkeypatch):
-    """(config, a Router on F.linear logits with random weights and bias, the test device)."""
-    monkeypatch.setenv("DLMC_ROUTER_GEMM", "cublas")
+def _random_router():
+    """(config, a Router with random weights and bias, the test device)."""
     cfg, router = _router()
-    assert router.gemm == "cublas"
     router.weight.data = torch.randn(cfg.num_experts, cfg.hidden_size) * 0.3
     router.expert_bias.normal_(0.0, 0.1)
     return cfg, router, "cuda" if torch.cuda.is_available() else "cpu"
@@ -61,7 +57,7 @@ def test_router_through_the_triton_op(monkeypatch):
     maths (what it runs on CPU): the same routing."""
     import dlmc.models.moe as moe
 
-    cfg, router, device = _random_cublas_router(monkeypatch)
+    cfg, router, device = _random_router()
     router, x = router.to(device), torch.randn(9, cfg.hidden_size).to(device)
     routed = {}
     for route in (moe.moe_route_reference, moe.moe_route):
@@ -74,43 +70,33 @@ def test_router_through_the_triton_op(monkeypatch):
 
 
 def test_router_split_gemm_routes_like_cublas(monkeypatch):
-    """DLMC_ROUTER_GEMM=triton: `dlmc::router_gemm` partials (CUDA, or Triton's interpreter on
-    CPU) summed by the routing; the same picks as `F.linear` logits (no near-ties here)."""
+    """`dlmc::router_gemm` partials (CUDA, or Triton's interpreter on CPU) summed by the
+    routing: the same picks as `F.linear` logits (no near-ties here)."""
     import dlmc.models.moe as moe
 
-    cfg, router, device = _random_cublas_router(monkeypatch)
+    cfg, router, device = _random_router()
     router, x = router.to(device), torch.randn(9, cfg.hidden_size).bfloat16().to(device)
+    monkeypatch.setattr(router, "_split_gemm", lambda x: False)
     want_ids, want_weights = router(x)
-    monkeypatch.setenv("DLMC_ROUTER_GEMM", "triton")
-    split = Router(cfg).to(device)
-    split.load_state_dict(router.state_dict())
+    monkeypatch.setattr(router, "_split_gemm", lambda x: True)  # as for a CUDA block
     calls = []
     monkeypatch.setattr(moe, "router_gemm", lambda *a: calls.append(a) or moe_router_gemm(*a))
-    ids, weights = split(x)
+    ids, weights = router(x)
     assert calls, "the split GEMM did not run"
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=0)
 
 
-def test_router_gemm_default_is_cuda_only(monkeypatch):
-    """DLMC_ROUTER_GEMM unset = "auto": the split GEMM for bf16 blocks on CUDA only, so CPU runs
-    (also under Triton's interpreter) keep F.linear; "triton" also takes the interpreter."""
-    import dlmc.models.moe as moe
-
-    monkeypatch.delenv("DLMC_ROUTER_GEMM", raising=False)
+def test_router_split_gemm_takes_small_bf16_cuda_blocks_only():
+    """The split GEMM runs for bf16 blocks of at most 64 tokens on CUDA; CPU runs (also under
+    Triton's interpreter), fp32 inputs and longer inputs keep F.linear."""
     cfg, router = _router()
-    assert router.gemm == "auto"
-    x = torch.randn(9, cfg.hidden_size).bfloat16()
-    monkeypatch.setattr(moe, "INTERPRETED", True)
-    assert not router._split_gemm(x)  # CPU tensor, auto
-    router.gemm = "triton"
-    assert router._split_gemm(x)  # the interpreter, asked for explicitly
-    assert not router._split_gemm(torch.randn(65, cfg.hidden_size).bfloat16())  # > 64 tokens
-    router.gemm = "cublas"
-    assert not router._split_gemm(x)
-    monkeypatch.setenv("DLMC_ROUTER_GEMM", "magic")
-    with pytest.raises(ConfigError, match="DLMC_ROUTER_GEMM='magic'"):
-        Router(cfg)
+    assert not router._split_gemm(torch.randn(9, cfg.hidden_size).bfloat16())  # CPU tensor
+    if torch.cuda.is_available():
+        assert router._split_gemm(torch.randn(9, cfg.hidden_size, device="cuda").bfloat16())
+        assert not router._split_gemm(torch.randn(9, cfg.hidden_size, device="cuda"))
+        assert not router._split_gemm(torch.randn(65, cfg.hidden_size,
+                                                  device="cuda").bfloat16())
 
 
 def test_random_model_keeps_the_router_weight_fp32():
@@ -121,8 +107,6 @@ def test_random_model_keeps_the_router_weight_fp32():
     gate = model.model.layers[cfg.first_k_dense_replace].mlp.gate
     assert gate.weight.dtype == gate.expert_bias.dtype == torch.float32
     assert 0.5 < gate.weight.std().item() * cfg.hidden_size**0.5 < 2.0  # like the parameters
-    ticket = model.model.layers[cfg.first_k_dense_replace].mlp.route_ticket  # runtime state
-    assert ticket.dtype == torch.int32 and ticket.tolist() == [0]
 
 
 def test_bf16_experts_match_per_token_loop():
@@ -267,7 +251,6 @@ def test_fused_nvfp4_shared_expert_matches_unfused(monkeypatch, use_reference):
     CUDA or under Triton's interpreter on CPU, or the reference): the unfused block's result up
     to the fp32 sum (it rounds the routed sum to bf16 and adds the shared output in bf16) and
     the GEMMs' summation order."""
-    monkeypatch.delenv("DLMC_NVFP4_SHARED", raising=False)
     cfg, block, x = _nvfp4_block(use_reference=use_reference)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the op compiled on a GPU
     block, x = block.to(device), x.to(device)
@@ -291,18 +274,15 @@ def test_fused_nvfp4_shared_expert_matches_unfused(monkeypatch, use_reference):
 
 @torch.no_grad()
 def test_nvfp4_combine_outside_matches_the_kernel(monkeypatch):
-    """`DLMC_MOE_COMBINE=outside`: the NVFP4 experts return the op's pair rows and sum them
+    """Where a round is compiled the NVFP4 experts return the op's pair rows and sum them
     with pointwise torch ops (for Inductor to fuse into the residual add and RMSNorm). Under the
     interpreter both sums round each product and each add in fp32 in pair order: the same
     values; compiled (fullgraph, AOT with the op's fake) too. Eager calls keep the kernel."""
     from dlmc.custom_ops import moe_combine
 
-    monkeypatch.delenv("DLMC_NVFP4_SHARED", raising=False)
     cfg, block, x = _nvfp4_block()
     assert block.fuse_shared_expert()
-    monkeypatch.setattr(moe_combine, "COMBINE", "triton")
     want = block(x)
-    monkeypatch.setattr(moe_combine, "COMBINE", "outside")
     calls, pointwise = [], moe_combine.combine_pointwise
     monkeypatch.setattr(moe_combine, "combine_pointwise",
                         lambda rows, *args: calls.append(rows.shape) or pointwise(rows, *args))
@@ -318,16 +298,14 @@ def test_nvfp4_combine_outside_matches_the_kernel(monkeypatch):
 @pytest.mark.gpu
 @torch.no_grad()
 def test_nvfp4_combine_outside_compiled_and_replayed_on_cuda(monkeypatch):
-    """`DLMC_MOE_COMBINE=outside` on CUDA: the NVFP4 block, the residual add and the RMSNorm
+    """On CUDA: the NVFP4 block, the residual add and the RMSNorm
     after it, compiled by Inductor (fullgraph) and replayed as a CUDA graph. The op's body runs
     no combine launch, and the block's output is the eager block's (the combine kernel) within
     one bf16 rounding (FMA contraction may differ); the sum and norm after it as close."""
-    from dlmc.custom_ops import moe_combine
     from dlmc.custom_ops import nvfp4_moe as op_module
     from dlmc.models.layers import rms_norm
     from tests.custom_ops.graph_capture import compile_and_capture
 
-    monkeypatch.delenv("DLMC_NVFP4_SHARED", raising=False)
     cfg, block, x = _nvfp4_block()
     assert block.fuse_shared_expert()
     block, x = block.cuda(), x.cuda()
@@ -341,9 +319,7 @@ def test_nvfp4_combine_outside_compiled_and_replayed_on_cuda(monkeypatch):
         return moe, h, rms_norm(h, weight, 1e-6)
 
     def check(got, x, residual):
-        monkeypatch.setattr(moe_combine, "COMBINE", "triton")
         moe, h, normed = (t.float() for t in layer(x, residual))  # eager: the combine kernel
-        monkeypatch.setattr(moe_combine, "COMBINE", "outside")
         got_moe, got_h, got_normed = (t.float() for t in got)
         assert ((got_moe - moe).abs() <= bf16_ulp(moe)).all()
         assert ((got_h - h).abs() <= bf16_ulp(h) + bf16_ulp(moe)).all()
@@ -351,7 +327,6 @@ def test_nvfp4_combine_outside_compiled_and_replayed_on_cuda(monkeypatch):
         bound = 2 * bf16_ulp(normed) + weight.float().abs() * rstd * 2 * bf16_ulp(moe)
         assert ((got_normed - normed).abs() <= bound).all()
 
-    monkeypatch.setattr(moe_combine, "COMBINE", "outside")
     launches = []
     combine_pairs = op_module.combine_pairs
     monkeypatch.setattr(op_module, "combine_pairs",
@@ -370,68 +345,3 @@ def test_nvfp4_combine_outside_compiled_and_replayed_on_cuda(monkeypatch):
 def bf16_ulp(t):
     """The bf16 spacing at each value of `t` (normal range)."""
     return torch.exp2(torch.floor(torch.log2(t.abs().clamp_min(2.0**-126))) - 7)
-
-
-def test_nvfp4_shared_expert_switch(monkeypatch):
-    """`DLMC_NVFP4_SHARED=separate` keeps today's SwiGLU module; a bad value names the variable."""
-    _, block, x = _nvfp4_block(use_reference=True)
-    want = block(x)
-    monkeypatch.setenv("DLMC_NVFP4_SHARED", "separate")
-    assert not block.fuse_shared_expert()
-    assert block.shared_experts is not None and block.shared_expert_id is None
-    assert torch.equal(block(x), want)
-    monkeypatch.setenv("DLMC_NVFP4_SHARED", "fuse")
-    with pytest.raises(ConfigError, match="DLMC_NVFP4_SHARED='fuse'"):
-        block.fuse_shared_expert()
-    monkeypatch.setenv("DLMC_NVFP4_SHARED", "fused")
-    assert block.fuse_shared_expert()
-
-
-def test_fused_route_align_switch(monkeypatch):
-    """DLMC_FUSED_ROUTE_ALIGN: "off" (default) never fuses, "on" fuses on CUDA only; bad values
-    name the variable. Read at construction."""
-    import dlmc.models.moe as moe
-
-    monkeypatch.delenv("DLMC_FUSED_ROUTE_ALIGN", raising=False)
-    _, block, x = _moe_block(torch.bfloat16)
-    monkeypatch.setattr(moe, "_kernel_path", lambda x: True)
-    assert block.route_align == "off" and not block._fuses_route_align(x)
-    monkeypatch.setenv("DLMC_FUSED_ROUTE_ALIGN", "on")
-    _, on, _ = _moe_block(torch.bfloat16)
-    assert on.route_align == "on"
-    assert on._fuses_route_align(x)  # BF16Experts takes a routing for bf16 kernel inputs
-    assert not on._fuses_route_align(x.float())  # ... not for fp32 (torch grouped maths)
-    monkeypatch.setattr(moe, "_kernel_path", lambda x: False)
-    assert not on._fuses_route_align(x)  # a CPU tensor: the torch maths
-    monkeypatch.setenv("DLMC_FUSED_ROUTE_ALIGN", "auto")
-    with pytest.raises(ConfigError, match="DLMC_FUSED_ROUTE_ALIGN='auto'"):
-        _moe_block()
-
-
-@pytest.mark.parametrize("fuse_shared", [False, True])
-def test_block_through_fused_route_align_equals_two_launches(monkeypatch, fuse_shared):
-    """The CUDA path of MoEBlock (Triton's interpreter on CPU): one `dlmc::moe_route_align` whose
-    alignment the experts take, bit for bit the block with `moe_route` + `moe_align`."""
-    import dlmc.custom_ops.bf16_moe as bf16_moe_module
-    import dlmc.models.moe as moe
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    _, block, x = _moe_block(torch.bfloat16, seed=4)
-    block, x = block.to(device), x.to(device)
-    if fuse_shared:
-        block.fuse_shared_expert()
-    monkeypatch.setattr(moe, "_kernel_path", lambda x: True)
-    fused, aligned = [], []
-    monkeypatch.setattr(moe, "moe_route_align",
-                        lambda *a: fused.append(a) or moe_route_align(*a))
-    route_pairs = bf16_moe_module.route_pairs
-    monkeypatch.setattr(bf16_moe_module, "route_pairs",
-                        lambda *a: aligned.append(a) or route_pairs(*a))
-    block.route_align = "off"
-    want = block(x)
-    assert not fused and len(aligned) == 1
-    block.route_align = "on"
-    got = block(x)
-    assert len(fused) == 1 and len(aligned) == 1  # the experts did not align again
-    assert fused[0][-1] is fuse_shared  # shared_expert
-    assert torch.equal(got, want)

@@ -140,33 +140,6 @@ def test_prepare_for_kernel_v4_predecodes_scales() -> None:
         assert torch.equal(value, deq[proj])
 
 
-def test_forward_takes_a_precomputed_routing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A `routing=` (what `dlmc::moe_route_align` hands over) replaces the op's own alignment:
-    the same result; the reference ignores it."""
-    import dlmc.custom_ops.nvfp4_moe as nvfp4_moe_module
-    from dlmc.custom_ops.moe_align import route_pairs
-
-    experts, _ = filled_experts()
-    gen = torch.Generator().manual_seed(2)
-    x = torch.randn(5, H, generator=gen).bfloat16()
-    ids = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(5)])
-    weights = torch.rand(5, 2, generator=gen)
-    assert experts.takes_pair_routing(x)
-    want = experts(x, ids, weights)
-    routing = route_pairs(ids, E)
-    calls = []
-    monkeypatch.setattr(nvfp4_moe_module, "route_pairs",
-                        lambda *a: calls.append(a) or route_pairs(*a))
-    assert torch.equal(experts(x, ids, weights, routing=routing), want)
-    assert not calls
-    experts.use_reference = True
-    assert not experts.takes_pair_routing(x)
-    assert torch.equal(experts(x, ids, weights, routing=routing), experts(x, ids, weights))
-    experts.use_reference = False
-    with pytest.raises(ValueError, match="nvfp4_moe: routing must be"):
-        experts(x, ids, weights, routing=routing._replace(block_m=24))
-
-
 def test_prepare_for_kernel_v5_v6_packs_weight_words() -> None:
     """v5-v7: int32 weight words (tiled scales: E4M3, bf16 or v7's codes), the checkpoint's
     forms freed, forward bit for bit v3's, exact dequantization unchanged."""

@@ -12,12 +12,12 @@ import torch
 from torch import nn
 
 from dlmc.bench.timing import cuda_times, queued_cuda_times
-from dlmc.custom_ops.moe_align import PairRouting, route_pairs
+from dlmc.custom_ops.kernel_config import DEFAULT_KERNELS, KernelConfig
 from dlmc.engine.decode_config import DecodeConfig
-from dlmc.engine.kv_cache import DenseKVCache
 from dlmc.graphs.in_flight import block_in_flight
 from dlmc.graphs.round import EDITS_OFF
 from dlmc.graphs.runner import RoundRunner
+from dlmc.kv.dense_cache import DenseKVCache
 from dlmc.models.moe import MoEBlock
 
 
@@ -30,49 +30,31 @@ class RoundBenchConfig:
     modes: tuple[str, ...] = ("eager", "compile", "graph")
     seed: int = 0
     temperature: float = 0.0  # > 0: sampled rounds (seeded generator), else greedy
+    kernels: KernelConfig = DEFAULT_KERNELS  # the compile site's and the cache's choices
 
 
 class FixedRouter(nn.Module):
     """Uniform routing: each token draws top-k distinct experts uniformly (seeded, fixed).
 
-    `forward` / `route_align` give the fixed ids and weights (and, for `route_align`, the ids'
-    alignment, made once here for the token counts in `align_tokens`, with and without a shared
-    expert; other counts align in the forward: one `moe_align` launch more). The model's own
-    router still runs every round, through `real_weights`, which `UniformRoutingMoE` calls.
+    `forward` gives the fixed ids and weights. The model's own router still runs every round,
+    through `real_weights`, which `UniformRoutingMoE` calls.
     """
 
     def __init__(self, router: nn.Module, num_experts: int, top_k: int, max_tokens: int,
-                 scale: float, device: torch.device, gen: torch.Generator,
-                 align_tokens: tuple[int, ...] = ()) -> None:
+                 scale: float, device: torch.device, gen: torch.Generator) -> None:
         super().__init__()
         self.router, self.num_experts = router, num_experts
         keys = torch.rand(max_tokens, num_experts, device=device, generator=gen)
         self.register_buffer("ids", keys.topk(top_k, dim=-1).indices)  # [T, K]
         weights = torch.rand(max_tokens, top_k, device=device, generator=gen)
         self.register_buffer("weights", weights / weights.sum(-1, keepdim=True) * scale)
-        self.alignments = {(tokens, shared): route_pairs(self.ids[:tokens], num_experts, shared)
-                           for tokens in align_tokens for shared in (False, True)}
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = x.shape[0]
         return self.ids[:tokens], self.weights[:tokens]
 
-    def route_align(self, x: torch.Tensor, shared_expert: bool,
-                    ticket: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, PairRouting]:
-        """`Router.route_align` with the fixed ids and their prepared alignment (no launch: the
-        `ticket` of `DLMC_FUSED_ROUTE_ALIGN=last` is the model router's, `real_weights`)."""
-        ids, weights = self.forward(x)
-        routing = self.alignments.get((x.shape[0], shared_expert))
-        return ids, weights, routing or route_pairs(ids, self.num_experts, shared_expert)
-
-    def real_weights(self, x: torch.Tensor, fused: bool, shared_expert: bool,
-                     ticket: torch.Tensor | None = None) -> torch.Tensor:
-        """The model's router on `x` (its launches: `route_align` when the block `fused`s
-        routing and alignment, with the block's `ticket` for "last", else the two-launch path);
-        its weights `[T, K]`."""
-        if fused:
-            return self.router.route_align(x, shared_expert, ticket)[1]
+    def real_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's router on `x` (its launches); its weights `[T, K]`."""
         return self.router(x)[1]
 
 
@@ -80,28 +62,22 @@ class UniformRoutingMoE(nn.Module):
     """A MoE block with a `FixedRouter` whose model router still runs every round: the block's
     output plus `0 * w` of one real routing weight `w` (0 * x is not 0 for inf/NaN, so no
     compiler removes the router's work). The scalar enters the next layer's residual-add +
-    RMSNorm kernel, so the round has the model's launches and no more. (Adding `0 * w` to the
-    fixed weights instead cost a pointwise launch of its own per layer, 1.1 µs on the H200,
-    once the MoE combine became a Triton kernel: perf/results/s16/call3/add_mul_slice.txt.)"""
+    RMSNorm kernel, so the round has the model's launches and no more (adding `0 * w` to the
+    fixed weights instead costs a pointwise launch of its own per layer)."""
 
     def __init__(self, block: MoEBlock) -> None:
         super().__init__()
         self.block = block
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        block = self.block
-        ticket = block.route_ticket if block.route_align == "last" else None
-        real = block.gate.real_weights(x, block._fuses_route_align(x),
-                                       block.shared_expert_id is not None, ticket)  # [T, K]
-        out = block(x)  # [T, H]
+        real = self.block.gate.real_weights(x)  # [T, K]
+        out = self.block(x)  # [T, H]
         return out + 0.0 * real[:1, :1].to(out.dtype)
 
 
-def use_uniform_routing(model: nn.Module, max_tokens: int, seed: int,
-                        align_tokens: tuple[int, ...] = ()) -> None:
-    """Every MoE block's router becomes a `FixedRouter` (uniform routing), with the fixed ids'
-    alignment made once for blocks of each size in `align_tokens`; the block is wrapped in a
-    `UniformRoutingMoE`, which keeps the model's router running."""
+def use_uniform_routing(model: nn.Module, max_tokens: int, seed: int) -> None:
+    """Every MoE block's router becomes a `FixedRouter` (uniform routing); the block is wrapped
+    in a `UniformRoutingMoE`, which keeps the model's router running."""
     cfg = model.config
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for layer in list(model.modules()):
@@ -109,8 +85,7 @@ def use_uniform_routing(model: nn.Module, max_tokens: int, seed: int,
         if isinstance(block, MoEBlock):
             device = block.gate.weight.device
             block.gate = FixedRouter(block.gate, cfg.num_experts, cfg.num_experts_per_tok,
-                                     max_tokens, cfg.routed_scaling_factor, device, gen,
-                                     align_tokens)
+                                     max_tokens, cfg.routed_scaling_factor, device, gen)
             layer.mlp = UniformRoutingMoE(block)
 
 
@@ -125,7 +100,7 @@ def touched_bytes(model: nn.Module, tokens: torch.Tensor, positions: torch.Tenso
     counts: list[int] = []  # the ids the experts get, whichever router path made them
     hooks = [m.experts.register_forward_pre_hook(lambda _m, args: counts.append(
         int(args[1].unique().numel()))) for m in model.modules() if isinstance(m, MoEBlock)]
-    from dlmc.engine.attention import CachedAttention
+    from dlmc.kv.attention import CachedAttention
 
     scratch = DenseKVCache(cfg.num_hidden_layers, prefix + tokens.numel(),
                            cfg.num_key_value_heads, cfg.head_dim, torch.bfloat16, tokens.device)
@@ -165,7 +140,7 @@ def time_rounds(model: nn.Module, cache: Any, bench: RoundBenchConfig, mode: str
     """Median / min / max ms of `bench.rounds` rounds in `mode`, after warm-up."""
     device = cache.device
     bl, start = bench.block_length, bench.prefix
-    runner = RoundRunner(model, cache, bl, mask_id, mode)
+    runner = RoundRunner(model, cache, bl, mask_id, mode, bench.kernels)
     gen = torch.Generator(device=device).manual_seed(bench.seed)
     cfg = DecodeConfig(block_length=bl, max_new_tokens=bl)
     buf = runner.buf
@@ -254,7 +229,8 @@ def loop_overhead(model: nn.Module, bench: RoundBenchConfig, mask_id: int, round
     bl = bench.block_length
     decoder = BlockDecoder(model, mask_id, -1, bench.prefix + (blocks + 1) * bl + 1024, device,
                            torch.bfloat16, mode=mode, kv_cache_dtype=kv_cache_dtype,
-                           refresh=refresh, kv_layout=kv_layout, lookahead=lookahead)
+                           refresh=refresh, kv_layout=kv_layout, lookahead=lookahead,
+                           kernels=bench.kernels)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     gen = torch.Generator(device="cpu").manual_seed(bench.seed)
     prompt = torch.randint(0, model.config.vocab_size - 1, (bench.prefix,), generator=gen)
@@ -318,7 +294,7 @@ def profile_rounds(model: nn.Module, cache: Any, bench: RoundBenchConfig,
     """Per-kernel CUDA time of compiled (not graph-captured) rounds, from torch.profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    runner = RoundRunner(model, cache, bench.block_length, mask_id, "compile")
+    runner = RoundRunner(model, cache, bench.block_length, mask_id, "compile", bench.kernels)
     buf = runner.buf
     buf.positions.copy_(torch.arange(bench.prefix, bench.prefix + bench.block_length,
                                      device=cache.device))

@@ -1,4 +1,4 @@
-"""`dlmc bench`: benchmark commands (`suite`; `round` joins it from the compiled-rounds work)."""
+"""`dlmc bench`: benchmark commands (`suite`, `round`)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from dlmc.cli.bench_round import round_cmd
 from dlmc.errors import DlmcError
 
 
@@ -15,7 +16,7 @@ def bench() -> None:
     """Benchmarks: model accuracy and speed. Each subcommand has its own --help."""
 
 
-# `round` (compiled-rounds timing) is registered here as `@bench.command("round")` in its module.
+bench.add_command(round_cmd)  # compiled-rounds timing, in its own module
 
 
 @bench.command(
@@ -69,10 +70,8 @@ def suite(**options: Any) -> None:
 def _load_llm(model: str, role: str, precision: str, device: str | None,
               kv_cache_dtype: str = "auto") -> Any:
     """Load the engine (tests replace this with a fake)."""
-    from dlmc import LLM
+    from dlmc.api import LLM
 
     return LLM(model, role=role, precision=precision, device=device,
                kv_cache_dtype=kv_cache_dtype)
 
-
-from dlmc.cli import bench_round  # noqa: E402,F401  (registers `dlmc bench round`)

@@ -3,31 +3,17 @@
 from __future__ import annotations
 
 import json
-import os
 import platform
 from pathlib import Path
 from typing import Any
 
 import click
 
-from dlmc.cli.bench import bench
-from dlmc.cli.options import user_errors
-
-# The kernel switches a round's JSON records (their value, or "default"), so that every result
-# names the kernels it timed.
-KERNEL_ENV = ("DLMC_ROUTER_GEMM", "DLMC_SMALL_M_GEMM", "DLMC_ATTENTION_VARIANT",
-              "DLMC_NVFP4_KERNEL", "DLMC_BF16_MOE_TILES", "DLMC_MAX_AUTOTUNE_GEMM",
-              "DLMC_FUSED_KV_APPEND", "DLMC_FUSED_ROUTE_ALIGN", "DLMC_NVFP4_SHARED",
-              "DLMC_NVFP4_TILE_ROWS", "DLMC_UNROLL_REDUCTIONS",
-              "DLMC_MOE_COMBINE", "DLMC_ROPE_KV_APPEND", "DLMC_NVFP4_SHARED_BLOCK_K", "DLMC_PDL",
-              "DLMC_DETERMINISTIC_COMPILE", "DLMC_NVFP4_OVERLAP", "DLMC_NVFP4_DOWN",
-              "DLMC_NVFP4_DOWN_TICKETS", "DLMC_NVFP4_SHARED_DOWN", "DLMC_NVFP4_GATE_UP",
-              "DLMC_NVFP4_RING_EMPTY", "DLMC_NVFP4_SELF_ROUTE", "DLMC_INDUCTOR_PDL",
-              "DLMC_QKV_SPLIT_K", "DLMC_NVFP4_DOWN_SELF_ROUTE", "DLMC_NVFP4_SHARED_ITEMS",
-              "TORCHINDUCTOR_ENABLE_PDL")
+from dlmc.cli.options import kernel_options, user_errors
 
 
-@bench.command("round", short_help="Time one denoising round: eager, compiled, CUDA graph.")
+@click.command("round", short_help="Time one denoising round on a CUDA GPU: eager, compiled, "
+               "CUDA graph.")
 @click.option("--model", default=None, help="Checkpoint (else --shape with random weights).")
 @click.option("--shape", default="llada2.1-mini", show_default=True,
               help="Full-size shape built on the GPU with random seeded weights.")
@@ -53,17 +39,21 @@ KERNEL_ENV = ("DLMC_ROUTER_GEMM", "DLMC_SMALL_M_GEMM", "DLMC_ATTENTION_VARIANT",
 @click.option("--fuse-shared-expert/--no-fuse-shared-expert", default=True, show_default=True,
               help="Run each MoE layer's shared expert inside the routed grouped kernels "
               "(one more expert, weight 1.0 for every token), as LLM does on CUDA; with NVFP4 "
-              "experts as BF16 tail blocks unless DLMC_NVFP4_SHARED=separate.")
+              "experts in BF16 inside the NVFP4 op's launches.")
 @click.option("--fuse-gate-up/--no-fuse-gate-up", default=True, show_default=True,
               help="One GEMM for the gate and up projections of every dense SwiGLU MLP (the "
               "dense layer, unfused shared experts), as LLM does on CUDA.")
+@kernel_options
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Write JSON here.")
 @user_errors
 def round_cmd(model: str | None, shape: str, precision: str, block_length: int, prefix: int,
               routing: str, rounds: int, modes: str, loop: bool, kv_cache_dtype: str,
               kv_layout: str, profile: bool, temperature: float, fuse_shared_expert: bool,
-              fuse_gate_up: bool, out: Path | None) -> None:
-    """Median ms per round with bytes touched, GB/s and the copy bandwidth of the same run."""
+              fuse_gate_up: bool, kernels: Any, out: Path | None) -> None:
+    """Median ms per round with bytes touched, GB/s and the copy bandwidth of the same run.
+
+    Needs a CUDA GPU: the model is built at full size with random seeded weights on it (or
+    loaded with --model), and rounds are timed with CUDA events."""
     import torch
     from rich.console import Console
     from rich.table import Table
@@ -82,8 +72,8 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
         raise ConfigError("dlmc bench round needs a CUDA GPU")
     device = torch.device("cuda")
     cfg = RoundBenchConfig(block_length, prefix, routing, rounds, tuple(modes.split(",")),
-                           temperature=temperature)
-    net = _build(model, shape, device, precision)
+                           temperature=temperature, kernels=kernels)
+    net = _build(model, shape, device, precision, kernels)
     fused_layers = 0
     if fuse_shared_expert:
         from dlmc.models.moe import fuse_shared_experts
@@ -96,8 +86,7 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
         fuse_gate_up_projections(net)
     mask_id = net.config.vocab_size - 1
     if routing == "uniform":
-        use_uniform_routing(net, max_tokens=512, seed=cfg.seed,
-                            align_tokens=(block_length, 2 * block_length))  # rounds, fused refresh
+        use_uniform_routing(net, max_tokens=512, seed=cfg.seed)
     gen = torch.Generator(device=device).manual_seed(1)
     tokens = torch.randint(0, mask_id, (block_length,), device=device, generator=gen)
     positions = torch.arange(prefix, prefix + block_length, device=device)
@@ -107,10 +96,11 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
 
     bandwidth = copy_bandwidth_gbps()
     c = net.config
-    from dlmc.engine.kv_layout import uses_paged_cache
+    from dlmc.kv.layout import uses_paged_cache
 
     paged = uses_paged_cache(kv_layout, kv_cache_dtype, device, torch.bfloat16, "graph")
-    cache = _cache(c, prefix, block_length, kv_cache_dtype, paged, device, gen)
+    cache = _cache(c, prefix, block_length, kv_cache_dtype, paged, device, gen,
+                   kernels.attention_backend)
     results = [time_rounds(net, cache, cfg, mode, mask_id) for mode in cfg.modes]
     def gb_per_s(ms: float) -> float:
         return nbytes / ms / 1e6
@@ -141,7 +131,7 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
               "prefix": prefix, "routing": routing, "temperature": temperature,
               "fused_shared_expert_layers": fused_layers,
               "fused_gate_up": fuse_gate_up,
-              "kernel_env": {name: os.environ.get(name, "default") for name in KERNEL_ENV},
+              "kernels": kernels.to_dict(),
               "bytes_per_round": nbytes,
               "distinct_experts_per_moe_layer": experts, "copy_gb_per_s": bandwidth,
               "floor_ms": nbytes / (bandwidth * 1e9) * 1e3, "results": results,
@@ -151,7 +141,8 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
                   f"{report['kv_layout']} KV · block {block_length} · "
                   f"prefix {prefix} · {routing} routing · {experts:.0f} experts/layer"
                   + (f" · shared expert fused in {fused_layers} layers" if fuse_shared_expert
-                     else "") + (f" · sampled, temperature {temperature}" if temperature else ""))
+                     else "") + (f" · sampled, temperature {temperature}" if temperature else "")
+                  + f" · kernels: {kernels.describe()}")
     for col in ("mode", "median ms", "min–max ms", "GB touched", "GB/s", "copy GB/s", "ratio"):
         table.add_column(col, justify="right")
     rows = [(r["mode"], r["median_ms"], r["min_ms"], r["max_ms"]) for r in results]
@@ -184,37 +175,41 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
         out.write_text(json.dumps(report, indent=2))
 
 
-def _build(model: str | None, shape: str, device: Any, precision: str) -> Any:
+def _build(model: str | None, shape: str, device: Any, precision: str, kernels: Any) -> Any:
     import torch
 
     from dlmc.errors import ConfigError
+    from dlmc.models.nvfp4_experts import apply_kernel_config
     from dlmc.models.shapes import SHAPES, build_random_model, use_random_nvfp4_experts
 
     if model:
-        from dlmc import LLM
+        from dlmc.api import LLM
 
-        return LLM(model, device=device, dtype="bf16", mode="eager", precision=precision).model
+        return LLM(model, device=device, dtype="bf16", mode="eager", precision=precision,
+                   kernels=kernels).model
     if shape not in SHAPES:
         raise ConfigError(f"--shape {shape!r}: expected one of {', '.join(SHAPES)}")
     net = build_random_model(SHAPES[shape], device, torch.bfloat16, seed=0)
     if precision == "nvfp4":
         use_random_nvfp4_experts(net, seed=0)
         torch.cuda.empty_cache()
+    apply_kernel_config(net, kernels)
     return net
 
 
 def _cache(c: Any, prefix: int, block_length: int, kv_cache_dtype: str, paged: bool,
-           device: Any, gen: Any) -> Any:
+           device: Any, gen: Any, backend: str) -> Any:
     """A KV cache holding `prefix` random (never zero) tokens."""
     import torch
 
-    from dlmc.engine.kv_cache import DenseKVCache
+    from dlmc.kv.dense_cache import DenseKVCache
     from dlmc.kv.paged_cache import KVCacheConfig, PagedKVCache
 
     size = prefix + block_length + 1024
     if paged:
         cache = PagedKVCache(KVCacheConfig(c.num_hidden_layers, c.num_key_value_heads,
-                                           c.head_dim, size, dtype=kv_cache_dtype), device)
+                                           c.head_dim, size, dtype=kv_cache_dtype), device,
+                             backend=backend)
         for pool in (*cache.k, *cache.v):
             pool.copy_(torch.randn(pool.shape, device=device, generator=gen).to(pool.dtype))
         cache.advance(prefix)

@@ -12,6 +12,7 @@ from dlmc.cli.options import (
     decode_kwargs,
     decode_options,
     engine_kwargs,
+    kernel_options,
     model_options,
     user_errors,
 )
@@ -21,6 +22,7 @@ from dlmc.cli.options import (
 @click.argument("prompt", required=False)
 @model_options
 @decode_options
+@kernel_options
 @click.option("--system", default=None, help="System message for the chat template.")
 @click.option("--raw", is_flag=True, help="Use the prompt as is (no chat template).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
@@ -50,7 +52,7 @@ def generate(
         raise click.UsageError("PROMPT is empty")
     err = Console(stderr=True)
     with err.status(f"loading {model}…", spinner="dots"):
-        from dlmc import LLM
+        from dlmc.api import LLM
 
         llm = LLM(
             model, role=role, precision=precision, device=device, dtype=dtype, show_progress=True,

@@ -116,9 +116,41 @@ def decode_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
+def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """--attention-backend --pdl/--no-pdl --deterministic-compile, handed to the command as one
+    `kernels` argument (a `KernelConfig`)."""
+    from dlmc.custom_ops.kernel_config import ATTENTION_BACKENDS, KernelConfig
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        kwargs["kernels"] = KernelConfig(
+            attention_backend=kwargs.pop("attention_backend"), pdl=kwargs.pop("pdl"),
+            deterministic_compile=kwargs.pop("deterministic_compile"))
+        return fn(*args, **kwargs)
+
+    decorators = [
+        click.option("--attention-backend", type=click.Choice(ATTENTION_BACKENDS),
+                     default="auto", show_default=True,
+                     help="Paged-cache attention: auto (Triton on CUDA), triton, or reference "
+                     "(plain PyTorch, for debugging)."),
+        click.option("--pdl/--no-pdl", default=True, show_default=True,
+                     help="Programmatic dependent launch of the round's kernels (sm_90+)."),
+        click.option("--deterministic-compile", is_flag=True,
+                     help="Inductor's deterministic mode (no timing-based kernel choices)."),
+    ]
+    for decorator in reversed(decorators):
+        wrapper = decorator(wrapper)
+    return wrapper
+
+
 def engine_kwargs(params: dict[str, Any]) -> dict[str, Any]:
-    """The LLM constructor's --mode / --kv-cache-dtype among a command's parameters."""
-    return {"mode": params.get("mode"), "kv_cache_dtype": params.get("kv_cache_dtype") or "auto"}
+    """The LLM constructor's --mode / --kv-cache-dtype (and `kernels`, from `kernel_options`)
+    among a command's parameters."""
+    kwargs = {"mode": params.get("mode"),
+              "kv_cache_dtype": params.get("kv_cache_dtype") or "auto"}
+    if params.get("kernels") is not None:
+        kwargs["kernels"] = params["kernels"]
+    return kwargs
 
 
 def decode_kwargs(params: dict[str, Any]) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from dlmc.cli.options import (
     decode_kwargs,
     decode_options,
     engine_kwargs,
+    kernel_options,
     model_options,
     user_errors,
 )
@@ -20,6 +21,7 @@ from dlmc.cli.options import (
 @click.command()
 @model_options
 @decode_options
+@kernel_options
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(0, 65535), default=18080, show_default=True)
 @click.option(
@@ -66,7 +68,7 @@ def serve(
 
     err = Console(stderr=True)
     with err.status(f"loading {model}…", spinner="dots"):
-        from dlmc import LLM
+        from dlmc.api import LLM
 
         llm = LLM(
             model, role=role, precision=precision, device=device, dtype=dtype, show_progress=True,

@@ -17,16 +17,17 @@ from typing import Any
 
 import torch
 
-from dlmc.engine.attention import CachedAttention, MaskedAttention, block_causal_mask
+from dlmc.custom_ops.kernel_config import DEFAULT_KERNELS, KernelConfig
 from dlmc.engine.decode_config import DecodeConfig
 from dlmc.engine.events import BlockEvent, DecodeOutput, RoundEvent
-from dlmc.engine.kv_cache import DenseKVCache
-from dlmc.engine.kv_layout import uses_paged_cache
-from dlmc.engine.rules import step_quotas
 from dlmc.errors import ConfigError
 from dlmc.graphs.in_flight import block_in_flight, may_queue_ahead
 from dlmc.graphs.round import EDITS_OFF, RoundBuffers, decide
+from dlmc.graphs.rules import step_quotas
 from dlmc.graphs.runner import MAX_STEPS, RoundRunner
+from dlmc.kv.attention import CachedAttention, MaskedAttention, block_causal_mask
+from dlmc.kv.dense_cache import DenseKVCache
+from dlmc.kv.layout import uses_paged_cache
 from dlmc.kv.paged_cache import KVCacheConfig, PagedKVCache
 from dlmc.kv.scales import KVScales
 
@@ -49,6 +50,7 @@ class BlockDecoder:
     `mode`: "eager", "compile" or "graph" for the static round, or "reference".
     `lookahead`: static rounds (LLaDA2.1 rule) keep the next round queued while the host reads
     the last one's flags, as long as masks are left (`dlmc.graphs.in_flight`).
+    `kernels`: the kernel choices of the cache's attention and the compiled rounds.
     """
 
     def __init__(
@@ -56,6 +58,7 @@ class BlockDecoder:
         device: torch.device, dtype: torch.dtype, mode: str = "eager",
         kv_cache_dtype: str = "bf16", kv_scales: KVScales | None = None,
         refresh: str = "fused", kv_layout: str = "auto", lookahead: bool = True,
+        kernels: KernelConfig = DEFAULT_KERNELS,
     ) -> None:
         self.model, self.mask_id, self.eos_id = model, mask_id, eos_id
         self.max_context, self.device, self.dtype, self.mode = (
@@ -67,6 +70,7 @@ class BlockDecoder:
         if not isinstance(lookahead, bool):
             raise ConfigError(f"lookahead={lookahead!r}: expected True or False")
         self.lookahead = lookahead
+        self.kernels = kernels
         self._cache: DenseKVCache | PagedKVCache | None = None
         self._runners: dict[int, RoundRunner] = {}
 
@@ -87,7 +91,8 @@ class BlockDecoder:
             config = KVCacheConfig(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim,
                                    self.max_context,
                                    dtype="fp8" if self.kv_cache_dtype == "fp8" else "bf16")
-            return PagedKVCache(config, self.device, k_scales=scales.k, v_scales=scales.v)
+            return PagedKVCache(config, self.device, k_scales=scales.k, v_scales=scales.v,
+                                backend=self.kernels.attention_backend)
         return DenseKVCache(cfg.num_hidden_layers, self.max_context, cfg.num_key_value_heads,
                             cfg.head_dim, self.dtype, self.device)
 
@@ -95,7 +100,7 @@ class BlockDecoder:
         if block_length not in self._runners:
             with torch.inference_mode(False):  # static buffers: normal tensors, as the cache
                 self._runners[block_length] = RoundRunner(self.model, self.cache, block_length,
-                                                          self.mask_id, self.mode)
+                                                          self.mask_id, self.mode, self.kernels)
         return self._runners[block_length]
 
     def decode(

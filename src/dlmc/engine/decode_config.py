@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from dlmc.engine.paper_decoding import read_paper_decoding
 from dlmc.errors import ConfigError
 
 Algorithm = Literal["joint", "threshold"]
@@ -118,8 +119,6 @@ def resolve_decode_config(
     In `overrides`, a key absent means "not given"; `edit_threshold=None` given explicitly
     disables edits.
     """
-    from dlmc.engine.paper_decoding import read_paper_decoding
-
     config = role_defaults(role)
     if role == "orl" and checkpoint is not None:
         config = replace(config, **read_paper_decoding(checkpoint / "paper_decoding.json", config))

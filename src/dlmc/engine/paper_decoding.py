@@ -7,12 +7,11 @@ back to the default with a warning naming the file and key; unknown keys are war
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
 from typing import Any
-
-from dlmc.engine.decode_config import DecodeConfig
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +73,9 @@ def _coerce(field: str, value: Any) -> Any:
     return float(value)
 
 
-def read_paper_decoding(path: Path, defaults: DecodeConfig) -> dict[str, Any]:
-    """Settings found in `path` as DecodeConfig field overrides (empty if the file is absent)."""
+def read_paper_decoding(path: Path, defaults: Any) -> dict[str, Any]:
+    """Settings found in `path` as field overrides of `defaults` (a `DecodeConfig`, whose
+    validation checks each value's range); empty if the file is absent."""
     if not path.is_file():
         return {}
     try:
@@ -95,7 +95,7 @@ def read_paper_decoding(path: Path, defaults: DecodeConfig) -> dict[str, Any]:
             continue
         try:
             candidate = _coerce(field, value)
-            DecodeConfig(**{**defaults.to_dict(), field: candidate})  # range check
+            dataclasses.replace(defaults, **{field: candidate})  # range check
         except (ValueError, TypeError, Exception) as exc:
             log.warning(
                 "%s: key %r has invalid value %r (%s); using the default %r",

@@ -28,11 +28,8 @@ import torch
 from dlmc.custom_ops.kv_append import kv_append, kv_append_reference
 from dlmc.custom_ops.paged_attention import paged_attention
 from dlmc.errors import ConfigError
-from dlmc.models.layers import env_choice
 
 BACKENDS = ("auto", "triton", "flashinfer", "reference")
-FUSED_KV_APPEND = ("auto", "on", "off")
-ROPE_KV_APPEND = ("on", "off")
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
@@ -68,29 +65,16 @@ class KVCacheConfig:
 
 
 def fused_kv_append(dtype: str) -> bool:
-    """`DLMC_FUSED_KV_APPEND` for a cache of `dtype` ("bf16" or "fp8"): whether the Triton
-    backend stores a round's K/V from the attention's own kernel (one launch per layer) instead
-    of launching `dlmc::kv_append` before the attention. "auto" (default): BF16 caches only;
-    "on": both; "off": neither. Measured inside whole graph rounds on the H200 (perf/README.md,
-    session 13): BF16 split 8.16 µs with the append against 8.19 + 1.39 µs; FP8 (interleaved
-    splits) 13.34 µs against 7.24 + 2.81 µs, although the same launch alone was faster fused.
-    Read once per cache."""
-    choice = env_choice("DLMC_FUSED_KV_APPEND", "auto", FUSED_KV_APPEND)
-    return choice == "on" or (choice == "auto" and dtype == "bf16")
-
-
-def rope_kv_append() -> bool:
-    """`DLMC_ROPE_KV_APPEND` ("on", the default, or "off"): whether a Triton cache that does not
-    store K/V from the attention's kernel (`fused_append` False: FP8 caches by default) has them
-    stored by the model's `dlmc::qk_norm_rope_append` launch instead of a `dlmc::kv_append`
-    launch (one launch less per layer; LLaDA2.1-mini's FP8 round on the H200: 2.3 µs for the
-    folded launch against 1.9 + 2.7 µs, 3.229 against 3.281 ms per round, perf/README.md
-    session 16). Read once per cache."""
-    return env_choice("DLMC_ROPE_KV_APPEND", "on", ROPE_KV_APPEND) == "on"
+    """Whether the Triton backend stores a round's K/V from the attention's own split kernel
+    (one launch per layer) for a cache of `dtype`: BF16 caches only. FP8 caches store them from
+    the model's norm/rope launch instead (`rope_append_target`), which measured faster inside
+    whole rounds (docs/paged_attention.md)."""
+    return dtype == "bf16"
 
 
 def default_backend(device: torch.device) -> str:
-    """The fastest measured backend: Triton on CUDA (perf/README.md), the reference on CPU."""
+    """The fastest measured backend: Triton on CUDA (docs/paged_attention.md), the reference
+    on CPU."""
     return "triton" if device.type == "cuda" else "reference"
 
 
@@ -105,7 +89,7 @@ class PagedKVCache:
         fused_append: whether `append_and_attend` is one launch (the Triton backend with
             `fused_kv_append(dtype)`, or the constructor's `fused_append`).
         rope_append: whether the append may be folded into `qk_norm_rope_append` (the Triton
-            backend without `fused_append`, and `rope_kv_append()`); see `rope_append_target`.
+            backend without `fused_append`); see `rope_append_target`.
     """
 
     def __init__(
@@ -121,11 +105,9 @@ class PagedKVCache:
         if fused_append is None:  # FlashInfer and the reference append, then attend
             fused_append = fused_kv_append(config.dtype)
         self.fused_append = fused_append and self.backend == "triton"
-        self.rope_append = (self.backend == "triton" and not self.fused_append
-                            and rope_kv_append())
+        self.rope_append = self.backend == "triton" and not self.fused_append
         # One allocation per layer, not views of one 5-D pool: Inductor turns a kernel's write
-        # into a view of a graph input into a copy of the whole pool (and that path crashed
-        # with FP8 pools on the H200, perf/results/round_nvfp4_fp8_h200_crash.txt).
+        # into a view of a graph input into a copy of the whole pool.
         shape = (config.num_pages, config.page_size, config.num_kv_heads, config.head_dim)
         self.dtype = config.torch_dtype
         self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device)

@@ -11,14 +11,6 @@ from dlmc.errors import ModelNotFoundError
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt", "*.py"]
 
 
-def dlmc_cache_dir() -> Path:
-    """dlmc's cache directory: `$DLMC_CACHE`, else `$XDG_CACHE_HOME/dlmc` or `~/.cache/dlmc`."""
-    if os.environ.get("DLMC_CACHE"):
-        return Path(os.environ["DLMC_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "dlmc"
-
-
 def resolve_model(model: str | os.PathLike[str]) -> Path:
     """A local directory, a built-in id (`tiny-llada2`, `tiny-llada2-nvfp4`) or a Hub repo id.
 

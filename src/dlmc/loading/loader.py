@@ -7,12 +7,14 @@ from pathlib import Path
 
 import torch
 
+from dlmc.custom_ops.kernel_config import DEFAULT_KERNELS, KernelConfig
 from dlmc.errors import ConfigError
 from dlmc.kv.scales import KVScales, load_kv_scales
 from dlmc.loading.safetensors_index import SafetensorsIndex
 from dlmc.loading.weights import load_weights
 from dlmc.models.config import LLaDA2Config
 from dlmc.models.llada2 import LLaDA2ForDiffusion
+from dlmc.models.nvfp4_experts import apply_kernel_config
 
 PRECISIONS = ("auto", "bf16", "nvfp4")
 DTYPES = {
@@ -54,8 +56,10 @@ def load_model(
     dtype: torch.dtype,
     precision: str = "auto",
     show_progress: bool = False,
+    kernels: KernelConfig = DEFAULT_KERNELS,
 ) -> LoadedModel:
-    """Build the model on the meta device and stream the checkpoint's tensors onto `device`."""
+    """Build the model on the meta device and stream the checkpoint's tensors onto `device`;
+    its ops take `kernels`' choices."""
     if precision not in PRECISIONS:
         raise ConfigError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
     config = LLaDA2Config.from_file(directory / "config.json")
@@ -87,6 +91,7 @@ def load_model(
         nv.dequantize_experts(model, config, dtype)
     elif quant is not None:
         nv.prepare_experts_for_kernel(model)
+    apply_kernel_config(model, kernels)
     model.eval()
     return LoadedModel(config, model, index, effective, quant is not None, kv_scales,
                        declares_fp8_kv)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from dlmc.loading.hub import dlmc_cache_dir
+from dlmc.cache_dir import dlmc_cache_dir
 from dlmc.loading.tiny_tokenizer import EOS_ID, MASK_ID, TINY_VOCAB_SIZE, write_tiny_tokenizer
 from dlmc.models.config import LLaDA2Config
 

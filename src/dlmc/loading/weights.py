@@ -31,8 +31,6 @@ STACKED_RE = re.compile(
 # Read elsewhere (FP8 KV scales) or not needed (rotary tables are recomputed).
 IGNORED_RE = re.compile(r"rotary_emb\.inv_freq$|\.attention\.(?:[\w.]*\.)?[kv]_scale$")
 OPTIONAL_ZERO = re.compile(r"\.mlp\.gate\.expert_bias$")
-# Runtime state of the model, never in a checkpoint: made as zeros (`MoEBlock.route_ticket`).
-RUNTIME_ZERO = re.compile(r"\.mlp\.route_ticket$")
 
 
 def _iter_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -111,7 +109,7 @@ def load_weights(
                         continue
                     tensor[expert].copy_(fetch(index, src, tuple(meta.shape[1:]), allowed))
                     used.add(src)
-            elif RUNTIME_ZERO.search(name) or (name not in index and OPTIONAL_ZERO.search(name)):
+            elif name not in index and OPTIONAL_ZERO.search(name):
                 tensor = torch.zeros(meta.shape, dtype=target_dtype, device=device)
             elif name == "lm_head.weight" and tie_word_embeddings and name not in index:
                 src = "model.word_embeddings.weight"

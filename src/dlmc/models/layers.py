@@ -8,57 +8,26 @@ from torch import nn
 
 from dlmc.custom_ops.qk_norm_rope import apply_partial_rope, rms_norm
 from dlmc.custom_ops.rope_tables import rope_inv_freq, rope_tables, rope_tables_reference
-from dlmc.custom_ops.small_m_linear import MAX_TOKENS, small_m_linear
-from dlmc.custom_ops.split_k_linear import split_k_linear
-from dlmc.env import env_choice
+from dlmc.custom_ops.split_k_linear import MAX_TOKENS, split_k_linear
 
-__all__ = ["RMSNorm", "SwiGLUMLP", "apply_partial_rope", "env_choice", "fuse_gate_up_projections",
-           "linear", "qkv_split_k", "rms_norm", "rope_cos_sin", "small_m_gemm", "takes_split_k",
-           "wide_gemm"]
+__all__ = ["RMSNorm", "SwiGLUMLP", "apply_partial_rope", "fuse_gate_up_projections",
+           "rms_norm", "rope_cos_sin", "split_k_or_linear", "takes_split_k"]
 
 
-def small_m_gemm() -> str:
-    """How the dense projections of a few bf16 tokens run on CUDA, from `DLMC_SMALL_M_GEMM`:
-    "splitk" (the default: `dlmc::split_k_linear`'s partials, summed where the product is used,
-    as Inductor fuses the sum into the residual add and RMSNorm after it; only for o_proj and
-    the dense MLP's down projection, the others run cuBLAS, see `wide_gemm`; H200: o_proj 5.1
-    against 6.2 µs, the NVFP4 round 3.054 against 3.076 ms, perf/README.md session 19),
-    "cublas" (`F.linear` everywhere) or "triton" (`dlmc::small_m_linear`)."""
-    return env_choice("DLMC_SMALL_M_GEMM", "splitk", ("cublas", "triton", "splitk"))
-
-
-def wide_gemm(gemm: str) -> str:
-    """The choice for qkv (under `DLMC_QKV_SPLIT_K=0`) and the dense MLP's gate/up under `gemm`:
-    "splitk" is "cublas" there (gate/up's [10240, 2048] runs faster in cuBLAS: perf/README.md,
-    session 19)."""
-    return "cublas" if gemm == "splitk" else gemm
-
-
-def qkv_split_k() -> bool:
-    """`DLMC_QKV_SPLIT_K` ("1" default, "0"): under `DLMC_SMALL_M_GEMM=splitk`, the attention's
-    qkv projection also runs `dlmc::split_k_linear`, whose fp32 partials the q/k norm + rope
-    kernel sums as it reads them (no reduction launch; perf/README.md, sessions 34-35)."""
-    return env_choice("DLMC_QKV_SPLIT_K", "1", ("0", "1")) == "1"
-
-
-def _small_m_input(x: torch.Tensor) -> bool:
-    """Whether dlmc's small-M GEMMs take `x`: a bf16 CUDA `[T <= 64, K]`."""
+def takes_split_k(x: torch.Tensor) -> bool:
+    """Whether `x` takes `dlmc::split_k_linear`: a bf16 CUDA `[T <= 64, K]` (a denoising block;
+    longer inputs are cuBLAS's)."""
     return (x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2
             and x.shape[0] <= MAX_TOKENS)
 
 
-def takes_split_k(x: torch.Tensor, gemm: str) -> bool:
-    """Whether `linear` under `gemm` runs `dlmc::split_k_linear` for `x`."""
-    return gemm == "splitk" and _small_m_input(x)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, gemm: str) -> torch.Tensor:
-    """`F.linear(x, weight)` (bf16), through `dlmc::small_m_linear` or `dlmc::split_k_linear`
-    when `gemm` is "triton" or "splitk" and `x` is a bf16 CUDA tensor of at most 64 rows."""
-    if gemm != "cublas" and _small_m_input(x):
-        if gemm == "splitk":  # one rounding of the fp32 sum, as F.linear's accumulator
-            return split_k_linear(x, weight).sum(0).to(torch.bfloat16)
-        return small_m_linear(x, weight)
+def split_k_or_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.linear(x, weight)`, through `dlmc::split_k_linear` where `takes_split_k(x)`: its fp32
+    partials summed where the product is used (Inductor fuses the sum into the residual add and
+    RMSNorm after it) and rounded once, as `F.linear`'s accumulator. Used for the narrow
+    projections (o_proj, the dense MLP's down projection); cuBLAS is faster for the wide ones."""
+    if takes_split_k(x):
+        return split_k_linear(x, weight).sum(0).to(torch.bfloat16)
     return F.linear(x, weight)
 
 
@@ -103,15 +72,14 @@ class SwiGLUMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.register_parameter("gate_up_weight", None)
-        self.gemm = small_m_gemm()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None:
-            gate, up = linear(x, self.gate_up_weight, wide_gemm(self.gemm)).chunk(2, dim=-1)
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
         else:  # [T, I] each
-            gate = linear(x, self.gate_proj.weight, wide_gemm(self.gemm))
-            up = linear(x, self.up_proj.weight, wide_gemm(self.gemm))
-        return linear(F.silu(gate) * up, self.down_proj.weight, self.gemm)
+            gate = F.linear(x, self.gate_proj.weight)
+            up = F.linear(x, self.up_proj.weight)
+        return split_k_or_linear(F.silu(gate) * up, self.down_proj.weight)
 
     @torch.no_grad()
     def fuse_gate_up(self) -> None:

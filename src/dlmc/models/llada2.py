@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dlmc.custom_ops._registration import INTERPRETED
@@ -19,16 +20,7 @@ from dlmc.custom_ops.qk_norm_rope import kernel_takes_qkv, qk_norm_rope, qk_norm
 from dlmc.custom_ops.qk_norm_rope_append import qk_norm_rope_append
 from dlmc.custom_ops.split_k_linear import split_k_linear
 from dlmc.models.config import LLaDA2Config
-from dlmc.models.layers import (
-    RMSNorm,
-    SwiGLUMLP,
-    linear,
-    qkv_split_k,
-    rope_cos_sin,
-    small_m_gemm,
-    takes_split_k,
-    wide_gemm,
-)
+from dlmc.models.layers import RMSNorm, SwiGLUMLP, rope_cos_sin, split_k_or_linear, takes_split_k
 from dlmc.models.moe import MoEBlock
 
 
@@ -64,17 +56,15 @@ class Attention(nn.Module):
         self.query_layernorm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.key_layernorm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.dense = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
-        self.gemm = small_m_gemm()
-        self.qkv_partials = qkv_split_k()
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        if self.qkv_partials and takes_split_k(x, self.gemm):  # summed by the norm/rope kernel
+        if takes_split_k(x):  # fp32 partials, summed and rounded by the norm/rope kernel
             qkv = split_k_linear(x, self.query_key_value.weight)  # fp32 [S, T, (Hq+2Hkv)*D]
         else:
-            qkv = linear(x, self.query_key_value.weight, wide_gemm(self.gemm))  # [T, (Hq+2Hkv)*D]
+            qkv = F.linear(x, self.query_key_value.weight)  # [T, (Hq+2Hkv)*D]
         args = (qkv, self.query_layernorm.weight, self.key_layernorm.weight, cos, sin,
                 self.num_heads, self.num_kv_heads, self.query_layernorm.eps)
         target = self._rope_append_target(qkv, ctx)
@@ -86,7 +76,7 @@ class Attention(nn.Module):
                 qk_norm_rope_reference)  # one Triton launch on the GPU; eager maths elsewhere
             q, k, v = norm_rope(*args)
             out = ctx.attend(self.layer_idx, q, k, v)  # q [T, Hq, D], k/v [T, Hkv, D]
-        return linear(out.reshape(tokens, -1), self.dense.weight, self.gemm)
+        return split_k_or_linear(out.reshape(tokens, -1), self.dense.weight)
 
     def _rope_append_target(self, qkv: torch.Tensor, ctx: AttentionContext
                             ) -> tuple[torch.Tensor, ...] | None:

@@ -2,26 +2,15 @@
 
 The routed experts are the MoE seam: any module with
 `forward(x [T, H], topk_ids [T, K] int64, topk_weights [T, K] fp32) -> [T, H]` can stand in
-(`BF16Experts` here, the NVFP4 experts chosen at load time for NVFP4 checkpoints). Experts with
-a `takes_pair_routing(x)` that says True also take `routing=` the pairs' alignment
-(`PairRouting`): on CUDA `MoEBlock` then routes and aligns in one launch
-(`dlmc::moe_route_align`, opt-in with `DLMC_FUSED_ROUTE_ALIGN=on`) instead of the experts
-aligning the router's picks again (`off`, the default: `dlmc::moe_route`, then `moe_align` in
-the experts; on the H200 the one-program fused launch took 27.6 µs per layer against 4.7 + 3.6
-µs for the two launches, perf/README.md session 13). `last`: `dlmc::moe_route_last_align`,
-moe_route's per-token programs in one launch whose last program aligns the pairs (a ticket
-counter per layer, `MoEBlock.route_ticket`; on the H200 the one launch took 10.4 µs per layer
-against 4.7 + 3.7 µs for the two, the round 3.105 against 3.079 ms queued, session 18).
-Session 40, with the leaner `moe_align`: `on` 26.8 µs per layer, the round 3.118 against 2.749
-ms in flight; `last` 9.3 µs, 2.792 against 2.751: both stay off.
+(`BF16Experts` here, the NVFP4 experts chosen at load time for NVFP4 checkpoints). On CUDA the
+router is `dlmc::router_gemm` + `dlmc::moe_route`; the experts align their pairs themselves.
 
 `fuse_shared_experts(model)` (after loading; off unless called) moves each shared expert into
 its layer's experts module as one more expert, id E, which every token takes with weight 1.0
 (`forward(..., shared_expert=True)`: the `[T, K+1]` routing, never materialised): one grouped
 kernel pair then runs routed + shared experts. `BF16Experts` stack it as expert E;
 `NVFP4Experts` keep it in BF16 beside the packed experts (`set_shared_expert`) and `nvfp4_moe`
-runs it as the BF16 tail blocks of its FP4 launches (`DLMC_NVFP4_SHARED=fused`, the default;
-`separate` keeps today's `SwiGLUMLP`). Numerics: the fused block sums the routed pairs and the
+runs it inside its own launches. Numerics: the fused block sums the routed pairs and the
 shared expert's bf16 output in fp32 and rounds once; the unfused block rounds the routed sum to
 bf16 and adds the shared output in bf16 (a second rounding). The shared expert's own output is
 the same bf16 maths either way (bf16 gate/up, SiLU, product and down), up to fp32 summation order
@@ -34,16 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dlmc.custom_ops._registration import INTERPRETED
 from dlmc.custom_ops.bf16_moe import bf16_moe, bf16_moe_reference  # noqa: F401 (re-export)
-from dlmc.custom_ops.moe_align import PairRouting, append_shared_column
+from dlmc.custom_ops.moe_align import append_shared_column
 from dlmc.custom_ops.moe_route import moe_route, moe_route_reference
-from dlmc.custom_ops.moe_route_align import moe_route_align
-from dlmc.custom_ops.moe_route_last_align import moe_route_last_align
 from dlmc.custom_ops.router_gemm import MAX_TOKENS as ROUTER_GEMM_MAX_TOKENS
 from dlmc.custom_ops.router_gemm import router_gemm
 from dlmc.models.config import LLaDA2Config
-from dlmc.models.layers import SwiGLUMLP, env_choice
+from dlmc.models.layers import SwiGLUMLP
 from dlmc.models.nvfp4_experts import NVFP4Experts
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -60,10 +46,9 @@ class Router(nn.Module):
 
     The router GEMM runs in fp32, so `weight` is an fp32 buffer: the loader keeps buffers in
     their declared dtype, converting the (bf16) checkpoint tensor once instead of every call.
-    On CUDA (`DLMC_ROUTER_GEMM=auto`, the default, or `triton`) it runs as `dlmc::router_gemm`
-    (BF16 tensor cores on an exact split of the weight, split-K partials that `dlmc::moe_route`
-    sums) for bf16 blocks of at most 64 tokens; `triton` also under Triton's interpreter;
-    otherwise, and with `cublas`, `F.linear`.
+    On CUDA it runs as `dlmc::router_gemm` (BF16 tensor cores on an exact split of the weight,
+    split-K partials that `dlmc::moe_route` sums) for bf16 blocks of at most 64 tokens;
+    otherwise as `F.linear` in fp32.
     """
 
     def __init__(self, config: LLaDA2Config) -> None:
@@ -73,8 +58,6 @@ class Router(nn.Module):
             "weight", torch.empty(config.num_experts, config.hidden_size, dtype=torch.float32)
         )
         self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
-        # "auto": router_gemm on CUDA (6.011 vs 6.154 ms per BF16 round in one H200 run)
-        self.gemm = env_choice("DLMC_ROUTER_GEMM", "auto", ("auto", "cublas", "triton"))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Route `x [T, H]` to `(topk_ids [T, K] int64, topk_weights [T, K] fp32)`."""
@@ -84,28 +67,14 @@ class Router(nn.Module):
         return route(self._logits(x), self.expert_bias.float(), cfg.n_group, cfg.topk_group,
                      cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routed_scaling_factor)
 
-    def route_align(self, x: torch.Tensor, shared_expert: bool,
-                    ticket: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, PairRouting]:
-        """`forward`'s routing and its alignment for the grouped expert kernels
-        (`shared_expert`: with expert E for every token), one `dlmc::moe_route_align` launch,
-        or with `ticket` (int32 `[1]` zeros) one `dlmc::moe_route_last_align` launch."""
-        cfg = self.config
-        args = (cfg.n_group, cfg.topk_group, cfg.num_experts_per_tok, cfg.norm_topk_prob,
-                cfg.routed_scaling_factor, shared_expert)
-        if ticket is not None:
-            return moe_route_last_align(self._logits(x), self.expert_bias.float(), ticket, *args)
-        return moe_route_align(self._logits(x), self.expert_bias.float(), *args)
-
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         if self._split_gemm(x):
             return router_gemm(x, self.weight.float())  # [S, T, E] fp32, sums to the logits
         return F.linear(x.float(), self.weight.float())  # [T, E] fp32
 
     def _split_gemm(self, x: torch.Tensor) -> bool:
-        device_ok = x.is_cuda or (self.gemm == "triton" and INTERPRETED)
-        return (self.gemm != "cublas" and device_ok and x.dim() == 2
-                and x.dtype == torch.bfloat16 and x.shape[0] <= ROUTER_GEMM_MAX_TOKENS)
+        return (x.is_cuda and x.dim() == 2 and x.dtype == torch.bfloat16
+                and x.shape[0] <= ROUTER_GEMM_MAX_TOKENS)
 
 
 class BF16Experts(nn.Module):
@@ -126,22 +95,16 @@ class BF16Experts(nn.Module):
             torch.empty(num_experts, hidden_size, intermediate_size)
         )
 
-    def takes_pair_routing(self, x: torch.Tensor) -> bool:
-        """Whether `forward(x, ...)` runs `dlmc::bf16_moe`, which takes a `routing=`."""
-        return _kernel_path(x) and x.dtype == torch.bfloat16
-
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-        shared_expert: bool = False, routing: PairRouting | None = None,
+        shared_expert: bool = False,
     ) -> torch.Tensor:
         """`[T, H]` from `topk_ids`/`topk_weights [T, K]`; `shared_expert`: every token also
-        takes the last expert with weight 1.0 (see `bf16_moe`); `routing`: the pairs' alignment
-        for `bf16_moe` if already made (ignored by the torch paths)."""
-        if self.takes_pair_routing(x):  # Triton grouped GEMM (dlmc::bf16_moe)
+        takes the last expert with weight 1.0 (see `bf16_moe`)."""
+        if _kernel_path(x) and x.dtype == torch.bfloat16:  # Triton grouped GEMM (dlmc::bf16_moe)
             return bf16_moe(
                 x, topk_ids, topk_weights,
                 self.gate_proj_weight, self.up_proj_weight, self.down_proj_weight, shared_expert,
-                routing,
             )
         return grouped_moe(
             x, topk_ids, topk_weights,
@@ -194,11 +157,7 @@ class MoEBlock(nn.Module):
     """HF `mlp` of layers >= first_k_dense_replace: `gate`, `experts`, `shared_experts`.
 
     `shared_expert_id` is None, or (after `fuse_shared_expert`) the expert id of the shared
-    expert inside `experts`, with `shared_experts` then None. `route_align` (from
-    `DLMC_FUSED_ROUTE_ALIGN`, "off" (default), "on" or "last"): whether CUDA runs route and
-    align the pairs in one launch for experts that take a `routing` (module docstring);
-    `route_ticket` is the int32 `[1]` counter of "last" (a non-persistent buffer, always 0
-    between launches).
+    expert inside `experts`, with `shared_experts` then None.
     """
 
     def __init__(self, config: LLaDA2Config, experts: nn.Module | None = None) -> None:
@@ -213,28 +172,14 @@ class MoEBlock(nn.Module):
             else None
         )
         self.shared_expert_id: int | None = None
-        # "on": dlmc::moe_route_align on CUDA; "last": dlmc::moe_route_last_align; "off":
-        # moe_route, then moe_align in the experts
-        self.route_align = env_choice("DLMC_FUSED_ROUTE_ALIGN", "off", ("off", "on", "last"))
-        self.register_buffer("route_ticket", torch.zeros(1, dtype=torch.int32), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         expert_kwargs: dict[str, object] = {}
         if self.shared_expert_id is not None:  # the last expert, every token with weight 1.0
             expert_kwargs["shared_expert"] = True
-        if self._fuses_route_align(x):
-            ticket = self.route_ticket if self.route_align == "last" else None
-            topk_ids, topk_weights, expert_kwargs["routing"] = self.gate.route_align(
-                x, self.shared_expert_id is not None, ticket)  # [T, K], [T, K], the pairs' blocks
-        else:
-            topk_ids, topk_weights = self.gate(x)  # [T, K]
+        topk_ids, topk_weights = self.gate(x)  # [T, K]
         routed = self.experts(x, topk_ids, topk_weights, **expert_kwargs)
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
-
-    def _fuses_route_align(self, x: torch.Tensor) -> bool:
-        takes_routing = getattr(self.experts, "takes_pair_routing", None)
-        return (self.route_align in ("on", "last") and _kernel_path(x)
-                and takes_routing is not None and takes_routing(x))
 
     @torch.no_grad()
     def fuse_shared_expert(self) -> bool:
@@ -242,8 +187,8 @@ class MoEBlock(nn.Module):
         fused (now or before). Needs a shared expert of the routed experts' width (one shared
         expert) and `BF16Experts` (appended as expert E, row E of each stacked weight; one
         projection at a time, the old stack freed as the new one is made) or `NVFP4Experts`
-        (kept in BF16, `NVFP4Experts.set_shared_expert`) unless `DLMC_NVFP4_SHARED=separate`;
-        anything else stays unfused. Call after loading: parameters change shape."""
+        (kept in BF16, `NVFP4Experts.set_shared_expert`); anything else stays unfused. Call
+        after loading: parameters change shape."""
         if self.shared_expert_id is not None:
             return True
         experts, shared = self.experts, self.shared_experts
@@ -252,8 +197,6 @@ class MoEBlock(nn.Module):
         if shared.gate_proj.weight.shape[0] != experts.gate_proj_weight.shape[1]:  # width I
             return False
         if type(experts) is NVFP4Experts:
-            if env_choice("DLMC_NVFP4_SHARED", "fused", ("fused", "separate")) == "separate":
-                return False
             self.shared_expert_id = experts.set_shared_expert(
                 shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
             self.shared_experts = None

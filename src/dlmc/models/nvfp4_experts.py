@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dlmc.custom_ops import moe_combine
-from dlmc.custom_ops.moe_align import PairRouting
+from dlmc.custom_ops.kernel_config import KernelConfig
 from dlmc.custom_ops.nvfp4_moe import effective_variant, nvfp4_moe, nvfp4_moe_reference
 from dlmc.custom_ops.nvfp4_words import e4m3_scales, stored_forms, weight_operand
 from dlmc.quant.nvfp4_format import GROUP_SIZE, dequantize_nvfp4
@@ -61,7 +61,8 @@ class NVFP4Experts(nn.Module):
 
     `use_reference=True` runs `nvfp4_moe_reference` (plain PyTorch, any device) instead of the
     Triton op; `emulate_w4a4=True` fake-quantizes activations with the input scales (Blackwell-like
-    numerics).
+    numerics). `pdl`: the op's programmatic dependent launches (`KernelConfig.pdl`, set by
+    `apply_kernel_config`).
     """
 
     def __init__(
@@ -72,6 +73,7 @@ class NVFP4Experts(nn.Module):
         *,
         use_reference: bool = False,
         emulate_w4a4: bool = False,
+        pdl: bool = True,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
@@ -83,6 +85,7 @@ class NVFP4Experts(nn.Module):
         self.intermediate_size = intermediate_size
         self.use_reference = use_reference
         self.emulate_w4a4 = emulate_w4a4
+        self.pdl = pdl
         E, H, I = num_experts, hidden_size, intermediate_size
         for proj, (out_f, in_f) in zip(PROJECTIONS, ((I, H), (I, H), (H, I)), strict=True):
             self.register_buffer(
@@ -142,26 +145,18 @@ class NVFP4Experts(nn.Module):
         self.shared_expert_id = self.num_experts
         return self.shared_expert_id
 
-    def takes_pair_routing(self, x: torch.Tensor) -> bool:
-        """Whether `forward` runs `dlmc::nvfp4_moe`, which takes a `routing=`."""
-        return not self.use_reference
-
     def forward(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-        shared_expert: bool = False, routing: PairRouting | None = None,
+        shared_expert: bool = False,
     ) -> torch.Tensor:
         """x bf16 `[T, H]`, topk_ids int `[T, K]`, topk_weights fp32 `[T, K]` -> bf16 `[T, H]`.
 
         `out[t] = sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])`, summed in fp32 over
         bf16 expert outputs (routed scaling belongs in `topk_weights`). `shared_expert`: plus the
         shared expert's bf16 output with weight 1.0 in the same fp32 sum (`set_shared_expert`).
-        `routing`: the pairs' alignment for `nvfp4_moe` if already made, with the shared
-        expert's tail when `shared_expert` (the reference needs none).
         """
         moe = nvfp4_moe_reference if self.use_reference else nvfp4_moe
         kwargs: dict[str, object] = {}
-        if routing is not None and not self.use_reference:
-            kwargs["routing"] = routing
         if self.emulate_w4a4:
             kwargs |= {
                 "gate_input_scale": self.gate_proj_input_scale,
@@ -173,8 +168,7 @@ class NVFP4Experts(nn.Module):
                 raise ValueError("NVFP4Experts: shared_expert=True needs set_shared_expert first")
             kwargs |= {f"shared_{p}": getattr(self, f"shared_{p}_proj_weight")
                        for p in ("gate", "up", "down")}
-        if (moe_combine.COMBINE == "outside" and not self.use_reference
-                and torch.compiler.is_compiling()):
+        if not self.use_reference and torch.compiler.is_compiling():
             # The pair rows, summed by pointwise ops that Inductor fuses into their consumer
             # (eager runs keep the one combine launch instead of 2K+1 pointwise ones).
             rows = moe(x, topk_ids, topk_weights, *self._op_args(),
@@ -208,5 +202,14 @@ class NVFP4Experts(nn.Module):
         return (
             f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
             f"intermediate_size={self.intermediate_size}, use_reference={self.use_reference}, "
-            f"emulate_w4a4={self.emulate_w4a4}, shared_expert_id={self.shared_expert_id}"
+            f"emulate_w4a4={self.emulate_w4a4}, pdl={self.pdl}, "
+            f"shared_expert_id={self.shared_expert_id}"
         )
+
+
+def apply_kernel_config(model: nn.Module, kernels: KernelConfig) -> None:
+    """Hand `kernels`' op-level choices to every module of `model` that runs an op taking them
+    (the NVFP4 experts' `pdl`)."""
+    for module in model.modules():
+        if isinstance(module, NVFP4Experts):
+            module.pdl = kernels.pdl

@@ -53,7 +53,7 @@ def build_random_model(
             if name == "weight":  # the router's (fp32): drawn like the parameters
                 value = torch.empty(buf.shape, device=device, dtype=buf.dtype)
                 module._buffers[name] = value.normal_(0.0, buf.shape[-1] ** -0.5, generator=gen)
-            elif not buf.dtype.is_floating_point:  # runtime state (MoEBlock.route_ticket): zeros
+            elif not buf.dtype.is_floating_point:  # integer buffers: zeros
                 module._buffers[name] = torch.zeros(buf.shape, device=device, dtype=buf.dtype)
             else:
                 module._buffers[name] = torch.randn(buf.shape, device=device, generator=gen) * 0.01

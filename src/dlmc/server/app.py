@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dlmc.errors import ConfigError
 from dlmc.results import BlockChunk, GenerateResult
+from dlmc.server.context import ServerContext
 from dlmc.server.engine_worker import EngineWorker
 from dlmc.server.handling import (
     EventStream,
@@ -31,6 +32,7 @@ from dlmc.server.handling import (
     run_to_end,
     sse,
 )
+from dlmc.server.openai_compat import add_openai_routes
 from dlmc.server.schemas import ApiError, GenerateRequest, parse_body
 
 log = logging.getLogger(__name__)
@@ -53,17 +55,6 @@ class ServerSettings:
             raise ConfigError(
                 f"request_timeout_s: expected a number > 0, got {self.request_timeout_s!r}"
             )
-
-
-@dataclass(frozen=True)
-class ServerContext:
-    """What the endpoints share."""
-
-    llm: Any
-    worker: EngineWorker
-    preparer: RequestPreparer
-    model_name: str
-    created: int  # unix time the server started (OpenAI `created` of the model)
 
 
 def create_app(llm: Any, settings: ServerSettings | None = None) -> FastAPI:
@@ -92,8 +83,6 @@ def create_app(llm: Any, settings: ServerSettings | None = None) -> FastAPI:
     app.state.dlmc = ctx
     _add_error_handlers(app)
     _add_dlmc_routes(app, ctx)
-    from dlmc.server.openai_compat import add_openai_routes
-
     add_openai_routes(app, ctx)
     return app
 

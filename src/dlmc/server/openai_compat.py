@@ -14,12 +14,13 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from dlmc.results import BlockChunk, GenerateResult
+from dlmc.server.context import ServerContext
 from dlmc.server.handling import (
     EventStream,
     api_error,
@@ -29,9 +30,6 @@ from dlmc.server.handling import (
     sse,
 )
 from dlmc.server.schemas import ChatCompletionRequest, CompletionRequest, parse_body
-
-if TYPE_CHECKING:
-    from dlmc.server.app import ServerContext
 
 
 def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:

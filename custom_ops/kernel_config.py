@@ -1,0 +1,68 @@
+"""`KernelConfig`: the kernel choices of one engine, passed down explicitly.
+
+`LLM(kernels=...)` hands it to the model's ops (at load), the KV cache (attention backend) and
+the compile site (`dlmc.graphs.compile`), which keys its compiled functions and Inductor's cache
+directory by it. Nothing reads a kernel choice from the environment: an op's output depends
+only on its arguments and the device. The defaults are the measured fastest choices on an H200
+(docs/nvfp4.md, "Why this default").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from dlmc.errors import ConfigError
+
+__all__ = ["ATTENTION_BACKENDS", "DEFAULT_KERNELS", "KernelConfig"]
+
+# "auto": the Triton paged attention on CUDA, the plain-PyTorch reference elsewhere.
+ATTENTION_BACKENDS = ("auto", "triton", "reference")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Kernel choices that change how a round runs, never what it computes (up to the order of
+    floating-point sums where stated).
+
+    Attributes:
+        attention_backend: the paged KV cache's attention: "auto", "triton" (dlmc's split +
+            merge kernels) or "reference" (plain PyTorch; slow, for debugging).
+        pdl: programmatic dependent launch (sm_90+): Inductor launches its kernels with it, and
+            `dlmc::nvfp4_moe` overlaps its down launch with its gate/up launch. Bit for bit the
+            same results either way; off only to measure what it gains.
+        deterministic_compile: Inductor's deterministic mode (no timing-based choice of a
+            reduction's block size or warps), so that two compiles give the same numbers.
+    """
+
+    attention_backend: str = "auto"
+    pdl: bool = True
+    deterministic_compile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"KernelConfig.attention_backend={self.attention_backend!r}: "
+                              f"expected one of {', '.join(ATTENTION_BACKENDS)}")
+        for name in ("pdl", "deterministic_compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"KernelConfig.{name}={getattr(self, name)!r}: expected "
+                                  "True or False")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as plain JSON values (recorded by `dlmc bench round`)."""
+        return dataclasses.asdict(self)
+
+    def cache_tag(self) -> str:
+        """A short stable hash of the fields: the compile-cache key of non-default configs."""
+        text = json.dumps(self.to_dict(), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+    def describe(self) -> str:
+        """`name=value` of every field, for logs and tables."""
+        return " ".join(f"{k}={v}" for k, v in self.to_dict().items())
+
+
+DEFAULT_KERNELS = KernelConfig()

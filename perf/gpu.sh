@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# The GPU runs behind perf/README.md's figures, and the gpu-marked tests, in parts that each fit
+# one 10-minute device call. On the GPU machine, from the repository root:
+#   bash perf/gpu.sh PART        (carry .whl: wheels the machine lacks, e.g. pytest-xdist,
+#                                 flashinfer-python; they are installed first)
+# Parts:
+#   rounds       the BF16 round, then the NVFP4-experts + FP8-KV round (one process each)
+#   ops          dlmc::nvfp4_moe alone (routed experts; with the shared expert), dlmc::bf16_moe
+#                alone, paged attention at 1k / 4k / 16k (and FlashInfer when installed)
+#   sampled      the NVFP4 + FP8 round sampled at temperature 0.7
+#   loop         the BF16 round with whole decodes: the decode loop's host overhead
+#   tests-NAME   pytest -m gpu of one test part, NAME one of TEST_PARTS below
+#   list         each test part's files; checks that the parts hold every gpu-marked test file
+#                exactly once (runs nothing, needs no GPU)
+# Output in $OUT: versions.txt, PART.txt (every command and its output), the benches' JSON.
+# Env: OUT (/tmp/dlmc-out), DLMC_CACHE (/tmp/dlmc-cache), TEST_TIMEOUT (560 seconds).
+set -u
+cd "$(dirname "$0")/.." || exit 2
+OUT=${OUT:-/tmp/dlmc-out}
+PART=${1:-}
+TEST_PARTS="default op runner kernels rest fuzz-moe fuzz-other"
+# Each part's test files: an extended regex over the paths of the gpu-marked files, chosen when
+# the script runs (a renamed file falls to `rest`, which takes every file no pattern matches).
+declare -A PATTERN=(
+  [default]="test_nvfp4_loading|test_moe_overlap|tests/models/test_moe\.py|test_pdl"
+  [op]="test_nvfp4_moe\.py"
+  [runner]="tests/graphs/test_runner\.py"
+  [kernels]="gluon|test_paged_attention_variants|test_paged_attention_append"
+  [fuzz-moe]="test_nvfp4_moe_v5\.py"
+  [fuzz-other]="test_nvfp4_moe_v4\.py|test_paged_attention\.py"
+)
+ROUND=(dlmc bench round --shape llada2.1-mini --block-length 32 --prefix 1024 --routing uniform
+       --rounds 60)
+NVFP4=(--precision nvfp4 --kv-cache-dtype fp8)
+
+gpu_files() { grep -rl "mark.gpu" tests --include="test_*.py" | sort; }
+
+part_files() {  # part_files NAME: the test part's files, one per line
+  local all
+  if [ "$1" = rest ]; then
+    all=$(IFS='|'; echo "${PATTERN[*]}")
+    gpu_files | grep -vE "$all"
+  elif [ -n "${PATTERN[$1]+set}" ]; then
+    gpu_files | grep -E "${PATTERN[$1]}"
+  else
+    echo "gpu.sh: unknown test part '$1' (expected one of: $TEST_PARTS)" >&2
+    return 2
+  fi
+  return 0
+}
+
+setup() {  # install the wheels and the checkout, record the machine
+  mkdir -p "$OUT"
+  export PYTHONUNBUFFERED=1 DLMC_CACHE=${DLMC_CACHE:-/tmp/dlmc-cache}
+  if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | grep -v WARN
+  {
+    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,power.limit --format=csv,noheader
+    python3 -c "import platform, torch, triton; print('python', platform.python_version(),
+      'torch', torch.__version__, 'triton', triton.__version__, 'cuda', torch.version.cuda)"
+  } > "$OUT/versions.txt" 2>&1
+  cat "$OUT/versions.txt"
+}
+
+step() {  # step NAME LIMIT COMMAND...: COMMAND under a time limit, output into $OUT/PART.txt
+  local name=$1 limit=$2 rc
+  shift 2
+  echo "== $name: $*" >> "$OUT/$PART.txt"
+  timeout "$limit" "$@" >> "$OUT/$PART.txt" 2>&1
+  rc=$?
+  echo "== $name rc=$rc" | tee -a "$OUT/$PART.txt"
+}
+
+summary() {  # the lines of $OUT/PART.txt that hold the figures
+  local figures='│ +(graph|queued|flight)|host overhead|"nvfp4_ms_per_layer"|of_copy'
+  grep -E "^== [a-z0-9_]+: |$figures|^(triton|flashinfer) +(default|fa2 run) " "$OUT/$PART.txt" \
+    | cut -c1-160
+}
+
+case "$PART" in
+list)
+  for name in $TEST_PARTS; do
+    echo "== $name"; part_files "$name"
+  done
+  listed=$(for name in $TEST_PARTS; do part_files "$name"; done | sort)
+  if [ "$listed" != "$(gpu_files)" ]; then
+    echo "gpu.sh: the test parts do not hold every gpu-marked file exactly once" >&2
+    diff <(gpu_files) <(echo "$listed") >&2
+    exit 1
+  fi
+  echo "$(gpu_files | wc -l) gpu-marked test files, each in one part" ;;
+rounds)
+  setup
+  step round_bf16 270 "${ROUND[@]}" --precision bf16 --modes graph --no-loop --profile \
+    --out "$OUT/round_bf16.json"
+  step round_nvfp4_fp8 270 "${ROUND[@]}" "${NVFP4[@]}" --modes graph --no-loop --profile \
+    --out "$OUT/round_nvfp4_fp8.json"
+  summary ;;
+ops)
+  setup
+  export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a}
+  step op_nvfp4_routed 120 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 60 \
+    --downs gluon --profile --out "$OUT/op_nvfp4_routed.json"
+  step op_nvfp4_shared 120 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 60 \
+    --downs gluon --shared-expert --profile --out "$OUT/op_nvfp4_shared.json"
+  step op_bf16_moe 90 python3 perf/bench_bf16_moe.py --out "$OUT/op_bf16_moe.json"
+  step attention 200 python3 perf/bench_paged_attention.py --prefixes 1024 4096 16384 \
+    --capacity 32768 --out "$OUT/attention.json"
+  summary ;;
+sampled)
+  setup
+  step round_nvfp4_fp8_temperature 300 "${ROUND[@]}" "${NVFP4[@]}" --modes graph --no-loop \
+    --temperature 0.7 --out "$OUT/round_nvfp4_fp8_temperature.json"
+  summary ;;
+loop)
+  setup
+  step round_bf16_loop 560 "${ROUND[@]}" --precision bf16 --modes graph --loop \
+    --out "$OUT/round_bf16_loop.json"
+  summary ;;
+tests-*)
+  files=$(part_files "${PART#tests-}") || exit 2
+  [ -n "$files" ] || { echo "gpu.sh: test part ${PART#tests-} holds no gpu-marked file"; exit 0; }
+  setup
+  echo "$files" > "$OUT/$PART.files.txt"
+  workers=""
+  python3 -c "import xdist" 2> /dev/null && workers="-n 4"
+  # shellcheck disable=SC2086  # one argument per file, and the workers option
+  step pytest "${TEST_TIMEOUT:-560}" python3 -m pytest -v -p no:cacheprovider -rf -m gpu \
+    $workers $files
+  grep -E "FAILED|ERROR|passed|failed" "$OUT/$PART.txt" | tail -20 ;;
+*)
+  echo "usage: bash perf/gpu.sh rounds|ops|sampled|loop|list|tests-NAME" \
+    "(NAME: ${TEST_PARTS// /, })" >&2
+  exit 2 ;;
+esac

@@ -1,0 +1,132 @@
+import pytest
+import torch
+
+from dlmc.graphs import rules
+from dlmc.graphs.rules import (
+    joint_threshold_step,
+    propose,
+    propose_with_noise,
+    row_argmax,
+    row_argmax_sumexp,
+    step_quotas,
+    threshold_step,
+)
+
+
+def test_propose_greedy_and_filtered():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
+    x0, p = propose(logits)
+    assert x0.tolist() == [1, 0]
+    torch.testing.assert_close(p, logits.softmax(-1).max(-1).values)
+    x0k, pk = propose(logits, top_k=2)
+    assert x0k.tolist() == [1, 0]
+    torch.testing.assert_close(pk[0], torch.tensor([2.0, 1.0]).softmax(-1)[0])
+
+
+def test_propose_sampling_is_seeded_and_p_is_under_the_filtered_distribution():
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(0))
+    a = propose(logits, 0.7, 5, 0.9, torch.Generator().manual_seed(3))
+    b = propose(logits, 0.7, 5, 0.9, torch.Generator().manual_seed(3))
+    assert torch.equal(a[0], b[0])
+    top5 = (logits / 0.7).topk(5, -1).indices
+    assert all(int(x) in top5[i].tolist() for i, x in enumerate(a[0]))
+    assert bool((a[1] > 0).all())
+
+
+def test_propose_with_noise_is_propose_with_the_same_generator():
+    """Noise drawn with a generator, then `propose_with_noise`: the x0 that `propose` samples
+    with a generator of the same seed (torch.multinomial's one-sample draw), the same p up to
+    the softmax's rounding, and the generators left in the same state."""
+    logits = torch.randn(16, 3000, generator=torch.Generator().manual_seed(1)) * 4
+    for temperature in (0.3, 0.7, 1.5):
+        sampled, drawn = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+        x0, p = propose(logits, temperature, None, None, sampled)
+        noise = torch.empty_like(logits).exponential_(1, generator=drawn)
+        y0, q = propose_with_noise(logits, torch.tensor(temperature), noise)
+        assert torch.equal(x0, y0)
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-7)
+        assert torch.equal(sampled.get_state(), drawn.get_state())
+    assert len(set(x0.tolist())) > 1
+
+
+def test_joint_commit_falls_back_to_most_confident_and_never_touches_prompt():
+    block = torch.tensor([5, 9, 9, 9, 3])  # pos 0 prompt, pos 4 decoded earlier
+    active = torch.tensor([False, True, True, True, False])
+    editable = torch.tensor([False, True, True, True, True])
+    x0 = torch.tensor([1, 2, 2, 2, 4])
+    p = torch.tensor([0.99, 0.3, 0.6, 0.4, 0.7])
+    new, committed, edited = joint_threshold_step(block, x0, p, active, editable, 0.85, 0.5)
+    assert committed.tolist() == [False, False, True, False, False]  # fallback: top-1
+    assert edited.tolist() == [False, False, False, False, True]  # T2T while masks remain
+    assert new.tolist() == [5, 9, 2, 9, 4]  # prompt position 0 untouched despite p = 0.99
+
+
+def test_joint_threshold_commits_all_above_and_edit_is_strict():
+    block = torch.tensor([9, 9, 7])
+    active = torch.tensor([True, True, False])
+    editable = torch.ones(3, dtype=torch.bool)
+    x0 = torch.tensor([1, 2, 3])
+    p = torch.tensor([0.9, 0.86, 0.5])
+    new, committed, edited = joint_threshold_step(block, x0, p, active, editable, 0.85, 0.5)
+    assert committed.tolist() == [True, True, False] and not edited.any()  # 0.5 is not > 0.5
+    new, _, edited = joint_threshold_step(block, x0, p, active, editable, 0.85, None)
+    assert not edited.any()
+
+
+def test_threshold_step_quota():
+    block = torch.tensor([9, 9, 9, 9])
+    active = torch.ones(4, dtype=torch.bool)
+    x0 = torch.tensor([1, 2, 3, 4])
+    p = torch.tensor([0.96, 0.5, 0.7, 0.2])
+    new, committed = threshold_step(block, x0, p, active, 0.95, quota=2)
+    assert committed.tolist() == [True, False, True, False]
+    new, committed = threshold_step(block, x0, p, active, 0.4, quota=2)
+    assert committed.tolist() == [True, True, True, False]
+    assert new.tolist() == [1, 2, 3, 9]
+    assert step_quotas(32, 32) == [1] * 32 and step_quotas(10, 4) == [3, 3, 2, 2]
+
+
+def test_greedy_propose_matches_the_softmax_of_the_argmax():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(32, 5000, generator=gen) * 4.0
+    logits[:, 7] = float("-inf")  # a masked column (the mask token)
+    x0, p = propose(logits)
+    probs = logits.softmax(-1)
+    assert torch.equal(x0, logits.argmax(-1))
+    # Two fp32 sums of 5,000 terms in different orders (softmax's vectorised one depends on
+    # the CPU's instruction set): 1.6e-6 apart on one machine, so 1e-5, not 1e-6.
+    torch.testing.assert_close(p, probs.gather(-1, x0[:, None])[:, 0], rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("chunk", [16, 1024])
+@pytest.mark.parametrize("width", [1, 255, 256, 257, 5000])
+def test_row_argmax_matches_torch_and_takes_the_first_of_equal_maxima(width, chunk, monkeypatch):
+    monkeypatch.setattr(rules, "ARGMAX_CHUNK_WIDTH", chunk)
+    gen = torch.Generator().manual_seed(width)
+    logits = torch.randint(-3, 4, (5, width), generator=gen).float()  # many ties
+    logits[0] = float("-inf")
+    logits[0, width // 2] = 1.0
+    top, index = row_argmax(logits)
+    assert torch.equal(top, logits.max(-1).values)
+    first = (logits == logits.max(-1, keepdim=True).values).float().argmax(-1)
+    assert torch.equal(index, first)
+
+
+@pytest.mark.parametrize("chunk", [16, 1024])
+@pytest.mark.parametrize("width", [1, 255, 256, 257, 5000])
+def test_row_argmax_sumexp_is_the_two_pass_max_argmax_and_sum(width, chunk, monkeypatch):
+    monkeypatch.setattr(rules, "ARGMAX_CHUNK_WIDTH", chunk)
+    gen = torch.Generator().manual_seed(width)
+    logits = torch.randn(5, width, generator=gen) * 4
+    logits[1] = torch.randint(-3, 4, (width,), generator=gen).float()  # ties
+    logits[0] = float("-inf")  # every chunk but one holds -inf only
+    logits[0, width // 2] = 1.0
+    logits[2, : width // 2] = float("-inf")
+    top, index, total = row_argmax_sumexp(logits)
+    want_top, want_index = row_argmax(logits)
+    assert torch.equal(top, want_top)
+    assert torch.equal(index, want_index)
+    want = torch.exp(logits.double() - want_top.double()[:, None]).sum(-1)
+    assert torch.isfinite(total).all()
+    assert total[0] == 1.0
+    torch.testing.assert_close(total.double(), want, rtol=1e-5, atol=0)
