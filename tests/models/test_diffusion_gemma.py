@@ -29,7 +29,7 @@ TINY_TEXT = {
 TINY_VISION = {"model_type": "gemma4_vision", "hidden_size": 16, "intermediate_size": 32,
                "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
                "head_dim": 8, "global_head_dim": 8}
-# Tensors transformers initialises to ones (norm weights, scales): random around 1 here.
+# Tensors transformers initialises to ones (norm weights, scales): random in [0.75, 1.25) here.
 ONE_CENTRED = ("norm.weight", "layernorm.weight", "layernorm_1.weight", "layernorm_2.weight",
                "router.scale", "per_expert_scale", "layer_scalar")
 
@@ -54,7 +54,7 @@ def hf_model(seed: int, **text_overrides) -> hf.DiffusionGemmaForBlockDiffusion:
     with torch.no_grad():
         for name, tensor in tensors:
             if name.endswith(ONE_CENTRED):
-                tensor.copy_(0.5 + torch.rand(tensor.shape, generator=gen))
+                tensor.copy_(0.75 + 0.5 * torch.rand(tensor.shape, generator=gen))
             elif "rotary_emb" not in name and not name.endswith("embed_scale"):
                 tensor.copy_(0.2 * torch.randn(tensor.shape, generator=gen))
         encoder_layers = model.model.encoder.language_model.layers
