@@ -90,13 +90,18 @@ class CanvasStep(NamedTuple):
     accepted: torch.Tensor  # [..., C] bool: positions that keep their sample
 
 
-def temperature(steps_remaining: torch.Tensor | int, settings: CanvasSettings) -> torch.Tensor:
+def temperature(
+    steps_remaining: torch.Tensor | int, settings: CanvasSettings,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
     """`t_min + (t_max - t_min) * n / max_denoising_steps` for n = `steps_remaining` (N .. 1).
 
-    fp32 `[]` on `steps_remaining`'s device, computed as transformers does (n an integer tensor,
-    fp32 arithmetic); pass n as a device tensor so one captured step serves every n.
+    fp32 `[]` on `device` (default: `steps_remaining`'s), computed as transformers does: n an
+    int32 tensor on the logits' device, fp32 arithmetic there (CUDA divides by the Python
+    scalar N as a multiplication by 1/N, CPU truly divides: the device matters to the last
+    bit). Pass n as a device tensor so one captured step serves every n.
     """
-    n = torch.as_tensor(steps_remaining, dtype=torch.int32)  # []
+    n = torch.as_tensor(steps_remaining, dtype=torch.int32, device=device)  # []
     span = settings.t_max - settings.t_min
     return settings.t_min + span * (n / settings.max_denoising_steps)  # [] fp32
 
@@ -230,7 +235,7 @@ def canvas_step(
     stopped before, stopping test. The caller keeps the self-conditioning input of rows that
     had stopped (`self_conditioning_input`).
     """
-    temp = temperature(steps_remaining, settings).to(logits.device)  # []
+    temp = temperature(steps_remaining, settings, logits.device)  # []
     proposal = propose(logits, temp, noise.exponential)
     accepted = accept_mask(proposal.entropy, settings.entropy_bound)  # [..., C]
     canvas = renoise(proposal.sample, accepted, noise.renoise_ids)  # [..., C]
@@ -245,7 +250,7 @@ def canvas_step_reference(
     settings: CanvasSettings,
 ) -> CanvasStep:
     """`canvas_step` written with transformers' calls, drawing from `generator` (eager only)."""
-    temp = temperature(steps_remaining, settings).to(logits.device)  # []
+    temp = temperature(steps_remaining, settings, logits.device)  # []
     tempered = logits / temp  # [..., C, V]
     probs = torch.softmax(tempered, dim=-1, dtype=torch.float32)  # [..., C, V]
     vocab_size = probs.shape[-1]
@@ -283,6 +288,15 @@ def count_decoder_forward(
     return decoder_forwards + ~(stopped | finished)
 
 
+def _is_eos(tokens: torch.Tensor, eos_token_ids: tuple[int, ...]) -> torch.Tensor:
+    """Bool mask of `tokens` equal to an EOS id: compares with Python ints, so no id tensor is
+    copied to the device (not allowed while a CUDA graph captures)."""
+    is_eos = torch.zeros_like(tokens, dtype=torch.bool)
+    for eos in eos_token_ids:
+        is_eos = is_eos | (tokens == eos)
+    return is_eos
+
+
 def finish_canvas(
     argmax: torch.Tensor, finished: torch.Tensor, settings: CanvasSettings
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -293,13 +307,12 @@ def finish_canvas(
     every token after it becomes pad, and the row is finished if the canvas holds an EOS.
     """
     pad = settings.pad_token_id
-    eos = torch.tensor(settings.eos_token_ids, dtype=argmax.dtype, device=argmax.device)  # [E]
     tokens = torch.where(finished[..., None], pad, argmax)  # [..., C]
-    is_eos = torch.isin(tokens, eos)  # [..., C]
+    is_eos = _is_eos(tokens, settings.eos_token_ids)  # [..., C]
     seen = is_eos.cumsum(dim=-1)  # [..., C] EOS ids up to and including each position
     after_first = (seen > 0) & ~((seen == 1) & is_eos)  # [..., C]
     tokens = torch.where(after_first, pad, tokens)  # [..., C]
-    return tokens, finished | torch.isin(argmax, eos).any(dim=-1)
+    return tokens, finished | _is_eos(argmax, settings.eos_token_ids).any(dim=-1)
 
 
 def tokens_per_forward(
