@@ -1,4 +1,5 @@
-"""DiffusionGemma's canvas decoding rules as sync-free tensor functions (docs/diffusiongemma.md §6).
+"""DiffusionGemma's canvas decoding rules (transformers' `DiffusionGemmaGenerationMixin.generate`)
+as sync-free tensor functions.
 
 One denoising step takes the decoder's fp32 soft-capped logits `[..., C, V]` (C = canvas length,
 leading dims = rows) and returns the next canvas, the argmax canvas and the stopping flag as
@@ -30,17 +31,19 @@ generator of the canvas's device, which `torch.manual_seed(seed)` seeds (a
 
 Eager decoding is token-identical to transformers' with the same seed when it draws these
 tensors, with these shapes and dtypes, in this order, from one generator: `draw_initial_canvas`
-per canvas, then `draw_step_noise` (2a then 2b) per step. Drawing per row, or in another
-order, changes the stream. Only transformers' eager path (its default dynamic cache) can be
-matched: with a static cache it compiles `renoise_canvas`, whose randint then uses Inductor's
-own generator.
+per canvas, then `draw_step_noise` (2a then 2b) per step. Another order changes the stream,
+and so may drawing per row (on CUDA each call rounds the generator's offset up). The logits
+must be identical too: a different kernel's last-bit difference can flip a sample. Only
+transformers' eager path (its default dynamic cache) can be matched: with a static cache it
+compiles `renoise_canvas`, whose randint becomes Inductor's own random op (another stream).
 
-Exactness. Eagerly, `canvas_step` computes bit for bit what transformers does: the
-temperature as a fp32 `[]` tensor `t_min + (t_max - t_min) * (n / N)` (fp32 arithmetic: `n`
-is an int32 tensor there), a true division of the logits by it, `torch.softmax` for the
-sampling probabilities, `torch.distributions.Categorical`'s entropy formula, the unstable
-`torch.sort` of the entropies and `cumsum - sorted <= bound`. Compiled, Inductor may sum in
-another order, so an entropy at the bound (or a tie in the sort) can fall the other way.
+Exactness. Eagerly, `canvas_step` computes bit for bit what transformers does (tested on the
+CPU): the temperature as a fp32 `[]` tensor `t_min + (t_max - t_min) * (n / N)` (fp32
+arithmetic: `n` is an int32 tensor there), a true division of the logits by it,
+`torch.softmax` for the sampling probabilities, `torch.distributions.Categorical`'s entropy
+formula, the unstable `torch.sort` of the entropies and `cumsum - sorted <= bound`. Compiled,
+Inductor may sum in another order, so an entropy at the bound (or a tie in the sort) can
+fall the other way.
 
 `canvas_step_reference` is the readable definition: transformers' own calls
 (`torch.multinomial`, `Categorical`, `torch.randint`) with an explicit generator, eager only
