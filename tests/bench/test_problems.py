@@ -105,6 +105,14 @@ def test_an_unknown_name_or_missing_file_is_one_line_naming_the_option(
     assert not (tmp_path / "o").exists()  # refused before anything is written
 
 
+def test_a_missing_exemplar_file_is_one_line_naming_its_option(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["bench", "suite", "-m", "fake", "-p", "gsm8k", "--few-shot",
+                                       "--exemplars", "gsm8k=nowhere.jsonl",
+                                       "--out", str(tmp_path / "o")])
+    assert result.exit_code == 1 and result.output.strip().splitlines() == [
+        "Error: --exemplars gsm8k=nowhere.jsonl: no such file 'nowhere.jsonl'"]
+
+
 def test_packaged_files_are_read_through_importlib_resources() -> None:
     for name in NAMES:
         file = packaged_file(name)

@@ -66,7 +66,7 @@ def canonical_name(name: str) -> str | None:
     return key if key in REQUIRED_FIELDS else None
 
 
-def detect_benchmark(row: dict[str, Any], path: Path) -> str:
+def detect_benchmark(row: dict[str, Any], path: Path | Traversable) -> str:
     """The benchmark whose fields ``row`` has; a `ConfigError` naming the file otherwise."""
     for name, fields in REQUIRED_FIELDS.items():
         if all(f in row for f in fields):
