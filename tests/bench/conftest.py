@@ -1,47 +1,40 @@
-"""Shared fixtures for the bench tests: the benchmark files in ../shared/data (beside the repo)."""
+"""Shared fixtures for the bench tests: the benchmark files shipped in `dlmc.bench.data`."""
 
 from __future__ import annotations
 
-import json
+from collections.abc import Iterator
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-DATA_DIR = (Path(__file__).resolve().parents[2] / ".." / "shared" / "data").resolve()
-
-
-def _rows(name: str) -> list[dict[str, Any]]:
-    path = DATA_DIR / name
-    if not path.is_file():
-        pytest.skip(f"benchmark data not found at {path} (clone the repo beside shared/)")
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+from dlmc.bench.problems import DATA_PACKAGE, packaged_file, read_jsonl
 
 
 @pytest.fixture(scope="session")
-def data_dir() -> Path:
-    """The directory with gsm8k.jsonl, math500.jsonl, humaneval.jsonl, mbpp.jsonl."""
-    if not DATA_DIR.is_dir():
-        pytest.skip(f"benchmark data not found at {DATA_DIR} (clone the repo beside shared/)")
-    return DATA_DIR
+def data_dir() -> Iterator[Path]:
+    """The directory with gsm8k.jsonl, math500.jsonl, humaneval.jsonl, mbpp.jsonl (as paths, the
+    way a user passes their own files)."""
+    with resources.as_file(resources.files(DATA_PACKAGE)) as path:
+        yield path
 
 
 @pytest.fixture(scope="session")
 def gsm8k_rows() -> list[dict[str, Any]]:
-    return _rows("gsm8k.jsonl")
+    return read_jsonl(packaged_file("gsm8k"))
 
 
 @pytest.fixture(scope="session")
 def math_rows() -> list[dict[str, Any]]:
-    return _rows("math500.jsonl")
+    return read_jsonl(packaged_file("math500"))
 
 
 @pytest.fixture(scope="session")
 def humaneval_rows() -> list[dict[str, Any]]:
-    return _rows("humaneval.jsonl")
+    return read_jsonl(packaged_file("humaneval"))
 
 
 @pytest.fixture(scope="session")
 def mbpp_rows() -> list[dict[str, Any]]:
-    return _rows("mbpp.jsonl")
+    return read_jsonl(packaged_file("mbpp"))

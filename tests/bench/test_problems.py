@@ -6,9 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
-from dlmc.bench.problems import load_problem_set, parse_problem_spec
+from dlmc.bench.problems import load_problem_set, packaged_file, parse_problem_spec, read_jsonl
+from dlmc.cli import main
 from dlmc.errors import ConfigError
+
+NAMES = ("gsm8k", "math500", "humaneval", "mbpp")
 
 
 @pytest.mark.parametrize(("file", "bench_name", "count", "first_id"), [
@@ -60,5 +64,59 @@ def test_bad_rows_name_the_file_line_and_field(tmp_path: Path) -> None:
     path.write_text('{"question": "q", "answer": "#### 1"}\n{not json\n')
     with pytest.raises(ConfigError, match=r"g\.jsonl:2: not valid JSON"):
         load_problem_set(str(path))
-    with pytest.raises(ConfigError, match="not found"):
+    with pytest.raises(ConfigError, match="--problems .*missing.jsonl.*no such file"):
         load_problem_set(str(tmp_path / "missing.jsonl"))
+
+
+@pytest.mark.parametrize(("spec", "bench_name", "count"), [
+    ("gsm8k", "gsm8k", 1319), ("math500", "math500", 500), ("humaneval", "humaneval", 164),
+    ("mbpp", "mbpp", 500), ("MATH", "math500", 500), ("human-eval", "humaneval", 164),
+])
+def test_a_name_loads_the_packaged_file(
+    data_dir: Path, spec: str, bench_name: str, count: int
+) -> None:
+    named = load_problem_set(spec)
+    by_path = load_problem_set(str(data_dir / f"{bench_name}.jsonl"))
+    assert (named.benchmark, len(named.problems)) == (bench_name, count)
+    assert [p.row for p in named.problems] == [p.row for p in by_path.problems]
+    assert named.path.name == f"{bench_name}.jsonl" and named.subset == by_path.subset
+
+
+def test_a_local_file_named_like_a_benchmark_is_reached_by_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    Path("gsm8k").write_text('{"question": "q", "answer": "#### 7"}\n')
+    assert len(load_problem_set("gsm8k").problems) == 1319  # the name: the packaged file
+    assert [p.row["answer"] for p in load_problem_set("./gsm8k").problems] == ["#### 7"]
+    assert len(load_problem_set("gsm8k=gsm8k").problems) == 1
+
+
+@pytest.mark.parametrize("spec", ["gsm9k", "mbpp=nowhere.jsonl", "missing/dir/", "weird=x"])
+def test_an_unknown_name_or_missing_file_is_one_line_naming_the_option(
+    tmp_path: Path, spec: str
+) -> None:
+    result = CliRunner().invoke(main, ["bench", "suite", "-m", "fake", "--problems", spec,
+                                       "--out", str(tmp_path / "o")])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"Error: --problems {spec}: no such file")
+    assert all(name in lines[0] for name in NAMES)
+    assert not (tmp_path / "o").exists()  # refused before anything is written
+
+
+def test_a_missing_exemplar_file_is_one_line_naming_its_option(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["bench", "suite", "-m", "fake", "-p", "gsm8k", "--few-shot",
+                                       "--exemplars", "gsm8k=nowhere.jsonl",
+                                       "--out", str(tmp_path / "o")])
+    assert result.exit_code == 1 and result.output.strip().splitlines() == [
+        "Error: --exemplars gsm8k=nowhere.jsonl: no such file 'nowhere.jsonl'"]
+
+
+def test_packaged_files_are_read_through_importlib_resources() -> None:
+    for name in NAMES:
+        file = packaged_file(name)
+        assert file.is_file() and file.name == f"{name}.jsonl"
+    assert len(read_jsonl(packaged_file("mbpp"))) == 974
+    with pytest.raises(ConfigError, match="names: gsm8k, math500, humaneval, mbpp"):
+        packaged_file("gsm9k")

@@ -10,7 +10,11 @@ from typing import Any
 import pytest
 
 from dlmc.bench import score_math
-from dlmc.bench.scorers.math500 import extract_boxed, extract_math_answer
+from dlmc.bench.scorers.math500 import (
+    extract_boxed,
+    extract_final_answer_sentence,
+    extract_math_answer,
+)
 from dlmc.bench.scorers.math_verify_pool import MathVerifier
 
 
@@ -48,6 +52,24 @@ def test_boxed_extraction_is_last_and_balanced() -> None:
     assert extract_math_answer("So the final answer is $\\frac{3}{4}$. I hope it is correct.") == (
         "\\frac{3}{4}", "final_answer_sentence")
     assert extract_math_answer("nothing here") == (None, "none")
+    assert extract_final_answer_sentence(
+        "The final answer is 3. No, the final answer is $4$.\nThe final answer is 5 ") == "5"
+
+
+def test_the_last_final_answer_sentence_counts(
+    math_rows: list[dict[str, Any]], verifier: MathVerifier
+) -> None:
+    # A response that revises its answer is scored on the last "final answer is", not the first.
+    def response(first: str, last: str) -> str:
+        return (f"So the final answer is ${first}$. Wait, I dropped a term.\n"
+                f"Redoing it, the final answer is ${last}$. I hope it is correct.")
+
+    for row in math_rows[::25]:
+        gold, wrong = row["answer"], row["answer"] + "+1"
+        result = score_math(response(wrong, gold), row, verifier=verifier)
+        assert (result.correct, result.extracted) == (True, gold), (gold, result)
+        result = score_math(response(gold, wrong), row, verifier=verifier)
+        assert (result.correct, result.extracted) == (False, wrong), (gold, result)
 
 
 def test_every_gold_verifies_against_itself(

@@ -16,8 +16,6 @@ from dlmc.bench.suite import SuiteSettings, check_run_file, run_benchmark, run_i
 from dlmc.cli import main
 from dlmc.errors import ConfigError
 
-FILES = ("gsm8k.jsonl", "math500.jsonl", "humaneval.jsonl", "mbpp.jsonl")
-
 
 def _run(llm: FakeLLM, data_dir: Path, out: Path, limit: int, file: str = "gsm8k.jsonl"):
     problems = load_problem_set(str(data_dir / file), limit=limit)
@@ -66,8 +64,8 @@ def test_settings_are_validated() -> None:
         SuiteSettings(max_new_tokens=0)
 
 
-def test_cli_runs_all_four_files_and_resumes(
-    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+def test_cli_runs_the_four_packaged_sets_by_name_and_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     gsm8k_rows: list[dict[str, Any]], math_rows: list[dict[str, Any]],
     humaneval_rows: list[dict[str, Any]], mbpp_rows: list[dict[str, Any]],
 ) -> None:
@@ -75,9 +73,9 @@ def test_cli_runs_all_four_files_and_resumes(
     llm = FakeLLM(rows, wrong_keys={key_of(math_rows[2]), key_of(mbpp_rows[12])})
     monkeypatch.setattr("dlmc.cli.bench._load_llm", lambda *args: llm)
     out = tmp_path / "run"
-    paths = [str(data_dir / f) for f in FILES]
     args = ["bench", "suite", "--model", "fake", "--threshold", "0.85", "--edit-threshold", "0.5",
-            "--max-new-tokens", "32", "--limit", "3", "--problems", *paths, "--out", str(out)]
+            "--max-new-tokens", "32", "--limit", "3", "--problems", "gsm8k", "math500",
+            "humaneval", "mbpp", "--out", str(out)]
     first = CliRunner().invoke(main, args)
     assert first.exit_code == 0, first.output
     assert len(llm.calls) == 12 and "dlmc bench suite" in first.output
@@ -88,6 +86,8 @@ def test_cli_runs_all_four_files_and_resumes(
     assert summary["run"]["edit_threshold"] == 0.5 and summary["device"] == "cpu"
     for name in ("gsm8k", "math500", "humaneval", "mbpp"):
         assert len((out / f"{name}.jsonl").read_text().splitlines()) == 3
+    files = {b["name"]: b["file"] for b in summary["benchmarks"]}
+    assert all(files[name].endswith(f"{name}.jsonl") for name in files)
 
     second = CliRunner().invoke(main, args)
     assert second.exit_code == 0, second.output

@@ -9,7 +9,13 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from dlmc.bench.problems import ProblemSet, canonical_name, load_problem_set, read_jsonl
+from dlmc.bench.problems import (
+    BENCHMARKS,
+    ProblemSet,
+    canonical_name,
+    load_problem_set,
+    read_jsonl,
+)
 from dlmc.bench.prompts import PromptPlan, plan_prompts
 from dlmc.bench.records import BenchmarkSummary, ProblemRecord
 from dlmc.bench.report import describe_device, render_report
@@ -36,7 +42,7 @@ def run_suite(options: dict[str, Any], load_llm: Callable[..., Any]) -> list[Ben
     )
     specs = list(options["problem_specs"]) + list(options["more_problems"])
     if not specs:
-        raise ConfigError("--problems: give at least one problem file")
+        raise ConfigError(f"--problems: give at least one of {', '.join(BENCHMARKS)} or a file")
     sets = [load_problem_set(spec, limit=options["limit"]) for spec in specs]
     names = [s.benchmark for s in sets]
     if len(set(names)) != len(names):
@@ -97,5 +103,7 @@ def _load_exemplars(
         benchmark = canonical_name(name) if sep else None
         if benchmark not in ("gsm8k", "math500"):
             raise ConfigError(f"--exemplars {spec!r}: expected gsm8k=FILE or math500=FILE")
+        if not Path(path).is_file():
+            raise ConfigError(f"--exemplars {spec}: no such file {path!r}")
         exemplars[benchmark] = (read_jsonl(Path(path)), path)
     return exemplars

@@ -1,9 +1,11 @@
-"""Problem files: recognise the benchmark of a JSONL file from its fields, load and subset it."""
+"""Problem files (the packaged ones or the user's JSONL): recognise the benchmark, load, subset."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,8 @@ REQUIRED_FIELDS: dict[str, tuple[str, ...]] = {
     "gsm8k": ("question", "answer"),
 }
 ALIASES = {"math": "math500", "math-500": "math500", "human-eval": "humaneval", "gsm": "gsm8k"}
+BENCHMARKS = ("gsm8k", "math500", "humaneval", "mbpp")  # each ships as dlmc/bench/data/NAME.jsonl
+DATA_PACKAGE = "dlmc.bench.data"
 MBPP_TEST_IDS = range(11, 511)  # google-research MBPP README: 11-510 test, 1-10 few-shot pool
 
 
@@ -34,14 +38,14 @@ class ProblemSet:
 
     Attributes:
         benchmark: ``gsm8k``, ``math500``, ``humaneval`` or ``mbpp``.
-        path: the JSONL file.
+        path: the JSONL file (a packaged one is a `Traversable` of ``dlmc.bench.data``).
         subset: a description of the rows used (e.g. ``"MBPP test split, task_id 11-510"``).
         problems: the problems, in file order, after the subset and ``limit``.
         all_rows: every row of the file (MBPP draws its few-shot exemplars from task_ids 2-4).
     """
 
     benchmark: str
-    path: Path
+    path: Path | Traversable
     subset: str
     problems: tuple[Problem, ...]
     all_rows: tuple[dict[str, Any], ...] = field(repr=False)
@@ -62,7 +66,7 @@ def canonical_name(name: str) -> str | None:
     return key if key in REQUIRED_FIELDS else None
 
 
-def detect_benchmark(row: dict[str, Any], path: Path) -> str:
+def detect_benchmark(row: dict[str, Any], path: Path | Traversable) -> str:
     """The benchmark whose fields ``row`` has; a `ConfigError` naming the file otherwise."""
     for name, fields in REQUIRED_FIELDS.items():
         if all(f in row for f in fields):
@@ -71,16 +75,42 @@ def detect_benchmark(row: dict[str, Any], path: Path) -> str:
     raise ConfigError(
         f"{path}: cannot tell which benchmark this file is; its first row has fields "
         f"{sorted(row)}. Expected the fields of one of ({expected}), or name it as "
-        f"'gsm8k={path}' (names: {', '.join(REQUIRED_FIELDS)})."
+        f"'gsm8k={path}' (names: {', '.join(BENCHMARKS)})."
     )
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
+def packaged_file(name: str) -> Traversable:
+    """The problem file shipped with dlmc for a benchmark name or alias (see data/SOURCES.md)."""
+    benchmark = canonical_name(name)
+    if benchmark is None:
+        names = ", ".join(BENCHMARKS)
+        raise ConfigError(f"{name!r} is not a packaged problem set (names: {names})")
+    return resources.files(DATA_PACKAGE).joinpath(f"{benchmark}.jsonl")
+
+
+def resolve_problem_spec(spec: str) -> tuple[str | None, Path | Traversable]:
+    """The benchmark (``None``: recognise it from the fields) and file of a ``--problems`` value.
+
+    A bare name (``gsm8k``, ``math500``, ``humaneval``, ``mbpp`` or an alias) is the packaged file;
+    anything else is ``FILE`` or ``NAME=FILE`` (write ``./gsm8k`` for a local file of that name).
+    """
+    if "=" not in spec and canonical_name(spec) is not None:
+        return canonical_name(spec), packaged_file(spec)
+    name, path = parse_problem_spec(spec)
+    if not path.is_file():
+        raise ConfigError(
+            f"--problems {spec}: no such file {str(path)!r}; give a JSONL file, NAME=FILE, or one "
+            f"of the packaged problem sets {', '.join(BENCHMARKS)}"
+        )
+    return name, path
+
+
+def read_jsonl(path: Path | Traversable) -> list[dict[str, Any]]:
     """The rows of a JSONL file; errors name the file and line."""
     if not path.is_file():
         raise ConfigError(f"{path}: problem file not found")
     rows: list[dict[str, Any]] = []
-    with open(path, encoding="utf-8") as f:
+    with path.open("r", encoding="utf-8") as f:
         for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
@@ -97,7 +127,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def load_problem_set(spec: str, *, limit: int | None = None) -> ProblemSet:
-    """Load a problem file given as ``path`` or ``name=path``.
+    """Load a problem set given as a packaged name, ``path`` or ``name=path``.
 
     The benchmark is recognised from the first row's fields unless named. Every row must have the
     benchmark's fields. MBPP uses its test split (task_id 11-510) when the file has those rows;
@@ -105,7 +135,7 @@ def load_problem_set(spec: str, *, limit: int | None = None) -> ProblemSet:
     """
     if limit is not None and limit < 1:
         raise ConfigError(f"--limit must be >= 1, got {limit}")
-    name, path = parse_problem_spec(spec)
+    name, path = resolve_problem_spec(spec)
     rows = read_jsonl(path)
     benchmark = name or detect_benchmark(rows[0], path)
     for number, row in enumerate(rows, start=1):

@@ -6,6 +6,7 @@ import json
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +75,7 @@ class BenchmarkSummary:
 
 
 def summarize(
-    name: str, file: Path, subset: str, plan: PromptPlan, checker: str,
+    name: str, file: Path | Traversable, subset: str, plan: PromptPlan, checker: str,
     records: Iterable[ProblemRecord],
 ) -> BenchmarkSummary:
     """Sum ``records`` into a `BenchmarkSummary`."""

@@ -33,10 +33,12 @@ bench.add_command(round_cmd)  # compiled-rounds timing, in its own module
 @click.option("--block-length", type=int, default=None, help="Diffusion block length.")
 @click.option("--max-refine-steps", type=int, default=None, help="Refinement steps cap.")
 @click.option("--max-new-tokens", type=int, default=4096, show_default=True)
-@click.option("--problems", "-p", "problem_specs", multiple=True, metavar="FILE|NAME=FILE",
-              help="Problem JSONL files (more may follow as arguments); the benchmark is "
-                   "recognised from the fields, or named: gsm8k=, math500=, humaneval=, mbpp=.")
-@click.argument("more_problems", nargs=-1, metavar="[FILE|NAME=FILE]...")
+@click.option("--problems", "-p", "problem_specs", multiple=True, metavar="NAME|FILE|NAME=FILE",
+              help="Problem sets (more may follow as arguments): the names gsm8k, math500, "
+                   "humaneval, mbpp use the files shipped with dlmc; a JSONL file's benchmark is "
+                   "recognised from its fields, or named as gsm8k=FILE (math500=, humaneval=, "
+                   "mbpp=).")
+@click.argument("more_problems", nargs=-1, metavar="[NAME|FILE|NAME=FILE]...")
 @click.option("--out", "-o", "out_dir", required=True, type=click.Path(path_type=Path),
               help="Output directory; rerunning with the same one resumes.")
 @click.option("--limit", type=int, default=None, help="Only the first N problems of each file.")
@@ -53,11 +55,15 @@ bench.add_command(round_cmd)  # compiled-rounds timing, in its own module
 @click.option("--math-timeout", type=float, default=10.0, show_default=True,
               help="Seconds per math-verify check.")
 def suite(**options: Any) -> None:
-    """Score a model on benchmark files: per-problem JSONL, summary.json and a table in --out.
+    """Score a model on benchmark problems: per-problem JSONL, summary.json and a table in --out.
+
+    GSM8K (1,319), MATH-500 (500), HumanEval (164) and MBPP (full test split, 500) ship with dlmc:
+    name them, or give your own JSONL files in the same formats.
 
     \b
     dlmc bench suite --model M --threshold 0.85 --edit-threshold 0.5 \\
-        --problems gsm8k.jsonl math500.jsonl humaneval.jsonl mbpp.jsonl --out runs/m
+        --problems gsm8k math500 humaneval mbpp --out runs/m
+    dlmc bench suite --model M --problems gsm8k=my_gsm8k.jsonl --out runs/mine
     """
     from dlmc.bench.cli_suite import run_suite
 
