@@ -1,13 +1,13 @@
 """`dlmc::split_k_linear`: split-K partials of `x @ W^T` for a block of a few bf16 tokens.
 
 A round multiplies 32 tokens by LLaDA2.1-mini's attention weights (qkv `[3072, 2048]`, o_proj
-`[2048, 2048]`, 12.6 and 8.4 MB): 3 and 2 µs at copy speed, 6.2 µs each in cuBLAS in the round
-(its 64x16 tiles give 64-96 programs that each walk all of K). Here K is split too, as
+`[2048, 2048]`, 12.6 and 8.4 MB): 3 and 2 µs at copy speed, 6.2 µs each in cuBLAS in the round (its
+64x16 tiles give 64-96 programs that each walk all of K). Here K is split too, as
 `dlmc::router_gemm` does: program `(n_tile, split)` multiplies its `BLOCK_N` rows' K range and
-writes fp32 partials `[S, T, N]`; whoever consumes the product sums them in a fixed order
-(s = 0, 1, ...), inside a kernel it runs anyway (Inductor fuses the sum into the residual add
-and RMSNorm after o_proj), so there is no extra launch and no atomics (deterministic). The kernel is `router_gemm`'s with
-bf16 weights in one tensor-core dot.
+writes fp32 partials `[S, T, N]`; whoever consumes the product sums them in a fixed order (s = 0, 1,
+...), inside a kernel it runs anyway (Inductor fuses the sum into the residual add and RMSNorm after
+o_proj), so there is no extra launch and no atomics (deterministic). The kernel is `router_gemm`'s
+with bf16 weights in one tensor-core dot.
 
 The maths is `split_k_linear_reference`: per split, `x.float() @ W.float()^T` (products of bf16
 values are exact in fp32; only the order of the fp32 sums differs).
