@@ -1,8 +1,21 @@
-"""Shared test set-up: Triton kernels run under the CPU interpreter when no GPU is present."""
+"""Shared test set-up: Triton kernels run under the CPU interpreter when no GPU is present, and
+every cache the tests fill (Inductor's, Triton's, dlmc's built-in models) lives in a temporary
+directory of this process that is removed when it exits."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
+
+# Before torch is imported, so that Inductor and Triton never write to their default
+# directories (/tmp/torchinductor_<user>, ~/.triton). Subprocesses of tests inherit them.
+_CACHES = tempfile.mkdtemp(prefix="dlmc-tests-")
+atexit.register(shutil.rmtree, _CACHES, ignore_errors=True)
+for _name, _sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton"),
+                    ("DLMC_CACHE", "dlmc")):
+    os.environ[_name] = os.path.join(_CACHES, _sub)
 
 try:
     import torch
@@ -15,6 +28,10 @@ if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+from hypothesis import settings
+
+settings.register_profile("dlmc", database=None)  # no .hypothesis/ folder in the checkout
+settings.load_profile("dlmc")
 
 
 def _interpret_without_overflow_asserts() -> None:
