@@ -53,7 +53,7 @@ from dlmc.custom_ops._nvfp4_gluon_parts import (
     ring_barriers,
     shared_layouts,
 )
-from dlmc.custom_ops._nvfp4_gluon_ring import drain_slots, release_slot, wait_slot
+from dlmc.custom_ops._nvfp4_gluon_ring import release_slot, wait_slot
 from dlmc.custom_ops._nvfp4_self_route import table_pads
 from dlmc.custom_ops._nvfp4_shared_items import (
     SHARED_TAG,
@@ -151,7 +151,6 @@ def _producer(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, num_items, nu
                 if not OVERLAP:
                     _h_copies(h_d, slot0, k, bar, h_buf, s)
                 i += 1
-    drain_slots(i, STAGES, 0)
 
 
 @gluon.jit
@@ -209,7 +208,7 @@ def _consumer(expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr, num_items,
                     h_next = _h_step(h_ptr, slot0, stride_h, k + 1)
                 mbarrier.wait(ready.index(s), (i // STAGES) & 1)
                 words, codes = _chunk(w_buf.index(s), s_buf.index(s))
-                release_slot(empty, s)  # (its token would spill here: 64 bytes of stack)
+                release_slot(empty, s)
                 acc = _mma_chunk(words, codes, h_even, h_odd, acc)
                 i += 1
             cols = tile * 128 + gl.arange(0, 128, gl.SliceLayout(1, MMA))
@@ -242,8 +241,8 @@ def _ring_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, slot0, ti
         words, codes = _chunk(w_buf.index(s), s_buf.index(s))
         h_even = h_buf.index(2 * s).permute([1, 0]).load(H_OP)
         h_odd = h_buf.index(2 * s + 1).permute([1, 0]).load(H_OP)
-        token = release_slot(empty, s)
-        acc = _mma_chunk(words, codes, h_even, h_odd, acc, 4, token)
+        release_slot(empty, s)
+        acc = _mma_chunk(words, codes, h_even, h_odd, acc)
         i += 1
     cols = tile * 128 + gl.arange(0, 128, gl.SliceLayout(1, MMA))
     rows = pairs

@@ -177,10 +177,10 @@ def _gate_up_item(x_ptr, sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr, c
         u_words, u_codes = _chunk(u_buf.index(s), us_buf.index(s), WARPS)
         if X_TMA:
             x = x_buf.index(s).load(x_l)
-        token = release_slot(empty, s, WARPS)
+        release_slot(empty, s)
         x_even, x_odd = x_operands(x, WARPS)
-        acc_g = _mma_chunk(g_words, g_codes, x_even, x_odd, acc_g, WARPS, token)
-        acc_u = _mma_chunk(u_words, u_codes, x_even, x_odd, acc_u, WARPS, token)
+        acc_g = _mma_chunk(g_words, g_codes, x_even, x_odd, acc_g, WARPS)
+        acc_u = _mma_chunk(u_words, u_codes, x_even, x_odd, acc_u, WARPS)
         i += 1
     g = acc_g * alpha_g
     u = acc_u * alpha_u

@@ -223,10 +223,9 @@ def _down_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, slot0, ti
                 words, codes = _chunk(u_buf.index(s), us_buf.index(s))
             h_even = h_buf.index(4 * s + 2 * step).permute([1, 0]).load(H_OP)
             h_odd = h_buf.index(4 * s + 2 * step + 1).permute([1, 0]).load(H_OP)
-            token = 0
             if step == 1:
-                token = release_slot(empty, s)
-            acc = _mma_chunk(words, codes, h_even, h_odd, acc, 4, token)
+                release_slot(empty, s)
+            acc = _mma_chunk(words, codes, h_even, h_odd, acc)
         i += 1
     cols = tile * 128 + gl.arange(0, 128, gl.SliceLayout(1, MMA))
     _store_tile(y_ptr, pairs, stride_y, cols, (acc * alpha).to(gl.bfloat16), pairs < num_pairs)
