@@ -16,7 +16,7 @@ from dlmc.custom_ops.moe_align import block_rows
 from dlmc.custom_ops.moe_overlap import program, signal, wait
 from dlmc.custom_ops.moe_shared_parts import shared_down_part, shared_gate_up_part
 from dlmc.custom_ops.nvfp4_bf16x2 import ACC_SCALE
-from dlmc.custom_ops.nvfp4_tiles import nvfp4_tile_dot, nvfp4_tile_dot_v2, round_bf16
+from dlmc.custom_ops.nvfp4_tiles import nvfp4_tile_dot, round_bf16
 
 
 @triton.jit
@@ -127,9 +127,9 @@ def _gate_up_block(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s, 
     slots, _, row_mask, a_rows, n_offs, n_mask = block_rows(
         sorted_pair_ptr, num_pairs, a_row_div, pid_m, pid_n, I, BLOCK_M, BLOCK_N)
     if expert >= 0 and expert != shared_id:
-        # v3/v4 accumulate w * 2^-7 when compiled (ACC_SCALE restores it with the global scale).
-        # The global scales are loaded before the K loop, so the epilogue waits for nothing.
-        acc_scale = ACC_SCALE if VARIANT >= 3 and not INTERPRETED else 1.0
+        # The compiled decode accumulates w * 2^-7 (ACC_SCALE restores it with the global
+        # scale). The global scales are loaded before the K loop: the epilogue waits for nothing.
+        acc_scale = ACC_SCALE if not INTERPRETED else 1.0
         alpha_g = tl.load(gate_alpha_ptr + expert) * acc_scale
         alpha_u = tl.load(up_alpha_ptr + expert) * acc_scale
         e64 = expert.to(tl.int64)
@@ -139,15 +139,9 @@ def _gate_up_block(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s, 
         up_s += e64 * I * (H // 16)
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if VARIANT >= 2:
-            acc_g, acc_u = nvfp4_tile_dot_v2(acc_g, acc_u, a_ptr, a_rows, row_mask, stride_a,
-                                             gate_w, gate_s, up_w, up_s, n_offs, n_mask, H,
-                                             BLOCK_N, BLOCK_K, INTERPRETED, True, VARIANT)
-        else:
-            acc_g = nvfp4_tile_dot(acc_g, a_ptr, a_rows, row_mask, stride_a, gate_w, gate_s,
-                                   n_offs, n_mask, H, BLOCK_K, INTERPRETED)
-            acc_u = nvfp4_tile_dot(acc_u, a_ptr, a_rows, row_mask, stride_a, up_w, up_s,
-                                   n_offs, n_mask, H, BLOCK_K, INTERPRETED)
+        acc_g, acc_u = nvfp4_tile_dot(acc_g, acc_u, a_ptr, a_rows, row_mask, stride_a, gate_w,
+                                      gate_s, up_w, up_s, n_offs, n_mask, H, BLOCK_N, BLOCK_K,
+                                      INTERPRETED, True, VARIANT)
         g = acc_g * alpha_g
         u = acc_u * alpha_u
         h = round_bf16(g * tl.sigmoid(g) * u, INTERPRETED)
@@ -214,7 +208,7 @@ def _down_block(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, dow
             sorted_pair_ptr, num_pairs, 1, pid_m, pid_n, H, BLOCK_M, BLOCK_N)
         if OVERLAP:  # the block's h rows: its gate/up programs' stores
             wait(count_ptr, num_slots, pid_m, GATE_UP_TILES, tl.cdiv(H, BLOCK_N))
-        acc_scale = ACC_SCALE if VARIANT >= 3 and not INTERPRETED else 1.0
+        acc_scale = ACC_SCALE if not INTERPRETED else 1.0
         alpha = tl.load(down_alpha_ptr + expert) * acc_scale  # before the loop (see gate/up)
         e64 = expert.to(tl.int64)
         down_w += e64 * H * (I // 2)
@@ -223,13 +217,9 @@ def _down_block(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, dow
         # h has a row for every slot (padding rows hold garbage that only reaches their own,
         # unstored output rows), so its loads need no row mask and so no wait for the pairs.
         all_rows = slots >= 0
-        if VARIANT >= 2:
-            acc, _ = nvfp4_tile_dot_v2(acc, acc, h_ptr, slots, all_rows, stride_h, down_w,
-                                       down_s, down_w, down_s, n_offs, n_mask, I, BLOCK_N,
-                                       BLOCK_K, INTERPRETED, False, VARIANT)
-        else:
-            acc = nvfp4_tile_dot(acc, h_ptr, slots, all_rows, stride_h, down_w, down_s,
-                                 n_offs, n_mask, I, BLOCK_K, INTERPRETED)
+        acc, _ = nvfp4_tile_dot(acc, acc, h_ptr, slots, all_rows, stride_h, down_w, down_s,
+                                down_w, down_s, n_offs, n_mask, I, BLOCK_N, BLOCK_K, INTERPRETED,
+                                False, VARIANT)
         y = acc * alpha
         y_ptrs = y_ptr + pairs[:, None].to(tl.int64) * stride_y + n_offs[None, :]
         tl.store(y_ptrs, round_bf16(y, INTERPRETED), mask=row_mask[:, None] & n_mask[None, :])

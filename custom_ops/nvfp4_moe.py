@@ -7,14 +7,13 @@ the bf16 expert outputs are combined in fp32: `out[t] = sum_k topk_weights[t, k]
 (`moe_combine.combine_pairs`).
 Design in docs/nvfp4.md §3.2; the maths is defined by `nvfp4_moe_reference`. The Triton kernels
 are in `_nvfp4_moe_kernels`, the argument checks in `nvfp4_moe_checks`; the weight decodes and
-tile loops in `nvfp4_tiles`; the load-time layouts of kernels v4-v7 in `nvfp4_scales`,
-`nvfp4_words` and `nvfp4_scale_codes`.
+tile loops in `nvfp4_tiles`; the load-time layout of kernel v7 in `nvfp4_words` and
+`nvfp4_scale_codes`.
 """
 
 from __future__ import annotations
 
 import inspect
-import os
 
 import torch
 import triton
@@ -64,41 +63,13 @@ from dlmc.quant.nvfp4_format import dequantize_blocks, fake_quantize_activation
 
 __all__ = ["nvfp4_moe", "nvfp4_moe_reference"]
 
-# Read at import. Triton 3.6's CPU interpreter multiplies bf16 as raw uint16 and truncates
-# fp32 -> bf16; under TRITON_INTERPRET=1 the kernels dot in fp32 (exact for these operands) and
-# round to bf16 by hand (`nvfp4_tiles.round_bf16`). Compiled kernels take the plain bf16 paths.
-# Kernel variant, DLMC_NVFP4_KERNEL: "v3" (v2 with the bf16x2 inline-asm decode of
-# `nvfp4_bf16x2`, two weights per instruction; 0.156 ms/layer = 44 % of copy bandwidth on the
-# H200 with routing prep in `moe_align`, perf/results/nvfp4_op_v3_sweep_h200.json), "v2"
-# (vectorized N-major weight loads, one E4M3 decode per 16 weights; 0.307 ms/layer = 22.6 % with
-# the old torch routing prep) or "v1" (K-major tiles; 0.441 ms/layer, 15.7 %). "v4": v3 with the
-# block scales pre-decoded to bf16 (`nvfp4_scales`; modules convert at load), bit-identical to v3.
-# "v5": v3 with weights and block scales repacked at load into `nvfp4_words`' layout (16-row x
-# 128-K chunks, and 8 integer ops per 8 weights instead of 14), bit-identical to v3:
-# 0.133 ms/layer against v3's 0.154 in one run (H200, perf/results/s14/call3);
-# "v6": v5 with v4's pre-decoded scales (same time, 11 % more bytes). Shapes the layout cannot
-# take (N % TILE_ROWS, K % 128) run v3 / v4 instead (`effective_variant`).
-# "v7", the default: v5 with one-byte scale codes whose bf16x2 pair is one multiply-add
-# (`nvfp4_scale_codes`; negative / zero scales folded into the weights at load): v6's decode
-# at v5's bytes. 0.1121 ms/layer against v5's 0.1163 and v3's 0.1515 in one run, 0.1101 with
-# 128-row runs (now the default; v5 0.1162), H200, perf/results/s15/call1.
-# ("v8", TMA copies, and "v9", v7 rotating the words by wide multiplies on the FMA pipe instead
-# of funnel shifts, were measured slower and removed: commits e14e6e2 and 09f89dd.)
-_KERNELS = {"v1": 1, "v2": 2, "v3": 3, "v4": 4, "v5": 5, "v6": 6, "v7": 7}
-_KERNEL_NAME = os.environ.get("DLMC_NVFP4_KERNEL", "v7")
-if _KERNEL_NAME not in _KERNELS:
-    raise ValueError(f"DLMC_NVFP4_KERNEL must be one of {sorted(_KERNELS)}, got {_KERNEL_NAME!r}")
-_VARIANT = _KERNELS[_KERNEL_NAME]
 
 
-def effective_variant(H: int, I: int, variant: int | None = None) -> int:
-    """The kernel that runs experts of hidden size H and width I: `variant` (default: the
-    selected one), or v3 / v4 / v3 for v5 / v6 / v7 when a projection cannot take the tiled
-    layout (`nvfp4_words.can_pack`)."""
-    variant = _VARIANT if variant is None else variant
-    if variant in (5, 6, 7) and not (can_pack(I, H) and can_pack(H, I)):
-        return {5: 3, 6: 4, 7: 3}[variant]
-    return variant
+def effective_variant(H: int, I: int) -> int:
+    """The kernel that runs experts of hidden size H and width I: v7 (`nvfp4_words`' tiled
+    words, `nvfp4_scale_codes`' one-byte codes) where both projections take the tiled layout
+    (`nvfp4_words.can_pack`), else v3 (ModelOpt's bytes and E4M3 scales)."""
+    return 7 if can_pack(I, H) and can_pack(H, I) else 3
 
 
 # Launch-config override for tuning sweeps (perf/bench_nvfp4_moe.py --tiles):
@@ -113,13 +84,9 @@ def _block_n(dim: int, widest: int) -> int:
     return next((b for b in (128, 64, 32) if b <= widest and dim >= b), 16)
 
 
-# Widest N-tile of each kernel. v3 on the H200 (profiles of two graph-replayed NVFP4 rounds,
-# perf/results/round_nvfp4_v3_fp8_h200*.json): gate/up 92.0 us/layer at 64 vs 101.5 at 128,
-# down 44.3 us at 128 vs 50.5 at 64. v1/v2 were tuned at 64.
-# BLOCK_N by variant. v5/v6 gate/up: 128 (0.1168 against 0.1194 ms/layer for the op at 64,
-# H200 sweep in perf/results/s14/call3/sweep_gate_up.json).
-_GATE_UP_BLOCK_N = {1: 64, 2: 64, 3: 64, 4: 64, 5: 128, 6: 128, 7: 128}
-_DOWN_BLOCK_N = {1: 64, 2: 64, 3: 128, 4: 128, 5: 128, 6: 128, 7: 128}  # looked up per call
+# Widest N-tile of each kernel, by variant (v7's gate/up: one 128-row run of its layout)
+_GATE_UP_BLOCK_N = {3: 64, 7: 128}
+_DOWN_BLOCK_N = {3: 128, 7: 128}
 
 
 def _launch_config(n: int, k: int, widest: int,
@@ -137,7 +104,7 @@ def _launch_config(n: int, k: int, widest: int,
 
 
 def _check_tiled_tile(variant: int, block_k: int) -> None:
-    if variant >= 5 and block_k != 128:
+    if variant == 7 and block_k != 128:
         raise ValueError(f"nvfp4_moe: kernel v{variant} reads 128-K chunks (nvfp4_words); a "
                          f"launch-config override gave BLOCK_K {block_k}")
 
@@ -176,7 +143,7 @@ def _nvfp4_moe_impl(
     pairs: bool = False,
 ) -> torch.Tensor:
     """Body of `dlmc::nvfp4_moe`. Same tensors as `nvfp4_moe`, except that the block scales are
-    their uint8 bit patterns (v4: int16 patterns of the pre-decoded bf16, `nvfp4_scales`) and the
+    their uint8 bit patterns and the
     W4A4 activation scales come pre-combined: `gate_up_input_scale` fp32 `[E]` (shared by gate
     and up) and `down_input_scale` fp32 `[E]` (None: no emulation).
     `shared_*` (all three or none): the BF16 shared expert, run as extra programs (parts).
@@ -379,12 +346,10 @@ def nvfp4_moe(
     - x bf16 `[T, H]`; topk_ids int32/int64 `[T, K]` in `[0, E)`; topk_weights fp32 `[T, K]`
       (routed scaling already folded in).
     - `{gate,up}_weight` uint8 `[E, I, H/2]`, `down_weight` uint8 `[E, H, I/2]`: E2M1 codes, low
-      nibble = even element (or int32 `[E, out, in/8]` words of `nvfp4_words.pack_weight_words`,
-      what kernels v5-v7 read; each form is converted exactly to the other when needed);
-      `*_weight_scale` float8_e4m3fn `[E, out, in/16]` (row-major, not
-      swizzled), or bf16 of the same shape pre-decoded by `nvfp4_scales.predecode_block_scales`
-      (what kernel v4 reads; each form is converted exactly to the other when needed);
-      `*_weight_scale_2` fp32 `[E]` global scales (gate and up kept separate).
+      nibble = even element; `*_weight_scale` float8_e4m3fn `[E, out, in/16]` (row-major, not
+      swizzled); or kernel v7's stored forms (`nvfp4_words.stored_forms`: int32 `[E, out,
+      in/8]` words, int8 `[E, out, in/16]` codes); each form is converted exactly to the other
+      when needed; `*_weight_scale_2` fp32 `[E]` global scales (gate and up kept separate).
     - `*_input_scale` fp32 `[E]`: used only with `emulate_w4a4=True`, which fake-quantizes the
       activations as W4A4 kernels do (gate/up input: per-expert max of the two scales, as vLLM).
     - `shared_gate`, `shared_up` bf16 `[I, H]`, `shared_down` bf16 `[H, I]` (all three or none): a
@@ -415,9 +380,9 @@ def nvfp4_moe(
                                  shared_down)
     a1, a2 = _input_scales(gate_input_scale, up_input_scale, down_input_scale, emulate_w4a4)
     # The op takes the block scales as bit patterns (free views; opcheck's schema test cannot
-    # compare fp8 tensors on CPU): uint8 E4M3 bytes, or int16 pre-decoded bf16 for v4.
-    # Weights likewise: uint8 ModelOpt bytes, or v5-v7's tiled words viewed as bytes (tiled
-    # ModelOpt bytes under the interpreter), `nvfp4_words`. Each stored form converts exactly.
+    # compare fp8 tensors on CPU): uint8 E4M3 bytes, or v7's codes. Weights likewise: uint8
+    # ModelOpt bytes, or v7's tiled words viewed as bytes (tiled ModelOpt bytes and E4M3 scales
+    # under the interpreter), `nvfp4_words`. Each stored form converts exactly.
     variant = effective_variant(x.shape[1], weights["gate_weight"].shape[1])
     op_args = []
     for proj in ("gate", "up", "down"):

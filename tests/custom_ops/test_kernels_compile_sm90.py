@@ -200,9 +200,8 @@ def resource_usage(compiled: triton.compiler.CompiledKernel) -> dict[str, int]:
 
 
 def check_nvfp4_moe_v3() -> None:
-    """The v3-v7 kernels' inline asm (bf16x2 decode; v5-v7 the words' decode and tiled loads)
-    assembles for sm_90; v2 compiles too. v4/v6 read the
-    pre-decoded scales as int16: fewer fp32 -> bf16x2 conversions than v3/v5 (only the
+    """Kernels v3's and v7's inline asm (the bf16x2 decode; v7 the words' decode and tiled
+    loads) assembles for sm_90; v7's scale codes need no fp32 -> bf16x2 conversion (only the
     epilogue's are left; v3 converts each E4M3 scale too). Each also with the shared expert's
     BF16 branch (`SHARED`)."""
     shared = {"sorted_pair_ptr": "*i32", "expert_of_block_ptr": "*i32"}
@@ -214,21 +213,16 @@ def check_nvfp4_moe_v3() -> None:
     for kernel, pointers in ((_gate_up_kernel, gate_up), (_down_kernel, down)):
         for block_n, has_shared in ((64, False), (128, False), (64, True)):
             conversions = {}
-            for variant in (2, 3, 4, 5, 6, 7):
+            for variant in (3, 7):
                 types = {name: pointers.get(name, "i32") for name in kernel.arg_names}
-                if variant in (4, 6):
-                    types |= {name: "*i16" for name in ("gate_s", "up_s", "down_s")
-                              if name in types}
                 ptx = compile_sm90(kernel, types, {
                     "H": 256, "I": 128, "BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": 128,
                     "INTERPRETED": False, "VARIANT": variant, "SHARED": has_shared,
                     "SHARED_BLOCK_K": 64, "SHARED_SPLIT": 4}, 4).asm["ptx"]
-                assert ("mul.rn.bf16x2" in ptx) == (variant >= 3)
-                assert ("shf.r.wrap.b32" in ptx) == (variant >= 5)  # the words' decode
+                assert "mul.rn.bf16x2" in ptx
+                assert ("shf.r.wrap.b32" in ptx) == (variant == 7)  # the words' decode
                 conversions[variant] = ptx.count("cvt.rn.bf16x2.f32")
-            assert conversions[4] < conversions[3], conversions
-            assert conversions[6] < conversions[5], conversions
-            assert conversions[7] == conversions[6], conversions  # v7: no scale conversion
+            assert conversions[7] < conversions[3], conversions  # v7: no scale conversion
     # `H_EVEN_ODD` (h for `_nvfp4_down_gluon`): the 128-column tile reordered in registers, so
     # its h stores stay 128-bit vectors as without it
     types = {name: gate_up.get(name, "i32") for name in _gate_up_kernel.arg_names}
@@ -241,7 +235,7 @@ def check_nvfp4_moe_v3() -> None:
             divisible=(*gate_up, "stride_a", "stride_h")).asm["ptx"]
         stores[even_odd] = (ptx.count("st.global.v4.b32"), ptx.count("st.global.b16"))
     assert stores[True] == stores[False] and stores[True][1] == 0, stores
-    for variant in (3, 4, 5, 7):
+    for variant in (3, 7):
         check_shared_branch_resources(variant, gate_up, down)
     check_nvfp4_moe_overlap(gate_up, down)
     check_shared_down_in_gate_up(gate_up)
@@ -299,8 +293,6 @@ def check_shared_branch_resources(variant: int, gate_up: dict[str, str],
                                             (_down_kernel, down, "down", 128)):
         names = kernel.arg_names
         types = {n: pointers.get(n, "i32") for n in names}
-        if variant == 4:
-            types |= {n: "*i16" for n in ("gate_s", "up_s", "down_s") if n in types}
         divisible = tuple(n for n in names if n in pointers or "stride" in n)
         usage = {}
         for has_shared in (False, True):

@@ -22,14 +22,15 @@ from hypothesis import strategies as st
 from dlmc.custom_ops import moe_overlap
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe
 from dlmc.errors import ConfigError
-from tests.custom_ops.test_nvfp4_moe import (
+from tests.custom_ops.nvfp4_cases import (
     DEVICE,
+    bits,
+    kernel_v3,
     op_args,
     random_experts,
     random_routing,
     shared_expert,
 )
-from tests.custom_ops.test_nvfp4_moe_v4 import bits, kernel_variant
 from tests.loading.test_nvfp4_loading import graph_results_by_switch
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
@@ -66,7 +67,7 @@ def test_counted_launches_equal_the_plain_ones(monkeypatch: pytest.MonkeyPatch, 
                                                shared: bool, skew: bool,
                                                shape: tuple[int, int]) -> None:
     """Several N-tiles per slot, experts with no tokens, the shared expert's chunks."""
-    with kernel_variant(3):
+    with kernel_v3():
         plain, counted = _outputs(monkeypatch, seed, tokens, num_experts,
                                   min(top_k, num_experts), *shape, shared, skew)
     assert torch.equal(bits(counted), bits(plain))
@@ -174,11 +175,11 @@ def test_edge_launches_ask_for_pdl(monkeypatch: pytest.MonkeyPatch, pdl: bool) -
 _GPU_SCRIPT = r"""
 import json, sys, torch
 from dlmc.custom_ops import moe_overlap
-from tests.custom_ops.test_nvfp4_moe import op_args, random_experts, random_routing, shared_expert
-from tests.custom_ops.test_nvfp4_moe_v5 import stored
+from tests.custom_ops.nvfp4_cases import op_args, random_experts, random_routing, shared_expert
+from tests.custom_ops.nvfp4_cases import stored
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe
 gen = torch.Generator().manual_seed(3)
-experts = stored(random_experts(gen, 64, 2048, 512), 7)  # as loaded: no conversion per call
+experts = stored(random_experts(gen, 64, 2048, 512))  # as loaded: no conversion per call
 x = torch.randn(32, 2048, generator=gen).bfloat16().cuda()
 ids, w = random_routing(gen, 32, 64, 8, False)
 args = op_args(x, ids, w, experts)

@@ -11,6 +11,7 @@ eager and replayed in a CUDA graph, with its items by program or by ticket.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import subprocess
@@ -23,16 +24,16 @@ import dlmc.custom_ops.nvfp4_moe as op_module
 from dlmc.custom_ops import _nvfp4_down_gluon, _nvfp4_gluon_parts, _nvfp4_shared_items
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
 from dlmc.errors import ConfigError
-from tests.custom_ops.test_nvfp4_moe import (
+from tests.custom_ops.nvfp4_cases import (
     DEVICE,
     assert_matches_reference,
+    bits,
     op_args,
     random_experts,
     random_routing,
     shared_expert,
+    stored,
 )
-from tests.custom_ops.test_nvfp4_moe_v4 import bits, kernel_variant
-from tests.custom_ops.test_nvfp4_moe_v5 import stored
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
@@ -276,7 +277,7 @@ def test_wiring_with_a_torch_down_matches_the_reference(monkeypatch, with_shared
     real_launcher = op_module.launcher
     monkeypatch.setattr(op_module, "launcher", lambda kernel: (
         launched.append(kernel.fn.__name__), real_launcher(kernel))[1])
-    with kernel_variant(7):
+    with contextlib.nullcontext():  # (v7)
         out = nvfp4_moe(*args, **shared)
     assert calls == ([1] if gate_up_block_n == 128 else [])
     # the Triton down kernel: the routed blocks without the Gluon kernel, else the shared
@@ -294,8 +295,8 @@ def against_triton(monkeypatch, mode: str, experts, x, ids, w, shared,
     (`bitwise`), or up to summation order (the fused kernel with 64-slot blocks: the Triton
     kernels' 64-row tiles sum in another order, perf/README.md session 25); `moe_overlap`'s
     counters zero afterwards."""
-    args = op_args(x, ids, w, stored(experts, 7))
-    with kernel_variant(7):
+    args = op_args(x, ids, w, stored(experts))
+    with contextlib.nullcontext():  # (v7)
         monkeypatch.setattr(_nvfp4_down_gluon, "MODE", "triton")
         triton_out = nvfp4_moe(*args, **shared)
         monkeypatch.setattr(_nvfp4_down_gluon, "MODE", mode)
@@ -344,12 +345,12 @@ def assert_graph_replays_like_triton(monkeypatch, mode: str, inter: int,
     for _ in range(2):
         x = torch.randn(32, 256, generator=gen).bfloat16().to(DEVICE)
         ids, w = random_routing(gen, 32, 64, 8, skew=False)
-        args_of.append(op_args(x, ids, w, stored(experts, 7)))
+        args_of.append(op_args(x, ids, w, stored(experts)))
     shared = {}
     if with_shared:
         shared = shared_expert(gen, args_of[0][0], nvfp4_moe_reference(*args_of[0]), 256, inter)
     static = [a.clone() for a in args_of[0]]
-    with kernel_variant(7):
+    with contextlib.nullcontext():  # (v7)
         monkeypatch.setattr(_nvfp4_down_gluon, "MODE", mode)
         nvfp4_moe(*static, **shared)  # warm (compiles the kernels)
         graph = torch.cuda.CUDAGraph()

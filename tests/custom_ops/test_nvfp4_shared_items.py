@@ -11,6 +11,8 @@ eager and replayed in a CUDA graph.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -18,19 +20,19 @@ import dlmc.custom_ops.nvfp4_moe as op_module
 from dlmc.custom_ops import _nvfp4_down_gluon, _nvfp4_down_self_route, _nvfp4_shared_items
 from dlmc.custom_ops.moe_overlap import counters
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
-from tests.custom_ops.switches import assert_reads, assert_refused
-from tests.custom_ops.test_nvfp4_down_gluon import against_triton, dequantized_down
-from tests.custom_ops.test_nvfp4_moe import (
+from tests.custom_ops.nvfp4_cases import (
     DEVICE,
     assert_matches_reference,
+    bits,
     op_args,
     random_experts,
     random_routing,
     shared_expert,
+    stored,
 )
+from tests.custom_ops.switches import assert_reads, assert_refused
+from tests.custom_ops.test_nvfp4_down_gluon import against_triton, dequantized_down
 from tests.custom_ops.test_nvfp4_moe_gluon import dequantized
-from tests.custom_ops.test_nvfp4_moe_v4 import bits, kernel_variant
-from tests.custom_ops.test_nvfp4_moe_v5 import stored
 
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 
@@ -116,7 +118,7 @@ def test_wiring_of_the_shared_items_matches_the_reference(monkeypatch) -> None:
                         lambda y, w, out, s, pdl: real_combine(y, w, out, s, False))
     monkeypatch.setattr(op_module, "route_pairs", lambda *a, **k: pytest.fail("aligned"))
     monkeypatch.setattr(op_module, "launcher", lambda kernel: pytest.fail(kernel.fn.__name__))
-    with kernel_variant(7):
+    with contextlib.nullcontext():  # (v7)
         out = nvfp4_moe(*args, **shared)
     blocks = op_module.alignment_buffers(ids, 4, op_module.route_block_m(T, K, 4))[1].numel()
     slots = blocks + -(-T // op_module.route_block_m(T, K, 4))
@@ -140,7 +142,7 @@ def test_items_need_the_routed_experts_path_without_alignment(monkeypatch) -> No
     monkeypatch.setattr(op_module, "overlap_pdl", lambda device: True)
     x = torch.empty(32, 2048, dtype=torch.bfloat16)
     ids = torch.zeros(32, 8, dtype=torch.int32)
-    with kernel_variant(7):
+    with contextlib.nullcontext():  # (v7)
         assert alone(x, ids, 256, 512)
         assert applies == [(True, 256, True, False)]  # (PDL, E, the Gluon down, no shared)
         assert not alone(x, ids, 256, 128)  # I < 256
@@ -203,8 +205,8 @@ def test_shared_items_equal_the_triton_kernels_gpu(monkeypatch, case: str) -> No
     if items:  # the pair rows: routed ones bit for bit
         rows = against_triton(monkeypatch, "gluon", experts, x, ids, w, shared | {"pairs": True},
                               bitwise=False).view(T, 9, H)
-        with kernel_variant(7):
-            expected = nvfp4_moe(*op_args(x, ids, w, stored(experts, 7)), **shared,
+        with contextlib.nullcontext():  # (v7)
+            expected = nvfp4_moe(*op_args(x, ids, w, stored(experts)), **shared,
                                  pairs=True).view(T, 9, H)  # (MODE triton again)
         assert torch.equal(bits(rows[:, :8]), bits(expected[:, :8]))
         assert_matches_reference(rows[:, 8], expected[:, 8])
@@ -216,12 +218,12 @@ def test_shared_items_replay_in_a_cuda_graph_gpu(monkeypatch) -> None:
     counters zero."""
     calls = spy_items(monkeypatch)
     gen = torch.Generator().manual_seed(5)
-    experts = stored({k: v.to(DEVICE) for k, v in random_experts(gen, 64, 256, 256).items()}, 7)
+    experts = stored({k: v.to(DEVICE) for k, v in random_experts(gen, 64, 256, 256).items()})
     args_of = [op_args(torch.randn(32, 256, generator=gen).bfloat16().to(DEVICE),
                        *random_routing(gen, 32, 64, 8, False), experts) for _ in range(2)]
     shared = shared_expert(gen, args_of[0][0], args_of[0][0], 256, 256)
     static = [a.clone() for a in args_of[0]]
-    with kernel_variant(7):
+    with contextlib.nullcontext():  # (v7)
         monkeypatch.setattr(_nvfp4_down_gluon, "MODE", "gluon")
         nvfp4_moe(*static, **shared)  # warm (compiles the kernels)
         graph = torch.cuda.CUDAGraph()
