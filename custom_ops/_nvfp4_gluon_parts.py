@@ -1,13 +1,12 @@
 """The pieces shared by the Gluon kernels of `dlmc::nvfp4_moe` (sm_90, kernel v7's stored
-forms): `_nvfp4_down_gluon` (the routed down projection), `_nvfp4_moe_gluon` (gate/up and down
-in one launch) and the prototypes in perf/.
+forms): `_nvfp4_gate_up_gluon` (the routed gate/up projection) and `_nvfp4_down_gluon` (the
+routed down projection).
 
 - Layouts for four consumer warps: the MMA's accumulator [128 weight rows, 8 slots] (`MMA`),
   the weights as its A operand (`W_OP`, read from a ring slot's 128-byte-swizzled chunk with
-  `ldmatrix`: `WL2` -> `W4`) and the slots as B (`H_OP`); the same for 4 or 8 warps from
-  `mma_layout`, `operand_layout`, `word_layout`, `chunk_layout` and `codes_layout` (the
-  chunk and MMA helpers take `WARPS`; 8 warps only in perf/proto_gluon_gate_up.py, where two
-  programs per SM of 8 consumer warps ran at 71-107 against ~57 µs, session 27).
+  `ldmatrix`: `WL2` -> `W4`) and the slots as B (`H_OP`), from `mma_layout`,
+  `operand_layout`, `word_layout`, `chunk_layout` and `codes_layout` (which take the warp
+  count, 4 or 8).
 - Work items (`_place`, `_item`): an 8-slot part of a routing block and a 128-row N-tile; a part
   whose first slot is padding has no work.
 - The decode and MMA of one ring slot (`_chunk`, `_decoded_tiles`, `_mma_chunk`: v7's asm,

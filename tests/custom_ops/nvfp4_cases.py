@@ -1,14 +1,17 @@
 """Cases of `dlmc::nvfp4_moe` shared by its tests: random experts and routings, the op's
-arguments, the comparison with the reference, and the stored forms the model keeps."""
+arguments, the comparison with the reference, the stored forms the model keeps, and the
+stand-in set-up for the Gluon kernels' wiring on the CPU."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
 
+import pytest
 import torch
 
-import dlmc.custom_ops.nvfp4_moe as module
+from dlmc.custom_ops import _nvfp4_moe_launch as launch
+from dlmc.custom_ops import moe_overlap
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
 from dlmc.custom_ops.nvfp4_words import can_pack, stored_forms
 
@@ -20,12 +23,12 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 def kernel_v3() -> Iterator[None]:
     """Kernel v3 on every shape (the op runs v7 where the tiled layout takes the shape): the
     baseline v7 equals bit for bit."""
-    previous = module.effective_variant
-    module.effective_variant = lambda hidden, inter: 3
+    previous = launch.effective_variant
+    launch.effective_variant = lambda hidden, inter: 3
     try:
         yield
     finally:
-        module.effective_variant = previous
+        launch.effective_variant = previous
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -145,3 +148,50 @@ def run_shared_case(seed: int, tokens: int, num_experts: int, used: int, top_k: 
                                  nvfp4_moe_reference(x, ids, zero, *args[3:], **shared))
 
 
+
+
+def dequantized(experts: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """`name` ("gate", "up", "down") dequantized to fp32 `[E, N, K]`, global scale included
+    (ModelOpt's forms)."""
+    codes = experts[f"{name}_weight"]  # uint8 [E, N, K/2]: low nibble first
+    nibbles = torch.stack([codes & 0xF, codes >> 4], dim=-1).reshape(*codes.shape[:2], -1).long()
+    e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+    scale = experts[f"{name}_weight_scale"].float().repeat_interleave(16, dim=-1)
+    return e2m1[nibbles] * scale * experts[f"{name}_weight_scale_2"].float().reshape(-1, 1, 1)
+
+
+def even_odd_rows_to_natural(h: torch.Tensor) -> torch.Tensor:
+    """Inverse of the gate/up kernels' `H_EVEN_ODD` store: each 128 columns even, then odd."""
+    rows, cols = h.shape
+    return h.reshape(rows, cols // 128, 2, 64).transpose(2, 3).reshape(rows, cols)
+
+
+def gluon_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The op's plan as on an H200 with `pdl=True` (the Gluon kernels where they apply: stood in
+    by the test), its Triton launches without PDL (the interpreter has none)."""
+    monkeypatch.setattr(launch, "overlap_pdl", lambda device, pdl: pdl)
+    monkeypatch.setattr(launch, "down_gluon_applies",
+                        lambda device, variant, block_m: variant == 7 and block_m == 16)
+    monkeypatch.setattr(launch, "PDL_LAUNCH", {"PDL": False})
+
+
+def counters_zero(device: torch.device) -> bool:
+    """`moe_overlap`'s counters are all zero (as between launches)."""
+    held = moe_overlap._COUNTERS.get(device)
+    return held is not None and not bool(held.any())
+
+
+def against_plain(experts: dict[str, torch.Tensor], x: torch.Tensor, ids: torch.Tensor,
+                  w: torch.Tensor, shared: dict, bitwise: bool = True) -> torch.Tensor:
+    """`nvfp4_moe` on the experts' stored forms (`pdl=True`: where the Gluon kernels apply,
+    they run) against `pdl=False` (the Triton kernels alone): bit for bit (`bitwise`), or up to
+    summation order; `moe_overlap`'s counters zero afterwards."""
+    args = op_args(x, ids, w, stored(experts))
+    plain = nvfp4_moe(*args, **shared, pdl=False)
+    out = nvfp4_moe(*args, **shared)
+    if bitwise:
+        assert torch.equal(bits(out), bits(plain))
+    else:
+        assert_matches_reference(out, plain)
+    assert counters_zero(x.device)
+    return out

@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import dlmc.custom_ops.nvfp4_moe as module
+from dlmc.custom_ops import _nvfp4_moe_launch as launch
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
 from tests.custom_ops.nvfp4_cases import (
     DEVICE,
@@ -109,8 +109,10 @@ def test_w4a4_emulation_matches_reference() -> None:
     assert not torch.equal(ref, nvfp4_moe_reference(*args))
 
 
-@pytest.mark.parametrize(("shared", "pairs"), [(False, False), (True, False), (True, True)])
-def test_opcheck(shared: bool, pairs: bool) -> None:
+@pytest.mark.parametrize(("shared", "pairs", "pdl"),
+                         [(False, False, True), (True, False, True), (True, True, True),
+                          (True, True, False)])
+def test_opcheck(shared: bool, pairs: bool, pdl: bool) -> None:
     gen = torch.Generator().manual_seed(5)
     experts = random_experts(gen, 3, 32, 16)
     x = torch.randn(4, 32, generator=gen).bfloat16().to(DEVICE)
@@ -119,8 +121,8 @@ def test_opcheck(shared: bool, pairs: bool) -> None:
             for t in op_args(x, ids, w, experts)]  # the op takes the scales' bit patterns
     if shared:  # (gate_up_input_scale, down_input_scale, shared_gate, shared_up, shared_down)
         args += [None, None, *shared_expert(gen, x, x, 32, 16).values()]
-    if pairs:  # (block_m, sorted_pair, expert_of_block: aligned in the op), pairs
-        args += [0, None, None, True]
+    if pairs:  # pairs, pdl
+        args += [True, pdl]
     torch.library.opcheck(torch.ops.dlmc.nvfp4_moe.default, args)
 
 
@@ -212,7 +214,7 @@ def test_compile_and_cuda_graph_replay(variant: int, shared: bool,
     (fullgraph), replayed as a CUDA graph with new routing and x copied in. `shared`: with the
     shared expert."""
     if variant == 3:
-        monkeypatch.setattr(module, "effective_variant", lambda hidden, inter: 3)
+        monkeypatch.setattr(launch, "effective_variant", lambda hidden, inter: 3)
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(6)
     experts = random_experts(gen, 16, 256, 128)  # a shape the tiled layout (v7) takes

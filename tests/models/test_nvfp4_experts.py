@@ -102,33 +102,6 @@ def test_compiles_fullgraph() -> None:
     torch.testing.assert_close(compiled(x, ids, weights), experts(x, ids, weights), rtol=0, atol=0)
 
 
-def test_forward_takes_a_precomputed_routing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A `routing=` (what `dlmc::moe_route_align` hands over) replaces the op's own alignment:
-    the same result; the reference ignores it."""
-    import dlmc.custom_ops.nvfp4_moe as nvfp4_moe_module
-    from dlmc.custom_ops.moe_align import route_pairs
-
-    experts, _ = filled_experts()
-    gen = torch.Generator().manual_seed(2)
-    x = torch.randn(5, H, generator=gen).bfloat16()
-    ids = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(5)])
-    weights = torch.rand(5, 2, generator=gen)
-    assert experts.takes_pair_routing(x)
-    want = experts(x, ids, weights)
-    routing = route_pairs(ids, E)
-    calls = []
-    monkeypatch.setattr(nvfp4_moe_module, "route_pairs",
-                        lambda *a: calls.append(a) or route_pairs(*a))
-    assert torch.equal(experts(x, ids, weights, routing=routing), want)
-    assert not calls
-    experts.use_reference = True
-    assert not experts.takes_pair_routing(x)
-    assert torch.equal(experts(x, ids, weights, routing=routing), experts(x, ids, weights))
-    experts.use_reference = False
-    with pytest.raises(ValueError, match="nvfp4_moe: routing must be"):
-        experts(x, ids, weights, routing=routing._replace(block_m=24))
-
-
 def test_prepare_for_kernel_packs_weight_words() -> None:
     """Kernel v7's forms where the shapes take its layout: int32 weight words and tiled int8
     scale codes, the checkpoint's forms freed, forward bit for bit kernel v3's, the reference
