@@ -141,9 +141,9 @@ def _ticket_producer(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, count_
     items without work skipped; each slot tagged with its item. After an item's first weight
     copies this warp spins until gate/up has stored the routing block's h rows (`_wait_rows`,
     counting itself as the item's reader), then fences, so that its TMA copies read those
-    rows. `SELF`: the items' experts
-    from the tables `counts`, `ends` (`_nvfp4_down_self_route`); their pairs, which the
-    consumers read, gate/up has written before its counts. `SHARED_ITEMS` (their number):
+    rows. `SELF`: the items' experts from the tables `counts`, `ends`
+    (`_nvfp4_down_self_route`); their pairs, which the consumers read, gate/up has written
+    before its counts. `SHARED_ITEMS` (their number):
     the shared expert's items, tickets 0.., before the routed ones (`_nvfp4_shared_items`;
     `shared`: the down and h descriptors, the shared slot, its writers, h's shared row0)."""
     ticket = count_ptr + 2 * num_slots

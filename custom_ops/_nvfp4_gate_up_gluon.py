@@ -62,11 +62,11 @@ __all__ = ["gate_up_gluon_applies", "launch_gate_up_gluon", "programs_per_sm", "
 # ring depth, programs per SM (at most what fits: `programs_per_sm`), registers per thread (80:
 # no spills in sm_90 SASS, and 3 programs of 256 threads fit in an SM's 64 K registers)
 STAGES, PROGRAMS_PER_SM, MAXNREG = 3, 3, 80
-# a ring slot: two weight chunks and their codes, four 1 KB boxes (`h_buf`: the shared items'
-# x tile) and the part's 8 x rows of the K-step (2 KB)
+# a ring slot: two weight chunks and their codes, four 1 KB boxes (`xs_buf`: the shared items'
+# x tile, bf16 [32, 64]) and the part's 8 x rows of the K-step (2 KB)
 STAGE_BYTES = 2 * 8192 + 2 * 1024 + 4 * 1024 + 2048
 THREADS = 8 * 32  # four consumer warps and the producer warp, padded to two warpgroups
-H_BOX = gl.constexpr(shared_layouts()[2])  # `h_buf`'s bf16 [8, 64] boxes
+XS_BOX = gl.constexpr(shared_layouts()[2])  # `xs_buf`'s bf16 [8, 64] boxes (h's TMA box)
 _PROGRAMS: dict[tuple, int] = {}  # the grid (resident programs), per device and kernel form
 
 
@@ -96,14 +96,14 @@ def _producer(g_d, gs_d, u_d, us_d, x_d, expert_of_block_ptr, sorted_pair_ptr, n
 @gluon.jit
 def _any_producer(g_d, gs_d, u_d, us_d, x_d, expert_of_block_ptr, sorted_pair_ptr, num_items,
                   num_pairs, shared_id, a_row_div, empty, ready, g_buf, gs_buf, u_buf, us_buf,
-                  h_buf, x_buf, ids, experts_tab, pairs_tab, STAGES: gl.constexpr,
+                  xs_buf, x_buf, ids, experts_tab, pairs_tab, STAGES: gl.constexpr,
                   H: gl.constexpr, I: gl.constexpr, BLOCK_M: gl.constexpr, SELF: gl.constexpr,
                   G: gl.constexpr, routed_grid, sg_d, su_d, xs_d, SHARED_ITEMS: gl.constexpr):
     """The producer warp: `_nvfp4_self_route.self_producer` with `SELF`, else `_producer`."""
     if SELF:
         self_producer(g_d, gs_d, u_d, us_d, x_d, num_pairs, a_row_div, empty, ready, g_buf,
                       gs_buf, u_buf, us_buf, x_buf, ids, experts_tab, pairs_tab, G, STAGES, H,
-                      I, BLOCK_M, routed_grid, sg_d, su_d, xs_d, h_buf, SHARED_ITEMS)
+                      I, BLOCK_M, routed_grid, sg_d, su_d, xs_d, xs_buf, SHARED_ITEMS)
     else:
         _producer(g_d, gs_d, u_d, us_d, x_d, expert_of_block_ptr, sorted_pair_ptr, num_items,
                   num_pairs, shared_id, a_row_div, empty, ready, g_buf, gs_buf, u_buf, us_buf,
@@ -125,7 +125,7 @@ def _routed_item(sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr, count_ptr
 
 @gluon.jit
 def _consumer(sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr, count_ptr, num_pairs,
-              stride_h, empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf, x_buf, ids, rows_tab,
+              stride_h, empty, ready, g_buf, gs_buf, u_buf, us_buf, xs_buf, x_buf, ids, rows_tab,
               STAGES: gl.constexpr, H: gl.constexpr, I: gl.constexpr, BLOCK_M: gl.constexpr,
               SELF: gl.constexpr, routed_grid=1, shared_slot=0, h_row0=0, num_tokens=0,
               SHARED_ITEMS: gl.constexpr = False):
@@ -143,7 +143,7 @@ def _consumer(sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr, count_ptr, n
         if SHARED_ITEMS:
             if expert == SHARED_TAG:
                 i = shared_gate_up_item(h_ptr, count_ptr, shared_slot, h_row0, num_tokens,
-                                        stride_h, item, i, empty, ready, g_buf, u_buf, h_buf,
+                                        stride_h, item, i, empty, ready, g_buf, u_buf, xs_buf,
                                         STAGES, H)
             else:
                 i = _routed_item(*args, STAGES, H, I, BLOCK_M, SELF)
@@ -182,7 +182,7 @@ def _gate_up_gluon_kernel(g_d, gs_d, u_d, us_d, x_d, expert_of_block_ptr, sorted
         gdc_wait()
         gdc_launch_dependents()
     g_buf, u_buf, gs_buf, us_buf = chunk_rings(g_d, u_d, gs_d, us_d, STAGES)
-    h_buf = gl.allocate_shared_memory(gl.bfloat16, [4 * STAGES, 8, 64], H_BOX)
+    xs_buf = gl.allocate_shared_memory(gl.bfloat16, [4 * STAGES, 8, 64], XS_BOX)
     ids = gl.allocate_shared_memory(gl.int32, [STAGES, 1], TAGS)  # one tag per ring slot
     x_buf = gl.allocate_shared_memory(x_d.dtype, [STAGES, 8, 128], x_d.layout)
     if not SELF:  # (placeholders: not read)
@@ -190,12 +190,12 @@ def _gate_up_gluon_kernel(g_d, gs_d, u_d, us_d, x_d, expert_of_block_ptr, sorted
     empty, ready = ring_barriers(STAGES)
     gl.warp_specialize([
         (_consumer, (sorted_pair_ptr, gate_alpha_ptr, up_alpha_ptr, h_ptr, count_ptr, num_pairs,
-                     stride_h, empty, ready, g_buf, gs_buf, u_buf, us_buf, h_buf, x_buf, ids,
+                     stride_h, empty, ready, g_buf, gs_buf, u_buf, us_buf, xs_buf, x_buf, ids,
                      rows_tab, STAGES, H, I, BLOCK_M, SELF, routed_grid, shared_slot, h_row0,
                      num_tokens, SHARED_ITEMS)),
         (_any_producer, (g_d, gs_d, u_d, us_d, x_d, expert_of_block_ptr, sorted_pair_ptr,
                          num_items, num_pairs, shared_id, a_row_div, empty, ready, g_buf,
-                         gs_buf, u_buf, us_buf, h_buf, x_buf, ids, experts_tab, pairs_tab,
+                         gs_buf, u_buf, us_buf, xs_buf, x_buf, ids, experts_tab, pairs_tab,
                          STAGES, H, I, BLOCK_M, SELF, G, routed_grid, sg_d, su_d, xs_d,
                          SHARED_ITEMS)),
     ], [1], [40])

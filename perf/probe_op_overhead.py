@@ -35,13 +35,13 @@ from dlmc.custom_ops import _pdl, moe_overlap
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.custom_ops.test_nvfp4_moe import (  # noqa: E402
+from tests.custom_ops.nvfp4_cases import (  # noqa: E402
     op_args,
     random_experts,
     random_routing,
     shared_expert,
+    stored,
 )
-from tests.custom_ops.test_nvfp4_moe_v5 import stored  # noqa: E402
 
 
 def per_launch_host_time(op: list, shared: dict, calls: int) -> dict[str, float]:
@@ -114,7 +114,7 @@ def main() -> None:
                         "and CUDA): where the host time goes, and any synchronizing call")
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
-    experts = stored(random_experts(gen, 256, 2048, 512), 7)
+    experts = stored(random_experts(gen, 256, 2048, 512))
     x = torch.randn(32, 2048, generator=gen).bfloat16().cuda()
     ids, w = random_routing(gen, 32, 256, 8, False)
     op = op_args(x, ids, w, experts)

@@ -129,8 +129,8 @@ def test_opcheck(shared: bool, pairs: bool, pdl: bool) -> None:
 @pytest.mark.parametrize("shared", [False, True])
 def test_pair_rows_combine_to_the_output(shared: bool) -> None:
     """`pairs=True` returns the rows the op combines: `moe_combine` of them is the op's output
-    bit for bit, and `combine_pointwise` (`DLMC_MOE_COMBINE=outside`) within one bf16 rounding
-    of their fp32 sum."""
+    bit for bit, and `combine_pointwise` (the pointwise sum of a compiled round) within one
+    bf16 rounding of their fp32 sum."""
     from dlmc.custom_ops.moe_combine import combine_pointwise, moe_combine
     from tests.custom_ops.test_moe_combine import assert_combined
 
