@@ -48,10 +48,11 @@ def _divisible(kernel: object, pointers: dict[str, str]) -> tuple[str, ...]:
 
 def check_decodes() -> None:
     """Kernels v3's and v7's inline asm (the bf16x2 decode; v7 the words' decode and tiled
-    loads) assembles for sm_90; v7's scale codes need no fp32 -> bf16x2 conversion (only the
-    epilogue's are left; v3 converts each E4M3 scale too). Each also with the shared expert's
-    BF16 branch (`SHARED`). Gate/up's `H_EVEN_ODD` (h for the Gluon down kernel): the
-    128-column tile reordered in registers, so its h stores stay 128-bit vectors."""
+    loads) assembles for sm_90 in the plain launches; v7's scale codes need no fp32 -> bf16x2
+    conversion (only the epilogue's are left; v3 converts each E4M3 scale too). Each also with
+    the shared expert's BF16 branch (`SHARED`). Gate/up's `H_EVEN_ODD` (h for the Gluon down
+    kernel): the 128-column tile reordered in registers, so its h stores stay 128-bit
+    vectors."""
     for kernel, pointers in ((_gate_up_kernel, GATE_UP), (_down_kernel, DOWN)):
         for block_n, has_shared in ((64, False), (128, False), (64, True)):
             conversions = {}
@@ -59,7 +60,8 @@ def check_decodes() -> None:
                 ptx = compile_sm90(kernel, _types(kernel, pointers), {
                     "H": 256, "I": 128, "BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": 128,
                     "INTERPRETED": False, "VARIANT": variant, "SHARED": has_shared,
-                    "SHARED_BLOCK_K": 64, "SHARED_SPLIT": 4}, 4).asm["ptx"]
+                    "SHARED_BLOCK_K": 64, "SHARED_SPLIT": 4, "PDL": False}, 4).asm["ptx"]
+                assert "griddepcontrol" not in ptx  # (`pdl=False`, or no PDL on the device)
                 assert "mul.rn.bf16x2" in ptx
                 assert ("shf.r.wrap.b32" in ptx) == (variant == 7)  # the words' decode
                 conversions[variant] = ptx.count("cvt.rn.bf16x2.f32")
@@ -96,24 +98,28 @@ def check_shared_branch_resources(variant: int) -> None:
 
 
 def check_counted_launches() -> None:
-    """`moe_overlap`'s counted launches with PDL, as the op launches them (v7, the shared
-    expert's parts): gate/up (h even-odd for the Gluon down kernel, or not) releases its slot's
-    count; down (all blocks, or the shared parts alone next to the Gluon kernel) acquires it and
-    no longer waits for the whole grid. The 16-slot forms (a denoising block's) without spills,
-    gate/up's with 3 programs of 4 warps per SM."""
+    """`moe_overlap`'s counted launches with PDL, as the op launches them (the shared expert's
+    parts): v7's gate/up (h even-odd for the Gluon down kernel, or not) and v3's release their
+    slot's count; down (all blocks, or v7's shared parts alone next to the Gluon kernel)
+    acquires it and no longer waits for the whole grid. The 16-slot forms (a denoising
+    block's) without spills, gate/up's with 3 programs of 4 warps per SM."""
+    v3 = {"VARIANT": 3, "I": 448}  # (I % 128: v3's shapes)
     for kernel, pointers, consts in (
             (_gate_up_kernel, GATE_UP, {"H_EVEN_ODD": True}),
             (_gate_up_kernel, GATE_UP, {"H_EVEN_ODD": False, "BLOCK_M": 32}),
+            (_gate_up_kernel, GATE_UP, v3 | {"BLOCK_N": 64, "SHARED_SPLIT": 4}),
             (_down_kernel, DOWN, {"PARTS_ONLY": True}),
-            (_down_kernel, DOWN, {"PARTS_ONLY": False, "BLOCK_M": 32})):
+            (_down_kernel, DOWN, {"PARTS_ONLY": False, "BLOCK_M": 32}),
+            (_down_kernel, DOWN, v3 | {"GATE_UP_TILES": 7})):
         consts = LLADA | {"BLOCK_N": 128, "VARIANT": 7, "SHARED": True, "SHARED_BLOCK_K": 128,
                           "SHARED_SPLIT": 4, "OVERLAP": True, "PDL": True} | consts
         if kernel is _down_kernel:
-            consts |= {"GATE_UP_TILES": 4, "GATE_UP_SPLIT": 4}
+            consts = {"GATE_UP_TILES": 4, "GATE_UP_SPLIT": 4} | consts
         compiled = compile_sm90(kernel, _types(kernel, pointers), consts, 4,
                                 _divisible(kernel, pointers), num_stages=3)
         usage = resource_usage(compiled)
-        print(f"nvfp4_moe v7 {kernel.fn.__name__} counted, BLOCK_M {consts['BLOCK_M']}: {usage}")
+        print(f"nvfp4_moe v{consts['VARIANT']} {kernel.fn.__name__} counted, BLOCK_M "
+              f"{consts['BLOCK_M']}: {usage}")
         ptx = compiled.asm["ptx"]
         release, acquire = ".gpu.release." in ptx, ".gpu.acquire." in ptx
         assert (release, acquire) == ((True, False) if kernel is _gate_up_kernel
