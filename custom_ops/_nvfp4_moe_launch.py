@@ -71,7 +71,9 @@ class _Plan(NamedTuple):
 
 
 def _plan(x: torch.Tensor, topk_ids: torch.Tensor, E: int, I: int, has_shared: bool,
-          w4a4: bool, pdl: bool) -> _Plan:
+          w4a4: bool, pdl: bool, gate_up_w4a4: bool | None = None) -> _Plan:
+    """`w4a4`: the down projection's input emulated (`gate_up_w4a4`: gate/up's, as `w4a4` if
+    None; the wrapper passes both scales or neither)."""
     T, K = topk_ids.shape
     H = x.shape[1]
     variant = effective_variant(H, I)
@@ -80,7 +82,8 @@ def _plan(x: torch.Tensor, topk_ids: torch.Tensor, E: int, I: int, has_shared: b
     # kernels without an alignment: the gate/up programs route themselves, launched first
     routed_alone = (launch_pdl and down_gluon_applies(x.device, variant, route_block_m(T, K, E))
                     and gate_up_gluon_applies(I, E) and self_route_fits(T * K, E))
-    items = has_shared and not w4a4 and shared_items_apply(T, H, I) and routed_alone
+    gate_up_w4a4 = w4a4 if gate_up_w4a4 is None else gate_up_w4a4
+    items = has_shared and not gate_up_w4a4 and shared_items_apply(T, H, I) and routed_alone
     in_routing = has_shared and not items
     block_m = route_block_m(T, K, E, in_routing)
     gluon_down = launch_pdl and down_gluon_applies(x.device, variant, block_m)
@@ -116,7 +119,8 @@ def run_nvfp4_moe(
     if T == 0:
         return out  # ([0, H] whether combined or not)
     num_pairs = T * pairs_per_token
-    plan = _plan(x, topk_ids, E, I, has_shared, down_input_scale is not None, pdl)
+    plan = _plan(x, topk_ids, E, I, has_shared, down_input_scale is not None, pdl,
+                 gate_up_input_scale is not None)
     variant, block_m, items = plan.variant, plan.block_m, plan.items
     a, a_row_div = x.contiguous(), pairs_per_token
     if gate_up_input_scale is not None:  # W4A4 emulation: quantize each routed pair's row
