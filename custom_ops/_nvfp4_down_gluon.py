@@ -1,5 +1,5 @@
 """`dlmc::nvfp4_moe`'s routed down projection as a persistent, warp-specialized Gluon kernel
-(`DLMC_NVFP4_DOWN=gluon`, sm_90, kernel v7's stored forms).
+(sm_90, kernel v7's stored forms).
 
 Work items are (8-slot part of a routing block, N-tile of 128): a part whose first slot is
 padding has no pair (pairs come first in a block) and is skipped, so ~1.6 tokens per expert
@@ -13,11 +13,10 @@ and sums as the Triton down kernel, bit for bit (GPU tests).
 
 h layout: the gate/up kernel stores each routed row's 128-column K-steps even columns first,
 then odd (`H_EVEN_ODD`), so the two TMA halves are the B operands of the low- and high-nibble
-MMAs. In the op (`moe_overlap`: launched with PDL while gate/up runs) the programs take their
-items from a ticket counter (`TICKETS`, the default): programs that start late, on SMs that
-gate/up's programs still hold, take fewer items; for each item the producer spins until
-gate/up has stored the routing block's rows, fences, and copies them with TMA (sessions 24
-and 26, perf/README.md).
+MMAs. The kernel is launched with PDL while gate/up runs (`moe_overlap`): its programs take
+their items from a ticket counter, so that programs which start late, on SMs that gate/up's
+programs still hold, take fewer; for each item the producer spins until gate/up has stored the
+routing block's rows, fences, and copies them with TMA. Design: docs/nvfp4.md §3.2.
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ from dlmc.custom_ops._nvfp4_gluon_parts import (
     ring_barriers,
     shared_layouts,
 )
-from dlmc.custom_ops._nvfp4_gluon_ring import drain_slots, release_slot, wait_slot
+from dlmc.custom_ops._nvfp4_gluon_ring import release_slot, wait_slot
 from dlmc.custom_ops._nvfp4_self_route import table_pads
 from dlmc.custom_ops._nvfp4_shared_items import (
     SHARED_TAG,
@@ -62,96 +61,20 @@ from dlmc.custom_ops._nvfp4_shared_items import (
     shared_down_item,
 )
 from dlmc.custom_ops._pdl import INTERPRETED
-from dlmc.env import env_choice
 
-__all__ = ["GATE_UP", "MODE", "SHARED_DOWN", "TICKETS", "down_gluon_applies", "down_tickets",
-           "gate_up_gluon", "launch_down_gluon", "shared_down_in_gate_up"]
+__all__ = ["down_gluon_applies", "launch_down_gluon"]
 
-STAGES, PROGRAMS_PER_SM, MAXNREG = 4, 3, 80  # the prototype's best (session 24, call 10)
+STAGES, PROGRAMS_PER_SM, MAXNREG = 4, 3, 80  # ring depth, programs per SM, registers per thread
 
 
-# The switches (variable: default, choices), read at import; tests and benches may set the
-# module's values per call (measurements: perf/README.md).
-# - DLMC_NVFP4_DOWN: gluon (the default since session 26: this kernel where
-#   `down_gluon_applies`, items by ticket), triton (the Triton down kernel everywhere) or fused
-#   (gate/up and down in `_nvfp4_moe_gluon`).
-# - DLMC_NVFP4_DOWN_TICKETS (with overlap): 1, items handed out by a counter
-#   (`count[2 * num_slots]`), so that programs which start late take fewer; 0, by program.
-# - DLMC_NVFP4_SHARED_DOWN: the shared expert's down parts with this kernel in a Triton launch
-#   of their own ("own") or as the last programs of gate/up's launch ("gate_up", no faster).
-# - DLMC_NVFP4_GATE_UP (with this kernel and no shared expert in the routing): "gluon" (the
-#   default since session 27: `_nvfp4_moe_gluon`'s gate/up items in a launch of their own) or
-#   "triton" (the Triton gate/up kernel).
-_SWITCHES = {"DLMC_NVFP4_DOWN": ("gluon", ("gluon", "triton", "fused")),
-             "DLMC_NVFP4_DOWN_TICKETS": ("1", ("1", "0")),
-             "DLMC_NVFP4_SHARED_DOWN": ("own", ("own", "gate_up")),
-             "DLMC_NVFP4_GATE_UP": ("gluon", ("gluon", "triton"))}
-
-
-def _switch(name: str) -> str:
-    """The switch `name` from the environment (a `ConfigError` naming it if not a choice)."""
-    return env_choice(name, *_SWITCHES[name])
-
-
-MODE = _switch("DLMC_NVFP4_DOWN")
-TICKETS = _switch("DLMC_NVFP4_DOWN_TICKETS") == "1"
-SHARED_DOWN = _switch("DLMC_NVFP4_SHARED_DOWN")
-GATE_UP = _switch("DLMC_NVFP4_GATE_UP")
-
-
-def down_gluon_applies(device: torch.device, variant: int, hidden: int, inter: int,
-                       emulate_w4a4: bool, opaque: bool, block_m: int) -> bool:
-    """Whether `nvfp4_moe` runs its routed down projection with this kernel: `MODE` "gluon",
-    kernel v7's stored forms (`variant` 7, H and I multiples of 128), no W4A4 emulation, the op
-    registered opaque (its body launches kernels itself), a CUDA device of compute capability
-    9.0, not the CPU interpreter, and 16-slot routing blocks (a denoising block's few tokens
-    per expert). The kernel takes 32- and 64-slot blocks too (prompt chunks), but their GPU
-    test has not passed yet (perf/README.md, session 24): they keep the Triton kernel."""
-    return (MODE == "gluon" and variant == 7 and hidden % 128 == 0 and inter % 128 == 0
-            and not emulate_w4a4 and opaque and block_m == 16 and not INTERPRETED
-            and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0))
-
-
-def shared_down_in_gate_up() -> bool:
-    """`SHARED_DOWN` as now set is "gate_up" (`DLMC_NVFP4_SHARED_DOWN`)."""
-    return SHARED_DOWN == "gate_up"
-
-
-def gate_up_gluon() -> bool:
-    """`GATE_UP` as now set is "gluon" (`DLMC_NVFP4_GATE_UP`)."""
-    return GATE_UP == "gluon"
-
-
-def down_tickets() -> bool:
-    """`TICKETS` as now set (`DLMC_NVFP4_DOWN_TICKETS`, 1 by default, or set by a bench)."""
-    return TICKETS
-
-
-@gluon.jit
-def _producer(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, num_items, num_pairs,
-              shared_id, empty, ready, w_buf, s_buf, h_buf, STAGES: gl.constexpr,
-              KSTEPS: gl.constexpr, TILES: gl.constexpr, I: gl.constexpr, H: gl.constexpr,
-              BLOCK_M: gl.constexpr, OVERLAP: gl.constexpr):
-    i = 0  # K-steps copied so far (the ring position)
-    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr, item,
-                                              num_items, num_pairs, shared_id, TILES, BLOCK_M)
-        if has_work:
-            run = expert * (H // 128) + tile  # the item's 128-row run of weight rows
-            for k in gl.static_range(KSTEPS):
-                s = i % STAGES
-                wait_slot(empty, i, STAGES)
-                bar = ready.index(s)
-                if OVERLAP:  # h rows: loaded by the consumers once gate/up has written them
-                    mbarrier.expect(bar, w_d.block_type.nbytes + s_d.block_type.nbytes)
-                else:
-                    mbarrier.expect(bar, w_d.block_type.nbytes + s_d.block_type.nbytes
-                                    + 2 * h_d.block_type.nbytes)
-                _weight_copies(w_d, s_d, run, k, bar, w_buf.index(s), s_buf.index(s), I)
-                if not OVERLAP:
-                    _h_copies(h_d, slot0, k, bar, h_buf, s)
-                i += 1
-    drain_slots(i, STAGES, 0)
+def down_gluon_applies(device: torch.device, variant: int, block_m: int) -> bool:
+    """Whether `nvfp4_moe`, launching with PDL (`moe_overlap.overlap_pdl`), runs its routed
+    down projection with this kernel: kernel v7's stored forms (`variant` 7: H and I multiples
+    of 128), 16-slot routing blocks (a denoising block's few tokens per expert; prompt chunks'
+    32- and 64-slot blocks keep the Triton kernel) and a CUDA device of compute capability 9.0
+    (not the CPU interpreter)."""
+    return (variant == 7 and block_m == 16 and not INTERPRETED and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) == (9, 0))
 
 
 @gluon.jit
@@ -168,53 +91,6 @@ def _h_copies(h_d, slot0, k, bar, h_buf, s):
     """TMA copies of K-step k of the part's 8 h rows (even and odd halves) into ring slot s."""
     tma.async_copy_global_to_shared(h_d, [slot0, k * 128], bar, h_buf.index(2 * s))
     tma.async_copy_global_to_shared(h_d, [slot0, k * 128 + 64], bar, h_buf.index(2 * s + 1))
-
-
-@gluon.jit
-def _h_step(h_ptr, slot0, stride_h, k):
-    """(even, odd) B operands of K-step k loaded from global memory: h rows slot0..slot0+7,
-    columns k * 128 + [0, 64) and [64, 128) (`H_EVEN_ODD`'s even and odd columns)."""
-    kk = gl.arange(0, 64, gl.SliceLayout(1, H_OP))
-    slots = slot0 + gl.arange(0, 8, gl.SliceLayout(0, H_OP))
-    ptrs = (h_ptr + gl.expand_dims(slots.to(gl.int64) * stride_h, 0)
-            + gl.expand_dims(k * 128 + kk, 1))
-    return gl.load(ptrs), gl.load(ptrs + 64)
-
-
-@gluon.jit
-def _consumer(expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr, num_items, num_pairs,
-              shared_id, stride_y, empty, ready, w_buf, s_buf, h_buf, h_ptr, stride_h,
-              count_ptr, num_slots, writers, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
-              TILES: gl.constexpr, BLOCK_M: gl.constexpr, OVERLAP: gl.constexpr,
-              PER_PART: gl.constexpr):
-    i = 0  # K-steps consumed so far
-    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        slot0, tile, expert, has_work = _item(expert_of_block_ptr, sorted_pair_ptr, item,
-                                              num_items, num_pairs, shared_id, TILES, BLOCK_M)
-        if has_work and not OVERLAP:  # h rows from the ring
-            i = _ring_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, slot0, tile,
-                           expert, i, empty, ready, w_buf, s_buf, h_buf, STAGES, KSTEPS)
-        elif has_work:  # h rows from global memory, once gate/up has stored them
-            # the epilogue's loads before the K loop (their latency hides there)
-            alpha = gl.load(alpha_ptr + expert) * 128.0  # * 2^7: the decode's w * 2^-7
-            pairs = gl.load(sorted_pair_ptr + slot0 + gl.arange(0, 8, gl.SliceLayout(0, MMA)))
-            acc = gl.zeros([128, 8], gl.float32, MMA)
-            _wait_rows(count_ptr, num_slots, sorted_pair_ptr, num_pairs, slot0, writers, TILES,
-                       BLOCK_M, PER_PART)
-            h_next = _h_step(h_ptr, slot0, stride_h, 0)
-            for k in gl.static_range(KSTEPS):
-                s = i % STAGES
-                h_even, h_odd = h_next
-                if k + 1 < KSTEPS:  # the next K-step's rows, ahead of this step's work
-                    h_next = _h_step(h_ptr, slot0, stride_h, k + 1)
-                mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-                words, codes = _chunk(w_buf.index(s), s_buf.index(s))
-                release_slot(empty, s)  # (its token would spill here: 64 bytes of stack)
-                acc = _mma_chunk(words, codes, h_even, h_odd, acc)
-                i += 1
-            cols = tile * 128 + gl.arange(0, 128, gl.SliceLayout(1, MMA))
-            _store_tile(y_ptr, pairs, stride_y, cols, (acc * alpha).to(gl.bfloat16),
-                        pairs < num_pairs)
 
 
 @gluon.jit
@@ -242,8 +118,8 @@ def _ring_item(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, slot0, ti
         words, codes = _chunk(w_buf.index(s), s_buf.index(s))
         h_even = h_buf.index(2 * s).permute([1, 0]).load(H_OP)
         h_odd = h_buf.index(2 * s + 1).permute([1, 0]).load(H_OP)
-        token = release_slot(empty, s)
-        acc = _mma_chunk(words, codes, h_even, h_odd, acc, 4, token)
+        release_slot(empty, s)
+        acc = _mma_chunk(words, codes, h_even, h_odd, acc)
         i += 1
     cols = tile * 128 + gl.arange(0, 128, gl.SliceLayout(1, MMA))
     rows = pairs
@@ -261,13 +137,13 @@ def _ticket_producer(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, count_
                      PER_PART: gl.constexpr, counts=None, ends=None,
                      SELF: gl.constexpr = False, EXPERTS_PAD: gl.constexpr = 16, shared=None,
                      SHARED_ITEMS: gl.constexpr = 0):
-    """`_producer` with `OVERLAP` and `TICKETS`: the next unclaimed item from the counter,
-    taken one item ahead; items without work skipped; each slot tagged with its item. The h
-    rows come by TMA as without `OVERLAP`: after the item's first weight copies this warp spins
-    until gate/up has stored the routing block's rows (`_wait_rows`, counting itself as the
-    item's reader), then fences, so that TMA reads those rows. `SELF`: the items' experts
-    from the tables `counts`, `ends` (`_nvfp4_down_self_route`); their pairs, which the
-    consumers read, gate/up has written before its counts. `SHARED_ITEMS` (their number):
+    """The producer warp: the next unclaimed item from the ticket counter, taken one item ahead;
+    items without work skipped; each slot tagged with its item. After an item's first weight
+    copies this warp spins until gate/up has stored the routing block's h rows (`_wait_rows`,
+    counting itself as the item's reader), then fences, so that its TMA copies read those
+    rows. `SELF`: the items' experts from the tables `counts`, `ends`
+    (`_nvfp4_down_self_route`); their pairs, which the consumers read, gate/up has written
+    before its counts. `SHARED_ITEMS` (their number):
     the shared expert's items, tickets 0.., before the routed ones (`_nvfp4_shared_items`;
     `shared`: the down and h descriptors, the shared slot, its writers, h's shared row0)."""
     ticket = count_ptr + 2 * num_slots
@@ -336,9 +212,9 @@ def _ticket_consumer(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, emp
                      w_buf, s_buf, h_buf, ids, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
                      TILES: gl.constexpr, BLOCK_M: gl.constexpr, SELF: gl.constexpr = False,
                      PAIR_GAP: gl.constexpr = 0, num_tokens=0, SHARED_ITEMS: gl.constexpr = 0):
-    """`_consumer` without `OVERLAP` (h rows from the ring) over the items the producer
-    tagged, in its order, until the tag -1 (`SELF`, `PAIR_GAP`: `_ring_item`'s;
-    `SHARED_ITEMS`: the shared expert's, for `num_tokens` tokens of `PAIR_GAP` pairs each)."""
+    """The consumer warps: the items the producer tagged, in its order, until the tag -1
+    (`SELF`, `PAIR_GAP`: `_ring_item`'s; `SHARED_ITEMS`: the shared expert's, for
+    `num_tokens` tokens of `PAIR_GAP` pairs each)."""
     i = 0  # K-steps consumed so far
     tag = _tag(ids, ready, i, STAGES)
     while tag >= 0:
@@ -359,74 +235,57 @@ def _ticket_consumer(sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, emp
 
 @gluon.jit
 def _down_gluon_kernel(w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr,
-                       num_items, num_pairs, shared_id, stride_y, h_ptr, stride_h, count_ptr,
-                       num_slots, writers, STAGES: gl.constexpr, KSTEPS: gl.constexpr,
-                       TILES: gl.constexpr, I: gl.constexpr, H: gl.constexpr,
-                       BLOCK_M: gl.constexpr, OVERLAP: gl.constexpr = False,
-                       PDL: gl.constexpr = False, TICKETS: gl.constexpr = False,
+                       num_items, num_pairs, shared_id, stride_y, count_ptr, num_slots, writers,
+                       STAGES: gl.constexpr, KSTEPS: gl.constexpr, TILES: gl.constexpr,
+                       I: gl.constexpr, H: gl.constexpr, BLOCK_M: gl.constexpr,
                        PER_PART: gl.constexpr = False, ids_ptr=None,
                        SELF: gl.constexpr = False, PAIRS_PAD: gl.constexpr = 16,
                        EXPERTS_PAD: gl.constexpr = 16, PAIR_GAP: gl.constexpr = 0,
                        sd_d=None, hs_d=None, shared_slot=0, shared_writers=0, h_row0=0,
                        num_tokens=0, SHARED_ITEMS: gl.constexpr = 0):
-    """`OVERLAP`: launched while gate/up runs (with PDL: `PDL`, which also lets the next
-    kernel launch at once); the consumers wait per routing block for its h rows
-    (`moe_overlap`'s counters in `count_ptr`, `writers` gate/up programs per block) and load
-    them from global memory instead of the producer's TMA copies. `TICKETS` (with `OVERLAP`):
-    items from the counter `count_ptr[2 * num_slots]` (zero between launches) in turn, and the
-    producer waits for the rows and copies them. `PER_PART`: `writers` counts per 8-slot part
-    that holds a pair (the Gluon gate/up items of `_nvfp4_moe_gluon`), not per block.
-    `SELF` (with `TICKETS`): no alignment; the items' routing from `ids_ptr`
-    (`_nvfp4_down_self_route`; `PAIRS_PAD`, `EXPERTS_PAD`: powers of two at least the pairs
-    and experts; the launch before has waited for the routing's writer). `PAIR_GAP` (with
-    `TICKETS`): y rows as `_ring_item`'s. `SHARED_ITEMS` (with `SELF`; their number): the
-    shared expert's items, the first tickets (`_nvfp4_shared_items`: `sd_d`, `hs_d`; h
-    rows `h_row0 + t` of `num_tokens`, after `shared_writers` counts on `shared_slot`)."""
-    if PDL:
-        gdc_launch_dependents()
+    """Launched with PDL while gate/up runs: lets the next kernel launch at once; the items
+    come from the ticket counter `count_ptr[2 * num_slots]` (zero between launches) in turn,
+    and the producer waits per routing block for gate/up's h rows (`moe_overlap`'s counters in
+    `count_ptr`, `writers` gate/up programs per block; `PER_PART`: `writers` per 8-slot part
+    that holds a pair, the Gluon gate/up items of `_nvfp4_gate_up_gluon`) and copies them.
+    `SELF`: no alignment; the items' routing from `ids_ptr` (`_nvfp4_down_self_route`;
+    `PAIRS_PAD`, `EXPERTS_PAD`: powers of two at least the pairs and experts; the launch before
+    has waited for the routing's writer). `PAIR_GAP`: y rows as `_ring_item`'s.
+    `SHARED_ITEMS` (with `SELF`; their number): the shared expert's items, the first tickets
+    (`_nvfp4_shared_items`: `sd_d`, `hs_d`; h rows `h_row0 + t` of `num_tokens`, after
+    `shared_writers` counts on `shared_slot`)."""
+    gdc_launch_dependents()
     w_buf = gl.allocate_shared_memory(w_d.dtype, [STAGES] + w_d.block_type.shape, w_d.layout)
     s_buf = gl.allocate_shared_memory(s_d.dtype, [STAGES] + s_d.block_type.shape, s_d.layout)
     h_buf = gl.allocate_shared_memory(h_d.dtype, [2 * STAGES] + h_d.block_type.shape,
                                       h_d.layout)
     empty, ready = ring_barriers(STAGES)
-    if TICKETS:  # (with OVERLAP: the producer waits for gate/up's rows and copies them)
-        ids = gl.allocate_shared_memory(gl.int32, [STAGES, 1], TAGS)  # one tag per ring slot
-        if SELF:
-            counts, ends = down_route_tables(EXPERTS_PAD)
-            fill_down_tables(ids_ptr, num_pairs, counts, ends, BLOCK_M, PAIRS_PAD, EXPERTS_PAD)
-        else:  # (placeholders: not read)
-            counts, ends = ids, ids
-        gl.warp_specialize([
-            (_ticket_consumer, (sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, empty,
-                                ready, w_buf, s_buf, h_buf, ids, STAGES, KSTEPS, TILES,
-                                BLOCK_M, SELF, PAIR_GAP, num_tokens, SHARED_ITEMS)),
-            (_ticket_producer, (w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, count_ptr,
-                                num_slots, writers, num_items, num_pairs, shared_id, empty,
-                                ready, w_buf, s_buf, h_buf, ids, STAGES, KSTEPS, TILES, I, H,
-                                BLOCK_M, PER_PART, counts, ends, SELF, EXPERTS_PAD,
-                                (sd_d, hs_d, shared_slot, shared_writers, h_row0),
-                                SHARED_ITEMS)),
-        ], [1], [40])
-    else:  # program p's items p, p + grid, ... (the producer and the consumers alike)
-        gl.warp_specialize([
-            (_consumer, (expert_of_block_ptr, sorted_pair_ptr, alpha_ptr, y_ptr, num_items,
-                         num_pairs, shared_id, stride_y, empty, ready, w_buf, s_buf, h_buf,
-                         h_ptr, stride_h, count_ptr, num_slots, writers, STAGES, KSTEPS, TILES,
-                         BLOCK_M, OVERLAP, PER_PART)),
-            (_producer, (w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, num_items,
-                         num_pairs, shared_id, empty, ready, w_buf, s_buf, h_buf, STAGES,
-                         KSTEPS, TILES, I, H, BLOCK_M, OVERLAP)),
-        ], [1], [40])
-    if PDL:  # finish only after the kernel before (the shared expert's down parts) has: the
-        # kernel after (the combine) waits for this one alone
-        gdc_wait()
+    ids = gl.allocate_shared_memory(gl.int32, [STAGES, 1], TAGS)  # one tag per ring slot
+    if SELF:
+        counts, ends = down_route_tables(EXPERTS_PAD)
+        fill_down_tables(ids_ptr, num_pairs, counts, ends, BLOCK_M, PAIRS_PAD, EXPERTS_PAD)
+    else:  # (placeholders: not read)
+        counts, ends = ids, ids
+    gl.warp_specialize([
+        (_ticket_consumer, (sorted_pair_ptr, alpha_ptr, y_ptr, num_pairs, stride_y, empty,
+                            ready, w_buf, s_buf, h_buf, ids, STAGES, KSTEPS, TILES,
+                            BLOCK_M, SELF, PAIR_GAP, num_tokens, SHARED_ITEMS)),
+        (_ticket_producer, (w_d, s_d, h_d, expert_of_block_ptr, sorted_pair_ptr, count_ptr,
+                            num_slots, writers, num_items, num_pairs, shared_id, empty,
+                            ready, w_buf, s_buf, h_buf, ids, STAGES, KSTEPS, TILES, I, H,
+                            BLOCK_M, PER_PART, counts, ends, SELF, EXPERTS_PAD,
+                            (sd_d, hs_d, shared_slot, shared_writers, h_row0),
+                            SHARED_ITEMS)),
+    ], [1], [40])
+    # finish only after the kernel before (the shared expert's down parts) has: the kernel
+    # after (the combine) waits for this one alone
+    gdc_wait()
 
 
 def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_block: torch.Tensor,
                       words: torch.Tensor, codes: torch.Tensor, alpha: torch.Tensor,
-                      y: torch.Tensor, num_pairs: int, shared_id: int,
-                      count: torch.Tensor | None = None, num_slots: int = 0, writers: int = 0,
-                      pdl: bool = False, per_part: bool = False,
+                      y: torch.Tensor, num_pairs: int, shared_id: int, count: torch.Tensor,
+                      num_slots: int, writers: int, per_part: bool = False,
                       topk_ids: torch.Tensor | None = None, pair_gap: int = 0,
                       shared_items: tuple | None = None) -> None:
     """y[pair] = bf16(alpha[e] * h[slot] @ down[e]^T) for every routed pair of the routing
@@ -434,27 +293,23 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
     blocks of expert `shared_id` skipped). h bf16 `[S, I]` with `H_EVEN_ODD` columns; words
     uint8 `[E, H, I/2]` and codes uint8 `[E, H, I/16]` (v7's stored forms viewed as bytes),
     alpha fp32 `[E]`, y bf16 `[P, H]`.
-    `count` (`moe_overlap.counters`, `num_slots` slots, `writers` gate/up programs per routing
-    block): the kernel waits per block for gate/up's rows (launched during gate/up, with PDL
-    if `pdl`, ending with `griddepcontrol.wait`: its completion implies the launch before's);
-    None: gate/up has finished. With `count`, `TICKETS` hands the items out by the ticket
-    counter after the slots' (`2 * num_slots + 1` counters). `per_part`: `writers` per 8-slot
-    part that holds a pair (gate/up in `_nvfp4_moe_gluon`'s items), else per routing block.
-    `topk_ids` (`[T, K]`, `num_pairs` ids over `shared_id` experts; with `count` and `TICKETS`):
-    the programs route their items themselves (`_nvfp4_down_self_route`); `sorted_pair` and
-    `expert_of_block` then only give the shapes (`moe_align.alignment_buffers`, unwritten).
-    The launch before must have waited for the routing's writer (the self-routed gate/up
-    launched "first").
-    `pair_gap` (K; with tickets): pair p's y row is p + p // K (a shared expert's row after
-    every K). `shared_items` (with `topk_ids`, `pair_gap`): `_nvfp4_shared_items`' items."""
+    Launched with PDL during gate/up, ending with `griddepcontrol.wait` (its completion implies
+    the launch before's): the kernel waits per block for gate/up's rows on `count`
+    (`moe_overlap.counters`, `num_slots` slots, `writers` gate/up programs per routing block;
+    `per_part`: `writers` per 8-slot part that holds a pair, gate/up in
+    `_nvfp4_gate_up_gluon`'s items) and hands the items out by the ticket counter after the
+    slots' (`2 * num_slots + 1` counters).
+    `topk_ids` (`[T, K]`, `num_pairs` ids over `shared_id` experts): the programs route their
+    items themselves (`_nvfp4_down_self_route`); `sorted_pair` and `expert_of_block` then only
+    give the shapes (`moe_align.alignment_buffers`, unwritten). The launch before must have
+    waited for the routing's writer (the self-routed gate/up launched first).
+    `pair_gap` (K): pair p's y row is p + p // K (a shared expert's row after every K).
+    `shared_items` (with `topk_ids`, `pair_gap`): `_nvfp4_shared_items`' items."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    tickets = TICKETS and count is not None
-    if tickets and count.numel() < 2 * num_slots + 1:
-        raise ValueError(f"nvfp4_moe: the Gluon down kernel with tickets needs "
-                         f"{2 * num_slots + 1} counters (`moe_overlap.counters(device, "
-                         f"num_slots + 1)`), got {count.numel()}")
-
+    if count.numel() < 2 * num_slots + 1:
+        raise ValueError(f"nvfp4_moe: the Gluon down kernel needs {2 * num_slots + 1} counters "
+                         f"(`moe_overlap.counters(device, num_slots + 1)`), got {count.numel()}")
     E, H, half_i = words.shape
     I = 2 * half_i
     w_l, s_l, h_l = shared_layouts()
@@ -463,19 +318,14 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
     h_d = TensorDescriptor.from_tensor(h, [8, 64], h_l)
     block_m = sorted_pair.shape[0] // expert_of_block.shape[0]
     items = expert_of_block.shape[0] * (block_m // 8) * (H // 128)
-    if tickets:
-        check_item_tags(items, shared_id, "the Gluon down kernel with tickets")
+    check_item_tags(items, shared_id, "the Gluon down kernel")
     self_route = {}
     if topk_ids is not None:
-        if not tickets or topk_ids.numel() != num_pairs or I < 256:
-            raise ValueError(f"launch_down_gluon: self-routing needs the ticket counter, "
-                             f"{num_pairs} ids and I >= 256 (two K-steps), got "
-                             f"tickets={tickets}, {topk_ids.numel()} ids, I={I}")
+        if topk_ids.numel() != num_pairs or I < 256:
+            raise ValueError(f"launch_down_gluon: self-routing needs {num_pairs} ids and I >= "
+                             f"256 (two K-steps), got {topk_ids.numel()} ids, I={I}")
         self_route = {"ids_ptr": topk_ids.reshape(-1), "SELF": True,
                       **table_pads(num_pairs, shared_id)}
-    if pair_gap and not tickets:
-        raise ValueError("launch_down_gluon: pair_gap needs the ticket counter (`count` and "
-                         "DLMC_NVFP4_DOWN_TICKETS=1)")
     if shared_items is not None:
         if not (self_route and pair_gap):
             raise ValueError("launch_down_gluon: shared items need self-routing and pair_gap")
@@ -483,9 +333,6 @@ def launch_down_gluon(h: torch.Tensor, sorted_pair: torch.Tensor, expert_of_bloc
     sms = torch.cuda.get_device_properties(h.device).multi_processor_count
     _down_gluon_kernel[(sms * PROGRAMS_PER_SM,)](
         w_d, s_d, h_d, expert_of_block, sorted_pair, alpha, y, items, num_pairs, shared_id,
-        y.stride(0), h, h.stride(0), expert_of_block if count is None else count, num_slots,
-        writers, STAGES=STAGES, KSTEPS=I // 128, TILES=H // 128, I=I, H=H, BLOCK_M=block_m,
-        OVERLAP=count is not None, PDL=pdl, TICKETS=tickets, PER_PART=per_part,
-        **self_route, PAIR_GAP=pair_gap, num_warps=4,
-        maxnreg=MAXNREG,
-        **({"launch_pdl": True} if pdl else {}))
+        y.stride(0), count, num_slots, writers, STAGES=STAGES, KSTEPS=I // 128, TILES=H // 128,
+        I=I, H=H, BLOCK_M=block_m, PER_PART=per_part, **self_route, PAIR_GAP=pair_gap,
+        num_warps=4, maxnreg=MAXNREG, launch_pdl=True)

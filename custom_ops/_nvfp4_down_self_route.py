@@ -1,13 +1,11 @@
-"""The Gluon down kernel's own routing (`DLMC_NVFP4_DOWN_SELF_ROUTE`): with it the op launches
-no alignment at all.
+"""The Gluon down kernel's own routing: with it the op launches no alignment at all.
 
-`nvfp4_moe` alone (routed experts, the self-routed Gluon gate/up, items by ticket) otherwise
-launches `moe_align` first: the gate/up programs route themselves beside it, but the down
-kernel reads its output. Session 41 measured the op with the alignment made before capture,
-so that no launch sat before gate/up: 86.0-86.9 against 88.0-88.7 µs per LLaDA2.1-mini
-layer (perf/results/s41). Here the gate/up launch comes first (`WAIT_FIRST`: it waits for the
-kernel before, then routes, and its N-tile-0 items write their parts' pairs into
-`sorted_pair`), and the down kernel works out the rest of each item's routing itself:
+`nvfp4_moe` with the routed experts in the Gluon kernels (the self-routed gate/up,
+`_nvfp4_self_route`, then the down kernel, items by ticket) would otherwise launch `moe_align`
+first: the gate/up programs route themselves beside it, but the down kernel reads its output.
+Instead the gate/up launch comes first (`WAIT_FIRST`: it waits for the kernel before, then
+routes, and its N-tile-0 items write their parts' pairs into `sorted_pair`), and the down
+kernel works out the rest of each item's routing itself:
 
 - before its warp-specialized part, the four default warps count the routing's pairs per
   expert (`gl.histogram` of `topk_ids`) and the ends of the experts' blocks of `BLOCK_M`
@@ -18,8 +16,6 @@ kernel before, then routes, and its N-tile-0 items write their parts' pairs into
   the block do (`_wait_live_rows`); once it has acquired the block's counts, gate/up's pairs
   of the part are there for the consumers.
 
-A first form computed each part's pairs in the producer warp as well (a scan of
-`ids == expert` per item): bit for bit, but 96.0 against 88.4-88.7 µs per layer (call 3).
 The kernel reads `topk_ids` without waiting for any launch: the gate/up launch before it has
 waited for the routing's writer before letting it launch.
 """
@@ -30,16 +26,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from dlmc.custom_ops._nvfp4_gluon_parts import _place
-from dlmc.env import env_choice
 
-__all__ = ["DOWN_SELF_ROUTE", "down_route_tables", "fill_down_tables", "self_item"]
-
-# DLMC_NVFP4_DOWN_SELF_ROUTE (read at import; tests and benches may set the module's value):
-# "1" (the default since session 41, where the gate/up programs route themselves: no alignment
-# launch; the gate/up launch first, then this kernel routing its own items; op 85.9 / 86.2
-# against 88.0 / 88.2 µs per LLaDA2.1-mini layer, bit for bit, perf/results/s41/call4) or "0"
-# (`moe_align` first, as before).
-DOWN_SELF_ROUTE = env_choice("DLMC_NVFP4_DOWN_SELF_ROUTE", "1", ("1", "0")) == "1"
+__all__ = ["down_route_tables", "fill_down_tables", "self_item"]
 
 _ROW = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # the tables (their rows' layout)
 _WARP = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))  # the producer warp's vectors

@@ -1,13 +1,12 @@
 """The pieces shared by the Gluon kernels of `dlmc::nvfp4_moe` (sm_90, kernel v7's stored
-forms): `_nvfp4_down_gluon` (the routed down projection), `_nvfp4_moe_gluon` (gate/up and down
-in one launch) and the prototypes in perf/.
+forms): `_nvfp4_gate_up_gluon` (the routed gate/up projection) and `_nvfp4_down_gluon` (the
+routed down projection).
 
 - Layouts for four consumer warps: the MMA's accumulator [128 weight rows, 8 slots] (`MMA`),
   the weights as its A operand (`W_OP`, read from a ring slot's 128-byte-swizzled chunk with
-  `ldmatrix`: `WL2` -> `W4`) and the slots as B (`H_OP`); the same for 4 or 8 warps from
-  `mma_layout`, `operand_layout`, `word_layout`, `chunk_layout` and `codes_layout` (the
-  chunk and MMA helpers take `WARPS`; 8 warps only in perf/proto_gluon_gate_up.py, where two
-  programs per SM of 8 consumer warps ran at 71-107 against ~57 µs, session 27).
+  `ldmatrix`: `WL2` -> `W4`) and the slots as B (`H_OP`), from `mma_layout`,
+  `operand_layout`, `word_layout`, `chunk_layout` and `codes_layout` (which take the warp
+  count, 4 or 8).
 - Work items (`_place`, `_item`): an 8-slot part of a routing block and a 128-row N-tile; a part
   whose first slot is padding has no work.
 - The decode and MMA of one ring slot (`_chunk`, `_decoded_tiles`, `_mma_chunk`: v7's asm,
@@ -24,7 +23,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from dlmc.custom_ops._nvfp4_gluon_ring import NAMED_EMPTY, drain_slots, wait_slot
+from dlmc.custom_ops._nvfp4_gluon_ring import wait_slot
 from dlmc.custom_ops.nvfp4_scale_codes import PAIR_ADD, PAIR_MUL
 from dlmc.custom_ops.nvfp4_words import DECODE_WORDS_ASM
 
@@ -163,11 +162,10 @@ def _chunk(w_slot, s_slot, WARPS: gl.constexpr = 4):
 
 
 @gluon.jit
-def _decoded_tiles(words, codes, token=0):
+def _decoded_tiles(words, codes):
     """v7 words (bytes [n, 8, 2, 4], n 128 or a part of it) and their block-scale codes -> the
-    low- and high-nibble bf16 tiles [n, 64 k'] (`w * scale * 2^-7`, exact). `token`: a zero
-    that the decode waits for (`_nvfp4_gluon_ring.release_slot`)."""
-    pair = codes.to(gl.int32) * _PMUL + (_PADD + token)
+    low- and high-nibble bf16 tiles [n, 64 k'] (`w * scale * 2^-7`, exact)."""
+    pair = codes.to(gl.int32) * _PMUL + _PADD
     pair = gl.broadcast(gl.expand_dims(gl.expand_dims(pair, 2), 3), words)[0]
     lo, hi = gl.inline_asm_elementwise(_ASM, "=r,=r,=r,=r,r,r,r,r,r", [words, pair],
                                        dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
@@ -175,10 +173,10 @@ def _decoded_tiles(words, codes, token=0):
 
 
 @gluon.jit
-def _mma_chunk(words, codes, b_even, b_odd, acc, WARPS: gl.constexpr = 4, token=0):
+def _mma_chunk(words, codes, b_even, b_odd, acc, WARPS: gl.constexpr = 4):
     """acc + a weight chunk (decoded, the MMA's A: low nibbles with the even-K B operand, high
-    nibbles with the odd-K one); `token` as in `_decoded_tiles`."""
-    lo, hi = _decoded_tiles(words, codes, token)
+    nibbles with the odd-K one)."""
+    lo, hi = _decoded_tiles(words, codes)
     acc = mma_v2(gl.convert_layout(lo, operand_layout(0, WARPS)), b_even, acc)
     return mma_v2(gl.convert_layout(hi, operand_layout(0, WARPS)), b_odd, acc)
 
@@ -218,7 +216,7 @@ def _end_tickets(ticket, item, total, ids, empty, ready, i, STAGES: gl.constexpr
                  TICKETS: gl.constexpr = True):
     """After the last item (`TICKETS`: every program has taken one ticket past the items, and
     the last of those resets the counter `ticket`): a slot tagged -1 ends the consumers'
-    loop; then (named hand-back) the producer waits out the consumers' last arrivals."""
+    loop."""
     if TICKETS:  # noqa: SIM102 (a static condition around a runtime one)
         if item == total + gl.num_programs(0) - 1:
             gl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
@@ -226,7 +224,6 @@ def _end_tickets(ticket, item, total, ids, empty, ready, i, STAGES: gl.constexpr
     wait_slot(empty, i, STAGES)
     _tag_slot(ids, s, -1)
     mbarrier.arrive(ready.index(s), count=1)
-    drain_slots(i + 1, STAGES, 1)  # (named hand-back: the consumers' last arrivals)
 
 
 @gluon.jit
@@ -265,20 +262,11 @@ def chunk_rings(g_d, u_d, gs_d, us_d, STAGES: gl.constexpr):
 @gluon.jit
 def ring_barriers(STAGES: gl.constexpr, EMPTY_ARRIVALS: gl.constexpr = 1):
     """The (empty, ready) mbarriers of a STAGES-deep ring, initialized (one arrival each, or
-    `EMPTY_ARRIVALS` consumer partitions on empty). With `_nvfp4_gluon_ring.NAMED_EMPTY`,
-    `empty` is instead 8 int32 zeros (a slot's each; STAGES <= 8, the named barriers'
-    room), which `release_slot` reads back after its arrival (the slots are handed back on
-    named barriers)."""
-    if NAMED_EMPTY:
-        empty = gl.allocate_shared_memory(gl.int32, [8, 1], TAGS)
-        empty._reinterpret(gl.int32, [8], TAGS).store(
-            gl.zeros([8], gl.int32, gl.BlockedLayout([1], [32], [gl.num_warps()], [0])))
-    else:
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    `EMPTY_ARRIVALS` consumer partitions on empty; `_nvfp4_gluon_ring`)."""
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
-        if not NAMED_EMPTY:
-            mbarrier.init(empty.index(s), count=EMPTY_ARRIVALS)
+        mbarrier.init(empty.index(s), count=EMPTY_ARRIVALS)
         mbarrier.init(ready.index(s), count=1)
     return empty, ready
 

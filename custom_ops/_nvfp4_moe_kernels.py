@@ -1,9 +1,10 @@
 """The two Triton kernels of `dlmc::nvfp4_moe` (gate/up with SiLU-mul, down), one program per
-M-block of sorted (token, expert) pairs and N-tile; the launch, variants and maths live in
-`nvfp4_moe`. `VARIANT` selects the weight decode (`nvfp4_tiles`); `SHARED` runs the BF16 shared
-expert in the same launch, as the extra programs after the routing's blocks
-(`moe_shared_parts`; the routing's own shared blocks then have nothing to do). `OVERLAP`: the
-down programs wait per slot for the gate/up programs whose rows they read (`moe_overlap`).
+M-block of sorted (token, expert) pairs and N-tile; the launches live in `_nvfp4_moe_launch`,
+the maths in `nvfp4_moe.nvfp4_moe_reference`. `VARIANT` (3 or 7) selects the weight decode
+(`nvfp4_tiles`); `SHARED` runs the BF16 shared expert in the same launch, as the extra
+programs after the routing's blocks (`moe_shared_parts`; the routing's own shared blocks then
+have nothing to do). `OVERLAP`: the down programs wait per slot for the gate/up programs whose
+rows they read (`moe_overlap`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dlmc.custom_ops.moe_align import block_rows
 from dlmc.custom_ops.moe_overlap import program, signal, wait
 from dlmc.custom_ops.moe_shared_parts import shared_down_part, shared_gate_up_part
 from dlmc.custom_ops.nvfp4_bf16x2 import ACC_SCALE
-from dlmc.custom_ops.nvfp4_tiles import nvfp4_tile_dot, nvfp4_tile_dot_v2, round_bf16
+from dlmc.custom_ops.nvfp4_tiles import nvfp4_tile_dot, round_bf16
 
 
 @triton.jit
@@ -27,78 +28,17 @@ def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
                     VARIANT: tl.constexpr, SHARED: tl.constexpr, SHARED_BLOCK_K: tl.constexpr,
                     SHARED_SPLIT: tl.constexpr, OVERLAP: tl.constexpr = False,
-                    PDL: tl.constexpr = False, H_EVEN_ODD: tl.constexpr = False,
-                    PARTS_ONLY: tl.constexpr = False, SHARED_DOWN: tl.constexpr = False,
-                    y_ptr=None, stride_y=0, shared_down_w=None, num_slots=0, gate_up_rows=0,
-                    down_parts=0, DOWN_TILES: tl.constexpr = 1, DOWN_SPLIT: tl.constexpr = 1,
-                    DOWN_BLOCK_N: tl.constexpr = 16, DOWN_BLOCK_K: tl.constexpr = 16):
+                    PDL: tl.constexpr = False, H_EVEN_ODD: tl.constexpr = False):
     """h[slot, n] = silu(gate) * up for the slots of one M-block and one N-tile of I (routed
     rows: each 128 columns even first, then odd, with `H_EVEN_ODD`, BLOCK_N 128,
-    `_nvfp4_down_gluon`). `SHARED`:
-    programs past the `num_blocks` routing blocks are the BF16 shared expert's parts
-    (`moe_shared_parts`, h rows from `num_blocks * BLOCK_M` on), run first (the rows in reverse
-    order: heavier per byte than FP4 blocks, they start first instead of last); blocks of
-    expert `shared_id` exit. `OVERLAP`: each program signals its slot in `count_ptr` (a routing
-    block, or `num_blocks` + the parts' token chunk) when its rows are stored. `PARTS_ONLY`
-    (with `SHARED`): the grid is the shared expert's parts alone (the routed blocks run in
-    `_nvfp4_moe_gluon`). `SHARED_DOWN` (with `SHARED` and `OVERLAP`): rows past the first
-    `gate_up_rows` of the grid run the shared expert's `down_parts` down parts (`DOWN_TILES`
-    N-tiles of `DOWN_BLOCK_N` each; the Triton down kernel's parts), last in launch order, each
-    after its token chunk's gate/up parts (`moe_overlap.wait`; those parts run first), so that
-    no launch sits between gate/up and the Gluon down kernel."""
+    `_nvfp4_down_gluon`). `SHARED`: programs past the `num_blocks` routing blocks are the BF16
+    shared expert's parts (`moe_shared_parts`, h rows from `num_blocks * BLOCK_M` on), run first
+    (the rows in reverse order: heavier per byte than FP4 blocks, they start first instead of
+    last); blocks of expert `shared_id` exit. `OVERLAP`: each program signals its slot in
+    `count_ptr` (a routing block, or `num_blocks` + the parts' token chunk) when its rows are
+    stored."""
     pdl_enter(PDL)
-    if SHARED_DOWN and tl.program_id(1) >= gate_up_rows:
-        _shared_down_program(h_ptr, shared_down_w, y_ptr, count_ptr, num_slots, num_blocks,
-                             num_pairs, pairs_per_token, gate_up_rows, down_parts, H, I,
-                             stride_h, stride_y, BLOCK_M, SHARED_SPLIT, DOWN_TILES, DOWN_SPLIT,
-                             DOWN_BLOCK_N, DOWN_BLOCK_K, INTERPRETED)
-    else:
-        _gate_up_program(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s, up_w,
-                         up_s, gate_alpha_ptr, up_alpha_ptr, h_ptr, num_pairs, a_row_div, H, I,
-                         stride_a, stride_h, shared_gate_w, shared_up_w, shared_id, num_blocks,
-                         pairs_per_token, count_ptr, gate_up_rows, BLOCK_M, BLOCK_N, BLOCK_K,
-                         INTERPRETED, VARIANT, SHARED, SHARED_BLOCK_K, SHARED_SPLIT, OVERLAP,
-                         H_EVEN_ODD, PARTS_ONLY, SHARED_DOWN)
-
-
-@triton.jit
-def _shared_down_program(h_ptr, shared_down_w, y_ptr, count_ptr, num_slots, num_blocks,
-                         num_pairs, pairs_per_token, gate_up_rows, down_parts, H: tl.constexpr,
-                         I: tl.constexpr, stride_h, stride_y, BLOCK_M: tl.constexpr,
-                         SHARED_SPLIT: tl.constexpr, DOWN_TILES: tl.constexpr,
-                         DOWN_SPLIT: tl.constexpr, DOWN_BLOCK_N: tl.constexpr,
-                         DOWN_BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
-    """One of `_gate_up_kernel`'s `SHARED_DOWN` programs: down part `q // DOWN_TILES`, N-tile
-    `q % DOWN_TILES` (q: the program's place after the gate/up rows, N-tiles fastest), once
-    the part's token chunk has all its gate/up parts (the grid's N-tiles x `SHARED_SPLIT`)."""
-    q = (tl.program_id(1) - gate_up_rows) * tl.num_programs(0) + tl.program_id(0)
-    part = q // DOWN_TILES
-    if part < down_parts:
-        wait(count_ptr, num_slots, num_blocks + part // DOWN_SPLIT,
-             tl.num_programs(0) * SHARED_SPLIT, DOWN_TILES * DOWN_SPLIT)
-        shared_down_part(h_ptr, shared_down_w, y_ptr, part, q % DOWN_TILES, num_pairs,
-                         pairs_per_token, num_blocks * BLOCK_M, H, I, stride_h, stride_y,
-                         BLOCK_M, DOWN_BLOCK_N, DOWN_SPLIT, DOWN_BLOCK_K, INTERPRETED)
-
-
-@triton.jit
-def _gate_up_program(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s, up_w, up_s,
-                     gate_alpha_ptr, up_alpha_ptr, h_ptr, num_pairs, a_row_div, H: tl.constexpr,
-                     I: tl.constexpr, stride_a, stride_h, shared_gate_w, shared_up_w, shared_id,
-                     num_blocks, pairs_per_token, count_ptr, gate_up_rows,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     INTERPRETED: tl.constexpr, VARIANT: tl.constexpr, SHARED: tl.constexpr,
-                     SHARED_BLOCK_K: tl.constexpr, SHARED_SPLIT: tl.constexpr,
-                     OVERLAP: tl.constexpr, H_EVEN_ODD: tl.constexpr, PARTS_ONLY: tl.constexpr,
-                     SHARED_DOWN: tl.constexpr):
-    """A gate/up program of `_gate_up_kernel`: a routed block's N-tile or a shared part."""
-    if SHARED_DOWN:  # the gate/up rows in reverse order (`moe_overlap.program`), extra rows
-        # past them
-        pid_m, pid_n = gate_up_rows - 1 - tl.program_id(1), tl.program_id(0)
-    else:
-        pid_m, pid_n = program(SHARED, OVERLAP)
-    if PARTS_ONLY:
-        pid_m += num_blocks
+    pid_m, pid_n = program(SHARED, OVERLAP)
     if SHARED and pid_m >= num_blocks:
         shared_gate_up_part(a_ptr, shared_gate_w, shared_up_w, h_ptr, pid_m - num_blocks, pid_n,
                             num_pairs, pairs_per_token, a_row_div, num_blocks * BLOCK_M, H, I,
@@ -127,9 +67,9 @@ def _gate_up_block(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s, 
     slots, _, row_mask, a_rows, n_offs, n_mask = block_rows(
         sorted_pair_ptr, num_pairs, a_row_div, pid_m, pid_n, I, BLOCK_M, BLOCK_N)
     if expert >= 0 and expert != shared_id:
-        # v3/v4 accumulate w * 2^-7 when compiled (ACC_SCALE restores it with the global scale).
-        # The global scales are loaded before the K loop, so the epilogue waits for nothing.
-        acc_scale = ACC_SCALE if VARIANT >= 3 and not INTERPRETED else 1.0
+        # The compiled decode accumulates w * 2^-7 (ACC_SCALE restores it with the global
+        # scale). The global scales are loaded before the K loop: the epilogue waits for nothing.
+        acc_scale = ACC_SCALE if not INTERPRETED else 1.0
         alpha_g = tl.load(gate_alpha_ptr + expert) * acc_scale
         alpha_u = tl.load(up_alpha_ptr + expert) * acc_scale
         e64 = expert.to(tl.int64)
@@ -139,15 +79,9 @@ def _gate_up_block(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s, 
         up_s += e64 * I * (H // 16)
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if VARIANT >= 2:
-            acc_g, acc_u = nvfp4_tile_dot_v2(acc_g, acc_u, a_ptr, a_rows, row_mask, stride_a,
-                                             gate_w, gate_s, up_w, up_s, n_offs, n_mask, H,
-                                             BLOCK_N, BLOCK_K, INTERPRETED, True, VARIANT)
-        else:
-            acc_g = nvfp4_tile_dot(acc_g, a_ptr, a_rows, row_mask, stride_a, gate_w, gate_s,
-                                   n_offs, n_mask, H, BLOCK_K, INTERPRETED)
-            acc_u = nvfp4_tile_dot(acc_u, a_ptr, a_rows, row_mask, stride_a, up_w, up_s,
-                                   n_offs, n_mask, H, BLOCK_K, INTERPRETED)
+        acc_g, acc_u = nvfp4_tile_dot(acc_g, acc_u, a_ptr, a_rows, row_mask, stride_a, gate_w,
+                                      gate_s, up_w, up_s, n_offs, n_mask, H, BLOCK_N, BLOCK_K,
+                                      INTERPRETED, True, VARIANT)
         g = acc_g * alpha_g
         u = acc_u * alpha_u
         h = round_bf16(g * tl.sigmoid(g) * u, INTERPRETED)
@@ -214,7 +148,7 @@ def _down_block(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, dow
             sorted_pair_ptr, num_pairs, 1, pid_m, pid_n, H, BLOCK_M, BLOCK_N)
         if OVERLAP:  # the block's h rows: its gate/up programs' stores
             wait(count_ptr, num_slots, pid_m, GATE_UP_TILES, tl.cdiv(H, BLOCK_N))
-        acc_scale = ACC_SCALE if VARIANT >= 3 and not INTERPRETED else 1.0
+        acc_scale = ACC_SCALE if not INTERPRETED else 1.0
         alpha = tl.load(down_alpha_ptr + expert) * acc_scale  # before the loop (see gate/up)
         e64 = expert.to(tl.int64)
         down_w += e64 * H * (I // 2)
@@ -223,13 +157,9 @@ def _down_block(h_ptr, sorted_pair_ptr, expert_of_block_ptr, down_w, down_s, dow
         # h has a row for every slot (padding rows hold garbage that only reaches their own,
         # unstored output rows), so its loads need no row mask and so no wait for the pairs.
         all_rows = slots >= 0
-        if VARIANT >= 2:
-            acc, _ = nvfp4_tile_dot_v2(acc, acc, h_ptr, slots, all_rows, stride_h, down_w,
-                                       down_s, down_w, down_s, n_offs, n_mask, I, BLOCK_N,
-                                       BLOCK_K, INTERPRETED, False, VARIANT)
-        else:
-            acc = nvfp4_tile_dot(acc, h_ptr, slots, all_rows, stride_h, down_w, down_s,
-                                 n_offs, n_mask, I, BLOCK_K, INTERPRETED)
+        acc, _ = nvfp4_tile_dot(acc, acc, h_ptr, slots, all_rows, stride_h, down_w, down_s,
+                                down_w, down_s, n_offs, n_mask, I, BLOCK_N, BLOCK_K, INTERPRETED,
+                                False, VARIANT)
         y = acc * alpha
         y_ptrs = y_ptr + pairs[:, None].to(tl.int64) * stride_y + n_offs[None, :]
         tl.store(y_ptrs, round_bf16(y, INTERPRETED), mask=row_mask[:, None] & n_mask[None, :])

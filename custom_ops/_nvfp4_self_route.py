@@ -1,17 +1,19 @@
-"""The Gluon gate/up launch's own routing (`DLMC_NVFP4_SELF_ROUTE`): each program works out its
-items' experts and pairs from `topk_ids` instead of waiting for `moe_align`'s output.
+"""The Gluon gate/up launch's own routing: each program works out its items' experts and pairs
+from `topk_ids` instead of waiting for `moe_align`'s output.
 
-Under PDL the gate/up launch (`launch_moe_gluon(gate_up_only=True)`, items by program) starts
-together with the alignment, one program, which it used to wait for (`griddepcontrol.wait`)
-before its first copy. Here each program first computes, for its own items (p, p + grid, ...,
-at most `G`), what `moe_align.align_pairs` puts there: the experts' pair counts
-(`gl.histogram`), their blocks of `BLOCK_M` slots in expert order (a scan), the block of item
-p's part and its expert, and the part's 8 pairs (the expert's pairs in pair order, the
-`part`-th 8 of its block; padding `num_pairs`), into three small shared tables. The producer
-copies the first `STAGES` K-steps of its first item, then waits for the previous launch (so
-that the down kernel, which it then lets launch, reads a finished alignment, and this launch
-finishes after it) and goes on; the consumers read the pairs from the tables, never the
-alignment. The layout is the alignment's by construction (GPU tests: bit for bit).
+Under PDL the gate/up launch (`_nvfp4_gate_up_gluon`, items by program) starts together with
+the alignment, one program, which it would otherwise wait for (`griddepcontrol.wait`) before
+its first copy. Here each program first computes, for its own items (p, p + grid, ..., at most
+`G`), what `moe_align.align_pairs` puts there: the experts' pair counts (`gl.histogram`), their
+blocks of `BLOCK_M` slots in expert order (a scan), the block of item p's part and its expert,
+and the part's 8 pairs (the expert's pairs in pair order, the `part`-th 8 of its block; padding
+`num_pairs`), into three small shared tables. The producer copies the first `STAGES` K-steps of
+its first item, then waits for the previous launch (so that the down kernel, which it then
+lets launch, reads a finished alignment, and this launch finishes after it) and goes on; the
+consumers read the pairs from the tables, never the alignment. The layout is the alignment's
+by construction (GPU tests: bit for bit). Where the op launches no alignment at all, the
+gate/up launch comes first and the down kernel routes its items too
+(`_nvfp4_down_self_route`).
 
 Limits: at most `MAX_PAIRS` pairs and `MAX_EXPERTS` experts (the tiles live in the registers of
 four warps before the warp-specialized part); larger routings wait for the alignment.
@@ -22,7 +24,7 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from dlmc.custom_ops._nvfp4_gate_up_gluon import gate_up_copies
+from dlmc.custom_ops._nvfp4_gate_up_items import gate_up_copies
 from dlmc.custom_ops._nvfp4_gluon_parts import (
     _end_tickets,
     _place,
@@ -31,18 +33,11 @@ from dlmc.custom_ops._nvfp4_gluon_parts import (
     tab_scalar,
 )
 from dlmc.custom_ops._nvfp4_shared_items import shared_gate_up_copies
-from dlmc.env import env_choice
 
-__all__ = ["MAX_EXPERTS", "MAX_PAIRS", "SELF_ROUTE", "route_tables", "self_producer",
-           "self_route", "self_route_fits", "table_pads"]
+__all__ = ["MAX_EXPERTS", "MAX_PAIRS", "route_tables", "self_producer", "self_route",
+           "self_route_fits", "table_pads"]
 
 MAX_PAIRS, MAX_EXPERTS = 512, 512
-# DLMC_NVFP4_SELF_ROUTE (read at import): "1" (the default since session 29: the op alone,
-# routed experts, 88.5 / 88.7 against 89.8 / 89.3 µs per LLaDA2.1-mini layer in one H200 call,
-# bit for bit; the NVFP4 round, whose op carries the shared expert and so the Triton gate/up,
-# is unchanged: 2.838 ms queued both ways; perf/README.md) or "0" (wait for the alignment). The
-# module's value may be set per call by tests and benches.
-SELF_ROUTE = env_choice("DLMC_NVFP4_SELF_ROUTE", "1", ("1", "0")) == "1"
 
 _TABLE = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # rank-1 rows, as ring tags
 
@@ -151,8 +146,8 @@ def self_producer(g_d, gs_d, u_d, us_d, x_d, num_pairs, a_row_div, empty, ready,
             slot0, tile = _place(item, I // 128, BLOCK_M)
             i = gate_up_copies(g_d, gs_d, u_d, us_d, expert * (I // 128) + tile, i, empty,
                                ready, g_buf, gs_buf, u_buf, us_buf, ids, item * 1024 + expert,
-                               STAGES, H, x_d, x_buf, x_d, slot0, num_pairs, a_row_div, True,
-                               True, pairs_tab, g, gl.where(g == 0, GDC_STEP, -1), True)
+                               STAGES, H, x_d, x_buf, x_d, slot0, num_pairs, a_row_div,
+                               pairs_tab, g, gl.where(g == 0, GDC_STEP, -1), True)
         elif g == 0:
             gdc_wait()
             gdc_launch_dependents()

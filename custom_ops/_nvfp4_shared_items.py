@@ -1,42 +1,32 @@
-"""The BF16 shared expert as work items of the Gluon NVFP4 kernels (`DLMC_NVFP4_SHARED_ITEMS`):
-no launch of its own, and the routed experts take their no-alignment path.
+"""The BF16 shared expert as work items of the Gluon NVFP4 kernels: no launch of its own, and the
+routed experts take their no-alignment path.
 
-With a shared expert (LLaDA2.x) `nvfp4_moe` used to keep it in the routing (`moe_align`'s
-shared tail) and run its parts in the Triton gate/up launch and a down launch of their own,
-so the LLaDA round never took the routed experts' fastest path (the self-routed Gluon gate/up
-launched first, the Gluon down kernel routing its own items, no alignment launch). With these
-items the routed experts run exactly that path, as if there were no shared expert (pairs
-`t*K + k`, x row `pair // K`), except that the down kernel stores pair p at y row
-`p + p // K` (`PAIR_GAP`), leaving each token's row `t*(K+1) + K` to the shared expert:
+With a shared expert (LLaDA2.x) in the routing (`moe_align`'s shared tail) its parts run in the
+Triton gate/up launch and a down launch of their own, and the routed experts cannot take their
+fastest path (the self-routed Gluon gate/up launched first, the Gluon down kernel routing its
+own items, no alignment launch). With these items (at most 32 tokens) the routed experts run
+exactly that path, as if there were no shared expert (pairs `t*K + k`, x row `pair // K`),
+except that the down kernel stores pair p at y row `p + p // K` (`PAIR_GAP`), leaving each
+token's row `t*(K+1) + K` to the shared expert:
 
-- Gate/up (`_nvfp4_moe_gluon`'s self-routed gate/up launch): the last `I / 32` programs of the
+- Gate/up (`_nvfp4_gate_up_gluon`'s self-routed launch): the last `I / 32` programs of the
   grid take no routed item; program `grid - I/32 + j` runs shared item j, rows `32 j ..` of
   gate and up for every token (at most 32): per K-step of 64 the producer copies the gate and
   up tiles (bf16 [32, 64], 4 KB each, into the ring slot's two chunk buffers) and the tokens'
-  x columns (bf16 [32, 64] into the slot's h-row buffer, unused by gate/up items); the
-  consumers (2 x 2 warps over rows and tokens) multiply them (`mma_v2`, the weights as A, the
-  tokens as B, fp32), store `SwiGLUMLP`'s bf16 `silu(g) * u` at h rows `h_row0 + t` (natural
-  column order) and count the item done on the shared slot's counter. Items of half a routed item's
-  bytes finish early, so the down kernel can take the shared items first.
-- Down (`_nvfp4_down_gluon`'s self-routed ticket launch): before the routed items, shared
-  items `(16-token part, 128-row N-tile of H)`; per K-step of 32 the producer copies the down
+  x columns (bf16 [32, 64] into the slot's four 1 KB boxes); the consumers (2 x 2 warps over
+  rows and tokens) multiply them (`mma_v2`, the weights as A, the tokens as B, fp32), store
+  `SwiGLUMLP`'s bf16 `silu(g) * u` at h rows `h_row0 + t` (natural column order) and count
+  the item done on the shared slot's counter. Items of half a routed item's bytes finish
+  early, so the down kernel can take the shared items first.
+- Down (`_nvfp4_down_gluon`'s self-routed launch): before the routed items, shared items
+  `(16-token part, 128-row N-tile of H)`; per K-step of 32 the producer copies the down
   tile (bf16 [128, 32], the slot's weight buffer) and the part's h columns (bf16 [16, 32],
   one of the slot's h boxes), the first after the shared slot's `I / 32` counts; the
   consumers store `bf16(h @ down^T)` at y rows `t*(K+1) + K`.
 
 Ring slots are tagged with `item * 1024 + SHARED_TAG`. The routed pair rows equal the Triton
-kernels' bit for bit; the shared rows sum their products in another order than the Triton
-shared parts (GPU tests: equal up to that). The GPU runs of session 42 had h as
-`bf16(silu(g) * u)` of fp32 g and u (0.52 % largest error against the reference, where the
-Triton parts give 0.13 %); h now follows the Triton parts' bf16 maths, checked on sm_90 by
-the lowering only so far.
-
-Session 42 (H200, perf/README.md): the op with the shared expert 90.4 / 90.7 against 93.9 /
-94.0 µs per LLaDA2.1-mini layer (the Triton gate/up with the shared parts), the NVFP4 round
-2.715 against 2.748 ms in flight. A first form with gate/up items of 64 rows and the down
-items last in ticket order: 95.7 / 95.7 µs (its down kernel's tail). A launch of the shared
-expert's Triton parts of its own between the two Gluon launches (commit 1e9fe0f): 93.4 /
-94.0 against 93.5 / 93.9, removed.
+kernels' bit for bit; the shared rows follow the Triton shared parts' bf16 maths but sum their
+products in another order (GPU tests: equal up to that).
 """
 
 from __future__ import annotations
@@ -55,17 +45,10 @@ from dlmc.custom_ops._nvfp4_gluon_parts import (
     _wait_live_rows,
 )
 from dlmc.custom_ops._nvfp4_gluon_ring import release_slot, wait_slot
-from dlmc.env import env_choice
 
-__all__ = ["SHARED_ITEMS", "SHARED_TAG", "down_item_options", "gate_up_item_options",
-           "gate_up_programs",
+__all__ = ["SHARED_TAG", "down_item_options", "gate_up_item_options", "gate_up_programs",
            "shared_down_copies", "shared_down_item", "shared_gate_up_copies",
            "shared_gate_up_item", "shared_items_apply"]
-
-# DLMC_NVFP4_SHARED_ITEMS (read at import; tests and benches may set the module's value): "1"
-# (the default since session 42) or "0" (the shared expert in the routing and the Triton
-# gate/up launch, as before).
-SHARED_ITEMS = env_choice("DLMC_NVFP4_SHARED_ITEMS", "1", ("1", "0")) == "1"
 
 SHARED_TAG = gl.constexpr(1023)  # the expert field of a shared item's ring tag
 ROWS_128 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
@@ -87,13 +70,13 @@ def gate_up_programs(inter: int) -> int:
 
 
 def shared_items_apply(tokens: int, hidden: int, inter: int) -> bool:
-    """`SHARED_ITEMS`, and tokens, H and I the shared items take: at most 32 tokens (one
-    gate/up item covers them all), H a multiple of 128 and I of 32."""
-    return SHARED_ITEMS and 0 < tokens <= 32 and hidden % 128 == 0 and inter % 32 == 0
+    """Whether the shared items take tokens, H and I: at most 32 tokens (one gate/up item
+    covers them all), H a multiple of 128 and I of 32."""
+    return 0 < tokens <= 32 and hidden % 128 == 0 and inter % 32 == 0
 
 
 def gate_up_item_options(shared_items: tuple, x: torch.Tensor) -> dict:
-    """The Gluon gate/up kernel's options for `launch_moe_gluon`'s `shared_items` (gate, up
+    """The Gluon gate/up kernel's options for `launch_gate_up_gluon`'s `shared_items` (gate, up
     bf16 `[I, H]`, h row0, counter slot) and x bf16 `[T <= 32, H]`: gate, up and x in
     [32, 64] TMA boxes."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor

@@ -1,7 +1,6 @@
 """Resident programs per SM of a compiled Triton or Gluon kernel: the CUDA driver's occupancy
 calculator (`cuOccupancyMaxActiveBlocksPerMultiprocessor`, through ctypes). A persistent kernel
-whose programs wait for each other's work must not launch more programs than can run at once
-(`_nvfp4_moe_gluon`)."""
+sized by what fits at once asks it for its grid (`_nvfp4_gate_up_gluon`)."""
 
 from __future__ import annotations
 

@@ -88,7 +88,7 @@ def align_pairs(ids_ptr, sorted_pair_ptr, expert_of_block_ptr, num_pairs, top_k,
                 EXPERTS_PAD: tl.constexpr, SHARED_BLOCKS: tl.constexpr, FILL: tl.constexpr):
     """`num_pairs = T*K` routed pairs; with `SHARED_BLOCKS > 0` pair ids count `K+1` per token
     and expert `shared_expert` takes every token's column K in the blocks after the routed ones.
-    The body of `moe_align_kernel`, and the second half of `dlmc::moe_route_align`."""
+    The body of `moe_align_kernel` (and of the fused routing kernels that align)."""
     PAIRS_PAD: tl.constexpr = 2**LOG_PAIRS_PAD
     pair = tl.arange(0, PAIRS_PAD)
     is_pair = pair < num_pairs
@@ -109,9 +109,9 @@ def align_pairs(ids_ptr, sorted_pair_ptr, expert_of_block_ptr, num_pairs, top_k,
     s_expert = tl.minimum(key // PAIRS_PAD, EXPERTS_PAD - 1)
     rank = pair - tl.gather(seg_start, s_expert, 0)  # [P] position inside the expert's segment
     slot = tl.gather(block_start, s_expert, 0) * BLOCK_M + rank
-    # Every slot padding and every block unused first (whole lines, no per-expert masks: they
-    # took 1.05 of the kernel's 3.40 µs on the H200, perf/README.md session 39), then, after a
-    # barrier, the pairs, the blocks' experts and the shared expert's rows over them.
+    # Every slot padding and every block unused first (whole lines: per-expert masks cost about
+    # a third of the kernel), then, after a barrier, the pairs, the blocks' experts and the
+    # shared expert's rows over them.
     fill = tl.arange(0, FILL)
     for start in range(0, NUM_BLOCKS * BLOCK_M, FILL):
         tl.store(sorted_pair_ptr + start + fill, pad, mask=start + fill < NUM_BLOCKS * BLOCK_M)

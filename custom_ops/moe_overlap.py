@@ -14,70 +14,34 @@ Both launches then order their programs slot by slot (N-tile fastest, `program`)
 slots are complete first. Without PDL (and under the CPU interpreter, which runs programs one
 after the other) the waits are satisfied on arrival: the same results, bit for bit.
 
-`DLMC_NVFP4_OVERLAP` (read at import): "1" (the default) or "0". With "1" `nvfp4_moe` is
-registered as an opaque op (`OPAQUE_OP`: Inductor cannot launch with PDL, and the counters are
-a buffer of the op's own) that launches its gate/up and down kernels with PDL and the counters
-on sm_90+ (`overlap_active`, `overlap_pdl`), and with the counters alone under the CPU
-interpreter (tests). The other dlmc ops stay traced (`DLMC_PDL` is the switch for all of them).
-
-`DLMC_NVFP4_PDL_EDGES` (read at import): "1" (the default) also launches the op's first and
-last kernels (`moe_align`, `moe_combine`) with PDL where the counted launches use it
-(`edge_pdl`), so their start-up overlaps the kernel before them (NVFP4 + FP8 round 2.901
-against 2.923 ms queued, perf/README.md session 23); "0" launches them plainly.
+`nvfp4_moe(..., pdl=True)` (the default) launches its gate/up and down kernels with PDL and the
+counters on sm_90+ (`overlap_pdl`), and with the counters alone under the CPU interpreter
+(tests: `overlap_active`). On sm_90+ its first and last kernels (`moe_align`, `moe_combine`)
+launch with PDL too, so that their start-up overlaps the kernel before them. The op is
+registered opaque: Inductor cannot launch with PDL, and the counters are a buffer of the op's
+own. With `pdl=False` the launches are plain and uncounted.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from dlmc.custom_ops._pdl import INTERPRETED, device_has_pdl
-from dlmc.errors import ConfigError
 
-__all__ = ["OPAQUE_OP", "counters", "edge_pdl", "overlap_active", "overlap_pdl", "program",
-           "signal", "wait"]
+__all__ = ["counters", "overlap_active", "overlap_pdl", "program", "signal", "wait"]
 
 
-def _mode() -> str:
-    value = os.environ.get("DLMC_NVFP4_OVERLAP", "1")
-    if value not in ("0", "1"):
-        raise ConfigError(f"DLMC_NVFP4_OVERLAP={value!r}: expected 1 (the default) or 0")
-    return value
+def overlap_active(device: torch.device, pdl: bool) -> bool:
+    """Whether `nvfp4_moe(..., pdl=pdl)` on `device` uses the per-slot counters: `pdl` on a
+    device with PDL, or under the interpreter (see the module docstring)."""
+    return pdl and (INTERPRETED or device_has_pdl(device))
 
 
-MODE = _mode()
-OPAQUE_OP = MODE == "1"  # nvfp4_moe registered opaque (at import)
-
-
-def _edges() -> bool:
-    value = os.environ.get("DLMC_NVFP4_PDL_EDGES", "1")
-    if value not in ("0", "1"):
-        raise ConfigError(f"DLMC_NVFP4_PDL_EDGES={value!r}: expected 1 (the default) or 0")
-    return value == "1"
-
-
-EDGES = _edges()
-
-
-def overlap_active(device: torch.device) -> bool:
-    """Whether `nvfp4_moe` on `device` uses the per-slot counters: `DLMC_NVFP4_OVERLAP=1` with
-    the op registered opaque (its body launches the kernels itself) on a device with PDL, or
-    under the interpreter (see the module docstring)."""
-    return MODE == "1" and (INTERPRETED or (OPAQUE_OP and device_has_pdl(device)))
-
-
-def overlap_pdl(device: torch.device) -> bool:
-    """Whether the counted launches on `device` also use PDL (sm_90+, not interpreted)."""
-    return overlap_active(device) and device_has_pdl(device)
-
-
-def edge_pdl(device: torch.device) -> bool:
-    """Whether `nvfp4_moe`'s alignment and combine launches on `device` use PDL:
-    `DLMC_NVFP4_PDL_EDGES=1` where `overlap_pdl` holds."""
-    return EDGES and overlap_pdl(device)
+def overlap_pdl(device: torch.device, pdl: bool) -> bool:
+    """Whether its launches on `device` also use PDL: `pdl` on sm_90+ (not interpreted)."""
+    return pdl and device_has_pdl(device)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}

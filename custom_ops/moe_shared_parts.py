@@ -7,17 +7,11 @@ region after the routed slots), down parts read them there and store `y` at the 
 pair `t * (K+1) + K`. The routing's shared blocks (`moe_align`'s tail) then have nothing to do.
 
 Why: as whole M-block x N-tile programs (one per routing block), each LLaDA2.1-mini shared
-gate/up program read 1 MB of BF16 weights against 288 KB for an FP4 one, and the kernel waited
-for them: gate/up 65.8 against 58.7 µs per layer without the shared expert, whose gate/up bytes
-take about 1 µs at copy bandwidth (H200, `perf/results/s17/call2`, `call1`). As parts the op
-with the shared expert takes 104.7 against 109.6 µs per layer at 32 tokens (same run,
-`perf/results/s17/call3`); at 64 tokens 1.8 µs more than the whole blocks (four token chunks
-read the same columns).
+gate/up program would read 1 MB of BF16 weights against 288 KB for an FP4 one, and the launch
+would wait for them; parts of about an FP4 program's bytes finish with the FP4 programs.
 """
 
 from __future__ import annotations
-
-import os
 
 import triton
 import triton.language as tl
@@ -28,30 +22,11 @@ __all__ = ["shared_block_k", "shared_down_part", "shared_gate_up_part", "shared_
            "shared_split"]
 
 
-# K-tile of the shared expert's BF16 parts (32 columns per program at BLOCK_N 128), gate_up
-# then down; `DLMC_NVFP4_SHARED_BLOCK_K="gate_up,down"` (read at import) overrides. At 128
-# (both) the parts read 16 / 8 KB of weights per step, and ptxas keeps the FP4-only kernels'
-# registers and shared memory (sm_90, LLaDA2.1-mini shapes, v7: gate/up 149 registers / 44 KB,
-# down 124 / 26 KB, `perf/sass_nvfp4_moe.py --shared`). As whole tail blocks (BLOCK_N wide) it
-# had been 64 / 32, the widest that kept those.
-def _shared_block_k_from_env() -> dict[str, int]:
-    spec = os.environ.get("DLMC_NVFP4_SHARED_BLOCK_K", "128,128")
-    try:
-        values = [int(v) for v in spec.split(",")]
-        if len(values) != 2 or any(v < 16 or v & (v - 1) for v in values):
-            raise ValueError
-    except ValueError:
-        raise ValueError(f"DLMC_NVFP4_SHARED_BLOCK_K={spec!r}: expected 'gate_up,down', two "
-                         "powers of two >= 16") from None
-    return dict(zip(("gate_up", "down"), values, strict=True))
-
-
-_SHARED_BLOCK_K = _shared_block_k_from_env()
-
-
-def shared_block_k(k: int, kernel: str) -> int:
-    """K-tile of the BF16 shared-expert programs (`bf16_moe.bf16_tile_dot`) of `kernel`."""
-    return min(_SHARED_BLOCK_K[kernel], max(16, triton.next_power_of_2(k)))
+def shared_block_k(k: int) -> int:
+    """K-tile of the BF16 shared-expert parts (`bf16_moe.bf16_tile_dot`) over a reduction of
+    length `k`: 128 (16 / 8 KB of weights per step at 32 columns: the FP4-only kernels keep
+    their registers and shared memory on sm_90), shorter for small `k`."""
+    return min(128, max(16, triton.next_power_of_2(k)))
 
 
 def shared_split(block_n: int) -> int:

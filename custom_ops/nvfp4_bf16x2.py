@@ -16,12 +16,9 @@ in the epilogue. Per 4 packed bytes (8 weights):
 exact, then RNE to bf16): it is the spec the inline asm must meet (tests/custom_ops). The asm needs
 bf16 subnormal inputs kept (PTX `mul.bf16x2` has no `.ftz` form; SASS `HMUL2.BF16_V2` without
 `.FTZ`): the GPU tests decode every code with code 1 (0.5) among them.
-Kernel v4 takes the block scales pre-decoded at load (`nvfp4_scales.predecode_block_scales`,
-the bf16 half of `e4m3_bf16x2_pair`'s word) and hands them to the same asm as 16-bit values
-(`decode_e2m1_bf16x2_predecoded`): the main loop then has no scale instruction but the load.
-The tile loop and loaders live in `nvfp4_tiles` (`nvfp4_tile_dot_v2(..., VARIANT=3 or 4)`).
-`tl.inline_asm_elementwise` cannot run under `TRITON_INTERPRET=1`; interpreted kernels take the
-v2 decode there instead.
+The tile loop and loaders live in `nvfp4_tiles` (`nvfp4_tile_dot(..., VARIANT=3)`).
+`tl.inline_asm_elementwise` cannot run under `TRITON_INTERPRET=1`; interpreted kernels decode
+with plain Triton ops there instead (`nvfp4_tiles._load_w_split`).
 """
 
 from __future__ import annotations
@@ -49,8 +46,7 @@ def _pair_asm(out: str, t: str, mask: int, mul: int) -> str:
 # One line (no newlines): Inductor copies this constant into its generated Python source, where
 # a newline inside the string literal is a syntax error.
 # pack=4: $0/$1 low-nibble bf16 pairs (bytes 0,1 / 2,3), $2/$3 high-nibble pairs, $4 the four
-# packed bytes, $5..$8 the bf16x2 scale pair (the same value four times; only $5 is read; v4:
-# $5, $6 hold the four 16-bit pre-decoded scales, two per register).
+# packed bytes, $5..$8 the bf16x2 scale pair (the same value four times; only $5 is read).
 DECODE_ASM = tl.constexpr("{ .reg .b32 t01, t23, m;"
               f"prmt.b32 t01, 0, $4, {PRMT_LOW:#06x};"
               f"prmt.b32 t23, 0, $4, {PRMT_HIGH:#06x};"
@@ -75,19 +71,6 @@ def decode_e2m1_bf16x2(packed, scale_pair):
     (low-nibble, high-nibble) bf16 weights `e2m1 * scale * 2^-7`, two per instruction."""
     return tl.inline_asm_elementwise(
         DECODE_ASM, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale_pair],
-        dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-
-
-@triton.jit
-def decode_e2m1_bf16x2_predecoded(packed, scale_bits):
-    """`decode_e2m1_bf16x2` with pre-decoded scales (kernel v4): int16 bit patterns of
-    `bf16(scale * 2^119)` (`nvfp4_scales.predecode_block_scales`), same shape as `packed`.
-
-    The same asm: with pack=4, Triton passes the four 16-bit scales two per register ($5, $6),
-    so $5 already holds the bf16x2 pair (two copies of one block's scale, as in v3) and ptxas
-    reads it with the `.H0_H0` operand swizzle of HMUL2: no per-scale instruction is left."""
-    return tl.inline_asm_elementwise(
-        DECODE_ASM, "=r,=r,=r,=r,r,r,r", [packed, scale_bits],
         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
 

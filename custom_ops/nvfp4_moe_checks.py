@@ -9,7 +9,6 @@ from dlmc.custom_ops.nvfp4_words import CHUNK_K, ROWS, can_pack
 
 __all__ = ["check_arguments", "check_shared_expert"]
 
-_SCALE_FORMS = (torch.bfloat16, torch.uint8, torch.int16, torch.int8)  # besides float8_e4m3fn
 
 
 def check_arguments(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -42,17 +41,16 @@ def check_arguments(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
         raise ValueError(f"nvfp4_moe: H={H} and I={I} must be multiples of 16")
     for name, tensor in weights.items():
         shape, dtype = expected[name]
-        # Other stored forms: block scales pre-decoded (bf16) or tiled (uint8 / int16 bit
-        # patterns, `nvfp4_words.tile_scales`), weights as tiled words (int32, a quarter wide).
-        if dtype == torch.float8_e4m3fn and tensor.dtype in _SCALE_FORMS:
-            dtype = tensor.dtype
+        # Kernel v7's stored forms (`nvfp4_words.stored_forms`): weights as tiled words
+        # (int32, a quarter wide), block scales as tiled int8 codes.
+        if dtype == torch.float8_e4m3fn and tensor.dtype == torch.int8:
+            dtype = torch.int8
         if dtype == torch.uint8 and tensor.dtype == torch.int32:
             shape, dtype = (*shape[:-1], shape[-1] // 4), torch.int32
         if tuple(tensor.shape) != shape or tensor.dtype != dtype:
             raise ValueError(f"nvfp4_moe: {name} must be {dtype} {shape}, got "
                              f"{tensor.dtype} {tuple(tensor.shape)}")
-        if tensor.dtype in (torch.int32, torch.uint8, torch.int16, torch.int8) and name.endswith(
-                ("_weight", "_weight_scale")) and tensor.dtype != expected[name][1]:
+        if tensor.dtype in (torch.int32, torch.int8):
             n, k = tensor.shape[1], (H if name.startswith(("gate", "up")) else I)
             if not can_pack(n, k):
                 raise ValueError(f"nvfp4_moe: {name} is in the tiled layout of nvfp4_words, "

@@ -1,16 +1,14 @@
-"""Kernel v5-v7 NVFP4 layout, made once at load: each R rows x 128 K of a weight matrix one
-contiguous chunk (R = ROWS, `DLMC_NVFP4_TILE_ROWS`, 128 by default: 8 KB), and the bits of 8 E2M1
-codes arranged per 32-bit word so that the bf16x2 decode takes 8 integer instructions per 8
-weights (v3: 14).
+"""Kernel v7's NVFP4 weight layout, made once at load: each 128 rows x 128 K of a weight matrix
+one contiguous 8 KB chunk, and the bits of 8 E2M1 codes arranged per 32-bit word so that the
+bf16x2 decode takes 8 integer instructions per 8 weights (v3: 14).
 
 Chunks. ModelOpt's row-major bytes give a program 64 bytes per row per 128-K tile, rows 1 KB
-apart (gate/up): scattered 64-byte reads. Tiled, one program's tile is BLOCK_N / R runs of
-R x 64 bytes (one run at BLOCK_N = R = 128); block scales likewise (R x 8 scales per run, twice
-that pre-decoded). The arrangement of a `[..., N, C]` tensor keeps its shape: rows grouped by R,
-each group's columns cut into runs of C_RUN (64 weight bytes, 16 words, 8 scales), run r of
-group g at `[R g : R g + R]` flattened position `(g * C / C_RUN + r) * R * C_RUN`. It needs
-N % R == 0 and K % 128 == 0 (`can_pack`); other shapes keep ModelOpt's layout (and kernels
-v3/v4).
+apart (gate/up): scattered 64-byte reads. Tiled, one program's tile (BLOCK_N = ROWS = 128) is one
+run of 128 x 64 bytes; block scales likewise (128 x 8 codes per run). The arrangement of a
+`[..., N, C]` tensor keeps its shape: rows grouped by ROWS, each group's columns cut into runs of
+C_RUN (64 weight bytes, 16 words, 8 scales), run r of group g at `[R g : R g + R]` flattened
+position `(g * C / C_RUN + r) * R * C_RUN`. It needs N % 128 == 0 and K % 128 == 0 (`can_pack`);
+other shapes keep ModelOpt's layout and run kernel v3.
 
 Words. v3 decodes ModelOpt's packing (low nibble = even element) with 2 `prmt` and 3 integer
 ops per bf16x2 pair. Here each pair's bits sit where one or two ops put them at bf16 bits 15
@@ -28,15 +26,12 @@ b0..b3 holds codes c0..c7 in K order (c2i = low nibble of b_i); pair 0 = (c0, c2
 2 = (c1, c3), 3 = (c5, c7), first element in the low half. Same products as v3, bit for bit.
 
 Stored forms (the dtype tells them from ModelOpt's): weights int32 words `[..., N, K/8]`
-(`pack_weight_words`), block scales uint8 E4M3 bit patterns or int16 pre-decoded bf16 bit
-patterns `[..., N, K/16]` (`tile_scales`), both tiled. `weight_operand` / `scale_operand` give
-any kernel the form it reads, exactly. `decode_words_emulated` is the asm's spec on the CPU
-(tests/custom_ops/test_nvfp4_words.py).
+(`pack_weight_words`) with `nvfp4_scale_codes`' int8 codes `[..., N, K/16]`, both tiled
+(`stored_forms`). `weight_operand` / `scale_operand` give any kernel the form it reads, exactly.
+`decode_words_emulated` is the asm's spec on the CPU (tests/custom_ops/test_nvfp4_words.py).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -44,28 +39,15 @@ import triton.language as tl
 
 from dlmc.custom_ops.nvfp4_bf16x2 import BF16_MASK, _bf16x2_mul
 from dlmc.custom_ops.nvfp4_scale_codes import decode_block_scales, encode_block_scales
-from dlmc.custom_ops.nvfp4_scales import e4m3_of_predecoded, predecode_block_scales
-from dlmc.errors import ConfigError
 
 __all__ = ["can_pack", "e4m3_scales", "pack_weight_words", "projection_operands", "scale_operand",
            "stored_forms", "tile_scales", "unpack_weight_words", "untile_scales",
            "weight_operand"]
 
-
-
-def _rows_from_env() -> int:
-    """DLMC_NVFP4_TILE_ROWS (read at import): rows per contiguous run, 128 (the default: one run
-    per program's K-tile at BLOCK_N 128; v7 0.1101 vs 0.1121 ms/layer at 16 on the H200,
-    perf/results/s15/call1) or 16 / 32 / 64. Every shape the layout takes has N and K both
-    multiples of 128 (gate/up's N is down's K and the other way round), so 128 excludes none."""
-    value = os.environ.get("DLMC_NVFP4_TILE_ROWS", "128")
-    if value not in ("16", "32", "64", "128"):
-        raise ConfigError(f"DLMC_NVFP4_TILE_ROWS={value!r}: expected 16, 32, 64 or 128")
-    return int(value)
-
-
-# One chunk: ROWS rows x 128 K (64 weight bytes, 8 scales per row), contiguous.
-ROWS, CHUNK_K = _rows_from_env(), 128
+# One chunk: ROWS rows x 128 K (64 weight bytes, 8 scales per row), contiguous. Every shape the
+# layout takes has N and K both multiples of 128 (gate/up's N is down's K and the other way
+# round), so 128-row runs exclude none; a program's K-tile at BLOCK_N 128 is one run.
+ROWS, CHUNK_K = 128, 128
 
 ROT_1, ROT_2 = 3, 6  # pairs 1 and 2: right-rotations of the word
 MUL_MASK, MUL = 0x001B001B, 0x1084  # pair 3: L = bits 0,1,3,4,16,17,19,20; shifts 2, 7, 12
@@ -168,30 +150,27 @@ def unpack_weight_words(words: torch.Tensor) -> torch.Tensor:
 
 
 def tile_scales(scale: torch.Tensor) -> torch.Tensor:
-    """Block scales `[..., N, K/16]`, float8_e4m3fn or pre-decoded bf16 -> tiled bit patterns:
-    uint8 (E4M3) or int16 (bf16), the forms stored next to `pack_weight_words`' words."""
-    if scale.dtype not in (torch.float8_e4m3fn, torch.bfloat16):
-        raise ValueError(f"tile_scales: expected float8_e4m3fn or bf16 block scales, got "
-                         f"{scale.dtype}")
+    """float8_e4m3fn block scales `[..., N, K/16]` -> their uint8 bit patterns, tiled (what
+    the interpreted kernel v7 reads next to `weight_operand(..., "tiled")`)."""
+    if scale.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"tile_scales: expected float8_e4m3fn block scales, got {scale.dtype}")
     _check_packable("tile_scales", scale, 16)
-    bits = scale.view(torch.uint8 if scale.dtype == torch.float8_e4m3fn else torch.int16)
-    return _tile(bits, CHUNK_K // 16)
+    return _tile(scale.view(torch.uint8), CHUNK_K // 16)
 
 
 def untile_scales(tiled: torch.Tensor) -> torch.Tensor:
-    """Inverse of `tile_scales`: uint8 -> float8_e4m3fn, int16 -> bf16 `[..., N, K/16]`."""
-    if tiled.dtype not in (torch.uint8, torch.int16):
-        raise ValueError(f"untile_scales: expected uint8 or int16 tiled scales, got {tiled.dtype}")
+    """Inverse of `tile_scales`: uint8 -> float8_e4m3fn `[..., N, K/16]`."""
+    if tiled.dtype != torch.uint8:
+        raise ValueError(f"untile_scales: expected uint8 tiled scales, got {tiled.dtype}")
     _check_packable("untile_scales", tiled, 16)
-    plain = _untile(tiled, CHUNK_K // 16)
-    return plain.view(torch.float8_e4m3fn if tiled.dtype == torch.uint8 else torch.bfloat16)
+    return _untile(tiled, CHUNK_K // 16).view(torch.float8_e4m3fn)
 
 
 def weight_operand(weight: torch.Tensor, form: str) -> torch.Tensor:
     """A weight matrix in any stored form (uint8 ModelOpt bytes, int32 tiled words) as the op
-    operand `form` names, exactly: "plain" (ModelOpt bytes: kernels v1-v4 and the reference),
-    "words" (the tiled words viewed as uint8: v5-v7 compiled) or "tiled" (ModelOpt's bits in the
-    tiled arrangement: v5-v7 under the interpreter, which decodes bytes)."""
+    operand `form` names, exactly: "plain" (ModelOpt bytes: kernel v3 and the reference),
+    "words" (the tiled words viewed as uint8: v7 compiled) or "tiled" (ModelOpt's bits in the
+    tiled arrangement: v7 under the interpreter, which decodes bytes)."""
     if form == "words":  # the stored words themselves: a free view (no per-call work)
         words = weight if weight.dtype == torch.int32 else pack_weight_words(weight)
         return words.view(torch.uint8)
@@ -201,71 +180,54 @@ def weight_operand(weight: torch.Tensor, form: str) -> torch.Tensor:
     return plain if form == "plain" else _tile(plain, CHUNK_K // 2)
 
 
-def scale_operand(scale: torch.Tensor, predecoded: bool, tiled: bool) -> torch.Tensor:
-    """Block scales in any stored form (float8_e4m3fn, bf16 pre-decoded, or `tile_scales`' uint8
-    / int16) as the op operand: bit patterns, uint8 E4M3 or (`predecoded`) int16 bf16, in the
-    tiled arrangement when `tiled`. Exact both ways; the stored form the operand asks for is
-    returned as is (a view: no per-call work). v7's int8 codes (`nvfp4_scale_codes`) decode to
-    the positive scales their folded weights go with: pass those weights along (the module
-    stores both; `projection_operands` converts a pair)."""
-    bits = torch.int16 if predecoded else torch.uint8
-    if tiled and scale.dtype == bits:
-        return scale
-    if not tiled and scale.dtype == (torch.bfloat16 if predecoded else torch.float8_e4m3fn):
-        return scale.view(bits)
+def scale_operand(scale: torch.Tensor, tiled: bool) -> torch.Tensor:
+    """Block scales in any stored form (float8_e4m3fn, or v7's tiled int8 codes) as the op
+    operand: uint8 E4M3 bit patterns, in the tiled arrangement when `tiled`. Exact; float8
+    scales asked for untiled are a view (no per-call work). v7's codes decode to the positive
+    scales their folded weights go with: pass those weights along (the module stores both;
+    `projection_operands` converts a pair)."""
     if scale.dtype == torch.int8:
         _check_packable("scale_operand", scale, 16)
         scale = decode_block_scales(_untile(scale, CHUNK_K // 16))
-    if scale.dtype in (torch.uint8, torch.int16):
-        scale = untile_scales(scale)
-    if predecoded and scale.dtype != torch.bfloat16:
-        scale = predecode_block_scales(scale)
-    elif not predecoded and scale.dtype == torch.bfloat16:
-        scale = e4m3_of_predecoded(scale)
-    if tiled:
-        return tile_scales(scale)
-    return scale.view(torch.int16 if predecoded else torch.uint8)
+    elif scale.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"scale_operand: expected float8_e4m3fn scales or int8 codes, got "
+                         f"{scale.dtype}")
+    return tile_scales(scale) if tiled else scale.view(torch.uint8)
 
 
 def e4m3_scales(scale: torch.Tensor) -> torch.Tensor:
     """Block scales in any stored form as plain float8_e4m3fn `[..., N, K/16]` (exact): what
     the reference and the exact dequantization read."""
-    return scale_operand(scale, predecoded=False, tiled=False).view(torch.float8_e4m3fn)
+    return scale_operand(scale, tiled=False).view(torch.float8_e4m3fn)
 
 
 def stored_forms(weight: torch.Tensor, scale: torch.Tensor, variant: int
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """One projection's weights and block scales, in any stored form, as the module stores them
-    for kernel `variant` (a shape the tiled layout takes, for v5-v7): v1-v3 ModelOpt's (uint8,
-    float8_e4m3fn), v4 bf16 scales, v5 tiled words and uint8 scales, v6 tiled words and int16
-    (bf16) scales, v7 tiled words with `nvfp4_scale_codes`' int8 codes (negative and zero
-    scales folded into the words). Exact: every form dequantizes to the same weights."""
-    if variant == 7:
-        if weight.dtype == torch.int32 and scale.dtype == torch.int8:
-            return weight, scale
-        folded, codes = encode_block_scales(
-            weight_operand(weight, "plain"), e4m3_scales(scale))
-        return pack_weight_words(folded), _tile(codes, CHUNK_K // 16)
-    predecoded, tiled = variant in (4, 6), variant in (5, 6)
-    scale = scale_operand(scale, predecoded, tiled)
-    if not tiled:
-        scale = scale.view(torch.bfloat16 if predecoded else torch.float8_e4m3fn)
-    return weight_operand(weight, "words").view(torch.int32) if tiled else weight_operand(
-        weight, "plain"), scale
+    for kernel `variant`: 3, ModelOpt's (uint8, float8_e4m3fn); 7 (a shape the tiled layout
+    takes), tiled words with `nvfp4_scale_codes`' int8 codes (negative and zero scales folded
+    into the words). Exact: every form dequantizes to the same weights."""
+    if variant == 3:
+        return weight_operand(weight, "plain"), e4m3_scales(scale)
+    if variant != 7:
+        raise ValueError(f"stored_forms: variant must be 3 or 7, got {variant}")
+    if weight.dtype == torch.int32 and scale.dtype == torch.int8:
+        return weight, scale
+    folded, codes = encode_block_scales(weight_operand(weight, "plain"), e4m3_scales(scale))
+    return pack_weight_words(folded), _tile(codes, CHUNK_K // 16)
 
 
 def projection_operands(weight: torch.Tensor, scale: torch.Tensor, variant: int,
                         interpreted: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op's operands for one projection (uint8 weight bytes, uint8 / int16 scale bit
-    patterns) in the form kernel `variant` reads: under the interpreter (`interpreted`) the
-    tiled variants read ModelOpt's bits tiled and E4M3 scales (v2's decode). Views of the
-    stored forms `stored_forms` makes, else converted exactly."""
+    """The op's operands for one projection (uint8 weight bytes, uint8 scale bytes) in the form
+    kernel `variant` reads: under the interpreter (`interpreted`) v7 reads ModelOpt's bits
+    tiled and E4M3 scales (the plain Triton decode). Views of the stored forms `stored_forms`
+    makes, else converted exactly."""
     if variant == 7 and not interpreted:
         words, codes = stored_forms(weight, scale, 7)
         return words.view(torch.uint8), codes.view(torch.uint8)
-    predecoded, tiled = variant in (4, 6), variant >= 5
-    form = "plain" if not tiled else "tiled" if interpreted else "words"
-    return weight_operand(weight, form), scale_operand(scale, predecoded, tiled)
+    tiled = variant == 7
+    return weight_operand(weight, "tiled" if tiled else "plain"), scale_operand(scale, tiled)
 
 
 def _pair_ops(out: str, j: int) -> str:
@@ -280,8 +242,7 @@ def _pair_ops(out: str, j: int) -> str:
 
 
 # One line (Inductor copies it into Python source). pack=4 operands as in `DECODE_ASM`: $0..$3
-# the pairs, $4 the word, $5 the scale pair (v5: E4M3-derived; v6: pre-decoded, two 16-bit
-# scales per register, ptxas reads the low half in place).
+# the pairs, $4 the word, $5 the scale pair.
 DECODE_WORDS_ASM = tl.constexpr(
     "{ .reg .b32 m;" + "".join(_pair_ops(f"${j}", j) for j in range(4))
     + "".join(f"mul.rn.bf16x2 ${j}, ${j}, $5;" for j in range(4)) + " }")
@@ -289,19 +250,11 @@ DECODE_WORDS_ASM = tl.constexpr(
 
 @triton.jit
 def decode_e2m1_words(packed, scale_pair):
-    """v5 word bytes (uint8, groups of 4 along the last dim) and their blocks' scale pairs (int32,
+    """v7 word bytes (uint8, groups of 4 along the last dim) and their blocks' scale pairs (int32,
     same shape) -> (low-nibble, high-nibble) bf16 `e2m1 * scale * 2^-7` as `decode_e2m1_bf16x2`
     gives them for ModelOpt bytes."""
     return tl.inline_asm_elementwise(
         DECODE_WORDS_ASM, "=r,=r,=r,=r,r,r,r,r,r", [packed, scale_pair],
-        dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
-
-
-@triton.jit
-def decode_e2m1_words_predecoded(packed, scale_bits):
-    """`decode_e2m1_words` with v4's pre-decoded 16-bit scales (kernel v6)."""
-    return tl.inline_asm_elementwise(
-        DECODE_WORDS_ASM, "=r,=r,=r,=r,r,r,r", [packed, scale_bits],
         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
 

@@ -32,8 +32,6 @@ from dlmc.custom_ops._paged_attention_merge import (
 )
 from dlmc.custom_ops.kv_append import kv_append_kernel
 from dlmc.custom_ops.moe_align import aligned_blocks, moe_align_kernel
-from dlmc.custom_ops.moe_shared_parts import shared_block_k, shared_split
-from dlmc.custom_ops.nvfp4_moe import _down_kernel, _gate_up_kernel
 
 SM90 = GPUTarget("cuda", 90, 32)
 ROOT = Path(__file__).resolve().parents[2]  # the repository root (`python -m tests....`)
@@ -43,16 +41,15 @@ def compile_sm90(kernel: triton.JITFunction, types: dict[str, str], constexprs: 
                  num_warps: int, divisible: tuple[str, ...] = (),
                  **options: object) -> triton.compiler.CompiledKernel:
     """`divisible`: arguments the launcher would mark 16-divisible (as it does at run time).
-    Kernels that take `PDL` compile as `DLMC_PDL=1` launches them unless `constexprs` says
-    otherwise: their PTX must then wait for the previous grid (griddepcontrol); `nvfp4_moe`'s
-    down kernel with `OVERLAP` waits per slot instead. `nvfp4_moe`'s `moe_overlap` parameters
-    and its Gluon-down switches (`H_EVEN_ODD`, `PARTS_ONLY`, `SHARED_DOWN`) default to off."""
+    Kernels that take `PDL` compile as launched with PDL unless `constexprs` says otherwise:
+    their PTX must then wait for the previous grid (griddepcontrol); `nvfp4_moe`'s down kernel
+    with `OVERLAP` waits per slot instead. `nvfp4_moe`'s `moe_overlap` parameters and its
+    Gluon-down forms (`H_EVEN_ODD`, `PARTS_ONLY`) default to off."""
     names = kernel.arg_names
     if "PDL" in names and "PDL" not in constexprs:
         constexprs = constexprs | {"PDL": True}
     overlap = {"OVERLAP": False, "GATE_UP_TILES": 1, "GATE_UP_SPLIT": 1, "H_EVEN_ODD": False,
-               "PARTS_ONLY": False, "SHARED_DOWN": False, "DOWN_TILES": 1, "DOWN_SPLIT": 1,
-               "DOWN_BLOCK_N": 16, "DOWN_BLOCK_K": 16}
+               "PARTS_ONLY": False}
     constexprs = {k: v for k, v in overlap.items() if k in names} | constexprs
     signature = {name: "constexpr" if name in constexprs else types[name] for name in names}
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in divisible}
@@ -199,125 +196,6 @@ def resource_usage(compiled: triton.compiler.CompiledKernel) -> dict[str, int]:
     return {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text)}
 
 
-def check_nvfp4_moe_v3() -> None:
-    """The v3-v7 kernels' inline asm (bf16x2 decode; v5-v7 the words' decode and tiled loads)
-    assembles for sm_90; v2 compiles too. v4/v6 read the
-    pre-decoded scales as int16: fewer fp32 -> bf16x2 conversions than v3/v5 (only the
-    epilogue's are left; v3 converts each E4M3 scale too). Each also with the shared expert's
-    BF16 branch (`SHARED`)."""
-    shared = {"sorted_pair_ptr": "*i32", "expert_of_block_ptr": "*i32"}
-    gate_up = shared | {"a_ptr": "*bf16", "gate_w": "*u8", "gate_s": "*u8", "up_w": "*u8",
-                        "up_s": "*u8", "gate_alpha_ptr": "*fp32", "up_alpha_ptr": "*fp32",
-                        "shared_gate_w": "*bf16", "shared_up_w": "*bf16", "h_ptr": "*bf16"}
-    down = shared | {"h_ptr": "*bf16", "down_w": "*u8", "down_s": "*u8",
-                     "down_alpha_ptr": "*fp32", "shared_down_w": "*bf16", "y_ptr": "*bf16"}
-    for kernel, pointers in ((_gate_up_kernel, gate_up), (_down_kernel, down)):
-        for block_n, has_shared in ((64, False), (128, False), (64, True)):
-            conversions = {}
-            for variant in (2, 3, 4, 5, 6, 7):
-                types = {name: pointers.get(name, "i32") for name in kernel.arg_names}
-                if variant in (4, 6):
-                    types |= {name: "*i16" for name in ("gate_s", "up_s", "down_s")
-                              if name in types}
-                ptx = compile_sm90(kernel, types, {
-                    "H": 256, "I": 128, "BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": 128,
-                    "INTERPRETED": False, "VARIANT": variant, "SHARED": has_shared,
-                    "SHARED_BLOCK_K": 64, "SHARED_SPLIT": 4}, 4).asm["ptx"]
-                assert ("mul.rn.bf16x2" in ptx) == (variant >= 3)
-                assert ("shf.r.wrap.b32" in ptx) == (variant >= 5)  # the words' decode
-                conversions[variant] = ptx.count("cvt.rn.bf16x2.f32")
-            assert conversions[4] < conversions[3], conversions
-            assert conversions[6] < conversions[5], conversions
-            assert conversions[7] == conversions[6], conversions  # v7: no scale conversion
-    # `H_EVEN_ODD` (h for `_nvfp4_down_gluon`): the 128-column tile reordered in registers, so
-    # its h stores stay 128-bit vectors as without it
-    types = {name: gate_up.get(name, "i32") for name in _gate_up_kernel.arg_names}
-    stores = {}
-    for even_odd in (False, True):
-        ptx = compile_sm90(_gate_up_kernel, types, {
-            "H": 256, "I": 128, "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128,
-            "INTERPRETED": False, "VARIANT": 7, "SHARED": False, "SHARED_BLOCK_K": 64,
-            "SHARED_SPLIT": 4, "H_EVEN_ODD": even_odd}, 4,
-            divisible=(*gate_up, "stride_a", "stride_h")).asm["ptx"]
-        stores[even_odd] = (ptx.count("st.global.v4.b32"), ptx.count("st.global.b16"))
-    assert stores[True] == stores[False] and stores[True][1] == 0, stores
-    for variant in (3, 4, 5, 7):
-        check_shared_branch_resources(variant, gate_up, down)
-    check_nvfp4_moe_overlap(gate_up, down)
-    check_shared_down_in_gate_up(gate_up)
-
-
-def check_nvfp4_moe_overlap(gate_up: dict[str, str], down: dict[str, str]) -> None:
-    """`moe_overlap`'s counted launches (v7, the shared expert's parts, PDL): gate/up releases
-    its slot's count, down acquires it and, with PDL, no longer waits for the whole grid."""
-    for kernel, pointers in ((_gate_up_kernel, gate_up), (_down_kernel, down)):
-        types = {n: pointers.get(n, "i32") for n in kernel.arg_names} | {"count_ptr": "*i32"}
-        consts = {"H": 2048, "I": 512, "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128,
-                  "INTERPRETED": False, "VARIANT": 7, "SHARED": True, "SHARED_BLOCK_K": 128,
-                  "SHARED_SPLIT": 4, "OVERLAP": True}
-        if kernel is _down_kernel:
-            consts |= {"GATE_UP_TILES": 4, "GATE_UP_SPLIT": 4}
-        ptx = compile_sm90(kernel, types, consts, 4).asm["ptx"]
-        release, acquire = ".gpu.release." in ptx, ".gpu.acquire." in ptx
-        assert (release, acquire) == ((True, False) if kernel is _gate_up_kernel
-                                      else (False, True)), (release, acquire)
-
-
-def check_shared_down_in_gate_up(gate_up: dict[str, str]) -> None:
-    """`SHARED_DOWN` (`DLMC_NVFP4_SHARED_DOWN=gate_up`): gate/up's launch with the shared
-    expert's down parts at its end counts its rows done (release) and waits for the shared
-    rows (acquire), without spills and with as many programs per SM (4 warps) as without."""
-    names = _gate_up_kernel.arg_names
-    types = {n: gate_up.get(n, "i32") for n in names} | {
-        "count_ptr": "*i32", "y_ptr": "*bf16", "shared_down_w": "*bf16"}
-    divisible = tuple(n for n in names if n in types and types[n].startswith("*")
-                      or "stride" in n)
-    consts = {"H": 2048, "I": 512, "BLOCK_M": 16, "BLOCK_N": 128, "BLOCK_K": 128,
-              "INTERPRETED": False, "VARIANT": 7, "SHARED": True, "SHARED_BLOCK_K": 128,
-              "SHARED_SPLIT": 4, "OVERLAP": True, "H_EVEN_ODD": True}
-    fold = {"SHARED_DOWN": True, "DOWN_TILES": 16, "DOWN_SPLIT": 4, "DOWN_BLOCK_N": 128,
-            "DOWN_BLOCK_K": 128}
-    per_sm = {}
-    for with_down in (False, True):
-        compiled = compile_sm90(_gate_up_kernel, types, consts | (fold if with_down else {}), 4,
-                                divisible, num_stages=3)
-        usage = resource_usage(compiled)
-        assert usage["LOCAL"] == usage["STACK"] == 0, usage
-        ptx = compiled.asm["ptx"]
-        assert ".gpu.release." in ptx and (".gpu.acquire." in ptx) == with_down
-        per_sm[with_down] = 65536 // (128 * -(-usage["REG"] // 8) * 8)
-        print(f"nvfp4_moe v7 gate/up, shared down parts {with_down}: {usage}")
-    assert per_sm[True] == per_sm[False] >= 3, per_sm
-
-
-def check_shared_branch_resources(variant: int, gate_up: dict[str, str],
-                                  down: dict[str, str]) -> None:
-    """The shared expert's BF16 branch must not make the FP4 path spill, use more shared memory
-    or many more registers (LLaDA2.1-mini shapes, the op's launch config; printed for the
-    record)."""
-    for kernel, pointers, name, block_n in ((_gate_up_kernel, gate_up, "gate_up", 64),
-                                            (_down_kernel, down, "down", 128)):
-        names = kernel.arg_names
-        types = {n: pointers.get(n, "i32") for n in names}
-        if variant == 4:
-            types |= {n: "*i16" for n in ("gate_s", "up_s", "down_s") if n in types}
-        divisible = tuple(n for n in names if n in pointers or "stride" in n)
-        usage = {}
-        for has_shared in (False, True):
-            compiled = compile_sm90(kernel, types, {
-                "H": 2048, "I": 512, "BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": 128,
-                "INTERPRETED": False, "VARIANT": variant, "SHARED": has_shared,
-                "SHARED_BLOCK_K": shared_block_k(2048 if name == "gate_up" else 512, name),
-                "SHARED_SPLIT": shared_split(block_n)}, 4, divisible,
-                num_stages=3)
-            usage[has_shared] = resource_usage(compiled) | {"smem": compiled.metadata.shared}
-        print(f"nvfp4_moe v{variant} {name}: FP4 only {usage[False]}, with the shared branch "
-              f"{usage[True]}")
-        assert usage[True]["LOCAL"] == usage[True]["STACK"] == 0, usage  # no spills
-        assert usage[True]["smem"] <= usage[False]["smem"], usage
-        assert usage[True]["REG"] <= usage[False]["REG"] + 8, usage
-
-
 def check_moe_align(tokens: int, top_k: int, num_experts: int, block_m: int, num_warps: int,
                     shared_expert: bool = False) -> None:
     types = {"ids_ptr": "*i64", "sorted_pair_ptr": "*i32", "expert_of_block_ptr": "*i32",
@@ -355,7 +233,9 @@ if __name__ == "__main__":
     check_appending_split(128, "*bf16", interleaved=False)  # the CUDA BF16 default (base)
     check_appending_split(512, "*fp8e4nv", interleaved=False, causal_block=32)  # prefill chunk
     check_kv_append()
-    check_nvfp4_moe_v3()
+    from tests.custom_ops.nvfp4_compile_checks import check_nvfp4_moe
+
+    check_nvfp4_moe()  # every kernel form dlmc::nvfp4_moe launches
     check_moe_align(32, 8, 256, 16, 4)  # a diffusion block
     check_moe_align(32, 8, 256, 16, 4, shared_expert=True)  # ... with the shared expert fused
     check_moe_align(512, 8, 16, 64, 16)  # a prefill chunk

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe
-from tests.custom_ops.test_nvfp4_moe import (
+from tests.custom_ops.nvfp4_cases import (
     DEVICE,
     op_args,
     random_experts,

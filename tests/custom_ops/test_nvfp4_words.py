@@ -1,4 +1,4 @@
-"""`nvfp4_words`: kernel v5's weight layout. Exact both ways, every code at every position, and
+"""`nvfp4_words`: kernel v7's weight layout. Exact both ways, every code at every position, and
 its decode (the asm's CPU spec) equal bit for bit to v3's decode of the ModelOpt bytes."""
 
 from __future__ import annotations
@@ -6,37 +6,31 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dlmc.custom_ops import nvfp4_words
 from dlmc.custom_ops.nvfp4_bf16x2 import (
     BF16_MASK,
     decode_pairs_emulated,
     scale_pairs_emulated,
 )
-from dlmc.custom_ops.nvfp4_scales import predecode_block_scales
 from dlmc.custom_ops.nvfp4_words import (
     DECODE_WORDS_ASM,
     MUL,
     MUL_MASK,
+    ROWS,
     STORAGE_MAP,
     can_pack,
     decode_words_emulated,
+    e4m3_scales,
     pack_bits,
     pack_weight_words,
+    projection_operands,
     scale_operand,
+    stored_forms,
     tile_scales,
     unpack_bits,
     unpack_weight_words,
     untile_scales,
     weight_operand,
 )
-
-
-@pytest.fixture(params=[16, 128])
-def rows(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
-    """The layout functions at 16-row runs and at the default 128 (the kernels read the
-    setting at import; these functions read it per call)."""
-    monkeypatch.setattr(nvfp4_words, "ROWS", request.param)
-    return request.param
 
 
 def every_code_everywhere() -> torch.Tensor:
@@ -75,9 +69,10 @@ def test_bit_pack_round_trip_is_exact() -> None:
     assert torch.equal(unpack_bits(pack_bits(everything)), everything)
 
 
-def test_tiled_words_round_trip_and_chunks(rows: int) -> None:
+def test_tiled_words_round_trip_and_chunks() -> None:
     """[N, K/2] bytes -> tiled words: exact both ways; each `rows` rows x 128 K are one run
     (rows x 64 bytes) in row order, runs of a row group consecutive."""
+    rows = ROWS
     gen = torch.Generator().manual_seed(0)
     plain = torch.randint(0, 256, (3, 2 * rows, 128), dtype=torch.uint8, generator=gen)  # K 256
     words = pack_weight_words(plain)
@@ -99,21 +94,24 @@ def test_tiled_words_round_trip_and_chunks(rows: int) -> None:
     assert torch.equal(weight_operand(plain, "tiled"), tiled)
 
 
-def test_scale_forms_convert_exactly(rows: int) -> None:
+def test_scale_forms_convert_exactly() -> None:
+    rows = ROWS
     gen = torch.Generator().manual_seed(3)
     codes = torch.randint(0, 256, (2, rows, 16), dtype=torch.uint8, generator=gen)
-    e4m3, bf16 = codes.view(torch.float8_e4m3fn), predecode_block_scales(codes)
-    for stored in (e4m3, bf16, tile_scales(e4m3), tile_scales(bf16)):
-        assert torch.equal(scale_operand(stored, predecoded=False, tiled=False), codes)
-        assert torch.equal(scale_operand(stored, predecoded=True, tiled=False),
-                           bf16.view(torch.int16))
-        assert torch.equal(scale_operand(stored, True, tiled=True), tile_scales(bf16))
-        assert torch.equal(scale_operand(stored, False, tiled=True), tile_scales(e4m3))
+    e4m3 = codes.view(torch.float8_e4m3fn)
     tiled = tile_scales(e4m3)
-    assert tiled.dtype == torch.uint8 and tile_scales(bf16).dtype == torch.int16
+    assert tiled.dtype == torch.uint8
     assert torch.equal(tiled.reshape(2, -1)[:, :8 * rows].reshape(2, rows, 8), codes[:, :, :8])
     assert torch.equal(untile_scales(tiled).view(torch.uint8), codes)
-    assert torch.equal(untile_scales(tile_scales(bf16)), bf16)
+    assert torch.equal(scale_operand(e4m3, tiled=False), codes)
+    assert torch.equal(scale_operand(e4m3, tiled=True), tiled)
+    # v7's codes (scales of positive bytes: negative and zero ones fold into the weights)
+    positive = torch.where((codes & 0x7F) == 0, 0x38, codes & 0x7F).view(torch.float8_e4m3fn)
+    words, scale_codes = stored_forms(torch.zeros(2, rows, 128, dtype=torch.uint8), positive, 7)
+    assert scale_codes.dtype == torch.int8 and words.dtype == torch.int32
+    assert torch.equal(scale_operand(scale_codes, tiled=False), positive.view(torch.uint8))
+    assert torch.equal(scale_operand(scale_codes, tiled=True), tile_scales(positive))
+    assert torch.equal(e4m3_scales(scale_codes).view(torch.uint8), positive.view(torch.uint8))
 
 
 def test_words_decode_equals_v3_decode_bit_for_bit() -> None:
@@ -123,12 +121,13 @@ def test_words_decode_equals_v3_decode_bit_for_bit() -> None:
     scale_bytes[:256] = torch.arange(256, dtype=torch.int32).to(torch.uint8)  # every E4M3 code
     pairs = scale_pairs_emulated(scale_bytes)
     v3 = decode_pairs_emulated(words_of_bytes(everything), pairs)
-    v5 = decode_words_emulated(pack_bits(everything).reshape(-1).long(), pairs)
-    assert torch.equal(v5.view(torch.int16), v3.view(torch.int16))
+    v7 = decode_words_emulated(pack_bits(everything).reshape(-1).long(), pairs)
+    assert torch.equal(v7.view(torch.int16), v3.view(torch.int16))
     assert (v3.float().abs() > 0).any()  # not all zeros (NaN scale codes give NaN rows)
 
 
-def test_bad_input_is_named(rows: int) -> None:
+def test_bad_input_is_named() -> None:
+    rows = ROWS
     with pytest.raises(ValueError, match="pack_bits: expected uint8"):
         pack_bits(torch.zeros(2, 8, dtype=torch.int8))
     with pytest.raises(ValueError, match="K/2 % 4 == 0"):
@@ -140,72 +139,28 @@ def test_bad_input_is_named(rows: int) -> None:
         pack_weight_words(torch.zeros(64, dtype=torch.uint8))
     with pytest.raises(ValueError, match="unpack_weight_words: expected int32"):
         unpack_weight_words(torch.zeros(16, 16, dtype=torch.int64))
-    with pytest.raises(ValueError, match="tile_scales: expected float8_e4m3fn or bf16"):
+    with pytest.raises(ValueError, match="tile_scales: expected float8_e4m3fn block scales"):
         tile_scales(torch.zeros(16, 8))
     with pytest.raises(ValueError, match="weight_operand: form must be"):
         weight_operand(torch.zeros(16, 64, dtype=torch.uint8), "packed")
     assert can_pack(512, 2048) and can_pack(2048, 512) and not can_pack(2816, 704)
 
 
-def test_stored_forms_the_kernel_reads_pass_through_without_copies(rows: int) -> None:
+def test_stored_forms_the_kernel_reads_pass_through_without_copies() -> None:
     """Per call the op asks for the form the module stored: a view, never a repack (a copy
     here would be captured into every graph round)."""
     gen = torch.Generator().manual_seed(5)
-    plain = torch.randint(0, 256, (2, rows, 64), dtype=torch.uint8, generator=gen)
-    words = pack_weight_words(plain)
+    plain = torch.randint(0, 256, (2, ROWS, 128), dtype=torch.uint8, generator=gen)
+    e4m3 = torch.randint(0, 0x7F, (2, ROWS, 16), dtype=torch.uint8, generator=gen)
+    words, codes = stored_forms(plain, e4m3.view(torch.float8_e4m3fn), 7)
     assert weight_operand(words, "words").data_ptr() == words.data_ptr()
-    e4m3 = torch.randint(0, 256, (2, rows, 8), dtype=torch.uint8, generator=gen)
-    for stored, predecoded, tiled in (
-            (e4m3.view(torch.float8_e4m3fn), False, False),
-            (predecode_block_scales(e4m3), True, False),
-            (tile_scales(e4m3.view(torch.float8_e4m3fn)), False, True),
-            (tile_scales(predecode_block_scales(e4m3)), True, True)):
-        assert scale_operand(stored, predecoded, tiled).data_ptr() == stored.data_ptr()
-
-
-_ROWS_16_CHECK = """
-import torch
-import dlmc.custom_ops.nvfp4_moe as module
-from dlmc.custom_ops.nvfp4_moe import nvfp4_moe
-from dlmc.custom_ops.nvfp4_words import ROWS, can_pack, pack_weight_words, unpack_bits
-from tests.custom_ops.test_nvfp4_moe import op_args, random_experts, random_routing
-from tests.custom_ops.test_nvfp4_moe_v5 import stored
-
-assert ROWS == 16 and can_pack(16, 128) and not can_pack(8, 128)
-plain = torch.randint(0, 256, (16, 64), dtype=torch.uint8)  # one run: 16 rows x 64 bytes
-assert torch.equal(unpack_bits(pack_weight_words(plain).reshape(16, 16)), plain)
-gen = torch.Generator().manual_seed(3)
-experts = random_experts(gen, 4, 256, 128)
-x = torch.randn(6, 256, generator=gen).bfloat16()
-ids, w = random_routing(gen, 6, 4, 2, skew=True)
-module._VARIANT = 3
-v3 = nvfp4_moe(*op_args(x, ids, w, experts))
-for variant in (5, 7):
-    module._VARIANT = variant
-    packed = stored(experts, variant)
-    assert packed["gate_weight"].dtype == torch.int32
-    out = nvfp4_moe(*op_args(x, ids, w, packed))
-    assert torch.equal(out.view(torch.int16), v3.view(torch.int16)), variant
-print("ok")
-"""
-
-
-def test_16_row_runs_equal_v3_in_a_fresh_process() -> None:
-    """DLMC_NVFP4_TILE_ROWS=16 (read at import, so a fresh interpreter process; the default is
-    128): one run per 16 rows, the kernels' tiled loads follow it, v5 and v7 stay bit for bit
-    v3's."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, DLMC_NVFP4_TILE_ROWS="16", TRITON_INTERPRET="1",
-               PYTHONPATH=str(root))
-    result = subprocess.run([sys.executable, "-c", _ROWS_16_CHECK], env=env, cwd=root,
-                            capture_output=True, text=True, timeout=600, check=False)
-    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
-    env["DLMC_NVFP4_TILE_ROWS"] = "100"
-    bad = subprocess.run([sys.executable, "-c", "import dlmc.custom_ops.nvfp4_words"], env=env,
-                         cwd=root, capture_output=True, text=True, timeout=300, check=False)
-    assert bad.returncode != 0 and "DLMC_NVFP4_TILE_ROWS='100'" in bad.stderr
+    assert scale_operand(e4m3.view(torch.float8_e4m3fn), tiled=False).data_ptr() == (
+        e4m3.data_ptr())
+    for operand, stored in zip(projection_operands(words, codes, 7, False), (words, codes),
+                               strict=True):
+        assert operand.data_ptr() == stored.data_ptr()
+    assert stored_forms(words, codes, 7) == (words, codes)
+    v3_weight, v3_scale = stored_forms(plain, e4m3.view(torch.float8_e4m3fn), 3)
+    assert v3_weight is plain and v3_scale.data_ptr() == e4m3.data_ptr()
+    with pytest.raises(ValueError, match="stored_forms: variant must be 3 or 7, got 5"):
+        stored_forms(plain, e4m3.view(torch.float8_e4m3fn), 5)

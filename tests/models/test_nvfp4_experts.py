@@ -102,74 +102,36 @@ def test_compiles_fullgraph() -> None:
     torch.testing.assert_close(compiled(x, ids, weights), experts(x, ids, weights), rtol=0, atol=0)
 
 
-def test_prepare_for_kernel_v4_predecodes_scales() -> None:
-    """The load-time step: only for v4 and the Triton op; bf16 scales, E4M3 copy freed, forward
-    bit for bit v3's, the reference and exact dequantization unchanged."""
-    import dlmc.custom_ops.nvfp4_moe as op_module
+def test_prepare_for_kernel_packs_weight_words() -> None:
+    """Kernel v7's forms where the shapes take its layout: int32 weight words and tiled int8
+    scale codes, the checkpoint's forms freed, forward bit for bit kernel v3's, the reference
+    and exact dequantization unchanged; shapes the layout cannot take (v3) and the reference
+    path keep the checkpoint's forms."""
+    from tests.custom_ops.nvfp4_cases import kernel_v3
 
-    experts, _ = filled_experts()
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(6, H, generator=gen).bfloat16()
-    ids = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(6)])
-    weights = torch.rand(6, 2, generator=gen)
-    previous = op_module._VARIANT
-    try:
-        op_module._VARIANT = 3
-        assert not experts.prepare_for_kernel()  # v3 reads E4M3: nothing to do
-        v3 = experts(x, ids, weights)
-        deq = experts.dequantize_to_bf16()
-        experts.use_reference = True
-        ref = experts(x, ids, weights)
-        op_module._VARIANT = 4
-        assert not experts.prepare_for_kernel()  # the reference path keeps E4M3
-        experts.use_reference = False
-        assert experts.prepare_for_kernel()
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            scale = getattr(experts, f"{proj}_weight_scale")
-            assert scale.dtype == torch.bfloat16 and scale.shape[-1] == (I if proj == "down_proj"
-                                                                         else H) // 16
-        assert sum(b.dtype == torch.float8_e4m3fn for b in experts.buffers()) == 0
-        assert torch.equal(experts(x, ids, weights), v3)
-        assert experts.prepare_for_kernel()  # idempotent
-        assert torch.equal(experts(x, ids, weights), v3)
-    finally:
-        op_module._VARIANT = previous
-    experts.use_reference = True
-    assert torch.equal(experts(x, ids, weights), ref)
-    for proj, value in experts.dequantize_to_bf16().items():
-        assert torch.equal(value, deq[proj])
-
-
-def test_prepare_for_kernel_v5_v6_packs_weight_words() -> None:
-    """v5-v7: int32 weight words (tiled scales: E4M3, bf16 or v7's codes), the checkpoint's
-    forms freed, forward bit for bit v3's, exact dequantization unchanged."""
-    import dlmc.custom_ops.nvfp4_moe as op_module
-
+    assert not filled_experts()[0].prepare_for_kernel()  # 32 x 48: v3 reads E4M3
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(5, 128, generator=gen).bfloat16()
     ids = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(5)])
     weights = torch.rand(5, 2, generator=gen)
-    previous = op_module._VARIANT
-    try:
-        op_module._VARIANT = 5  # a shape the tiled layout cannot take: left as it is (v3 runs)
-        assert not filled_experts()[0].prepare_for_kernel()
-        for variant in (5, 6, 7):
-            experts, _ = filled_experts(128, 128)
-            op_module._VARIANT = 3
-            v3, deq = experts(x, ids, weights), experts.dequantize_to_bf16()
-            op_module._VARIANT = variant
-            assert experts.prepare_for_kernel()
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                weight = getattr(experts, f"{proj}_weight")
-                assert weight.dtype == torch.int32
-                assert weight.shape[-1] == 128 // 8
-                scale = getattr(experts, f"{proj}_weight_scale")  # tiled bit patterns
-                assert scale.dtype == {5: torch.uint8, 6: torch.int16, 7: torch.int8}[variant]
-            assert sum(b.dtype == torch.float8_e4m3fn for b in experts.buffers()) == 0
-            assert torch.equal(experts(x, ids, weights), v3)
-            for proj, tensor in experts.dequantize_to_bf16().items():
-                assert torch.equal(tensor, deq[proj])
-            assert experts.prepare_for_kernel()  # idempotent
-            assert torch.equal(experts(x, ids, weights), v3)
-    finally:
-        op_module._VARIANT = previous
+    experts, _ = filled_experts(128, 128)
+    with kernel_v3():
+        v3, deq = experts(x, ids, weights), experts.dequantize_to_bf16()
+    experts.use_reference = True
+    ref = experts(x, ids, weights)
+    assert not experts.prepare_for_kernel()  # the reference path keeps E4M3
+    experts.use_reference = False
+    assert experts.prepare_for_kernel()
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        weight = getattr(experts, f"{proj}_weight")
+        assert weight.dtype == torch.int32
+        assert weight.shape[-1] == 128 // 8
+        assert getattr(experts, f"{proj}_weight_scale").dtype == torch.int8  # tiled codes
+    assert sum(b.dtype == torch.float8_e4m3fn for b in experts.buffers()) == 0
+    assert torch.equal(experts(x, ids, weights), v3)
+    for proj, tensor in experts.dequantize_to_bf16().items():
+        assert torch.equal(tensor, deq[proj])
+    assert experts.prepare_for_kernel()  # idempotent
+    assert torch.equal(experts(x, ids, weights), v3)
+    experts.use_reference = True
+    assert torch.equal(experts(x, ids, weights), ref)
