@@ -26,8 +26,8 @@ declare -A PATTERN=(
   [op]="test_nvfp4_moe\.py"
   [runner]="tests/graphs/test_runner\.py"
   [kernels]="gluon|test_paged_attention_variants|test_paged_attention_append"
-  [fuzz-moe]="test_nvfp4_moe_v5\.py"
-  [fuzz-other]="test_nvfp4_moe_v4\.py|test_paged_attention\.py"
+  [fuzz-moe]="test_nvfp4_moe_v7\.py"
+  [fuzz-other]="test_paged_attention\.py"
 )
 ROUND=(dlmc bench round --shape llada2.1-mini --block-length 32 --prefix 1024 --routing uniform
        --rounds 60)
@@ -103,9 +103,9 @@ ops)
   setup
   export FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a}
   step op_nvfp4_routed 120 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 60 \
-    --downs gluon --profile --out "$OUT/op_nvfp4_routed.json"
+    --profile --out "$OUT/op_nvfp4_routed.json"
   step op_nvfp4_shared 120 python3 perf/bench_nvfp4_moe.py --tokens 32 --iters 60 \
-    --downs gluon --shared-expert --profile --out "$OUT/op_nvfp4_shared.json"
+    --shared-expert --profile --out "$OUT/op_nvfp4_shared.json"
   step op_bf16_moe 90 python3 perf/bench_bf16_moe.py --out "$OUT/op_bf16_moe.json"
   step attention 200 python3 perf/bench_paged_attention.py --prefixes 1024 4096 16384 \
     --capacity 32768 --out "$OUT/attention.json"

@@ -27,8 +27,8 @@ except Exception:  # pragma: no cover - torch is a hard dependency
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest
-from hypothesis import settings
+import pytest  # noqa: E402 (after the cache directories are set)
+from hypothesis import settings  # noqa: E402
 
 settings.register_profile("dlmc", database=None)  # no .hypothesis/ folder in the checkout
 settings.load_profile("dlmc")

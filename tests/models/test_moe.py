@@ -298,11 +298,11 @@ def test_nvfp4_combine_outside_matches_the_kernel(monkeypatch):
 @pytest.mark.gpu
 @torch.no_grad()
 def test_nvfp4_combine_outside_compiled_and_replayed_on_cuda(monkeypatch):
-    """On CUDA: the NVFP4 block, the residual add and the RMSNorm
-    after it, compiled by Inductor (fullgraph) and replayed as a CUDA graph. The op's body runs
-    no combine launch, and the block's output is the eager block's (the combine kernel) within
-    one bf16 rounding (FMA contraction may differ); the sum and norm after it as close."""
-    from dlmc.custom_ops import nvfp4_moe as op_module
+    """On CUDA: the NVFP4 block, the residual add and the RMSNorm after it, compiled by Inductor
+    (fullgraph) and replayed as a CUDA graph. The op's body runs no combine launch, and the block's
+    output is the eager block's (the combine kernel) within one bf16 rounding (FMA contraction may
+    differ); the sum and norm after it as close."""
+    from dlmc.custom_ops import _nvfp4_moe_launch as op_module
     from dlmc.models.layers import rms_norm
     from tests.custom_ops.graph_capture import compile_and_capture
 

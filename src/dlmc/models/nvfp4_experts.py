@@ -48,11 +48,9 @@ class NVFP4Experts(nn.Module):
     - `gate_proj_weight`, `up_proj_weight`: uint8 `[E, I, H/2]`; `down_proj_weight`: uint8
       `[E, H, I/2]` (E2M1 codes, low nibble = even element).
     - `<proj>_weight_scale`: float8_e4m3fn `[E, out, in/16]` (row-major, unswizzled), as loaded;
-      `prepare_for_kernel()` (a load-time step) replaces it, for kernels v4/v6, by the same
-      scales as bf16 `scale * 2^119` (exact; `custom_ops/nvfp4_scales.py`), and for v5-v7 by
-      `nvfp4_words`' tiled forms: weights int32 words `[E, out, in/8]`, scales uint8 (E4M3) or
-      int16 (pre-decoded) bit patterns, or v7's int8 codes (exact; `custom_ops/nvfp4_words.py`,
-      `custom_ops/nvfp4_scale_codes.py`).
+      `prepare_for_kernel()` (a load-time step) replaces weights and scales by kernel v7's tiled
+      forms where the shapes take its layout: int32 weight words `[E, out, in/8]` and int8
+      scale codes (exact; `custom_ops/nvfp4_words.py`, `custom_ops/nvfp4_scale_codes.py`).
     - `<proj>_weight_scale_2`: fp32 `[E]` global scales; `<proj>_input_scale`: fp32 `[E]`
       activation scales (only used with `emulate_w4a4`; 1.0 until loaded).
 
@@ -105,14 +103,12 @@ class NVFP4Experts(nn.Module):
 
     @torch.no_grad()
     def prepare_for_kernel(self) -> bool:
-        """Load-time step into the form the selected kernel (`DLMC_NVFP4_KERNEL`) reads, one
-        projection at a time, freeing the old copy (the reference and `dequantize_to_bf16`
-        convert back exactly when asked): v4/v6 get the E4M3 block scales as bf16
-        `scale * 2^119` (`nvfp4_scales`), v5-v7 weights and scales in `nvfp4_words`' tiled
-        layout (int32 words; uint8 / int16 / int8 scales, v7's codes with negative and zero
-        scales folded into the words) where the shapes allow (else v3/v4's forms, which those
-        shapes then run; `nvfp4_words.stored_forms`). Does nothing for the reference path or
-        kernels v1-v3. Returns whether it converted."""
+        """Load-time step into the form the op's kernel reads, one projection at a time, freeing
+        the old copy (the reference and `dequantize_to_bf16` convert back exactly when asked):
+        kernel v7's tiled layout (int32 weight words, int8 scale codes with negative and zero
+        scales folded into the words) where the shapes allow it; shapes the layout cannot take
+        run kernel v3 on the checkpoint's forms (`nvfp4_words.stored_forms`). Does nothing for
+        the reference path or v3. Returns whether it converted."""
         variant = effective_variant(self.hidden_size, self.intermediate_size)
         if self.use_reference or variant < 4:
             return False
@@ -172,8 +168,10 @@ class NVFP4Experts(nn.Module):
             # The pair rows, summed by pointwise ops that Inductor fuses into their consumer
             # (eager runs keep the one combine launch instead of 2K+1 pointwise ones).
             rows = moe(x, topk_ids, topk_weights, *self._op_args(),
-                       emulate_w4a4=self.emulate_w4a4, pairs=True, **kwargs)
+                       emulate_w4a4=self.emulate_w4a4, pairs=True, pdl=self.pdl, **kwargs)
             return moe_combine.combine_pointwise(rows, topk_weights, shared_expert)
+        if not self.use_reference:
+            kwargs["pdl"] = self.pdl
         return moe(
             x, topk_ids, topk_weights, *self._op_args(), emulate_w4a4=self.emulate_w4a4, **kwargs
         )
