@@ -16,6 +16,7 @@ import torch
 
 from dlmc.custom_ops import _nvfp4_down_gluon, _nvfp4_gluon_parts
 from dlmc.custom_ops import _nvfp4_moe_launch as launch
+from dlmc.custom_ops._nvfp4_gluon_reference import down_gluon_reference
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
 from tests.custom_ops.nvfp4_cases import (
     DEVICE,
@@ -23,8 +24,6 @@ from tests.custom_ops.nvfp4_cases import (
     assert_matches_reference,
     bits,
     counters_zero,
-    dequantized,
-    even_odd_rows_to_natural,
     gluon_on_cpu,
     op_args,
     random_experts,
@@ -87,17 +86,15 @@ def test_self_routing_needs_all_ids_and_two_k_steps(ids: int, inter: int) -> Non
                                             2, 2, topk_ids=torch.zeros(ids, dtype=torch.int32))
 
 
-def torch_down(experts: dict[str, torch.Tensor], calls: list[int]):
-    """A stand-in for `launch_down_gluon` on the CPU, without self-routing: reads h as the
-    kernel does (even-odd columns, the routing's blocks, blocks of the shared expert skipped),
-    after the per-block counts it waits for, and writes y in bf16."""
-    down = dequantized(experts, "down")  # [E, H, I] fp32, alpha included
+def torch_down(calls: list[int]):
+    """`launch_down_gluon` on the CPU, without self-routing: after the per-block counts it waits
+    for, its reference from the launch's own arguments (`_nvfp4_gluon_reference`: h read as
+    the kernel reads it, even-odd columns, blocks of the shared expert skipped, y in bf16)."""
 
     def launch(h, sorted_pair, expert_of_block, words, codes, alpha, y, num_pairs, shared_id,
                count, num_slots, writers, per_part=False, topk_ids=None):
         assert topk_ids is None
         calls.append(1)
-        natural = even_odd_rows_to_natural(h.float())
         block_m = sorted_pair.shape[0] // expert_of_block.shape[0]
         for block, expert in enumerate(expert_of_block.tolist()):
             if expert < 0 or expert == shared_id:
@@ -108,11 +105,8 @@ def torch_down(experts: dict[str, torch.Tensor], calls: list[int]):
                        for part in range(0, block_m, 8))
             expected = writers * (live if per_part else 1)
             assert int(count[block]) == expected and int(count[num_slots + block]) == 0
-            count[block] = 0  # the last reader's zeroing
-            for slot in range(block_m * block, block_m * block + block_m):
-                pair = int(sorted_pair[slot])
-                if pair < num_pairs:
-                    y[pair] = (down[expert] @ natural[slot]).bfloat16()
+        down_gluon_reference(h, sorted_pair, expert_of_block, words, codes, alpha, y,
+                             num_pairs, shared_id, count, num_slots, writers, per_part)
 
     return launch
 
@@ -132,7 +126,7 @@ def test_wiring_with_a_torch_down_matches_the_reference(monkeypatch, with_shared
     args = op_args(x, ids, w, experts)
     shared = shared_expert(gen, x, nvfp4_moe_reference(*args), 128, 128) if with_shared else {}
     calls: list[int] = []
-    monkeypatch.setattr(launch, "launch_down_gluon", torch_down(experts, calls))
+    monkeypatch.setattr(launch, "launch_down_gluon", torch_down(calls))
     launched: list[str] = []  # the Triton kernels the op launches
     real_launcher = launch.launcher
     monkeypatch.setattr(launch, "launcher", lambda kernel: (

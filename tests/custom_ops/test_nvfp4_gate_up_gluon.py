@@ -17,13 +17,13 @@ import torch
 
 from dlmc.custom_ops import _nvfp4_gate_up_gluon, _nvfp4_self_route
 from dlmc.custom_ops import _nvfp4_moe_launch as launch
+from dlmc.custom_ops._nvfp4_gluon_reference import gate_up_gluon_reference
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
 from tests.custom_ops.nvfp4_cases import (
     DEVICE,
     against_plain,
     assert_matches_reference,
     counters_zero,
-    dequantized,
     gluon_on_cpu,
     op_args,
     random_experts,
@@ -101,31 +101,15 @@ def test_programs_per_sm_is_what_fits(monkeypatch) -> None:
     assert fit(cuda, 12, 8, 80) == 1  # never below one
 
 
-def torch_gate_up(experts: dict[str, torch.Tensor], calls: list[tuple[bool, bool]]):
-    """A stand-in for `launch_gate_up_gluon` on the CPU (the aligned form): every routed pair's
-    h row (even-odd columns, bf16), then one count per item on its block's counter (`I / 128`
-    per 8-slot part that holds a pair), as the kernel's items signal."""
-    gate, up = (dequantized(experts, name) for name in ("gate", "up"))
+def torch_gate_up(calls: list[tuple[bool, bool]]):
+    """`launch_gate_up_gluon` on the CPU: its reference from the launch's own arguments
+    (`_nvfp4_gluon_reference`; the counters zero before it), the calls recorded."""
 
-    def launch(x, sorted_pair, expert_of_block, weights, alphas, h, count, num_pairs,
-               shared_id, a_row_div, topk_ids=None, shared_items=None):
-        calls.append((topk_ids is not None, shared_items is not None))
-        assert int(count.abs().sum()) == 0
-        block_m = sorted_pair.shape[0] // expert_of_block.shape[0]
-        for block, expert in enumerate(expert_of_block.tolist()):
-            if expert < 0 or expert == shared_id:
-                continue
-            for first_slot in range(block * block_m, block * block_m + block_m, 8):
-                if int(sorted_pair[first_slot]) >= num_pairs:
-                    continue  # a part without pairs: no items
-                for slot in range(first_slot, first_slot + 8):
-                    pair = int(sorted_pair[slot])
-                    if pair < num_pairs:
-                        row = x[pair // a_row_div].float()
-                        g, u = gate[expert] @ row, up[expert] @ row
-                        natural = (g * torch.sigmoid(g) * u).bfloat16()
-                        h[slot] = natural.view(-1, 64, 2).transpose(1, 2).reshape(-1)
-                count[block] += h.shape[1] // 128
+    def launch(*args, **kwargs):
+        calls.append((kwargs.get("topk_ids") is not None,
+                      kwargs.get("shared_items") is not None))
+        assert int(args[6].abs().sum()) == 0  # count
+        gate_up_gluon_reference(*args, **kwargs)
 
     return launch
 
@@ -145,8 +129,8 @@ def test_wiring_of_the_gluon_gate_up_matches_the_reference(monkeypatch) -> None:
     args = op_args(x, ids, w, experts)
     calls: list[tuple[bool, bool]] = []
     down_calls: list[int] = []
-    monkeypatch.setattr(launch, "launch_gate_up_gluon", torch_gate_up(experts, calls))
-    monkeypatch.setattr(launch, "launch_down_gluon", torch_down(experts, down_calls))
+    monkeypatch.setattr(launch, "launch_gate_up_gluon", torch_gate_up(calls))
+    monkeypatch.setattr(launch, "launch_down_gluon", torch_down(down_calls))
     launched: list[str] = []  # the Triton expert kernels the op launches
     real_launcher = launch.launcher
     monkeypatch.setattr(launch, "launcher", lambda kernel: (
