@@ -37,6 +37,33 @@ class FlakyLLM:
         return self._llm.stream(*args, **kwargs)
 
 
+class GatedLLM:
+    """The tiny LLM, recording every `stream` call the engine makes, and holding the encoding
+    of any prompt that contains `HOLD` until `release` is set (`held` says one is waiting)."""
+
+    HOLD = "<hold>"
+
+    def __init__(self, llm: Any) -> None:
+        self._llm = llm
+        self.held, self.release = threading.Event(), threading.Event()
+        self.streamed: list[dict[str, Any]] = []  # the engine's LLM.stream arguments
+        self.stream_threads: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._llm, name)
+
+    def encode_prompt(self, prompt: Any = None, messages: Any = None, **kwargs: Any) -> Any:
+        if self.HOLD in json.dumps([prompt, messages]):
+            self.held.set()
+            assert self.release.wait(60), "the held prompt was never released"
+        return self._llm.encode_prompt(prompt, messages, **kwargs)
+
+    def stream(self, **kwargs: Any) -> Any:
+        self.streamed.append({k: v for k, v in kwargs.items() if k != "cancel"})
+        self.stream_threads.append(threading.current_thread().name)
+        return self._llm.stream(**kwargs)
+
+
 @contextmanager
 def running_server(llm: Any, **settings: Any) -> Iterator[str]:
     """Serve `llm` on 127.0.0.1 (a free port) until the block ends; yields the base URL."""

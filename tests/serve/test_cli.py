@@ -15,6 +15,8 @@ import httpx
 from click.testing import CliRunner
 
 from dlmc.cli import main
+from dlmc.cli.serve import serve
+from dlmc.server import ServerSettings
 from tests.serve.conftest import sse_data
 
 README_BODY = '{"messages": [{"role": "user", "content": "Hi!"}], "max_new_tokens": 512}'
@@ -78,16 +80,27 @@ def test_serve_command_runs_the_readme_example(tmp_path: Path) -> None:
     assert proc.returncode == 0, log.read_text()
 
 
+def test_serve_defaults_are_the_servers() -> None:
+    defaults = {p.name: p.default for p in serve.params}
+    settings = ServerSettings()
+    assert defaults["max_body_bytes"] == settings.max_body_bytes
+    assert defaults["queue_size"] == settings.queue_size
+    assert defaults["request_timeout"] == settings.request_timeout_s
+
+
 def test_serve_help_and_option_errors(tiny_dir: Path) -> None:
     runner = CliRunner()
     result = runner.invoke(main, ["serve", "--help"])
     assert result.exit_code == 0
-    for option in ("--model", "--host", "--port", "--queue-size", "--request-timeout"):
+    options = ("--model", "--host", "--port", "--queue-size", "--request-timeout")
+    for option in (*options, "--max-body-bytes"):
         assert option in result.output
     assert "--max-new-tokens" in result.output and "--edit-threshold" in result.output
     result = runner.invoke(main, ["serve", "--model", "tiny-llada2", "--queue-size", "-1"])
     assert result.exit_code == 2 and "--queue-size" in result.output
     result = runner.invoke(main, ["serve", "--model", "tiny-llada2", "--request-timeout", "0"])
     assert result.exit_code == 2 and "--request-timeout" in result.output
+    result = runner.invoke(main, ["serve", "--model", "tiny-llada2", "--max-body-bytes", "0"])
+    assert result.exit_code == 2 and "--max-body-bytes" in result.output
     result = runner.invoke(main, ["serve", "--model", str(tiny_dir), "--threshold", "2"])
     assert result.exit_code == 1 and "`threshold`" in result.output

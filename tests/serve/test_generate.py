@@ -5,8 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import pytest
 
+from dlmc.server.handling import RequestPreparer
+from dlmc.server.schemas import ApiError
 from tests.serve.conftest import CHAT, health, sse_data
+
+FILLER = "x" * 4000  # the tiny tokenizer is byte-level: 4000 tokens of the 4096 context
 
 
 def test_generate_streams_blocks_then_done(client: httpx.Client, tiny_llm: Any) -> None:
@@ -64,13 +69,65 @@ def test_decoding_fields_reach_the_engine(client: httpx.Client, tiny_llm: Any) -
     assert got["text"] == want.text
 
 
-def test_a_default_length_shrinks_to_fit_the_context(client: httpx.Client) -> None:
-    """Without max_new_tokens the role default (4096) applies, cut to what the context holds."""
-    with client.stream("POST", "/generate", json={"prompt": "x" * 4000}) as response:
+def _room(llm: Any, prompt: str) -> int:
+    """Answer tokens that fit after `prompt`: the context's whole blocks, less the prompt."""
+    block = llm.decode_settings().block_length
+    return llm.max_context // block * block - len(llm.encode_prompt(prompt))
+
+
+def test_a_default_length_shrinks_to_fit_the_context(client: httpx.Client, tiny_llm: Any) -> None:
+    """Without max_new_tokens the default length applies, cut to what the context holds."""
+    fits = _room(tiny_llm, FILLER)
+    assert 0 < fits < tiny_llm.decode_settings().max_new_tokens  # the default does not fit
+    with client.stream("POST", "/generate", json={"prompt": FILLER}) as response:
         assert response.status_code == 200
         events = list(sse_data(response))
-    assert events[-1]["type"] == "done" and events[-1]["finish_reason"] in ("length", "stop")
-    assert events[-1]["tokens"] <= 96
+    done = events[-1]
+    assert done["type"] == "done" and done["finish_reason"] == "length"
+    assert done["tokens"] == fits == sum(len(e["token_ids"]) for e in events[:-1])
+    assert done["prompt_tokens"] + fits == tiny_llm.max_context
+
+
+@pytest.mark.parametrize(
+    ("path", "field"),
+    [
+        ("/generate", "max_new_tokens"),
+        ("/v1/completions", "max_tokens"),
+        ("/v1/completions", "max_completion_tokens"),
+    ],
+)
+def test_a_length_that_does_not_fit_is_refused_naming_the_field(
+    client: httpx.Client, tiny_llm: Any, path: str, field: str
+) -> None:
+    fits, prompt_tokens = _room(tiny_llm, FILLER), len(tiny_llm.encode_prompt(FILLER))
+    response = client.post(path, json={"prompt": FILLER, field: fits + 1})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == field
+    assert error["message"] == (
+        f"{field}: {fits + 1} tokens after a prompt of {prompt_tokens} tokens exceeds the "
+        f"model's context of {tiny_llm.max_context} (at most {fits} fit)"
+    )
+
+
+def test_what_fits_is_prepared_and_one_more_is_refused(tiny_llm: Any) -> None:
+    """Checked on the request preparer alone (no decoding): the exact fit of the answer and
+    of the prompt is accepted, one token more is a 400 naming the field."""
+    preparer = RequestPreparer(tiny_llm, {})
+    fits = _room(tiny_llm, FILLER)
+    for given in (fits, None):
+        prepared = preparer.prepare(prompt=FILLER, max_new_tokens=given, overrides={})
+        assert prepared.settings["max_new_tokens"] == fits
+        assert prepared.prompt_token_ids == tiny_llm.encode_prompt(FILLER)
+    with pytest.raises(ApiError, match=rf"^max_new_tokens: .* \(at most {fits} fit\)$") as exc:
+        preparer.prepare(prompt=FILLER, max_new_tokens=fits + 1, overrides={})
+    assert (exc.value.status, exc.value.param) == (400, "max_new_tokens")
+    context = tiny_llm.max_context
+    longest = "x" * (context - 1)  # byte-level: one token a character
+    assert _room(tiny_llm, longest) == 1
+    assert preparer.prepare(prompt=longest, overrides={}).settings["max_new_tokens"] == 1
+    with pytest.raises(ApiError, match=rf"^prompt: the prompt is {context} tokens, which leaves"):
+        preparer.prepare(prompt=longest + "x", overrides={})
 
 
 def test_health_reports_the_model_and_the_queue(client: httpx.Client) -> None:

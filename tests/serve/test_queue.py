@@ -149,13 +149,13 @@ def test_the_engine_is_free_when_a_handler_sees_done() -> None:
     answers on Done (and a /health right after) sees no running job."""
     import asyncio
 
-    from dlmc.server.engine_worker import EngineWorker
+    from dlmc.server.engine_worker import EngineWorker, Prepared
 
     worker = EngineWorker(_SlowToCloseLLM(), queue_size=4, request_timeout_s=10.0)
     worker.start()
 
     async def until_done() -> dict[str, Any]:
-        async for _ in worker.events(worker.submit({})):
+        async for _ in worker.events(worker.submit(Prepared([0], {}))):
             pass
         return worker.snapshot()
 

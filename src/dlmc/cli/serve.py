@@ -39,6 +39,13 @@ from dlmc.cli.options import (
     help="Seconds a request may take, waiting in the queue included.",
 )
 @click.option(
+    "--max-body-bytes",
+    type=click.IntRange(min=1),
+    default=1024 * 1024,
+    show_default=True,
+    help="Largest request body accepted, in bytes; larger ones are answered 413.",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["critical", "error", "warning", "info", "debug"]),
     default="info",
@@ -55,6 +62,7 @@ def serve(
     port: int,
     queue_size: int,
     request_timeout: float,
+    max_body_bytes: int,
     log_level: str,
     **decode: Any,
 ) -> None:
@@ -78,6 +86,7 @@ def serve(
         model_name=model,
         queue_size=queue_size,
         request_timeout_s=request_timeout,
+        max_body_bytes=max_body_bytes,
         decode_defaults=decode_kwargs(decode),
     )
     app = create_app(llm, settings)

@@ -2,7 +2,8 @@
 
 Endpoints: `POST /generate` (dlmc's own, streaming by default), the OpenAI-compatible
 `POST /v1/chat/completions`, `POST /v1/completions` and `GET /v1/models`, and `GET /health`.
-Requests decode one at a time on one engine thread (see engine_worker.py).
+Requests decode one at a time on one engine thread (see engine_worker.py); each is read (at
+most `max_body_bytes`), parsed and encoded by its handler off the event loop before it is queued.
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from dlmc.errors import ConfigError
 from dlmc.results import BlockChunk, GenerateResult
 from dlmc.server.context import ServerContext
-from dlmc.server.engine_worker import EngineWorker
+from dlmc.server.engine_worker import EngineWorker, Prepared
 from dlmc.server.handling import (
+    DEFAULT_MAX_BODY_BYTES,
     EventStream,
     RequestPreparer,
     api_error,
     error_response,
+    off_loop,
     read_body,
     run_to_end,
     sse,
@@ -46,6 +49,7 @@ class ServerSettings:
     model_name: str | None = None  # the id /v1/models reports (default: the LLM's model id)
     queue_size: int = 16  # requests that may wait while one decodes
     request_timeout_s: float = 600.0  # per request, waiting in the queue included
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies are answered 413
     decode_defaults: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -55,6 +59,9 @@ class ServerSettings:
             raise ConfigError(
                 f"request_timeout_s: expected a number > 0, got {self.request_timeout_s!r}"
             )
+        size = self.max_body_bytes
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ConfigError(f"max_body_bytes: expected an integer >= 1, got {size!r}")
 
 
 def create_app(llm: Any, settings: ServerSettings | None = None) -> FastAPI:
@@ -63,12 +70,14 @@ def create_app(llm: Any, settings: ServerSettings | None = None) -> FastAPI:
     settings = settings or ServerSettings()
     preparer = RequestPreparer(llm, settings.decode_defaults)
     llm.decode_settings(**preparer.defaults)  # bad defaults fail here, not per request
+    preparer.load_tokenizer()
     ctx = ServerContext(
         llm=llm,
         worker=EngineWorker(llm, settings.queue_size, settings.request_timeout_s),
         preparer=preparer,
         model_name=settings.model_name or str(llm.model_id),
         created=int(time.time()),
+        max_body_bytes=settings.max_body_bytes,
     )
 
     @asynccontextmanager
@@ -136,20 +145,9 @@ def _add_dlmc_routes(app: FastAPI, ctx: ServerContext) -> None:
         With `"stream": false` the answer is the `done` object alone.
         """
         try:
-            body = parse_body(GenerateRequest, await read_body(request))
-            if (body.messages is None) == (body.prompt is None):
-                message = "messages: give exactly one of messages or prompt"
-                raise ApiError(400, message, param="messages")
-            prompt_field = "messages" if body.messages is not None else "prompt"
-            messages = [m.as_engine_message() for m in body.messages or []] or None
-            prepared = await ctx.preparer.prepare(
-                prompt=body.prompt,
-                messages=messages,
-                max_new_tokens=body.max_new_tokens,
-                overrides=body.decode_overrides(),
-                prompt_field=prompt_field,
-            )
-            job = ctx.worker.submit(prepared.kwargs)
+            raw = await read_body(request, ctx.max_body_bytes)
+            body, prepared = await off_loop(_prepare_generate, ctx, raw)
+            job = ctx.worker.submit(prepared)
             if not body.stream:
                 done = await run_to_end(ctx.worker, job, request)
                 return JSONResponse(done_event(done.result))
@@ -167,6 +165,23 @@ def _add_dlmc_routes(app: FastAPI, ctx: ServerContext) -> None:
                 yield sse({"type": "error", **api_error(exc).body()})
 
         return EventStream(events(), on_close=job.cancel)
+
+
+def _prepare_generate(ctx: ServerContext, raw: bytes) -> tuple[GenerateRequest, Prepared]:
+    """Parse and check a /generate body and encode its prompt (on the handlers' pool)."""
+    body = parse_body(GenerateRequest, raw)
+    if (body.messages is None) == (body.prompt is None):
+        raise ApiError(400, "messages: give exactly one of messages or prompt", param="messages")
+    prompt_field = "messages" if body.messages is not None else "prompt"
+    messages = [m.as_engine_message() for m in body.messages or []] or None
+    prepared = ctx.preparer.prepare(
+        prompt=body.prompt,
+        messages=messages,
+        max_new_tokens=body.max_new_tokens,
+        overrides=body.decode_overrides(),
+        prompt_field=prompt_field,
+    )
+    return body, prepared
 
 
 def block_event(chunk: BlockChunk) -> dict[str, Any]:

@@ -20,3 +20,4 @@ class ServerContext:
     preparer: RequestPreparer
     model_name: str
     created: int  # unix time the server started (OpenAI `created` of the model)
+    max_body_bytes: int  # larger request bodies are answered 413

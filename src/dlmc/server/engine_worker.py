@@ -1,7 +1,9 @@
 """One engine, one decoding thread.
 
 The engine is not thread-safe, so every request decodes on a single worker thread, one at a
-time. Requests are admitted while fewer than `queue_size` wait (plus the one decoding);
+time. The worker takes only `Prepared` requests (prompt encoded, settings resolved, answer fitted
+to the context by the handlers, on other threads), so a slow or bad request never holds it.
+Requests are admitted while fewer than `queue_size` wait (plus the one decoding);
 beyond that `submit` raises `QueueFull`. Each request's events (a `BlockChunk` per finished
 block, then `Done`) travel back to the asyncio handler that submitted it through that
 handler's own `asyncio.Queue` (`loop.call_soon_threadsafe`).
@@ -18,7 +20,7 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +40,23 @@ class RequestCancelled(Exception):
 
 
 @dataclass(frozen=True)
+class Prepared:
+    """A request ready to decode: its prompt as token ids and its `LLM.stream` settings
+    (`max_new_tokens` included), already checked against the model and its context."""
+
+    prompt_token_ids: list[int]
+    settings: Mapping[str, Any]
+
+    def __post_init__(self) -> None:
+        text = {"prompt", "messages", "prompt_token_ids"} & set(self.settings)
+        if text:
+            raise ValueError(f"settings: {sorted(text)} belong in prompt_token_ids (encoded)")
+
+    def stream_kwargs(self) -> dict[str, Any]:
+        return {**self.settings, "prompt_token_ids": self.prompt_token_ids}
+
+
+@dataclass(frozen=True)
 class _Failure:
     error: BaseException
 
@@ -47,9 +66,9 @@ _END = object()  # the worker is finished with a job
 
 @dataclass(eq=False)
 class Job:
-    """One request: the `LLM.stream` arguments, its deadline and its event channel."""
+    """One request: what to decode, its deadline and its event channel."""
 
-    kwargs: dict[str, Any]
+    request: Prepared
     loop: asyncio.AbstractEventLoop
     deadline: float  # time.monotonic() after which the request has timed out
     events: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
@@ -125,9 +144,9 @@ class EngineWorker:
             }
 
     # -- handler side (event loop thread) --------------------------------------------------
-    def submit(self, kwargs: dict[str, Any]) -> Job:
+    def submit(self, request: Prepared) -> Job:
         """Queue a request; raises QueueFull when `queue_size` requests already wait."""
-        job = Job(kwargs, asyncio.get_running_loop(), time.monotonic() + self.request_timeout_s)
+        job = Job(request, asyncio.get_running_loop(), time.monotonic() + self.request_timeout_s)
         with self._lock:
             if self._stopping:
                 raise RequestCancelled("the server is shutting down")
@@ -199,7 +218,7 @@ class EngineWorker:
             self._count("cancelled")
             return None
         try:
-            for event in self.llm.stream(**job.kwargs, cancel=job.should_stop):
+            for event in self.llm.stream(**job.request.stream_kwargs(), cancel=job.should_stop):
                 if isinstance(event, Done):  # the stream's last event
                     cancelled = event.result.finish_reason == "cancelled"
                     self._count("cancelled" if cancelled else "completed")

@@ -5,13 +5,12 @@ and mapping failures to HTTP errors that name the field at fault."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
-import threading
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -23,44 +22,45 @@ from dlmc.results import Done
 from dlmc.server.engine_worker import (
     EngineWorker,
     Job,
+    Prepared,
     QueueFull,
     RequestCancelled,
     RequestTimeout,
 )
 from dlmc.server.schemas import ApiError
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-MAX_BODY_BYTES = 32 * 1024 * 1024  # far beyond any prompt that fits a context
+DEFAULT_MAX_BODY_BYTES = 1024 * 1024  # 1 MiB: far above a 32k-token prompt (~130 kB of English)
 
 
-async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
-    """The request body, refused with a 413 past `limit` bytes (without reading it all)."""
-    too_big = ApiError(413, f"body: larger than the server's limit of {limit} bytes", param="body")
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with a 413 past `limit` bytes: at once when Content-Length
+    says so, else as soon as the bytes received pass it (the rest is never read)."""
+    where = f"the server's limit of {limit} bytes (dlmc serve --max-body-bytes)"
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise too_big
+        raise ApiError(413, f"body: Content-Length {declared} exceeds {where}", param="body")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise too_big
+            raise ApiError(413, f"body: larger than {where}", param="body")
         chunks.append(chunk)
     return b"".join(chunks)
 
 
-@dataclass(frozen=True)
-class Prepared:
-    """A request ready for the engine."""
-
-    kwargs: dict[str, Any]  # LLM.stream arguments (prompt as token ids)
-    prompt_tokens: int
-    max_new_tokens: int
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """Run `fn` on the handlers' thread pool (not the event loop, not the engine thread):
+    parsing and encoding a request there delays that request alone."""
+    return await run_in_threadpool(fn, *args)
 
 
 class RequestPreparer:
     """Checks a request against the loaded model before it is queued, so bad input is a 400
-    at once (not an error after waiting in the queue)."""
+    at once (not an error after waiting in the queue). `prepare` runs on the handlers'
+    thread pool, several requests at a time: encoding only reads the tokenizer."""
 
     def __init__(self, llm: Any, defaults: Mapping[str, Any]) -> None:
         self.llm = llm
@@ -68,9 +68,14 @@ class RequestPreparer:
         self.defaults = {
             k: v for k, v in defaults.items() if v is not None or k == "edit_threshold"
         }
-        self._tokenizer_lock = threading.Lock()  # requests encode one at a time
 
-    async def prepare(
+    def load_tokenizer(self) -> None:
+        """Encode once before requests arrive: the first encode loads the tokenizer (and may
+        reset its truncation), which concurrent first requests would race on."""
+        with contextlib.suppress(DlmcError):  # a checkpoint without one serves nothing else
+            self.llm.encode_prompt("Hi!")
+
+    def prepare(
         self,
         *,
         prompt: str | None = None,
@@ -83,7 +88,7 @@ class RequestPreparer:
         """Encode the prompt, resolve the settings (server defaults < request), and fit the
         answer into the model's context. `*_field` are the request's names for the prompt
         and the length limit, used in error messages."""
-        ids = await run_in_threadpool(self._encode, prompt, messages, prompt_field)
+        ids = self._encode(prompt, messages, prompt_field)
         given = {**self.defaults, **overrides}
         if max_new_tokens is not None:
             given["max_new_tokens"] = max_new_tokens
@@ -107,13 +112,11 @@ class RequestPreparer:
                 param=length_field,
             )
         limit = min(cfg.max_new_tokens, fits)  # a default limit shrinks to what fits
-        kwargs = {**given, "prompt_token_ids": ids, "max_new_tokens": limit}
-        return Prepared(kwargs, len(ids), limit)
+        return Prepared(ids, {**given, "max_new_tokens": limit})
 
     def _encode(self, prompt: str | None, messages: Any, prompt_field: str) -> list[int]:
         try:
-            with self._tokenizer_lock:
-                ids = self.llm.encode_prompt(prompt, messages)
+            ids = self.llm.encode_prompt(prompt, messages)
         except DlmcError as exc:
             raise ApiError(400, f"{prompt_field}: {exc}", param=prompt_field) from None
         if not ids:

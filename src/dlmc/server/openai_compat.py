@@ -21,10 +21,12 @@ from fastapi.responses import JSONResponse, Response
 
 from dlmc.results import BlockChunk, GenerateResult
 from dlmc.server.context import ServerContext
+from dlmc.server.engine_worker import Prepared
 from dlmc.server.handling import (
     EventStream,
     api_error,
     error_response,
+    off_loop,
     read_body,
     run_to_end,
     sse,
@@ -54,23 +56,9 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
 
 async def _complete(ctx: ServerContext, request: Request, chat: bool) -> Response:
     try:
-        raw = await read_body(request)
-        body: ChatCompletionRequest | CompletionRequest
-        if chat:
-            body = parse_body(ChatCompletionRequest, raw)
-            where = {"messages": [m.as_engine_message() for m in body.messages]}
-        else:
-            body = parse_body(CompletionRequest, raw)
-            where = {"prompt": body.prompt_text()}
-        length, length_field = body.max_new_tokens()
-        prepared = await ctx.preparer.prepare(
-            **where,
-            max_new_tokens=length,
-            overrides=body.decode_overrides(),
-            prompt_field="messages" if chat else "prompt",
-            length_field=length_field,
-        )
-        job = ctx.worker.submit(prepared.kwargs)
+        raw = await read_body(request, ctx.max_body_bytes)
+        body, prepared = await off_loop(_prepare, ctx, raw, chat)
+        job = ctx.worker.submit(prepared)
         head = _Head(ctx.model_name, chat)
         if not body.stream:
             done = await run_to_end(ctx.worker, job, request)
@@ -98,6 +86,28 @@ async def _complete(ctx: ServerContext, request: Request, chat: bool) -> Respons
         yield sse("[DONE]")
 
     return EventStream(chunks(), on_close=job.cancel)
+
+
+def _prepare(
+    ctx: ServerContext, raw: bytes, chat: bool
+) -> tuple[ChatCompletionRequest | CompletionRequest, Prepared]:
+    """Parse and check a /v1 body and encode its prompt (on the handlers' pool)."""
+    body: ChatCompletionRequest | CompletionRequest
+    if chat:
+        body = parse_body(ChatCompletionRequest, raw)
+        where: dict[str, Any] = {"messages": [m.as_engine_message() for m in body.messages]}
+    else:
+        body = parse_body(CompletionRequest, raw)
+        where = {"prompt": body.prompt_text()}
+    length, length_field = body.max_new_tokens()
+    prepared = ctx.preparer.prepare(
+        **where,
+        max_new_tokens=length,
+        overrides=body.decode_overrides(),
+        prompt_field="messages" if chat else "prompt",
+        length_field=length_field,
+    )
+    return body, prepared
 
 
 class _Head:
