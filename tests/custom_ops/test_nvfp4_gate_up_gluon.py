@@ -114,16 +114,20 @@ def torch_gate_up(calls: list[tuple[bool, bool]]):
     return launch
 
 
-def test_wiring_of_the_gluon_gate_up_matches_the_reference(monkeypatch) -> None:
+@pytest.mark.parametrize("small", [False, True])
+def test_wiring_of_the_gluon_gate_up_matches_the_reference(monkeypatch, small: bool) -> None:
     """A routing the gate/up programs cannot route themselves (here: made so): the alignment,
     then no Triton expert kernel, the Gluon gate/up right after it, then the Gluon down kernel
     waiting for `I / 128` counts per 8-slot part; the output is the reference's and the
     counters are zero afterwards. Skewed routing puts 20 tokens on two experts (16-slot
-    blocks, some with an empty part)."""
+    blocks, some with an empty part). The launches run as their references from their own
+    arguments; with `small` weights the gate's pre-activations are O(1), where SiLU is not
+    linear, so a gate or up global scale passed to the wrong projection changes the output."""
     gluon_on_cpu(monkeypatch)
     monkeypatch.setattr(launch, "self_route_fits", lambda pairs, experts: False)
     gen = torch.Generator().manual_seed(7)
-    experts = random_experts(gen, 4, 128, 256)
+    experts = (random_experts(gen, 4, 128, 256, scale_2_log2=(-6.0, -5.0), max_scale_byte=0x38)
+               if small else random_experts(gen, 4, 128, 256))
     x = torch.randn(20, 128, generator=gen).bfloat16().to(DEVICE)
     ids, w = random_routing(gen, 20, 4, 2, skew=True)
     args = op_args(x, ids, w, experts)
