@@ -67,7 +67,8 @@ TINY_TEXT_CONFIG: dict[str, Any] = {
     "pad_token_id": PAD_ID,
 }
 TINY_VISION_CONFIG = {"model_type": "gemma4_vision", "hidden_size": 16, "intermediate_size": 32,
-                      "num_hidden_layers": 1, "num_attention_heads": 2}
+                      "num_hidden_layers": 1, "num_attention_heads": 2,
+                      "num_key_value_heads": 2, "head_dim": 8, "global_head_dim": 8}
 # The released checkpoints' sampler settings (generation_config.json), a short output.
 TINY_GENERATION_CONFIG: dict[str, Any] = {
     "max_new_tokens": 96,
