@@ -121,11 +121,12 @@ def resolve_canvas_config(
 ) -> CanvasDecodeConfig:
     """transformers' defaults < generation_config.json < paper_decoding.json (role "orl") <
     `overrides` (LLM.stream's arguments; None means not given, and so does temperature 0.0,
-    its default). EOS and pad ids the generation config lacks come from config.json."""
+    its default; `edit_threshold` given at all is refused). EOS and pad ids the generation
+    config lacks come from config.json."""
     if role not in CANVAS_ROLES:
         raise ConfigError(f"role {role!r}: a diffusion_gemma checkpoint takes role 'orl' (its "
                           "generation_config.json, then paper_decoding.json)")
-    given = {k: v for k, v in overrides.items() if v is not None}
+    given = {k: v for k, v in overrides.items() if v is not None or k == "edit_threshold"}
     if given.get("temperature") == 0.0:
         given.pop("temperature")
     seed = given.pop("seed", None)

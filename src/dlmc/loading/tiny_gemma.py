@@ -31,7 +31,8 @@ from dlmc.loading.tiny_gemma_tokenizer import (
 )
 from dlmc.models.diffusion_gemma_config import FULL, SLIDING, DiffusionGemmaConfig
 
-EMBED_STD = 0.6  # printable bytes and the stop ids: peaked logits through the tied lm_head
+EMBED_STD = 0.6  # printable bytes: peaked logits through the tied lm_head
+STOP_EMBED_STD = 0.45  # <eos>, <turn|>: likely enough that some answers end early
 WEAK_EMBED_STD = 0.02  # every other row
 
 TINY_TEXT_CONFIG: dict[str, Any] = {
@@ -119,7 +120,7 @@ def tiny_gemma_state_dict(config: DiffusionGemmaConfig, seed: int) -> dict[str, 
 
     row_std = torch.full((config.vocab_size, 1), WEAK_EMBED_STD)
     row_std[BYTE_OFFSET + 32:BYTE_OFFSET + 127] = EMBED_STD
-    row_std[[EOS_ID, TURN_CLOSE_ID]] = EMBED_STD
+    row_std[[EOS_ID, TURN_CLOSE_ID]] = STOP_EMBED_STD
     d = "model.decoder"
     sd = {f"{d}.embed_tokens.weight": (torch.randn(config.vocab_size, hidden, generator=gen)
                                        * row_std).to(torch.bfloat16),
