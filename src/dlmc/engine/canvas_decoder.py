@@ -13,7 +13,9 @@ appended canvas and start the next.
 Random numbers come from one generator seeded by the request, drawn in transformers' order
 (the initial canvas, then per step the sample's noise and the re-noise ids), so a request
 with seed s gives the tokens of `torch.manual_seed(s); model.generate(...)` in transformers'
-eager mode. How each pass runs is the stepper's (`dlmc.engine.canvas_steppers`, by `mode`).
+eager mode. (A prompt longer than `prefill_chunk` is encoded in chunks, which transformers
+encodes in one pass: the same logits to rounding, so a near-tie may sample differently.) How
+each pass runs is the stepper's (`dlmc.engine.canvas_steppers`, by `mode`).
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ class CanvasDecoder:
         self.model, self.device, self.mode = model, device, mode
         self.max_context = max_context or model.config.max_position_embeddings
         self.prefill_chunk = prefill_chunk
-        self._steppers = {use_cache: make_stepper(mode, model, device, use_cache)
-                          for use_cache in (True,)}
+        # the cached stepper now (an unknown mode fails here); the uncached one on first use
+        self._steppers = {True: make_stepper(mode, model, device, use_cache=True)}
 
     def stepper(self, use_cache: bool) -> CanvasStepper:
         if use_cache not in self._steppers:

@@ -26,11 +26,12 @@ TEXT_PART_TYPES = ("text", "input_text")
 class CanvasRuntime:
     """DiffusionGemma's side of `LLM`: `role` "orl" (generation_config.json, then
     paper_decoding.json), `mode` "eager" or "reference" (the compiled modes once their
-    stepper is registered), a dense KV cache in the activation dtype."""
+    stepper is registered), a dense KV cache in the activation dtype (`kv_cache_dtype`
+    "auto" or "bf16" accepted; FP8 is not supported yet)."""
 
     def __init__(self, model: DiffusionGemmaForBlockDiffusion, model_dir: Path, role: str,
-                 device: torch.device, mode: str | None, kv_cache_dtype: str,
-                 max_context: int | None) -> None:
+                 device: torch.device, dtype: torch.dtype, mode: str | None,
+                 kv_cache_dtype: str, max_context: int | None) -> None:
         self.model, self.model_dir, self.role = model, model_dir, role
         self.config = model.config
         self.mode = mode or default_canvas_mode(device)
@@ -39,7 +40,7 @@ class CanvasRuntime:
             raise ConfigError(
                 f"kv_cache_dtype {kv_cache_dtype!r}: DiffusionGemma's cache is dense in the "
                 f"activation dtype for now; expected one of {', '.join(KV_CACHE_DTYPES)}")
-        self.kv_cache_dtype = "auto"
+        self.kv_cache_dtype = str(dtype).removeprefix("torch.")  # what the dense cache holds
         self.decoder = CanvasDecoder(model, device, self.mode, max_context)
         self.max_context = self.decoder.max_context
         defaults = self.decode_settings({})  # a bad role or generation config fails here
