@@ -93,7 +93,8 @@ class LLM:
         self._decoder: BlockDecoder | CanvasDecoder
         if loaded.model_type == "diffusion_gemma":
             self._canvas = CanvasRuntime(self.model, self.model_dir, role, self.device,
-                                         self.dtype, mode, kv_cache_dtype, max_context)
+                                         self.dtype, mode, kv_cache_dtype, max_context,
+                                         self.kernels)
             self.mode, self.kv_cache_dtype = self._canvas.mode, self._canvas.kv_cache_dtype
             self.special_ids, self.max_context = self._canvas.special_ids, self._canvas.max_context
             self._decoder = self._canvas.decoder

@@ -24,6 +24,7 @@ from collections.abc import Callable, Generator
 
 import torch
 
+from dlmc.custom_ops.kernel_config import DEFAULT_KERNELS, KernelConfig
 from dlmc.engine.canvas_config import CanvasDecodeConfig
 from dlmc.engine.canvas_steppers import CanvasStepper, make_stepper
 from dlmc.engine.events import BlockEvent, CanvasRoundEvent, DecodeOutput
@@ -41,24 +42,25 @@ class CanvasDecoder:
     "reference"; the compiled modes once their stepper is registered).
 
     `max_context`: positions the prompt and the canvases may take in all. `prefill_chunk`:
-    prompt tokens per encoder pass.
+    prompt tokens per encoder pass. `kernels`: the kernel choices, handed to the stepper.
     """
 
     def __init__(self, model: DiffusionGemmaForBlockDiffusion, device: torch.device,
                  mode: str = "eager", max_context: int | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK) -> None:
+                 prefill_chunk: int = PREFILL_CHUNK,
+                 kernels: KernelConfig = DEFAULT_KERNELS) -> None:
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk={prefill_chunk!r}: expected an integer >= 1")
         self.model, self.device, self.mode = model, device, mode
         self.max_context = max_context or model.config.max_position_embeddings
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk, self.kernels = prefill_chunk, kernels
         # the cached stepper now (an unknown mode fails here); the uncached one on first use
-        self._steppers = {True: make_stepper(mode, model, device, use_cache=True)}
+        self._steppers = {True: make_stepper(mode, model, device, True, kernels)}
 
     def stepper(self, use_cache: bool) -> CanvasStepper:
         if use_cache not in self._steppers:
             self._steppers[use_cache] = make_stepper(self.mode, self.model, self.device,
-                                                     use_cache)
+                                                     use_cache, self.kernels)
         return self._steppers[use_cache]
 
     def decode(

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from dlmc.custom_ops.kernel_config import KernelConfig
 from dlmc.engine.canvas_config import CanvasDecodeConfig, resolve_canvas_config
 from dlmc.engine.canvas_decoder import CanvasDecoder
 from dlmc.engine.canvas_steppers import check_canvas_mode, default_canvas_mode
@@ -31,7 +32,7 @@ class CanvasRuntime:
 
     def __init__(self, model: DiffusionGemmaForBlockDiffusion, model_dir: Path, role: str,
                  device: torch.device, dtype: torch.dtype, mode: str | None,
-                 kv_cache_dtype: str, max_context: int | None) -> None:
+                 kv_cache_dtype: str, max_context: int | None, kernels: KernelConfig) -> None:
         self.model, self.model_dir, self.role = model, model_dir, role
         self.config = model.config
         self.mode = mode or default_canvas_mode(device)
@@ -41,7 +42,7 @@ class CanvasRuntime:
                 f"kv_cache_dtype {kv_cache_dtype!r}: DiffusionGemma's cache is dense in the "
                 f"activation dtype for now; expected one of {', '.join(KV_CACHE_DTYPES)}")
         self.kv_cache_dtype = str(dtype).removeprefix("torch.")  # what the dense cache holds
-        self.decoder = CanvasDecoder(model, device, self.mode, max_context)
+        self.decoder = CanvasDecoder(model, device, self.mode, max_context, kernels=kernels)
         self.max_context = self.decoder.max_context
         defaults = self.decode_settings({})  # a bad role or generation config fails here
         eos = defaults.settings.eos_token_ids

@@ -24,6 +24,7 @@ from typing import Protocol
 
 import torch
 
+from dlmc.custom_ops.kernel_config import DEFAULT_KERNELS, KernelConfig
 from dlmc.errors import ConfigError
 from dlmc.graphs.canvas_rules import (
     CanvasState,
@@ -70,8 +71,8 @@ class _EagerStepper:
     decoder forward, and the whole-sequence recompute of `use_cache=False`."""
 
     def __init__(self, model: DiffusionGemmaForBlockDiffusion, device: torch.device,
-                 use_cache: bool = True) -> None:
-        self.model, self.device, self.use_cache = model, device, use_cache
+                 use_cache: bool = True, kernels: KernelConfig = DEFAULT_KERNELS) -> None:
+        self.model, self.device, self.use_cache = model, device, use_cache  # kernels: unused
         self.vocab_size = model.config.vocab_size
         self.sc_dtype = model.model.decoder.embed_tokens.weight.dtype
         self.settings = CanvasSettings()
@@ -150,8 +151,8 @@ class EagerCanvasStepper(_EagerStepper):
     """The dense cache and the sync-free step with its noise drawn in transformers' order."""
 
     def __init__(self, model: DiffusionGemmaForBlockDiffusion, device: torch.device,
-                 use_cache: bool = True) -> None:
-        super().__init__(model, device, use_cache)
+                 use_cache: bool = True, kernels: KernelConfig = DEFAULT_KERNELS) -> None:
+        super().__init__(model, device, use_cache, kernels)
         dtype = model.model.decoder.embed_tokens.weight.dtype
         self.cache = GemmaDenseCache.for_config(model.config, 0, dtype, device)
 
@@ -174,7 +175,10 @@ class EagerCanvasStepper(_EagerStepper):
         return canvas_step(logits, state, steps_remaining, noise, self.settings)
 
 
-StepperFactory = Callable[[DiffusionGemmaForBlockDiffusion, torch.device, bool], CanvasStepper]
+# (model, device, use_cache, kernels) -> a stepper; a strategy without uncached decoding
+# raises ConfigError for use_cache=False
+StepperFactory = Callable[[DiffusionGemmaForBlockDiffusion, torch.device, bool, KernelConfig],
+                          CanvasStepper]
 # Modes and their strategies; the compiled canvas runner adds "compile" and "graph".
 STEPPERS: dict[str, StepperFactory] = {
     "eager": EagerCanvasStepper,
@@ -199,7 +203,8 @@ def check_canvas_mode(mode: str) -> None:
 
 
 def make_stepper(mode: str, model: DiffusionGemmaForBlockDiffusion, device: torch.device,
-                 use_cache: bool = True) -> CanvasStepper:
-    """The stepper of `mode` (see `check_canvas_mode`)."""
+                 use_cache: bool = True, kernels: KernelConfig = DEFAULT_KERNELS
+                 ) -> CanvasStepper:
+    """The stepper of `mode` (see `check_canvas_mode`) with `kernels`' choices."""
     check_canvas_mode(mode)
-    return STEPPERS[mode](model, device, use_cache)
+    return STEPPERS[mode](model, device, use_cache, kernels)
