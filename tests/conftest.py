@@ -89,3 +89,19 @@ def tiny_llm(tiny_dir):
     from dlmc import LLM
 
     return LLM(tiny_dir, device="cpu", dtype="fp32")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny diffusion_gemma checkpoint (sharded, with tokenizer) written by dlmc's generator."""
+    from dlmc.loading.tiny_gemma import write_tiny_gemma_checkpoint
+
+    return write_tiny_gemma_checkpoint(tmp_path_factory.mktemp("tiny-diffusiongemma"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma_llm(tiny_gemma_dir):
+    """The tiny DiffusionGemma checkpoint loaded in fp32 on the CPU (eager canvas steps)."""
+    from dlmc import LLM
+
+    return LLM(tiny_gemma_dir, device="cpu", dtype="fp32")

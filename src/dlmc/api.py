@@ -13,8 +13,11 @@ import torch
 
 from dlmc.custom_ops.kernel_config import KernelConfig
 from dlmc.engine.block_decoder import BlockDecoder
+from dlmc.engine.canvas_config import CanvasDecodeConfig
+from dlmc.engine.canvas_decoder import CanvasDecoder
+from dlmc.engine.canvas_runtime import CanvasRuntime
 from dlmc.engine.decode_config import DecodeConfig, resolve_decode_config, role_defaults
-from dlmc.engine.events import BlockEvent, DecodeOutput, RoundEvent
+from dlmc.engine.events import BlockEvent, CanvasRoundEvent, DecodeOutput, RoundEvent
 from dlmc.errors import ConfigError, DlmcError
 from dlmc.kv.attention import MaskedAttention, block_causal_mask
 from dlmc.kv.layout import paged_cache_problem
@@ -28,16 +31,20 @@ from dlmc.results import BlockChunk, Done, GenerateResult
 
 log = logging.getLogger(__name__)
 _UNSET: Any = object()
-StreamEvent = RoundEvent | BlockChunk | Done
+StreamEvent = RoundEvent | CanvasRoundEvent | BlockChunk | Done
 
 
 class LLM:
     """A loaded diffusion LM and its decoder.
 
-    `model`: local checkpoint directory, Hugging Face repo id, or `tiny-llada2` (built-in tiny
-    random-weight model). `role`: "orl" (threshold 0.85, edit 0.5, 16 refine steps, from the
-    checkpoint's paper_decoding.json), "llada2.1" or "llada2.0". `precision`: "auto", "bf16"
-    or "nvfp4". `device`: default CUDA if available. `dtype`: default bf16 on CUDA, fp32 on CPU.
+    `model`: local checkpoint directory, Hugging Face repo id, or a built-in tiny random-weight
+    model (`tiny-llada2`, `tiny-diffusiongemma`). The decoder follows config.json's
+    `model_type`: LLaDA2's block decoder for `llada2_moe`, the entropy-bound canvas decoder for
+    `diffusion_gemma` (`dlmc.engine.canvas_runtime`; role "orl" only, settings from
+    generation_config.json then paper_decoding.json, modes "eager" and "reference" for now).
+    `role`: "orl" (threshold 0.85, edit 0.5, 16 refine steps, from the checkpoint's
+    paper_decoding.json), "llada2.1" or "llada2.0". `precision`: "auto", "bf16" or "nvfp4".
+    `device`: default CUDA if available. `dtype`: default bf16 on CUDA, fp32 on CPU.
     `mode`: how rounds run: "graph" (compiled + CUDA graphs, the default on CUDA), "compile",
     "eager" (the default on CPU) or "reference" (plain PyTorch, exact-length attention).
     `kv_cache_dtype`: "auto" (FP8 when the checkpoint declares an FP8 KV cache and activations
@@ -81,6 +88,17 @@ class LLM:
                             self.kernels)
         self.config, self.model, self.precision = loaded.config, loaded.model, loaded.precision
         self.kv_scales = loaded.kv_scales
+        self._tokenizer: Any = None
+        self._canvas: CanvasRuntime | None = None
+        self._decoder: BlockDecoder | CanvasDecoder
+        if loaded.model_type == "diffusion_gemma":
+            self._canvas = CanvasRuntime(self.model, self.model_dir, role, self.device,
+                                         self.dtype, mode, kv_cache_dtype, max_context,
+                                         self.kernels)
+            self.mode, self.kv_cache_dtype = self._canvas.mode, self._canvas.kv_cache_dtype
+            self.special_ids, self.max_context = self._canvas.special_ids, self._canvas.max_context
+            self._decoder = self._canvas.decoder
+            return
         if self.device.type == "cuda":  # one grouped kernel pair for routed + shared experts
             fuse_shared_experts(self.model)
             fuse_gate_up_projections(self.model)  # one GEMM for gate + up of dense MLPs
@@ -94,7 +112,6 @@ class LLM:
         elif role_defaults(role).self_conditioning:
             log.info("%s has no self-conditioning weights: decoding without self-conditioning",
                      self.model_dir)
-        self._tokenizer: Any = None
         self.special_ids = resolve_special_ids(self.model_dir, self._tokenizer_special_ids)
         self.max_context = max_context or self.config.max_position_embeddings
         if self.mode not in ("graph", "compile", "eager", "reference"):
@@ -167,10 +184,13 @@ class LLM:
                 isinstance(m, dict) and "role" in m and "content" in m for m in messages
             ):
                 raise ConfigError("messages: expected a non-empty list of {role, content} dicts")
+            if self._canvas is not None:
+                messages = self._canvas.text_messages(messages)
             prompt = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True
             )
-        return list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        ids = list(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        return self._canvas.with_bos(ids) if self._canvas is not None and ids else ids
 
     def decode_text(self, token_ids: list[int] | tuple[int, ...]) -> str:
         try:
@@ -180,9 +200,12 @@ class LLM:
         return tok.decode(list(token_ids), skip_special_tokens=True)
 
     # -- decoding --------------------------------------------------------------------------
-    def decode_settings(self, **overrides: Any) -> DecodeConfig:
-        """Effective settings: role defaults < paper_decoding.json < explicit overrides."""
+    def decode_settings(self, **overrides: Any) -> DecodeConfig | CanvasDecodeConfig:
+        """Effective settings: role defaults < paper_decoding.json < explicit overrides
+        (DiffusionGemma: generation_config.json < paper_decoding.json < explicit overrides)."""
         given = {k: v for k, v in overrides.items() if v is not _UNSET}
+        if self._canvas is not None:
+            return self._canvas.decode_settings(given)
         return resolve_decode_config(self.role, self.model_dir, given)
 
     def stream(
@@ -203,9 +226,15 @@ class LLM:
         rounds: bool = False,
         use_cache: bool = True,
         cancel: Callable[[], bool] | None = None,
+        **sampler: Any,
     ) -> Iterator[StreamEvent]:
         """Yield a BlockChunk per finished block (and a RoundEvent per round if `rounds`),
-        then Done(result). `cancel()` is polled every round."""
+        then Done(result). `cancel()` is polled every round.
+
+        DiffusionGemma: a BlockChunk per appended canvas and, with `rounds`, a
+        CanvasRoundEvent per denoising step; `sampler` takes its settings (max_denoising_steps,
+        t_min, t_max, entropy_bound, stability_threshold, confidence_threshold); LLaDA2's
+        options are refused by name (temperature 0.0, the default, means "not given")."""
         ids = self.encode_prompt(prompt, messages, prompt_token_ids)
         named = dict(
             max_new_tokens=max_new_tokens,
@@ -220,10 +249,11 @@ class LLM:
         overrides["temperature"] = float(temperature)
         if edit_threshold is not _UNSET:
             overrides["edit_threshold"] = edit_threshold
-        cfg = self.decode_settings(**overrides)
+        cfg = self.decode_settings(**overrides, **sampler)
         settings = self._record(cfg)
         started = time.perf_counter()
-        steps = self._decoder.decode(ids, cfg, use_cache=use_cache, rounds=rounds, cancel=cancel)
+        steps = self._decoder.decode(ids, cfg, use_cache=use_cache, rounds=rounds,
+                                     cancel=cancel)
         answer: list[int] = []
         text = ""
         while True:
@@ -244,6 +274,9 @@ class LLM:
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - started
         n = len(out.answer_ids)
+        tpf = out.tokens_per_forward
+        if tpf is None:
+            tpf = n / out.num_forwards if out.num_forwards else 0.0
         yield Done(
             GenerateResult(
                 text=self.decode_text(out.answer_ids),
@@ -251,7 +284,7 @@ class LLM:
                 prompt_token_ids=ids,
                 num_forwards=out.num_forwards,
                 total_forwards=out.total_forwards,
-                tokens_per_forward=n / out.num_forwards if out.num_forwards else 0.0,
+                tokens_per_forward=tpf,
                 request_tps=n / elapsed if elapsed > 0 else 0.0,
                 elapsed_s=elapsed,
                 finish_reason=out.finish_reason,
@@ -267,18 +300,21 @@ class LLM:
                 return event.result
         raise AssertionError("stream ended without a result")  # pragma: no cover
 
-    def _record(self, cfg: DecodeConfig) -> dict[str, Any]:
+    def _record(self, cfg: DecodeConfig | CanvasDecodeConfig) -> dict[str, Any]:
+        common = {"role": self.role, "precision": self.precision,
+                  "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device),
+                  "kernels": self.kernels.to_dict()}
+        if self._canvas is not None:
+            assert isinstance(cfg, CanvasDecodeConfig)
+            return self._canvas.record(cfg, common)
+        assert isinstance(cfg, DecodeConfig) and isinstance(self._decoder, BlockDecoder)
         return {
             **cfg.to_dict(),
-            "role": self.role,
-            "precision": self.precision,
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "device": str(self.device),
+            **common,
             "mode": self.mode if cfg.greedy or self._decoder.paged else "reference",
             "kv_cache_dtype": self.kv_cache_dtype,
             "refresh": self._decoder.refresh,
             "lookahead": self._decoder.lookahead,
-            "kernels": self.kernels.to_dict(),
             "self_conditioning_active": False,
             "mask_token_id": self.special_ids.mask_token_id,
             "eos_token_id": self.special_ids.eos_token_id,
@@ -288,9 +324,20 @@ class LLM:
     def logits(
         self, token_ids: list[int] | torch.Tensor, block_length: int | None = None
     ) -> torch.Tensor:
-        """fp32 logits `[len, vocab]` of a whole sequence under the block-causal mask."""
-        bl = block_length or self.decode_settings().block_length
+        """fp32 logits `[len, vocab]` of a whole sequence at positions 0 .. len - 1.
+
+        LLaDA2: one forward under the block-causal mask (`block_length`: default the
+        decoding setting's); row i scores the token at position i. DiffusionGemma: the
+        encoder's causal pass (no canvas, no self-conditioning; sliding windows applied), the
+        soft-capped logits; row i scores the token after position i, as a causal LM's do.
+        """
         ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(-1)
+        if self._canvas is not None:
+            if block_length is not None:
+                raise ConfigError("block_length: a LLaDA2 option; DiffusionGemma's logits "
+                                  "are the encoder's causal logits")
+            return self._canvas.logits(ids)
+        bl = block_length or self.decode_settings().block_length
         pos = torch.arange(ids.shape[0], device=self.device)
         mask = block_causal_mask(pos, pos, bl, self.dtype)
         return self.model(ids, pos, MaskedAttention(mask))

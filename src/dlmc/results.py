@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dlmc.engine.events import RoundEvent
+from dlmc.engine.events import CanvasRoundEvent, RoundEvent
 
-__all__ = ["BlockChunk", "Done", "GenerateResult", "RoundEvent"]
+__all__ = ["BlockChunk", "CanvasRoundEvent", "Done", "GenerateResult", "RoundEvent"]
 
 
 @dataclass(frozen=True)
@@ -17,9 +17,9 @@ class GenerateResult:
     text: str  # the answer, special tokens (EOS) removed
     token_ids: list[int]  # answer ids, including the EOS if one was produced
     prompt_token_ids: list[int]
-    num_forwards: int  # denoising forwards (prefill and cache refresh not counted)
-    total_forwards: int  # all forwards, prefill chunks and cache refreshes included
-    tokens_per_forward: float  # len(token_ids) / num_forwards
+    num_forwards: int  # denoising (decoder) forwards; prefill, encoder, refresh not counted
+    total_forwards: int  # all forwards, prefill / encoder chunks and cache refreshes included
+    tokens_per_forward: float  # len(token_ids) / num_forwards (DiffusionGemma: non-pad ids)
     request_tps: float  # len(token_ids) / elapsed_s
     elapsed_s: float
     finish_reason: str  # "stop" (EOS), "length" (max_new_tokens) or "cancelled"
@@ -32,7 +32,8 @@ class GenerateResult:
 
 @dataclass(frozen=True)
 class BlockChunk:
-    """A block became final: its answer ids and the text they add."""
+    """A block (DiffusionGemma: an appended canvas) became final: its answer ids and the text
+    they add."""
 
     block_index: int
     token_ids: tuple[int, ...]

@@ -41,3 +41,20 @@ def test_tiny_llada2_suite_completes_writes_files_and_resumes(
     assert resumed["benchmarks"] == summary["benchmarks"]
     # Finished problems were skipped: the records (outputs, timings) are the first run's.
     assert {f: (out / f"{f}.jsonl").read_text() for f in before} == before
+
+
+def test_tiny_diffusiongemma_suite_runs_through_llm(tiny_gemma_dir: Path, tmp_path: Path) -> None:
+    """The suite drives DiffusionGemma through the same `LLM` (its defaults: no LLaDA2 option
+    given, temperature 0.0 meaning "not given"), and records the canvas sampler's settings."""
+    out = tmp_path / "gemma"
+    args = ["bench", "suite", "--model", str(tiny_gemma_dir), "--max-new-tokens", "32",
+            "--limit", "1", "--problems", "gsm8k", "--out", str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["benchmarks"][0]["problems"] == 1
+    engine = summary["engine_settings"]
+    assert engine["model_type"] == "diffusion_gemma" and engine["max_new_tokens"] == 32
+    assert engine["seed"] == 0 and engine["sources"]["max_new_tokens"] == "argument"
+    record = json.loads((out / "gsm8k.jsonl").read_text().splitlines()[0])
+    assert 0 < record["tokens"] <= 32 and 1 <= record["forwards"] <= 48

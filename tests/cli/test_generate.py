@@ -74,3 +74,20 @@ def test_python_dash_m_help():
         [sys.executable, "-m", "dlmc", "--help"], capture_output=True, text=True, check=True
     )
     assert "generate" in out.stdout
+
+
+def test_generate_diffusiongemma_json_matches_the_api(tiny_gemma_dir, tiny_gemma_llm):
+    args = ["generate", "--model", str(tiny_gemma_dir), "--dtype", "fp32", "--device", "cpu",
+            "Hello", "--max-denoising-steps", "4", "--t-max", "0.7", "--seed", "5", "--json"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    want = tiny_gemma_llm.generate(messages=[{"role": "user", "content": "Hello"}],
+                                   max_denoising_steps=4, t_max=0.7, seed=5)
+    assert data["token_ids"] == want.token_ids and data["settings"]["t_max"] == 0.7
+    res = CliRunner().invoke(main, ["generate", "--model", str(tiny_gemma_dir), "--threshold",
+                                    "0.5", "hi"])
+    assert res.exit_code == 1 and "`threshold`: a LLaDA2 setting" in res.output
+    res = CliRunner().invoke(main, ["generate", "--model", str(tiny_gemma_dir), "--raw",
+                                    "--max-denoising-steps", "2", "--max-new-tokens", "8", "hi"])
+    assert res.exit_code == 0 and "forwards" in res.output.strip().splitlines()[-1]

@@ -1,4 +1,5 @@
-"""`dlmc generate`: decode one prompt with a live view of the block being denoised."""
+"""`dlmc generate`: decode one prompt with a live view of the block (DiffusionGemma: the
+canvas) being denoised."""
 
 from __future__ import annotations
 
@@ -89,8 +90,8 @@ def generate(
 def _run_live(llm: Any, request: dict[str, Any], kwargs: dict[str, Any], console: Any) -> Any:
     from rich.live import Live
 
-    from dlmc.cli.live import render_block
-    from dlmc.results import BlockChunk, Done, RoundEvent
+    from dlmc.cli.live import render_block, render_canvas
+    from dlmc.results import BlockChunk, CanvasRoundEvent, Done, RoundEvent
 
     text, result = "", None
     piece_cache: dict[int, str] = {}
@@ -106,6 +107,8 @@ def _run_live(llm: Any, request: dict[str, Any], kwargs: dict[str, Any], console
         for event in llm.stream(**request, **kwargs, rounds=True):
             if isinstance(event, RoundEvent):
                 view.update(render_block(text, event, token_text))
+            elif isinstance(event, CanvasRoundEvent):
+                view.update(render_canvas(text, event, token_text))
             elif isinstance(event, BlockChunk):
                 text += event.text
                 view.update(render_block(text, None, token_text))

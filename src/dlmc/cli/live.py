@@ -1,4 +1,5 @@
-"""Rich live view of a block being denoised: masks as placeholders, commits and edits marked."""
+"""Rich live view of a block being denoised: masks as placeholders, commits and edits marked;
+for DiffusionGemma, the canvas being denoised with accepted and re-noised positions apart."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from collections.abc import Callable
 
 from rich.text import Text
 
-from dlmc.engine.events import RoundEvent
+from dlmc.engine.events import CanvasRoundEvent, RoundEvent
 from dlmc.results import GenerateResult
 
 MASK_GLYPH = "░"
@@ -37,6 +38,27 @@ def render_block(
     out.append(
         f"\n[block {event.block_index} · round {event.round_index} · {remaining} masked · "
         f"+{sum(event.committed)} committed · {sum(event.edited)} edited]",
+        style="dim",
+    )
+    return out
+
+
+def render_canvas(
+    text_so_far: str, event: CanvasRoundEvent, token_text: Callable[[int], str]
+) -> Text:
+    """Finished text, then the canvas after a denoising step: accepted tokens (this step's
+    samples) bold green, re-noised positions (fresh random tokens) dim and struck through;
+    a status line below."""
+    out = Text(text_so_far)
+    for tok, accepted in zip(event.tokens, event.accepted, strict=True):
+        piece = _visible(token_text(tok)) or "·"
+        out.append(piece, style="bold green" if accepted else "grey42 strike")
+    kept = sum(event.accepted)
+    out.append(
+        f"\n[canvas {event.canvas_index} · step {event.round_index} "
+        f"({event.steps_remaining} left) · {kept} accepted · {len(event.tokens) - kept} "
+        f"re-noised · mean entropy {event.mean_entropy:.3f}"
+        f"{' · stopped' if event.stopped else ''}]",
         style="dim",
     )
     return out

@@ -10,6 +10,9 @@ import click
 
 from dlmc.errors import DlmcError
 
+# DiffusionGemma's sampler options: LLM.stream refuses them for LLaDA2, so only given ones pass
+CANVAS_KEYS = ("max_denoising_steps", "t_min", "t_max", "entropy_bound", "confidence_threshold")
+
 
 class EditThreshold(click.ParamType):
     """A number in [0, 1], or `none` to disable token-to-token edits."""
@@ -35,8 +38,8 @@ def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             "--model",
             required=True,
             metavar="DIR|REPO|tiny-llada2",
-            help="Checkpoint directory, Hugging Face repo id, or the built-in "
-            "`tiny-llada2` (random weights: gibberish output).",
+            help="Checkpoint directory, Hugging Face repo id, or a built-in "
+            "`tiny-llada2` / `tiny-diffusiongemma` (random weights: gibberish output).",
         ),
         click.option(
             "--role",
@@ -79,7 +82,9 @@ def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def decode_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """--threshold --edit-threshold --max-refine-steps --max-new-tokens --block-length ..."""
+    """--threshold --edit-threshold --max-refine-steps --max-new-tokens --block-length ... and
+    DiffusionGemma's --max-denoising-steps --t-min --t-max --entropy-bound
+    --confidence-threshold (passed on only when given)."""
     decorators = [
         click.option(
             "--threshold",
@@ -110,6 +115,18 @@ def decode_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--top-k", type=int, default=None),
         click.option("--top-p", type=float, default=None),
         click.option("--seed", type=int, default=None, help="Seed for sampling."),
+        click.option("--max-denoising-steps", type=int, default=None,
+                     help="DiffusionGemma: steps per canvas at most (default: the checkpoint's "
+                     "generation_config.json, 48)."),
+        click.option("--t-min", type=float, default=None,
+                     help="DiffusionGemma: temperature at the last step (default 0.4)."),
+        click.option("--t-max", type=float, default=None,
+                     help="DiffusionGemma: temperature at the first step (default 0.8)."),
+        click.option("--entropy-bound", type=float, default=None,
+                     help="DiffusionGemma: acceptance budget in nats per step (default 0.1)."),
+        click.option("--confidence-threshold", type=float, default=None,
+                     help="DiffusionGemma: a canvas stops once stable with a mean entropy "
+                     "below this (default 0.005)."),
     ]
     for decorator in reversed(decorators):
         fn = decorator(fn)
@@ -166,6 +183,7 @@ def decode_kwargs(params: dict[str, Any]) -> dict[str, Any]:
         "seed",
     )
     kwargs = {k: params[k] for k in keys if k in params}
+    kwargs.update({k: params[k] for k in CANVAS_KEYS if params.get(k) is not None})
     if params.get("edit_threshold") != "default":
         kwargs["edit_threshold"] = params.get("edit_threshold")
     return kwargs

@@ -1,4 +1,5 @@
-"""What the block decoder reports while it runs: rounds, finished blocks, the end."""
+"""What the decoders report while they run: rounds (LLaDA2) or denoising steps
+(DiffusionGemma), finished blocks or canvases, the end."""
 
 from __future__ import annotations
 
@@ -16,6 +17,25 @@ class RoundEvent:
     is_masked: tuple[bool, ...]  # still masked after this round
     committed: tuple[bool, ...]  # mask -> token in this round
     edited: tuple[bool, ...]  # token -> other token in this round
+
+
+@dataclass(frozen=True)
+class CanvasRoundEvent:
+    """A DiffusionGemma canvas after one denoising step (for live views).
+
+    `tokens` is the canvas the next step reads: where `accepted`, the token sampled at this
+    step; elsewhere a fresh uniform-random id (re-noised). `argmax` is the step's most likely
+    canvas, which is what the canvas appends if it stops here.
+    """
+
+    canvas_index: int
+    round_index: int  # 1-based step within the canvas
+    steps_remaining: int  # n of the temperature schedule: max_denoising_steps .. 1
+    tokens: tuple[int, ...]
+    accepted: tuple[bool, ...]  # kept its sample; False: re-noised
+    argmax: tuple[int, ...]
+    mean_entropy: float  # nats, of the tempered distribution, over the canvas
+    stopped: bool  # stable and confident: the canvas ends with this step
 
 
 @dataclass(frozen=True)
@@ -37,3 +57,6 @@ class DecodeOutput:
     total_forwards: int  # plus prefill chunks and cache-refresh forwards
     blocks: int
     fused_rounds: int = 0  # rounds that also refreshed the previous block (2-block forwards)
+    # tokens per forward as the model's reference reports it, where it differs from
+    # len(answer_ids) / num_forwards (DiffusionGemma: pad ids in the answer do not count)
+    tokens_per_forward: float | None = None

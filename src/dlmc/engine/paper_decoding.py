@@ -73,9 +73,9 @@ def _coerce(field: str, value: Any) -> Any:
     return float(value)
 
 
-def read_paper_decoding(path: Path, defaults: Any) -> dict[str, Any]:
-    """Settings found in `path` as field overrides of `defaults` (a `DecodeConfig`, whose
-    validation checks each value's range); empty if the file is absent."""
+def read_flat(path: Path) -> dict[str, Any]:
+    """The file's settings as one flat dict: keys normalised, nested sections winning over
+    top-level keys; empty (with a warning) if the file is not a JSON object, empty if absent."""
     if not path.is_file():
         return {}
     try:
@@ -86,8 +86,14 @@ def read_paper_decoding(path: Path, defaults: Any) -> dict[str, Any]:
     if not isinstance(raw, dict):
         log.warning("%s: expected a JSON object; using the paper's default settings", path)
         return {}
+    return _flatten(raw)
+
+
+def read_paper_decoding(path: Path, defaults: Any) -> dict[str, Any]:
+    """Settings found in `path` as field overrides of `defaults` (a `DecodeConfig`, whose
+    validation checks each value's range); empty if the file is absent."""
     found: dict[str, Any] = {}
-    for key, value in _flatten(raw).items():
+    for key, value in read_flat(path).items():
         field = LOOKUP.get(key)
         if field is None:
             if key not in KNOWN_ELSEWHERE:

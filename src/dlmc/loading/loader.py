@@ -1,22 +1,31 @@
-"""Checkpoint directory -> (config, model on the target device), plus precision handling."""
+"""Checkpoint directory -> (config, model on the target device), plus precision handling.
+
+`load_model` dispatches on config.json's `model_type`: `llada2_moe` (LLaDA2.x MoE, BF16 or
+NVFP4) or `diffusion_gemma` (DiffusionGemma, BF16; `dlmc.loading.gemma_loading`).
+"""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from dlmc.custom_ops.kernel_config import DEFAULT_KERNELS, KernelConfig
-from dlmc.errors import ConfigError
+from dlmc.errors import CheckpointError, ConfigError
 from dlmc.kv.scales import KVScales, load_kv_scales
 from dlmc.loading.safetensors_index import SafetensorsIndex
 from dlmc.loading.weights import load_weights
 from dlmc.models.config import LLaDA2Config
+from dlmc.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion
+from dlmc.models.diffusion_gemma_config import DiffusionGemmaConfig
 from dlmc.models.llada2 import LLaDA2ForDiffusion
 from dlmc.models.nvfp4_experts import apply_kernel_config
 
 PRECISIONS = ("auto", "bf16", "nvfp4")
+MODEL_TYPES = ("llada2_moe", "diffusion_gemma")
 DTYPES = {
     "bf16": torch.bfloat16,
     "bfloat16": torch.bfloat16,
@@ -29,13 +38,19 @@ DTYPES = {
 
 @dataclass(frozen=True)
 class LoadedModel:
-    config: LLaDA2Config
-    model: LLaDA2ForDiffusion
+    config: LLaDA2Config | DiffusionGemmaConfig
+    model: LLaDA2ForDiffusion | DiffusionGemmaForBlockDiffusion
     index: SafetensorsIndex
     precision: str  # what the experts run in: "bf16" (dense experts) or "nvfp4"
     quantized_checkpoint: bool
     kv_scales: KVScales  # per-layer FP8 KV scales (1.0 where the checkpoint has none)
     declares_fp8_kv: bool  # the export declares an FP8 KV cache
+
+    @property
+    def model_type(self) -> str:
+        """config.json's `model_type`: "llada2_moe" or "diffusion_gemma"."""
+        return "diffusion_gemma" if isinstance(self.config, DiffusionGemmaConfig) else (
+            "llada2_moe")
 
 
 def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -62,10 +77,19 @@ def load_model(
     its ops take `kernels`' choices."""
     if precision not in PRECISIONS:
         raise ConfigError(f"precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
-    config = LLaDA2Config.from_file(directory / "config.json")
+    raw = read_config(directory / "config.json")
     from dlmc.quant.modelopt_config import load_quant_config
 
     quant = load_quant_config(directory)
+    if raw.get("model_type") == "diffusion_gemma":
+        from dlmc.loading.gemma_loading import build_diffusion_gemma
+
+        gemma = DiffusionGemmaConfig.from_dict(raw, source=str(directory / "config.json"))
+        model, index = build_diffusion_gemma(directory, gemma, device, dtype, precision,
+                                             quant is not None, show_progress)
+        return LoadedModel(gemma, model, index, "bf16", False,
+                           KVScales.ones(gemma.num_hidden_layers), False)
+    config = LLaDA2Config.from_dict(raw, source=str(directory / "config.json"))
     if quant is None and precision == "nvfp4":
         raise ConfigError(
             f"precision 'nvfp4': {directory} is a BF16 checkpoint (no hf_quant_config.json); "
@@ -95,3 +119,21 @@ def load_model(
     model.eval()
     return LoadedModel(config, model, index, effective, quant is not None, kv_scales,
                        declares_fp8_kv)
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """config.json as a dict whose `model_type` is one dlmc supports."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: config.json not found") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    if raw.get("model_type") not in MODEL_TYPES:
+        raise CheckpointError(
+            f"{path}: unknown model_type {raw.get('model_type')!r}; dlmc supports "
+            f"{', '.join(MODEL_TYPES)}"
+        )
+    return raw

@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SpecialIds:
-    mask_token_id: int
+    mask_token_id: int | None  # None: the model has no mask token (DiffusionGemma)
     eos_token_id: int
     source: str  # where each id came from, for the run record
 

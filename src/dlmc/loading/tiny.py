@@ -1,5 +1,6 @@
 """Built-in tiny checkpoints: the real `llada2_moe` architecture and file format, small and with
-random seeded weights (their output is gibberish), created deterministically on first use.
+random seeded weights (their output is gibberish), created deterministically on first use;
+`tiny-diffusiongemma` is the same for `diffusion_gemma` (written by `dlmc.loading.tiny_gemma`).
 
 `write_tiny_checkpoint` is also what the tests use to build checkpoints of their own.
 """
@@ -22,7 +23,7 @@ from dlmc.models.config import LLaDA2Config
 
 TINY_VERSION = "v1"
 LM_HEAD_STD = 1.0
-BUILTIN_MODELS = ("tiny-llada2", "tiny-llada2-nvfp4")
+BUILTIN_MODELS = ("tiny-llada2", "tiny-llada2-nvfp4", "tiny-diffusiongemma")
 TINY_KV_SCALE = 0.01  # FP8 KV scales written into the NVFP4 variant (amax / 448 of its K, V)
 
 TINY_CONFIG: dict[str, Any] = dict(
@@ -189,6 +190,10 @@ def ensure_builtin(name: str) -> Path:
             layers = TINY_CONFIG["num_hidden_layers"]
             export_nvfp4(source, staging,
                          kv_scales={i: (TINY_KV_SCALE, TINY_KV_SCALE) for i in range(layers)})
+        elif name == "tiny-diffusiongemma":
+            from dlmc.loading.tiny_gemma import write_tiny_gemma_checkpoint
+
+            write_tiny_gemma_checkpoint(staging, seed=0)
         else:
             write_tiny_checkpoint(staging, seed=0)
         (staging / ".complete").write_text(f"{name} {TINY_VERSION}\n")

@@ -33,12 +33,12 @@ IGNORED_RE = re.compile(r"rotary_emb\.inv_freq$|\.attention\.(?:[\w.]*\.)?[kv]_s
 OPTIONAL_ZERO = re.compile(r"\.mlp\.gate\.expert_bias$")
 
 
-def _iter_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def model_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     yield from model.named_parameters()
     yield from model.named_buffers()
 
 
-def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+def assign_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     module_name, _, leaf = name.rpartition(".")
     module = model.get_submodule(module_name)
     if leaf in module._parameters:
@@ -83,8 +83,8 @@ def load_weights(
 ) -> set[str]:
     """Fill every meta tensor of `model` from `index`; returns the checkpoint names consumed."""
     used: set[str] = set()
-    targets = list(_iter_tensors(model))
-    progress = _progress(show_progress, len(targets))
+    targets = list(model_tensors(model))
+    progress = progress_bar(show_progress, len(targets))
     with progress as bar:
         task = bar.add_task("loading weights", total=len(targets)) if bar else None
         buffers = {name for name, _ in model.named_buffers()}
@@ -120,7 +120,7 @@ def load_weights(
                     device, target_dtype
                 )
                 used.add(name)
-            _assign(model, name, tensor)
+            assign_tensor(model, name, tensor)
             if bar:
                 bar.advance(task)
     unused = [n for n in index.tensors if n not in used and not IGNORED_RE.search(n)]
@@ -134,7 +134,7 @@ def load_weights(
     return used
 
 
-def _progress(enabled: bool, total: int):  # -> context manager yielding a rich Progress or None
+def progress_bar(enabled: bool, total: int):  # -> context manager yielding a rich Progress or None
     if not enabled or total < 200:
         return nullcontext(None)
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn

@@ -34,8 +34,10 @@ REQUIRED_TEXT_KEYS = (
 )
 TEXT_KEYS_WITH_DEFAULTS = (
     "rms_norm_eps", "final_logit_softcapping", "hidden_activation", "tie_word_embeddings",
-    "attention_bias", "pad_token_id", "bos_token_id",
+    "attention_bias", "pad_token_id", "bos_token_id", "max_position_embeddings",
 )
+# Top-level ids of the image placeholders (the prompt side of the vision path, not loaded).
+IMAGE_ID_KEYS = ("image_token_id", "boi_token_id", "eoi_token_id")
 
 
 @dataclass(frozen=True)
@@ -115,13 +117,15 @@ class DiffusionGemmaConfig:
     eos_token_ids: tuple[int, ...] = (1,)
     pad_token_id: int = 0
     bos_token_id: int = 2
+    max_position_embeddings: int = 262_144
+    image_token_ids: tuple[int, ...] = ()  # image, begin-of-image, end-of-image placeholders
 
     def __post_init__(self) -> None:
         positive = (
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "head_dim", "global_head_dim",
             "num_global_key_value_heads", "sliding_window", "num_experts", "top_k_experts",
-            "moe_intermediate_size", "canvas_length",
+            "moe_intermediate_size", "canvas_length", "max_position_embeddings",
         )
         for name in positive:
             value = getattr(self, name)
@@ -254,6 +258,8 @@ class DiffusionGemmaConfig:
             kwargs["tie_word_embeddings"] = raw["tie_word_embeddings"]
         if raw.get("canvas_length") is not None:
             kwargs["canvas_length"] = raw["canvas_length"]
+        kwargs["image_token_ids"] = tuple(
+            raw[k] for k in IMAGE_ID_KEYS if isinstance(raw.get(k), int))
         eos = raw.get("eos_token_id", text.get("eos_token_id"))
         if eos is not None:
             kwargs["eos_token_ids"] = tuple(eos) if isinstance(eos, list) else (eos,)

@@ -1,0 +1,94 @@
+"""What `dlmc.LLM` needs to serve a `diffusion_gemma` checkpoint: its canvas decoder, its
+settings and their record, its prompts (text only, exactly one <bos>) and its special ids.
+
+`LLM` keeps its interface for both model types; where DiffusionGemma differs it asks this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dlmc.custom_ops.kernel_config import KernelConfig
+from dlmc.engine.canvas_config import CanvasDecodeConfig, resolve_canvas_config
+from dlmc.engine.canvas_decoder import CanvasDecoder
+from dlmc.engine.canvas_steppers import check_canvas_mode, default_canvas_mode
+from dlmc.errors import ConfigError
+from dlmc.loading.special_ids import SpecialIds
+from dlmc.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion
+
+KV_CACHE_DTYPES = ("auto", "bf16")
+TEXT_PART_TYPES = ("text", "input_text")
+
+
+class CanvasRuntime:
+    """DiffusionGemma's side of `LLM`: `role` "orl" (generation_config.json, then
+    paper_decoding.json), `mode` "eager" or "reference" (the compiled modes once their
+    stepper is registered), a dense KV cache in the activation dtype (`kv_cache_dtype`
+    "auto" or "bf16" accepted; FP8 is not supported yet)."""
+
+    def __init__(self, model: DiffusionGemmaForBlockDiffusion, model_dir: Path, role: str,
+                 device: torch.device, dtype: torch.dtype, mode: str | None,
+                 kv_cache_dtype: str, max_context: int | None, kernels: KernelConfig) -> None:
+        self.model, self.model_dir, self.role = model, model_dir, role
+        self.config = model.config
+        self.mode = mode or default_canvas_mode(device)
+        check_canvas_mode(self.mode)
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(
+                f"kv_cache_dtype {kv_cache_dtype!r}: DiffusionGemma's cache is dense in the "
+                f"activation dtype for now; expected one of {', '.join(KV_CACHE_DTYPES)}")
+        self.kv_cache_dtype = str(dtype).removeprefix("torch.")  # what the dense cache holds
+        self.decoder = CanvasDecoder(model, device, self.mode, max_context, kernels=kernels)
+        self.max_context = self.decoder.max_context
+        defaults = self.decode_settings({})  # a bad role or generation config fails here
+        eos = defaults.settings.eos_token_ids
+        self.special_ids = SpecialIds(
+            None, eos[0] if eos else -1,
+            f"no mask token (uniform-noise canvas); eos {list(eos)} from "
+            f"{defaults.sources['eos_token_ids']}")
+
+    def decode_settings(self, overrides: Mapping[str, Any]) -> CanvasDecodeConfig:
+        return resolve_canvas_config(self.role, self.model_dir, self.config, overrides)
+
+    def record(self, cfg: CanvasDecodeConfig, common: Mapping[str, Any]) -> dict[str, Any]:
+        """`GenerateResult.settings`: the sampler's effective settings, their sources and
+        the engine's (`common`: precision, dtype, device, ...)."""
+        return {**cfg.to_dict(), "model_type": "diffusion_gemma",
+                "sampler": "entropy_bound", **common, "mode": self.mode,
+                "kv_cache_dtype": self.kv_cache_dtype, "self_conditioning_active": True}
+
+    def text_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Chat messages with text content only (OpenAI-style text parts joined); an image
+        (or any other part) is an error naming it."""
+        out = []
+        for i, message in enumerate(messages):
+            extra = sorted(set(message) & {"images", "image", "image_url", "pixel_values"})
+            if extra:
+                raise ConfigError(f"messages[{i}].{extra[0]}: {_NO_IMAGES}")
+            content = message["content"]
+            if isinstance(content, list):
+                for j, part in enumerate(content):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    if kind not in TEXT_PART_TYPES:
+                        raise ConfigError(f"messages[{i}].content[{j}]: a {kind!r} part; "
+                                          f"{_NO_IMAGES}")
+                content = "".join(part.get("text", "") for part in content)
+            out.append({**message, "content": content})
+        return out
+
+    def with_bos(self, ids: list[int]) -> list[int]:
+        """Exactly one <bos> at the start of a prompt encoded from text (a chat template
+        renders it; a raw prompt gets it here)."""
+        bos = self.config.bos_token_id
+        return ids if ids[:1] == [bos] else [bos, *ids]
+
+    def logits(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.decoder.logits(token_ids)
+
+
+_NO_IMAGES = ("dlmc runs DiffusionGemma's text path only (the vision tower is not loaded), so "
+              "requests with images are not supported")

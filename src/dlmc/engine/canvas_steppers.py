@@ -1,0 +1,210 @@
+"""How DiffusionGemma's encoder and decoder passes run: one `CanvasStepper` per `mode`.
+
+The canvas decoder (`dlmc.engine.canvas_decoder`) owns the loop (canvases, steps, EOS,
+events) and the random generator; a stepper owns the KV cache, the canvas state and the
+self-conditioning logits between steps. Per request: `reset`, then `encode` the prompt's
+chunks; per canvas: `begin_canvas` with its initial ids, then `step` until the decoder reads a
+stop, then `encode` the appended canvas before the next. This is the seam of the compiled
+canvas runner: an object with these four methods, registered in `STEPPERS` under its modes
+("compile", "graph").
+
+- "reference": the model's own reference cache and contexts, and the step as transformers
+  writes it (`canvas_step_reference`: `torch.multinomial`, `Categorical`, `torch.randint`).
+- "eager": the dense cache (`dlmc.kv.gemma_cache`) and the sync-free step a compiled round
+  runs (`canvas_step` on noise drawn by `draw_step_noise`).
+Both draw from the decoder's generator in transformers' order, so given the same logits they
+take the same decisions. With `use_cache=False` both rebuild the cache from every clean token
+before each step (a whole-sequence recompute, for tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from dlmc.custom_ops.kernel_config import DEFAULT_KERNELS, KernelConfig
+from dlmc.errors import ConfigError
+from dlmc.graphs.canvas_rules import (
+    CanvasState,
+    CanvasStep,
+    canvas_step,
+    canvas_step_reference,
+    draw_step_noise,
+    initial_state,
+    self_conditioning_input,
+)
+from dlmc.graphs.canvas_settings import CanvasSettings
+from dlmc.kv.gemma_cache import CanvasAttention, EncoderAttention, GemmaDenseCache
+from dlmc.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion, GemmaAttentionContext
+from dlmc.models.diffusion_gemma_attention import CanvasContext, CausalContext, GemmaKVCache
+
+
+class CanvasStepper(Protocol):
+    """One request's passes (rows: one; canvas length C; vocabulary V)."""
+
+    def reset(self, settings: CanvasSettings, capacity: int) -> None:
+        """A new request decoded with `settings`: an empty cache with room for `capacity`
+        encoded positions."""
+        ...
+
+    def encode(self, token_ids: torch.Tensor, start: int) -> None:
+        """Encoder pass over clean `token_ids [T]` at positions `start .. start + T - 1` (right
+        after the cache): causal, K/V written to the cache."""
+        ...
+
+    def begin_canvas(self, canvas: torch.Tensor, start: int) -> None:
+        """A new canvas `[1, C]` int64 at positions `start .. start + C - 1` (right after the
+        cache): its state before the first step, no self-conditioning."""
+        ...
+
+    def step(self, steps_remaining: int, generator: torch.Generator) -> CanvasStep:
+        """One denoising step at n = `steps_remaining`: decoder forward over [cache ; canvas],
+        temper, sample, accept, re-noise, stopping test, next self-conditioning input; draws
+        from `generator`. The returned tensors stay valid until the next call."""
+        ...
+
+
+class _EagerStepper:
+    """What the eager strategies share: the canvas state and the self-conditioning logits, the
+    decoder forward, and the whole-sequence recompute of `use_cache=False`."""
+
+    def __init__(self, model: DiffusionGemmaForBlockDiffusion, device: torch.device,
+                 use_cache: bool = True, kernels: KernelConfig = DEFAULT_KERNELS) -> None:
+        self.model, self.device, self.use_cache = model, device, use_cache  # kernels: unused
+        self.vocab_size = model.config.vocab_size
+        self.sc_dtype = model.model.decoder.embed_tokens.weight.dtype
+        self.settings = CanvasSettings()
+        self._clean: list[torch.Tensor] = []  # every encoded token (use_cache=False)
+        self._state: CanvasState | None = None
+        self._sc: torch.Tensor | None = None  # [1, C, V] the next step's sc logits
+        self._start = 0
+
+    def reset(self, settings: CanvasSettings, capacity: int) -> None:
+        self.settings = settings
+        self._clean = []
+        self._clear_cache(capacity)
+
+    def encode(self, token_ids: torch.Tensor, start: int) -> None:
+        if self.use_cache:
+            self._encode(token_ids, start)
+        else:
+            self._clean.append(token_ids)
+
+    def begin_canvas(self, canvas: torch.Tensor, start: int) -> None:
+        self._state = initial_state(canvas, self.settings)
+        self._sc, self._start = None, start
+
+    def step(self, steps_remaining: int, generator: torch.Generator) -> CanvasStep:
+        if self._state is None:
+            raise RuntimeError("step() before begin_canvas()")
+        if not self.use_cache:  # recompute the cache from every clean token
+            self._clear_cache(self._start)
+            if self._clean:
+                self._encode(torch.cat(self._clean), 0)
+        state, length = self._state, self.settings.canvas_length
+        positions = torch.arange(self._start, self._start + length, device=self.device)  # [C]
+        sc = None if self._sc is None else self._sc[0]  # [C, V]
+        logits = self.model(state.canvas[0], positions, self._canvas_context(), decoder=True,
+                            self_conditioning_logits=sc)  # [C, V] fp32
+        step = self._rule(logits[None], state, steps_remaining, generator)
+        self._sc = self_conditioning_input(step.tempered, self._sc, state.stopped, self.sc_dtype)
+        self._state = step.state
+        return step
+
+    def _clear_cache(self, capacity: int) -> None:
+        raise NotImplementedError
+
+    def _encode(self, token_ids: torch.Tensor, start: int) -> None:
+        raise NotImplementedError
+
+    def _canvas_context(self) -> GemmaAttentionContext:
+        raise NotImplementedError
+
+    def _rule(self, logits: torch.Tensor, state: CanvasState, steps_remaining: int,
+              generator: torch.Generator) -> CanvasStep:
+        raise NotImplementedError
+
+
+class ReferenceCanvasStepper(_EagerStepper):
+    """The model's reference cache and contexts, transformers' sampling calls."""
+
+    cache: GemmaKVCache
+
+    def _clear_cache(self, capacity: int) -> None:
+        self.cache = GemmaKVCache(self.model.config.num_hidden_layers)
+
+    def _encode(self, token_ids: torch.Tensor, start: int) -> None:
+        positions = torch.arange(start, start + token_ids.shape[0], device=self.device)  # [T]
+        self.model(token_ids, positions, CausalContext(self.cache), compute_logits=False)
+
+    def _canvas_context(self) -> GemmaAttentionContext:
+        return CanvasContext(self.cache)
+
+    def _rule(self, logits: torch.Tensor, state: CanvasState, steps_remaining: int,
+              generator: torch.Generator) -> CanvasStep:
+        return canvas_step_reference(logits, state, steps_remaining, generator, self.settings)
+
+
+class EagerCanvasStepper(_EagerStepper):
+    """The dense cache and the sync-free step with its noise drawn in transformers' order."""
+
+    def __init__(self, model: DiffusionGemmaForBlockDiffusion, device: torch.device,
+                 use_cache: bool = True, kernels: KernelConfig = DEFAULT_KERNELS) -> None:
+        super().__init__(model, device, use_cache, kernels)
+        dtype = model.model.decoder.embed_tokens.weight.dtype
+        self.cache = GemmaDenseCache.for_config(model.config, 0, dtype, device)
+
+    def _clear_cache(self, capacity: int) -> None:
+        self.cache.reserve(capacity)
+
+    def _encode(self, token_ids: torch.Tensor, start: int) -> None:
+        positions = torch.arange(start, start + token_ids.shape[0], device=self.device)  # [T]
+        self.model(token_ids, positions, EncoderAttention(self.cache, start),
+                   compute_logits=False)
+        self.cache.length = start + token_ids.shape[0]
+
+    def _canvas_context(self) -> GemmaAttentionContext:
+        return CanvasAttention(self.cache, self.cache.length)
+
+    def _rule(self, logits: torch.Tensor, state: CanvasState, steps_remaining: int,
+              generator: torch.Generator) -> CanvasStep:
+        shape = tuple(state.canvas.shape)
+        noise = draw_step_noise(shape, self.vocab_size, generator, self.device)
+        return canvas_step(logits, state, steps_remaining, noise, self.settings)
+
+
+# (model, device, use_cache, kernels) -> a stepper; a strategy without uncached decoding
+# raises ConfigError for use_cache=False
+StepperFactory = Callable[[DiffusionGemmaForBlockDiffusion, torch.device, bool, KernelConfig],
+                          CanvasStepper]
+# Modes and their strategies; the compiled canvas runner adds "compile" and "graph".
+STEPPERS: dict[str, StepperFactory] = {
+    "eager": EagerCanvasStepper,
+    "reference": ReferenceCanvasStepper,
+}
+MODES = ("graph", "compile", "eager", "reference")
+
+
+def default_canvas_mode(device: torch.device) -> str:
+    """"graph" on CUDA where a compiled stepper is registered, else "eager"."""
+    return "graph" if device.type == "cuda" and "graph" in STEPPERS else "eager"
+
+
+def check_canvas_mode(mode: str) -> None:
+    """A mode DiffusionGemma can run now, or an error that says which can."""
+    if mode not in MODES:
+        raise ConfigError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
+    if mode not in STEPPERS:
+        raise ConfigError(
+            f"mode {mode!r}: DiffusionGemma's compiled canvas rounds are not available yet; "
+            f"use one of {', '.join(STEPPERS)}")
+
+
+def make_stepper(mode: str, model: DiffusionGemmaForBlockDiffusion, device: torch.device,
+                 use_cache: bool = True, kernels: KernelConfig = DEFAULT_KERNELS
+                 ) -> CanvasStepper:
+    """The stepper of `mode` (see `check_canvas_mode`) with `kernels`' choices."""
+    check_canvas_mode(mode)
+    return STEPPERS[mode](model, device, use_cache, kernels)

@@ -1,0 +1,55 @@
+"""The server around a DiffusionGemma model: a BlockChunk event per canvas, the OpenAI
+endpoint, and LLaDA2's options or images refused as 400s naming the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.serve.conftest import CHAT, running_server, sse_data
+
+DEFAULTS = {"max_denoising_steps": 4}  # server-wide sampler default (the released 48 is slow)
+
+
+@pytest.fixture(scope="module")
+def gemma_client(tiny_gemma_llm: Any):
+    with running_server(tiny_gemma_llm, decode_defaults=DEFAULTS) as url, httpx.Client(
+            base_url=url, timeout=60) as client:
+        yield client
+
+
+def test_generate_streams_a_block_per_canvas(gemma_client: httpx.Client, tiny_gemma_llm: Any):
+    body = {"messages": CHAT, "max_new_tokens": 64, "seed": 11}
+    with gemma_client.stream("POST", "/generate", json=body) as response:
+        assert response.status_code == 200
+        events = list(sse_data(response))
+    blocks, done = events[:-1], events[-1]
+    want = tiny_gemma_llm.generate(messages=CHAT, max_new_tokens=64, seed=11, **DEFAULTS)
+    assert done["type"] == "done" and done["text"] == want.text
+    assert [e["block_index"] for e in blocks] == list(range(want.blocks))
+    assert sum((e["token_ids"] for e in blocks), []) == want.token_ids
+    assert done["tokens_per_forward"] == pytest.approx(want.tokens_per_forward)
+    assert done["forwards"] == want.num_forwards <= 4 * want.blocks
+
+
+def test_chat_completions(gemma_client: httpx.Client, tiny_gemma_llm: Any):
+    body = {"messages": CHAT, "max_tokens": 32, "seed": 2}
+    response = gemma_client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200
+    want = tiny_gemma_llm.generate(messages=CHAT, max_new_tokens=32, seed=2, **DEFAULTS)
+    assert response.json()["choices"][0]["message"]["content"] == want.text
+
+
+@pytest.mark.parametrize(("body", "param", "message"), [
+    ({"messages": CHAT, "threshold": 0.9}, "threshold", "a LLaDA2 setting"),
+    ({"messages": CHAT, "temperature": 0.7}, "temperature", "a LLaDA2 setting"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
+     "messages[0].content", ""),
+])
+def test_what_does_not_apply_is_a_400(gemma_client: httpx.Client, body, param, message):
+    response = gemma_client.post("/generate", json={**body, "stream": False})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == param and message in error["message"]

@@ -1,0 +1,148 @@
+"""`dlmc.LLM` with a DiffusionGemma checkpoint: the canvas decoder behind the same interface
+(generate, stream with canvas round events, logits, settings), text-only requests with exactly
+one <bos>, and LLaDA2's options refused by name."""
+
+import json
+
+import pytest
+import torch
+
+from dlmc.errors import ConfigError
+from dlmc.loading.tiny_gemma_tokenizer import BOS_ID, IMAGE_ID, TURN_OPEN_ID
+from dlmc.results import BlockChunk, CanvasRoundEvent, Done
+
+CHAT = [{"role": "user", "content": "Hi"}]
+FAST = {"max_denoising_steps": 6}  # the released 48 steps are slow on a shared CPU
+
+
+def test_generate_result_and_settings(tiny_gemma_llm):
+    llm = tiny_gemma_llm
+    res = llm.generate(messages=CHAT, seed=0, **FAST)
+    assert llm.mode == "eager" and llm.special_ids.mask_token_id is None
+    assert res.prompt_token_ids[:2] == [BOS_ID, TURN_OPEN_ID]
+    assert res.prompt_token_ids.count(BOS_ID) == 1
+    prompt = llm.tokenizer.decode(res.prompt_token_ids)
+    assert prompt == "<bos><|turn>user\nHi<turn|>\n<|turn>model\n"
+    eos = set(res.settings["eos_token_ids"])
+    assert (res.finish_reason == "stop") == bool(eos & set(res.token_ids))
+    if res.finish_reason == "stop":
+        assert res.token_ids[-1] in eos and not eos & set(res.token_ids[:-1])
+    counted = sum(t != 0 for t in res.token_ids)
+    assert res.tokens_per_forward == pytest.approx(counted / res.num_forwards)
+    assert res.num_forwards <= 6 * res.blocks
+    assert res.total_forwards == res.num_forwards + res.blocks  # the prompt, all but the last
+    assert res.text == llm.tokenizer.decode(res.token_ids, skip_special_tokens=True)
+    s = res.settings
+    assert (s["max_denoising_steps"], s["t_max"], s["entropy_bound"], s["seed"]) == (6, 0.8, 0.1, 0)
+    assert s["sources"]["max_denoising_steps"] == "argument"
+    assert s["sources"]["t_max"] == "generation_config.json"
+    assert s["model_type"] == "diffusion_gemma" and s["mode"] == "eager" and s["role"] == "orl"
+
+
+def test_stream_yields_canvas_rounds_chunks_and_the_same_result(tiny_gemma_llm):
+    kwargs = dict(prompt_token_ids=[BOS_ID, 300, 301, 302], max_new_tokens=96, seed=3,
+                  max_denoising_steps=5)
+    events = list(tiny_gemma_llm.stream(**kwargs, rounds=True))
+    rounds = [e for e in events if isinstance(e, CanvasRoundEvent)]
+    chunks = [e for e in events if isinstance(e, BlockChunk)]
+    done = events[-1]
+    assert isinstance(done, Done) and len(rounds) == done.result.num_forwards
+    assert [c.block_index for c in chunks] == list(range(done.result.blocks))
+    assert sum((list(c.token_ids) for c in chunks), []) == done.result.token_ids
+    assert "".join(c.text for c in chunks) == done.result.text
+    for event in rounds:
+        assert len(event.tokens) == len(event.accepted) == len(event.argmax) == 32
+        assert 1 <= sum(event.accepted) <= 32 and event.mean_entropy >= 0
+    assert any(not all(e.accepted) for e in rounds)  # some positions re-noised
+    assert [e.round_index for e in rounds if e.canvas_index == 0][:3] == [1, 2, 3]
+    assert rounds[0].steps_remaining == 5
+    again = tiny_gemma_llm.generate(**kwargs)
+    assert again.token_ids == done.result.token_ids  # the seed fixes every draw
+    other = tiny_gemma_llm.generate(**{**kwargs, "seed": 4})
+    assert other.token_ids != done.result.token_ids
+
+
+def test_prompts_get_exactly_one_bos(tiny_gemma_llm):
+    llm = tiny_gemma_llm
+    raw = llm.encode_prompt(prompt="Hi")
+    assert raw[0] == BOS_ID and raw.count(BOS_ID) == 1
+    assert llm.encode_prompt(prompt="<bos>Hi") == raw
+    assert llm.encode_prompt(prompt_token_ids=[300, 301]) == [300, 301]  # ids as given
+
+
+def test_images_are_refused_by_name(tiny_gemma_llm):
+    llm = tiny_gemma_llm
+    parts = [{"type": "text", "text": "What is this?"},
+             {"type": "image_url", "image_url": {"url": "http://x/cat.png"}}]
+    with pytest.raises(ConfigError, match=r"messages\[0\].content\[1\]: a 'image_url' part; "
+                                          r"dlmc runs DiffusionGemma's text path only"):
+        llm.generate(messages=[{"role": "user", "content": parts}])
+    with pytest.raises(ConfigError, match=r"messages\[0\].images: .*vision tower"):
+        llm.generate(messages=[{"role": "user", "content": "Hi", "images": ["cat.png"]}])
+    with pytest.raises(ConfigError, match=rf"prompt: id {IMAGE_ID} is an image placeholder"):
+        llm.generate(prompt_token_ids=[BOS_ID, IMAGE_ID, 300])
+    text_parts = [{"type": "text", "text": "H"}, {"type": "text", "text": "i"}]
+    assert llm.encode_prompt(messages=[{"role": "user", "content": text_parts}]) == (
+        llm.encode_prompt(messages=CHAT))
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"threshold": 0.9}, "`threshold`: a LLaDA2 setting"),
+    ({"edit_threshold": None}, "`edit_threshold`: a LLaDA2 setting"),
+    ({"temperature": 0.5}, "`temperature`: a LLaDA2 setting"),
+    ({"block_length": 32}, "`block_length`: a LLaDA2 setting"),
+    ({"t_min": 0.9}, "`t_max`"),
+    ({"max_new_tokens": 10**6}, "exceeds the model's context of 8192"),
+])
+def test_bad_options_are_named(tiny_gemma_llm, kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny_gemma_llm.generate(prompt_token_ids=[BOS_ID, 300], **kwargs)
+
+
+def test_llada2_refuses_the_canvas_options(tiny_llm):
+    with pytest.raises(ConfigError, match="unknown decoding option"):
+        tiny_llm.generate(prompt_token_ids=[1, 2], max_new_tokens=4, t_min=0.3)
+
+
+@torch.no_grad()
+def test_logits_are_the_encoders_causal_logits(tiny_gemma_llm):
+    from dlmc.models.diffusion_gemma_attention import CausalContext
+
+    llm = tiny_gemma_llm
+    ids = [BOS_ID, 300, 301, 302, 303]
+    got = llm.logits(ids)
+    assert got.shape == (5, 520) and got.dtype == torch.float32
+    want = llm.model(torch.tensor(ids), torch.arange(5), CausalContext())
+    assert torch.equal(got, want)
+    prefix = llm.logits(ids[:3])  # causal: a row does not see later tokens
+    torch.testing.assert_close(prefix, got[:3], rtol=1e-5, atol=1e-5)
+    assert got.abs().max() <= 30.0  # soft-capped
+    with pytest.raises(ConfigError, match="block_length: a LLaDA2 option"):
+        llm.logits(ids, block_length=32)
+
+
+def test_engine_options_that_do_not_apply_are_refused(tiny_gemma_dir):
+    from dlmc import LLM
+
+    with pytest.raises(ConfigError, match="mode 'graph'.*not available yet"):
+        LLM(tiny_gemma_dir, device="cpu", mode="graph")
+    with pytest.raises(ConfigError, match="kv_cache_dtype 'fp8'"):
+        LLM(tiny_gemma_dir, device="cpu", kv_cache_dtype="fp8")
+    with pytest.raises(ConfigError, match="role 'llada2.0': a diffusion_gemma checkpoint"):
+        LLM(tiny_gemma_dir, device="cpu", role="llada2.0")
+
+
+def test_paper_decoding_and_the_builtin(tmp_path, monkeypatch):
+    from dlmc import LLM
+    from dlmc.loading.tiny_gemma import write_tiny_gemma_checkpoint
+
+    path = write_tiny_gemma_checkpoint(tmp_path / "orl", seed=1, shards=1)
+    (path / "paper_decoding.json").write_text(json.dumps(
+        {"decoding": {"threshold": 0.85, "max_new_tokens": 32, "max_denoising_steps": 3}}))
+    res = LLM(path, device="cpu").generate(prompt_token_ids=[BOS_ID, 300], seed=0)
+    assert res.blocks == 1 and res.num_forwards <= 3
+    assert res.settings["sources"]["max_new_tokens"] == "paper_decoding.json"
+    monkeypatch.setenv("DLMC_CACHE", str(tmp_path / "cache"))
+    builtin = LLM("tiny-diffusiongemma", device="cpu")
+    assert builtin.config.canvas_length == 32 and builtin.model_dir.name.startswith(
+        "tiny-diffusiongemma")
