@@ -17,10 +17,10 @@ eager step does. Capturing a graph runs the step twice to warm up; the buffers a
 generator state are put back afterwards, so capture changes nothing the caller sees.
 
 Buckets: the full layers attend a power-of-two number of cache slots (at least `min_bucket`,
-256, at most the cache size) at or above the cache length; each (first step or not, bucket)
-step and each (chunk size, bucket) encoder pass is compiled and captured once. Encoder chunks
-are padded to a power of two (at least 16, at most `max_chunk` tokens) so that few chunk sizes
-occur; the padding's K/V lie past the cache length, never attended, overwritten next.
+by default 256; at most the cache size) at or above the cache length; each (first step or not,
+bucket) step and each (chunk size, bucket) encoder pass is compiled and captured once. Encoder
+chunks are padded to a power of two (at least 16, at most `max_chunk` tokens) so that few chunk
+sizes occur; the padding's K/V lie past the cache length, never attended, overwritten next.
 """
 
 from __future__ import annotations
