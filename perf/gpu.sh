@@ -9,6 +9,7 @@
 #                alone, paged attention at 1k / 4k / 16k (and FlashInfer when installed)
 #   sampled      the NVFP4 + FP8 round sampled at temperature 0.7
 #   loop         the BF16 round with whole decodes: the decode loop's host overhead
+#   canvas       DiffusionGemma-26B-A4B's BF16 denoising step, canvas 256, prefix 1024
 #   tests-NAME   pytest -m gpu of one test part, NAME one of TEST_PARTS below
 #   list         each test part's files; checks that the parts hold every gpu-marked test file
 #                exactly once (runs nothing, needs no GPU)
@@ -115,6 +116,12 @@ sampled)
   step round_nvfp4_fp8_temperature 300 "${ROUND[@]}" "${NVFP4[@]}" --modes graph --no-loop \
     --temperature 0.7 --out "$OUT/round_nvfp4_fp8_temperature.json"
   summary ;;
+canvas)
+  setup
+  step canvas_bf16 560 dlmc bench round --shape diffusiongemma-26b-a4b --canvas 256 \
+    --prefix 1024 --routing uniform --rounds 60 --modes eager,compile,graph \
+    --out "$OUT/canvas_bf16.json"
+  summary ;;
 loop)
   setup
   step round_bf16_loop 560 "${ROUND[@]}" --precision bf16 --modes graph --loop \
@@ -132,7 +139,7 @@ tests-*)
     $workers $files
   grep -E "FAILED|ERROR|passed|failed" "$OUT/$PART.txt" | tail -20 ;;
 *)
-  echo "usage: bash perf/gpu.sh rounds|ops|sampled|loop|list|tests-NAME" \
+  echo "usage: bash perf/gpu.sh rounds|ops|sampled|loop|canvas|list|tests-NAME" \
     "(NAME: ${TEST_PARTS// /, })" >&2
   exit 2 ;;
 esac

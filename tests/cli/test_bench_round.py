@@ -19,3 +19,11 @@ def test_without_a_gpu_the_command_says_so(monkeypatch):
     result = CliRunner().invoke(bench, ["round", "--temperature", "0.7"])
     assert result.exit_code != 0
     assert "needs a CUDA GPU" in result.output
+
+
+def test_diffusiongemma_rounds_are_bf16_only(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    result = CliRunner().invoke(bench, ["round", "--shape", "diffusiongemma-26b-a4b",
+                                        "--precision", "nvfp4"])
+    assert result.exit_code != 0
+    assert "--shape diffusiongemma-26b-a4b: only --precision bf16" in result.output

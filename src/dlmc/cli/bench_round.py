@@ -16,10 +16,13 @@ from dlmc.cli.options import kernel_options, user_errors
                "CUDA graph.")
 @click.option("--model", default=None, help="Checkpoint (else --shape with random weights).")
 @click.option("--shape", default="llada2.1-mini", show_default=True,
-              help="Full-size shape built on the GPU with random seeded weights.")
+              help="Full-size shape built on the GPU with random seeded weights: llada2.1-mini "
+              "or diffusiongemma-26b-a4b (its denoising step over a canvas; BF16 only).")
 @click.option("--precision", type=click.Choice(["bf16", "nvfp4"]), default="bf16",
               show_default=True)
 @click.option("--block-length", type=int, default=32, show_default=True)
+@click.option("--canvas", type=int, default=256, show_default=True,
+              help="DiffusionGemma: the canvas length of the timed step.")
 @click.option("--prefix", type=int, default=1024, show_default=True,
               help="Tokens already in the KV cache.")
 @click.option("--routing", type=click.Choice(["uniform", "model"]), default="uniform",
@@ -46,8 +49,8 @@ from dlmc.cli.options import kernel_options, user_errors
 @kernel_options
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Write JSON here.")
 @user_errors
-def round_cmd(model: str | None, shape: str, precision: str, block_length: int, prefix: int,
-              routing: str, rounds: int, modes: str, loop: bool, kv_cache_dtype: str,
+def round_cmd(model: str | None, shape: str, precision: str, block_length: int, canvas: int,
+              prefix: int, routing: str, rounds: int, modes: str, loop: bool, kv_cache_dtype: str,
               kv_layout: str, profile: bool, temperature: float, fuse_shared_expert: bool,
               fuse_gate_up: bool, kernels: Any, out: Path | None) -> None:
     """Median ms per round with bytes touched, GB/s and the copy bandwidth of the same run.
@@ -70,6 +73,15 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
 
     if not torch.cuda.is_available():
         raise ConfigError("dlmc bench round needs a CUDA GPU")
+    if model is None and shape.startswith("diffusiongemma"):  # --loop, --fuse-*: LLaDA2 only
+        from dlmc.cli.bench_canvas import canvas_round
+
+        if precision != "bf16" or kv_cache_dtype != "bf16":
+            raise ConfigError(f"--shape {shape}: only --precision bf16 with --kv-cache-dtype "
+                              "bf16 is timed so far")
+        canvas_round(shape, canvas, prefix, routing, rounds, tuple(modes.split(",")), kernels,
+                     out)
+        return
     device = torch.device("cuda")
     cfg = RoundBenchConfig(block_length, prefix, routing, rounds, tuple(modes.split(",")),
                            temperature=temperature, kernels=kernels)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from dlmc.models.config import LLaDA2Config
+from dlmc.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion
+from dlmc.models.diffusion_gemma_config import FULL, SLIDING, DiffusionGemmaConfig, RopeParameters
 from dlmc.models.llada2 import LLaDA2ForDiffusion
 
 # LLaDA2.1-mini config.json values (llada2.md §1).
@@ -29,14 +32,74 @@ LLADA21_MINI = LLaDA2Config(
     rms_norm_eps=1e-6,
     max_position_embeddings=32768,
 )
-SHAPES = {"llada2.1-mini": LLADA21_MINI}
+# DiffusionGemma-26B-A4B's text config.json values (diffusiongemma.md §2): 5 sliding layers then
+# one full layer, five times.
+DIFFUSIONGEMMA_26B_A4B = DiffusionGemmaConfig(
+    vocab_size=262144,
+    hidden_size=2816,
+    intermediate_size=2112,
+    num_hidden_layers=30,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=256,
+    global_head_dim=512,
+    num_global_key_value_heads=2,
+    layer_types=((SLIDING,) * 5 + (FULL,)) * 5,
+    sliding_window=1024,
+    sliding_rope=RopeParameters("default", 10_000.0),
+    full_rope=RopeParameters("proportional", 1_000_000.0, partial_rotary_factor=0.25),
+    num_experts=128,
+    top_k_experts=8,
+    moe_intermediate_size=704,
+    rms_norm_eps=1e-6,
+    final_logit_softcapping=30.0,
+    canvas_length=256,
+    eos_token_ids=(1, 106),
+)
+SHAPES: dict[str, LLaDA2Config | DiffusionGemmaConfig] = {
+    "llada2.1-mini": LLADA21_MINI, "diffusiongemma-26b-a4b": DIFFUSIONGEMMA_26B_A4B}
+
+
+def build_random_model(
+    config: LLaDA2Config | DiffusionGemmaConfig, device: torch.device, dtype: torch.dtype,
+    seed: int = 0,
+) -> nn.Module:
+    """The model of `config` with seeded random weights made directly on `device`."""
+    if isinstance(config, DiffusionGemmaConfig):
+        return build_random_diffusion_gemma(config, device, dtype, seed)
+    return build_random_llada2(config, device, dtype, seed)
 
 
 @torch.no_grad()
-def build_random_model(
+def build_random_diffusion_gemma(
+    config: DiffusionGemmaConfig, device: torch.device, dtype: torch.dtype, seed: int = 0
+) -> DiffusionGemmaForBlockDiffusion:
+    """DiffusionGemma with seeded random weights made directly on `device` in `dtype` (never
+    zeros): matrices N(0, fan_in^-1/2); vectors and scalars (norm weights, router scales,
+    `per_expert_scale`, `layer_scalar`) N(1, 0.05), as a trained model's stay near one."""
+    with torch.device("meta"):
+        model = DiffusionGemmaForBlockDiffusion(config)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for module in model.modules():
+        tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        for name, tensor in tensors:
+            value = torch.empty(tensor.shape, device=device, dtype=dtype)
+            if tensor.dim() >= 2:
+                value.normal_(0.0, tensor.shape[-1] ** -0.5, generator=gen)
+            else:
+                value.normal_(1.0, 0.05, generator=gen)
+            if name in module._parameters:
+                module._parameters[name] = nn.Parameter(value, requires_grad=False)
+            else:
+                module._buffers[name] = value
+    return model.eval()
+
+
+@torch.no_grad()
+def build_random_llada2(
     config: LLaDA2Config, device: torch.device, dtype: torch.dtype, seed: int = 0
 ) -> LLaDA2ForDiffusion:
-    """The model with seeded random weights made directly on `device` (never zeros)."""
+    """LLaDA2 with seeded random weights made directly on `device` (never zeros)."""
     with torch.device("meta"):
         model = LLaDA2ForDiffusion(config)
     gen = torch.Generator(device=device).manual_seed(seed)

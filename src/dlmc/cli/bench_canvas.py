@@ -1,0 +1,86 @@
+"""`dlmc bench round --shape diffusiongemma-26b-a4b`: DiffusionGemma's denoising step eager,
+compiled and graph-replayed at full size (random weights on the GPU), with bytes touched, GB/s,
+the copy bandwidth of the same run, FLOPs and both floors."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+
+def canvas_round(shape: str, canvas: int, prefix: int, routing: str, rounds: int,
+                 modes: tuple[str, ...], kernels: Any, out: Path | None) -> dict[str, Any]:
+    """Build the shape in BF16 on the GPU, time `rounds` steady steps per mode, print a table
+    and write the JSON report to `out`."""
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from dlmc.bench.canvas_bench import (
+        CanvasBenchConfig,
+        expert_counts,
+        floors,
+        random_cache,
+        step_bytes,
+        step_flops,
+        time_steps,
+        use_uniform_routing,
+    )
+    from dlmc.bench.timing import copy_bandwidth_gbps
+    from dlmc.models.shapes import SHAPES, build_random_model
+
+    device = torch.device("cuda")
+    bench = CanvasBenchConfig(canvas, prefix, routing, rounds, modes, kernels=kernels)
+    model = build_random_model(SHAPES[shape], device, torch.bfloat16, seed=bench.seed)
+    if routing == "uniform":
+        use_uniform_routing(model, max_tokens=canvas, seed=bench.seed)
+    gen = torch.Generator(device=device).manual_seed(1)
+    cache = random_cache(model, prefix, canvas, gen)
+    vocab = model.config.vocab_size
+    tokens = torch.randint(0, vocab, (canvas,), device=device, generator=gen)
+    sc = torch.randn(canvas, vocab, device=device, generator=gen).to(torch.bfloat16)
+    counts = expert_counts(model, cache, tokens, torch.arange(prefix, prefix + canvas,
+                                                              device=device), sc)
+    parts = step_bytes(model, canvas, prefix, counts)
+    nbytes, flops = parts["total"], step_flops(model, canvas, prefix)
+    bandwidth = copy_bandwidth_gbps()
+    limits = floors(nbytes, flops, bandwidth, bench.tensor_tflops)
+    results = [time_steps(model, cache, bench, mode) for mode in bench.modes]
+    for r in results:
+        r["gb_per_s"] = nbytes / r["median_ms"] / 1e6
+        r["fraction_of_copy_bw"] = r["gb_per_s"] / bandwidth
+        r["tflop_per_s"] = flops / r["median_ms"] / 1e9
+        if "queued_median_ms" in r:
+            r["queued_fraction_of_copy_bw"] = nbytes / r["queued_median_ms"] / 1e6 / bandwidth
+    report = {"shape": shape, "precision": "bf16", "kv_cache_dtype": "bf16", "canvas": canvas,
+              "prefix": prefix, "routing": routing, "kernels": kernels.to_dict(),
+              "bytes_per_step": nbytes, "bytes_by_part": parts,
+              "distinct_experts_per_moe_layer": sum(counts) / len(counts),
+              "min_distinct_experts": min(counts), "flops_per_step": flops,
+              "copy_gb_per_s": bandwidth, "tensor_tflop_per_s": bench.tensor_tflops, **limits,
+              "results": results, "gpu": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "python": platform.python_version()}
+    table = Table(title=f"{shape} denoising step · bf16 · canvas {canvas} · prefix {prefix} · "
+                  f"{routing} routing · {report['distinct_experts_per_moe_layer']:.0f} experts/"
+                  f"layer · {flops / 1e12:.2f} TFLOP · floors: bandwidth "
+                  f"{limits['bandwidth_floor_ms']:.2f} ms, compute "
+                  f"{limits['compute_floor_ms']:.2f} ms ({limits['binds']} binds) · kernels: "
+                  f"{kernels.describe()}")
+    for col in ("mode", "median ms", "min–max ms", "GB touched", "GB/s", "copy GB/s", "ratio",
+                "TFLOP/s"):
+        table.add_column(col, justify="right")
+    rows = [(r["mode"], r["median_ms"], r["min_ms"], r["max_ms"]) for r in results]
+    rows += [("graph, queued", r["queued_median_ms"], r["queued_min_ms"], r["queued_max_ms"])
+             for r in results if "queued_median_ms" in r]
+    for name, median, low, high in rows:
+        gbps = nbytes / median / 1e6
+        table.add_row(name, f"{median:.3f}", f"{low:.3f}–{high:.3f}", f"{nbytes / 1e9:.2f}",
+                      f"{gbps:.0f}", f"{bandwidth:.0f}", f"{gbps / bandwidth:.1%}",
+                      f"{flops / median / 1e9:.0f}")
+    Console().print(table)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2))
+    return report

@@ -1,0 +1,91 @@
+"""DiffusionGemma's attention contexts for compiled, graph-captured rounds over a
+`GemmaStaticCache`: fixed shapes per key-length bucket, the cache length read on the device, no
+host syncs (the `GemmaAttentionContext` seam of `dlmc.models.diffusion_gemma`).
+
+`key_len` (a Python int, the bucket) bounds the cache slots a round may attend on full layers;
+it must be at least the cache length (`cache.length`, which the contexts read on the device).
+
+- `CanvasRoundAttention` (the decoder pass): the canvas attends to the cached positions
+  `[0, length)` plus the whole canvas on full layers; on sliding layers to the last
+  `window - 1` cached positions `[length - window + 1, length)` (the same window for every
+  canvas query) plus the whole canvas. The cache is only read.
+- `EncodeRoundAttention` (the encoder pass): writes the chunk's K/V at its positions, then a
+  query at position q attends the keys j <= q (and j > q - window on sliding layers).
+
+A sliding layer reads a fixed-size window of slots gathered at a device-side offset once the
+bucket is longer than the window needs (`window - 1` slots for the canvas, `window - 1 + T` for
+a chunk of T tokens); otherwise it reads the bucket's slots under the window mask. Slots outside
+the rule (later positions, padding, stale K/V, gathered indices below 0) are masked out, so
+whatever they hold never counts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dlmc.kv.gemma_static_cache import GemmaStaticCache
+from dlmc.models.diffusion_gemma_attention import gemma_attention_reference
+
+__all__ = ["CanvasRoundAttention", "EncodeRoundAttention"]
+
+
+def _past_slots(cache: GemmaStaticCache, layer_idx: int, key_len: int, first: torch.Tensor | None,
+                span: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(slots [S] int64, keys [S, Hkv, D], values [S, Hkv, D])` of the cache: slots
+    `first .. first + span - 1` gathered (indices below 0 read slot 0: the caller masks them)
+    when `first` is given, else the bucket's slots `0 .. key_len - 1`."""
+    k_all, v_all = cache.k[layer_idx], cache.v[layer_idx]
+    if first is None:
+        slots = torch.arange(key_len, device=k_all.device)  # [key_len]
+        return slots, k_all[:key_len], v_all[:key_len]
+    slots = first + torch.arange(span, device=k_all.device)  # [span]
+    index = slots.clamp(min=0)
+    return slots, k_all.index_select(0, index), v_all.index_select(0, index)
+
+
+class CanvasRoundAttention:
+    """The decoder pass over `cache` (read only): canvas queries see `[cached window ; canvas]`
+    with the cache's device-side length; `key_len` is the full layers' bucket (>= length)."""
+
+    def __init__(self, cache: GemmaStaticCache, key_len: int) -> None:
+        self.cache, self.key_len = cache, key_len
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               window: int | None, scale: float) -> torch.Tensor:
+        """q `[C, Hq, D]`, k/v `[C, Hkv, D]` of the canvas -> `[C, Hq, D]`."""
+        length = self.cache.length
+        gather = window is not None and self.key_len > window - 1
+        first = length - (window - 1) if gather and window is not None else None
+        span = window - 1 if window is not None else 0
+        slots, past_k, past_v = _past_slots(self.cache, layer_idx, self.key_len, first, span)
+        valid = (slots < length) & (slots >= 0)  # [S]
+        keys = torch.cat([past_k, k])  # [S + C, Hkv, D]
+        values = torch.cat([past_v, v])
+        canvas = torch.ones(q.shape[0], dtype=torch.bool, device=q.device)  # [C]
+        allowed = torch.cat([valid, canvas])[None, :]  # [1, S + C], the same for every query
+        return gemma_attention_reference(q, keys, values, allowed, scale)
+
+
+class EncodeRoundAttention:
+    """The encoder pass of a chunk of tokens at `positions [T]` (device int64, consecutive):
+    their K/V are written to `cache`, then each attends causally (within its window on sliding
+    layers) to the cache. `key_len` (>= the chunk's last position + 1) is the bucket. The
+    caller moves `cache.length` once the chunk is encoded."""
+
+    def __init__(self, cache: GemmaStaticCache, positions: torch.Tensor, key_len: int) -> None:
+        self.cache, self.positions, self.key_len = cache, positions, key_len
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               window: int | None, scale: float) -> torch.Tensor:
+        """q `[T, Hq, D]`, k/v `[T, Hkv, D]` of the chunk -> `[T, Hq, D]`."""
+        self.cache.write(layer_idx, self.positions, k, v)
+        tokens = q.shape[0]
+        span = (window - 1 + tokens) if window is not None else 0
+        gather = window is not None and self.key_len > span
+        first = self.positions[0] - (window - 1) if gather and window is not None else None
+        slots, keys, values = _past_slots(self.cache, layer_idx, self.key_len, first, span)
+        query = self.positions[:, None]  # [T, 1]
+        allowed = (slots[None, :] <= query) & (slots[None, :] >= 0)  # [T, S]
+        if window is not None:
+            allowed &= slots[None, :] > query - window
+        return gemma_attention_reference(q, keys, values, allowed, scale)
