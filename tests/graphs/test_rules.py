@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from dlmc.graphs import rules
+from dlmc.graphs.round import RoundBuffers, decide
 from dlmc.graphs.rules import (
     joint_threshold_step,
     propose,
@@ -130,3 +131,68 @@ def test_row_argmax_sumexp_is_the_two_pass_max_argmax_and_sum(width, chunk, monk
     assert torch.isfinite(total).all()
     assert total[0] == 1.0
     torch.testing.assert_close(total.double(), want, rtol=1e-5, atol=0)
+
+
+def _on_the_threshold_logits() -> torch.Tensor:
+    """Logits `[4, 8]` whose greedy proposals have p exactly 0.5 (two equal maxima: the first
+    proposed), 0.5 again, 1/3 (three equal maxima) and 1.0 (one finite logit)."""
+    logits = torch.full((4, 8), float("-inf"))
+    logits[0, [2, 5]] = 1.0
+    logits[1, [3, 4]] = -2.0
+    logits[2, [1, 2, 3]] = 0.0
+    logits[3, 6] = 0.0
+    return logits
+
+
+@pytest.mark.parametrize("algorithm", ["threshold", "joint"])
+def test_a_probability_exactly_on_the_commit_threshold_is_not_committed(algorithm):
+    """docs/llada2.md §5.3, §5.4: commit where p > threshold, strictly. Rows 0 and 1 propose
+    with p = 0.5 exactly, on a threshold of 0.5: only row 3 (p = 1) passes, which meets the
+    quota / num_to_transfer of 1, so rows 0-2 stay masked."""
+    mask = 7
+    logits = _on_the_threshold_logits()
+    x0, p = propose(logits.clone())
+    assert p.tolist() == [0.5, 0.5, pytest.approx(1 / 3), 1.0] and x0.tolist() == [2, 3, 1, 6]
+    buf = RoundBuffers.allocate(4, 4, torch.device("cpu"))
+    buf.tokens.fill_(mask)
+    buf.editable.fill_(True)
+    buf.threshold.fill_(0.5)
+    buf.edit_threshold.fill_(0.5)
+    buf.quotas[:4] = 1
+    buf.steps.fill_(4)
+    buf.max_post.fill_(4)
+    decide(logits, buf, mask, algorithm)
+    assert buf.committed.tolist() == [False, False, False, True]
+    assert buf.tokens.tolist() == [mask, mask, mask, 6]
+
+
+def test_probabilities_on_the_threshold_leave_the_commit_to_the_fallback():
+    """Two masks at p = 0.5 on a threshold of 0.5: none passes, so both rules commit the
+    quota / num_to_transfer most confident (ties: the lower position), not both."""
+    mask = 7
+    new, committed = threshold_step(torch.full((2,), mask), torch.tensor([4, 5]),
+                                    torch.tensor([0.5, 0.5]), torch.ones(2, dtype=torch.bool),
+                                    torch.tensor(0.5), quota=1)
+    assert committed.tolist() == [True, False] and new.tolist() == [4, mask]
+    new, committed, _ = joint_threshold_step(
+        torch.full((2,), mask), torch.tensor([4, 5]), torch.tensor([0.5, 0.5]),
+        torch.ones(2, dtype=torch.bool), torch.ones(2, dtype=torch.bool), torch.tensor(0.5),
+        None)
+    assert committed.tolist() == [True, False] and new.tolist() == [4, mask]
+
+
+def test_a_probability_exactly_on_the_edit_threshold_is_not_an_edit():
+    """§5.4, §5.5: T2T rewrites a decoded token where p > edit threshold, strictly. Rows 0 and 1
+    hold decoded tokens whose proposals differ with p = 0.5 exactly (edit threshold 0.5): kept;
+    row 3's proposal differs with p = 1: edited."""
+    mask = 7
+    buf = RoundBuffers.allocate(4, 4, torch.device("cpu"))
+    buf.tokens.copy_(torch.tensor([0, 0, mask, 0]))
+    buf.editable.fill_(True)
+    buf.threshold.fill_(0.9)
+    buf.edit_threshold.fill_(0.5)
+    buf.max_post.fill_(4)
+    decide(_on_the_threshold_logits(), buf, mask, "joint")
+    assert buf.edited.tolist() == [False, False, False, True]
+    assert buf.committed.tolist() == [False, False, True, False]  # the fallback, row 2
+    assert buf.tokens.tolist() == [0, 0, 1, 6]
