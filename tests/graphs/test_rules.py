@@ -1,5 +1,7 @@
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dlmc.graphs import rules
 from dlmc.graphs.round import RoundBuffers, decide
@@ -11,6 +13,7 @@ from dlmc.graphs.rules import (
     row_argmax_sumexp,
     step_quotas,
     threshold_step,
+    top_k_top_p_filter,
 )
 
 
@@ -196,3 +199,83 @@ def test_a_probability_exactly_on_the_edit_threshold_is_not_an_edit():
     assert buf.edited.tolist() == [False, False, False, True]
     assert buf.committed.tolist() == [False, False, True, False]  # the fallback, row 2
     assert buf.tokens.tolist() == [0, 0, 1, 6]
+
+
+@st.composite
+def _filter_cases(draw):
+    """Rows of logits with ties (small integers) or spread values (floats), some -inf, at
+    least one finite per row; a top-k (or None) and a top-p in (0, 1]."""
+    rows, width = draw(st.integers(1, 4)), draw(st.integers(1, 24))
+    tied = draw(st.booleans())
+    value = (st.integers(-3, 3).map(float) if tied
+             else st.floats(-8.0, 8.0, allow_nan=False, width=32))
+    logits = torch.tensor(draw(st.lists(st.lists(value, min_size=width, max_size=width),
+                                        min_size=rows, max_size=rows)), dtype=torch.float32)
+    dropped = torch.tensor(draw(st.lists(st.lists(st.booleans(), min_size=width,
+                                                  max_size=width), min_size=rows,
+                                         max_size=rows)))
+    dropped[:, 0] = False
+    logits = logits.masked_fill(dropped, float("-inf"))
+    top_k = draw(st.one_of(st.none(), st.integers(1, width + 2)))
+    top_p = draw(st.one_of(st.none(), st.floats(0.01, 1.0)))
+    return logits, top_k, top_p
+
+
+@settings(max_examples=200, deadline=None)
+@given(_filter_cases(), st.integers(0, 2**31 - 1))
+def test_top_k_top_p_keep_the_smallest_probable_prefix(case, seed):
+    """Top-k keeps the tokens at least as likely as the k-th; top-p then keeps the fewest most
+    probable tokens whose mass (under the top-k distribution) reaches top_p: never empty,
+    always an argmax, kept logits unchanged. Checked against float64 sums; a row whose mass
+    before a token lies within 1e-5 of top_p (fp32 rounding decides) is checked for the
+    invariants only. `propose` samples from that set, with p under it."""
+    logits, top_k, top_p = case
+    filtered = top_k_top_p_filter(logits, top_k, top_p)
+    kept = torch.isfinite(filtered)
+    assert torch.equal(filtered[kept], logits[kept])
+    for row in range(logits.shape[0]):
+        x, keep = logits[row].double(), kept[row]
+        finite = torch.isfinite(x)
+        assert keep.any() and x[keep].max() == x.max()  # an argmax is kept
+        by_k = finite.clone()
+        if top_k is not None and top_k < x.numel():
+            kth = x.sort(descending=True).values[top_k - 1]
+            by_k &= x >= kth
+        if top_p is None or top_p >= 1.0:
+            assert torch.equal(keep, by_k)
+            continue
+        assert not (keep & ~by_k).any()
+        probs = torch.where(by_k, x, float("-inf")).softmax(-1)
+        rest = probs[by_k & ~keep]
+        assert rest.numel() == 0 or probs[keep].min() >= rest.max()  # a top set
+        ordered = probs[by_k].sort(descending=True).values
+        before = ordered.cumsum(0) - ordered  # mass before each token
+        if (before - top_p).abs().min() < 1e-5:
+            continue
+        assert int(keep.sum()) == int((before < top_p).sum())
+    generator = torch.Generator().manual_seed(seed)
+    x0, p = propose(logits, 1.0, top_k, top_p, generator)
+    assert kept.gather(-1, x0[:, None]).all()
+    want = filtered.softmax(-1).gather(-1, x0[:, None])[:, 0]
+    torch.testing.assert_close(p, want)
+
+
+@pytest.mark.parametrize(("top_p", "kept"), [(0.25, 1), (0.5, 2), (0.5001, 3), (0.75, 3),
+                                             (0.7499, 3), (1.0, 4)])
+def test_top_p_keeps_the_token_whose_mass_reaches_top_p_exactly(top_p, kept):
+    """Four equal logits: p = 0.25 each, sums exact in fp32. Mass 0.5 reaches top_p 0.5 with
+    two tokens (a third is not kept); 0.5001 needs a third."""
+    logits = torch.zeros(1, 4)
+    assert int(torch.isfinite(top_k_top_p_filter(logits, None, top_p)).sum()) == kept
+
+
+def test_top_k_keeps_ties_with_the_kth_logit():
+    logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0]])
+    assert torch.isfinite(top_k_top_p_filter(logits, 2)).tolist() == [
+        [True, False, True, True, False]]
+    assert torch.isfinite(top_k_top_p_filter(logits, 1)).tolist() == [
+        [True, False, False, False, False]]
+    # top-p over the top-k distribution: 3 and two 2s renormalised, top_p 0.5 keeps the 3 only
+    # (e^3 / (e^3 + 2 e^2) = 0.576).
+    assert torch.isfinite(top_k_top_p_filter(logits, 2, 0.5)).tolist() == [
+        [True, False, False, False, False]]
