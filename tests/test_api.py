@@ -57,3 +57,27 @@ def test_checkpoint_without_tokenizer_works_from_ids(tmp_path):
     assert len(res.token_ids) == 8 and res.text == ""
     with pytest.raises(DlmcError, match="no usable tokenizer.*prompt_token_ids"):
         llm.generate(prompt="hello")
+
+
+@pytest.fixture(scope="module")
+def llm_96(tiny_dir):
+    from dlmc import LLM
+
+    return LLM(tiny_dir, device="cpu", dtype="fp32", max_context=96)
+
+
+@pytest.mark.parametrize("prompt_len", [40, 64])
+def test_a_request_that_exactly_fits_the_context_runs_and_one_token_more_is_refused(
+        llm_96, prompt_len):
+    """Context 96 = 3 blocks of 32: prompt + max_new_tokens = 96 fills it exactly (the canvas
+    ends on the last slot) and decodes; 97 needs a fourth block and is refused."""
+    ids = [65 + i % 50 for i in range(prompt_len)]
+    fits = 96 - prompt_len
+    res = llm_96.generate(prompt_token_ids=ids, max_new_tokens=fits, edit_threshold=None,
+                          threshold=0.0)
+    assert res.finish_reason in ("length", "stop") and res.num_forwards >= 1
+    assert len(res.token_ids) == fits or res.token_ids[-1] == llm_96.special_ids.eos_token_id
+    with pytest.raises(ConfigError, match=rf"{prompt_len} tokens\) \+ max_new_tokens "
+                       rf"\({fits + 1}\) rounded up .* = 128 tokens exceeds the model's "
+                       "context of 96"):
+        llm_96.generate(prompt_token_ids=ids, max_new_tokens=fits + 1)
