@@ -81,3 +81,13 @@ def test_a_request_that_exactly_fits_the_context_runs_and_one_token_more_is_refu
                        rf"\({fits + 1}\) rounded up .* = 128 tokens exceeds the model's "
                        "context of 96"):
         llm_96.generate(prompt_token_ids=ids, max_new_tokens=fits + 1)
+
+
+def test_an_unknown_keyword_is_named_with_generate(tiny_llm):
+    with pytest.raises(TypeError, match=r"LLM.generate\(\) got an unexpected keyword argument "
+                       r"'max_tokens'; expected some of messages, prompt_token_ids, "
+                       "max_new_tokens"):
+        tiny_llm.generate("hi", max_tokens=8)
+    with pytest.raises(TypeError, match=r"LLM.stream\(\) got an unexpected keyword argument "
+                       "'max_tokens'"):
+        next(tiny_llm.stream("hi", max_tokens=8))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -262,6 +263,12 @@ class LLM:
 
     def generate(self, prompt: str | None = None, **kwargs: Any) -> GenerateResult:
         """Decode one request to the end; same arguments as `stream` (without `rounds`)."""
+        known = inspect.signature(LLM.stream).parameters
+        unknown = [key for key in kwargs if key not in known]
+        if unknown:
+            raise TypeError(
+                f"LLM.generate() got an unexpected keyword argument {unknown[0]!r}; expected "
+                f"some of {', '.join(k for k in known if k not in ('self', 'prompt', 'rounds'))}")
         for event in self.stream(prompt, **kwargs):
             if isinstance(event, Done):
                 return event.result
