@@ -91,3 +91,24 @@ def test_an_unknown_keyword_is_named_with_generate(tiny_llm):
     with pytest.raises(TypeError, match=r"LLM.stream\(\) got an unexpected keyword argument "
                        "'max_tokens'"):
         next(tiny_llm.stream("hi", max_tokens=8))
+
+
+def test_settings_left_out_take_the_checkpoint_file_under_any_role(tiny_dir, tmp_path):
+    """role defaults < paper_decoding.json < explicit arguments, the temperature included
+    (left out, it is the file's; given, it is the argument)."""
+    import json
+    import shutil
+
+    from dlmc import LLM
+
+    shutil.copytree(tiny_dir, tmp_path / "m")
+    (tmp_path / "m" / "paper_decoding.json").write_text(json.dumps(
+        {"temperature": 0.5, "max_new_tokens": 8, "block_length": 8, "threshold": 0.7}))
+    llm = LLM(tmp_path / "m", role="llada2.1", device="cpu", dtype="fp32")
+    res = llm.generate(prompt_token_ids=[70, 71, 72], seed=1)
+    got = res.settings
+    assert (got["temperature"], got["max_new_tokens"], got["block_length"]) == (0.5, 8, 8)
+    assert (got["threshold"], got["edit_threshold"]) == (0.7, 0.9)  # the file's, the role's
+    res = llm.generate(prompt_token_ids=[70, 71, 72], temperature=0.0, threshold=0.95)
+    assert (res.settings["temperature"], res.settings["threshold"]) == (0.0, 0.95)
+    assert llm.decode_settings() == llm.decode_settings(temperature=0.5)
