@@ -22,9 +22,9 @@ def paged_cache_problem(device: torch.device, dtype: torch.dtype, mode: str) -> 
         return (f"needs bf16 activations (got dtype {name}); use dtype 'bf16' (--dtype bf16) "
                 "or kv_cache_dtype 'bf16'")
     if mode == "reference":
-        return ("needs a static round mode (mode 'reference' attends over exact lengths "
-                "without a cache of its own); use mode 'eager' (--mode eager) or "
-                "kv_cache_dtype 'bf16'")
+        return ("needs a static round mode (mode 'reference' runs plain PyTorch rounds over "
+                "the dense BF16 cache); use mode 'eager' (--mode eager) or kv_cache_dtype "
+                "'bf16'")
     if mode == "compile" and device.type != "cuda":
         return ("with mode 'compile' needs a CUDA device (on CPU the paged cache attends with "
                 "the reference, which reads its length on the host); use mode 'eager' "
