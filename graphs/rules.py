@@ -65,6 +65,29 @@ def chunked_row_sum(x: torch.Tensor) -> torch.Tensor:
     return _chunks(x, 0.0).sum(dim=-1).sum(dim=-1)  # [bl]
 
 
+def top_k_top_p_filter(
+    logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None
+) -> torch.Tensor:
+    """`logits [bl, V]` with the tokens that top-k, then top-p, drop set to -inf.
+
+    Top-k keeps every token whose logit is at least the k-th largest (ties with it included).
+    Top-p then keeps, per row, the smallest prefix of the tokens sorted by probability (under
+    the top-k filtered distribution) whose mass reaches `top_p` (>= top_p): a token is kept
+    when the mass before it is below `top_p`, so the most probable token always is (as
+    Hugging Face's `TopPLogitsWarper`).
+    """
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # [bl, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [bl, V]
+        sorted_probs = sorted_logits.softmax(-1)  # [bl, V]
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p  # mass before >= p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
 def propose(
     logits: torch.Tensor,
     temperature: float = 0.0,
@@ -86,16 +109,7 @@ def propose(
         return x0, 1.0 / total
     if temperature > 0.0:
         logits = logits / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]  # [bl, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = (cumulative - sorted_logits.softmax(-1)) >= top_p  # keep the first past p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(-1)  # [bl, V]
+    probs = top_k_top_p_filter(logits, top_k, top_p).softmax(-1)  # [bl, V]
     if temperature > 0.0:
         x0 = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [bl]
         return x0, probs.gather(-1, x0[:, None]).squeeze(-1)

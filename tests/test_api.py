@@ -57,3 +57,58 @@ def test_checkpoint_without_tokenizer_works_from_ids(tmp_path):
     assert len(res.token_ids) == 8 and res.text == ""
     with pytest.raises(DlmcError, match="no usable tokenizer.*prompt_token_ids"):
         llm.generate(prompt="hello")
+
+
+@pytest.fixture(scope="module")
+def llm_96(tiny_dir):
+    from dlmc import LLM
+
+    return LLM(tiny_dir, device="cpu", dtype="fp32", max_context=96)
+
+
+@pytest.mark.parametrize("prompt_len", [40, 64])
+def test_a_request_that_exactly_fits_the_context_runs_and_one_token_more_is_refused(
+        llm_96, prompt_len):
+    """Context 96 = 3 blocks of 32: prompt + max_new_tokens = 96 fills it exactly (the canvas
+    ends on the last slot) and decodes; 97 needs a fourth block and is refused."""
+    ids = [65 + i % 50 for i in range(prompt_len)]
+    fits = 96 - prompt_len
+    res = llm_96.generate(prompt_token_ids=ids, max_new_tokens=fits, edit_threshold=None,
+                          threshold=0.0)
+    assert res.finish_reason in ("length", "stop") and res.num_forwards >= 1
+    assert len(res.token_ids) == fits or res.token_ids[-1] == llm_96.special_ids.eos_token_id
+    with pytest.raises(ConfigError, match=rf"{prompt_len} tokens\) \+ max_new_tokens "
+                       rf"\({fits + 1}\) rounded up .* = 128 tokens exceeds the model's "
+                       "context of 96"):
+        llm_96.generate(prompt_token_ids=ids, max_new_tokens=fits + 1)
+
+
+def test_an_unknown_keyword_is_named_with_generate(tiny_llm):
+    with pytest.raises(TypeError, match=r"LLM.generate\(\) got an unexpected keyword argument "
+                       r"'max_tokens'; expected some of messages, prompt_token_ids, "
+                       "max_new_tokens"):
+        tiny_llm.generate("hi", max_tokens=8)
+    with pytest.raises(TypeError, match=r"LLM.stream\(\) got an unexpected keyword argument "
+                       "'max_tokens'"):
+        next(tiny_llm.stream("hi", max_tokens=8))
+
+
+def test_settings_left_out_take_the_checkpoint_file_under_any_role(tiny_dir, tmp_path):
+    """role defaults < paper_decoding.json < explicit arguments, the temperature included
+    (left out, it is the file's; given, it is the argument)."""
+    import json
+    import shutil
+
+    from dlmc import LLM
+
+    shutil.copytree(tiny_dir, tmp_path / "m")
+    (tmp_path / "m" / "paper_decoding.json").write_text(json.dumps(
+        {"temperature": 0.5, "max_new_tokens": 8, "block_length": 8, "threshold": 0.7}))
+    llm = LLM(tmp_path / "m", role="llada2.1", device="cpu", dtype="fp32")
+    res = llm.generate(prompt_token_ids=[70, 71, 72], seed=1)
+    got = res.settings
+    assert (got["temperature"], got["max_new_tokens"], got["block_length"]) == (0.5, 8, 8)
+    assert (got["threshold"], got["edit_threshold"]) == (0.7, 0.9)  # the file's, the role's
+    res = llm.generate(prompt_token_ids=[70, 71, 72], temperature=0.0, threshold=0.95)
+    assert (res.settings["temperature"], res.settings["threshold"]) == (0.0, 0.95)
+    assert llm.decode_settings() == llm.decode_settings(temperature=0.5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -18,12 +19,12 @@ from dlmc.engine.canvas_decoder import CanvasDecoder
 from dlmc.engine.canvas_runtime import CanvasRuntime
 from dlmc.engine.decode_config import DecodeConfig, resolve_decode_config, role_defaults
 from dlmc.engine.events import BlockEvent, CanvasRoundEvent, DecodeOutput, RoundEvent
-from dlmc.errors import ConfigError, DlmcError
+from dlmc.errors import ConfigError, DlmcError, TokenizerError
 from dlmc.kv.attention import MaskedAttention, block_causal_mask
 from dlmc.kv.layout import paged_cache_problem
 from dlmc.kv.scales import resolve_kv_cache_dtype
 from dlmc.loading.hub import resolve_model
-from dlmc.loading.loader import load_model, parse_dtype
+from dlmc.loading.loader import load_model, parse_device, parse_dtype
 from dlmc.loading.special_ids import resolve_special_ids
 from dlmc.models.layers import fuse_gate_up_projections
 from dlmc.models.moe import fuse_shared_experts
@@ -42,9 +43,11 @@ class LLM:
     `model_type`: LLaDA2's block decoder for `llada2_moe`, the entropy-bound canvas decoder for
     `diffusion_gemma` (`dlmc.engine.canvas_runtime`; role "orl" only, settings from
     generation_config.json then paper_decoding.json, modes "eager" and "reference" for now).
-    `role`: "orl" (threshold 0.85, edit 0.5, 16 refine steps, from the checkpoint's
-    paper_decoding.json), "llada2.1" or "llada2.0". `precision`: "auto", "bf16" or "nvfp4".
-    `device`: default CUDA if available. `dtype`: default bf16 on CUDA, fp32 on CPU.
+    `role`: the decoder and its default settings, "orl" (threshold 0.85, edit 0.5, 16 refine
+    steps), "llada2.1" or "llada2.0"; under every role the checkpoint's paper_decoding.json
+    overrides them, and `generate`'s arguments override both (docs/llada2.md §6).
+    `precision`: "auto", "bf16" or "nvfp4". `device`: "cpu", "cuda" or "cuda:N" (default: CUDA
+    if available). `dtype`: default bf16 on CUDA or with `kv_cache_dtype="fp8"`, else fp32.
     `mode`: how rounds run: "graph" (compiled + CUDA graphs, the default on CUDA), "compile",
     "eager" (the default on CPU) or "reference" (plain PyTorch, exact-length attention).
     `kv_cache_dtype`: "auto" (FP8 when the checkpoint declares an FP8 KV cache and activations
@@ -76,10 +79,18 @@ class LLM:
         kernels: KernelConfig | None = None,
     ) -> None:
         role_defaults(role)  # validates the role
+        self.device = parse_device(device)  # before any download
+        self.dtype = parse_dtype(dtype, self.device, kv_cache_dtype)
+        self.mode = mode or ("graph" if self.device.type == "cuda" else "eager")
+        if self.mode not in ("graph", "compile", "eager", "reference"):
+            raise ConfigError(
+                f"mode {self.mode!r}: expected one of graph, compile, eager, reference"
+            )
+        if self.mode == "graph" and self.device.type != "cuda":
+            raise ConfigError(f"mode 'graph' (CUDA graphs) needs a CUDA device, got device "
+                              f"{str(self.device)!r}; use mode 'eager' (--mode eager) or 'compile'")
         self.model_id = os.fspath(model)
         self.model_dir: Path = resolve_model(model)
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.dtype = parse_dtype(dtype, self.device)
         self.role = role
         if kernels is not None and not isinstance(kernels, KernelConfig):
             raise ConfigError(f"kernels={kernels!r}: expected a dlmc.KernelConfig")
@@ -102,7 +113,6 @@ class LLM:
         if self.device.type == "cuda":  # one grouped kernel pair for routed + shared experts
             fuse_shared_experts(self.model)
             fuse_gate_up_projections(self.model)  # one GEMM for gate + up of dense MLPs
-        self.mode = mode or ("graph" if self.device.type == "cuda" else "eager")
         declares_fp8 = loaded.declares_fp8_kv and not paged_cache_problem(
             self.device, self.dtype, self.mode)  # "auto" picks FP8 only where it runs
         self.kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, declares_fp8)
@@ -114,10 +124,6 @@ class LLM:
                      self.model_dir)
         self.special_ids = resolve_special_ids(self.model_dir, self._tokenizer_special_ids)
         self.max_context = max_context or self.config.max_position_embeddings
-        if self.mode not in ("graph", "compile", "eager", "reference"):
-            raise ConfigError(
-                f"mode {self.mode!r}: expected one of graph, compile, eager, reference"
-            )
         self._decoder = BlockDecoder(
             self.model, self.special_ids.mask_token_id, self.special_ids.eos_token_id,
             self.max_context, self.device, self.dtype, mode=self.mode,
@@ -133,24 +139,16 @@ class LLM:
             from transformers import AutoTokenizer
             from transformers.utils import logging as hf_logging
 
-            if not any(
-                (self.model_dir / f).is_file()
-                for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-            ):
-                raise DlmcError(
-                    f"{self.model_dir}: no usable tokenizer (no tokenizer.json or "
-                    "tokenizer_config.json); pass prompt_token_ids instead of text"
-                )
+            files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+            if not any((self.model_dir / f).is_file() for f in files):
+                raise TokenizerError(self.model_dir, f"none of {', '.join(files)}")
             verbosity = hf_logging.get_verbosity()
             hf_logging.set_verbosity_error()  # it warns that it does not know llada2_moe
             try:
                 self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
             except Exception as exc:
                 reason = " ".join(str(exc).split())
-                raise DlmcError(
-                    f"{self.model_dir}: no usable tokenizer ({type(exc).__name__}: {reason}); "
-                    "pass prompt_token_ids instead of text"
-                ) from None
+                raise TokenizerError(self.model_dir, f"{type(exc).__name__}: {reason}") from None
             finally:
                 hf_logging.set_verbosity(verbosity)
         return self._tokenizer
@@ -201,8 +199,9 @@ class LLM:
 
     # -- decoding --------------------------------------------------------------------------
     def decode_settings(self, **overrides: Any) -> DecodeConfig | CanvasDecodeConfig:
-        """Effective settings: role defaults < paper_decoding.json < explicit overrides
-        (DiffusionGemma: generation_config.json < paper_decoding.json < explicit overrides)."""
+        """Effective settings: role defaults < the checkpoint's paper_decoding.json (every
+        role) < explicit overrides (DiffusionGemma: generation_config.json <
+        paper_decoding.json < explicit overrides)."""
         given = {k: v for k, v in overrides.items() if v is not _UNSET}
         if self._canvas is not None:
             return self._canvas.decode_settings(given)
@@ -219,7 +218,7 @@ class LLM:
         edit_threshold: Any = _UNSET,
         max_refine_steps: int | None = None,
         block_length: int | None = None,
-        temperature: float = 0.0,
+        temperature: float | None = None,
         top_k: int | None = None,
         top_p: float | None = None,
         seed: int | None = None,
@@ -229,24 +228,26 @@ class LLM:
         **sampler: Any,
     ) -> Iterator[StreamEvent]:
         """Yield a BlockChunk per finished block (and a RoundEvent per round if `rounds`),
-        then Done(result). `cancel()` is polled every round.
+        then Done(result). `cancel()` is polled every round. A decoding setting left None
+        (`edit_threshold`: left out) takes the checkpoint's paper_decoding.json, else the
+        role's default (`decode_settings`).
 
         DiffusionGemma: a BlockChunk per appended canvas and, with `rounds`, a
         CanvasRoundEvent per denoising step; `sampler` takes its settings (max_denoising_steps,
         t_min, t_max, entropy_bound, stability_threshold, confidence_threshold); LLaDA2's
-        options are refused by name (temperature 0.0, the default, means "not given")."""
+        options are refused by name."""
         ids = self.encode_prompt(prompt, messages, prompt_token_ids)
         named = dict(
             max_new_tokens=max_new_tokens,
             threshold=threshold,
             max_refine_steps=max_refine_steps,
             block_length=block_length,
+            temperature=None if temperature is None else float(temperature),
             top_k=top_k,
             top_p=top_p,
             seed=seed,
         )
         overrides = {k: v for k, v in named.items() if v is not None}
-        overrides["temperature"] = float(temperature)
         if edit_threshold is not _UNSET:
             overrides["edit_threshold"] = edit_threshold
         cfg = self.decode_settings(**overrides, **sampler)
@@ -295,6 +296,12 @@ class LLM:
 
     def generate(self, prompt: str | None = None, **kwargs: Any) -> GenerateResult:
         """Decode one request to the end; same arguments as `stream` (without `rounds`)."""
+        known = inspect.signature(LLM.stream).parameters
+        unknown = [key for key in kwargs if key not in known]
+        if unknown:
+            raise TypeError(
+                f"LLM.generate() got an unexpected keyword argument {unknown[0]!r}; expected "
+                f"some of {', '.join(k for k in known if k not in ('self', 'prompt', 'rounds'))}")
         for event in self.stream(prompt, **kwargs):
             if isinstance(event, Done):
                 return event.result

@@ -15,3 +15,15 @@ class ModelNotFoundError(DlmcError):
 
 class ConfigError(DlmcError, ValueError):
     """An option or setting has an invalid value."""
+
+
+class TokenizerError(CheckpointError):
+    """A checkpoint has no usable tokenizer: text cannot be encoded (token ids still can).
+
+    `directory`: the checkpoint; `reason`: what is missing or failed. The message advises the
+    Python API's `prompt_token_ids`; the command line gives its own advice from the two."""
+
+    def __init__(self, directory: object, reason: str) -> None:
+        self.directory, self.reason = directory, reason
+        super().__init__(f"{directory}: no usable tokenizer ({reason}); pass prompt_token_ids "
+                         "instead of text")

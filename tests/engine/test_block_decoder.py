@@ -284,3 +284,31 @@ def test_sampled_rounds_in_flight_draw_what_rounds_one_by_one_draw(top_p):
         results.append((stop.value.value, model.calls, model.fused_calls))
     assert results[0] == results[1]
     assert len(set(results[0][0].answer_ids)) > 1  # sampled: not one token everywhere
+
+
+def _finish(gen):
+    with pytest.raises(StopIteration) as stop:
+        while True:
+            next(gen)
+    return stop.value.value
+
+
+@pytest.mark.parametrize("lookahead", [True, False])
+def test_cached_decoding_equals_uncached_across_key_length_buckets(tiny_llm, lookahead):
+    """The dense cache is attended up to a power-of-two key-length bucket (256, 512, ...): a
+    230-token prompt and 64 new tokens decode blocks 7-9 (bl 32), block 8 the first past 256
+    keys, so rounds run in the buckets 256 and 512. Cached decoding must still equal uncached
+    decoding token for token, with the same forwards (rounds in flight, and one by one)."""
+    dec = BlockDecoder(tiny_llm.model, tiny_llm.special_ids.mask_token_id,
+                       tiny_llm.special_ids.eos_token_id, 1024, torch.device("cpu"),
+                       torch.float32, kv_layout="dense", lookahead=lookahead)
+    runner = dec.runner(32)
+    assert (runner.key_len(256), runner.key_len(288)) == (256, 512)
+    cfg = DecodeConfig(algorithm="joint", threshold=0.85, edit_threshold=0.5,
+                       max_refine_steps=4, block_length=32, max_new_tokens=64)
+    prompt = [40 + (7 * i) % 200 for i in range(230)]
+    cached = _finish(dec.decode(prompt, cfg))
+    uncached = _finish(dec.decode(prompt, cfg, use_cache=False))
+    assert cached.blocks == uncached.blocks == 3  # 230 + 64 tokens: blocks 7, 8, 9
+    assert cached.answer_ids == uncached.answer_ids and len(cached.answer_ids) == 64
+    assert cached.num_forwards == uncached.num_forwards

@@ -89,8 +89,10 @@ def test_fused_refresh_writes_the_same_fp8_cache_as_a_separate_refresh(pair):
 
 
 def test_fp8_needs_bf16_activations(tiny_dir):
-    with pytest.raises(ConfigError, match="kv_cache_dtype 'fp8' runs with bf16 activations"):
+    with pytest.raises(ConfigError, match=r"kv_cache_dtype 'fp8' needs bf16 activations \(got "
+                       r"dtype float32\); use dtype 'bf16' \(--dtype bf16\)"):
         LLM(tiny_dir, device="cpu", dtype="fp32", kv_cache_dtype="fp8")
+    assert LLM(tiny_dir, device="cpu", kv_cache_dtype="fp8").dtype == torch.bfloat16
     with pytest.raises(ConfigError, match="kv_cache_dtype=.*not one of"):
         LLM(tiny_dir, device="cpu", kv_cache_dtype="int4")
 

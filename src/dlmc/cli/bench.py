@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from dlmc.cli.bench_round import round_cmd
+from dlmc.cli.options import error_line
 from dlmc.errors import DlmcError
 
 
@@ -70,7 +71,7 @@ def suite(**options: Any) -> None:
     try:
         run_suite(options, load_llm=_load_llm)
     except DlmcError as exc:
-        raise click.ClickException(str(exc)) from exc
+        raise click.ClickException(error_line(exc)) from None
 
 
 def _load_llm(model: str, role: str, precision: str, device: str | None,

@@ -51,6 +51,8 @@ def generate(
         prompt = sys.stdin.read()
     if not prompt.strip():
         raise click.UsageError("PROMPT is empty")
+    if raw and system:
+        raise click.UsageError("--system needs the chat template: drop --raw")
     err = Console(stderr=True)
     with err.status(f"loading {model}…", spinner="dots"):
         from dlmc.api import LLM
@@ -59,8 +61,7 @@ def generate(
             model, role=role, precision=precision, device=device, dtype=dtype, show_progress=True,
             **engine_kwargs(decode),
         )
-    if raw and system:
-        raise click.UsageError("--system needs the chat template: drop --raw")
+    llm.tokenizer  # noqa: B018 - a checkpoint without one stops here, before any output
     request: dict[str, Any] = (
         {"prompt": prompt}
         if raw
@@ -70,9 +71,9 @@ def generate(
         }
     )
     kwargs = decode_kwargs(decode)
-    if llm.mode in ("graph", "compile"):
-        err.print("[dim]first rounds compile (Inductor) and capture CUDA graphs: about a minute "
-                  "for a full-size model on a first start; cached for the next one[/dim]")
+    notice = first_rounds_notice(llm.mode, llm.device.type)
+    if notice:
+        err.print(f"[dim]{notice}[/dim]")
     out = Console()
     live = out.is_terminal and not no_live and not as_json
     result = _run_live(llm, request, kwargs, out) if live else llm.generate(**request, **kwargs)
@@ -85,6 +86,19 @@ def generate(
     else:
         click.echo(result.text)
         click.echo(stats_line(result), err=True)
+
+
+def first_rounds_notice(mode: str, device_type: str) -> str | None:
+    """What the first rounds of `mode` spend time on, or None where they run as they are (eager
+    and reference rounds)."""
+    if mode == "graph":
+        return ("first rounds compile (Inductor) and capture CUDA graphs: about a minute for a "
+                "full-size model on a first start; compiled kernels are cached for the next one")
+    if mode == "compile":
+        target = "CUDA kernels" if device_type == "cuda" else "C++ kernels for the CPU"
+        return (f"first rounds compile (Inductor, {target}; no graph capture): up to a few "
+                "minutes on a first start; compiled kernels are cached for the next one")
+    return None
 
 
 def _run_live(llm: Any, request: dict[str, Any], kwargs: dict[str, Any], console: Any) -> Any:

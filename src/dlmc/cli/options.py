@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from dlmc.errors import DlmcError
+from dlmc.errors import DlmcError, TokenizerError
 
 # DiffusionGemma's sampler options: LLM.stream refuses them for LLaDA2, so only given ones pass
 CANVAS_KEYS = ("max_denoising_steps", "t_min", "t_max", "entropy_bound", "confidence_threshold")
@@ -46,7 +46,9 @@ def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             type=click.Choice(["orl", "llada2.1", "llada2.0"]),
             default="orl",
             show_default=True,
-            help="Decoder: ORL paper settings, LLaDA2.1 joint threshold, or LLaDA2.0 threshold.",
+            help="Decoder and its default settings: ORL paper, LLaDA2.1 joint threshold, or "
+            "LLaDA2.0 threshold. Under every role the checkpoint's paper_decoding.json "
+            "overrides the defaults, and the decoding options override both.",
         ),
         click.option(
             "--precision",
@@ -55,12 +57,14 @@ def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             show_default=True,
             help="Routed-expert precision (auto: nvfp4 for NVFP4 checkpoints on GPU).",
         ),
-        click.option("--device", default=None, help="cuda, cuda:1, cpu (default: cuda if any)."),
+        click.option("--device", default=None,
+                     help="cpu, cuda or cuda:N (default: cuda if there is one)."),
         click.option(
             "--dtype",
             type=click.Choice(["bf16", "fp16", "fp32"]),
             default=None,
-            help="Activation dtype (default: bf16 on CUDA, fp32 on CPU).",
+            help="Activation dtype (default: bf16 on CUDA or with --kv-cache-dtype fp8, else "
+            "fp32).",
         ),
         click.option(
             "--mode",
@@ -73,7 +77,8 @@ def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             type=click.Choice(["auto", "bf16", "fp8"]),
             default="auto",
             show_default=True,
-            help="KV cache storage (auto: FP8 when the checkpoint declares an FP8 KV cache).",
+            help="KV cache storage (auto: FP8 when the checkpoint declares an FP8 KV cache and "
+            "activations are bf16; fp8 needs bf16 activations, the default with it).",
         ),
     ]
     for decorator in reversed(decorators):
@@ -90,28 +95,36 @@ def decode_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             "--threshold",
             type=float,
             default=None,
-            help="Mask-to-token commit threshold (role default: orl 0.85).",
+            help="Mask-to-token commit threshold (default: the checkpoint's "
+            "paper_decoding.json, else the role's: orl 0.85, llada2.1 and llada2.0 0.95).",
         ),
         click.option(
             "--edit-threshold",
             type=EditThreshold(),
             default="default",
-            help="Token-to-token edit threshold, or `none` (role default: orl 0.5).",
+            help="Token-to-token edit threshold, or `none` (default: the checkpoint's "
+            "paper_decoding.json, else the role's: orl 0.5, llada2.1 0.9; llada2.0 has no "
+            "edits).",
         ),
         click.option(
             "--max-refine-steps",
             type=int,
             default=None,
-            help="Post-fill edit rounds per block (role default: 16).",
+            help="Post-fill edit rounds per block (default: the checkpoint's "
+            "paper_decoding.json, else 16; llada2.0: 0).",
         ),
         click.option(
             "--max-new-tokens",
             type=int,
             default=None,
-            help="Answer length limit (default: the checkpoint's paper_decoding.json).",
+            help="Answer length limit (default: the checkpoint's paper_decoding.json, else "
+            "the role's: orl 4096, llada2.1 and llada2.0 2048).",
         ),
-        click.option("--block-length", type=int, default=None, help="Block size (default 32)."),
-        click.option("--temperature", type=float, default=0.0, show_default=True),
+        click.option("--block-length", type=int, default=None,
+                     help="Block size (default: the checkpoint's paper_decoding.json, else 32)."),
+        click.option("--temperature", type=float, default=None,
+                     help="Sampling temperature (default: the checkpoint's "
+                     "paper_decoding.json, else 0: greedy)."),
         click.option("--top-k", type=int, default=None),
         click.option("--top-p", type=float, default=None),
         click.option("--seed", type=int, default=None, help="Seed for sampling."),
@@ -189,6 +202,17 @@ def decode_kwargs(params: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
+def error_line(exc: DlmcError) -> str:
+    """The one line the command line shows for `exc`: its message, with advice that the command
+    line can follow where the message's is the Python API's (a missing tokenizer)."""
+    if isinstance(exc, TokenizerError):
+        return (f"{exc.directory}: no usable tokenizer ({exc.reason}); the command line encodes "
+                "text with the checkpoint's tokenizer (--raw skips only the chat template): add "
+                "the tokenizer files of the model it was made from (tokenizer.json, "
+                "tokenizer_config.json) to that directory")
+    return " ".join(str(exc).split())
+
+
 def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Show dlmc's input errors as one clean line instead of a traceback."""
 
@@ -197,6 +221,6 @@ def user_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except DlmcError as exc:
-            raise click.ClickException(str(exc)) from None
+            raise click.ClickException(error_line(exc)) from None
 
     return wrapper

@@ -1,5 +1,6 @@
-"""Decoder settings: typed, frozen, validated; built from a role, the checkpoint's
-paper_decoding.json and the request's explicit parameters (in rising precedence)."""
+"""Decoder settings: typed, frozen, validated; built from a role's defaults, the checkpoint's
+paper_decoding.json (under every role) and the request's explicit parameters (in rising
+precedence)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from dlmc.errors import ConfigError
 
 Algorithm = Literal["joint", "threshold"]
 ROLES = ("orl", "llada2.1", "llada2.0")
+# Settings of the LLaDA2.1 rule only: the LLaDA2.0 threshold rule has no edits.
+JOINT_ONLY = ("edit_threshold", "max_refine_steps")
 
 
 @dataclass(frozen=True)
@@ -114,14 +117,19 @@ def role_defaults(role: str) -> DecodeConfig:
 def resolve_decode_config(
     role: str, checkpoint: Path | None, overrides: dict[str, Any]
 ) -> DecodeConfig:
-    """Role defaults, then paper_decoding.json (role "orl" only), then explicit overrides.
+    """Role defaults, then the checkpoint's paper_decoding.json, then explicit overrides.
 
-    In `overrides`, a key absent means "not given"; `edit_threshold=None` given explicitly
+    The file describes the checkpoint, so it applies under every role (llada2.md §6), except
+    its LLaDA2.1-only settings (`JOINT_ONLY`) under the LLaDA2.0 threshold rule. In
+    `overrides`, a key absent means "not given"; `edit_threshold=None` given explicitly
     disables edits.
     """
     config = role_defaults(role)
-    if role == "orl" and checkpoint is not None:
-        config = replace(config, **read_paper_decoding(checkpoint / "paper_decoding.json", config))
+    if checkpoint is not None:
+        found = read_paper_decoding(checkpoint / "paper_decoding.json", config)
+        if config.algorithm == "threshold":
+            found = {k: v for k, v in found.items() if k not in JOINT_ONLY}
+        config = replace(config, **found)
     try:
         return replace(config, **overrides)
     except TypeError as exc:

@@ -15,14 +15,20 @@ KV_LAYOUTS = ("auto", "dense", "paged")
 
 
 def paged_cache_problem(device: torch.device, dtype: torch.dtype, mode: str) -> str | None:
-    """Why the paged (FP8 or BF16) cache cannot run with these settings (None: it can)."""
-    if dtype != torch.bfloat16 or mode == "reference":
-        return (f"runs with bf16 activations and a static round mode (got dtype {dtype}, mode "
-                f"{mode!r}); use kv_cache_dtype 'bf16'")
+    """Why the paged (FP8 or BF16) cache cannot run with these settings (None: it can), with
+    what to pass instead (the option's name in the API and on the command line)."""
+    if dtype != torch.bfloat16:
+        name = str(dtype).removeprefix("torch.")
+        return (f"needs bf16 activations (got dtype {name}); use dtype 'bf16' (--dtype bf16) "
+                "or kv_cache_dtype 'bf16'")
+    if mode == "reference":
+        return ("needs a static round mode (mode 'reference' runs plain PyTorch rounds over "
+                "the dense BF16 cache); use mode 'eager' (--mode eager) or kv_cache_dtype "
+                "'bf16'")
     if mode == "compile" and device.type != "cuda":
         return ("with mode 'compile' needs a CUDA device (on CPU the paged cache attends with "
-                "the reference, which reads its length on the host); use mode 'eager' or "
-                "kv_cache_dtype 'bf16'")
+                "the reference, which reads its length on the host); use mode 'eager' "
+                "(--mode eager) or kv_cache_dtype 'bf16'")
     return None
 
 

@@ -53,10 +53,43 @@ class LoadedModel:
             "llada2_moe")
 
 
-def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """None -> bf16 on CUDA, fp32 on CPU; else a torch dtype or one of DTYPES' names."""
+def available_devices() -> str:
+    """The devices this torch can run dlmc on, for error messages: `cpu`, `cuda:0`, ..."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return ", ".join(["cpu"] + [f"cuda:{i}" for i in range(count)])
+
+
+def parse_device(device: str | torch.device | None) -> torch.device:
+    """None -> CUDA if available, else the CPU; else `cpu`, `cuda` or `cuda:N` that this torch
+    can use (a ConfigError naming the option and the devices available otherwise)."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {str(device)!r}: expected cpu, cuda or cuda:N (available "
+                          f"here: {available_devices()})")
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            why = ("this torch is built without CUDA" if torch.version.cuda is None
+                   else "CUDA finds no GPU")
+            raise ConfigError(f"device {str(device)!r}: {why} (available here: "
+                              f"{available_devices()})")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ConfigError(f"device {str(device)!r}: no such GPU (available here: "
+                              f"{available_devices()})")
+    return parsed
+
+
+def parse_dtype(dtype: str | torch.dtype | None, device: torch.device,
+                kv_cache_dtype: str = "auto") -> torch.dtype:
+    """None -> bf16 on CUDA or with an FP8 KV cache (which needs bf16 activations), else fp32;
+    else a torch dtype or one of DTYPES' names."""
     if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        fp8 = kv_cache_dtype == "fp8"
+        return torch.bfloat16 if device.type == "cuda" or fp8 else torch.float32
     if isinstance(dtype, torch.dtype):
         if dtype in DTYPES.values():
             return dtype
