@@ -25,8 +25,8 @@ from dlmc.graphs.canvas_rules import (
     self_conditioning_input,
 )
 from dlmc.graphs.canvas_settings import CanvasSettings
-from dlmc.kv.gemma_static_cache import GemmaStaticCache
 from dlmc.kv.gemma_round_attention import CanvasRoundAttention, EncodeRoundAttention
+from dlmc.kv.gemma_static_cache import GemmaStaticCache
 
 __all__ = ["CanvasBuffers", "canvas_round", "encode_chunk"]
 

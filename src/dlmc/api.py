@@ -14,7 +14,7 @@ import torch
 
 from dlmc.custom_ops.kernel_config import KernelConfig
 from dlmc.engine.block_decoder import BlockDecoder
-from dlmc.engine.canvas_config import CanvasDecodeConfig
+from dlmc.engine.canvas_config import CANVAS_OPTIONS, CanvasDecodeConfig
 from dlmc.engine.canvas_decoder import CanvasDecoder
 from dlmc.engine.canvas_runtime import CanvasRuntime
 from dlmc.engine.decode_config import DecodeConfig, resolve_decode_config, role_defaults
@@ -236,6 +236,9 @@ class LLM:
         CanvasRoundEvent per denoising step; `sampler` takes its settings (max_denoising_steps,
         t_min, t_max, entropy_bound, stability_threshold, confidence_threshold); LLaDA2's
         options are refused by name."""
+        unknown = [key for key in sampler if key not in CANVAS_OPTIONS]
+        if unknown:
+            raise TypeError(f"LLM.stream() got an unexpected keyword argument {unknown[0]!r}")
         ids = self.encode_prompt(prompt, messages, prompt_token_ids)
         named = dict(
             max_new_tokens=max_new_tokens,
@@ -296,7 +299,8 @@ class LLM:
 
     def generate(self, prompt: str | None = None, **kwargs: Any) -> GenerateResult:
         """Decode one request to the end; same arguments as `stream` (without `rounds`)."""
-        known = inspect.signature(LLM.stream).parameters
+        known = [name for name, param in inspect.signature(LLM.stream).parameters.items()
+                 if param.kind is not inspect.Parameter.VAR_KEYWORD] + list(CANVAS_OPTIONS)
         unknown = [key for key in kwargs if key not in known]
         if unknown:
             raise TypeError(

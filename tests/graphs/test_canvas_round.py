@@ -13,8 +13,8 @@ from dlmc.errors import ConfigError
 from dlmc.graphs.canvas_rules import denoise_canvas_reference
 from dlmc.graphs.canvas_runner import CanvasRunner
 from dlmc.graphs.canvas_settings import CanvasSettings
-from dlmc.kv.gemma_static_cache import GemmaStaticCache
 from dlmc.kv.gemma_round_attention import CanvasRoundAttention
+from dlmc.kv.gemma_static_cache import GemmaStaticCache
 from dlmc.models.diffusion_gemma_attention import CanvasContext, CausalContext, GemmaKVCache
 from tests.models.gemma_tiny import CANVAS, VOCAB, tiny_model
 

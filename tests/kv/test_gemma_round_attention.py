@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dlmc.kv.gemma_static_cache import GemmaStaticCache
 from dlmc.kv.gemma_round_attention import CanvasRoundAttention, EncodeRoundAttention
+from dlmc.kv.gemma_static_cache import GemmaStaticCache
 from dlmc.models.diffusion_gemma_attention import CanvasContext, CausalContext, GemmaKVCache
 from tests.models.gemma_tiny import CANVAS, VOCAB, tiny_model
 

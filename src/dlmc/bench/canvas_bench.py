@@ -28,8 +28,8 @@ from dlmc.bench.timing import cuda_times, queued_cuda_times
 from dlmc.custom_ops.kernel_config import DEFAULT_KERNELS, KernelConfig
 from dlmc.graphs.canvas_runner import CanvasRunner
 from dlmc.graphs.canvas_settings import CanvasSettings
-from dlmc.kv.gemma_static_cache import GemmaStaticCache
 from dlmc.kv.gemma_round_attention import CanvasRoundAttention
+from dlmc.kv.gemma_static_cache import GemmaStaticCache
 from dlmc.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion, GemmaDecoderLayer
 from dlmc.models.diffusion_gemma_moe import GemmaRouter
 
