@@ -44,12 +44,12 @@ def compile_sm90(kernel: triton.JITFunction, types: dict[str, str], constexprs: 
     Kernels that take `PDL` compile as launched with PDL unless `constexprs` says otherwise:
     their PTX must then wait for the previous grid (griddepcontrol); `nvfp4_moe`'s down kernel
     with `OVERLAP` waits per slot instead. `nvfp4_moe`'s `moe_overlap` parameters and its
-    Gluon-down forms (`H_EVEN_ODD`, `PARTS_ONLY`) default to off."""
+    Gluon-down forms (`H_EVEN_ODD`, `PARTS_ONLY`) default to off, its `ACTIVATION` to SiLU."""
     names = kernel.arg_names
     if "PDL" in names and "PDL" not in constexprs:
         constexprs = constexprs | {"PDL": True}
     overlap = {"OVERLAP": False, "GATE_UP_TILES": 1, "GATE_UP_SPLIT": 1, "H_EVEN_ODD": False,
-               "PARTS_ONLY": False}
+               "PARTS_ONLY": False, "ACTIVATION": "silu"}
     constexprs = {k: v for k, v in overlap.items() if k in names} | constexprs
     signature = {name: "constexpr" if name in constexprs else types[name] for name in names}
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in divisible}
