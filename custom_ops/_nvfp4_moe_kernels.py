@@ -1,16 +1,17 @@
-"""The two Triton kernels of `dlmc::nvfp4_moe` (gate/up with SiLU-mul, down), one program per
-M-block of sorted (token, expert) pairs and N-tile; the launches live in `_nvfp4_moe_launch`,
-the maths in `nvfp4_moe.nvfp4_moe_reference`. `VARIANT` (3 or 7) selects the weight decode
-(`nvfp4_tiles`); `SHARED` runs the BF16 shared expert in the same launch, as the extra
-programs after the routing's blocks (`moe_shared_parts`; the routing's own shared blocks then
-have nothing to do). `OVERLAP`: the down programs wait per slot for the gate/up programs whose
-rows they read (`moe_overlap`).
+"""The two Triton kernels of `dlmc::nvfp4_moe` (gate/up with the gated activation, down), one
+program per M-block of sorted (token, expert) pairs and N-tile; the launches and tiles live in
+`_nvfp4_moe_launch` and `nvfp4_moe_tiles`, the maths in `nvfp4_moe.nvfp4_moe_reference`.
+`VARIANT` (3 or 7) selects the weight decode (`nvfp4_tiles`); `SHARED` runs the BF16 shared
+expert in the same launch, as the extra programs after the routing's blocks
+(`moe_shared_parts`; the routing's own shared blocks then have nothing to do). `OVERLAP`: the
+down programs wait per slot for the gate/up programs whose rows they read (`moe_overlap`).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from dlmc.custom_ops._pdl import pdl_enter
 from dlmc.custom_ops.moe_align import block_rows
@@ -21,6 +22,24 @@ from dlmc.custom_ops.nvfp4_tiles import nvfp4_tile_dot, round_bf16
 
 
 @triton.jit
+def gated(g, u, ACTIVATION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """`act(g) * u` in fp32. "silu": `g * sigmoid(g) * u`. "gelu_tanh": PyTorch's
+    `gelu(g, approximate="tanh")` in its order, `0.5 * g * (1 + tanh(sqrt(2/pi) * (g + 0.044715
+    * g^3)))`, with CUDA's `tanhf` (libdevice); the interpreter has no libdevice, so there
+    `1 + tanh(z)` is `2 * sigmoid(2z)` (the same value, without cancellation)."""
+    if ACTIVATION == "gelu_tanh":
+        inner = 0.7978845608028654 * (g + 0.044715 * (g * g * g))
+        if INTERPRETED:
+            act = g * tl.sigmoid(2.0 * inner)
+        else:
+            act = 0.5 * g * (1.0 + libdevice.tanh(inner))
+    else:
+        tl.static_assert(ACTIVATION == "silu", "ACTIVATION: 'silu' or 'gelu_tanh'")
+        act = g * tl.sigmoid(g)
+    return act * u
+
+
+@triton.jit
 def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s, up_w, up_s,
                     gate_alpha_ptr, up_alpha_ptr, h_ptr, num_pairs, a_row_div, H: tl.constexpr,
                     I: tl.constexpr, stride_a, stride_h, shared_gate_w, shared_up_w, shared_id,
@@ -28,15 +47,16 @@ def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
                     VARIANT: tl.constexpr, SHARED: tl.constexpr, SHARED_BLOCK_K: tl.constexpr,
                     SHARED_SPLIT: tl.constexpr, OVERLAP: tl.constexpr = False,
-                    PDL: tl.constexpr = False, H_EVEN_ODD: tl.constexpr = False):
-    """h[slot, n] = silu(gate) * up for the slots of one M-block and one N-tile of I (routed
-    rows: each 128 columns even first, then odd, with `H_EVEN_ODD`, BLOCK_N 128,
-    `_nvfp4_down_gluon`). `SHARED`: programs past the `num_blocks` routing blocks are the BF16
-    shared expert's parts (`moe_shared_parts`, h rows from `num_blocks * BLOCK_M` on), run first
-    (the rows in reverse order: heavier per byte than FP4 blocks, they start first instead of
-    last); blocks of expert `shared_id` exit. `OVERLAP`: each program signals its slot in
-    `count_ptr` (a routing block, or `num_blocks` + the parts' token chunk) when its rows are
-    stored."""
+                    PDL: tl.constexpr = False, H_EVEN_ODD: tl.constexpr = False,
+                    ACTIVATION: tl.constexpr = "silu"):
+    """h[slot, n] = act(gate) * up (`ACTIVATION` "silu" or "gelu_tanh", `gated`) for the
+    slots of one M-block and one N-tile of I (routed rows: each 128 columns even first, then
+    odd, with `H_EVEN_ODD`, BLOCK_N 128, `_nvfp4_down_gluon`). `SHARED`: programs past the
+    `num_blocks` routing blocks are the BF16 shared expert's parts (`moe_shared_parts`, h rows
+    from `num_blocks * BLOCK_M` on), run first (the rows in reverse order: heavier per byte
+    than FP4 blocks, they start first instead of last); blocks of expert `shared_id` exit.
+    `OVERLAP`: each program signals its slot in `count_ptr` (a routing block, or `num_blocks` +
+    the parts' token chunk) when its rows are stored."""
     pdl_enter(PDL)
     pid_m, pid_n = program(SHARED, OVERLAP)
     if SHARED and pid_m >= num_blocks:
@@ -50,7 +70,7 @@ def _gate_up_kernel(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s,
         _gate_up_block(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s, up_w, up_s,
                        gate_alpha_ptr, up_alpha_ptr, h_ptr, num_pairs, a_row_div, H, I, stride_a,
                        stride_h, shared_id, pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, INTERPRETED,
-                       VARIANT, count_ptr, OVERLAP, H_EVEN_ODD)
+                       VARIANT, count_ptr, OVERLAP, H_EVEN_ODD, ACTIVATION)
 
 
 @triton.jit
@@ -59,7 +79,8 @@ def _gate_up_block(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s, 
                    I: tl.constexpr, stride_a, stride_h, shared_id, pid_m, pid_n,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    INTERPRETED: tl.constexpr, VARIANT: tl.constexpr, count_ptr,
-                   OVERLAP: tl.constexpr, H_EVEN_ODD: tl.constexpr = False):
+                   OVERLAP: tl.constexpr, H_EVEN_ODD: tl.constexpr = False,
+                   ACTIVATION: tl.constexpr = "silu"):
     """The FP4 gate/up of routing block `pid_m` (nothing for unused and shared blocks)."""
     expert = tl.load(expert_of_block_ptr + pid_m)
     # The block's pairs are loaded next to the expert id, not after it: the A rows (and so the
@@ -84,7 +105,7 @@ def _gate_up_block(a_ptr, sorted_pair_ptr, expert_of_block_ptr, gate_w, gate_s, 
                                       INTERPRETED, True, VARIANT)
         g = acc_g * alpha_g
         u = acc_u * alpha_u
-        h = round_bf16(g * tl.sigmoid(g) * u, INTERPRETED)
+        h = round_bf16(gated(g, u, ACTIVATION, INTERPRETED), INTERPRETED)
         if H_EVEN_ODD:  # the tile (one 128-column step) even columns first, reordered in
             # registers: the stores stay contiguous
             tl.static_assert(BLOCK_N == 128, "H_EVEN_ODD needs 128-column N-tiles")

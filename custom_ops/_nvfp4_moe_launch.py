@@ -25,30 +25,25 @@ from dlmc.custom_ops._nvfp4_moe_kernels import _down_kernel, _gate_up_kernel
 from dlmc.custom_ops._nvfp4_self_route import self_route_fits
 from dlmc.custom_ops._nvfp4_shared_items import shared_items_apply
 from dlmc.custom_ops._pdl import INTERPRETED, PDL_LAUNCH, launcher
-from dlmc.custom_ops.moe_align import alignment_buffers, route_block_m, route_pairs
+from dlmc.custom_ops.moe_align import (
+    align_pairs_to_blocks,
+    alignment_buffers,
+    route_block_m,
+)
 from dlmc.custom_ops.moe_combine import combine_pairs
 from dlmc.custom_ops.moe_overlap import counters, overlap_active, overlap_pdl
 from dlmc.custom_ops.moe_shared_parts import shared_block_k, shared_parts, shared_split
+from dlmc.custom_ops.nvfp4_moe_tiles import ACTIVATIONS, NVFP4Tiles, default_tiles
 from dlmc.custom_ops.nvfp4_words import can_pack
 from dlmc.quant.nvfp4_format import fake_quantize_activation
 
 __all__ = ["effective_variant", "run_nvfp4_moe"]
-
-# Widest N-tile of each kernel, by variant (v7's gate/up: one 128-row run of its layout)
-_GATE_UP_BLOCK_N = {3: 64, 7: 128}
-_DOWN_BLOCK_N = {3: 128, 7: 128}
-
 
 def effective_variant(H: int, I: int) -> int:
     """The kernel that runs experts of hidden size H and width I: v7 (`nvfp4_words`' tiled
     words, `nvfp4_scale_codes`' one-byte codes) where both projections take the tiled layout
     (`nvfp4_words.can_pack`), else v3 (ModelOpt's bytes and E4M3 scales)."""
     return 7 if can_pack(I, H) and can_pack(H, I) else 3
-
-
-def _block_n(dim: int, widest: int) -> int:
-    """N-tile width: `widest`, narrower for small dims."""
-    return next((b for b in (128, 64, 32) if b <= widest and dim >= b), 16)
 
 
 def _alphas(scale_2: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
@@ -64,32 +59,38 @@ class _Plan(NamedTuple):
     launch_pdl: bool  # PDL launches: gate/up, down, and the alignment and combine
     items: bool  # the shared expert as items of the Gluon launches
     in_routing: bool  # the shared expert's pairs in the alignment
-    block_m: int  # slots per routing block
+    tiles: NVFP4Tiles  # the Triton kernels' tiles (its `block_m`: slots per routing block)
     gluon_down: bool  # the routed down projection in the Gluon kernel
     gluon_gate_up: bool  # the routed gate/up projection in the Gluon kernel
     no_align: bool  # no alignment launch: both Gluon kernels route their items themselves
 
 
 def _plan(x: torch.Tensor, topk_ids: torch.Tensor, E: int, I: int, has_shared: bool,
-          w4a4: bool, pdl: bool, gate_up_w4a4: bool | None = None) -> _Plan:
+          w4a4: bool, pdl: bool, gate_up_w4a4: bool | None = None, activation: str = "silu",
+          tiles: NVFP4Tiles | None = None) -> _Plan:
     """`w4a4`: the down projection's input emulated (`gate_up_w4a4`: gate/up's, as `w4a4` if
-    None; the wrapper passes both scales or neither)."""
+    None; the wrapper passes both scales or neither). The Gluon gate/up kernel and the shared
+    expert's items compute SiLU only: another `activation` runs the Triton gate/up. Given
+    `tiles`, the Triton kernels run both projections with them (no Gluon kernel)."""
     T, K = topk_ids.shape
     H = x.shape[1]
     variant = effective_variant(H, I)
     launch_pdl = overlap_pdl(x.device, pdl) and not w4a4
+    gluon = tiles is None  # (the Gluon kernels have tiles of their own)
+    gluon_gate_up = gluon and activation == "silu" and gate_up_gluon_applies(I, E)
     # whether the routed experts alone (no shared expert in the routing) take the Gluon
     # kernels without an alignment: the gate/up programs route themselves, launched first
-    routed_alone = (launch_pdl and down_gluon_applies(x.device, variant, route_block_m(T, K, E))
-                    and gate_up_gluon_applies(I, E) and self_route_fits(T * K, E))
+    routed_alone = (gluon_gate_up and launch_pdl
+                    and down_gluon_applies(x.device, variant, route_block_m(T, K, E))
+                    and self_route_fits(T * K, E))
     gate_up_w4a4 = w4a4 if gate_up_w4a4 is None else gate_up_w4a4
     items = has_shared and not gate_up_w4a4 and shared_items_apply(T, H, I) and routed_alone
     in_routing = has_shared and not items
-    block_m = route_block_m(T, K, E, in_routing)
-    gluon_down = launch_pdl and down_gluon_applies(x.device, variant, block_m)
+    tiles = tiles or default_tiles(T, K, E, H, I, variant, in_routing)
+    tiles.check_shape(variant)
+    gluon_down = gluon and launch_pdl and down_gluon_applies(x.device, variant, tiles.block_m)
     return _Plan(variant, overlap_active(x.device, pdl) and not w4a4, launch_pdl, items,
-                 in_routing, block_m, gluon_down,
-                 gluon_down and not in_routing and gate_up_gluon_applies(I, E),
+                 in_routing, tiles, gluon_down, gluon_down and not in_routing and gluon_gate_up,
                  routed_alone and not in_routing)
 
 
@@ -102,13 +103,17 @@ def run_nvfp4_moe(
     down_input_scale: torch.Tensor | None = None,
     shared_gate: torch.Tensor | None = None, shared_up: torch.Tensor | None = None,
     shared_down: torch.Tensor | None = None, pairs: bool = False, pdl: bool = True,
+    activation: str = "silu", tiles: list[int] | None = None,
 ) -> torch.Tensor:
     """Body of `dlmc::nvfp4_moe`. Same tensors as `nvfp4_moe.nvfp4_moe`, except that the
     weights and block scales are the operands kernel `effective_variant` reads (uint8 bytes,
     `nvfp4_words.projection_operands`) and the W4A4 activation scales come pre-combined:
     `gate_up_input_scale` fp32 `[E]` (shared by gate and up) and `down_input_scale` fp32 `[E]`
     (None: no emulation). `shared_*` (all three or none): the BF16 shared expert. `pairs`:
-    return the pair rows `[T*P, H]` uncombined. `pdl`: as `nvfp4_moe`'s."""
+    return the pair rows `[T*P, H]` uncombined. `pdl`, `activation`: as `nvfp4_moe`'s.
+    `tiles`: `NVFP4Tiles.as_list()` (None: `default_tiles`)."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"nvfp4_moe: activation={activation!r}, expected one of {ACTIVATIONS}")
     T, H = x.shape
     K = topk_ids.shape[1]
     E, I = gate_weight.shape[0], gate_weight.shape[1]
@@ -120,8 +125,10 @@ def run_nvfp4_moe(
         return out  # ([0, H] whether combined or not)
     num_pairs = T * pairs_per_token
     plan = _plan(x, topk_ids, E, I, has_shared, down_input_scale is not None, pdl,
-                 gate_up_input_scale is not None)
-    variant, block_m, items = plan.variant, plan.block_m, plan.items
+                 gate_up_input_scale is not None, activation,
+                 None if tiles is None else NVFP4Tiles.from_list(tiles))
+    variant, items, chosen = plan.variant, plan.items, plan.tiles
+    block_m = chosen.block_m
     a, a_row_div = x.contiguous(), pairs_per_token
     if gate_up_input_scale is not None:  # W4A4 emulation: quantize each routed pair's row
         pair_expert = topk_ids.reshape(-1).long()  # [T*K]
@@ -133,13 +140,13 @@ def run_nvfp4_moe(
     # the Gluon launches, with the shared expert as items: the routed pairs as if alone
     routed_pairs, routed_div = (T * K, K) if items else (num_pairs, a_row_div)
     g_w, u_w, d_w = (shared_gate, shared_up, shared_down) if has_shared else (x, x, x)
-    block_n1, block_k1 = _block_n(I, _GATE_UP_BLOCK_N[variant]), 128 if H >= 128 else 32
+    block_n1, block_k1 = chosen.gate_up_block_n, chosen.gate_up_block_k
     parts1 = shared_parts(T, block_m, block_n1) if has_shared else 0
     if plan.no_align:  # the buffers give the Gluon kernels their shapes; gate/up fills them
         sorted_pair, expert_of_block = alignment_buffers(topk_ids, E, block_m)
     else:
-        _, sorted_pair, expert_of_block = route_pairs(topk_ids, E, plan.in_routing,
-                                                      plan.launch_pdl)
+        sorted_pair, expert_of_block = align_pairs_to_blocks(topk_ids, E, block_m,
+                                                             plan.in_routing, plan.launch_pdl)
     num_blocks = expert_of_block.shape[0]
     # h: a row per routing slot, then (shared expert) a row per token (`moe_shared_parts`).
     routed_rows = num_blocks * block_m
@@ -155,7 +162,7 @@ def run_nvfp4_moe(
     gate_alpha = _alphas(gate_weight_scale_2, gate_up_input_scale)
     up_alpha = _alphas(up_weight_scale_2, gate_up_input_scale)
     y = torch.empty((num_pairs, H), dtype=torch.bfloat16, device=x.device)
-    block_n2, block_k2 = _block_n(H, _DOWN_BLOCK_N[variant]), 128 if I >= 128 else 32
+    block_n2, block_k2 = chosen.down_block_n, chosen.down_block_k
     parts2 = shared_parts(T, block_m, block_n2) if has_shared else 0
     tiles2 = triton.cdiv(H, block_n2)
     if rows1:  # `moe_overlap`: slot-major grids, N-tiles fastest
@@ -166,7 +173,8 @@ def run_nvfp4_moe(
             BLOCK_M=block_m, BLOCK_N=block_n1, BLOCK_K=block_k1, INTERPRETED=INTERPRETED,
             VARIANT=variant, SHARED=has_shared, SHARED_BLOCK_K=shared_block_k(H),
             SHARED_SPLIT=shared_split(block_n1), OVERLAP=plan.overlap,
-            H_EVEN_ODD=plan.gluon_down, **pdl_launch,
+            H_EVEN_ODD=plan.gluon_down, ACTIVATION=activation, num_warps=chosen.gate_up_warps,
+            num_stages=chosen.num_stages, **pdl_launch,
         )
     if down_input_scale is not None:  # the routed rows; the shared expert's (after) stay bf16
         slot_expert = expert_of_block.long().clamp(0, E - 1).repeat_interleave(block_m)  # [S]
@@ -185,7 +193,8 @@ def run_nvfp4_moe(
             SHARED=has_shared, SHARED_BLOCK_K=shared_block_k(I),
             SHARED_SPLIT=shared_split(block_n2), GATE_UP_TILES=tiles1,
             GATE_UP_SPLIT=shared_split(block_n1), OVERLAP=plan.overlap,
-            PARTS_ONLY=plan.gluon_down, **pdl_launch,
+            PARTS_ONLY=plan.gluon_down, num_warps=chosen.down_warps,
+            num_stages=chosen.num_stages, **pdl_launch,
         )
     if plan.gluon_gate_up:  # right after the alignment, or first (no alignment)
         launch_gate_up_gluon(

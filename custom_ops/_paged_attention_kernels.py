@@ -42,7 +42,7 @@ def paged_attention_split_kernel(
     LOOP_WHILE: tl.constexpr, NUM_STAGES: tl.constexpr, WINDOWED: tl.constexpr,
     INTERLEAVED: tl.constexpr, DOT_F16: tl.constexpr, PDL: tl.constexpr,
     OWN_STAGES: tl.constexpr, SPEC_TILES: tl.constexpr, APPEND: tl.constexpr,
-    APPEND_T: tl.constexpr, EMULATE_FP8: tl.constexpr,
+    APPEND_T: tl.constexpr, EMULATE_FP8: tl.constexpr, WINDOW_PER_QUERY: tl.constexpr = False,
 ):
     """One program per (row block, KV head, split); see the module docstring.
 
@@ -56,6 +56,10 @@ def paged_attention_split_kernel(
     K/V at positions `prefix_len + t`, APPEND_T tokens at a time, after its partial output
     (`kv_append`'s code: same FP8 rounding, EMULATE_FP8 under the interpreter, positions past
     capacity dropped), so each token of each KV head is stored exactly once whatever BLOCK_M.
+    WINDOW_PER_QUERY (with WINDOWED): the window moves with each query, the row at block
+    position `t` seeing keys from `prefix_len + t - (window - 1)` on, cached and own (a causal
+    chunk's sliding window); the splits still cut the range anchored at the block start, the
+    union of the rows' windows.
     A separate pass, not the attention loop's tiles: storing those raised the registers from
     161-168 to 250-255 at D=128 (spilling). Cache splits read only keys below `prefix_len`
     (interleaved speculative tiles mask what they read past it), so the output is unchanged.
@@ -89,7 +93,8 @@ def paged_attention_split_kernel(
                 q_dot, split, kv_head, raw_prefix, page_table_ptr, k_cache_ptr, v_cache_ptr,
                 stride_cp, stride_cs, stride_ch, scale_log2 * tl.load(k_scale_ptr), max_tokens,
                 num_pages, window, m_i, l_i, acc, NUM_SPLITS, HEAD_DIM, PAGE_SIZE, BLOCK_N,
-                WINDOWED, SPEC_TILES, DOT_FP32, DOT_F16, LOOP_WHILE, NUM_STAGES)
+                WINDOWED, SPEC_TILES, DOT_FP32, DOT_F16, LOOP_WHILE, NUM_STAGES, pos,
+                WINDOW_PER_QUERY)
             acc = acc * tl.load(v_scale_ptr)
         else:
             # Cached keys [lo, hi) of this split; the range is computed from the device prefix.
@@ -97,6 +102,7 @@ def paged_attention_split_kernel(
                                                        NUM_SPLITS, MIN_SPLIT_KEYS, BLOCK_N)
             lo = start + split * per_split
             hi = tl.minimum(lo + per_split, prefix)
+            row_lo = prefix + pos - (window - 1)  # [BM] (WINDOW_PER_QUERY only)
             nonempty = lo < hi
             if nonempty:
                 q_off = pos[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
@@ -108,14 +114,16 @@ def paged_attention_split_kernel(
                         m_i, l_i, acc = cache_tile(
                             q, j, hi, kv_head, page_table_ptr, k_cache_ptr, v_cache_ptr,
                             stride_cp, stride_cs, stride_ch, scale_log2_k, m_i, l_i, acc,
-                            HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_FP32, False)
+                            HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_FP32, False, row_lo,
+                            WINDOW_PER_QUERY)
                         j += BLOCK_N
                 else:
                     for j in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
                         m_i, l_i, acc = cache_tile(
                             q, j, hi, kv_head, page_table_ptr, k_cache_ptr, v_cache_ptr,
                             stride_cp, stride_cs, stride_ch, scale_log2_k, m_i, l_i, acc,
-                            HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_FP32, False)
+                            HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_FP32, False, row_lo,
+                            WINDOW_PER_QUERY)
                 acc = acc * tl.load(v_scale_ptr)
     else:
         # The block's own keys (BF16, not in the cache): bidirectional, or block-causal.
@@ -128,14 +136,14 @@ def paged_attention_split_kernel(
                 m_i, l_i, acc = new_tile(
                     q, j, rows, pos, kv_head, k_new_ptr, v_new_ptr, stride_nt, stride_nh,
                     num_queries, scale_log2, m_i, l_i, acc, HEAD_DIM, CAUSAL_BLOCK, BLOCK_N,
-                    DOT_FP32)
+                    DOT_FP32, window, WINDOW_PER_QUERY)
                 j += BLOCK_N
         else:
             for j in tl.range(0, num_queries, BLOCK_N, num_stages=OWN_STAGES):
                 m_i, l_i, acc = new_tile(
                     q, j, rows, pos, kv_head, k_new_ptr, v_new_ptr, stride_nt, stride_nh,
                     num_queries, scale_log2, m_i, l_i, acc, HEAD_DIM, CAUSAL_BLOCK, BLOCK_N,
-                    DOT_FP32)
+                    DOT_FP32, window, WINDOW_PER_QUERY)
 
     if nonempty:  # empty splits write nothing: the merge reads only the live ones
         safe_l = tl.where(l_i > 0.0, l_i, 1.0)

@@ -176,11 +176,14 @@ def launch_paged_attention(
     v_cache: torch.Tensor, page_table: torch.Tensor, prefix_len: torch.Tensor,
     k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float, window: int,
     causal_block: int, num_splits: int, variant: PagedAttentionVariant | None = None,
-    append: bool = False,
+    append: bool = False, window_per_query: bool = False,
 ) -> torch.Tensor:
     """Launch the split and merge kernels (arguments as in `paged_attention`; 0 = unset;
     `variant` None = `default_variant`). `append`: the split kernel also stores `k_new`/`v_new`
-    in the caches at `prefix_len ..` (as `dlmc::kv_append`), mutating `k_cache`/`v_cache`."""
+    in the caches at `prefix_len ..` (as `dlmc::kv_append`), mutating `k_cache`/`v_cache`.
+    `window_per_query` (with a window): each query's window starts at its own position."""
+    if window_per_query and window <= 0:
+        raise ConfigError("paged_attention: window_per_query=True needs a window")
     num_queries, num_q_heads, head_dim = q.shape
     variant = variant or default_variant(k_cache.dtype, head_dim, q.device)
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
@@ -221,7 +224,7 @@ def launch_paged_attention(
         OWN_STAGES=variant.own_stages or num_stages, SPEC_TILES=variant.speculative_tiles,
         APPEND=append, APPEND_T=append_tile_tokens(head_dim),
         EMULATE_FP8=INTERPRETED and k_cache.dtype == torch.float8_e4m3fn,
-        num_warps=num_warps, **launch,
+        WINDOW_PER_QUERY=window_per_query, num_warps=num_warps, **launch,
     )
     merge_args = (o_part, lse_part, out, prefix_len, out.stride(0), out.stride(1), num_rows,
                   capacity, window)

@@ -70,12 +70,23 @@ def split_range(raw_prefix, max_tokens, window, NUM_SPLITS: tl.constexpr,
 
 
 @triton.jit
+def row_window(key_mask, keys, row_lo, PER_QUERY: tl.constexpr):
+    """`key_mask` (`[1, BN]` or `[BM, BN]`), with PER_QUERY also `keys >= row_lo` per row
+    (`row_lo [BM]`: each query's first visible position, `window_per_query`)."""
+    if PER_QUERY:
+        key_mask = key_mask & (keys[None, :] >= row_lo[:, None])
+    return key_mask
+
+
+@triton.jit
 def cache_tile(
     q, j, hi, kv_head, page_table_ptr, k_cache_ptr, v_cache_ptr, stride_cp, stride_cs,
     stride_ch, scale_log2_k, m_i, l_i, acc, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, DOT_F16: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, DOT_F16: tl.constexpr, row_lo=0,
+    PER_QUERY: tl.constexpr = False,
 ):
-    """Attend cached keys `j .. j+BLOCK_N-1` (those below `hi`) through the page table."""
+    """Attend cached keys `j .. j+BLOCK_N-1` (those below `hi`; PER_QUERY: those from each
+    row's `row_lo` on) through the page table."""
     keys = j + tl.arange(0, BLOCK_N)  # [BN]
     key_valid = keys < hi
     kv_off = cache_slots(page_table_ptr, keys, key_valid, kv_head, stride_cp, stride_cs,
@@ -83,17 +94,19 @@ def cache_tile(
     kv_ptrs = kv_off[:, None] + tl.arange(0, HEAD_DIM)[None, :]  # [BN, D]
     k = tl.load(k_cache_ptr + kv_ptrs, mask=key_valid[:, None], other=0.0)
     v = tl.load(v_cache_ptr + kv_ptrs, mask=key_valid[:, None], other=0.0)
-    return attend_tile(q, _to_dot(k, DOT_F16), _to_dot(v, DOT_F16), key_valid[None, :],
-                        scale_log2_k, m_i, l_i, acc, DOT_FP32)
+    return attend_tile(q, _to_dot(k, DOT_F16), _to_dot(v, DOT_F16),
+                        row_window(key_valid[None, :], keys, row_lo, PER_QUERY), scale_log2_k,
+                        m_i, l_i, acc, DOT_FP32)
 
 
 @triton.jit
 def new_tile(
     q, j, rows, pos, kv_head, k_new_ptr, v_new_ptr, stride_nt, stride_nh, num_queries,
     scale_log2, m_i, l_i, acc, HEAD_DIM: tl.constexpr, CAUSAL_BLOCK: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, window=0, PER_QUERY: tl.constexpr = False,
 ):
-    """Attend the block's own keys `j .. j+BLOCK_N-1` (BF16; block-causal if CAUSAL_BLOCK)."""
+    """Attend the block's own keys `j .. j+BLOCK_N-1` (BF16; block-causal if CAUSAL_BLOCK;
+    PER_QUERY: key `s` visible to the query at `t` only if `s >= t - (window - 1)`)."""
     keys = j + tl.arange(0, BLOCK_N)  # [BN]
     key_valid = keys < num_queries
     kv_ptrs = keys[:, None] * stride_nt + kv_head * stride_nh + tl.arange(0, HEAD_DIM)[None, :]
@@ -103,6 +116,7 @@ def new_tile(
     if CAUSAL_BLOCK > 0:
         visible = (keys[None, :] // CAUSAL_BLOCK) <= (pos[:, None] // CAUSAL_BLOCK)
         key_mask = key_mask & visible
+    key_mask = row_window(key_mask, keys, pos - (window - 1), PER_QUERY)
     return attend_tile(q, k.to(tl.bfloat16), v.to(tl.bfloat16), key_mask, scale_log2,
                         m_i, l_i, acc, DOT_FP32)
 
@@ -152,13 +166,15 @@ def interleaved_split(
     NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr, SPEC_TILES: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_F16: tl.constexpr, LOOP_WHILE: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, pos=0, PER_QUERY: tl.constexpr = False,
 ):
     """Attend key tiles `first + split + i * NUM_SPLITS`; returns (m, l, acc, nonempty).
 
     The first SPEC_TILES (1 or 2) tiles are loaded speculatively: without a window their keys
     do not depend on the prefix, so their page ids and K/V are in flight while `raw_prefix` (a
-    pending load) arrives. Later tiles go through the software-pipelined loop.
+    pending load) arrives. Later tiles go through the software-pipelined loop. PER_QUERY
+    (`window_per_query`): the row at block position `pos` sees keys from
+    `prefix + pos - (window - 1)` on.
     """
     first = split  # without a window the first tile does not wait for the prefix
     if WINDOWED:
@@ -172,24 +188,27 @@ def interleaved_split(
             first + NUM_SPLITS, kv_head, page_table_ptr, k_cache_ptr, v_cache_ptr, stride_cp,
             stride_cs, stride_ch, max_tokens, num_pages, HEAD_DIM, PAGE_SIZE, BLOCK_N)
     start, prefix = _visible_range(raw_prefix, max_tokens, window, WINDOWED)
+    row_lo = prefix + pos - (window - 1)  # [BM] (PER_QUERY only)
     last = start // BLOCK_N + interleaved_tiles(start, prefix, BLOCK_N)
     nonempty = first < last
     if nonempty:
         m_i, l_i, acc = attend_tile(q, _to_dot(k0, DOT_F16), _to_dot(v0, DOT_F16),
-                                    ((keys0 >= start) & (keys0 < prefix))[None, :],
+                                    row_window(((keys0 >= start) & (keys0 < prefix))[None, :],
+                                               keys0, row_lo, PER_QUERY),
                                     scale_log2_k, m_i, l_i, acc, DOT_FP32)
         if SPEC_TILES > 1:  # noqa: SIM102 (static, around a runtime test)
             if first + NUM_SPLITS < last:  # past `start`: only the prefix bounds its keys
                 m_i, l_i, acc = attend_tile(q, _to_dot(k1, DOT_F16), _to_dot(v1, DOT_F16),
-                                            (keys1 < prefix)[None, :], scale_log2_k, m_i, l_i,
-                                            acc, DOT_FP32)
+                                            row_window((keys1 < prefix)[None, :], keys1, row_lo,
+                                                       PER_QUERY),
+                                            scale_log2_k, m_i, l_i, acc, DOT_FP32)
         if LOOP_WHILE:  # the interpreter cannot range over loaded scalars
             t = first + SPEC_TILES * NUM_SPLITS
             while t < last:
                 m_i, l_i, acc = cache_tile(
                     q, t * BLOCK_N, prefix, kv_head, page_table_ptr, k_cache_ptr, v_cache_ptr,
                     stride_cp, stride_cs, stride_ch, scale_log2_k, m_i, l_i, acc, HEAD_DIM,
-                    PAGE_SIZE, BLOCK_N, DOT_FP32, DOT_F16)
+                    PAGE_SIZE, BLOCK_N, DOT_FP32, DOT_F16, row_lo, PER_QUERY)
                 t += NUM_SPLITS
         else:
             for t in tl.range(first + SPEC_TILES * NUM_SPLITS, last, NUM_SPLITS,
@@ -197,5 +216,5 @@ def interleaved_split(
                 m_i, l_i, acc = cache_tile(
                     q, t * BLOCK_N, prefix, kv_head, page_table_ptr, k_cache_ptr, v_cache_ptr,
                     stride_cp, stride_cs, stride_ch, scale_log2_k, m_i, l_i, acc, HEAD_DIM,
-                    PAGE_SIZE, BLOCK_N, DOT_FP32, DOT_F16)
+                    PAGE_SIZE, BLOCK_N, DOT_FP32, DOT_F16, row_lo, PER_QUERY)
     return m_i, l_i, acc, nonempty

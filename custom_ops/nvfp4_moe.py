@@ -1,14 +1,15 @@
 """`dlmc::nvfp4_moe`: routed-expert MoE over NVFP4 (ModelOpt) expert weights, W4A16 on Hopper.
 
 Each (token, k) pair is sent to expert `topk_ids[t, k]`; the expert computes
-`down(silu(gate(x)) * up(x))` with weights dequantized exactly in registers (E2M1 x FP8 block scale
--> BF16, BF16 MMA, fp32 accumulation, the global scales applied per output row in the epilogue), and
-the bf16 expert outputs are combined in fp32: `out[t] = sum_k topk_weights[t, k] * y[t, k]`
+`down(act(gate(x)) * up(x))` (act: SiLU, or GELU with the tanh approximation) with weights
+dequantized exactly in registers (E2M1 x FP8 block scale -> BF16, BF16 MMA, fp32 accumulation,
+the global scales applied per output row in the epilogue), and the bf16 expert outputs are
+combined in fp32: `out[t] = sum_k topk_weights[t, k] * y[t, k]`
 (`moe_combine.combine_pairs`).
 Design in docs/nvfp4.md (§2 the maths, §3.2 the grouped GEMMs); the maths is defined by
 `nvfp4_moe_reference`. The op's body (which kernels run, their launches) is
-`_nvfp4_moe_launch`, the argument checks are in `nvfp4_moe_checks`, the load-time layout of
-kernel v7 in `nvfp4_words` and `nvfp4_scale_codes`.
+`_nvfp4_moe_launch` (its Triton kernels' tiles: `nvfp4_moe_tiles`), the argument checks are in
+`nvfp4_moe_checks`, the load-time layout of kernel v7 in `nvfp4_words` and `nvfp4_scale_codes`.
 """
 
 from __future__ import annotations
@@ -20,11 +21,16 @@ import torch
 from dlmc.custom_ops import _nvfp4_moe_launch as launch
 from dlmc.custom_ops._pdl import INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
-from dlmc.custom_ops.nvfp4_moe_checks import check_arguments, check_shared_expert
+from dlmc.custom_ops.nvfp4_moe_checks import (
+    check_activation,
+    check_arguments,
+    check_shared_expert,
+)
+from dlmc.custom_ops.nvfp4_moe_tiles import NVFP4Tiles
 from dlmc.custom_ops.nvfp4_words import e4m3_scales, projection_operands, weight_operand
 from dlmc.quant.nvfp4_format import dequantize_blocks, fake_quantize_activation
 
-__all__ = ["effective_variant", "nvfp4_moe", "nvfp4_moe_reference"]
+__all__ = ["NVFP4Tiles", "effective_variant", "nvfp4_moe", "nvfp4_moe_reference"]
 
 effective_variant = launch.effective_variant  # (what `NVFP4Experts` stores its weights for)
 _BODY_ARGS = list(inspect.signature(launch.run_nvfp4_moe).parameters)[2:]  # after x, topk_ids
@@ -66,6 +72,7 @@ def nvfp4_moe(
     down_input_scale: torch.Tensor | None = None, emulate_w4a4: bool = False,
     shared_gate: torch.Tensor | None = None, shared_up: torch.Tensor | None = None,
     shared_down: torch.Tensor | None = None, pairs: bool = False, pdl: bool = True,
+    activation: str = "silu", tiles: NVFP4Tiles | None = None,
 ) -> torch.Tensor:
     """Routed-expert MoE with NVFP4 experts (Triton, `dlmc::nvfp4_moe`).
 
@@ -98,6 +105,12 @@ def nvfp4_moe(
     run without PDL. False: plain launches of the Triton kernels. Both give the same output bit
     for bit, except that the shared expert's rows as Gluon items sum their products in another
     order.
+    `activation`: the experts' gated activation, `h = bf16(act(g) * u)`: "silu" (SwiGLU,
+    LLaDA2) or "gelu_tanh" (PyTorch's `gelu(approximate="tanh")` in fp32: DiffusionGemma's
+    `gelu_pytorch_tanh`). The Gluon gate/up kernel and the shared expert compute SiLU only:
+    "gelu_tanh" runs the Triton gate/up kernel and takes no shared expert.
+    `tiles`: the Triton kernels' tiles (`nvfp4_moe_tiles.NVFP4Tiles`); given, both projections
+    run in the Triton kernels with them. None: the op's choice by shape (`default_tiles`).
     """
     weights = {"gate_weight": gate_weight, "gate_weight_scale": gate_weight_scale,
                "gate_weight_scale_2": gate_weight_scale_2, "up_weight": up_weight,
@@ -110,6 +123,9 @@ def nvfp4_moe(
                     weights | {k: v for k, v in scales.items() if v is not None})
     shared = check_shared_expert(weights["gate_weight"], x.shape[1], shared_gate, shared_up,
                                  shared_down)
+    check_activation(activation, shared[0] is not None)
+    if tiles is not None and not isinstance(tiles, NVFP4Tiles):
+        raise ValueError(f"nvfp4_moe: tiles must be an NVFP4Tiles or None, got {tiles!r}")
     a1, a2 = _input_scales(gate_input_scale, up_input_scale, down_input_scale, emulate_w4a4)
     # The op takes the block scales as bit patterns (free views; opcheck's schema test cannot
     # compare fp8 tensors on CPU): uint8 E4M3 bytes, or v7's codes. Weights likewise: uint8
@@ -121,7 +137,10 @@ def nvfp4_moe(
         op_args += [*projection_operands(weights[f"{proj}_weight"],
                                          weights[f"{proj}_weight_scale"], variant, INTERPRETED),
                     weights[f"{proj}_weight_scale_2"]]
-    return _nvfp4_moe_op(x, topk_ids, topk_weights, *op_args, a1, a2, *shared, pairs, pdl)
+    if tiles is not None:
+        tiles.check_shape(variant)
+    return _nvfp4_moe_op(x, topk_ids, topk_weights, *op_args, a1, a2, *shared, pairs, pdl,
+                         activation, None if tiles is None else tiles.as_list())
 
 
 def nvfp4_moe_reference(
@@ -132,18 +151,20 @@ def nvfp4_moe_reference(
     *, gate_input_scale: torch.Tensor | None = None, up_input_scale: torch.Tensor | None = None,
     down_input_scale: torch.Tensor | None = None, emulate_w4a4: bool = False,
     shared_gate: torch.Tensor | None = None, shared_up: torch.Tensor | None = None,
-    shared_down: torch.Tensor | None = None,
+    shared_down: torch.Tensor | None = None, activation: str = "silu",
 ) -> torch.Tensor:
-    """Plain-PyTorch definition of `nvfp4_moe` (same arguments and result).
+    """Plain-PyTorch definition of `nvfp4_moe` (same arguments and result; no launch options).
 
     Per pair: `g = (a @ Wg^T) * s2_g`, `u = (a @ Wu^T) * s2_u` in fp32 with `W = e2m1 * block_scale`
-    (exact), `h = bf16(silu(g) * u)`, `y = bf16((h @ Wd^T) * s2_d)`; then
+    (exact), `h = bf16(act(g) * u)` (act: `activation`, "silu" or "gelu_tanh" =
+    `gelu(g, approximate="tanh")`, in fp32), `y = bf16((h @ Wd^T) * s2_d)`; then
     `out = bf16(sum_k w_k * float(y_k))`. With W4A4 emulation `a`/`h` are `fake_quantize_activation`
     outputs and each `s2` is multiplied by the activation's input scale. `shared_*`: plus
     `1.0 * float(shared(x))` in the fp32 sum, `shared` the SwiGLU MLP in x's dtype (`SwiGLUMLP`).
     """
     T, H = x.shape
     K = topk_ids.shape[1]
+    check_activation(activation, shared_gate is not None)
     a1, a2 = _input_scales(gate_input_scale, up_input_scale, down_input_scale, emulate_w4a4)
     gate_weight_scale, up_weight_scale, down_weight_scale = (
         e4m3_scales(s) for s in (gate_weight_scale, up_weight_scale, down_weight_scale))
@@ -163,7 +184,9 @@ def nvfp4_moe_reference(
             alpha_g, alpha_u, alpha_d = alpha_g * a1[e], alpha_u * a1[e], alpha_d * a2[e]
         g = a.float() @ dequantize_blocks(gate_weight[e], gate_weight_scale[e]).T * alpha_g
         u = a.float() @ dequantize_blocks(up_weight[e], up_weight_scale[e]).T * alpha_u
-        h = (torch.nn.functional.silu(g) * u).to(torch.bfloat16)  # [n, I]
+        act = (torch.nn.functional.silu(g) if activation == "silu"
+               else torch.nn.functional.gelu(g, approximate="tanh"))  # fp32 [n, I]
+        h = (act * u).to(torch.bfloat16)  # [n, I]
         if a2 is not None:
             h = fake_quantize_activation(h, a2[e].reshape(1))
         wd = dequantize_blocks(down_weight[e], down_weight_scale[e])  # [H, I]

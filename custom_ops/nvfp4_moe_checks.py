@@ -5,10 +5,20 @@ from __future__ import annotations
 
 import torch
 
+from dlmc.custom_ops.nvfp4_moe_tiles import ACTIVATIONS
 from dlmc.custom_ops.nvfp4_words import CHUNK_K, ROWS, can_pack
 
-__all__ = ["check_arguments", "check_shared_expert"]
+__all__ = ["check_activation", "check_arguments", "check_shared_expert"]
 
+
+def check_activation(activation: str, has_shared: bool) -> None:
+    """`activation` is one of `ACTIVATIONS`; a shared expert (SwiGLU kernels) needs "silu"."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"nvfp4_moe: activation={activation!r}, expected one of "
+                         f"{', '.join(ACTIVATIONS)}")
+    if has_shared and activation != "silu":
+        raise ValueError(f"nvfp4_moe: the shared expert (shared_gate, shared_up, shared_down) "
+                         f"is a SwiGLU MLP; activation={activation!r} takes none")
 
 
 def check_arguments(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

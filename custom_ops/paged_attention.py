@@ -47,11 +47,12 @@ def _launch_op(append: bool) -> Callable[..., torch.Tensor]:
         q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
         v_cache: torch.Tensor, page_table: torch.Tensor, prefix_len: torch.Tensor,
         k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float, window: int,
-        causal_block: int, num_splits: int,
+        causal_block: int, num_splits: int, window_per_query: bool = False,
     ) -> torch.Tensor:
         return launch_paged_attention(q, k_new, v_new, k_cache, v_cache, page_table, prefix_len,
                                       k_scale, v_scale, softmax_scale, window, causal_block,
-                                      num_splits, append=append)
+                                      num_splits, append=append,
+                                      window_per_query=window_per_query)
 
     return launch
 
@@ -60,7 +61,7 @@ def paged_attention_fake(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, page_table: torch.Tensor, prefix_len: torch.Tensor,
     k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float, window: int,
-    causal_block: int, num_splits: int,
+    causal_block: int, num_splits: int, window_per_query: bool = False,
 ) -> torch.Tensor:
     """Fake (meta) function of both ops: the output has q's shape, dtype and strides; reads no
     data (the appending op's cache writes are declared by `mutates_args`)."""
@@ -125,7 +126,7 @@ def paged_attention(
     v_cache: torch.Tensor, page_table: torch.Tensor, prefix_len: torch.Tensor, *,
     k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float,
     window: int | None = None, causal_block: int | None = None, num_splits: int | None = None,
-    backend: str = "triton", append: bool = False,
+    backend: str = "triton", append: bool = False, window_per_query: bool = False,
 ) -> torch.Tensor:
     """Attention of a block of `Tq` queries over the cached prefix plus the block itself.
 
@@ -141,7 +142,9 @@ def paged_attention(
             for a BF16 cache.
         softmax_scale: multiplies `q·k` (LLaDA2: `D**-0.5`; DiffusionGemma: 1.0).
         window: sliding-window size as in the model config (DiffusionGemma: 1024), anchored at
-            the block start: the block sees cached tokens `j >= prefix_len - (window - 1)`.
+            the block start: the block sees cached tokens `j >= prefix_len - (window - 1)`
+            (DiffusionGemma's canvas: the last `window - 1` cached positions, plus the whole
+            block).
         causal_block: None = the block's queries see all its keys (bidirectional); `b` = query
             `t` sees block key `s` iff `s // b <= t // b` (block-causal prefill; 1 = causal).
         num_splits: key splits of the prefix (None: a fixed heuristic from shapes and capacity).
@@ -153,6 +156,13 @@ def paged_attention(
             reference: `kv_append_reference`, then the attention. The output does not change:
             the block attends its own K/V in BF16 either way. False (default): the pure
             `dlmc::paged_attention`, the caches untouched.
+        window_per_query: the window moves with each query (needs `window`): block query `t`,
+            at position `p = prefix_len + t`, sees keys at positions `>= p - (window - 1)`,
+            cached or in the block (with `causal_block=1`: keys `p-window+1 .. p`, an encoder
+            chunk's sliding window). False (default): anchored at the block start, above.
+
+    V = K (DiffusionGemma's full layers keep no V projection): the same tensors may be passed
+    as `k_cache` and `v_cache`, `k_new` and `v_new`, `k_scale` and `v_scale`.
 
     GQA: query head `h` reads KV head `h // (Hq // Hkv)`. Softmax in fp32 over
     `q·kᵀ·softmax_scale`. Returns `[Tq, Hq, D]` bfloat16.
@@ -162,6 +172,8 @@ def paged_attention(
     _check(window is None or window >= 1, f"window must be None or >= 1, got {window}")
     _check(causal_block is None or causal_block >= 1,
            f"causal_block must be None or >= 1, got {causal_block}")
+    _check(not window_per_query or window is not None,
+           "window_per_query=True needs a window (the window that moves with each query)")
     if backend == "reference":
         if append:
             kv_append_reference(k_new, v_new, k_cache, v_cache, page_table, prefix_len,
@@ -169,13 +181,13 @@ def paged_attention(
         return paged_attention_reference(
             q, k_new, v_new, k_cache, v_cache, page_table, prefix_len, k_scale=k_scale,
             v_scale=v_scale, softmax_scale=softmax_scale, window=window,
-            causal_block=causal_block)
+            causal_block=causal_block, window_per_query=window_per_query)
     _check(backend == "triton", f"backend={backend!r} is not one of {BACKENDS} (FlashInfer: "
            "use PagedKVCache(backend='flashinfer'), which plans on the host)")
     op = torch.ops.dlmc.paged_attention_append if append else torch.ops.dlmc.paged_attention
     return op(q, k_new, v_new, k_cache, v_cache, page_table, prefix_len.reshape(1),
               k_scale.reshape(1), v_scale.reshape(1), float(softmax_scale), window or 0,
-              causal_block or 0, num_splits or 0)
+              causal_block or 0, num_splits or 0, window_per_query)
 
 
 def gather_prefix(cache: torch.Tensor, page_table: torch.Tensor, start: int, end: int,
@@ -191,9 +203,11 @@ def paged_attention_reference(
     q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, page_table: torch.Tensor, prefix_len: torch.Tensor, *,
     k_scale: torch.Tensor, v_scale: torch.Tensor, softmax_scale: float,
-    window: int | None = None, causal_block: int | None = None,
+    window: int | None = None, causal_block: int | None = None, window_per_query: bool = False,
 ) -> torch.Tensor:
     """The maths of `paged_attention` in plain PyTorch (fp32 throughout; syncs on prefix_len)."""
+    _check(not window_per_query or window is not None,
+           "window_per_query=True needs a window (the window that moves with each query)")
     capacity = min(k_cache.shape[0], page_table.numel()) * k_cache.shape[1]
     prefix = min(int(prefix_len.reshape(-1)[0]), capacity)
     start = max(prefix - (window - 1), 0) if window else 0
@@ -205,10 +219,14 @@ def paged_attention_reference(
     keys = keys.repeat_interleave(group, dim=1)  # [S, Hq, D]
     values = values.repeat_interleave(group, dim=1)
     scores = torch.einsum("thd,shd->hts", q.float(), keys) * softmax_scale  # [Hq, Tq, S]
+    t = torch.arange(q.shape[0], device=q.device)  # [Tq] block positions
     if causal_block:
-        t = torch.arange(q.shape[0], device=q.device)
         hidden = (t[None, :] // causal_block) > (t[:, None] // causal_block)  # [Tq, Tq]
         scores[:, :, prefix - start:] = scores[:, :, prefix - start:].masked_fill(
             hidden, float("-inf"))
+    if window_per_query and window:
+        key_pos = torch.cat([torch.arange(start, prefix, device=q.device), prefix + t])  # [S]
+        early = key_pos[None, :] < (prefix + t)[:, None] - (window - 1)  # [Tq, S]
+        scores = scores.masked_fill(early, float("-inf"))
     probs = torch.softmax(scores, dim=-1)  # [Hq, Tq, S]
     return torch.einsum("hts,shd->thd", probs, values).to(q.dtype)

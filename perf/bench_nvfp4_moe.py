@@ -1,4 +1,4 @@
-"""Benchmark `dlmc::nvfp4_moe` at LLaDA2.1-mini expert shapes against the device copy bandwidth.
+"""Benchmark `dlmc::nvfp4_moe` at LLaDA2 or DiffusionGemma expert shapes against copy bandwidth.
 
 Default: H=2048, I=512, E=256, top-8, 32 tokens (one diffusion block), uniform random routing with
 distinct experts per token, 19 layers of distinct random weights (more than L2 holds) run back to
@@ -11,6 +11,12 @@ the plain-PyTorch reference, and a device-to-device copy in the same run (the ce
     python perf/bench_nvfp4_moe.py --tokens 32 --shared-expert   # + a BF16 shared expert
     python perf/bench_nvfp4_moe.py --tokens 32 --no-pdl          # without PDL (KernelConfig.pdl)
     python perf/bench_nvfp4_moe.py --smoke   # tiny shapes, any device: checks the script runs
+    # DiffusionGemma's experts at its 256-token canvas (kernel v3, GELU), the op's own tiles
+    # and another configuration (`NVFP4Tiles` fields over the op's choice), one process each:
+    python perf/bench_nvfp4_moe.py --hidden 2816 --inter 704 --experts 128 --tokens 256 \
+        --activation gelu_tanh --layers 12
+    python perf/bench_nvfp4_moe.py --hidden 2816 --inter 704 --experts 128 --tokens 256 \
+        --activation gelu_tanh --layers 12 --tiles block_m=16
 
 `--shared-expert` gives every layer a BF16 shared expert of the routed width and times it both
 ways in the same run: inside the op's launches (`nvfp4_moe(..., shared_gate=...)`, what the
@@ -37,6 +43,7 @@ if not torch.cuda.is_available():  # --smoke on a CPU machine: Triton's interpre
 
 from dlmc.bench.timing import copy_bandwidth_gbps, cuda_times
 from dlmc.custom_ops.nvfp4_moe import effective_variant, nvfp4_moe, nvfp4_moe_reference
+from dlmc.custom_ops.nvfp4_moe_tiles import ACTIVATIONS, NVFP4Tiles, default_tiles
 from dlmc.custom_ops.nvfp4_words import stored_forms
 from dlmc.quant.nvfp4_format import dequantize_nvfp4
 
@@ -91,7 +98,7 @@ def separate_shared(x: torch.Tensor, shared: dict[str, torch.Tensor]) -> torch.T
 
 
 def grouped_bf16(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
-                 weights: dict[str, torch.Tensor]) -> torch.Tensor:
+                 weights: dict[str, torch.Tensor], activation: str = "silu") -> torch.Tensor:
     """BF16 baseline: sorted pairs, torch._grouped_mm per projection, fp32 combine."""
     T, K = ids.shape
     E = weights["gate"].shape[0]
@@ -101,8 +108,9 @@ def grouped_bf16(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor,
     a = x[order // K]  # [P, H]
     g = torch._grouped_mm(a, weights["gate"].transpose(1, 2), offs=offs)
     u = torch._grouped_mm(a, weights["up"].transpose(1, 2), offs=offs)
-    y = torch._grouped_mm(torch.nn.functional.silu(g) * u, weights["down"].transpose(1, 2),
-                          offs=offs)  # [P, H]
+    act = (torch.nn.functional.silu(g) if activation == "silu"
+           else torch.nn.functional.gelu(g, approximate="tanh"))
+    y = torch._grouped_mm(act * u, weights["down"].transpose(1, 2), offs=offs)  # [P, H]
     out = torch.empty_like(y)
     out[order] = y
     return (out.view(T, K, -1).float() * w[..., None]).sum(1).to(torch.bfloat16)
@@ -148,7 +156,15 @@ def parse_args() -> argparse.Namespace:
                         help="the op's programmatic dependent launches (KernelConfig.pdl)")
     parser.add_argument("--profile", action="store_true",
                         help="also record each kernel's CUDA time per layer (torch.profiler)")
+    parser.add_argument("--activation", choices=ACTIVATIONS, default="silu",
+                        help="the experts' gated activation (DiffusionGemma: gelu_tanh)")
+    parser.add_argument("--tiles", default=None,
+                        help="NVFP4Tiles fields over the op's own choice for each token count, "
+                             "e.g. block_m=32,down_block_k=64 (the Triton kernels then run both "
+                             "projections); unset: the op's choice (default_tiles)")
     args = parser.parse_args()
+    if args.activation != "silu" and args.shared_expert:
+        parser.error("--shared-expert is a SwiGLU MLP: it needs --activation silu")
     if args.smoke:
         args.tokens, args.hidden, args.inter, args.experts, args.layers = [5], 32, 32, 8, 2
         args.top_k = 2
@@ -165,6 +181,23 @@ def main() -> None:
     shared = [make_shared(H, I, device, gen) if args.shared_expert else {} for _ in range(L)]
     shared_bytes = 3 * I * H * 2 if args.shared_expert else 0
     expert_bytes = 3 * (I * H // 2 + I * H // 16)  # packed weights + one-byte scale codes
+    variant = effective_variant(H, I)
+
+    def tiles_for(T: int) -> NVFP4Tiles | None:
+        """`--tiles` over the op's choice for T tokens, or None (the op chooses)."""
+        if args.tiles is None:
+            return None
+        return NVFP4Tiles.parse(args.tiles, default_tiles(T, K, E, H, I, variant))
+
+    def tile_text(T: int) -> str:
+        """The tiles that run: `--tiles`, or the op's (whose Gluon kernels, where they apply,
+        have tiles of their own)."""
+        chosen = tiles_for(T)
+        if chosen is not None:
+            return chosen.describe()
+        return "op's choice (routed experts): " + default_tiles(T, K, E, H, I,
+                                                                variant).describe()
+
     report: dict[str, object] = {
         "command": " ".join(sys.argv), "settings": vars(args) | {"out": str(args.out)},
         "kernel": f"v{effective_variant(H, I)}", "torch": torch.__version__,
@@ -180,19 +213,25 @@ def main() -> None:
         touched = [int(ids.unique().numel()) for ids, _ in routing]
         nbytes = [t * expert_bytes + shared_bytes + 2 * T * H * 2 for t in touched]
 
-        def run_all(x: torch.Tensor = x, routing: list = routing) -> list[torch.Tensor]:
-            return [nvfp4_moe(x, ids, w, *layer, pdl=args.pdl, **sh) for (ids, w), layer, sh
+        options = {"pdl": args.pdl, "activation": args.activation, "tiles": tiles_for(T)}
+
+        def run_all(x: torch.Tensor = x, routing: list = routing,
+                    options: dict = options) -> list[torch.Tensor]:
+            return [nvfp4_moe(x, ids, w, *layer, **options, **sh) for (ids, w), layer, sh
                     in zip(routing, kernel_layers, shared, strict=True)]
 
-        def run_separate(x: torch.Tensor = x, routing: list = routing) -> list[torch.Tensor]:
-            return [nvfp4_moe(x, ids, w, *layer, pdl=args.pdl) + separate_shared(x, sh)
+        def run_separate(x: torch.Tensor = x, routing: list = routing,
+                         options: dict = options) -> list[torch.Tensor]:
+            return [nvfp4_moe(x, ids, w, *layer, **options) + separate_shared(x, sh)
                     for (ids, w), layer, sh in zip(routing, kernel_layers, shared, strict=True)]
 
         outs = run_all()
-        ref = nvfp4_moe_reference(x, *routing[0], *layers[0], **shared[0])
+        ref = nvfp4_moe_reference(x, *routing[0], *layers[0], **shared[0],
+                                  activation=args.activation)
         err = ((outs[0].float() - ref.float()).abs().max() / ref.float().abs().max()).item()
         row: dict[str, object] = {"tokens": T, "touched_experts_mean": sum(touched) / L,
-                                  "bytes_per_layer": sum(nbytes) / L, "max_rel_err_vs_ref": err}
+                                  "bytes_per_layer": sum(nbytes) / L, "max_rel_err_vs_ref": err,
+                                  "tiles": tile_text(T)}
         if device == "cuda":
             ms = graph_ms(run_all, args.iters) / L
             row |= {"nvfp4_ms_per_layer": ms, "nvfp4_GBps": row["bytes_per_layer"] / ms / 1e6}
@@ -209,13 +248,14 @@ def main() -> None:
             bf16 = dict(zip(("gate", "up", "down"), (
                 dequantize_nvfp4(*layers[0][3 * p: 3 * p + 3]) for p in range(3)), strict=True))
             try:
-                bms = statistics.median(cuda_times(partial(grouped_bf16, x, ids0, w0, bf16), 20))
+                bms = statistics.median(cuda_times(partial(grouped_bf16, x, ids0, w0, bf16,
+                                                           args.activation), 20))
                 row |= {"bf16_grouped_mm_ms": bms,
                         "bf16_grouped_mm_GBps": (touched[0] * 3 * I * H * 2) / bms / 1e6}
             except (RuntimeError, AttributeError) as error:
                 row["bf16_grouped_mm_error"] = str(error).splitlines()[0]
-            row["reference_ms"] = statistics.median(
-                cuda_times(partial(nvfp4_moe_reference, x, ids0, w0, *layers[0]), 3))
+            row["reference_ms"] = statistics.median(cuda_times(partial(
+                nvfp4_moe_reference, x, ids0, w0, *layers[0], activation=args.activation), 3))
         else:
             start = time.perf_counter()
             run_all()

@@ -113,13 +113,16 @@ def shared_expert(gen: torch.Generator, x: torch.Tensor, routed: torch.Tensor, h
 
 def run_case(seed: int, tokens: int, num_experts: int, top_k: int, hidden: int, inter: int,
              skew: bool, scale_2_log2: tuple[float, float] = (-4.0, 1.0),
-             x_scale: float = 1.0) -> None:
+             x_scale: float = 1.0, activation: str = "silu", **options: object) -> None:
+    """Random experts and routing: the op (its `activation`, launch `options` such as `tiles`)
+    against the reference."""
     gen = torch.Generator().manual_seed(seed)
     experts = random_experts(gen, num_experts, hidden, inter, scale_2_log2=scale_2_log2)
     x = (torch.randn(tokens, hidden, generator=gen) * x_scale).bfloat16().to(DEVICE)
     ids, w = random_routing(gen, tokens, num_experts, top_k, skew)
     args = op_args(x, ids, w, experts)
-    assert_matches_reference(nvfp4_moe(*args), nvfp4_moe_reference(*args))
+    assert_matches_reference(nvfp4_moe(*args, activation=activation, **options),
+                             nvfp4_moe_reference(*args, activation=activation))
 
 
 def run_shared_case(seed: int, tokens: int, num_experts: int, used: int, top_k: int,

@@ -3,8 +3,9 @@ ahead of time with Triton's bundled ptxas (run by test_kernels_compile_sm90.py's
 without `TRITON_INTERPRET`).
 
 - The Triton kernels (`_nvfp4_moe_kernels`): v3's and v7's inline-asm decodes, gate/up's
-  even-odd h stores, the shared expert's BF16 branch, and the counted launches with PDL
-  (gate/up releases its slot's count, down acquires it).
+  even-odd h stores, the shared expert's BF16 branch, the counted launches with PDL
+  (gate/up releases its slot's count, down acquires it), and DiffusionGemma's GELU experts at
+  the canvas's tiles.
 - The Gluon down kernel (`_nvfp4_down_gluon`): items by ticket, waiting per routing block or
   per 8-slot part, self-routed, with the shared expert's items.
 - The Gluon gate/up kernel (`_nvfp4_gate_up_gluon`): after the alignment, self-routed as the
@@ -24,6 +25,7 @@ from dlmc.custom_ops import (
 from dlmc.custom_ops._nvfp4_gate_up_items import x_layout
 from dlmc.custom_ops._nvfp4_moe_kernels import _down_kernel, _gate_up_kernel
 from dlmc.custom_ops.moe_shared_parts import shared_block_k, shared_split
+from dlmc.custom_ops.nvfp4_moe_tiles import default_tiles
 from tests.custom_ops.test_kernels_compile_sm90 import compile_sm90, resource_usage
 
 __all__ = ["check_nvfp4_moe", "compile_gluon_sm90"]
@@ -128,6 +130,37 @@ def check_counted_launches() -> None:
             assert usage["LOCAL"] == usage["STACK"] == 0, usage
         if consts["BLOCK_M"] == 16 and kernel is _gate_up_kernel:
             assert 65536 // (128 * -(-usage["REG"] // 8) * 8) >= 3, usage
+
+
+def check_diffusiongemma_forms() -> None:
+    """DiffusionGemma's experts (H 2816, I 704: kernel v3) at the canvas's tiles
+    (`default_tiles`: 32-slot blocks, gate/up N-tiles of 64, K-steps of 128), counted with PDL
+    as the op launches them on sm_90, and plain: gate/up with GELU (libdevice's `tanhf`:
+    `sqrt(2/pi)` in the PTX, `ex2`/`rcp` approximations as CUDA's `tanhf`) or SiLU, down.
+    No spills (registers printed for the record)."""
+    tiles = default_tiles(256, 8, 128, 2816, 704, 3)
+    diffusiongemma = {"H": 2816, "I": 704, "BLOCK_M": tiles.block_m, "BLOCK_K": 128,
+                      "INTERPRETED": False, "VARIANT": 3, "SHARED": False, "SHARED_BLOCK_K": 128,
+                      "SHARED_SPLIT": 4}
+    forms = [(_gate_up_kernel, GATE_UP, {"BLOCK_N": tiles.gate_up_block_n, "ACTIVATION": act,
+                                         "OVERLAP": overlap, "PDL": overlap})
+             for act in ("gelu_tanh", "silu") for overlap in (True, False)]
+    forms += [(_down_kernel, DOWN, {"BLOCK_N": tiles.down_block_n, "OVERLAP": overlap,
+                                    "PDL": overlap, "GATE_UP_TILES": 11, "GATE_UP_SPLIT": 4})
+              for overlap in (True, False)]
+    for kernel, pointers, consts in forms:
+        compiled = compile_sm90(kernel, _types(kernel, pointers), diffusiongemma | consts,
+                                tiles.gate_up_warps if kernel is _gate_up_kernel else
+                                tiles.down_warps, _divisible(kernel, pointers),
+                                num_stages=tiles.num_stages)
+        usage = resource_usage(compiled)
+        form = {k: v for k, v in consts.items() if k in ("ACTIVATION", "OVERLAP")}
+        print(f"nvfp4_moe DiffusionGemma {kernel.fn.__name__} {form}: {usage}")
+        assert usage["LOCAL"] == 0, (form, usage)
+        ptx = compiled.asm["ptx"]
+        gelu = consts.get("ACTIVATION") == "gelu_tanh"
+        assert ("0f3F4C422A" in ptx) == gelu, form  # sqrt(2/pi) in fp32
+        assert ("rcp.approx" in ptx and "ex2.approx" in ptx) or not gelu, form
 
 
 def compile_gluon_sm90(kernel: object, types: dict[str, str], consts: dict[str, object],
@@ -252,5 +285,6 @@ def check_nvfp4_moe() -> None:
     for variant in (3, 7):
         check_shared_branch_resources(variant)
     check_counted_launches()
+    check_diffusiongemma_forms()
     check_gluon_down()
     check_gluon_gate_up()

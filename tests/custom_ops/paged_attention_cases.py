@@ -58,7 +58,8 @@ def assert_matches_reference(case: dict[str, torch.Tensor],
     else:
         out = launch_paged_attention(
             *case.values(), float(options["softmax_scale"]), options.get("window") or 0,
-            options.get("causal_block") or 0, num_splits or 0, variant)
+            options.get("causal_block") or 0, num_splits or 0, variant,
+            window_per_query=bool(options.get("window_per_query", False)))
     ref = paged_attention_reference(**case, **options)
     assert out.shape == ref.shape and out.dtype == torch.bfloat16
     assert torch.isfinite(out).all()

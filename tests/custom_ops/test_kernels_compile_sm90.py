@@ -8,6 +8,7 @@ subprocess without `TRITON_INTERPRET` (under the interpreter `triton.jit` makes 
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -27,6 +28,7 @@ from dlmc.custom_ops._paged_attention_kernels import (
 from dlmc.custom_ops._paged_attention_launch import append_tile_tokens
 from dlmc.custom_ops._paged_attention_merge import (
     flat_merge_config,
+    merge_chunk,
     paged_attention_merge_flat_kernel,
     paged_attention_merge_kernel,
 )
@@ -44,13 +46,14 @@ def compile_sm90(kernel: triton.JITFunction, types: dict[str, str], constexprs: 
     Kernels that take `PDL` compile as launched with PDL unless `constexprs` says otherwise:
     their PTX must then wait for the previous grid (griddepcontrol); `nvfp4_moe`'s down kernel
     with `OVERLAP` waits per slot instead. `nvfp4_moe`'s `moe_overlap` parameters and its
-    Gluon-down forms (`H_EVEN_ODD`, `PARTS_ONLY`) default to off."""
+    Gluon-down forms (`H_EVEN_ODD`, `PARTS_ONLY`) default to off, its `ACTIVATION` to SiLU;
+    `dlmc::paged_attention`'s `WINDOW_PER_QUERY` to off."""
     names = kernel.arg_names
     if "PDL" in names and "PDL" not in constexprs:
         constexprs = constexprs | {"PDL": True}
-    overlap = {"OVERLAP": False, "GATE_UP_TILES": 1, "GATE_UP_SPLIT": 1, "H_EVEN_ODD": False,
-               "PARTS_ONLY": False}
-    constexprs = {k: v for k, v in overlap.items() if k in names} | constexprs
+    defaults = {"OVERLAP": False, "GATE_UP_TILES": 1, "GATE_UP_SPLIT": 1, "H_EVEN_ODD": False,
+                "PARTS_ONLY": False, "ACTIVATION": "silu", "WINDOW_PER_QUERY": False}
+    constexprs = {k: v for k, v in defaults.items() if k in names} | constexprs
     signature = {name: "constexpr" if name in constexprs else types[name] for name in names}
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in divisible}
     source = ASTSource(fn=kernel, signature=signature, attrs=attrs,
@@ -173,6 +176,45 @@ def check_appending_split(head_dim: int, kv_type: str, interleaved: bool,
     assert fused <= pure + 8, usage
 
 
+def check_diffusiongemma_attention() -> None:
+    """The split and merge kernels as DiffusionGemma's layers launch them on an H200 (the
+    default contiguous variant at D = 256 and 512, 2 stages, scale from Inductor in fp64,
+    `default_num_splits` for 132 SMs): the canvas of the decoder (256 queries, bidirectional;
+    sliding layers windowed: D 256, 2 query heads per KV head; full layers: D 512, 8 per KV
+    head) and an encoder chunk (causal; sliding layers with the per-query window), FP8 and BF16
+    caches, the encoder's BF16 forms also appending. Registers and spills are printed for the
+    record (not checked: these forms have no measured baseline yet)."""
+    for layer, head_dim, group, kv_heads in (("sliding", 256, 2, 8), ("full", 512, 8, 2)):
+        block_m, block_n, num_warps = split_launch_config(head_dim)
+        splits = math.ceil(2 * 132 / (math.ceil(256 * group / block_m) * kv_heads))
+        windowed = layer == "sliding"
+        for kv_type in ("*fp8e4nv", "*bf16"):
+            passes = [(False, False), (True, False)] + [(True, True)] * (kv_type == "*bf16")
+            for encoder, append in passes:
+                form = (layer, kv_type, "encoder" if encoder else "decoder", append)
+                compiled = compile_sm90(paged_attention_split_kernel,
+                                        split_types(kv_type, "*fp32", "fp64"), {
+                    "GROUP": group, "HEAD_DIM": head_dim, "PAGE_SIZE": 16,
+                    "CAUSAL_BLOCK": int(encoder), "NUM_SPLITS": splits, "MIN_SPLIT_KEYS": 128,
+                    "BLOCK_M": block_m, "BLOCK_N": block_n, "DOT_FP32": False,
+                    "LOOP_WHILE": False, "NUM_STAGES": 2, "WINDOWED": windowed,
+                    "INTERLEAVED": False, "DOT_F16": False, "PDL": False, "OWN_STAGES": 2,
+                    "SPEC_TILES": 1, "APPEND": append, "APPEND_T": append_tile_tokens(head_dim),
+                    "EMULATE_FP8": False, "WINDOW_PER_QUERY": encoder and windowed},
+                    num_warps, SPLIT_DIVISIBLE)
+                registers, spills = ptxas_usage(compiled)
+                print(f"paged_attention DiffusionGemma {form}: {registers} registers, "
+                      f"{spills} bytes spilled, smem {compiled.metadata.shared}")
+                assert "cp.async" in compiled.asm["ptx"], form  # the key loop is pipelined
+        merge_types = {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "out_ptr": "*bf16",
+                       "prefix_len_ptr": "*i32"}
+        compile_sm90(paged_attention_merge_kernel,
+                     {n: merge_types.get(n, "i32") for n in paged_attention_merge_kernel.arg_names},
+                     {"GROUP": group, "HEAD_DIM": head_dim, "NUM_SPLITS": splits,
+                      "MIN_SPLIT_KEYS": 128, "BLOCK_N": block_n, "CHUNK": merge_chunk(splits),
+                      "LOOP_WHILE": False}, 4 if head_dim <= 256 else 8)
+
+
 def check_kv_append() -> None:
     pointers = {"k_ptr": "*bf16", "v_ptr": "*bf16", "k_cache_ptr": "*fp8e4nv",
                 "v_cache_ptr": "*fp8e4nv", "page_table_ptr": "*i32", "offset_ptr": "*i32",
@@ -232,6 +274,7 @@ if __name__ == "__main__":
     check_appending_split(128, "*fp8e4nv", interleaved=True)  # the CUDA FP8 default (ilv32)
     check_appending_split(128, "*bf16", interleaved=False)  # the CUDA BF16 default (base)
     check_appending_split(512, "*fp8e4nv", interleaved=False, causal_block=32)  # prefill chunk
+    check_diffusiongemma_attention()
     check_kv_append()
     from tests.custom_ops.nvfp4_compile_checks import check_nvfp4_moe
 

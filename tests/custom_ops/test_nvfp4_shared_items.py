@@ -95,7 +95,8 @@ def test_wiring_of_the_shared_items_matches_the_reference(monkeypatch) -> None:
     gate_up, down_launch = torch_stand_ins(experts, x, calls)
     monkeypatch.setattr(launch, "launch_gate_up_gluon", gate_up)
     monkeypatch.setattr(launch, "launch_down_gluon", down_launch)
-    monkeypatch.setattr(launch, "route_pairs", lambda *a, **k: pytest.fail("aligned"))
+    monkeypatch.setattr(launch, "align_pairs_to_blocks",
+                        lambda *a, **k: pytest.fail("aligned"))
     monkeypatch.setattr(launch, "launcher", lambda kernel: pytest.fail(kernel.fn.__name__))
     out = nvfp4_moe(*args, **shared)
     blocks = alignment_buffers(ids, 4, route_block_m(T, K, 4))[1].numel()
@@ -118,18 +119,18 @@ def spy_items(monkeypatch) -> list[bool]:
     """Per Gluon gate/up launch, whether it was handed shared items (no alignment with them:
     only the Triton kernels that the output is compared with align)."""
     calls: list[bool] = []
-    real, real_route = launch.launch_gate_up_gluon, launch.route_pairs
+    real, real_align = launch.launch_gate_up_gluon, launch.align_pairs_to_blocks
 
     def spy(*a, **k) -> None:
         calls.append(k.get("shared_items") is not None)
         real(*a, **k)
 
-    def route(topk_ids, num_experts, shared_expert=False, pdl=False) -> object:
+    def align(topk_ids, num_experts, block_m, shared_expert=False, pdl=False) -> object:
         assert not (pdl and any(calls)), "items: no alignment"
-        return real_route(topk_ids, num_experts, shared_expert, pdl)
+        return real_align(topk_ids, num_experts, block_m, shared_expert, pdl)
 
     monkeypatch.setattr(launch, "launch_gate_up_gluon", spy)
-    monkeypatch.setattr(launch, "route_pairs", route)
+    monkeypatch.setattr(launch, "align_pairs_to_blocks", align)
     return calls
 
 
