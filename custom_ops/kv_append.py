@@ -1,6 +1,6 @@
 """`dlmc::kv_append`: write a block's K/V into a paged cache at a device-tensor offset.
 
-FP8 caches are quantized on write, `e4m3(clamp(x / scale, -448, 448))` (nvfp4.md §2.7): a plain
+FP8 caches are quantized on write, `e4m3(clamp(x / scale, -448, 448))` (docs/nvfp4.md §2.7): a plain
 cast does not saturate. BF16 caches store the values as they are (scales ignored). The offset is
 a 1-element int32 device tensor, so the write is graph-capturable with a fixed block length;
 tokens whose position would pass the table's capacity are dropped (the caller checks capacity

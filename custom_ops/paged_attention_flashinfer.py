@@ -3,7 +3,7 @@
 FlashInfer plans on the host (`plan()` copies the page metadata and picks the work split), then
 `run()` launches on the device. Inside CUDA graphs: construct with fixed-size metadata buffers
 (`use_cuda_graph=True`), call `plan()` OUTSIDE capture before every replay, and capture `run()`.
-`disable_split_kv=True` keeps the grid independent of the KV length (nvfp4.md §4.2).
+`disable_split_kv=True` keeps the grid independent of the KV length (docs/nvfp4.md §4.2).
 
 The block's own K/V must be in the cache (FlashInfer attends only the cache): the caller appends
 them after the prefix first (`PagedKVCache.attend` does), so here they are FP8-rounded, unlike
@@ -22,7 +22,7 @@ import torch
 
 from dlmc.errors import ConfigError
 
-SUPPORTED_HEAD_DIMS = (64, 128, 256)  # FA2 on sm_90; 512 is not enabled there (nvfp4.md §4.2)
+SUPPORTED_HEAD_DIMS = (64, 128, 256)  # FA2 on sm_90; 512 is not enabled there (docs/nvfp4.md §4.2)
 WORKSPACE_BYTES = 128 * 1024 * 1024
 
 

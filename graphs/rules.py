@@ -160,7 +160,7 @@ def joint_threshold_step(
     edit_threshold: float | torch.Tensor | None,
     num_to_transfer: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """LLaDA2.1 round (llada2.md §5.4): `(new_block, committed [bl], edited [bl])`.
+    """LLaDA2.1 round (docs/llada2.md §5.4): `(new_block, committed [bl], edited [bl])`.
 
     M2T: commit every active position with p > threshold, or if fewer than `num_to_transfer`
     pass, the `num_to_transfer` most confident active positions. T2T (every round, also while
@@ -187,7 +187,7 @@ def threshold_step(
     threshold: float | torch.Tensor,
     quota: int | torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """LLaDA2.0 round (llada2.md §5.3): `(new_block, committed [bl])`.
+    """LLaDA2.0 round (docs/llada2.md §5.3): `(new_block, committed [bl])`.
 
     Commit every active position with p > threshold if at least `quota` pass, else the
     `quota` most confident active positions.

@@ -12,7 +12,7 @@ from dlmc.bench.problems import MBPP_TEST_IDS
 from dlmc.bench.scorers.code import extract_code, humaneval_program, mbpp_program
 from dlmc.bench.scorers.code_exec import run_programs
 
-# Reference solutions that fail the shipped tests under the eval.md program layout
+# Reference solutions that fail the shipped tests under the docs/eval.md program layout
 # (test_setup_code, then the code): the setup builds `Node` objects before the code defines it.
 MBPP_SETUP_BEFORE_CLASS = {367, 927}
 MBPP_SAMPLE = range(11, 511, 25)  # 20 tasks spread over the test split

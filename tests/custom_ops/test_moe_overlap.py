@@ -131,7 +131,6 @@ def test_edge_launches_ask_for_pdl(monkeypatch: pytest.MonkeyPatch, pdl: bool) -
         monkeypatch.setattr(module, "launcher", recorders[module])
         monkeypatch.setattr(module, "_INTERPRETED", False)
     monkeypatch.setattr(moe_align, "_kernel_applies", lambda ids, experts: True)
-    monkeypatch.setattr(moe_combine, "COMBINE", "triton")
     ids = torch.tensor([[0, 2], [1, 2]])
     moe_align.route_pairs(ids, 4, False, pdl)
     y, weights = torch.zeros(4, 8, dtype=torch.bfloat16), torch.ones(2, 2)

@@ -75,7 +75,7 @@ def test_the_checkpoint_file_applies_under_every_role(tmp_path, role):
 
 @pytest.mark.parametrize("role", ["orl", "llada2.1", "llada2.0"])
 def test_generation_config_does_not_set_llada2_decoding(tmp_path, role):
-    """generation_config.json carries the special ids only (llada2.md §4, §6): the same keys in
+    """generation_config.json carries the special ids only (docs/llada2.md §4, §6): the same keys in
     it and in paper_decoding.json take paper_decoding.json's values, and without that file the
     role's."""
     (tmp_path / "generation_config.json").write_text(json.dumps(

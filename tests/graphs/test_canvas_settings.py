@@ -18,7 +18,8 @@ from dlmc.graphs.canvas_settings import (
 
 
 def _checkpoint_file() -> dict:
-    """The checkpoint's generation_config.json as transformers writes it (doc §2 values)."""
+    """The checkpoint's generation_config.json as transformers writes it (docs/diffusiongemma.md
+    §2 values)."""
     config = DiffusionGemmaGenerationConfig(
         max_denoising_steps=48, max_new_tokens=256,
         sampler_config=EntropyBoundSamplerConfig(entropy_bound=0.1), t_max=0.8, t_min=0.4,

@@ -185,9 +185,9 @@ def test_probabilities_on_the_threshold_leave_the_commit_to_the_fallback():
 
 
 def test_a_probability_exactly_on_the_edit_threshold_is_not_an_edit():
-    """§5.4, §5.5: T2T rewrites a decoded token where p > edit threshold, strictly. Rows 0 and 1
-    hold decoded tokens whose proposals differ with p = 0.5 exactly (edit threshold 0.5): kept;
-    row 3's proposal differs with p = 1: edited."""
+    """docs/llada2.md §5.4, §5.5: T2T rewrites a decoded token where p > edit threshold,
+    strictly. Rows 0 and 1 hold decoded tokens whose proposals differ with p = 0.5 exactly
+    (edit threshold 0.5): kept; row 3's proposal differs with p = 1: edited."""
     mask = 7
     buf = RoundBuffers.allocate(4, 4, torch.device("cpu"))
     buf.tokens.copy_(torch.tensor([0, 0, mask, 0]))

@@ -1,4 +1,4 @@
-"""The model against an independent re-implementation of llada2.md §3 written from the doc."""
+"""The model against an independent re-implementation of docs/llada2.md §3 written from the doc."""
 
 import torch
 import torch.nn.functional as F

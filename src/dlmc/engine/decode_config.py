@@ -100,7 +100,7 @@ def _check(ok: bool, field: str, expected: str, value: Any) -> None:
 
 
 def role_defaults(role: str) -> DecodeConfig:
-    """Reference defaults of a decoder role (llada2.md §5.3, §5.4, §6)."""
+    """Reference defaults of a decoder role (docs/llada2.md §5.3, §5.4, §6)."""
     if role == "orl":
         return DecodeConfig(
             "joint", 0.85, 0.5, 16, block_length=32, max_new_tokens=4096, self_conditioning=True
@@ -119,7 +119,7 @@ def resolve_decode_config(
 ) -> DecodeConfig:
     """Role defaults, then the checkpoint's paper_decoding.json, then explicit overrides.
 
-    The file describes the checkpoint, so it applies under every role (llada2.md §6), except
+    The file describes the checkpoint, so it applies under every role (docs/llada2.md §6), except
     its LLaDA2.1-only settings (`JOINT_ONLY`) under the LLaDA2.0 threshold rule. In
     `overrides`, a key absent means "not given"; `edit_threshold=None` given explicitly
     disables edits.

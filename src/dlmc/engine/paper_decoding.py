@@ -1,4 +1,4 @@
-"""Tolerant reader of a checkpoint's paper_decoding.json (llada2.md §6).
+"""Tolerant reader of a checkpoint's paper_decoding.json (docs/llada2.md §6).
 
 Flat or nested under decoding/orl/paper/generation/sampler (nested wins); keys matched
 case-insensitively with '-' read as '_'; aliases; numeric strings coerced; a bad value falls

@@ -1,7 +1,7 @@
 """`kv_cache_dtype` resolution and FP8 KV scales from a checkpoint's tensor names.
 
 ModelOpt writes `k_scale = amax_k / 448` (fp32 scalar) under the k/v projection names, e.g.
-`model.layers.L.self_attn.k_proj.k_scale` (nvfp4.md §1.3, §2.7). For LLaDA2's fused
+`model.layers.L.self_attn.k_proj.k_scale` (docs/nvfp4.md §1.3, §2.7). For LLaDA2's fused
 `attention.query_key_value` projection the names are not documented, so every plausible
 spelling is accepted: a `k_scale`/`v_scale` leaf anywhere under the layer's attention module
 (`attention.k_scale`, `attention.query_key_value.k_scale`, `attention.key_value.k_scale`,
@@ -40,7 +40,7 @@ def checkpoint_declares_fp8_kv(
     """True when `hf_quant_config.json` (or config.json's `quantization_config`) says FP8 KV.
 
     `hf_quant_config.json`: `quantization.kv_cache_quant_algo == "FP8"`; config.json:
-    `quantization_config.kv_cache_scheme = {num_bits: 8, type: "float"}` (nvfp4.md §1.1, §1.2).
+    `quantization_config.kv_cache_scheme = {num_bits: 8, type: "float"}` (docs/nvfp4.md §1.1, §1.2).
     """
     if hf_quant_config:
         quant = hf_quant_config.get("quantization", hf_quant_config)
@@ -136,7 +136,7 @@ def load_kv_scales(
     """Read every layer's K/V scale from the safetensors files of a `name -> file` map.
 
     Missing scales become 1.0; when the checkpoint `declares_fp8` that is logged as a warning
-    naming the layers (ModelOpt's recommended default, nvfp4.md §2.7).
+    naming the layers (ModelOpt's recommended default, docs/nvfp4.md §2.7).
     """
     names = find_kv_scale_names(weight_map, num_layers)
     k, v, missing = [], [], []

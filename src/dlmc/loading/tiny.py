@@ -60,7 +60,7 @@ TINY_CONFIG: dict[str, Any] = dict(
     dtype="bfloat16",
 )
 
-# The ORL paper's decoder settings (llada2.md §6), with a short default length for the demo.
+# The ORL paper's decoder settings (docs/llada2.md §6), with a short default length for the demo.
 TINY_PAPER_DECODING = {
     "decoding": {
         "threshold": 0.85,

@@ -103,7 +103,7 @@ def tiny_gemma_config_json(**text_overrides: Any) -> dict[str, Any]:
 
 
 def tiny_gemma_state_dict(config: DiffusionGemmaConfig, seed: int) -> dict[str, torch.Tensor]:
-    """Random bf16 tensors with the checkpoint's names and shapes (§3 of the format)."""
+    """Random bf16 tensors with the checkpoint's names and shapes (docs/diffusiongemma.md §3)."""
     gen = torch.Generator().manual_seed(seed)
     hidden, inter = config.hidden_size, config.intermediate_size
 

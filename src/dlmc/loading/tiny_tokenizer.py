@@ -12,7 +12,7 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|mask|>", "<|role_end|>", "<role>", "</role
 EOS_ID, MASK_ID = 256, 257
 TINY_VOCAB_SIZE = 264  # 256 bytes + 5 specials + 3 reserved
 
-# LLaDA2 template (llada2.md §4): system turn with "detailed thinking off", then the turns.
+# LLaDA2 template (docs/llada2.md §4): system turn with "detailed thinking off", then the turns.
 CHAT_TEMPLATE = (
     "<role>SYSTEM</role>"
     "{%- for m in messages if m['role'] == 'system' %}{{ m['content'] }}\n{%- endfor %}"

@@ -10,7 +10,7 @@ from dlmc.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion
 from dlmc.models.diffusion_gemma_config import FULL, SLIDING, DiffusionGemmaConfig, RopeParameters
 from dlmc.models.llada2 import LLaDA2ForDiffusion
 
-# LLaDA2.1-mini config.json values (llada2.md §1).
+# LLaDA2.1-mini config.json values (docs/llada2.md §1).
 LLADA21_MINI = LLaDA2Config(
     vocab_size=157184,
     hidden_size=2048,
@@ -32,8 +32,8 @@ LLADA21_MINI = LLaDA2Config(
     rms_norm_eps=1e-6,
     max_position_embeddings=32768,
 )
-# DiffusionGemma-26B-A4B's text config.json values (diffusiongemma.md §2): 5 sliding layers then
-# one full layer, five times.
+# DiffusionGemma-26B-A4B's text config.json values (docs/diffusiongemma.md §2): 5 sliding
+# layers then one full layer, five times.
 DIFFUSIONGEMMA_26B_A4B = DiffusionGemmaConfig(
     vocab_size=262144,
     hidden_size=2816,

@@ -1,4 +1,4 @@
-"""GSM8K scorer: last number in the response against the `#### N` gold answer (see eval.md)."""
+"""GSM8K scorer: last number in the response against the `#### N` gold answer (see docs/eval.md)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 from dlmc.bench.scorers.result import ScoreResult
 from dlmc.errors import ConfigError
 
-# The lm-eval "flexible-extract" pattern, as eval.md states it.
+# The lm-eval "flexible-extract" pattern, as docs/eval.md states it.
 _NUMBER = re.compile(r"-?[\d,]*\.?\d+")
 _GOLD = re.compile(r"####\s*(.+?)\s*$")
 _TOLERANCE = 1e-6
