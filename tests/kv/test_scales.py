@@ -32,6 +32,10 @@ from dlmc.kv.scales import (
         ("model.layers.{L}.self_attn.attn.k_scale", "model.layers.{L}.self_attn.attn.v_scale"),
         ("model.decoder.layers.{L}.self_attn.k_proj.k_scale",
          "model.decoder.layers.{L}.self_attn.v_proj.v_scale"),
+        ("model.decoder.layers.{L}.self_attn.k_scale",
+         "model.decoder.layers.{L}.self_attn.v_scale"),
+        ("model.encoder.language_model.layers.{L}.self_attn.k_scale",
+         "model.encoder.language_model.layers.{L}.self_attn.v_scale"),
     ],
 )
 def test_plausible_names_are_found(k_name: str, v_name: str) -> None:

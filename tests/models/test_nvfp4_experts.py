@@ -71,6 +71,41 @@ def test_forward_op_matches_reference_and_bf16_maths() -> None:
     torch.testing.assert_close(w4a4.float(), ref.float(), rtol=0.3, atol=0.3 * float(scale))
 
 
+def test_gelu_tanh_experts_are_diffusion_gemmas() -> None:
+    """activation="gelu_tanh" (DiffusionGemma): the op equals the reference up to the fp32 sum
+    order, and the reference is `GemmaExperts` over the exactly dequantized weights in its fused
+    layout, up to the op's bf16 rounding of the intermediates; a shared (SwiGLU) expert and an
+    unknown activation are refused."""
+    from dlmc.models.diffusion_gemma_moe import GemmaExperts
+
+    experts, _ = filled_experts()
+    experts.activation = "gelu_tanh"
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, H, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(6)])
+    weights = torch.rand(6, 2, generator=gen)
+    out = experts(x, ids, weights)
+    experts.use_reference = True
+    ref = experts(x, ids, weights)
+    scale = float(ref.float().abs().max())
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-6, atol=2**-6 * scale)
+    deq = experts.dequantize_to_bf16()
+    dense = GemmaExperts(E, H, I)
+    dense.gate_up_proj.data = torch.cat([deq["gate_proj"], deq["up_proj"]], dim=1).float()
+    dense.down_proj.data = deq["down_proj"].float()
+    want = dense(x.float(), ids, weights)  # [6, H] fp32
+    got = experts(x.float(), ids, weights)
+    assert got.dtype == torch.float32  # x's dtype
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=2**-7 * scale)
+    experts.activation = "silu"
+    assert (experts(x.float(), ids, weights) - want).abs().max() > 0.1 * scale
+    experts.activation = "gelu_tanh"
+    with pytest.raises(ValueError, match="shared expert is a SwiGLU MLP"):
+        experts.set_shared_expert(torch.zeros(I, H), torch.zeros(I, H), torch.zeros(H, I))
+    with pytest.raises(ValueError, match="activation='relu', expected one of"):
+        NVFP4Experts(E, H, I, activation="relu")
+
+
 E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6],
                     dtype=torch.float64)
 

@@ -117,6 +117,62 @@ def test_export_errors(tmp_path: Path) -> None:
         export_nvfp4(tmp_path, tmp_path / "out", kv_scales={7: (1.0, 1.0)})
 
 
+def test_export_diffusion_gemma_splits_the_stacked_experts(tmp_path: Path) -> None:
+    """`diffusion_gemma`: each expert of the stacked BF16 `gate_up_proj` / `down_proj` becomes
+    ModelOpt's per-expert NVFP4 linears (gate and up sharing the global scale of their fused
+    amax), the stacks are kept unchanged beside them, KV scales sit on `self_attn`."""
+    from dlmc.loading.tiny_gemma import write_tiny_gemma_checkpoint
+    from dlmc.quant.nvfp4_format import global_scale_from_amax
+
+    source = write_tiny_gemma_checkpoint(tmp_path / "bf16", seed=1, shards=2, tokenizer=False,
+                                         moe_intermediate_size=32)
+    output = export_nvfp4(source, tmp_path / "nvfp4", input_amax=6.0,
+                          kv_scales={layer: (0.5, 0.25) for layer in range(6)})
+    originals, tensors = read_all(source), read_all(output)
+    config = load_quant_config(output)
+    assert config is not None and config.kv_cache_fp8
+    assert set(originals) <= set(tensors)  # the BF16 stacks too
+    assert all(torch.equal(tensors[n], t) for n, t in originals.items())
+    for layer in (0, 5):
+        prefix = f"model.decoder.layers.{layer}.experts"
+        gate_up, down = originals[f"{prefix}.gate_up_proj"], originals[f"{prefix}.down_proj"]
+        for e in range(8):
+            shared = global_scale_from_amax(gate_up[e].float().abs().amax())
+            for proj, weight, scale in (("gate_proj", gate_up[e, :32], shared),
+                                        ("up_proj", gate_up[e, 32:], shared),
+                                        ("down_proj", down[e], None)):
+                module = f"{prefix}.{e}.{proj}"
+                assert config.is_quantized(module), module
+                parts = [tensors[f"{module}.{s}"] for s in ("weight", "weight_scale",
+                                                            "weight_scale_2")]
+                validate_nvfp4_linear(module, dict(zip(("weight", "weight_scale",
+                                                        "weight_scale_2"), parts, strict=True)),
+                                      *weight.shape)
+                for got, want in zip(parts, quantize_nvfp4(weight, scale), strict=True):
+                    assert got.dtype == want.dtype and torch.equal(got, want), module
+                assert tensors[f"{module}.input_scale"].item() == pytest.approx(6.0 / 2688)
+        for name, value in zip(kv_scale_names(layer, "diffusion_gemma"), (0.5, 0.25),
+                               strict=True):
+            assert name.startswith(f"model.decoder.layers.{layer}.self_attn.")
+            assert tensors[name].item() == value
+    for module in ("model.decoder.layers.2.self_attn.q_proj",
+                   "model.decoder.layers.4.router.proj", "model.decoder.self_conditioning.up_proj",
+                   "model.decoder.layers.1.mlp.down_proj"):
+        assert not config.is_quantized(module), module
+
+
+def test_export_diffusion_gemma_errors(tmp_path: Path) -> None:
+    from dlmc.loading.tiny_gemma import write_tiny_gemma_checkpoint
+
+    source = write_tiny_gemma_checkpoint(tmp_path / "bf16", shards=1, tokenizer=False)
+    with pytest.raises(CheckpointError, match=r"model.decoder.layers.0.experts.down_proj holds "
+                       r"a weight of shape \(64, 24\) for .*layers.0.experts.0.down_proj"):
+        export_nvfp4(source, tmp_path / "out")  # 24-wide experts: not a multiple of 16
+    (source / "config.json").write_text(json.dumps({"model_type": "gemma4"}))
+    with pytest.raises(CheckpointError, match="model_type 'gemma4': the exporter writes"):
+        export_nvfp4(source, tmp_path / "out")
+
+
 GOOD = {"weight": TensorMeta(torch.uint8, (32, 32)),
         "weight_scale": TensorMeta(torch.float8_e4m3fn, (32, 4)),
         "weight_scale_2": TensorMeta(torch.float32, ()),

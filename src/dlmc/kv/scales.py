@@ -6,8 +6,9 @@ ModelOpt writes `k_scale = amax_k / 448` (fp32 scalar) under the k/v projection 
 spelling is accepted: a `k_scale`/`v_scale` leaf anywhere under the layer's attention module
 (`attention.k_scale`, `attention.query_key_value.k_scale`, `attention.key_value.k_scale`,
 `self_attn.attn.k_scale`, ...), or an `output_scale` under a k/v projection
-(`self_attn.k_proj.output_scale`). A checkpoint that declares an FP8 KV cache but carries no
-scale for a layer gets 1.0 and a warning.
+(`self_attn.k_proj.output_scale`). DiffusionGemma's layers sit under `model.decoder.` (or the
+tied encoder's `model.encoder.language_model.`). A checkpoint that declares an FP8 KV cache but
+carries no scale for a layer gets 1.0 and a warning.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
 KVCacheDtype = Literal["bf16", "fp8"]
 
 _SCALE_NAME = re.compile(
-    r"^(?:model\.)?(?:decoder\.|language_model\.(?:model\.)?)?layers\.(?P<layer>\d+)\."
+    r"^(?:model\.)?(?:decoder\.|encoder\.language_model\.|language_model\.(?:model\.)?)?"
+    r"layers\.(?P<layer>\d+)\."
     r"(?:attention|self_attn)\.(?P<sub>(?:\w+\.)*?)(?P<leaf>k_scale|v_scale|output_scale)$"
 )
 _OUTPUT_SCALE_OWNERS = {"k_proj.": "k", "key.": "k", "v_proj.": "v", "value.": "v"}

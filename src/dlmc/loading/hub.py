@@ -13,7 +13,7 @@ ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model",
 
 def resolve_model(model: str | os.PathLike[str]) -> Path:
     """A local directory, a built-in id (`tiny-llada2`, `tiny-llada2-nvfp4`,
-    `tiny-diffusiongemma`) or a Hub repo id.
+    `tiny-diffusiongemma`, `tiny-diffusiongemma-nvfp4`) or a Hub repo id.
 
     Hub repos are downloaded with a progress bar into the Hugging Face cache (reused after);
     offline (`HF_HUB_OFFLINE=1` or no network) an uncached repo is a clear error.

@@ -1,7 +1,7 @@
 """Checkpoint directory -> (config, model on the target device), plus precision handling.
 
 `load_model` dispatches on config.json's `model_type`: `llada2_moe` (LLaDA2.x MoE, BF16 or
-NVFP4) or `diffusion_gemma` (DiffusionGemma, BF16; `dlmc.loading.gemma_loading`).
+NVFP4) or `diffusion_gemma` (DiffusionGemma, BF16 or NVFP4; `dlmc.loading.gemma_loading`).
 """
 
 from __future__ import annotations
@@ -118,10 +118,14 @@ def load_model(
         from dlmc.loading.gemma_loading import build_diffusion_gemma
 
         gemma = DiffusionGemmaConfig.from_dict(raw, source=str(directory / "config.json"))
-        model, index = build_diffusion_gemma(directory, gemma, device, dtype, precision,
-                                             quant is not None, show_progress)
-        return LoadedModel(gemma, model, index, "bf16", False,
-                           KVScales.ones(gemma.num_hidden_layers), False)
+        model, index, effective = build_diffusion_gemma(directory, gemma, device, dtype,
+                                                        precision, quant, show_progress)
+        declares = quant is not None and quant.kv_cache_fp8
+        weight_map = {name: info.file for name, info in index.tensors.items()}
+        kv_scales = load_kv_scales(weight_map, gemma.num_hidden_layers, declares_fp8=declares)
+        apply_kernel_config(model, kernels)
+        return LoadedModel(gemma, model, index, effective, quant is not None, kv_scales,
+                           declares)
     config = LLaDA2Config.from_dict(raw, source=str(directory / "config.json"))
     if quant is None and precision == "nvfp4":
         raise ConfigError(

@@ -1,6 +1,7 @@
 """Built-in tiny checkpoints: the real `llada2_moe` architecture and file format, small and with
 random seeded weights (their output is gibberish), created deterministically on first use;
-`tiny-diffusiongemma` is the same for `diffusion_gemma` (written by `dlmc.loading.tiny_gemma`).
+`tiny-diffusiongemma` and `tiny-diffusiongemma-nvfp4` are the same for `diffusion_gemma` (written
+by `dlmc.loading.tiny_gemma`).
 
 `write_tiny_checkpoint` is also what the tests use to build checkpoints of their own.
 """
@@ -23,7 +24,8 @@ from dlmc.models.config import LLaDA2Config
 
 TINY_VERSION = "v1"
 LM_HEAD_STD = 1.0
-BUILTIN_MODELS = ("tiny-llada2", "tiny-llada2-nvfp4", "tiny-diffusiongemma")
+BUILTIN_MODELS = ("tiny-llada2", "tiny-llada2-nvfp4", "tiny-diffusiongemma",
+                  "tiny-diffusiongemma-nvfp4")
 TINY_KV_SCALE = 0.01  # FP8 KV scales written into the NVFP4 variant (amax / 448 of its K, V)
 
 TINY_CONFIG: dict[str, Any] = dict(
@@ -183,7 +185,11 @@ def ensure_builtin(name: str) -> Path:
         shutil.rmtree(target, ignore_errors=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
-        if name.endswith("-nvfp4"):  # ModelOpt-format NVFP4 export of the BF16 tiny model
+        if name == "tiny-diffusiongemma-nvfp4":
+            from dlmc.loading.tiny_gemma import write_tiny_gemma_nvfp4
+
+            write_tiny_gemma_nvfp4(staging, seed=0)
+        elif name.endswith("-nvfp4"):  # ModelOpt-format NVFP4 export of the BF16 tiny model
             from dlmc.quant.export import export_nvfp4
 
             source = ensure_builtin(name.removesuffix("-nvfp4"))

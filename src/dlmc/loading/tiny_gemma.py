@@ -4,12 +4,19 @@ format (config.json with `text_config`, `model.decoder.*` tensors, fused
 buffers that loading skips, generation_config.json with the sampler's settings, a Gemma 4 chat
 template), small and with seeded random weights: its output is gibberish.
 
+`tiny-diffusiongemma-nvfp4` (`write_tiny_gemma_nvfp4`) is the same model with 32-wide experts
+(NVFP4 needs multiples of 16) exported by dlmc's NVFP4 writer in the ModelOpt format: per-expert
+NVFP4 tensors, the BF16 expert copies kept beside them as the released exports keep them, and
+FP8 KV-cache scales.
+
 `write_tiny_gemma_checkpoint` is also what the tests use to build checkpoints of their own.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +38,9 @@ from dlmc.loading.tiny_gemma_tokenizer import (
 )
 from dlmc.models.diffusion_gemma_config import FULL, SLIDING, DiffusionGemmaConfig
 
+TINY_NVFP4_MOE_INTERMEDIATE = 32  # the NVFP4 variant's expert width (a multiple of 16)
+TINY_NVFP4_KV_SCALE = 0.01  # its FP8 KV scales (about amax / 448 of its normed K and V)
+TINY_NVFP4_INPUT_AMAX = 8.0  # its experts' activation amax (input_scale = amax / 2688)
 EMBED_STD = 0.6  # printable bytes: peaked logits through the tied lm_head
 STOP_EMBED_STD = 0.45  # <eos>, <turn|>: likely enough that some answers end early
 WEAK_EMBED_STD = 0.02  # every other row
@@ -182,6 +192,23 @@ def write_tiny_gemma_checkpoint(
     if tokenizer:
         write_tiny_gemma_tokenizer(directory)
     return directory
+
+
+def write_tiny_gemma_nvfp4(directory: Path, seed: int = 0, shards: int = 2,
+                           tokenizer: bool = True) -> Path:
+    """Write `tiny-diffusiongemma-nvfp4` to `directory`: a tiny BF16 checkpoint with 32-wide
+    experts, exported by `dlmc.quant.export.export_nvfp4` (input scales, FP8 KV scales)."""
+    from dlmc.quant.export import export_nvfp4
+
+    layers = TINY_TEXT_CONFIG["num_hidden_layers"]
+    source = Path(tempfile.mkdtemp(prefix="tiny-gemma-bf16-"))
+    try:
+        write_tiny_gemma_checkpoint(source, seed=seed, shards=shards, tokenizer=tokenizer,
+                                    moe_intermediate_size=TINY_NVFP4_MOE_INTERMEDIATE)
+        return export_nvfp4(source, directory, input_amax=TINY_NVFP4_INPUT_AMAX,
+                            kv_scales={i: (TINY_NVFP4_KV_SCALE,) * 2 for i in range(layers)})
+    finally:
+        shutil.rmtree(source, ignore_errors=True)
 
 
 def _write_shards(directory: Path, sd: dict[str, torch.Tensor], shards: int) -> None:

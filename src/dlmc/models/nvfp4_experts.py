@@ -17,6 +17,7 @@ from torch import nn
 from dlmc.custom_ops import moe_combine
 from dlmc.custom_ops.kernel_config import KernelConfig
 from dlmc.custom_ops.nvfp4_moe import effective_variant, nvfp4_moe, nvfp4_moe_reference
+from dlmc.custom_ops.nvfp4_moe_tiles import ACTIVATIONS
 from dlmc.custom_ops.nvfp4_words import e4m3_scales, stored_forms, weight_operand
 from dlmc.quant.nvfp4_format import GROUP_SIZE, dequantize_nvfp4
 
@@ -42,7 +43,8 @@ def expert_buffer_target(tensor_name: str) -> tuple[int, int, str] | None:
 
 
 class NVFP4Experts(nn.Module):
-    """`num_experts` SwiGLU experts `down(silu(gate(x)) * up(x))` with NVFP4 weights.
+    """`num_experts` gated experts `down(act(gate(x)) * up(x))` with NVFP4 weights: `activation`
+    "silu" (SwiGLU, LLaDA2) or "gelu_tanh" (DiffusionGemma's `gelu_pytorch_tanh`).
 
     Buffers (E = num_experts, H = hidden_size, I = intermediate_size):
     - `gate_proj_weight`, `up_proj_weight`: uint8 `[E, I, H/2]`; `down_proj_weight`: uint8
@@ -69,6 +71,7 @@ class NVFP4Experts(nn.Module):
         hidden_size: int,
         intermediate_size: int,
         *,
+        activation: str = "silu",
         use_reference: bool = False,
         emulate_w4a4: bool = False,
         pdl: bool = True,
@@ -78,9 +81,13 @@ class NVFP4Experts(nn.Module):
         for name, size in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
             if size % GROUP_SIZE:
                 raise ValueError(f"NVFP4Experts: {name}={size} must be a multiple of {GROUP_SIZE}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"NVFP4Experts: activation={activation!r}, expected one of "
+                             f"{', '.join(ACTIVATIONS)}")
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
+        self.activation = activation
         self.use_reference = use_reference
         self.emulate_w4a4 = emulate_w4a4
         self.pdl = pdl
@@ -130,6 +137,9 @@ class NVFP4Experts(nn.Module):
         """Keep a shared expert (gate/up `[I, H]`, down `[H, I]`, in the model's dtype: the op
         needs bf16) for `forward(..., shared_expert=True)`; returns its expert id, E (after the
         routed ones)."""
+        if self.activation != "silu":
+            raise ValueError(f"NVFP4Experts: a shared expert is a SwiGLU MLP; these experts run "
+                             f"activation={self.activation!r}")
         I, H = self.intermediate_size, self.hidden_size
         for name, weight, shape in (("gate", gate, (I, H)), ("up", up, (I, H)),
                                     ("down", down, (H, I))):
@@ -145,14 +155,15 @@ class NVFP4Experts(nn.Module):
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         shared_expert: bool = False,
     ) -> torch.Tensor:
-        """x bf16 `[T, H]`, topk_ids int `[T, K]`, topk_weights fp32 `[T, K]` -> bf16 `[T, H]`.
+        """x `[T, H]` (bf16 for the op), topk_ids int `[T, K]`, topk_weights fp32 `[T, K]` ->
+        `[T, H]` in x's dtype (bf16 values).
 
         `out[t] = sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])`, summed in fp32 over
         bf16 expert outputs (routed scaling belongs in `topk_weights`). `shared_expert`: plus the
         shared expert's bf16 output with weight 1.0 in the same fp32 sum (`set_shared_expert`).
         """
         moe = nvfp4_moe_reference if self.use_reference else nvfp4_moe
-        kwargs: dict[str, object] = {}
+        kwargs: dict[str, object] = {"activation": self.activation}
         if self.emulate_w4a4:
             kwargs |= {
                 "gate_input_scale": self.gate_proj_input_scale,
@@ -172,9 +183,9 @@ class NVFP4Experts(nn.Module):
             return moe_combine.combine_pointwise(rows, topk_weights, shared_expert)
         if not self.use_reference:
             kwargs["pdl"] = self.pdl
-        return moe(
-            x, topk_ids, topk_weights, *self._op_args(), emulate_w4a4=self.emulate_w4a4, **kwargs
-        )
+        out = moe(x, topk_ids, topk_weights, *self._op_args(), emulate_w4a4=self.emulate_w4a4,
+                  **kwargs)  # [T, H] bf16
+        return out.to(x.dtype)
 
     @torch.no_grad()
     def dequantize_to_bf16(self) -> dict[str, torch.Tensor]:
@@ -199,7 +210,8 @@ class NVFP4Experts(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
-            f"intermediate_size={self.intermediate_size}, use_reference={self.use_reference}, "
+            f"intermediate_size={self.intermediate_size}, activation={self.activation}, "
+            f"use_reference={self.use_reference}, "
             f"emulate_w4a4={self.emulate_w4a4}, pdl={self.pdl}, "
             f"shared_expert_id={self.shared_expert_id}"
         )
