@@ -6,7 +6,6 @@ NVFP4) or `diffusion_gemma` (DiffusionGemma, BF16 or NVFP4; `dlmc.loading.gemma_
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from dlmc.errors import CheckpointError, ConfigError
 from dlmc.kv.scales import KVScales, load_kv_scales
 from dlmc.loading.safetensors_index import SafetensorsIndex
 from dlmc.loading.weights import load_weights
-from dlmc.models.config import LLaDA2Config
+from dlmc.models.config import LLaDA2Config, read_json_object
 from dlmc.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion
 from dlmc.models.diffusion_gemma_config import DiffusionGemmaConfig
 from dlmc.models.llada2 import LLaDA2ForDiffusion
@@ -160,14 +159,7 @@ def load_model(
 
 def read_config(path: Path) -> dict[str, Any]:
     """config.json as a dict whose `model_type` is one dlmc supports."""
-    try:
-        raw = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: config.json not found") from None
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
+    raw = read_json_object(path)
     if raw.get("model_type") not in MODEL_TYPES:
         raise CheckpointError(
             f"{path}: unknown model_type {raw.get('model_type')!r}; dlmc supports "

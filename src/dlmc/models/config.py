@@ -9,6 +9,20 @@ from typing import Any
 
 from dlmc.errors import CheckpointError
 
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A checkpoint's JSON file (config.json) as a dict; a missing file, invalid JSON or another
+    top-level type is a `CheckpointError` naming the file."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: config.json not found") from None
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return raw
+
 SUPPORTED_MODEL_TYPES = ("llada2_moe",)
 
 
@@ -145,15 +159,7 @@ class LLaDA2Config:
 
     @classmethod
     def from_file(cls, path: Path) -> LLaDA2Config:
-        try:
-            raw = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise CheckpointError(f"{path}: config.json not found") from None
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
-        if not isinstance(raw, dict):
-            raise CheckpointError(f"{path}: expected a JSON object")
-        return cls.from_dict(raw, source=str(path))
+        return cls.from_dict(read_json_object(path), source=str(path))
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -9,12 +9,12 @@ transformers writes when it saves the config).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from dlmc.errors import CheckpointError
+from dlmc.models.config import read_json_object
 
 MODEL_TYPE = "diffusion_gemma"
 SLIDING = "sliding_attention"
@@ -267,15 +267,7 @@ class DiffusionGemmaConfig:
 
     @classmethod
     def from_file(cls, path: Path) -> DiffusionGemmaConfig:
-        try:
-            raw = json.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise CheckpointError(f"{path}: config.json not found") from None
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
-        if not isinstance(raw, dict):
-            raise CheckpointError(f"{path}: expected a JSON object")
-        return cls.from_dict(raw, source=str(path))
+        return cls.from_dict(read_json_object(path), source=str(path))
 
 
 TOP_LEVEL_FIELDS = {"canvas_length", "tie_word_embeddings", "eos_token_ids"}
