@@ -10,8 +10,9 @@ canvas runner: an object with these four methods, registered in `STEPPERS` under
 
 - "reference": the model's own reference cache and contexts, and the step as transformers
   writes it (`canvas_step_reference`: `torch.multinomial`, `Categorical`, `torch.randint`).
-- "eager": the dense cache (`dlmc.kv.gemma_cache`) and the sync-free step a compiled round
-  runs (`canvas_step` on noise drawn by `draw_step_noise`).
+- "eager": the compiled rounds' static cache and contexts (`dlmc.kv.gemma_static_cache`,
+  `dlmc.kv.gemma_round_attention`) at the exact cache length, and the sync-free step a
+  compiled round runs (`canvas_step` on noise drawn by `draw_step_noise`).
 Both draw from the decoder's generator in transformers' order, so given the same logits they
 take the same decisions. With `use_cache=False` both rebuild the cache from every clean token
 before each step (a whole-sequence recompute, for tests).
@@ -36,7 +37,8 @@ from dlmc.graphs.canvas_rules import (
     self_conditioning_input,
 )
 from dlmc.graphs.canvas_settings import CanvasSettings
-from dlmc.kv.gemma_cache import CanvasAttention, EncoderAttention, GemmaDenseCache
+from dlmc.kv.gemma_round_attention import CanvasRoundAttention, EncodeRoundAttention
+from dlmc.kv.gemma_static_cache import GemmaStaticCache
 from dlmc.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion, GemmaAttentionContext
 from dlmc.models.diffusion_gemma_attention import CanvasContext, CausalContext, GemmaKVCache
 
@@ -148,25 +150,41 @@ class ReferenceCanvasStepper(_EagerStepper):
 
 
 class EagerCanvasStepper(_EagerStepper):
-    """The dense cache and the sync-free step with its noise drawn in transformers' order."""
+    """The compiled rounds' cache (`GemmaStaticCache`) and contexts, called at the exact cache
+    length (no key-length bucket, no padded chunk): each pass attends to the keys that
+    transformers' cache holds, in the same order under the same mask, so it computes
+    transformers' logits bit for bit. The sync-free step, its noise drawn in transformers' order.
+    """
 
     def __init__(self, model: DiffusionGemmaForBlockDiffusion, device: torch.device,
                  use_cache: bool = True, kernels: KernelConfig = DEFAULT_KERNELS) -> None:
         super().__init__(model, device, use_cache, kernels)
-        dtype = model.model.decoder.embed_tokens.weight.dtype
-        self.cache = GemmaDenseCache.for_config(model.config, 0, dtype, device)
+        self.cache = self._allocate(1)  # grown by reset() to each request's size
+        self._length = 0  # the cache's length on the host (no device read per pass)
+
+    def _allocate(self, capacity: int) -> GemmaStaticCache:
+        with torch.inference_mode(False):  # written in place by every later pass
+            return GemmaStaticCache(self.model.config, capacity, self.sc_dtype, self.device)
 
     def _clear_cache(self, capacity: int) -> None:
-        self.cache.reserve(capacity)
+        if self.cache.max_tokens < capacity:
+            self.cache = self._allocate(capacity)
+        self.cache.reset()
+        self._length = 0
 
     def _encode(self, token_ids: torch.Tensor, start: int) -> None:
-        positions = torch.arange(start, start + token_ids.shape[0], device=self.device)  # [T]
-        self.model(token_ids, positions, EncoderAttention(self.cache, start),
+        end = start + token_ids.shape[0]
+        if end > self.cache.max_tokens:
+            raise ConfigError(f"KV cache capacity exceeded: {end} positions > max_tokens="
+                              f"{self.cache.max_tokens} (reset() with room for the request)")
+        positions = torch.arange(start, end, device=self.device)  # [T]
+        self.model(token_ids, positions, EncodeRoundAttention(self.cache, positions, end),
                    compute_logits=False)
-        self.cache.length = start + token_ids.shape[0]
+        self.cache.length.fill_(end)
+        self._length = end
 
     def _canvas_context(self) -> GemmaAttentionContext:
-        return CanvasAttention(self.cache, self.cache.length)
+        return CanvasRoundAttention(self.cache, self._length)
 
     def _rule(self, logits: torch.Tensor, state: CanvasState, steps_remaining: int,
               generator: torch.Generator) -> CanvasStep:
