@@ -4,28 +4,34 @@ The canvas decoder (`dlmc.engine.canvas_decoder`) owns the loop (canvases, steps
 events) and the random generator; a stepper owns the KV cache, the canvas state and the
 self-conditioning logits between steps. Per request: `reset`, then `encode` the prompt's
 chunks; per canvas: `begin_canvas` with its initial ids, then `step` until the decoder reads a
-stop, then `encode` the appended canvas before the next. This is the seam of the compiled
-canvas runner: an object with these four methods, registered in `STEPPERS` under its modes
-("compile", "graph").
+stop, then `encode` the appended canvas before the next. Steppers are registered in `STEPPERS`
+by mode.
 
-- "reference": the model's own reference cache and contexts, and the step as transformers
-  writes it (`canvas_step_reference`: `torch.multinomial`, `Categorical`, `torch.randint`).
+- "reference": the model's own reference cache and contexts (`GemmaKVCache`, `CausalContext`,
+  `CanvasContext`), and the step as transformers writes it (`canvas_step_reference`:
+  `torch.multinomial`, `Categorical`, `torch.randint`).
 - "eager": the compiled rounds' static cache and contexts (`dlmc.kv.gemma_static_cache`,
   `dlmc.kv.gemma_round_attention`) at the exact cache length, and the sync-free step a
   compiled round runs (`canvas_step` on noise drawn by `draw_step_noise`).
-Both draw from the decoder's generator in transformers' order, so given the same logits they
-take the same decisions. With `use_cache=False` both rebuild the cache from every clean token
-before each step (a whole-sequence recompute, for tests).
+- "compile", "graph": the compiled canvas runner (`dlmc.engine.canvas_compiled`): each step
+  one Inductor-compiled function over key-length buckets and padded encoder chunks, replayed
+  as a CUDA graph in "graph" mode (CUDA only).
+Every mode draws the decoder's generator in transformers' order (the compiled ones through the
+device's default generator, into which the decoder's state is swapped for each step). With
+`use_cache=False` the eager modes rebuild the cache from every clean token before each step (a
+whole-sequence recompute, for tests); the compiled modes refuse it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Protocol
 
 import torch
 
 from dlmc.custom_ops.kernel_config import DEFAULT_KERNELS, KernelConfig
+from dlmc.engine.canvas_compiled import CompiledCanvasStepper
 from dlmc.errors import ConfigError
 from dlmc.graphs.canvas_rules import (
     CanvasState,
@@ -64,7 +70,8 @@ class CanvasStepper(Protocol):
     def step(self, steps_remaining: int, generator: torch.Generator) -> CanvasStep:
         """One denoising step at n = `steps_remaining`: decoder forward over [cache ; canvas],
         temper, sample, accept, re-noise, stopping test, next self-conditioning input; draws
-        from `generator`. The returned tensors stay valid until the next call."""
+        from `generator`. The returned tensors stay valid until the next call (`tempered` is
+        in the model's dtype in the compiled modes: their self-conditioning buffer)."""
         ...
 
 
@@ -194,30 +201,27 @@ class EagerCanvasStepper(_EagerStepper):
 
 
 # (model, device, use_cache, kernels) -> a stepper; a strategy without uncached decoding
-# raises ConfigError for use_cache=False
+# raises ConfigError for use_cache=False, one that needs CUDA on another device
 StepperFactory = Callable[[DiffusionGemmaForBlockDiffusion, torch.device, bool, KernelConfig],
                           CanvasStepper]
-# Modes and their strategies; the compiled canvas runner adds "compile" and "graph".
 STEPPERS: dict[str, StepperFactory] = {
+    "graph": partial(CompiledCanvasStepper, mode="graph"),
+    "compile": partial(CompiledCanvasStepper, mode="compile"),
     "eager": EagerCanvasStepper,
     "reference": ReferenceCanvasStepper,
 }
-MODES = ("graph", "compile", "eager", "reference")
+MODES = tuple(STEPPERS)
 
 
 def default_canvas_mode(device: torch.device) -> str:
-    """"graph" on CUDA where a compiled stepper is registered, else "eager"."""
-    return "graph" if device.type == "cuda" and "graph" in STEPPERS else "eager"
+    """"graph" on CUDA, else "eager"."""
+    return "graph" if device.type == "cuda" else "eager"
 
 
 def check_canvas_mode(mode: str) -> None:
-    """A mode DiffusionGemma can run now, or an error that says which can."""
-    if mode not in MODES:
-        raise ConfigError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
+    """A mode DiffusionGemma runs, or an error that names them."""
     if mode not in STEPPERS:
-        raise ConfigError(
-            f"mode {mode!r}: DiffusionGemma's compiled canvas rounds are not available yet; "
-            f"use one of {', '.join(STEPPERS)}")
+        raise ConfigError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
 
 
 def make_stepper(mode: str, model: DiffusionGemmaForBlockDiffusion, device: torch.device,
