@@ -40,6 +40,7 @@ class CanvasBuffers:
     argmax: torch.Tensor  # [C] int64: the latest argmax canvas (what is appended)
     history: torch.Tensor  # [S, C] int64: the last S argmax canvases, -1 before any
     accepted: torch.Tensor  # [C] bool: positions that kept their sample in the last step
+    entropy: torch.Tensor  # [C] fp32: the last step's entropy per position (nats)
     stopped: torch.Tensor  # [] bool: stable and confident at some step
     done: torch.Tensor  # [] bool: stopped, or no denoising step left (the host's one read)
     steps_remaining: torch.Tensor  # [] int32: n of the next step (N .. 1)
@@ -56,6 +57,7 @@ class CanvasBuffers:
             argmax=torch.zeros(c, dtype=long, device=device),
             history=torch.full((s, c), -1, dtype=long, device=device),
             accepted=torch.zeros(c, dtype=b, device=device),
+            entropy=torch.zeros(c, dtype=torch.float32, device=device),
             stopped=torch.zeros((), dtype=b, device=device),
             done=torch.zeros((), dtype=b, device=device),
             steps_remaining=torch.zeros((), dtype=torch.int32, device=device),
@@ -73,6 +75,7 @@ class CanvasBuffers:
         self.positions.copy_(torch.arange(start, start + canvas.shape[0],
                                           device=self.positions.device))
         self.accepted.zero_()
+        self.entropy.zero_()
         self.done.zero_()
         self.steps_remaining.fill_(settings.max_denoising_steps)
 
@@ -116,6 +119,7 @@ def canvas_round(
     buf.argmax.copy_(step.state.argmax)
     buf.history.copy_(step.state.history)
     buf.accepted.copy_(step.accepted)
+    buf.entropy.copy_(step.entropy)
     buf.stopped.copy_(step.state.stopped)
     buf.steps_remaining.copy_(left)
     buf.done.copy_(step.state.stopped | (left <= 0))

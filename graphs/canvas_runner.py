@@ -134,16 +134,21 @@ class CanvasRunner:
         return self._encode_inputs[size]
 
     # -- the denoising steps -----------------------------------------------------------------
-    def start_canvas(self, canvas: torch.Tensor | None = None) -> None:
+    def start_canvas(self, canvas: torch.Tensor | None = None, draw: bool = True) -> None:
         """A new canvas after the cache: the uniform-random ids `[C]` are drawn from the default
         generator (also when `canvas [C]` is given and used instead, as transformers draws them
-        with `decoder_input_ids`), the step state reset, n = `max_denoising_steps`."""
+        with `decoder_input_ids`, unless `draw` is False: a caller that drew `canvas` itself),
+        the step state reset, n = `max_denoising_steps`."""
         c = self.settings.canvas_length
-        drawn = draw_initial_canvas((1, c), self.vocab_size, None, self.cache.device)[0]  # [C]
         if canvas is not None and tuple(canvas.shape) != (c,):
             raise ConfigError(f"start_canvas: canvas must have shape ({c},), got "
                               f"{tuple(canvas.shape)}")
-        self.canvas.start(drawn if canvas is None else canvas, self.length, self.settings)
+        if draw:
+            drawn = draw_initial_canvas((1, c), self.vocab_size, None, self.cache.device)[0]
+            canvas = drawn if canvas is None else canvas  # [C]
+        elif canvas is None:
+            raise ConfigError("start_canvas: draw=False needs the canvas")
+        self.canvas.start(canvas, self.length, self.settings)
         self.steps = 0
         self._first = True
 

@@ -124,8 +124,8 @@ def test_logits_are_the_encoders_causal_logits(tiny_gemma_llm):
 def test_engine_options_that_do_not_apply_are_refused(tiny_gemma_dir):
     from dlmc import LLM
 
-    with pytest.raises(ConfigError, match="mode 'compile'.*not available yet"):
-        LLM(tiny_gemma_dir, device="cpu", mode="compile")
+    with pytest.raises(ConfigError, match=r"mode 'graph' \(CUDA graphs\) needs"):
+        LLM(tiny_gemma_dir, device="cpu", mode="graph")
     with pytest.raises(ConfigError, match="kv_cache_dtype 'fp8'"):
         LLM(tiny_gemma_dir, device="cpu", kv_cache_dtype="fp8")
     with pytest.raises(ConfigError, match="role 'llada2.0': a diffusion_gemma checkpoint"):

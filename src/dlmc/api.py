@@ -42,7 +42,7 @@ class LLM:
     model (`tiny-llada2`, `tiny-diffusiongemma`). The decoder follows config.json's
     `model_type`: LLaDA2's block decoder for `llada2_moe`, the entropy-bound canvas decoder for
     `diffusion_gemma` (`dlmc.engine.canvas_runtime`; role "orl" only, settings from
-    generation_config.json then paper_decoding.json, modes "eager" and "reference" for now).
+    generation_config.json then paper_decoding.json; every mode below).
     `role`: the decoder and its default settings, "orl" (threshold 0.85, edit 0.5, 16 refine
     steps), "llada2.1" or "llada2.0"; under every role the checkpoint's paper_decoding.json
     overrides them, and `generate`'s arguments override both (docs/llada2.md §6).

@@ -168,5 +168,13 @@ def test_bad_prompts_are_named(pair):
     too_long = r"prompt \(13 tokens\) \+ .*\(24\) = 37 tokens exceeds the model's context of 30"
     with pytest.raises(ConfigError, match=too_long):
         run(decoder, CanvasDecodeConfig(SETTINGS))
-    with pytest.raises(ConfigError, match="mode 'graph'.*not available yet; use one of eager"):
-        CanvasDecoder(model, CPU, "graph")
+
+
+def test_eager_cache_capacity_is_named(pair):
+    _, model = pair
+    stepper = CanvasDecoder(model, CPU, "eager").stepper(True)
+    stepper.reset(SETTINGS, 30)
+    stepper.encode(torch.arange(20), 0)
+    with pytest.raises(ConfigError, match="KV cache capacity exceeded: 31 positions > "
+                                          r"max_tokens=30 \(reset\(\) with room"):
+        stepper.encode(torch.arange(11), 20)

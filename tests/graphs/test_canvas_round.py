@@ -155,7 +155,8 @@ def assert_steps_match(eager: CanvasRunner, other: CanvasRunner, seed: int, tol:
     """Two canvases of four steps each over a cache both runners share (the second canvas in
     the next key-length bucket). Each step of `other`, run from the eager step's buffers and
     generator state, computes the same canvas, argmax, acceptance and flags bit for bit and the
-    self-conditioning logits to `tol`, and leaves the generator where the eager step did.
+    self-conditioning logits and the entropies to `tol`, and leaves the generator where the
+    eager step did.
     `other`'s encoder rewrites what the eager encoder wrote to `tol`."""
     cache, device = eager.cache, eager.cache.device
     torch.manual_seed(seed)
@@ -180,7 +181,7 @@ def assert_steps_match(eager: CanvasRunner, other: CanvasRunner, seed: int, tol:
             assert torch.equal(_rng_state(device), after)
             for name, value in eager.canvas.snapshot().items():
                 got = getattr(other.canvas, name)
-                if name == "sc_logits":
+                if name in ("sc_logits", "entropy"):
                     torch.testing.assert_close(got, value, rtol=tol, atol=tol)
                 else:
                     assert torch.equal(got, value), name
@@ -263,6 +264,12 @@ def test_start_canvas_draws_even_a_given_canvas(model):
     assert int(runner.canvas.steps_remaining) == 6 and (runner.canvas.history == -1).all()
     with pytest.raises(ConfigError, match=r"canvas must have shape \(8,\)"):
         runner.start_canvas(torch.arange(4))
+    torch.manual_seed(5)
+    runner.start_canvas(given, draw=False)  # drawn by the caller: nothing drawn here
+    assert torch.equal(torch.rand(3), torch.rand(3, generator=torch.Generator().manual_seed(5)))
+    assert torch.equal(runner.canvas.tokens, given)
+    with pytest.raises(ConfigError, match="draw=False needs the canvas"):
+        runner.start_canvas(draw=False)
 
 
 def test_runner_checks_its_arguments(model):

@@ -1,7 +1,8 @@
-"""DiffusionGemma's static-cache contexts of compiled rounds against the reference contexts
+"""DiffusionGemma's static-cache contexts against the reference contexts
 (`dlmc.models.diffusion_gemma_attention`) on a tiny fp32 model whose sliding windows are shorter
 than the context: encoder chunks (written at device-side positions), then canvases attending to
-the cache with its device-side length, in both key layouts (bucket slots, gathered window)."""
+the cache with its device-side length, in both key layouts (bucket slots, gathered window); at
+the exact cache length (the eager stepper's calls) the reference's logits bit for bit."""
 
 from __future__ import annotations
 
@@ -106,3 +107,49 @@ def test_cache_shapes_follow_the_layer_kinds():
     assert cache.windows == [5, 5, None] * 2 and cache.length.item() == 0
     assert cache.nbytes() == 2 * 40 * 2 * (4 * 32 + 2 * 32)
     assert len({k.data_ptr() for k in (*cache.k, *cache.v)}) == 12  # one allocation each
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("length", [3, 4, 5, 11])
+def test_exact_key_length_is_the_reference_bit_for_bit(length):
+    """With `key_len` the cache length (no bucket), a canvas attends to the keys the reference
+    reads, in its order, unmasked: the same logits bit for bit over the same K/V. So is a first
+    encoder chunk (the keys 0 .. T - 1 under the same causal, windowed mask)."""
+    model = tiny_model(7)
+    gen = torch.Generator().manual_seed(length)
+    ids = torch.randint(0, VOCAB, (length,), generator=gen)
+    reference = GemmaKVCache(model.config.num_hidden_layers)
+    positions = torch.arange(length)
+    want = model(ids, positions, CausalContext(reference))
+    cache = _static_cache(model, length)
+    got = model(ids, positions, EncodeRoundAttention(cache, positions, length))
+    assert torch.equal(got, want)
+    for layer in range(model.config.num_hidden_layers):  # the reference's K/V, exactly
+        cache.k[layer][:length] = reference.keys[layer]
+        cache.v[layer][:length] = reference.values[layer]
+    cache.length.fill_(length)
+    canvas = torch.randint(0, VOCAB, (CANVAS,), generator=gen)
+    at = torch.arange(length, length + CANVAS)
+    want = model(canvas, at, CanvasContext(reference), decoder=True)
+    assert torch.equal(model(canvas, at, CanvasRoundAttention(cache, length), decoder=True), want)
+    bucket = model(canvas, at, CanvasRoundAttention(cache, MAX_TOKENS), decoder=True)
+    assert _rel(bucket, want) < 1e-5  # masked slots: the same to rounding
+
+
+@torch.no_grad()
+def test_the_window_matters():
+    """Canvas logits over a cache longer than the window change if the window is ignored."""
+    model = tiny_model(8)
+    ids = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(8))
+    cache = _static_cache(model, 8)
+    model(ids, torch.arange(20), EncodeRoundAttention(cache, torch.arange(20), 20))
+    cache.length.fill_(20)
+    canvas, at = ids[:CANVAS], torch.arange(20, 20 + CANVAS)
+    windowed = model(canvas, at, CanvasRoundAttention(cache, 20), decoder=True)
+
+    class Unwindowed(CanvasRoundAttention):
+        def attend(self, layer_idx, q, k, v, window, scale):
+            return super().attend(layer_idx, q, k, v, None, scale)
+
+    whole = model(canvas, at, Unwindowed(cache, 20), decoder=True)
+    assert _rel(windowed, whole) > 1e-3

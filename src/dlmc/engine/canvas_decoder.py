@@ -10,12 +10,25 @@ canvas, cut at its first EOS. Stop at EOS or after `ceil(max_new_tokens / C)` ca
 answer may pass `max_new_tokens` by up to C - 1 tokens, as transformers' does), else encode the
 appended canvas and start the next.
 
-Random numbers come from one generator seeded by the request, drawn in transformers' order
-(the initial canvas, then per step the sample's noise and the re-noise ids), so a request
-with seed s gives the tokens of `torch.manual_seed(s); model.generate(...)` in transformers'
-eager mode. (A prompt longer than `prefill_chunk` is encoded in chunks, which transformers
-encodes in one pass: the same logits to rounding, so a near-tie may sample differently.) How
-each pass runs is the stepper's (`dlmc.engine.canvas_steppers`, by `mode`).
+Random numbers come from one generator seeded by the request (`cfg.seed`; None: a fresh seed),
+drawn in transformers' order (the initial canvas, then per step the sample's noise and the
+re-noise ids). What each mode guarantees for a request with seed s:
+
+- "eager" and "reference" give the tokens of `torch.manual_seed(s); model.generate(...)` in
+  transformers' eager mode: the same draws, and every step's acceptance decisions (tested on
+  tiny random models in fp32 on the CPU). A prompt longer than
+  `prefill_chunk` is encoded in chunks, which transformers encodes in one pass: the same logits
+  to rounding, so a near-tie may sample differently.
+- "compile" and "graph" draw the same numbers from the same generator state (swapped into the
+  device's default generator for each step, which is left as it was), and take each step's
+  decisions from logits equal to eager's to fp32 rounding (Inductor's fusion, key-length
+  buckets, padded encoder chunks): the same tokens as "eager" unless a sample or an entropy
+  falls within that rounding of a tie, which the self-conditioning of later steps amplifies
+  (on the tiny fp32 model they are token-identical). "graph" replays "compile"'s kernels:
+  identical to it.
+
+How each pass runs is the stepper's (`dlmc.engine.canvas_steppers`, by `mode`). The host
+reads one flag per step (the canvas's stop), plus the events' tensors when `rounds` is asked.
 """
 
 from __future__ import annotations
@@ -38,8 +51,8 @@ PREFILL_CHUNK = 1024
 
 
 class CanvasDecoder:
-    """Runs one request at a time on `model` with the stepper of `mode` ("eager",
-    "reference"; the compiled modes once their stepper is registered).
+    """Runs one request at a time on `model` with the stepper of `mode` ("graph", "compile",
+    "eager" or "reference"; `canvas_steppers.MODES`).
 
     `max_context`: positions the prompt and the canvases may take in all. `prefill_chunk`:
     prompt tokens per encoder pass. `kernels`: the kernel choices, handed to the stepper.

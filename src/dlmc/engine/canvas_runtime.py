@@ -26,9 +26,9 @@ TEXT_PART_TYPES = ("text", "input_text")
 
 class CanvasRuntime:
     """DiffusionGemma's side of `LLM`: `role` "orl" (generation_config.json, then
-    paper_decoding.json), `mode` "eager" or "reference" (the compiled modes once their
-    stepper is registered), a dense KV cache in the activation dtype (`kv_cache_dtype`
-    "auto" or "bf16" accepted; FP8 is not supported yet)."""
+    paper_decoding.json), `mode` "graph" (the default on CUDA), "compile", "eager" (the
+    default elsewhere) or "reference", a static KV cache in the activation dtype
+    (`kv_cache_dtype` "auto" or "bf16" accepted; FP8 is not supported yet)."""
 
     def __init__(self, model: DiffusionGemmaForBlockDiffusion, model_dir: Path, role: str,
                  device: torch.device, dtype: torch.dtype, mode: str | None,
@@ -39,9 +39,9 @@ class CanvasRuntime:
         check_canvas_mode(self.mode)
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ConfigError(
-                f"kv_cache_dtype {kv_cache_dtype!r}: DiffusionGemma's cache is dense in the "
+                f"kv_cache_dtype {kv_cache_dtype!r}: DiffusionGemma's cache holds the "
                 f"activation dtype for now; expected one of {', '.join(KV_CACHE_DTYPES)}")
-        self.kv_cache_dtype = str(dtype).removeprefix("torch.")  # what the dense cache holds
+        self.kv_cache_dtype = str(dtype).removeprefix("torch.")  # what the cache holds
         self.decoder = CanvasDecoder(model, device, self.mode, max_context, kernels=kernels)
         self.max_context = self.decoder.max_context
         defaults = self.decode_settings({})  # a bad role or generation config fails here

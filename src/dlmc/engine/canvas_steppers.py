@@ -4,27 +4,34 @@ The canvas decoder (`dlmc.engine.canvas_decoder`) owns the loop (canvases, steps
 events) and the random generator; a stepper owns the KV cache, the canvas state and the
 self-conditioning logits between steps. Per request: `reset`, then `encode` the prompt's
 chunks; per canvas: `begin_canvas` with its initial ids, then `step` until the decoder reads a
-stop, then `encode` the appended canvas before the next. This is the seam of the compiled
-canvas runner: an object with these four methods, registered in `STEPPERS` under its modes
-("compile", "graph").
+stop, then `encode` the appended canvas before the next. Steppers are registered in `STEPPERS`
+by mode.
 
-- "reference": the model's own reference cache and contexts, and the step as transformers
-  writes it (`canvas_step_reference`: `torch.multinomial`, `Categorical`, `torch.randint`).
-- "eager": the dense cache (`dlmc.kv.gemma_cache`) and the sync-free step a compiled round
-  runs (`canvas_step` on noise drawn by `draw_step_noise`).
-Both draw from the decoder's generator in transformers' order, so given the same logits they
-take the same decisions. With `use_cache=False` both rebuild the cache from every clean token
-before each step (a whole-sequence recompute, for tests).
+- "reference": the model's own reference cache and contexts (`GemmaKVCache`, `CausalContext`,
+  `CanvasContext`), and the step as transformers writes it (`canvas_step_reference`:
+  `torch.multinomial`, `Categorical`, `torch.randint`).
+- "eager": the compiled rounds' static cache and contexts (`dlmc.kv.gemma_static_cache`,
+  `dlmc.kv.gemma_round_attention`) at the exact cache length, and the sync-free step a
+  compiled round runs (`canvas_step` on noise drawn by `draw_step_noise`).
+- "compile", "graph": the compiled canvas runner (`dlmc.engine.canvas_compiled`): each step
+  one Inductor-compiled function over key-length buckets and padded encoder chunks, replayed
+  as a CUDA graph in "graph" mode (CUDA only).
+Every mode draws the decoder's generator in transformers' order (the compiled ones through the
+device's default generator, into which the decoder's state is swapped for each step). With
+`use_cache=False` the eager modes rebuild the cache from every clean token before each step (a
+whole-sequence recompute, for tests); the compiled modes refuse it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Protocol
 
 import torch
 
 from dlmc.custom_ops.kernel_config import DEFAULT_KERNELS, KernelConfig
+from dlmc.engine.canvas_compiled import CompiledCanvasStepper
 from dlmc.errors import ConfigError
 from dlmc.graphs.canvas_rules import (
     CanvasState,
@@ -36,7 +43,8 @@ from dlmc.graphs.canvas_rules import (
     self_conditioning_input,
 )
 from dlmc.graphs.canvas_settings import CanvasSettings
-from dlmc.kv.gemma_cache import CanvasAttention, EncoderAttention, GemmaDenseCache
+from dlmc.kv.gemma_round_attention import CanvasRoundAttention, EncodeRoundAttention
+from dlmc.kv.gemma_static_cache import GemmaStaticCache
 from dlmc.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion, GemmaAttentionContext
 from dlmc.models.diffusion_gemma_attention import CanvasContext, CausalContext, GemmaKVCache
 
@@ -62,7 +70,8 @@ class CanvasStepper(Protocol):
     def step(self, steps_remaining: int, generator: torch.Generator) -> CanvasStep:
         """One denoising step at n = `steps_remaining`: decoder forward over [cache ; canvas],
         temper, sample, accept, re-noise, stopping test, next self-conditioning input; draws
-        from `generator`. The returned tensors stay valid until the next call."""
+        from `generator`. The returned tensors stay valid until the next call (`tempered` is
+        in the model's dtype in the compiled modes: their self-conditioning buffer)."""
         ...
 
 
@@ -148,25 +157,41 @@ class ReferenceCanvasStepper(_EagerStepper):
 
 
 class EagerCanvasStepper(_EagerStepper):
-    """The dense cache and the sync-free step with its noise drawn in transformers' order."""
+    """The compiled rounds' cache (`GemmaStaticCache`) and contexts, called at the exact cache
+    length (no key-length bucket, no padded chunk): each pass attends to the keys that
+    transformers' cache holds, in the same order under the same mask, so it computes
+    transformers' logits bit for bit. The sync-free step, its noise drawn in transformers' order.
+    """
 
     def __init__(self, model: DiffusionGemmaForBlockDiffusion, device: torch.device,
                  use_cache: bool = True, kernels: KernelConfig = DEFAULT_KERNELS) -> None:
         super().__init__(model, device, use_cache, kernels)
-        dtype = model.model.decoder.embed_tokens.weight.dtype
-        self.cache = GemmaDenseCache.for_config(model.config, 0, dtype, device)
+        self.cache = self._allocate(1)  # grown by reset() to each request's size
+        self._length = 0  # the cache's length on the host (no device read per pass)
+
+    def _allocate(self, capacity: int) -> GemmaStaticCache:
+        with torch.inference_mode(False):  # written in place by every later pass
+            return GemmaStaticCache(self.model.config, capacity, self.sc_dtype, self.device)
 
     def _clear_cache(self, capacity: int) -> None:
-        self.cache.reserve(capacity)
+        if self.cache.max_tokens < capacity:
+            self.cache = self._allocate(capacity)
+        self.cache.reset()
+        self._length = 0
 
     def _encode(self, token_ids: torch.Tensor, start: int) -> None:
-        positions = torch.arange(start, start + token_ids.shape[0], device=self.device)  # [T]
-        self.model(token_ids, positions, EncoderAttention(self.cache, start),
+        end = start + token_ids.shape[0]
+        if end > self.cache.max_tokens:
+            raise ConfigError(f"KV cache capacity exceeded: {end} positions > max_tokens="
+                              f"{self.cache.max_tokens} (reset() with room for the request)")
+        positions = torch.arange(start, end, device=self.device)  # [T]
+        self.model(token_ids, positions, EncodeRoundAttention(self.cache, positions, end),
                    compute_logits=False)
-        self.cache.length = start + token_ids.shape[0]
+        self.cache.length.fill_(end)
+        self._length = end
 
     def _canvas_context(self) -> GemmaAttentionContext:
-        return CanvasAttention(self.cache, self.cache.length)
+        return CanvasRoundAttention(self.cache, self._length)
 
     def _rule(self, logits: torch.Tensor, state: CanvasState, steps_remaining: int,
               generator: torch.Generator) -> CanvasStep:
@@ -176,30 +201,27 @@ class EagerCanvasStepper(_EagerStepper):
 
 
 # (model, device, use_cache, kernels) -> a stepper; a strategy without uncached decoding
-# raises ConfigError for use_cache=False
+# raises ConfigError for use_cache=False, one that needs CUDA on another device
 StepperFactory = Callable[[DiffusionGemmaForBlockDiffusion, torch.device, bool, KernelConfig],
                           CanvasStepper]
-# Modes and their strategies; the compiled canvas runner adds "compile" and "graph".
 STEPPERS: dict[str, StepperFactory] = {
+    "graph": partial(CompiledCanvasStepper, mode="graph"),
+    "compile": partial(CompiledCanvasStepper, mode="compile"),
     "eager": EagerCanvasStepper,
     "reference": ReferenceCanvasStepper,
 }
-MODES = ("graph", "compile", "eager", "reference")
+MODES = tuple(STEPPERS)
 
 
 def default_canvas_mode(device: torch.device) -> str:
-    """"graph" on CUDA where a compiled stepper is registered, else "eager"."""
-    return "graph" if device.type == "cuda" and "graph" in STEPPERS else "eager"
+    """"graph" on CUDA, else "eager"."""
+    return "graph" if device.type == "cuda" else "eager"
 
 
 def check_canvas_mode(mode: str) -> None:
-    """A mode DiffusionGemma can run now, or an error that says which can."""
-    if mode not in MODES:
-        raise ConfigError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
+    """A mode DiffusionGemma runs, or an error that names them."""
     if mode not in STEPPERS:
-        raise ConfigError(
-            f"mode {mode!r}: DiffusionGemma's compiled canvas rounds are not available yet; "
-            f"use one of {', '.join(STEPPERS)}")
+        raise ConfigError(f"mode {mode!r}: expected one of {', '.join(MODES)}")
 
 
 def make_stepper(mode: str, model: DiffusionGemmaForBlockDiffusion, device: torch.device,
