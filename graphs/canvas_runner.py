@@ -38,6 +38,7 @@ from dlmc.graphs.canvas_round import CanvasBuffers, canvas_round, encode_chunk
 from dlmc.graphs.canvas_rules import draw_initial_canvas
 from dlmc.graphs.canvas_settings import CanvasSettings
 from dlmc.graphs.compile import compiled
+from dlmc.graphs.runner import capture_graph
 from dlmc.kv.gemma_static_cache import GemmaStaticCache
 
 log = logging.getLogger(__name__)
@@ -192,17 +193,7 @@ class CanvasRunner:
         started = time.perf_counter()
         saved = self.canvas.snapshot()
         rng = torch.cuda.get_rng_state(self.cache.device)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            fn()
+        graph, self._pool = capture_graph(fn, self._pool)
         self.canvas.restore(saved)
         torch.cuda.set_rng_state(rng, self.cache.device)
         torch.cuda.synchronize()

@@ -42,6 +42,23 @@ MODES = ("eager", "compile", "graph")
 MIN_BUCKET = 256
 MAX_STEPS = 4096
 
+def capture_graph(fn: Callable[[], None], pool: Any = None) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """The capture site: `fn` run twice on a side stream (compile, autotune, allocate), then
+    captured as a CUDA graph in the memory `pool` (a new one when None); returns the graph and
+    the pool. `fn` ran three times: the caller restores any state it changed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    pool = torch.cuda.graph_pool_handle() if pool is None else pool
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        fn()
+    return graph, pool
+
+
 class RoundRunner:
     """Static buffers + compiled/captured rounds for one model and block length; `kernels`
     sets the compile site's options (`dlmc.graphs.compile`)."""
@@ -204,17 +221,7 @@ class RoundRunner:
         """Warm up (compile, autotune) and capture `fn`, leaving the round state unchanged."""
         started = time.perf_counter()
         saved = {f.name: getattr(self.buf, f.name).clone() for f in fields(self.buf)}
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            fn()
+        graph, self._pool = capture_graph(fn, self._pool)
         for name, value in saved.items():
             getattr(self.buf, name).copy_(value)
         torch.cuda.synchronize()
