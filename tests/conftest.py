@@ -1,6 +1,6 @@
 """Shared test set-up: Triton kernels run under the CPU interpreter when no GPU is present, and
-every cache the tests fill (Inductor's, Triton's, dlmc's built-in models) lives in a temporary
-directory of this process that is removed when it exits."""
+every cache the tests fill (Inductor's, Triton's, Hypothesis's, dlmc's built-in models, the
+temporary files) lives in a temporary directory of this process that is removed when it exits."""
 
 from __future__ import annotations
 
@@ -14,8 +14,12 @@ import tempfile
 _CACHES = tempfile.mkdtemp(prefix="dlmc-tests-")
 atexit.register(shutil.rmtree, _CACHES, ignore_errors=True)
 for _name, _sub in (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton"),
-                    ("DLMC_CACHE", "dlmc")):
+                    ("DLMC_CACHE", "dlmc"), ("HYPOTHESIS_STORAGE_DIRECTORY", "hypothesis"),
+                    ("TMPDIR", "tmp")):
     os.environ[_name] = os.path.join(_CACHES, _sub)
+# Inductor's precompiled headers and pytest's tmp_path live under the temporary directory.
+os.makedirs(os.environ["TMPDIR"])
+tempfile.tempdir = os.environ["TMPDIR"]
 
 try:
     import torch
