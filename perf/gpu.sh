@@ -9,7 +9,8 @@
 #                alone, paged attention at 1k / 4k / 16k (and FlashInfer when installed)
 #   sampled      the NVFP4 + FP8 round sampled at temperature 0.7
 #   loop         the BF16 round with whole decodes: the decode loop's host overhead
-#   canvas       DiffusionGemma-26B-A4B's BF16 denoising step, canvas 256, prefix 1024
+#   canvas       DiffusionGemma-26B-A4B's BF16 denoising step, canvas 256, prefix 1024, and a
+#                whole graph-mode decode's host overhead (--loop, the default)
 #   tests-NAME   pytest -m gpu of one test part, NAME one of TEST_PARTS below
 #   list         each test part's files; checks that the parts hold every gpu-marked test file
 #                exactly once (runs nothing, needs no GPU)

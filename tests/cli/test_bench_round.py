@@ -27,3 +27,18 @@ def test_diffusiongemma_rounds_are_bf16_only(monkeypatch):
                                         "--precision", "nvfp4"])
     assert result.exit_code != 0
     assert "--shape diffusiongemma-26b-a4b: only --precision bf16" in result.output
+
+
+def test_diffusiongemma_takes_the_loop_option(monkeypatch):
+    """--loop (the default) and --no-loop reach DiffusionGemma's bench."""
+    import dlmc.cli.bench_canvas
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dlmc.cli.bench_canvas, "canvas_round",
+                        lambda *args, **kwargs: calls.append(kwargs["loop"]))
+    for flag in ([], ["--no-loop"], ["--loop"]):
+        result = CliRunner().invoke(bench, ["round", "--shape", "diffusiongemma-26b-a4b",
+                                            *flag])
+        assert result.exit_code == 0, result.output
+    assert calls == [True, False, True]

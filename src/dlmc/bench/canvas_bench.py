@@ -26,6 +26,7 @@ from torch import nn
 
 from dlmc.bench.timing import cuda_times, queued_cuda_times
 from dlmc.custom_ops.kernel_config import DEFAULT_KERNELS, KernelConfig
+from dlmc.errors import ConfigError
 from dlmc.graphs.canvas_runner import CanvasRunner
 from dlmc.graphs.canvas_settings import CanvasSettings
 from dlmc.kv.gemma_round_attention import CanvasRoundAttention
@@ -66,6 +67,10 @@ class UniformGemmaRouter(nn.Module):
     def forward(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         real = self.router(h)[1]  # [T, K]
         tokens = h.shape[0]
+        if tokens > self.ids.shape[0]:
+            raise ConfigError(f"uniform routing: a forward of {tokens} tokens, but routes were "
+                              f"drawn for {self.ids.shape[0]} (raise use_uniform_routing's "
+                              "max_tokens)")
         return self.ids[:tokens], self.weights[:tokens] + 0.0 * real[:1, :1]
 
 

@@ -1,6 +1,7 @@
 """`dlmc bench round --shape diffusiongemma-26b-a4b`: DiffusionGemma's denoising step eager,
 compiled and graph-replayed at full size (random weights on the GPU), with bytes touched, GB/s,
-the copy bandwidth of the same run, FLOPs and both floors."""
+the copy bandwidth of the same run, FLOPs and both floors; with `loop`, a whole graph-mode
+decode's host overhead (`dlmc.bench.canvas_loop`)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from typing import Any
 
 
 def canvas_round(shape: str, canvas: int, prefix: int, routing: str, rounds: int,
-                 modes: tuple[str, ...], kernels: Any, out: Path | None) -> dict[str, Any]:
-    """Build the shape in BF16 on the GPU, time `rounds` steady steps per mode, print a table
-    and write the JSON report to `out`."""
+                 modes: tuple[str, ...], kernels: Any, out: Path | None,
+                 loop: bool = False) -> dict[str, Any]:
+    """Build the shape in BF16 on the GPU, time `rounds` steady steps per mode (and with `loop`
+    a whole decode against its passes), print a table and write the JSON report to `out`."""
     import torch
     from rich.console import Console
     from rich.table import Table
@@ -28,6 +30,7 @@ def canvas_round(shape: str, canvas: int, prefix: int, routing: str, rounds: int
         time_steps,
         use_uniform_routing,
     )
+    from dlmc.bench.canvas_loop import canvas_loop_overhead, loop_line, max_pass_tokens
     from dlmc.bench.timing import copy_bandwidth_gbps
     from dlmc.models.shapes import SHAPES, build_random_model
 
@@ -35,7 +38,8 @@ def canvas_round(shape: str, canvas: int, prefix: int, routing: str, rounds: int
     bench = CanvasBenchConfig(canvas, prefix, routing, rounds, modes, kernels=kernels)
     model = build_random_model(SHAPES[shape], device, torch.bfloat16, seed=bench.seed)
     if routing == "uniform":
-        use_uniform_routing(model, max_tokens=canvas, seed=bench.seed)
+        # routes for every forward of a decode (the loop's encoder chunks are longer)
+        use_uniform_routing(model, max_tokens=max_pass_tokens(canvas), seed=bench.seed)
     gen = torch.Generator(device=device).manual_seed(1)
     cache = random_cache(model, prefix, canvas, gen)
     vocab = model.config.vocab_size
@@ -60,7 +64,7 @@ def canvas_round(shape: str, canvas: int, prefix: int, routing: str, rounds: int
               "distinct_experts_per_moe_layer": sum(counts) / len(counts),
               "min_distinct_experts": min(counts), "flops_per_step": flops,
               "copy_gb_per_s": bandwidth, "tensor_tflop_per_s": bench.tensor_tflops, **limits,
-              "results": results, "gpu": torch.cuda.get_device_name(),
+              "results": results, "loop": None, "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "python": platform.python_version()}
     table = Table(title=f"{shape} denoising step · bf16 · canvas {canvas} · prefix {prefix} · "
                   f"{routing} routing · {report['distinct_experts_per_moe_layer']:.0f} experts/"
@@ -79,8 +83,19 @@ def canvas_round(shape: str, canvas: int, prefix: int, routing: str, rounds: int
         table.add_row(name, f"{median:.3f}", f"{low:.3f}–{high:.3f}", f"{nbytes / 1e9:.2f}",
                       f"{gbps:.0f}", f"{bandwidth:.0f}", f"{gbps / bandwidth:.1%}",
                       f"{flops / median / 1e9:.0f}")
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    _write(report, out)  # the steps' figures, kept if the loop fails
+    if loop:  # a whole graph-mode decode of the pinned canvases and steps
+        del cache
+        torch.cuda.empty_cache()
+        report["loop"] = canvas_loop_overhead(model, bench, mode="graph")
+        console.print(loop_line(report["loop"]), soft_wrap=True, markup=False, highlight=False)
+        _write(report, out)
+    return report
+
+
+def _write(report: dict[str, Any], out: Path | None) -> None:
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2))
-    return report

@@ -29,7 +29,8 @@ from dlmc.cli.options import kernel_options, user_errors
               show_default=True, help="uniform: top-k distinct experts drawn uniformly.")
 @click.option("--rounds", type=int, default=100, show_default=True)
 @click.option("--modes", default="eager,compile,graph", show_default=True)
-@click.option("--loop/--no-loop", default=True, help="Also measure a whole decode's overhead.")
+@click.option("--loop/--no-loop", default=True, help="Also measure a whole graph-mode decode's "
+              "host overhead (DiffusionGemma: 2 canvases of 16 steps after a --prefix prompt).")
 @click.option("--kv-cache-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16",
               show_default=True, help="K/V precision (fp8: E4M3 in the paged cache).")
 @click.option("--kv-layout", type=click.Choice(["auto", "dense", "paged"]), default="auto",
@@ -73,14 +74,14 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
 
     if not torch.cuda.is_available():
         raise ConfigError("dlmc bench round needs a CUDA GPU")
-    if model is None and shape.startswith("diffusiongemma"):  # --loop, --fuse-*: LLaDA2 only
+    if model is None and shape.startswith("diffusiongemma"):  # --fuse-*: LLaDA2 only
         from dlmc.cli.bench_canvas import canvas_round
 
         if precision != "bf16" or kv_cache_dtype != "bf16":
             raise ConfigError(f"--shape {shape}: only --precision bf16 with --kv-cache-dtype "
                               "bf16 is timed so far")
         canvas_round(shape, canvas, prefix, routing, rounds, tuple(modes.split(",")), kernels,
-                     out)
+                     out, loop=loop)
         return
     device = torch.device("cuda")
     cfg = RoundBenchConfig(block_length, prefix, routing, rounds, tuple(modes.split(",")),
