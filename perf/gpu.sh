@@ -9,8 +9,9 @@
 #                alone, paged attention at 1k / 4k / 16k (and FlashInfer when installed)
 #   sampled      the NVFP4 + FP8 round sampled at temperature 0.7
 #   loop         the BF16 round with whole decodes: the decode loop's host overhead
-#   canvas       DiffusionGemma-26B-A4B's BF16 denoising step, canvas 256, prefix 1024, and a
-#                whole graph-mode decode's host overhead (--loop, the default)
+#   canvas       DiffusionGemma-26B-A4B's denoising step, canvas 256, prefix 1024: BF16 with a
+#                whole graph-mode decode's host overhead (--loop), then NVFP4 routed experts +
+#                FP8 KV (one process each)
 #   tests-NAME   pytest -m gpu of one test part, NAME one of TEST_PARTS below
 #   list         each test part's files; checks that the parts hold every gpu-marked test file
 #                exactly once (runs nothing, needs no GPU)
@@ -20,7 +21,7 @@ set -u
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-/tmp/dlmc-out}
 PART=${1:-}
-TEST_PARTS="default op runner kernels rest fuzz-moe fuzz-other"
+TEST_PARTS="default op runner kernels rest fuzz-moe fuzz-gelu fuzz-other"
 # Each part's test files: an extended regex over the paths of the gpu-marked files, chosen when
 # the script runs (a renamed file falls to `rest`, which takes every file no pattern matches).
 declare -A PATTERN=(
@@ -29,11 +30,14 @@ declare -A PATTERN=(
   [runner]="tests/graphs/test_runner\.py"
   [kernels]="gluon|test_paged_attention_variants|test_paged_attention_append"
   [fuzz-moe]="test_nvfp4_moe_v7\.py"
+  [fuzz-gelu]="test_nvfp4_moe_gelu\.py"
   [fuzz-other]="test_paged_attention\.py"
 )
 ROUND=(dlmc bench round --shape llada2.1-mini --block-length 32 --prefix 1024 --routing uniform
        --rounds 60)
 NVFP4=(--precision nvfp4 --kv-cache-dtype fp8)
+CANVAS=(dlmc bench round --shape diffusiongemma-26b-a4b --canvas 256 --prefix 1024
+        --routing uniform --rounds 40 --modes eager,graph)
 
 gpu_files() { grep -rl "mark.gpu" tests --include="test_*.py" | sort; }
 
@@ -119,9 +123,9 @@ sampled)
   summary ;;
 canvas)
   setup
-  step canvas_bf16 560 dlmc bench round --shape diffusiongemma-26b-a4b --canvas 256 \
-    --prefix 1024 --routing uniform --rounds 60 --modes eager,compile,graph \
+  step canvas_bf16 280 "${CANVAS[@]}" --precision bf16 --kv-cache-dtype bf16 \
     --out "$OUT/canvas_bf16.json"
+  step canvas_nvfp4_fp8 280 "${CANVAS[@]}" "${NVFP4[@]}" --out "$OUT/canvas_nvfp4_fp8.json"
   summary ;;
 loop)
   setup

@@ -126,8 +126,10 @@ def test_engine_options_that_do_not_apply_are_refused(tiny_gemma_dir):
 
     with pytest.raises(ConfigError, match=r"mode 'graph' \(CUDA graphs\) needs"):
         LLM(tiny_gemma_dir, device="cpu", mode="graph")
-    with pytest.raises(ConfigError, match="kv_cache_dtype 'fp8'"):
-        LLM(tiny_gemma_dir, device="cpu", kv_cache_dtype="fp8")
+    with pytest.raises(ConfigError, match="kv_cache_dtype 'fp8': mode 'reference' keeps K/V"):
+        LLM(tiny_gemma_dir, device="cpu", kv_cache_dtype="fp8", mode="reference")
+    with pytest.raises(ConfigError, match="kv_cache_dtype 'int8': expected one of auto, bf16"):
+        LLM(tiny_gemma_dir, device="cpu", kv_cache_dtype="int8")
     with pytest.raises(ConfigError, match="role 'llada2.0': a diffusion_gemma checkpoint"):
         LLM(tiny_gemma_dir, device="cpu", role="llada2.0")
 
@@ -146,3 +148,29 @@ def test_paper_decoding_and_the_builtin(tmp_path, monkeypatch):
     builtin = LLM("tiny-diffusiongemma", device="cpu")
     assert builtin.config.canvas_length == 32 and builtin.model_dir.name.startswith(
         "tiny-diffusiongemma")
+
+
+def test_fp8_kv_cache(tiny_gemma_dir, tmp_path):
+    """kv_cache_dtype "fp8": bf16 activations by default, the static cache in float8_e4m3fn
+    with the checkpoint's per-layer scales (1.0 where it has none, as the BF16 tiny model);
+    "auto" picks FP8 where an NVFP4 export declares it and activations are bf16."""
+    from dlmc import LLM
+    from dlmc.loading.tiny_gemma import TINY_NVFP4_KV_SCALE, write_tiny_gemma_nvfp4
+
+    llm = LLM(tiny_gemma_dir, device="cpu", kv_cache_dtype="fp8")
+    res = llm.generate(messages=CHAT, seed=0, **FAST)
+    assert llm.dtype == torch.bfloat16 and llm.kv_cache_dtype == "fp8"
+    assert res.settings["kv_cache_dtype"] == "fp8" and res.num_forwards >= 1
+    cache = llm._canvas.decoder.stepper(True).cache
+    assert cache.k[0].dtype == torch.float8_e4m3fn and cache.k_scales == (1.0,) * 6
+    assert int(cache.length) == len(res.prompt_token_ids) + llm.config.canvas_length * (
+        res.blocks - 1)
+    assert LLM(tiny_gemma_dir, device="cpu", dtype="bf16").kv_cache_dtype == "bfloat16"
+    export = write_tiny_gemma_nvfp4(tmp_path / "nvfp4", seed=1, shards=1)
+    auto = LLM(export, device="cpu", dtype="bf16")
+    assert auto.kv_cache_dtype == "fp8"
+    cache = auto._canvas.decoder.stepper(True).cache
+    assert cache.k_scales == cache.v_scales == pytest.approx((TINY_NVFP4_KV_SCALE,) * 6)
+    assert LLM(export, device="cpu").kv_cache_dtype == "float32"  # fp32 activations
+    assert LLM(export, device="cpu", dtype="bf16", kv_cache_dtype="bf16").kv_cache_dtype == (
+        "bfloat16")

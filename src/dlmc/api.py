@@ -51,7 +51,9 @@ class LLM:
     `mode`: how rounds run: "graph" (compiled + CUDA graphs, the default on CUDA), "compile",
     "eager" (the default on CPU) or "reference" (plain PyTorch, exact-length attention).
     `kv_cache_dtype`: "auto" (FP8 when the checkpoint declares an FP8 KV cache and activations
-    are bf16), "bf16" or "fp8" (paged cache, K/V quantized with the checkpoint's scales).
+    are bf16), "bf16" or "fp8" (paged cache, K/V quantized with the checkpoint's scales;
+    DiffusionGemma: its static cache in FP8 with the per-layer scales, "bf16" its activation
+    dtype).
     `refresh`: how a finished block whose last round changed it gets its final K/V cached:
     "fused" (default: inside the next block's first round, one 2-block forward) or "separate"
     (a forward of its own; the reference mode always does this).
@@ -105,7 +107,8 @@ class LLM:
         if loaded.model_type == "diffusion_gemma":
             self._canvas = CanvasRuntime(self.model, self.model_dir, role, self.device,
                                          self.dtype, mode, kv_cache_dtype, max_context,
-                                         self.kernels)
+                                         self.kernels, loaded.kv_scales,
+                                         loaded.declares_fp8_kv)
             self.mode, self.kv_cache_dtype = self._canvas.mode, self._canvas.kv_cache_dtype
             self.special_ids, self.max_context = self._canvas.special_ids, self._canvas.max_context
             self._decoder = self._canvas.decoder

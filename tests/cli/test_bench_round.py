@@ -21,12 +21,14 @@ def test_without_a_gpu_the_command_says_so(monkeypatch):
     assert "needs a CUDA GPU" in result.output
 
 
-def test_diffusiongemma_rounds_are_bf16_only(monkeypatch):
+def test_diffusiongemma_options_the_canvas_step_does_not_take_are_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     result = CliRunner().invoke(bench, ["round", "--shape", "diffusiongemma-26b-a4b",
-                                        "--precision", "nvfp4"])
+                                        "--precision", "nvfp4", "--kv-cache-dtype", "fp8",
+                                        "--kv-layout", "paged"])
     assert result.exit_code != 0
-    assert "--shape diffusiongemma-26b-a4b: only --precision bf16" in result.output
+    assert "--shape diffusiongemma-26b-a4b: --kv-layout paged: DiffusionGemma's cache is the " \
+        "dense static cache" in " ".join(result.output.split())
 
 
 def test_diffusiongemma_takes_the_loop_option(monkeypatch):

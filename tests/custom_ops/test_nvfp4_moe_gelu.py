@@ -2,7 +2,8 @@
 H = 2816, I = 704 (kernel v3), 128 experts, top-8, a 256-token canvas.
 
 On CPU the Triton kernels run under `TRITON_INTERPRET=1` on shapes with I = 704 and a narrow H;
-with a GPU the fuzz covers DiffusionGemma's full shapes (200 examples).
+the gpu-marked fuzz covers DiffusionGemma's full shapes with gelu_tanh (200 examples; perf/gpu.sh
+tests-fuzz-gelu).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
 from dlmc.custom_ops.nvfp4_moe_tiles import ACTIVATIONS
 from tests.custom_ops.nvfp4_cases import (
     DEVICE,
-    HAS_CUDA,
     assert_matches_reference,
     gluon_on_cpu,
     op_args,
@@ -36,9 +36,8 @@ from tests.custom_ops.nvfp4_cases import (
 pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning"),
               pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")]
 
-# (H, I, E, K): DiffusionGemma's experts on a GPU; on CPU I = 704 with a narrow H.
+# (H, I, E, K): DiffusionGemma's experts (the GPU fuzz; on CPU I = 704 with a narrow H).
 DIFFUSIONGEMMA = (2816, 704, 128, 8)
-FUZZ_SHAPES = [DIFFUSIONGEMMA] if HAS_CUDA else [(32, 704, 16, 8), (48, 704, 128, 8)]
 
 
 def gelu_tanh_fp64(g: float) -> float:
@@ -97,32 +96,59 @@ def test_gelu_matches_reference_cpu(seed: int, tokens: int, num_experts: int, to
              scale_2_log2, activation="gelu_tanh")
 
 
-@functools.lru_cache(maxsize=2)
-def _fuzz_experts(shape: tuple[int, int, int, int], seed: int) -> dict[str, torch.Tensor]:
-    """Random experts per (shape, seed % 2): DiffusionGemma's 128 experts are 380 MB."""
+@functools.lru_cache(maxsize=6)
+def _fuzz_experts(shape: tuple[int, int, int, int], seed: int,
+                  scale_2_log2: tuple[float, float] = (-4.0, 1.0)) -> dict[str, torch.Tensor]:
+    """Random experts per (shape, seed % 2, global-scale range): DiffusionGemma's 128 experts
+    are 380 MB."""
     hidden, inter, num_experts, _ = shape
-    return random_experts(torch.Generator().manual_seed(seed), num_experts, hidden, inter)
+    return random_experts(torch.Generator().manual_seed(seed), num_experts, hidden, inter,
+                          scale_2_log2=scale_2_log2)
 
 
-@settings(max_examples=200 if HAS_CUDA else 2, deadline=None,
-          suppress_health_check=list(HealthCheck))
-@given(seed=st.integers(0, 2**31 - 1),
-       tokens=st.integers(1, 256) if HAS_CUDA else st.sampled_from([1, 3, 17]),
-       shape=st.sampled_from(FUZZ_SHAPES), activation=st.sampled_from(ACTIVATIONS),
-       skew=st.booleans())
-def test_diffusiongemma_shapes_match_reference(seed: int, tokens: int,
-                                               shape: tuple[int, int, int, int],
-                                               activation: str, skew: bool) -> None:
-    """DiffusionGemma's expert shapes, up to a 256-token canvas, both activations (200
-    examples with a GPU)."""
+def _fuzz_case(seed: int, tokens: int, shape: tuple[int, int, int, int], activation: str,
+               skew: bool, scale_2_log2: tuple[float, float] = (-4.0, 1.0)) -> None:
+    """The op on the experts in the form the model stores them (`stored`: kernel v3's ModelOpt
+    forms at I = 704) against the reference."""
     hidden, _, num_experts, top_k = shape
-    experts = _fuzz_experts(shape, seed % 2)
+    experts = stored(_fuzz_experts(shape, seed % 2, scale_2_log2))
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=gen).bfloat16().to(DEVICE)
     ids, w = random_routing(gen, tokens, num_experts, top_k, skew)
     args = op_args(x, ids, w, experts)
     assert_matches_reference(nvfp4_moe(*args, activation=activation),
                              nvfp4_moe_reference(*args, activation=activation))
+
+
+@settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**31 - 1), tokens=st.sampled_from([1, 3, 17]),
+       shape=st.sampled_from([(32, 704, 16, 8), (48, 704, 128, 8)]),
+       activation=st.sampled_from(ACTIVATIONS), skew=st.booleans())
+def test_diffusiongemma_widths_match_reference_cpu(seed: int, tokens: int,
+                                                   shape: tuple[int, int, int, int],
+                                                   activation: str, skew: bool) -> None:
+    """I = 704 (kernel v3), 128 experts, top-8, both activations, a narrow H (interpreted)."""
+    _fuzz_case(seed, tokens, shape, activation, skew)
+
+
+@pytest.mark.gpu
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**31 - 1), tokens=st.integers(1, 256), skew=st.booleans(),
+       scale_2_log2=st.sampled_from([(-4.0, 1.0), (-24.0, -20.0), (6.0, 8.0)]))
+def test_diffusiongemma_shapes_match_reference_gpu(seed: int, tokens: int, skew: bool,
+                                                   scale_2_log2: tuple[float, float]) -> None:
+    """DiffusionGemma's experts exactly (H 2816, I 704, 128 experts, top-8, gelu_tanh), 1 to
+    256 tokens (a canvas), skewed routing and extreme global scales: 200 examples."""
+    _fuzz_case(seed, tokens, DIFFUSIONGEMMA, "gelu_tanh", skew, scale_2_log2)
+
+
+@pytest.mark.gpu
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**31 - 1), tokens=st.integers(1, 256), skew=st.booleans())
+def test_diffusiongemma_shapes_with_silu_match_reference_gpu(seed: int, tokens: int,
+                                                             skew: bool) -> None:
+    """The same shapes under SiLU: the activation is the only difference."""
+    _fuzz_case(seed, tokens, DIFFUSIONGEMMA, "silu", skew)
 
 
 def _plan(activation: str, tokens: int = 32, inter: int = 512,

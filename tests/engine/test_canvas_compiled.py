@@ -74,6 +74,19 @@ def test_compile_generates_what_eager_generates(tiny_gemma_dir, tiny_gemma_llm):
     assert {key[0] for key in runner._graphs} == {"encode", "step"}
 
 
+def test_compile_with_an_fp8_cache_generates_what_eager_generates(tiny_gemma_dir):
+    """An FP8 static cache (fp32 activations): compiled encoder chunks quantize K/V as the eager
+    ones do and compiled steps read them dequantized alike, so the decodes match."""
+    from dlmc import LLM
+
+    eager, compiled = (LLM(tiny_gemma_dir, device="cpu", dtype="fp32", kv_cache_dtype="fp8",
+                           mode=mode) for mode in ("eager", "compile"))
+    _same(_decode(compiled, 0), _decode(eager, 0))
+    runner = compiled._canvas.decoder.stepper(True).runner
+    assert runner.cache.k[0].dtype == torch.float8_e4m3fn and compiled.kv_cache_dtype == "fp8"
+    assert int(runner.cache.length) > 0 and runner.cache.k[0][:4].float().abs().sum() > 0
+
+
 def test_drawing_from_swaps_the_generator_in_and_out():
     torch.manual_seed(7)
     mine = _seeded(5)

@@ -107,8 +107,10 @@ def expert_counts(model: DiffusionGemmaForBlockDiffusion, cache: GemmaStaticCach
 
 
 def step_bytes(model: DiffusionGemmaForBlockDiffusion, canvas: int, prefix: int,
-               experts_per_layer: list[int]) -> dict[str, int]:
-    """Bytes one steady step touches (module docstring), by part, and their sum `total`."""
+               experts_per_layer: list[int], kv_bytes: int | None = None) -> dict[str, int]:
+    """Bytes one steady step touches (module docstring), by part, and their sum `total`; each
+    expert at its stored size (NVFP4: codes and scales), K/V at `kv_bytes` per element (1 for
+    an FP8 cache; default: the embedding's element size)."""
     cfg = model.config
     table = model.lm_head_weight
     weights = 0
@@ -129,7 +131,8 @@ def step_bytes(model: DiffusionGemmaForBlockDiffusion, canvas: int, prefix: int,
     for i in range(cfg.num_hidden_layers):
         window = cfg.layer_window(i)
         keys = prefix if window is None else min(prefix, window - 1)
-        kv += 2 * keys * cfg.layer_kv_heads(i) * cfg.layer_head_dim(i) * table.element_size()
+        kv += 2 * keys * cfg.layer_kv_heads(i) * cfg.layer_head_dim(i) * (
+            kv_bytes or table.element_size())
     vocab = canvas * cfg.vocab_size * (2 * 4 + 2 * 4 + 2 * table.element_size())
     total = weights + experts + kv + vocab
     return {"weights": weights, "experts": experts, "kv": kv, "vocab": vocab, "total": total}

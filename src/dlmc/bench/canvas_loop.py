@@ -27,6 +27,7 @@ from dlmc.engine.events import DecodeOutput
 from dlmc.errors import ConfigError
 from dlmc.graphs.canvas_rules import draw_initial_canvas
 from dlmc.graphs.canvas_settings import CanvasSettings
+from dlmc.kv.scales import KVScales
 from dlmc.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion
 
 LOOP_CANVASES = 2
@@ -117,16 +118,18 @@ def _passes(decoder: CanvasDecoder, prompt: list[int], settings: CanvasSettings,
 
 def canvas_loop_overhead(model: DiffusionGemmaForBlockDiffusion, bench: CanvasBenchConfig,
                          mode: str = "graph", canvases: int = LOOP_CANVASES,
-                         steps: int = LOOP_STEPS, repeats: int = 3) -> dict[str, Any]:
+                         steps: int = LOOP_STEPS, repeats: int = 3,
+                         fp8_scales: KVScales | None = None) -> dict[str, Any]:
     """Wall time of a whole decode in `mode` (median of `repeats` timed decodes after one
     warm-up) against the sum of its passes timed one by one (per pass, the median of `repeats`
     runs). `host_overhead_ms` is the difference (a negative one, timing noise, counts as 0;
-    the signed value is `wall_minus_forwards_ms`); `fraction` is it over the wall time."""
+    the signed value is `wall_minus_forwards_ms`); `fraction` is it over the wall time. With
+    `fp8_scales` the decoder's cache is FP8 with those per-layer K/V scales."""
     if not isinstance(repeats, int) or repeats < 1:
         raise ConfigError(f"canvas loop: repeats must be an integer >= 1, got {repeats!r}")
     settings = pinned_settings(bench.canvas, steps, canvases)
     device = model.lm_head_weight.device
-    decoder = CanvasDecoder(model, device, mode, kernels=bench.kernels)
+    decoder = CanvasDecoder(model, device, mode, kernels=bench.kernels, fp8_scales=fp8_scales)
     cfg = CanvasDecodeConfig(settings, seed=bench.seed)
     gen = torch.Generator().manual_seed(bench.seed)
     prompt = torch.randint(0, model.config.vocab_size, (bench.prefix,), generator=gen).tolist()

@@ -1,7 +1,8 @@
 """`dlmc bench round --shape diffusiongemma-26b-a4b`: DiffusionGemma's denoising step eager,
-compiled and graph-replayed at full size (random weights on the GPU), with bytes touched, GB/s,
-the copy bandwidth of the same run, FLOPs and both floors; with `loop`, a whole graph-mode
-decode's host overhead (`dlmc.bench.canvas_loop`)."""
+compiled and graph-replayed at full size (random weights on the GPU; routed experts in BF16 or
+NVFP4, the prefix cache in BF16 or FP8), with bytes touched, GB/s, the copy bandwidth of the
+same run, FLOPs and both floors; with `loop`, a whole graph-mode decode's host overhead
+(`dlmc.bench.canvas_loop`)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from typing import Any
 
 def canvas_round(shape: str, canvas: int, prefix: int, routing: str, rounds: int,
                  modes: tuple[str, ...], kernels: Any, out: Path | None,
+                 precision: str = "bf16", kv_cache_dtype: str = "bf16",
                  loop: bool = False) -> dict[str, Any]:
-    """Build the shape in BF16 on the GPU, time `rounds` steady steps per mode (and with `loop`
-    a whole decode against its passes), print a table and write the JSON report to `out`."""
+    """Build the shape on the GPU (BF16, routed experts in `precision`, the prefix cache in
+    `kv_cache_dtype`), time `rounds` steady steps per mode (and with `loop` a whole decode
+    against its passes), print a table and write the JSON report to `out`."""
     import torch
     from rich.console import Console
     from rich.table import Table
@@ -31,23 +34,31 @@ def canvas_round(shape: str, canvas: int, prefix: int, routing: str, rounds: int
         use_uniform_routing,
     )
     from dlmc.bench.canvas_loop import canvas_loop_overhead, loop_line, max_pass_tokens
+    from dlmc.bench.canvas_precision import (
+        build_canvas_model,
+        fp8_bench_scales,
+        kv_element_bytes,
+        random_fp8_cache,
+    )
     from dlmc.bench.timing import copy_bandwidth_gbps
-    from dlmc.models.shapes import SHAPES, build_random_model
+    from dlmc.models.shapes import SHAPES
 
     device = torch.device("cuda")
     bench = CanvasBenchConfig(canvas, prefix, routing, rounds, modes, kernels=kernels)
-    model = build_random_model(SHAPES[shape], device, torch.bfloat16, seed=bench.seed)
+    model = build_canvas_model(SHAPES[shape], device, precision, kernels, seed=bench.seed)
+    torch.cuda.empty_cache()
     if routing == "uniform":
         # routes for every forward of a decode (the loop's encoder chunks are longer)
         use_uniform_routing(model, max_tokens=max_pass_tokens(canvas), seed=bench.seed)
     gen = torch.Generator(device=device).manual_seed(1)
-    cache = random_cache(model, prefix, canvas, gen)
+    make_cache = random_fp8_cache if kv_cache_dtype == "fp8" else random_cache
+    cache = make_cache(model, prefix, canvas, gen)
     vocab = model.config.vocab_size
     tokens = torch.randint(0, vocab, (canvas,), device=device, generator=gen)
     sc = torch.randn(canvas, vocab, device=device, generator=gen).to(torch.bfloat16)
     counts = expert_counts(model, cache, tokens, torch.arange(prefix, prefix + canvas,
                                                               device=device), sc)
-    parts = step_bytes(model, canvas, prefix, counts)
+    parts = step_bytes(model, canvas, prefix, counts, kv_bytes=kv_element_bytes(cache))
     nbytes, flops = parts["total"], step_flops(model, canvas, prefix)
     bandwidth = copy_bandwidth_gbps()
     limits = floors(nbytes, flops, bandwidth, bench.tensor_tflops)
@@ -58,7 +69,8 @@ def canvas_round(shape: str, canvas: int, prefix: int, routing: str, rounds: int
         r["tflop_per_s"] = flops / r["median_ms"] / 1e9
         if "queued_median_ms" in r:
             r["queued_fraction_of_copy_bw"] = nbytes / r["queued_median_ms"] / 1e6 / bandwidth
-    report = {"shape": shape, "precision": "bf16", "kv_cache_dtype": "bf16", "canvas": canvas,
+    report = {"shape": shape, "precision": precision, "kv_cache_dtype": kv_cache_dtype,
+              "canvas": canvas,
               "prefix": prefix, "routing": routing, "kernels": kernels.to_dict(),
               "bytes_per_step": nbytes, "bytes_by_part": parts,
               "distinct_experts_per_moe_layer": sum(counts) / len(counts),
@@ -66,7 +78,8 @@ def canvas_round(shape: str, canvas: int, prefix: int, routing: str, rounds: int
               "copy_gb_per_s": bandwidth, "tensor_tflop_per_s": bench.tensor_tflops, **limits,
               "results": results, "loop": None, "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "python": platform.python_version()}
-    table = Table(title=f"{shape} denoising step · bf16 · canvas {canvas} · prefix {prefix} · "
+    table = Table(title=f"{shape} denoising step · {precision} experts · {kv_cache_dtype} KV · "
+                  f"canvas {canvas} · prefix {prefix} · "
                   f"{routing} routing · {report['distinct_experts_per_moe_layer']:.0f} experts/"
                   f"layer · {flops / 1e12:.2f} TFLOP · floors: bandwidth "
                   f"{limits['bandwidth_floor_ms']:.2f} ms, compute "
@@ -89,7 +102,9 @@ def canvas_round(shape: str, canvas: int, prefix: int, routing: str, rounds: int
     if loop:  # a whole graph-mode decode of the pinned canvases and steps
         del cache
         torch.cuda.empty_cache()
-        report["loop"] = canvas_loop_overhead(model, bench, mode="graph")
+        scales = (fp8_bench_scales(model.config.num_hidden_layers)
+                  if kv_cache_dtype == "fp8" else None)
+        report["loop"] = canvas_loop_overhead(model, bench, mode="graph", fp8_scales=scales)
         console.print(loop_line(report["loop"]), soft_wrap=True, markup=False, highlight=False)
         _write(report, out)
     return report

@@ -17,7 +17,7 @@ from dlmc.cli.options import kernel_options, user_errors
 @click.option("--model", default=None, help="Checkpoint (else --shape with random weights).")
 @click.option("--shape", default="llada2.1-mini", show_default=True,
               help="Full-size shape built on the GPU with random seeded weights: llada2.1-mini "
-              "or diffusiongemma-26b-a4b (its denoising step over a canvas; BF16 only).")
+              "or diffusiongemma-26b-a4b (its denoising step over a canvas).")
 @click.option("--precision", type=click.Choice(["bf16", "nvfp4"]), default="bf16",
               show_default=True)
 @click.option("--block-length", type=int, default=32, show_default=True)
@@ -32,7 +32,8 @@ from dlmc.cli.options import kernel_options, user_errors
 @click.option("--loop/--no-loop", default=True, help="Also measure a whole graph-mode decode's "
               "host overhead (DiffusionGemma: 2 canvases of 16 steps after a --prefix prompt).")
 @click.option("--kv-cache-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16",
-              show_default=True, help="K/V precision (fp8: E4M3 in the paged cache).")
+              show_default=True, help="K/V precision (fp8: E4M3 with per-layer scales in the "
+              "paged cache; DiffusionGemma: in its static cache).")
 @click.option("--kv-layout", type=click.Choice(["auto", "dense", "paged"]), default="auto",
               show_default=True, help="auto: paged (Triton attention over the live prefix); "
               "dense: static cache attended up to a power-of-two key-length bucket.")
@@ -75,13 +76,15 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
     if not torch.cuda.is_available():
         raise ConfigError("dlmc bench round needs a CUDA GPU")
     if model is None and shape.startswith("diffusiongemma"):  # --fuse-*: LLaDA2 only
+        from dlmc.bench.canvas_precision import canvas_option_problem
         from dlmc.cli.bench_canvas import canvas_round
 
-        if precision != "bf16" or kv_cache_dtype != "bf16":
-            raise ConfigError(f"--shape {shape}: only --precision bf16 with --kv-cache-dtype "
-                              "bf16 is timed so far")
+        problem = canvas_option_problem(shape, precision, kv_cache_dtype, kv_layout,
+                                        temperature, profile)
+        if problem:
+            raise ConfigError(problem)
         canvas_round(shape, canvas, prefix, routing, rounds, tuple(modes.split(",")), kernels,
-                     out, loop=loop)
+                     out, precision=precision, kv_cache_dtype=kv_cache_dtype, loop=loop)
         return
     device = torch.device("cuda")
     cfg = RoundBenchConfig(block_length, prefix, routing, rounds, tuple(modes.split(",")),

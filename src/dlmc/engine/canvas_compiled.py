@@ -28,6 +28,7 @@ from dlmc.graphs.canvas_rules import CanvasState, CanvasStep
 from dlmc.graphs.canvas_runner import CanvasRunner
 from dlmc.graphs.canvas_settings import CanvasSettings
 from dlmc.kv.gemma_static_cache import GemmaStaticCache
+from dlmc.kv.scales import KVScales
 from dlmc.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion
 
 __all__ = ["CompiledCanvasStepper", "MIN_CACHE_TOKENS", "default_generator", "drawing_from"]
@@ -68,7 +69,7 @@ class CompiledCanvasStepper:
 
     def __init__(self, model: DiffusionGemmaForBlockDiffusion, device: torch.device,
                  use_cache: bool = True, kernels: KernelConfig = DEFAULT_KERNELS,
-                 mode: str = "compile") -> None:
+                 fp8_scales: KVScales | None = None, mode: str = "compile") -> None:
         if mode not in COMPILED_MODES:
             raise ConfigError(f"compiled canvas mode {mode!r}: expected one of "
                               f"{', '.join(COMPILED_MODES)}")
@@ -80,6 +81,7 @@ class CompiledCanvasStepper:
                               "(a whole-sequence recompute) runs in modes 'eager' and "
                               "'reference'")
         self.model, self.device, self.mode, self.kernels = model, device, mode, kernels
+        self.fp8_scales = fp8_scales  # an FP8 cache with these per-layer scales, else None
         self.dtype = model.lm_head_weight.dtype
         self.runner: CanvasRunner | None = None
 
@@ -95,7 +97,8 @@ class CompiledCanvasStepper:
             size = max(MIN_CACHE_TOKENS, 1 << max(capacity - 1, 0).bit_length())
             self.runner = runner = None  # free the old buffers and graphs first
             with torch.inference_mode(False):  # written in place by every pass
-                cache = GemmaStaticCache(self.model.config, size, self.dtype, self.device)
+                cache = GemmaStaticCache(self.model.config, size, self.dtype, self.device,
+                                         fp8_scales=self.fp8_scales)
         if runner is None or runner.settings != settings:
             with torch.inference_mode(False):
                 self.runner = runner = CanvasRunner(self.model, cache, settings, self.mode,

@@ -43,6 +43,7 @@ from dlmc.engine.canvas_steppers import CanvasStepper, make_stepper
 from dlmc.engine.events import BlockEvent, CanvasRoundEvent, DecodeOutput
 from dlmc.errors import ConfigError
 from dlmc.graphs.canvas_rules import CanvasStep, draw_initial_canvas, finish_canvas
+from dlmc.kv.scales import KVScales
 from dlmc.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion
 from dlmc.models.diffusion_gemma_attention import CausalContext
 
@@ -56,24 +57,28 @@ class CanvasDecoder:
 
     `max_context`: positions the prompt and the canvases may take in all. `prefill_chunk`:
     prompt tokens per encoder pass. `kernels`: the kernel choices, handed to the stepper.
+    `fp8_scales`: the cache holds FP8 K/V with these per-layer scales (None: the activation
+    dtype); the canvas's own K/V stay in the activation dtype.
     """
 
     def __init__(self, model: DiffusionGemmaForBlockDiffusion, device: torch.device,
                  mode: str = "eager", max_context: int | None = None,
                  prefill_chunk: int = PREFILL_CHUNK,
-                 kernels: KernelConfig = DEFAULT_KERNELS) -> None:
+                 kernels: KernelConfig = DEFAULT_KERNELS,
+                 fp8_scales: KVScales | None = None) -> None:
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ConfigError(f"prefill_chunk={prefill_chunk!r}: expected an integer >= 1")
         self.model, self.device, self.mode = model, device, mode
         self.max_context = max_context or model.config.max_position_embeddings
         self.prefill_chunk, self.kernels = prefill_chunk, kernels
+        self.fp8_scales = fp8_scales
         # the cached stepper now (an unknown mode fails here); the uncached one on first use
-        self._steppers = {True: make_stepper(mode, model, device, True, kernels)}
+        self._steppers = {True: make_stepper(mode, model, device, True, kernels, fp8_scales)}
 
     def stepper(self, use_cache: bool) -> CanvasStepper:
         if use_cache not in self._steppers:
             self._steppers[use_cache] = make_stepper(self.mode, self.model, self.device,
-                                                     use_cache, self.kernels)
+                                                     use_cache, self.kernels, self.fp8_scales)
         return self._steppers[use_cache]
 
     def decode(

@@ -17,32 +17,34 @@ from dlmc.engine.canvas_config import CanvasDecodeConfig, resolve_canvas_config
 from dlmc.engine.canvas_decoder import CanvasDecoder
 from dlmc.engine.canvas_steppers import check_canvas_mode, default_canvas_mode
 from dlmc.errors import ConfigError
+from dlmc.kv.scales import KV_CACHE_DTYPES, KVScales
 from dlmc.loading.special_ids import SpecialIds
 from dlmc.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion
 
-KV_CACHE_DTYPES = ("auto", "bf16")
 TEXT_PART_TYPES = ("text", "input_text")
 
 
 class CanvasRuntime:
     """DiffusionGemma's side of `LLM`: `role` "orl" (generation_config.json, then
     paper_decoding.json), `mode` "graph" (the default on CUDA), "compile", "eager" (the
-    default elsewhere) or "reference", a static KV cache in the activation dtype
-    (`kv_cache_dtype` "auto" or "bf16" accepted; FP8 is not supported yet)."""
+    default elsewhere) or "reference", a static KV cache (`resolve_canvas_kv`): FP8 with the
+    checkpoint's per-layer `kv_scales`, or the activation dtype."""
 
     def __init__(self, model: DiffusionGemmaForBlockDiffusion, model_dir: Path, role: str,
                  device: torch.device, dtype: torch.dtype, mode: str | None,
-                 kv_cache_dtype: str, max_context: int | None, kernels: KernelConfig) -> None:
+                 kv_cache_dtype: str, max_context: int | None, kernels: KernelConfig,
+                 kv_scales: KVScales | None = None, declares_fp8: bool = False) -> None:
         self.model, self.model_dir, self.role = model, model_dir, role
         self.config = model.config
         self.mode = mode or default_canvas_mode(device)
         check_canvas_mode(self.mode)
-        if kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ConfigError(
-                f"kv_cache_dtype {kv_cache_dtype!r}: DiffusionGemma's cache holds the "
-                f"activation dtype for now; expected one of {', '.join(KV_CACHE_DTYPES)}")
-        self.kv_cache_dtype = str(dtype).removeprefix("torch.")  # what the cache holds
-        self.decoder = CanvasDecoder(model, device, self.mode, max_context, kernels=kernels)
+        fp8 = resolve_canvas_kv(kv_cache_dtype, declares_fp8, dtype, self.mode)
+        scales = kv_scales or KVScales.ones(self.config.num_hidden_layers)
+        self.kv_scales = scales if fp8 else None
+        # what the cache holds: "fp8" or the activation dtype's name
+        self.kv_cache_dtype = "fp8" if fp8 else str(dtype).removeprefix("torch.")
+        self.decoder = CanvasDecoder(model, device, self.mode, max_context, kernels=kernels,
+                                     fp8_scales=self.kv_scales)
         self.max_context = self.decoder.max_context
         defaults = self.decode_settings({})  # a bad role or generation config fails here
         eos = defaults.settings.eos_token_ids
@@ -88,6 +90,22 @@ class CanvasRuntime:
 
     def logits(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.decoder.logits(token_ids)
+
+
+def resolve_canvas_kv(option: str, declares_fp8: bool, dtype: torch.dtype, mode: str) -> bool:
+    """Whether DiffusionGemma's cache holds FP8 K/V: `kv_cache_dtype` "fp8" (any mode but
+    "reference"), or "auto" where the checkpoint declares an FP8 KV cache, the activations are
+    bf16 and the mode is not "reference"; "bf16" (and "auto" otherwise) keeps the activation
+    dtype."""
+    if option not in KV_CACHE_DTYPES:
+        raise ConfigError(f"kv_cache_dtype {option!r}: expected one of "
+                          f"{', '.join(KV_CACHE_DTYPES)}")
+    if option == "fp8" and mode == "reference":
+        raise ConfigError("kv_cache_dtype 'fp8': mode 'reference' keeps K/V in the activation "
+                          "dtype; use mode 'eager' (--mode eager) or kv_cache_dtype 'bf16'")
+    if option == "auto":
+        return declares_fp8 and dtype == torch.bfloat16 and mode != "reference"
+    return option == "fp8"
 
 
 _NO_IMAGES = ("dlmc runs DiffusionGemma's text path only (the vision tower is not loaded), so "

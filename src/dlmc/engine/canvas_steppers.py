@@ -13,6 +13,8 @@ by mode.
 - "eager": the compiled rounds' static cache and contexts (`dlmc.kv.gemma_static_cache`,
   `dlmc.kv.gemma_round_attention`) at the exact cache length, and the sync-free step a
   compiled round runs (`canvas_step` on noise drawn by `draw_step_noise`).
+With `fp8_scales` the static cache holds FP8 K/V ("eager", "compile", "graph"); "reference"
+refuses it.
 - "compile", "graph": the compiled canvas runner (`dlmc.engine.canvas_compiled`): each step
   one Inductor-compiled function over key-length buckets and padded encoder chunks, replayed
   as a CUDA graph in "graph" mode (CUDA only).
@@ -45,6 +47,7 @@ from dlmc.graphs.canvas_rules import (
 from dlmc.graphs.canvas_settings import CanvasSettings
 from dlmc.kv.gemma_round_attention import CanvasRoundAttention, EncodeRoundAttention
 from dlmc.kv.gemma_static_cache import GemmaStaticCache
+from dlmc.kv.scales import KVScales
 from dlmc.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion, GemmaAttentionContext
 from dlmc.models.diffusion_gemma_attention import CanvasContext, CausalContext, GemmaKVCache
 
@@ -80,8 +83,10 @@ class _EagerStepper:
     decoder forward, and the whole-sequence recompute of `use_cache=False`."""
 
     def __init__(self, model: DiffusionGemmaForBlockDiffusion, device: torch.device,
-                 use_cache: bool = True, kernels: KernelConfig = DEFAULT_KERNELS) -> None:
+                 use_cache: bool = True, kernels: KernelConfig = DEFAULT_KERNELS,
+                 fp8_scales: KVScales | None = None) -> None:
         self.model, self.device, self.use_cache = model, device, use_cache  # kernels: unused
+        self.fp8_scales = fp8_scales
         self.vocab_size = model.config.vocab_size
         self.sc_dtype = model.model.decoder.embed_tokens.weight.dtype
         self.settings = CanvasSettings()
@@ -141,6 +146,15 @@ class ReferenceCanvasStepper(_EagerStepper):
 
     cache: GemmaKVCache
 
+    def __init__(self, model: DiffusionGemmaForBlockDiffusion, device: torch.device,
+                 use_cache: bool = True, kernels: KernelConfig = DEFAULT_KERNELS,
+                 fp8_scales: KVScales | None = None) -> None:
+        if fp8_scales is not None:
+            raise ConfigError("kv_cache_dtype 'fp8': mode 'reference' keeps K/V in the "
+                              "activation dtype; use mode 'eager' (--mode eager) or "
+                              "kv_cache_dtype 'bf16'")
+        super().__init__(model, device, use_cache, kernels)
+
     def _clear_cache(self, capacity: int) -> None:
         self.cache = GemmaKVCache(self.model.config.num_hidden_layers)
 
@@ -164,14 +178,16 @@ class EagerCanvasStepper(_EagerStepper):
     """
 
     def __init__(self, model: DiffusionGemmaForBlockDiffusion, device: torch.device,
-                 use_cache: bool = True, kernels: KernelConfig = DEFAULT_KERNELS) -> None:
-        super().__init__(model, device, use_cache, kernels)
+                 use_cache: bool = True, kernels: KernelConfig = DEFAULT_KERNELS,
+                 fp8_scales: KVScales | None = None) -> None:
+        super().__init__(model, device, use_cache, kernels, fp8_scales)
         self.cache = self._allocate(1)  # grown by reset() to each request's size
         self._length = 0  # the cache's length on the host (no device read per pass)
 
     def _allocate(self, capacity: int) -> GemmaStaticCache:
         with torch.inference_mode(False):  # written in place by every later pass
-            return GemmaStaticCache(self.model.config, capacity, self.sc_dtype, self.device)
+            return GemmaStaticCache(self.model.config, capacity, self.sc_dtype, self.device,
+                                    fp8_scales=self.fp8_scales)
 
     def _clear_cache(self, capacity: int) -> None:
         if self.cache.max_tokens < capacity:
@@ -200,10 +216,11 @@ class EagerCanvasStepper(_EagerStepper):
         return canvas_step(logits, state, steps_remaining, noise, self.settings)
 
 
-# (model, device, use_cache, kernels) -> a stepper; a strategy without uncached decoding
-# raises ConfigError for use_cache=False, one that needs CUDA on another device
-StepperFactory = Callable[[DiffusionGemmaForBlockDiffusion, torch.device, bool, KernelConfig],
-                          CanvasStepper]
+# (model, device, use_cache, kernels, fp8_scales) -> a stepper; a strategy without uncached
+# decoding raises ConfigError for use_cache=False, one that needs CUDA on another device, one
+# without an FP8 cache for fp8_scales
+StepperFactory = Callable[[DiffusionGemmaForBlockDiffusion, torch.device, bool, KernelConfig,
+                           KVScales | None], CanvasStepper]
 STEPPERS: dict[str, StepperFactory] = {
     "graph": partial(CompiledCanvasStepper, mode="graph"),
     "compile": partial(CompiledCanvasStepper, mode="compile"),
@@ -225,8 +242,9 @@ def check_canvas_mode(mode: str) -> None:
 
 
 def make_stepper(mode: str, model: DiffusionGemmaForBlockDiffusion, device: torch.device,
-                 use_cache: bool = True, kernels: KernelConfig = DEFAULT_KERNELS
-                 ) -> CanvasStepper:
-    """The stepper of `mode` (see `check_canvas_mode`) with `kernels`' choices."""
+                 use_cache: bool = True, kernels: KernelConfig = DEFAULT_KERNELS,
+                 fp8_scales: KVScales | None = None) -> CanvasStepper:
+    """The stepper of `mode` (see `check_canvas_mode`) with `kernels`' choices; its cache holds
+    FP8 K/V with these per-layer scales when `fp8_scales` is given."""
     check_canvas_mode(mode)
-    return STEPPERS[mode](model, device, use_cache, kernels)
+    return STEPPERS[mode](model, device, use_cache, kernels, fp8_scales)

@@ -33,14 +33,16 @@ def _past_slots(cache: GemmaStaticCache, layer_idx: int, key_len: int, first: to
                 span: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(slots [S] int64, keys [S, Hkv, D], values [S, Hkv, D])` of the cache: slots
     `first .. first + span - 1` gathered (indices below 0 read slot 0: the caller masks them)
-    when `first` is given, else the bucket's slots `0 .. key_len - 1`."""
+    when `first` is given, else the bucket's slots `0 .. key_len - 1`; K/V in the activation
+    dtype (an FP8 cache's rows dequantized, `GemmaStaticCache.read`)."""
     k_all, v_all = cache.k[layer_idx], cache.v[layer_idx]
     if first is None:
         slots = torch.arange(key_len, device=k_all.device)  # [key_len]
-        return slots, k_all[:key_len], v_all[:key_len]
+        return slots, *cache.read(layer_idx, k_all[:key_len], v_all[:key_len])
     slots = first + torch.arange(span, device=k_all.device)  # [span]
     index = slots.clamp(min=0)
-    return slots, k_all.index_select(0, index), v_all.index_select(0, index)
+    return slots, *cache.read(layer_idx, k_all.index_select(0, index),
+                              v_all.index_select(0, index))
 
 
 class CanvasRoundAttention:

@@ -9,6 +9,7 @@ from dlmc.models.config import LLaDA2Config
 from dlmc.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion
 from dlmc.models.diffusion_gemma_config import FULL, SLIDING, DiffusionGemmaConfig, RopeParameters
 from dlmc.models.llada2 import LLaDA2ForDiffusion
+from dlmc.models.nvfp4_experts import NVFP4Experts
 
 # LLaDA2.1-mini config.json values (docs/llada2.md §1).
 LLADA21_MINI = LLaDA2Config(
@@ -62,25 +63,40 @@ SHAPES: dict[str, LLaDA2Config | DiffusionGemmaConfig] = {
 
 def build_random_model(
     config: LLaDA2Config | DiffusionGemmaConfig, device: torch.device, dtype: torch.dtype,
-    seed: int = 0,
+    seed: int = 0, nvfp4_experts: bool = False,
 ) -> nn.Module:
-    """The model of `config` with seeded random weights made directly on `device`."""
+    """The model of `config` with seeded random weights made directly on `device`
+    (DiffusionGemma: its routed experts in NVFP4 with `nvfp4_experts`)."""
     if isinstance(config, DiffusionGemmaConfig):
-        return build_random_diffusion_gemma(config, device, dtype, seed)
+        return build_random_diffusion_gemma(config, device, dtype, seed, nvfp4_experts)
     return build_random_llada2(config, device, dtype, seed)
 
 
 @torch.no_grad()
 def build_random_diffusion_gemma(
-    config: DiffusionGemmaConfig, device: torch.device, dtype: torch.dtype, seed: int = 0
+    config: DiffusionGemmaConfig, device: torch.device, dtype: torch.dtype, seed: int = 0,
+    nvfp4_experts: bool = False,
 ) -> DiffusionGemmaForBlockDiffusion:
     """DiffusionGemma with seeded random weights made directly on `device` in `dtype` (never
     zeros): matrices N(0, fan_in^-1/2); vectors and scalars (norm weights, router scales,
-    `per_expert_scale`, `layer_scalar`) N(1, 0.05), as a trained model's stay near one."""
+    `per_expert_scale`, `layer_scalar`) N(1, 0.05), as a trained model's stay near one.
+
+    `nvfp4_experts`: every layer's routed experts are `NVFP4Experts(activation="gelu_tanh")`
+    made directly in NVFP4 (`fill_random_nvfp4`; no BF16 copy is ever allocated), in the op
+    kernel's load-time form on CUDA, the op's reference elsewhere."""
     with torch.device("meta"):
         model = DiffusionGemmaForBlockDiffusion(config)
     gen = torch.Generator(device=device).manual_seed(seed)
+    if nvfp4_experts:
+        for layer in model.model.decoder.layers:
+            layer.experts = NVFP4Experts(
+                config.num_experts, config.hidden_size, config.moe_intermediate_size,
+                activation="gelu_tanh", use_reference=device.type != "cuda", device=device)
     for module in model.modules():
+        if isinstance(module, NVFP4Experts):
+            fill_random_nvfp4(module, gen)
+            module.prepare_for_kernel()  # the load-time step (kernels v4-v7)
+            continue
         tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
         for name, tensor in tensors:
             value = torch.empty(tensor.shape, device=device, dtype=dtype)
@@ -124,10 +140,24 @@ def build_random_llada2(
 
 
 @torch.no_grad()
+def fill_random_nvfp4(experts: NVFP4Experts, gen: torch.Generator) -> None:
+    """Random E2M1 codes (uniform bytes), block scales U(0.5, 2) in E4M3, global scales 0.02
+    (weights about N(0, 0.05)-sized), in the checkpoint's form (before `prepare_for_kernel`)."""
+    for name, buf in experts.named_buffers():
+        if buf.dtype == torch.uint8:
+            buf.copy_(torch.randint(0, 256, buf.shape, device=buf.device, generator=gen,
+                                    dtype=torch.uint8))
+        elif buf.dtype == torch.float8_e4m3fn:
+            scales = torch.rand(buf.shape, device=buf.device, generator=gen) * 1.5 + 0.5
+            buf.copy_(scales.to(torch.float8_e4m3fn))
+        elif name.endswith("weight_scale_2"):
+            buf.fill_(0.02)
+
+
+@torch.no_grad()
 def use_random_nvfp4_experts(model: LLaDA2ForDiffusion, seed: int = 0) -> None:
     """Replace every MoE layer's experts by NVFP4 experts with random codes and scales."""
     from dlmc.models.moe import MoEBlock
-    from dlmc.models.nvfp4_experts import NVFP4Experts
 
     cfg = model.config
     device = model.lm_head.weight.device
@@ -137,14 +167,6 @@ def use_random_nvfp4_experts(model: LLaDA2ForDiffusion, seed: int = 0) -> None:
             continue
         experts = NVFP4Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                device=device)
-        for name, buf in experts.named_buffers():
-            if buf.dtype == torch.uint8:
-                buf.copy_(torch.randint(0, 256, buf.shape, device=device, generator=gen,
-                                        dtype=torch.uint8))
-            elif buf.dtype == torch.float8_e4m3fn:
-                scales = torch.rand(buf.shape, device=device, generator=gen) * 1.5 + 0.5
-                buf.copy_(scales.to(torch.float8_e4m3fn))
-            elif name.endswith("weight_scale_2"):
-                buf.fill_(0.02)
+        fill_random_nvfp4(experts, gen)
         experts.prepare_for_kernel()  # the load-time step (kernels v4-v7)
         module.experts = experts
