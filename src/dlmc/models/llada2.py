@@ -5,6 +5,8 @@ given and calls `ctx.attend(layer_idx, q, k, v)`; the engine's context object de
 keys they see (the block-causal mask, a KV cache, a paged FP8 cache); a context whose cache can
 take the block's K/V from the norm/rope launch says so through `rope_append_target` (see
 `AttentionContext`). The MoE seam is the `experts` module inside `MoEBlock` (see moe.py).
+With `KernelConfig.fused_attention_in` (`Attention.use_fused_in`) a layer's input norm, qkv
+projection, q/k norm + rope and that K/V store are one `dlmc::attention_in(_append)` launch.
 """
 
 from __future__ import annotations
