@@ -36,17 +36,21 @@ class KernelConfig:
             same results either way; off only to measure what it gains.
         deterministic_compile: Inductor's deterministic mode (no timing-based choice of a
             reduction's block size or warps), so that two compiles give the same numbers.
+        fused_attention_in: LLaDA2's input RMSNorm, qkv projection, q/k norm + RoPE and K/V
+            store as one `dlmc::attention_in(_append)` launch per layer instead of three
+            (the same maths up to the order of fp32 sums); off until measured on the GPU.
     """
 
     attention_backend: str = "auto"
     pdl: bool = True
     deterministic_compile: bool = False
+    fused_attention_in: bool = False
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"KernelConfig.attention_backend={self.attention_backend!r}: "
                               f"expected one of {', '.join(ATTENTION_BACKENDS)}")
-        for name in ("pdl", "deterministic_compile"):
+        for name in ("pdl", "deterministic_compile", "fused_attention_in"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"KernelConfig.{name}={getattr(self, name)!r}: expected "
                                   "True or False")

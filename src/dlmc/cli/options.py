@@ -147,15 +147,16 @@ def decode_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """--attention-backend --pdl/--no-pdl --deterministic-compile, handed to the command as one
-    `kernels` argument (a `KernelConfig`)."""
+    """--attention-backend --pdl/--no-pdl --deterministic-compile --fused-attention-in, handed
+    to the command as one `kernels` argument (a `KernelConfig`)."""
     from dlmc.custom_ops.kernel_config import ATTENTION_BACKENDS, KernelConfig
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         kwargs["kernels"] = KernelConfig(
             attention_backend=kwargs.pop("attention_backend"), pdl=kwargs.pop("pdl"),
-            deterministic_compile=kwargs.pop("deterministic_compile"))
+            deterministic_compile=kwargs.pop("deterministic_compile"),
+            fused_attention_in=kwargs.pop("fused_attention_in"))
         return fn(*args, **kwargs)
 
     decorators = [
@@ -167,6 +168,9 @@ def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      help="Programmatic dependent launch of the round's kernels (sm_90+)."),
         click.option("--deterministic-compile", is_flag=True,
                      help="Inductor's deterministic mode (no timing-based kernel choices)."),
+        click.option("--fused-attention-in", is_flag=True,
+                     help="LLaDA2: input norm, qkv projection, q/k norm + RoPE and K/V store "
+                     "in one launch per layer (dlmc::attention_in)."),
     ]
     for decorator in reversed(decorators):
         wrapper = decorator(wrapper)

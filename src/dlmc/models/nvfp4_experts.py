@@ -219,7 +219,10 @@ class NVFP4Experts(nn.Module):
 
 def apply_kernel_config(model: nn.Module, kernels: KernelConfig) -> None:
     """Hand `kernels`' op-level choices to every module of `model` that runs an op taking them
-    (the NVFP4 experts' `pdl`)."""
+    (the NVFP4 experts' `pdl`; LLaDA2 attention's `use_fused_in`)."""
     for module in model.modules():
         if isinstance(module, NVFP4Experts):
             module.pdl = kernels.pdl
+        use_fused_in = getattr(module, "use_fused_in", None)  # (llada2.Attention)
+        if use_fused_in is not None:
+            use_fused_in(kernels.fused_attention_in)
