@@ -114,12 +114,11 @@ def test_fp8_cache_holds_codes_with_per_layer_scales_and_a_step_runs():
     ({"kv_cache_dtype": "int8"}, "--kv-cache-dtype int8: expected one of bf16, fp8"),
     ({"kv_layout": "paged"}, "--kv-layout paged: DiffusionGemma's cache is the dense static"),
     ({"temperature": 0.7}, "--temperature 0.7: the canvas step's temperature is its schedule"),
-    ({"profile": True}, "--profile: not available for the canvas step"),
 ])
 def test_option_problems_are_one_line_and_name_the_option(kwargs, message):
     options = {"precision": "nvfp4", "kv_cache_dtype": "fp8", "kv_layout": "auto",
-               "temperature": 0.0, "profile": False, **kwargs}
+               "temperature": 0.0, **kwargs}
     problem = canvas_option_problem(SHAPE, **options)
     assert problem is not None and message in problem and "\n" not in problem
-    assert canvas_option_problem(SHAPE, "nvfp4", "fp8", "dense", 0.0, False) is None
-    assert canvas_option_problem(SHAPE, "bf16", "bf16", "auto", 0.0, False) is None
+    assert canvas_option_problem(SHAPE, "nvfp4", "fp8", "dense", 0.0) is None
+    assert canvas_option_problem(SHAPE, "bf16", "bf16", "auto", 0.0) is None

@@ -31,7 +31,7 @@ CODE_SPREAD = 64.0  # random FP8 codes N(0, 64): well inside E4M3's +-448, few s
 
 
 def canvas_option_problem(shape: str, precision: str, kv_cache_dtype: str, kv_layout: str,
-                          temperature: float, profile: bool) -> str | None:
+                          temperature: float) -> str | None:
     """Why the canvas step cannot be timed with these options (one line naming the option and
     `shape`), or None."""
     if precision not in PRECISIONS:
@@ -45,8 +45,6 @@ def canvas_option_problem(shape: str, precision: str, kv_cache_dtype: str, kv_la
     if temperature:
         return (f"--shape {shape}: --temperature {temperature}: the canvas step's temperature "
                 "is its schedule's (t_min .. t_max); leave --temperature at 0")
-    if profile:
-        return f"--shape {shape}: --profile: not available for the canvas step"
     return None
 
 

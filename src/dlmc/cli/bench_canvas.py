@@ -15,10 +15,11 @@ from typing import Any
 def canvas_round(shape: str, canvas: int, prefix: int, routing: str, rounds: int,
                  modes: tuple[str, ...], kernels: Any, out: Path | None,
                  precision: str = "bf16", kv_cache_dtype: str = "bf16",
-                 loop: bool = False) -> dict[str, Any]:
+                 loop: bool = False, profile: bool = False) -> dict[str, Any]:
     """Build the shape on the GPU (BF16, routed experts in `precision`, the prefix cache in
     `kv_cache_dtype`), time `rounds` steady steps per mode (and with `loop` a whole decode
-    against its passes), print a table and write the JSON report to `out`."""
+    against its passes; with `profile` the device time of compiled steps by kernel group),
+    print a table and write the JSON report to `out`."""
     import torch
     from rich.console import Console
     from rich.table import Table
@@ -76,7 +77,8 @@ def canvas_round(shape: str, canvas: int, prefix: int, routing: str, rounds: int
               "distinct_experts_per_moe_layer": sum(counts) / len(counts),
               "min_distinct_experts": min(counts), "flops_per_step": flops,
               "copy_gb_per_s": bandwidth, "tensor_tflop_per_s": bench.tensor_tflops, **limits,
-              "results": results, "loop": None, "gpu": torch.cuda.get_device_name(),
+              "results": results, "loop": None, "profile": None,
+              "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "python": platform.python_version()}
     table = Table(title=f"{shape} denoising step · {precision} experts · {kv_cache_dtype} KV · "
                   f"canvas {canvas} · prefix {prefix} · "
@@ -99,6 +101,12 @@ def canvas_round(shape: str, canvas: int, prefix: int, routing: str, rounds: int
     console = Console()
     console.print(table)
     _write(report, out)  # the steps' figures, kept if the loop fails
+    if profile:
+        from dlmc.bench.canvas_profile import profile_steps, profile_text
+
+        report["profile"] = profile_steps(model, cache, bench)
+        console.print(profile_text(report["profile"]), markup=False, highlight=False)
+        _write(report, out)
     if loop:  # a whole graph-mode decode of the pinned canvases and steps
         del cache
         torch.cuda.empty_cache()

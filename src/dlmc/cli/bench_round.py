@@ -80,11 +80,12 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
         from dlmc.cli.bench_canvas import canvas_round
 
         problem = canvas_option_problem(shape, precision, kv_cache_dtype, kv_layout,
-                                        temperature, profile)
+                                        temperature)
         if problem:
             raise ConfigError(problem)
         canvas_round(shape, canvas, prefix, routing, rounds, tuple(modes.split(",")), kernels,
-                     out, precision=precision, kv_cache_dtype=kv_cache_dtype, loop=loop)
+                     out, precision=precision, kv_cache_dtype=kv_cache_dtype, loop=loop,
+                     profile=profile)
         return
     device = torch.device("cuda")
     cfg = RoundBenchConfig(block_length, prefix, routing, rounds, tuple(modes.split(",")),
