@@ -10,8 +10,8 @@
 #   sampled      the NVFP4 + FP8 round sampled at temperature 0.7
 #   loop         the BF16 round with whole decodes: the decode loop's host overhead
 #   canvas       DiffusionGemma-26B-A4B's denoising step, canvas 256, prefix 1024: BF16 with a
-#                whole graph-mode decode's host overhead (--loop), then NVFP4 routed experts +
-#                FP8 KV (one process each)
+#                whole graph-mode decode's host overhead (--loop) and the kernel profile, then
+#                NVFP4 routed experts + FP8 KV (one process each)
 #   tests-NAME   pytest -m gpu of one test part, NAME one of TEST_PARTS below
 #   list         each test part's files; checks that the parts hold every gpu-marked test file
 #                exactly once (runs nothing, needs no GPU)
@@ -123,7 +123,7 @@ sampled)
   summary ;;
 canvas)
   setup
-  step canvas_bf16 280 "${CANVAS[@]}" --precision bf16 --kv-cache-dtype bf16 \
+  step canvas_bf16 280 "${CANVAS[@]}" --precision bf16 --kv-cache-dtype bf16 --profile \
     --out "$OUT/canvas_bf16.json"
   step canvas_nvfp4_fp8 280 "${CANVAS[@]}" "${NVFP4[@]}" --out "$OUT/canvas_nvfp4_fp8.json"
   summary ;;
