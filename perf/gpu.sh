@@ -9,9 +9,10 @@
 #                alone, paged attention at 1k / 4k / 16k (and FlashInfer when installed)
 #   sampled      the NVFP4 + FP8 round sampled at temperature 0.7
 #   loop         the BF16 round with whole decodes: the decode loop's host overhead
-#   canvas       DiffusionGemma-26B-A4B's denoising step, canvas 256, prefix 1024: BF16 with a
-#                whole graph-mode decode's host overhead (--loop) and the kernel profile, then
-#                NVFP4 routed experts + FP8 KV (one process each)
+#   canvas       DiffusionGemma-26B-A4B's denoising step, canvas 256, prefix 1024: BF16, then
+#                NVFP4 routed experts + FP8 KV (one process each; a cold compile takes minutes)
+#   canvas-loop  the BF16 step with a whole graph-mode decode's host overhead (--loop) and the
+#                kernel profile (--profile)
 #   tests-NAME   pytest -m gpu of one test part, NAME one of TEST_PARTS below
 #   list         each test part's files; checks that the parts hold every gpu-marked test file
 #                exactly once (runs nothing, needs no GPU)
@@ -123,9 +124,15 @@ sampled)
   summary ;;
 canvas)
   setup
-  step canvas_bf16 280 "${CANVAS[@]}" --precision bf16 --kv-cache-dtype bf16 --profile \
+  step canvas_bf16 280 "${CANVAS[@]}" --precision bf16 --kv-cache-dtype bf16 --no-loop \
     --out "$OUT/canvas_bf16.json"
-  step canvas_nvfp4_fp8 280 "${CANVAS[@]}" "${NVFP4[@]}" --out "$OUT/canvas_nvfp4_fp8.json"
+  step canvas_nvfp4_fp8 280 "${CANVAS[@]}" "${NVFP4[@]}" --no-loop \
+    --out "$OUT/canvas_nvfp4_fp8.json"
+  summary ;;
+canvas-loop)
+  setup
+  step canvas_bf16_loop 560 "${CANVAS[@]}" --precision bf16 --kv-cache-dtype bf16 --loop \
+    --profile --out "$OUT/canvas_bf16_loop.json"
   summary ;;
 loop)
   setup
@@ -144,7 +151,7 @@ tests-*)
     $workers $files
   grep -E "FAILED|ERROR|passed|failed" "$OUT/$PART.txt" | tail -20 ;;
 *)
-  echo "usage: bash perf/gpu.sh rounds|ops|sampled|loop|canvas|list|tests-NAME" \
+  echo "usage: bash perf/gpu.sh rounds|ops|sampled|loop|canvas|canvas-loop|list|tests-NAME" \
     "(NAME: ${TEST_PARTS// /, })" >&2
   exit 2 ;;
 esac
