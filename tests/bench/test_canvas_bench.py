@@ -1,7 +1,7 @@
 """The pieces of `dlmc bench round --shape diffusiongemma-26b-a4b` on the CPU: uniform routing
 (the model's router still runs), the experts each layer's routing touches, the bytes and matmul
 FLOPs of a step (FLOPs against torch's counter on a tiny model; bytes at the full shape
-against the checkpoint's tensor sizes), the floors, and a timed eager step."""
+against the checkpoint's tensor sizes), the floors, a timed eager step, and the profile's kernel groups."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from dlmc.bench.canvas_bench import (
+    group_of,
+    profile_steps,
+    profile_text,
     CanvasBenchConfig,
     UniformGemmaRouter,
     expert_counts,
@@ -20,6 +23,7 @@ from dlmc.bench.canvas_bench import (
     time_steps,
     use_uniform_routing,
 )
+from dlmc.errors import ConfigError
 from dlmc.kv.gemma_round_attention import CanvasRoundAttention
 from dlmc.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion
 from dlmc.models.shapes import DIFFUSIONGEMMA_26B_A4B
@@ -118,3 +122,51 @@ def test_time_steps_runs_steady_steps():
     assert result["mode"] == "eager" and result["rounds"] == 3
     assert 0 < result["min_ms"] <= result["median_ms"] <= result["max_ms"]
     assert result["key_len"] == PREFIX + CANVAS and int(cache.length) == PREFIX
+
+
+@pytest.mark.parametrize(("name", "group"), [
+    ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn>",
+     "matrix products"),
+    ("nvjet_tst_128x64_64x8_1x2_h_bz_coopA_TNN", "matrix products"),
+    ("aten::mm", "matrix products"),
+    ("void at::cuda::detail::grouped_mm_kernel<...>", "routed experts"),
+    ("_nvfp4_moe_gate_up_kernel", "routed experts"),
+    ("_gemma_canvas_attention_kernel", "attention"),
+    ("triton_red_fused__softmax_exp_sum_0", "fused (Inductor)"),
+    ("Memcpy DtoD (Device -> Device)", "copies"),
+    ("aten::index_select", "other"),
+])
+def test_kernel_names_fall_in_their_group(name, group):
+    assert group_of(name) == group
+
+
+@torch.no_grad()
+def test_eager_steps_profiled_by_group():
+    model = tiny_model(0)
+    cache = random_cache(model, PREFIX, CANVAS, torch.Generator().manual_seed(0))
+    use_uniform_routing(model, max_tokens=64, seed=0)
+    bench = CanvasBenchConfig(canvas=CANVAS, prefix=PREFIX, rounds=2)
+    report = profile_steps(model, cache, bench, steps=2, mode="eager", top=5)
+    assert report["device"] == "cpu" and report["steps"] == 2
+    groups = report["groups_us"]
+    assert report["step_us"] == pytest.approx(sum(groups.values()))
+    assert report["step_us"] > 0 and all(us > 0 for us in groups.values())
+    # the tiny model's dense layers and lm_head are matrix products
+    assert groups.get("matrix products", 0) > 0
+    assert len(report["kernels"]) == 5
+    times = [k["us_per_step"] for k in report["kernels"]]
+    assert times == sorted(times, reverse=True)
+    assert all(k["group"] == group_of(k["name"]) for k in report["kernels"])
+    text = profile_text(report)
+    assert text.startswith("canvas step profile (eager, 2 steps, cpu)")
+    assert all(group in text for group in groups)
+
+
+def test_bad_arguments_name_them():
+    model = tiny_model(0)
+    cache = random_cache(model, PREFIX, CANVAS, torch.Generator().manual_seed(0))
+    bench = CanvasBenchConfig(canvas=CANVAS, prefix=PREFIX)
+    with pytest.raises(ConfigError, match="steps must be an integer >= 1, got 0"):
+        profile_steps(model, cache, bench, steps=0)
+    with pytest.raises(ConfigError, match="mode 'graph'"):
+        profile_steps(model, cache, bench, mode="graph")

@@ -102,7 +102,7 @@ def canvas_round(shape: str, canvas: int, prefix: int, routing: str, rounds: int
     console.print(table)
     _write(report, out)  # the steps' figures, kept if the loop fails
     if profile:
-        from dlmc.bench.canvas_profile import profile_steps, profile_text
+        from dlmc.bench.canvas_bench import profile_steps, profile_text
 
         report["profile"] = profile_steps(model, cache, bench)
         console.print(profile_text(report["profile"]), markup=False, highlight=False)
