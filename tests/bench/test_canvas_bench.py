@@ -1,7 +1,8 @@
 """The pieces of `dlmc bench round --shape diffusiongemma-26b-a4b` on the CPU: uniform routing
 (the model's router still runs), the experts each layer's routing touches, the bytes and matmul
 FLOPs of a step (FLOPs against torch's counter on a tiny model; bytes at the full shape
-against the checkpoint's tensor sizes), the floors, a timed eager step, and the profile's kernel groups."""
+against the checkpoint's tensor sizes), the floors, a timed eager step, and the profile's
+kernel groups."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from dlmc.bench.canvas_bench import (
-    group_of,
-    profile_steps,
-    profile_text,
     CanvasBenchConfig,
     UniformGemmaRouter,
     expert_counts,
     floors,
+    group_of,
+    profile_steps,
+    profile_text,
     random_cache,
     step_bytes,
     step_flops,
