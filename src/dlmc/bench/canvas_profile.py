@@ -27,7 +27,7 @@ __all__ = ["GROUPS", "group_of", "profile_steps", "profile_text"]
 
 # (group, pattern over a kernel's or operator's name, lower case); the first match wins
 GROUPS: tuple[tuple[str, str], ...] = (
-    ("routed experts", r"grouped_mm|grouped_gemm|nvfp4|moe|gluon"),
+    ("routed experts", r"grouped_mm|grouped_gemm|nvfp4|moe|gluon|^_gate_up_kernel|^_down_kernel"),
     ("attention", r"attention|flash|fmha|sdpa"),
     ("matrix products", r"gemm|nvjet|cutlass|xmma|cublas|aten::mm|aten::addmm|aten::bmm|"
                         r"aten::matmul|aten::linear|splitk|split_k"),
