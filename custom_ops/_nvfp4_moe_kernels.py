@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from dlmc.custom_ops._pdl import pdl_enter
+from dlmc.custom_ops.bf16_moe import activate
 from dlmc.custom_ops.moe_align import block_rows
 from dlmc.custom_ops.moe_overlap import program, signal, wait
 from dlmc.custom_ops.moe_shared_parts import shared_down_part, shared_gate_up_part
@@ -23,20 +23,8 @@ from dlmc.custom_ops.nvfp4_tiles import nvfp4_tile_dot, round_bf16
 
 @triton.jit
 def gated(g, u, ACTIVATION: tl.constexpr, INTERPRETED: tl.constexpr):
-    """`act(g) * u` in fp32. "silu": `g * sigmoid(g) * u`. "gelu_tanh": PyTorch's
-    `gelu(g, approximate="tanh")` in its order, `0.5 * g * (1 + tanh(sqrt(2/pi) * (g + 0.044715
-    * g^3)))`, with CUDA's `tanhf` (libdevice); the interpreter has no libdevice, so there
-    `1 + tanh(z)` is `2 * sigmoid(2z)` (the same value, without cancellation)."""
-    if ACTIVATION == "gelu_tanh":
-        inner = 0.7978845608028654 * (g + 0.044715 * (g * g * g))
-        if INTERPRETED:
-            act = g * tl.sigmoid(2.0 * inner)
-        else:
-            act = 0.5 * g * (1.0 + libdevice.tanh(inner))
-    else:
-        tl.static_assert(ACTIVATION == "silu", "ACTIVATION: 'silu' or 'gelu_tanh'")
-        act = g * tl.sigmoid(g)
-    return act * u
+    """`act(g) * u` in fp32 (`activate`)."""
+    return activate(g, ACTIVATION, INTERPRETED) * u
 
 
 @triton.jit

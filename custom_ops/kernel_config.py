@@ -17,10 +17,12 @@ from typing import Any
 
 from dlmc.errors import ConfigError
 
-__all__ = ["ATTENTION_BACKENDS", "DEFAULT_KERNELS", "KernelConfig"]
+__all__ = ["ATTENTION_BACKENDS", "DEFAULT_KERNELS", "GEMMA_BF16_EXPERTS", "KernelConfig"]
 
 # "auto": the Triton paged attention on CUDA, the plain-PyTorch reference elsewhere.
 ATTENTION_BACKENDS = ("auto", "triton", "reference")
+# DiffusionGemma's BF16 routed experts: two `torch._grouped_mm`, or `dlmc::bf16_moe`.
+GEMMA_BF16_EXPERTS = ("grouped_mm", "triton")
 
 
 @dataclass(frozen=True)
@@ -39,17 +41,25 @@ class KernelConfig:
         fused_attention_in: LLaDA2's input RMSNorm, qkv projection, q/k norm + RoPE and K/V
             store as one `dlmc::attention_in(_append)` launch per layer instead of three
             (the same maths up to the order of fp32 sums); off until measured on the GPU.
+        gemma_bf16_experts: DiffusionGemma's BF16 routed experts: "grouped_mm" (two
+            `torch._grouped_mm` and Inductor's gelu-tanh) or "triton" (`dlmc::bf16_moe` with
+            `activation="gelu_tanh"`, the fused gate_up weights read in place; the same maths
+            up to the order of fp32 sums); "grouped_mm" until "triton" is measured on the GPU.
     """
 
     attention_backend: str = "auto"
     pdl: bool = True
     deterministic_compile: bool = False
     fused_attention_in: bool = False
+    gemma_bf16_experts: str = "grouped_mm"
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"KernelConfig.attention_backend={self.attention_backend!r}: "
                               f"expected one of {', '.join(ATTENTION_BACKENDS)}")
+        if self.gemma_bf16_experts not in GEMMA_BF16_EXPERTS:
+            raise ConfigError(f"KernelConfig.gemma_bf16_experts={self.gemma_bf16_experts!r}: "
+                              f"expected one of {', '.join(GEMMA_BF16_EXPERTS)}")
         for name in ("pdl", "deterministic_compile", "fused_attention_in"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"KernelConfig.{name}={getattr(self, name)!r}: expected "

@@ -132,6 +132,8 @@ def test_time_steps_runs_steady_steps():
     ("aten::mm", "matrix products"),
     ("void at::cuda::detail::grouped_mm_kernel<...>", "routed experts"),
     ("_nvfp4_moe_gate_up_kernel", "routed experts"),
+    ("_gate_up_kernel", "routed experts"),  # dlmc::bf16_moe's two kernels
+    ("_down_kernel", "routed experts"),
     ("_gemma_canvas_attention_kernel", "attention"),
     ("triton_red_fused__softmax_exp_sum_0", "fused (Inductor)"),
     ("Memcpy DtoD (Device -> Device)", "copies"),

@@ -39,14 +39,21 @@ def test_kernel_config_is_validated_and_recorded():
         KernelConfig(pdl="yes")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="KernelConfig.fused_attention_in=1"):
         KernelConfig(fused_attention_in=1)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError,
+                       match="KernelConfig.gemma_bf16_experts='cutlass'.*grouped_mm, triton"):
+        KernelConfig(gemma_bf16_experts="cutlass")
     config = KernelConfig(attention_backend="reference", pdl=False)
     assert config.to_dict() == {"attention_backend": "reference", "pdl": False,
-                                "deterministic_compile": False, "fused_attention_in": False}
+                                "deterministic_compile": False, "fused_attention_in": False,
+                                "gemma_bf16_experts": "grouped_mm"}
     assert config.describe() == ("attention_backend=reference pdl=False "
-                                 "deterministic_compile=False fused_attention_in=False")
+                                 "deterministic_compile=False fused_attention_in=False "
+                                 "gemma_bf16_experts=grouped_mm")
     assert config.cache_tag() == KernelConfig(attention_backend="reference",
                                               pdl=False).cache_tag() != DEFAULT_KERNELS.cache_tag()
     assert KernelConfig(fused_attention_in=True).cache_tag() != DEFAULT_KERNELS.cache_tag()
+    assert (KernelConfig(gemma_bf16_experts="triton").cache_tag()
+            != DEFAULT_KERNELS.cache_tag())
 
 
 def test_inductor_cache_dir_is_per_kernel_config(monkeypatch, tmp_path):

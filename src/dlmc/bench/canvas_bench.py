@@ -209,7 +209,8 @@ def random_cache(model: DiffusionGemmaForBlockDiffusion, prefix: int, canvas: in
 # CPU time on the CPU) falls in one group by its name; the groups sum to the profiled time.
 # (group, pattern over a kernel's or operator's name, lower case); the first match wins
 GROUPS: tuple[tuple[str, str], ...] = (
-    ("routed experts", r"grouped_mm|grouped_gemm|nvfp4|moe|gluon"),
+    ("routed experts", r"grouped_mm|grouped_gemm|nvfp4|moe|gluon|^_gate_up_kernel|"
+                       r"^_down_kernel"),
     ("attention", r"attention|flash|fmha|sdpa"),
     ("matrix products", r"gemm|nvjet|cutlass|xmma|cublas|aten::mm|aten::addmm|aten::bmm|"
                         r"aten::matmul|aten::linear|splitk|split_k"),

@@ -147,16 +147,17 @@ def decode_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """--attention-backend --pdl/--no-pdl --deterministic-compile --fused-attention-in, handed
-    to the command as one `kernels` argument (a `KernelConfig`)."""
-    from dlmc.custom_ops.kernel_config import ATTENTION_BACKENDS, KernelConfig
+    """--attention-backend --pdl/--no-pdl --deterministic-compile --fused-attention-in
+    --gemma-bf16-experts, handed to the command as one `kernels` argument (a `KernelConfig`)."""
+    from dlmc.custom_ops.kernel_config import ATTENTION_BACKENDS, GEMMA_BF16_EXPERTS, KernelConfig
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         kwargs["kernels"] = KernelConfig(
             attention_backend=kwargs.pop("attention_backend"), pdl=kwargs.pop("pdl"),
             deterministic_compile=kwargs.pop("deterministic_compile"),
-            fused_attention_in=kwargs.pop("fused_attention_in"))
+            fused_attention_in=kwargs.pop("fused_attention_in"),
+            gemma_bf16_experts=kwargs.pop("gemma_bf16_experts"))
         return fn(*args, **kwargs)
 
     decorators = [
@@ -171,6 +172,10 @@ def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--fused-attention-in", is_flag=True,
                      help="LLaDA2: input norm, qkv projection, q/k norm + RoPE and K/V store "
                      "in one launch per layer (dlmc::attention_in)."),
+        click.option("--gemma-bf16-experts", type=click.Choice(GEMMA_BF16_EXPERTS),
+                     default="grouped_mm", show_default=True,
+                     help="DiffusionGemma's BF16 routed experts: torch._grouped_mm, or triton "
+                     "(dlmc::bf16_moe, gelu-tanh; not yet measured on the GPU)."),
     ]
     for decorator in reversed(decorators):
         wrapper = decorator(wrapper)

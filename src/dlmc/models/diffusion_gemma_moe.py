@@ -2,7 +2,9 @@
 
 `GemmaExperts` is the MoE seam of this model, as `BF16Experts` is LLaDA2's: any module with
 `forward(x [T, H], topk_ids [T, K] int64, topk_weights [T, K] fp32) -> [T, H]` can stand in
-(quantized experts chosen at load time).
+(quantized experts chosen at load time). BF16 experts run through `torch._grouped_mm`, or with
+`KernelConfig.gemma_bf16_experts="triton"` through `dlmc::bf16_moe` reading the fused gate_up
+weights in place.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dlmc.custom_ops._registration import INTERPRETED
+from dlmc.custom_ops.bf16_moe import bf16_moe
 from dlmc.models.diffusion_gemma_config import DiffusionGemmaConfig
 from dlmc.models.diffusion_gemma_layers import GemmaRMSNorm, gelu_tanh
 
@@ -46,7 +50,12 @@ class GemmaRouter(nn.Module):
 
 class GemmaExperts(nn.Module):
     """Checkpoint `experts.gate_up_proj [E, 2I, H]` (rows `:I` gate, `I:` up) and
-    `experts.down_proj [E, H, I]`; expert e maps x to `down[e] @ (gelu_tanh(g) * u)`."""
+    `experts.down_proj [E, H, I]`; expert e maps x to `down[e] @ (gelu_tanh(g) * u)`.
+
+    `use_triton` (`KernelConfig.gemma_bf16_experts == "triton"`, set by `apply_kernel_config`):
+    bf16 inputs on CUDA (and on CPU under Triton's interpreter, for tests) run
+    `dlmc::bf16_moe(activation="gelu_tanh")` over the two halves of `gate_up_proj`, the same
+    maths as `grouped_gelu_moe` up to the order of fp32 sums."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -54,11 +63,17 @@ class GemmaExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size,
                                                      hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.use_triton = False
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
                 ) -> torch.Tensor:
         """`[T, H]`: the sum over k of `topk_weights[t, k]` times expert `topk_ids[t, k]`'s
         output for token t."""
+        if self.use_triton and x.dtype == torch.bfloat16 and (x.is_cuda or INTERPRETED):
+            inter = self.down_proj.shape[2]
+            return bf16_moe(x, topk_ids, topk_weights, self.gate_up_proj[:, :inter],
+                            self.gate_up_proj[:, inter:], self.down_proj,
+                            activation="gelu_tanh")  # [T, H] bf16
         return grouped_gelu_moe(x, topk_ids, topk_weights, self.gate_up_proj, self.down_proj)
 
 

@@ -19,6 +19,7 @@ from dlmc.custom_ops.kernel_config import KernelConfig
 from dlmc.custom_ops.nvfp4_moe import effective_variant, nvfp4_moe, nvfp4_moe_reference
 from dlmc.custom_ops.nvfp4_moe_tiles import ACTIVATIONS
 from dlmc.custom_ops.nvfp4_words import e4m3_scales, stored_forms, weight_operand
+from dlmc.models.diffusion_gemma_moe import GemmaExperts
 from dlmc.quant.nvfp4_format import GROUP_SIZE, dequantize_nvfp4
 
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -219,10 +220,13 @@ class NVFP4Experts(nn.Module):
 
 def apply_kernel_config(model: nn.Module, kernels: KernelConfig) -> None:
     """Hand `kernels`' op-level choices to every module of `model` that runs an op taking them
-    (the NVFP4 experts' `pdl`; LLaDA2 attention's `use_fused_in`)."""
+    (the NVFP4 experts' `pdl`; LLaDA2 attention's `use_fused_in`; DiffusionGemma's BF16
+    experts' `use_triton`)."""
     for module in model.modules():
         if isinstance(module, NVFP4Experts):
             module.pdl = kernels.pdl
+        if isinstance(module, GemmaExperts):
+            module.use_triton = kernels.gemma_bf16_experts == "triton"
         use_fused_in = getattr(module, "use_fused_in", None)  # (llada2.Attention)
         if use_fused_in is not None:
             use_fused_in(kernels.fused_attention_in)
