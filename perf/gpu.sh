@@ -11,6 +11,8 @@
 #   loop         the BF16 round with whole decodes: the decode loop's host overhead
 #   canvas       DiffusionGemma-26B-A4B's denoising step, canvas 256, prefix 1024: BF16, then
 #                NVFP4 routed experts + FP8 KV (one process each; a cold compile takes minutes)
+#   canvas-experts  the BF16 step with DiffusionGemma's experts in torch._grouped_mm, then in
+#                dlmc::bf16_moe (--gemma-bf16-experts triton), both profiled
 #   canvas-loop  the BF16 step with a whole graph-mode decode's host overhead (--loop) and the
 #                kernel profile (--profile)
 #   tests-NAME   pytest -m gpu of one test part, NAME one of TEST_PARTS below
@@ -129,6 +131,13 @@ canvas)
   step canvas_nvfp4_fp8 280 "${CANVAS[@]}" "${NVFP4[@]}" --no-loop \
     --out "$OUT/canvas_nvfp4_fp8.json"
   summary ;;
+canvas-experts)
+  setup
+  for experts in grouped_mm triton; do
+    step "canvas_bf16_$experts" 280 "${CANVAS[@]}" --modes graph --precision bf16 --no-loop \
+      --profile --gemma-bf16-experts "$experts" --out "$OUT/canvas_bf16_$experts.json"
+  done
+  summary ;;
 canvas-loop)
   setup
   step canvas_bf16_loop 560 "${CANVAS[@]}" --precision bf16 --kv-cache-dtype bf16 --loop \
@@ -151,7 +160,7 @@ tests-*)
     $workers $files
   grep -E "FAILED|ERROR|passed|failed" "$OUT/$PART.txt" | tail -20 ;;
 *)
-  echo "usage: bash perf/gpu.sh rounds|ops|sampled|loop|canvas|canvas-loop|list|tests-NAME" \
+  echo "usage: bash perf/gpu.sh rounds|ops|sampled|loop|canvas|canvas-experts|canvas-loop|list|tests-NAME" \
     "(NAME: ${TEST_PARTS// /, })" >&2
   exit 2 ;;
 esac
