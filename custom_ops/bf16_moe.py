@@ -77,7 +77,7 @@ def bf16_tile_dot(acc, a_ptr, a_rows, row_mask, stride_a, w_ptr, n_offs, n_mask,
 @triton.jit
 def bf16_gate_up_rows(a_ptr, a_rows, row_mask, gate_w, up_w, h_ptr, h_rows, n_offs, n_mask,
                       H: tl.constexpr, stride_a, stride_h, BLOCK_K: tl.constexpr,
-                      INTERPRETED: tl.constexpr, ACTIVATION: tl.constexpr = "silu"):
+                      INTERPRETED: tl.constexpr, ACTIVATION: tl.constexpr):
     """h[h_rows, n_offs] = bf16(bf16(act(g)) * u) for A rows `a_rows` (`row_mask`: the rows
     to compute and store), `g`, `u` the bf16-rounded projections by gate/up `[I, H]` (the bf16
     maths of `SwiGLUMLP` and `GatedMLP`); `act` the `ACTIVATION`, "silu" or "gelu_tanh"
@@ -110,7 +110,7 @@ def bf16_down_rows(h_ptr, h_rows, row_mask, down_w, y_ptr, y_rows, n_offs, n_mas
 def bf16_gate_up_block(a_ptr, sorted_pair_ptr, gate_w, up_w, h_ptr, num_pairs, a_row_div, pid_m,
                        pid_n, H: tl.constexpr, I: tl.constexpr, stride_a, stride_h,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       INTERPRETED: tl.constexpr, ACTIVATION: tl.constexpr = "silu"):
+                       INTERPRETED: tl.constexpr, ACTIVATION: tl.constexpr):
     """`bf16_gate_up_rows` for one M-block and N-tile of one expert's gate/up `[I, H]`."""
     slots, _, row_mask, a_rows, n_offs, n_mask = block_rows(
         sorted_pair_ptr, num_pairs, a_row_div, pid_m, pid_n, I, BLOCK_M, BLOCK_N)

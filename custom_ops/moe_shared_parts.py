@@ -61,7 +61,7 @@ def shared_gate_up_part(a_ptr, gate_w, up_w, h_ptr, part, pid_n, num_pairs, pair
         part, pid_n, num_pairs, pairs_per_token, I, BLOCK_M, BLOCK_N, SPLIT)
     a_rows = tl.where(row_mask, pairs // a_row_div, 0)
     bf16_gate_up_rows(a_ptr, a_rows, row_mask, gate_w, up_w, h_ptr, h_row0 + tokens, n_offs,
-                      n_mask, H, stride_a, stride_h, BLOCK_K, INTERPRETED)
+                      n_mask, H, stride_a, stride_h, BLOCK_K, INTERPRETED, "silu")
 
 
 @triton.jit

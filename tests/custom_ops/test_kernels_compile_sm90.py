@@ -32,6 +32,9 @@ from dlmc.custom_ops._paged_attention_merge import (
     paged_attention_merge_flat_kernel,
     paged_attention_merge_kernel,
 )
+from dlmc.custom_ops.bf16_moe import _DEFAULT_LAUNCH
+from dlmc.custom_ops.bf16_moe import _down_kernel as bf16_down_kernel
+from dlmc.custom_ops.bf16_moe import _gate_up_kernel as bf16_gate_up_kernel
 from dlmc.custom_ops.kv_append import kv_append_kernel
 from dlmc.custom_ops.moe_align import aligned_blocks, moe_align_kernel
 
@@ -251,6 +254,27 @@ def check_moe_align(tokens: int, top_k: int, num_experts: int, block_m: int, num
     assert compiled.metadata.shared <= 48 * 1024  # one program, no opt-in shared memory needed
 
 
+def check_bf16_moe(hidden: int, inter: int, block_m: int) -> None:
+    """`dlmc::bf16_moe`'s two kernels as launched (PDL, the default tiles), gate/up with each
+    activation: no spills."""
+    pointers = {"a_ptr": "*bf16", "h_ptr": "*bf16", "y_ptr": "*bf16", "gate_w": "*bf16",
+                "up_w": "*bf16", "down_w": "*bf16", "sorted_pair_ptr": "*i32",
+                "expert_of_block_ptr": "*i32"}
+    for kernel, tiles, extra in ((bf16_gate_up_kernel, "gate_up", ("silu", "gelu_tanh")),
+                                 (bf16_down_kernel, "down", (None,))):
+        n, k, warps, stages = _DEFAULT_LAUNCH[tiles]
+        types = {name: pointers.get(name, "i32") for name in kernel.arg_names}
+        for activation in extra:
+            constexprs = {"H": hidden, "I": inter, "BLOCK_M": block_m, "BLOCK_N": n,
+                          "BLOCK_K": k, "INTERPRETED": False}
+            if activation:
+                constexprs["ACTIVATION"] = activation
+            compiled = compile_sm90(kernel, types, constexprs, warps, num_stages=stages)
+            usage = resource_usage(compiled)
+            print(f"bf16_moe {tiles} {activation or ''} H {hidden} I {inter}: {usage}")
+            assert usage["LOCAL"] == 0
+
+
 def compile_checks_pass(module: str) -> None:
     """Run `module`'s `__main__` (its sm_90 compile checks) with `python -m` from the
     repository root, without `TRITON_INTERPRET`; assert it succeeded."""
@@ -279,6 +303,8 @@ if __name__ == "__main__":
     from tests.custom_ops.nvfp4_compile_checks import check_nvfp4_moe
 
     check_nvfp4_moe()  # every kernel form dlmc::nvfp4_moe launches
+    check_bf16_moe(2048, 512, 16)  # LLaDA2.1-mini's experts
+    check_bf16_moe(2816, 704, 16)  # DiffusionGemma's, a 256-token canvas (route_block_m)
     check_moe_align(32, 8, 256, 16, 4)  # a diffusion block
     check_moe_align(32, 8, 256, 16, 4, shared_expert=True)  # ... with the shared expert fused
     check_moe_align(512, 8, 16, 64, 16)  # a prefill chunk
