@@ -168,19 +168,27 @@ def floors(nbytes: int, flops: int, copy_gbps: float, tensor_tflops: float) -> d
             "binds": "bandwidth" if bandwidth_ms >= compute_ms else "compute"}
 
 
+def _steady_runner(model: DiffusionGemmaForBlockDiffusion, cache: GemmaStaticCache,
+                   bench: CanvasBenchConfig, mode: str) -> CanvasRunner:
+    """A canvas runner in `mode` past its canvas's first step (no self-conditioning) and three
+    steady ones (compiled and captured), synchronised."""
+    runner = CanvasRunner(model, cache, CanvasSettings(canvas_length=bench.canvas), mode,
+                          bench.kernels)
+    torch.manual_seed(bench.seed)
+    runner.start_canvas()
+    for _ in range(4):
+        runner.step()
+    if cache.device.type == "cuda":
+        torch.cuda.synchronize()
+    return runner
+
+
 def time_steps(model: DiffusionGemmaForBlockDiffusion, cache: GemmaStaticCache,
                bench: CanvasBenchConfig, mode: str) -> dict[str, Any]:
     """Median / min / max ms of `bench.rounds` steady steps in `mode` (after the canvas's
     first step and warm-up) over `cache` holding `bench.prefix` positions."""
-    settings = CanvasSettings(canvas_length=bench.canvas)
-    runner = CanvasRunner(model, cache, settings, mode, bench.kernels)
-    torch.manual_seed(bench.seed)
-    runner.start_canvas()
     started = time.perf_counter()
-    for _ in range(4):  # the first step (no self-conditioning), then steady ones
-        runner.step()
-    if cache.device.type == "cuda":
-        torch.cuda.synchronize()
+    runner = _steady_runner(model, cache, bench, mode)
     warmup_s = time.perf_counter() - started
     times = cuda_times(runner.step, bench.rounds)
     result = {"mode": mode, "median_ms": statistics.median(times), "min_ms": min(times),
@@ -243,37 +251,27 @@ def profile_steps(model: DiffusionGemmaForBlockDiffusion, cache: GemmaStaticCach
     from torch.profiler import ProfilerActivity, profile
 
     cuda = cache.device.type == "cuda"
-    runner = CanvasRunner(model, cache, CanvasSettings(canvas_length=bench.canvas), mode,
-                          bench.kernels)
-    torch.manual_seed(bench.seed)
-    runner.start_canvas()
-    for _ in range(3):  # the first step (no self-conditioning), then steady ones
-        runner.step()
-    if cuda:
-        torch.cuda.synchronize()
+    runner = _steady_runner(model, cache, bench, mode)
     activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     with profile(activities=activities) as prof:
         for _ in range(steps):
             runner.step()
         if cuda:
             torch.cuda.synchronize()
-    kernels: dict[str, list[float]] = {}
+    kernels = []  # (µs per step, calls per step, name, group); key_averages: one row per name
     for event in prof.key_averages():
         us = event.self_device_time_total if cuda else event.self_cpu_time_total
-        if us <= 0 or (not cuda and event.key.startswith("ProfilerStep")):
-            continue
-        entry = kernels.setdefault(event.key, [0.0, 0.0])
-        entry[0] += us / steps
-        entry[1] += event.count / steps
+        if us > 0 and (cuda or not event.key.startswith("ProfilerStep")):
+            kernels.append((us / steps, event.count / steps, event.key, group_of(event.key)))
+    kernels.sort(key=lambda kernel: -kernel[0])
     groups: dict[str, float] = {}
-    for name, (us, _) in kernels.items():
-        groups[group_of(name)] = groups.get(group_of(name), 0.0) + us
-    ranked = sorted(kernels.items(), key=lambda item: -item[1][0])
+    for us, _, _, group in kernels:
+        groups[group] = groups.get(group, 0.0) + us
     return {"mode": mode, "steps": steps, "device": "cuda" if cuda else "cpu",
             "step_us": sum(groups.values()),
             "groups_us": dict(sorted(groups.items(), key=lambda item: -item[1])),
-            "kernels": [{"name": name, "group": group_of(name), "us_per_step": us,
-                         "calls_per_step": calls} for name, (us, calls) in ranked[:top]]}
+            "kernels": [{"name": name, "group": group, "us_per_step": us,
+                         "calls_per_step": calls} for us, calls, name, group in kernels[:top]]}
 
 
 def profile_text(report: dict[str, Any]) -> str:

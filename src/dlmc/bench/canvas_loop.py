@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from functools import partial
 from typing import Any, TypeVar
 
 import torch
 
 from dlmc.bench.canvas_bench import CanvasBenchConfig
+from dlmc.bench.timing import drain
 from dlmc.engine.canvas_config import CanvasDecodeConfig
 from dlmc.engine.canvas_decoder import PREFILL_CHUNK, CanvasDecoder
 from dlmc.engine.events import DecodeOutput
@@ -67,14 +68,6 @@ def _timed(fn: Callable[[], T], cuda: bool) -> tuple[float, T]:
     end.record()
     end.synchronize()
     return start.elapsed_time(end), out
-
-
-def _drain(events: Generator[Any, None, DecodeOutput]) -> DecodeOutput:
-    while True:
-        try:
-            next(events)
-        except StopIteration as stop:
-            return stop.value
 
 
 def _passes(decoder: CanvasDecoder, prompt: list[int], settings: CanvasSettings, seed: int
@@ -138,7 +131,7 @@ def canvas_loop_overhead(model: DiffusionGemmaForBlockDiffusion, bench: CanvasBe
     def decode() -> tuple[float, DecodeOutput]:
         sync()
         started = time.perf_counter()
-        out = _drain(decoder.decode(prompt, cfg))
+        out = drain(decoder.decode(prompt, cfg))
         sync()
         return (time.perf_counter() - started) * 1e3, out
 

@@ -15,12 +15,13 @@ from __future__ import annotations
 import torch
 
 from dlmc.custom_ops.kernel_config import KernelConfig
-from dlmc.kv.gemma_static_cache import FP8_MAX, GemmaStaticCache
+from dlmc.kv.gemma_static_cache import GemmaStaticCache
 from dlmc.kv.scales import KVScales
 from dlmc.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion
 from dlmc.models.diffusion_gemma_config import DiffusionGemmaConfig
 from dlmc.models.nvfp4_experts import apply_kernel_config
 from dlmc.models.shapes import build_random_diffusion_gemma
+from dlmc.quant.nvfp4_format import e4m3
 
 __all__ = ["PRECISIONS", "KV_CACHE_DTYPES", "build_canvas_model", "canvas_option_problem",
            "random_fp8_cache", "fp8_bench_scales", "kv_element_bytes"]
@@ -76,7 +77,7 @@ def random_fp8_cache(model: DiffusionGemmaForBlockDiffusion, prefix: int, canvas
                              fp8_scales=scales)
     for codes in (*cache.k, *cache.v):
         values = torch.randn(codes.shape, device=device, generator=gen) * CODE_SPREAD
-        codes.copy_(values.clamp(-FP8_MAX, FP8_MAX).to(codes.dtype))
+        codes.copy_(e4m3(values))
     cache.length.fill_(prefix)
     return cache
 

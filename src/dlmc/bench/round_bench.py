@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dlmc.bench.timing import cuda_times, queued_cuda_times
+from dlmc.bench.timing import cuda_times, drain, queued_cuda_times
 from dlmc.custom_ops.kernel_config import DEFAULT_KERNELS, KernelConfig
 from dlmc.engine.decode_config import DecodeConfig
 from dlmc.graphs.in_flight import block_in_flight
@@ -237,12 +237,7 @@ def loop_overhead(model: nn.Module, bench: RoundBenchConfig, mask_id: int, round
     cfg = DecodeConfig(block_length=bl, max_new_tokens=blocks * bl)
 
     def run() -> Any:
-        steps = decoder.decode(prompt.tolist(), cfg)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as stop:
-                return stop.value
+        return drain(decoder.decode(prompt.tolist(), cfg))
 
     run()  # captures prefill / refresh / round graphs
     sync()

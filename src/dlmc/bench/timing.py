@@ -4,9 +4,21 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from typing import Any, TypeVar
 
 import torch
+
+R = TypeVar("R")
+
+
+def drain(events: Generator[Any, None, R]) -> R:
+    """Run a decode's event generator to its end; its return value (the decode's output)."""
+    while True:
+        try:
+            next(events)
+        except StopIteration as stop:
+            return stop.value
 
 
 def cuda_times(fn: Callable[[], object], iters: int, warmup: int = 0) -> list[float]:

@@ -17,7 +17,7 @@ from dlmc.engine.canvas_config import CanvasDecodeConfig, resolve_canvas_config
 from dlmc.engine.canvas_decoder import CanvasDecoder
 from dlmc.engine.canvas_steppers import check_canvas_mode, default_canvas_mode
 from dlmc.errors import ConfigError
-from dlmc.kv.scales import KV_CACHE_DTYPES, KVScales
+from dlmc.kv.scales import KVScales, resolve_kv_cache_dtype
 from dlmc.loading.special_ids import SpecialIds
 from dlmc.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion
 
@@ -93,19 +93,13 @@ class CanvasRuntime:
 
 
 def resolve_canvas_kv(option: str, declares_fp8: bool, dtype: torch.dtype, mode: str) -> bool:
-    """Whether DiffusionGemma's cache holds FP8 K/V: `kv_cache_dtype` "fp8" (any mode but
-    "reference"), or "auto" where the checkpoint declares an FP8 KV cache, the activations are
-    bf16 and the mode is not "reference"; "bf16" (and "auto" otherwise) keeps the activation
-    dtype."""
-    if option not in KV_CACHE_DTYPES:
-        raise ConfigError(f"kv_cache_dtype {option!r}: expected one of "
-                          f"{', '.join(KV_CACHE_DTYPES)}")
-    if option == "fp8" and mode == "reference":
-        raise ConfigError("kv_cache_dtype 'fp8': mode 'reference' keeps K/V in the activation "
-                          "dtype; use mode 'eager' (--mode eager) or kv_cache_dtype 'bf16'")
+    """Whether DiffusionGemma's cache holds FP8 K/V: `kv_cache_dtype` as `resolve_kv_cache_dtype`
+    resolves it, except that "auto" keeps the activation dtype unless the activations are bf16
+    and the mode is not "reference" (whose stepper refuses an explicit "fp8")."""
+    fp8 = resolve_kv_cache_dtype(option, declares_fp8) == "fp8"
     if option == "auto":
-        return declares_fp8 and dtype == torch.bfloat16 and mode != "reference"
-    return option == "fp8"
+        return fp8 and dtype == torch.bfloat16 and mode != "reference"
+    return fp8
 
 
 _NO_IMAGES = ("dlmc runs DiffusionGemma's text path only (the vision tower is not loaded), so "

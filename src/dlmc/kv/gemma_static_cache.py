@@ -22,10 +22,9 @@ import torch
 from dlmc.errors import ConfigError
 from dlmc.kv.scales import KVScales
 from dlmc.models.diffusion_gemma_config import DiffusionGemmaConfig
+from dlmc.quant.nvfp4_format import e4m3
 
-__all__ = ["FP8_MAX", "GemmaStaticCache"]
-
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+__all__ = ["GemmaStaticCache"]
 
 
 class GemmaStaticCache:
@@ -79,7 +78,7 @@ class GemmaStaticCache:
     def _store(self, x: torch.Tensor, scale: float) -> torch.Tensor:
         if not self.fp8:
             return x.to(self.storage_dtype)
-        return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(self.storage_dtype)
+        return e4m3(x.float() / scale)
 
     def write(self, layer_idx: int, positions: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
