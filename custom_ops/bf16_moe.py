@@ -35,6 +35,7 @@ __all__ = ["activate", "bf16_down_block", "bf16_down_rows", "bf16_gate_up_block"
 # sweeps other configs by replacing entries of `_LAUNCH` (read at each call, eager launches).
 _DEFAULT_LAUNCH = {"gate_up": (64, 128, 4, 3), "down": (64, 128, 4, 3)}
 _LAUNCH = dict(_DEFAULT_LAUNCH)
+_BLOCK_M: int | None = None  # rows per M-block; None: `route_block_m`'s (the bench sweeps it)
 
 
 @triton.jit
@@ -172,7 +173,8 @@ def _bf16_moe_impl(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.
     if tokens == 0:
         return out
     num_pairs = tokens * pairs_per_token
-    block_m, sorted_pair, expert_of_block = route_pairs(topk_ids, routed_experts, shared_expert)
+    block_m, sorted_pair, expert_of_block = route_pairs(topk_ids, routed_experts, shared_expert,
+                                                        block_m=_BLOCK_M)
     num_blocks = expert_of_block.shape[0]
     n1, k1, w1, s1 = _LAUNCH["gate_up"]
     n2, k2, w2, s2 = _LAUNCH["down"]

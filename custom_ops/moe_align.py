@@ -304,10 +304,14 @@ def route_block_m(tokens: int, top_k: int, num_experts: int, shared_expert: bool
 
 
 def route_pairs(topk_ids: torch.Tensor, num_experts: int,
-                shared_expert: bool = False, pdl: bool = False) -> PairRouting:
+                shared_expert: bool = False, pdl: bool = False,
+                block_m: int | None = None) -> PairRouting:
     """`(block_m, sorted_pair, expert_of_block)` for the grouped MoE kernels (see above), block_m
-    from `route_block_m`; `pdl` as in `align_pairs_to_blocks`."""
-    block_m = route_block_m(*topk_ids.shape, num_experts, shared_expert)
+    from `route_block_m` unless given (16, 32 or 64); `pdl` as in `align_pairs_to_blocks`."""
+    if block_m is None:
+        block_m = route_block_m(*topk_ids.shape, num_experts, shared_expert)
+    elif block_m not in (16, 32, 64):
+        raise ValueError(f"route_pairs: block_m must be 16, 32 or 64, got {block_m!r}")
     return PairRouting(block_m, *align_pairs_to_blocks(topk_ids, num_experts, block_m,
                                                        shared_expert, pdl))
 

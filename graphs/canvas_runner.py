@@ -153,18 +153,23 @@ class CanvasRunner:
         self.steps = 0
         self._first = True
 
-    def step(self) -> bool:
+    def step(self, eager: bool = False) -> bool:
         """Run one denoising step; returns the device's "done" flag (stopped, or the step budget
-        spent): the one host sync per step."""
-        self.launch()
+        spent): the one host sync per step. `eager`: this step runs eagerly whatever the mode
+        (nothing compiled or captured for it: a benchmark's canvas-opening step)."""
+        self.launch(eager)
         return bool(self.canvas.done)
 
-    def launch(self) -> None:
+    def launch(self, eager: bool = False) -> None:
         """`step` without reading the flag: the step is only queued on the device."""
         key_len, first = self.key_len(self.length), self._first
-        fn = canvas_round if self.mode == "eager" else self._compiled("canvas_round", canvas_round)
-        self._run(("step", first, key_len), lambda: fn(self.model, self.canvas, self.cache,
-                                                       key_len, self.settings, first))
+        if eager or self.mode == "eager":
+            with torch.no_grad():
+                canvas_round(self.model, self.canvas, self.cache, key_len, self.settings, first)
+        else:
+            fn = self._compiled("canvas_round", canvas_round)
+            self._run(("step", first, key_len), lambda: fn(self.model, self.canvas, self.cache,
+                                                           key_len, self.settings, first))
         self._first = False
         self.steps += 1
 

@@ -11,8 +11,9 @@
 #   loop         the BF16 round with whole decodes: the decode loop's host overhead
 #   canvas       DiffusionGemma-26B-A4B's denoising step, canvas 256, prefix 1024: BF16, then
 #                NVFP4 routed experts + FP8 KV (one process each; a cold compile takes minutes)
-#   canvas-experts  the BF16 step with DiffusionGemma's experts in torch._grouped_mm, then in
-#                dlmc::bf16_moe (--gemma-bf16-experts triton), both profiled
+#   canvas-experts  DiffusionGemma's BF16 experts alone (dlmc::bf16_moe's launch and block_m
+#                sweeps against torch._grouped_mm), then the BF16 step with them in
+#                torch._grouped_mm and in dlmc::bf16_moe (--gemma-bf16-experts triton), profiled
 #   canvas-loop  the BF16 step with a whole graph-mode decode's host overhead (--loop) and the
 #                kernel profile (--profile)
 #   tests-NAME   pytest -m gpu of one test part, NAME one of TEST_PARTS below
@@ -133,8 +134,13 @@ canvas)
   summary ;;
 canvas-experts)
   setup
+  step op_gemma_gate_up 80 python3 perf/bench_bf16_moe.py --shape diffusiongemma --grouped-mm \
+    --block-m 32 64 --configs 32,128,4,4 64,64,4,4 128,64,4,3 32,256,4,3 \
+    --out "$OUT/op_gemma_gate_up.json"
+  step op_gemma_down 60 python3 perf/bench_bf16_moe.py --shape diffusiongemma --kernel down \
+    --configs 128,64,4,3 64,64,4,4 128,128,8,3 --out "$OUT/op_gemma_down.json"
   for experts in grouped_mm triton; do
-    step "canvas_bf16_$experts" 280 "${CANVAS[@]}" --modes graph --precision bf16 --no-loop \
+    step "canvas_bf16_$experts" 200 "${CANVAS[@]}" --modes graph --precision bf16 --no-loop \
       --profile --gemma-bf16-experts "$experts" --out "$OUT/canvas_bf16_$experts.json"
   done
   summary ;;

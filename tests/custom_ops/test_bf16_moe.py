@@ -48,6 +48,20 @@ def test_experts_without_tokens_and_odd_sizes():
     _check(_case(5, 12, 48, 24, 2, seed=3, used=3))  # experts 3..11 receive no token
 
 
+@pytest.mark.parametrize("block_m", [32, 64])
+def test_a_swept_block_m_gives_the_same_result(monkeypatch, block_m):
+    """The bench's `_BLOCK_M` sweep (more rows per M-block than the routing would pick): the
+    same sums in the same order per row, so the same bits as the op's own block_m."""
+    import dlmc.custom_ops.bf16_moe as bf16_module
+
+    args = _case(40, 6, 32, 40, 3, seed=5)  # 20 pairs per expert: block_m 16 by default
+    want = bf16_moe(*args)
+    monkeypatch.setattr(bf16_module, "_BLOCK_M", block_m)
+    got = bf16_moe(*args)
+    assert torch.equal(got, want)
+    _check(args)
+
+
 @settings(max_examples=8 if DEVICE == "cpu" else 200, deadline=None)
 @given(tokens=st.sampled_from([1, 3, 17, 33]), experts=st.sampled_from([4, 9, 12]),
        used=st.sampled_from([None, 3]), hidden=st.sampled_from([32, 48]),

@@ -172,6 +172,16 @@ def test_large_routings_take_the_reference(monkeypatch: pytest.MonkeyPatch) -> N
     assert torch.equal(route_pairs(ids, 64)[2], expert_of_block) and len(calls) == 2
 
 
+def test_route_pairs_takes_a_given_block_m() -> None:
+    ids = _routing(40, 8, 64, skew=0.0, seed=3)
+    block_m, sorted_pair, expert_of_block = route_pairs(ids, 64, block_m=32)
+    want = align_pairs_to_blocks_reference(ids, 64, 32, False)
+    assert block_m == 32 and torch.equal(sorted_pair, want[0])
+    assert torch.equal(expert_of_block, want[1])
+    with pytest.raises(ValueError, match="block_m must be 16, 32 or 64, got 24"):
+        route_pairs(ids, 64, block_m=24)
+
+
 @pytest.mark.parametrize("shared_expert", [False, True])
 def test_opcheck(shared_expert: bool) -> None:
     ids = _routing(9, 4, 12, skew=0.5, seed=2)

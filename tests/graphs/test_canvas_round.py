@@ -249,6 +249,26 @@ def test_stop_flag_and_step_budget(model):
         assert torch.equal(getattr(confident.canvas, name), frozen[name]), name
 
 
+def test_an_eager_step_of_a_compile_mode_runner_compiles_nothing(model):
+    """`step(eager=True)` (a benchmark's canvas-opening step) computes what an eager runner's
+    step does, leaves the generator alike, and neither compiles nor records a step."""
+    eager = _runner(model, SETTINGS["default"], "eager")
+    other = _runner(model, SETTINGS["default"], "compile", eager.cache)
+    eager.encode(_prompt(6))
+    other.length = eager.length
+    after = []
+    for runner in (eager, other):
+        torch.manual_seed(8)
+        runner.start_canvas()
+        assert runner.step(eager=True) is False
+        after.append(torch.rand(3))
+    assert torch.equal(after[0], after[1])
+    for name, value in eager.canvas.snapshot().items():
+        assert torch.equal(getattr(other.canvas, name), value), name
+    assert bool((eager.canvas.sc_logits != 0).any())  # the step did run
+    assert other._graphs == {} and other.compile_s == 0.0 and other.steps == 1
+
+
 def test_start_canvas_draws_even_a_given_canvas(model):
     runner = _runner(model, SETTINGS["default"], "eager")
     runner.encode(_prompt(4))

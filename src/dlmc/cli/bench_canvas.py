@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import platform
+import time
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +46,12 @@ def canvas_round(shape: str, canvas: int, prefix: int, routing: str, rounds: int
     from dlmc.models.shapes import SHAPES
 
     device = torch.device("cuda")
+    console = Console()
+    started = time.perf_counter()
     bench = CanvasBenchConfig(canvas, prefix, routing, rounds, modes, kernels=kernels)
     model = build_canvas_model(SHAPES[shape], device, precision, kernels, seed=bench.seed)
+    console.print(f"built {shape} ({precision} experts) in {time.perf_counter() - started:.1f} s",
+                  highlight=False)
     torch.cuda.empty_cache()
     if routing == "uniform":
         # routes for every forward of a decode (the loop's encoder chunks are longer)
@@ -63,7 +68,12 @@ def canvas_round(shape: str, canvas: int, prefix: int, routing: str, rounds: int
     nbytes, flops = parts["total"], step_flops(model, canvas, prefix)
     bandwidth = copy_bandwidth_gbps()
     limits = floors(nbytes, flops, bandwidth, bench.tensor_tflops)
-    results = [time_steps(model, cache, bench, mode) for mode in bench.modes]
+    results = []
+    for mode in bench.modes:  # a line per mode as it ends: a cold compile takes minutes
+        results.append(time_steps(model, cache, bench, mode))
+        console.print(f"{mode}: warm-up {results[-1]['warmup_s']:.1f} s (compile and capture "
+                      f"{results[-1]['compile_capture_s']:.1f} s), median "
+                      f"{results[-1]['median_ms']:.3f} ms", highlight=False)
     for r in results:
         r["gb_per_s"] = nbytes / r["median_ms"] / 1e6
         r["fraction_of_copy_bw"] = r["gb_per_s"] / bandwidth
@@ -98,7 +108,6 @@ def canvas_round(shape: str, canvas: int, prefix: int, routing: str, rounds: int
         table.add_row(name, f"{median:.3f}", f"{low:.3f}–{high:.3f}", f"{nbytes / 1e9:.2f}",
                       f"{gbps:.0f}", f"{bandwidth:.0f}", f"{gbps / bandwidth:.1%}",
                       f"{flops / median / 1e9:.0f}")
-    console = Console()
     console.print(table)
     _write(report, out)  # the steps' figures, kept if the loop fails
     if profile:
