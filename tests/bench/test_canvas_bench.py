@@ -101,7 +101,8 @@ def test_step_bytes_and_flops_at_the_full_shape():
     linear = (25 * 2816 * 12288 + 5 * 2816 * 17408 + 30 * (3 * 2112 + 128) * 2816
               + 3 * 2112 * 2816 + 2 * embed)
     experts_per_token = 30 * 8 * 3 * 2816 * 704
-    attention = 25 * 2 * 16 * 256 * (1023 + 256) + 5 * 2 * 16 * 512 * (1024 + 256)
+    # sliding layers read 1024 slots: the window's 1023 keys, aligned, one masked
+    attention = 25 * 2 * 16 * 256 * (1024 + 256) + 5 * 2 * 16 * 512 * (1024 + 256)
     flops = step_flops(model, 256, 1024)
     assert flops == 2 * 256 * (linear + experts_per_token + attention)
     assert round(flops / 1e12, 2) == 2.53

@@ -30,7 +30,7 @@ from dlmc.custom_ops.kernel_config import DEFAULT_KERNELS, KernelConfig
 from dlmc.errors import ConfigError
 from dlmc.graphs.canvas_runner import CanvasRunner
 from dlmc.graphs.canvas_settings import CanvasSettings
-from dlmc.kv.gemma_round_attention import CanvasRoundAttention
+from dlmc.kv.gemma_round_attention import CanvasRoundAttention, canvas_past_slots
 from dlmc.kv.gemma_static_cache import GemmaStaticCache
 from dlmc.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion, GemmaDecoderLayer
 from dlmc.models.diffusion_gemma_moe import GemmaRouter
@@ -142,7 +142,7 @@ def step_bytes(model: DiffusionGemmaForBlockDiffusion, canvas: int, prefix: int,
 def step_flops(model: DiffusionGemmaForBlockDiffusion, canvas: int, prefix: int) -> int:
     """Matmul FLOPs of one steady step: 2 per multiply-add of every linear layer (the experts
     for canvas x top-k pairs), of the lm_head and the self-conditioning `softmax @ E`, and of
-    attention's q·k and p·v over the keys each layer attends (module docstring)."""
+    attention's q·k and p·v over the keys each layer reads (the window's masked slots too)."""
     cfg = model.config
     linear = 0
     for name, tensor in model.named_parameters():
@@ -153,8 +153,7 @@ def step_flops(model: DiffusionGemmaForBlockDiffusion, canvas: int, prefix: int)
     experts = cfg.num_hidden_layers * cfg.top_k_experts * pair
     attention = 0
     for i in range(cfg.num_hidden_layers):
-        window = cfg.layer_window(i)
-        keys = (prefix if window is None else min(prefix, window - 1)) + canvas
+        keys = canvas_past_slots(cfg.layer_window(i), prefix) + canvas
         attention += 2 * cfg.num_attention_heads * cfg.layer_head_dim(i) * keys
     return 2 * canvas * (linear + experts + attention)
 

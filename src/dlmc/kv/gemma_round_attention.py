@@ -14,8 +14,10 @@ it must be at least the cache length (`cache.length`, which the contexts read on
 
 A sliding layer reads a fixed-size window of slots gathered at a device-side offset once the
 bucket is longer than the window needs (`window - 1` slots for the canvas, `window - 1 + T` for
-a chunk of T tokens); otherwise it reads the bucket's slots under the window mask. Slots outside
-the rule (later positions, padding, stale K/V, gathered indices below 0) are masked out, so
+a chunk of T tokens, each rounded up to a multiple of `ALIGN` so that the score and value
+products keep aligned shapes: an odd key count sends cuBLAS to slow unaligned kernels);
+otherwise it reads the bucket's slots under the window mask. Slots outside the rule (before the
+window, later positions, padding, stale K/V, gathered indices below 0) are masked out, so
 whatever they hold never counts.
 """
 
@@ -26,7 +28,19 @@ import torch
 from dlmc.kv.gemma_static_cache import GemmaStaticCache
 from dlmc.models.diffusion_gemma_attention import gemma_attention_reference
 
-__all__ = ["CanvasRoundAttention", "EncodeRoundAttention"]
+__all__ = ["ALIGN", "CanvasRoundAttention", "EncodeRoundAttention", "canvas_past_slots"]
+
+ALIGN = 8  # gathered key counts are multiples of this (16 bytes of bf16)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def canvas_past_slots(window: int | None, key_len: int) -> int:
+    """How many cache slots a canvas's layer reads at `key_len` (the window's masked ones too)."""
+    span = _aligned(window - 1) if window is not None else key_len
+    return min(span, key_len)
 
 
 def _past_slots(cache: GemmaStaticCache, layer_idx: int, key_len: int, first: torch.Tensor | None,
@@ -56,11 +70,13 @@ class CanvasRoundAttention:
                window: int | None, scale: float) -> torch.Tensor:
         """q `[C, Hq, D]`, k/v `[C, Hkv, D]` of the canvas -> `[C, Hq, D]`."""
         length = self.cache.length
-        gather = window is not None and self.key_len > window - 1
-        first = length - (window - 1) if gather and window is not None else None
-        span = window - 1 if window is not None else 0
+        span = _aligned(window - 1) if window is not None else 0
+        gather = window is not None and self.key_len > span
+        first = length - span if gather else None
         slots, past_k, past_v = _past_slots(self.cache, layer_idx, self.key_len, first, span)
         valid = (slots < length) & (slots >= 0)  # [S]
+        if window is not None:
+            valid &= slots > length - window  # the last window - 1 cached positions
         keys = torch.cat([past_k, k])  # [S + C, Hkv, D]
         values = torch.cat([past_v, v])
         canvas = torch.ones(q.shape[0], dtype=torch.bool, device=q.device)  # [C]
@@ -82,9 +98,9 @@ class EncodeRoundAttention:
         """q `[T, Hq, D]`, k/v `[T, Hkv, D]` of the chunk -> `[T, Hq, D]`."""
         self.cache.write(layer_idx, self.positions, k, v)
         tokens = q.shape[0]
-        span = (window - 1 + tokens) if window is not None else 0
+        span = _aligned(window - 1 + tokens) if window is not None else 0
         gather = window is not None and self.key_len > span
-        first = self.positions[0] - (window - 1) if gather and window is not None else None
+        first = self.positions[0] + tokens - span if gather else None
         slots, keys, values = _past_slots(self.cache, layer_idx, self.key_len, first, span)
         query = self.positions[:, None]  # [T, 1]
         allowed = (slots[None, :] <= query) & (slots[None, :] >= 0)  # [T, S]
