@@ -9,8 +9,9 @@
 #                alone, paged attention at 1k / 4k / 16k (and FlashInfer when installed)
 #   sampled      the NVFP4 + FP8 round sampled at temperature 0.7
 #   loop         the BF16 round with whole decodes: the decode loop's host overhead
-#   canvas       DiffusionGemma-26B-A4B's denoising step, canvas 256, prefix 1024: BF16, then
-#                NVFP4 routed experts + FP8 KV (one process each; a cold compile takes minutes)
+#   canvas       DiffusionGemma-26B-A4B's denoising step, canvas 256, prefix 1024, graph mode,
+#                profiled: BF16 (dlmc::bf16_moe experts), then NVFP4 routed experts + FP8 KV
+#                (one process each; a cold compile takes minutes)
 #   canvas-experts  DiffusionGemma's BF16 experts alone (dlmc::bf16_moe's launch and block_m
 #                sweeps against torch._grouped_mm), then the BF16 step with them in
 #                torch._grouped_mm and in dlmc::bf16_moe (--gemma-bf16-experts triton), profiled
@@ -127,9 +128,9 @@ sampled)
   summary ;;
 canvas)
   setup
-  step canvas_bf16 280 "${CANVAS[@]}" --precision bf16 --kv-cache-dtype bf16 --no-loop \
-    --out "$OUT/canvas_bf16.json"
-  step canvas_nvfp4_fp8 280 "${CANVAS[@]}" "${NVFP4[@]}" --no-loop \
+  step canvas_bf16 330 "${CANVAS[@]}" --modes graph --precision bf16 --kv-cache-dtype bf16 \
+    --gemma-bf16-experts triton --no-loop --profile --out "$OUT/canvas_bf16.json"
+  step canvas_nvfp4_fp8 210 "${CANVAS[@]}" --modes graph "${NVFP4[@]}" --no-loop --profile \
     --out "$OUT/canvas_nvfp4_fp8.json"
   summary ;;
 canvas-experts)
