@@ -17,12 +17,14 @@ from typing import Any
 
 from dlmc.errors import ConfigError
 
-__all__ = ["ATTENTION_BACKENDS", "DEFAULT_KERNELS", "GEMMA_BF16_EXPERTS", "KernelConfig"]
+__all__ = ["ATTENTION_BACKENDS", "DEFAULT_KERNELS", "GEMMA_ATTENTION", "GEMMA_BF16_EXPERTS",
+           "KernelConfig"]
 
 # "auto": the Triton paged attention on CUDA, the plain-PyTorch reference elsewhere.
 ATTENTION_BACKENDS = ("auto", "triton", "reference")
 # DiffusionGemma's BF16 routed experts: two `torch._grouped_mm`, or `dlmc::bf16_moe`.
 GEMMA_BF16_EXPERTS = ("grouped_mm", "triton")
+GEMMA_ATTENTION = ("torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,10 @@ class KernelConfig:
             `torch._grouped_mm` and Inductor's gelu-tanh) or "triton" (`dlmc::bf16_moe` with
             `activation="gelu_tanh"`, the fused gate_up weights read in place; the same maths
             up to the order of fp32 sums); "grouped_mm" until "triton" is measured on the GPU.
+        gemma_attention: DiffusionGemma's compiled denoising steps attend the static cache with
+            "torch" (plain PyTorch, compiled by Inductor) or "triton" (`dlmc::paged_attention`
+            over the cache viewed as pages; bf16 activations; the same maths up to the order
+            of fp32 sums and P rounded to bf16); "torch" until "triton" is measured.
     """
 
     attention_backend: str = "auto"
@@ -52,6 +58,7 @@ class KernelConfig:
     deterministic_compile: bool = False
     fused_attention_in: bool = False
     gemma_bf16_experts: str = "grouped_mm"
+    gemma_attention: str = "torch"
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -60,6 +67,9 @@ class KernelConfig:
         if self.gemma_bf16_experts not in GEMMA_BF16_EXPERTS:
             raise ConfigError(f"KernelConfig.gemma_bf16_experts={self.gemma_bf16_experts!r}: "
                               f"expected one of {', '.join(GEMMA_BF16_EXPERTS)}")
+        if self.gemma_attention not in GEMMA_ATTENTION:
+            raise ConfigError(f"KernelConfig.gemma_attention={self.gemma_attention!r}: "
+                              f"expected one of {', '.join(GEMMA_ATTENTION)}")
         for name in ("pdl", "deterministic_compile", "fused_attention_in"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"KernelConfig.{name}={getattr(self, name)!r}: expected "

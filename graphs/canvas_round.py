@@ -95,15 +95,17 @@ def canvas_round(
     key_len: int,
     settings: CanvasSettings,
     first: bool,
+    triton_attention: bool = False,
 ) -> None:
     """One denoising step of the canvas in `buf` over `cache` (full layers' keys in the bucket
     `[0, key_len)`, key_len >= the cache length). `first`: the canvas's first step, whose
     decoder input has no self-conditioning (a Python bool: one compiled function per value).
+    `triton_attention`: attend through `dlmc::paged_attention` (`CanvasRoundAttention`).
 
     The step's n is `buf.steps_remaining` (held at 1 once it runs out, so a step run after the
     budget repeats the last temperature); `buf.done` = stopped or no step left after this one.
     """
-    ctx = CanvasRoundAttention(cache, key_len)
+    ctx = CanvasRoundAttention(cache, key_len, triton_attention)
     previous = None if first else buf.sc_logits
     logits = model(buf.tokens, buf.positions, ctx, decoder=True,
                    self_conditioning_logits=previous)  # [C, V] fp32

@@ -163,13 +163,14 @@ class CanvasRunner:
     def launch(self, eager: bool = False) -> None:
         """`step` without reading the flag: the step is only queued on the device."""
         key_len, first = self.key_len(self.length), self._first
+        triton = self.kernels.gemma_attention == "triton"
+        args = (self.model, self.canvas, self.cache, key_len, self.settings, first, triton)
         if eager or self.mode == "eager":
             with torch.no_grad():
-                canvas_round(self.model, self.canvas, self.cache, key_len, self.settings, first)
+                canvas_round(*args)
         else:
             fn = self._compiled("canvas_round", canvas_round)
-            self._run(("step", first, key_len), lambda: fn(self.model, self.canvas, self.cache,
-                                                           key_len, self.settings, first))
+            self._run(("step", first, key_len), lambda: fn(*args))
         self._first = False
         self.steps += 1
 

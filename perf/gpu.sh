@@ -9,9 +9,10 @@
 #                alone, paged attention at 1k / 4k / 16k (and FlashInfer when installed)
 #   sampled      the NVFP4 + FP8 round sampled at temperature 0.7
 #   loop         the BF16 round with whole decodes: the decode loop's host overhead
-#   canvas       DiffusionGemma-26B-A4B's denoising step, canvas 256, prefix 1024, graph mode,
-#                profiled: BF16 (dlmc::bf16_moe experts), then NVFP4 routed experts + FP8 KV
-#                (one process each; a cold compile takes minutes)
+#   canvas       dlmc::paged_attention alone at DiffusionGemma's canvas shapes, then
+#                DiffusionGemma-26B-A4B's denoising step, canvas 256, prefix 1024, graph mode,
+#                profiled, with dlmc's experts and attention: BF16, then NVFP4 routed experts +
+#                FP8 KV (one process each; a cold compile takes minutes)
 #   canvas-experts  DiffusionGemma's BF16 experts alone (dlmc::bf16_moe's launch and block_m
 #                sweeps against torch._grouped_mm), then the BF16 step with them in
 #                torch._grouped_mm and in dlmc::bf16_moe (--gemma-bf16-experts triton), profiled
@@ -41,6 +42,7 @@ declare -A PATTERN=(
 ROUND=(dlmc bench round --shape llada2.1-mini --block-length 32 --prefix 1024 --routing uniform
        --rounds 60)
 NVFP4=(--precision nvfp4 --kv-cache-dtype fp8)
+GEMMA=(--gemma-bf16-experts triton --gemma-attention triton)
 CANVAS=(dlmc bench round --shape diffusiongemma-26b-a4b --canvas 256 --prefix 1024
         --routing uniform --rounds 40 --modes eager,graph)
 
@@ -86,7 +88,7 @@ step() {  # step NAME LIMIT COMMAND...: COMMAND under a time limit, output into 
 }
 
 summary() {  # the lines of $OUT/PART.txt that hold the figures
-  local figures='│ +(graph|queued|flight)|host overhead|"nvfp4_ms_per_layer"|of_copy'
+  local figures='│ +(graph|queued|flight)|host overhead|"nvfp4_ms_per_layer"|of_copy|^triton +default'
   grep -E "^== [a-z0-9_]+: |$figures|^(triton|flashinfer) +(default|fa2 run) " "$OUT/$PART.txt" \
     | cut -c1-160
 }
@@ -128,10 +130,18 @@ sampled)
   summary ;;
 canvas)
   setup
-  step canvas_bf16 330 "${CANVAS[@]}" --modes graph --precision bf16 --kv-cache-dtype bf16 \
-    --gemma-bf16-experts triton --no-loop --profile --out "$OUT/canvas_bf16.json"
-  step canvas_nvfp4_fp8 210 "${CANVAS[@]}" --modes graph "${NVFP4[@]}" --no-loop --profile \
-    --out "$OUT/canvas_nvfp4_fp8.json"
+  for kv in bf16 fp8; do  # dlmc::paged_attention alone at the canvas's shapes, prefix 1024
+    step "attention_gemma_sliding_$kv" 60 python3 perf/bench_paged_attention.py --no-flashinfer \
+      --prefixes 1024 --layers 25 --num-queries 256 --q-heads 16 --kv-heads 8 --head-dim 256 \
+      --kv-dtype "$kv" --out "$OUT/attention_gemma_sliding_$kv.json"
+    step "attention_gemma_full_$kv" 60 python3 perf/bench_paged_attention.py --no-flashinfer \
+      --prefixes 1024 --layers 5 --num-queries 256 --q-heads 16 --kv-heads 2 --head-dim 512 \
+      --kv-dtype "$kv" --out "$OUT/attention_gemma_full_$kv.json"
+  done
+  step canvas_bf16 300 "${CANVAS[@]}" --modes graph --precision bf16 --kv-cache-dtype bf16 \
+    "${GEMMA[@]}" --no-loop --profile --out "$OUT/canvas_bf16.json"
+  step canvas_nvfp4_fp8 200 "${CANVAS[@]}" --modes graph "${NVFP4[@]}" "${GEMMA[@]}" \
+    --no-loop --profile --out "$OUT/canvas_nvfp4_fp8.json"
   summary ;;
 canvas-experts)
   setup

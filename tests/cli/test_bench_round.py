@@ -46,20 +46,21 @@ def test_diffusiongemma_takes_the_loop_option(monkeypatch):
     assert calls == [True, False, True]
 
 
-def test_diffusiongemma_takes_the_bf16_experts_choice(monkeypatch):
-    """--gemma-bf16-experts reaches the canvas bench's `KernelConfig` (default grouped_mm);
-    another value is refused by name."""
+def test_diffusiongemma_takes_the_bf16_experts_and_attention_choices(monkeypatch):
+    """--gemma-bf16-experts and --gemma-attention reach the canvas bench's `KernelConfig`
+    (defaults grouped_mm, torch); another value is refused by name."""
     import dlmc.cli.bench_canvas
 
     chosen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(dlmc.cli.bench_canvas, "canvas_round",
-                        lambda *args, **kwargs: chosen.append(args[6].gemma_bf16_experts))
-    for flag in ([], ["--gemma-bf16-experts", "triton"]):
+                        lambda *args, **kwargs: chosen.append(
+                            (args[6].gemma_bf16_experts, args[6].gemma_attention)))
+    for flag in ([], ["--gemma-bf16-experts", "triton", "--gemma-attention", "triton"]):
         result = CliRunner().invoke(bench, ["round", "--shape", "diffusiongemma-26b-a4b",
                                             *flag])
         assert result.exit_code == 0, result.output
-    assert chosen == ["grouped_mm", "triton"]
+    assert chosen == [("grouped_mm", "torch"), ("triton", "triton")]
     result = CliRunner().invoke(bench, ["round", "--gemma-bf16-experts", "cutlass"])
     assert result.exit_code == 2
     assert "--gemma-bf16-experts" in result.output and "cutlass" in result.output

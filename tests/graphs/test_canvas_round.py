@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dlmc.custom_ops.kernel_config import DEFAULT_KERNELS, KernelConfig
 from dlmc.errors import ConfigError
 from dlmc.graphs.canvas_rules import denoise_canvas_reference
 from dlmc.graphs.canvas_runner import CanvasRunner
@@ -65,10 +66,10 @@ def _prompt(seed: int, length: int = PROMPT) -> torch.Tensor:
     return torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
 
 
-def _runner(model, settings: CanvasSettings, mode: str, cache: GemmaStaticCache | None = None
-            ) -> CanvasRunner:
+def _runner(model, settings: CanvasSettings, mode: str, cache: GemmaStaticCache | None = None,
+            kernels: KernelConfig = DEFAULT_KERNELS) -> CanvasRunner:
     cache = cache or GemmaStaticCache(model.config, 64, torch.float32, "cpu")
-    return CanvasRunner(model, cache, settings, mode, max_chunk=16, min_bucket=16)
+    return CanvasRunner(model, cache, settings, mode, kernels, max_chunk=16, min_bucket=16)
 
 
 @torch.no_grad()
@@ -228,6 +229,25 @@ def test_graph_steps_equal_compiled_and_eager_steps():
     graph = runner(fp32, "graph", eager.cache)
     assert_steps_match(eager, graph, 4, 1e-3)
     assert set(graph._graphs) == KEYS and all(g is not None for g in graph._graphs.values())
+
+
+@pytest.mark.gpu
+def test_graph_steps_with_paged_attention_equal_compiled_ones():
+    """On CUDA, `gemma_attention="triton"` (dlmc::paged_attention inside the compiled step): a
+    graph-replayed bf16 decode equals the compiled one bit for bit (the op's output against
+    the plain attention: tests/kv/test_gemma_round_attention.py)."""
+    settings, kernels = SETTINGS["default"], KernelConfig(gemma_attention="triton")
+    bf16 = tiny_model(12, torch.bfloat16, "cuda")
+
+    def runner(mode: str, cache: GemmaStaticCache | None = None) -> CanvasRunner:
+        cache = cache or GemmaStaticCache(bf16.config, 64, torch.bfloat16, "cuda")
+        return _runner(bf16, settings, mode, cache, kernels)
+
+    compiled, graph = runner("compile"), runner("graph")
+    want = runner_decode(compiled, 2, seed=5)
+    got = runner_decode(graph, 2, seed=5)
+    for (g, g_steps), (w, w_steps) in zip(got, want, strict=True):
+        assert torch.equal(g, w) and g_steps == w_steps
 
 
 def test_stop_flag_and_step_budget(model):

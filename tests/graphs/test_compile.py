@@ -42,18 +42,20 @@ def test_kernel_config_is_validated_and_recorded():
     with pytest.raises(ConfigError,
                        match="KernelConfig.gemma_bf16_experts='cutlass'.*grouped_mm, triton"):
         KernelConfig(gemma_bf16_experts="cutlass")
+    with pytest.raises(ConfigError, match="KernelConfig.gemma_attention='sdpa'.*torch, triton"):
+        KernelConfig(gemma_attention="sdpa")
     config = KernelConfig(attention_backend="reference", pdl=False)
     assert config.to_dict() == {"attention_backend": "reference", "pdl": False,
                                 "deterministic_compile": False, "fused_attention_in": False,
-                                "gemma_bf16_experts": "grouped_mm"}
+                                "gemma_bf16_experts": "grouped_mm", "gemma_attention": "torch"}
     assert config.describe() == ("attention_backend=reference pdl=False "
                                  "deterministic_compile=False fused_attention_in=False "
-                                 "gemma_bf16_experts=grouped_mm")
+                                 "gemma_bf16_experts=grouped_mm gemma_attention=torch")
     assert config.cache_tag() == KernelConfig(attention_backend="reference",
                                               pdl=False).cache_tag() != DEFAULT_KERNELS.cache_tag()
     assert KernelConfig(fused_attention_in=True).cache_tag() != DEFAULT_KERNELS.cache_tag()
     assert (KernelConfig(gemma_bf16_experts="triton").cache_tag()
-            != DEFAULT_KERNELS.cache_tag())
+            != KernelConfig(gemma_attention="triton").cache_tag() != DEFAULT_KERNELS.cache_tag())
 
 
 def test_inductor_cache_dir_is_per_kernel_config(monkeypatch, tmp_path):

@@ -9,8 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dlmc.errors import ConfigError
 from dlmc.kv.gemma_round_attention import ALIGN, CanvasRoundAttention, EncodeRoundAttention
 from dlmc.kv.gemma_static_cache import GemmaStaticCache
+from dlmc.kv.scales import KVScales
 from dlmc.models.diffusion_gemma_attention import CanvasContext, CausalContext, GemmaKVCache
 from tests.models.gemma_tiny import CANVAS, VOCAB, tiny_model
 
@@ -159,3 +161,51 @@ def test_the_window_matters():
 
     whole = model(canvas, at, Unwindowed(cache, 20), decoder=True)
     assert _rel(windowed, whole) > 1e-3
+
+
+@torch.no_grad()
+@pytest.mark.parametrize(("fp8", "length"), [(False, 3), (False, 11), (True, 30), (True, 57)])
+def test_paged_attention_path_equals_the_torch_path(fp8, length):
+    """`triton=True` attends through `dlmc::paged_attention` (the Triton interpreter on CPU) over
+    the cache viewed as pages: every layer kind (window 5 and full, head dims 16 and 32) gives
+    the torch path's (in fp32) to bf16 rounding, with stale slots past the length never read."""
+    model = tiny_model(9)
+    scales = KVScales(k=tuple(0.5 + 0.1 * i for i in range(6)), v=(0.7,) * 6) if fp8 else None
+    cache = GemmaStaticCache(model.config, MAX_TOKENS, torch.bfloat16, "cpu", fp8_scales=scales)
+    gen = torch.Generator().manual_seed(length)
+    positions = torch.arange(MAX_TOKENS)
+    for layer in range(6):  # real K/V below the length, huge stale values past it
+        shape = cache.k[layer].shape
+        k, v = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+        k[length:], v[length:] = 1e3, -1e3
+        cache.write(layer, positions, k, v)
+    cache.length.fill_(length)
+    torch_ctx, triton_ctx = CanvasRoundAttention(cache, 64), CanvasRoundAttention(cache, 64, True)
+    for layer in range(6):
+        kv_heads, dim = cache.k[layer].shape[1:]
+        q = torch.randn(CANVAS, 4, dim, generator=gen).bfloat16()
+        k, v = (torch.randn(CANVAS, kv_heads, dim, generator=gen).bfloat16() for _ in range(2))
+        window = cache.windows[layer]
+        want = torch_ctx.attend(layer, q.float(), k.float(), v.float(), window, 1.0)  # fp32
+        got = triton_ctx.attend(layer, q, k, v, window, 1.0)
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        assert _rel(got.float(), want) < 2e-2, layer  # the op's tolerance (P in bf16)
+
+
+def test_paged_attention_path_needs_bf16_activations():
+    model = tiny_model(0)
+    cache = GemmaStaticCache(model.config, MAX_TOKENS, torch.float32, "cpu")
+    q, k = torch.zeros(CANVAS, 4, 16), torch.zeros(CANVAS, 2, 16)
+    with pytest.raises(ConfigError, match="gemma_attention='triton' needs bfloat16"):
+        CanvasRoundAttention(cache, MAX_TOKENS, True).attend(0, q, k, k, 5, 1.0)
+
+
+def test_paged_view_is_the_cache_in_order():
+    model = tiny_model(0)
+    cache = GemmaStaticCache(model.config, 48, torch.bfloat16, "cpu")
+    cache.k[2].copy_(torch.arange(48 * 32).reshape(48, 1, 32))
+    k_pool, v_pool, table, k_scale, v_scale = cache.paged(2)
+    assert tuple(k_pool.shape) == (3, 16, 1, 32) and table.tolist() == [0, 1, 2]
+    assert k_pool.data_ptr() == cache.k[2].data_ptr() and v_pool.data_ptr() == cache.v[2].data_ptr()
+    assert k_pool[2, 5, 0, 0].item() == (2 * 16 + 5) * 32
+    assert k_scale.tolist() == [1.0] and v_scale.dtype == torch.float32

@@ -148,8 +148,14 @@ def decode_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """--attention-backend --pdl/--no-pdl --deterministic-compile --fused-attention-in
-    --gemma-bf16-experts, handed to the command as one `kernels` argument (a `KernelConfig`)."""
-    from dlmc.custom_ops.kernel_config import ATTENTION_BACKENDS, GEMMA_BF16_EXPERTS, KernelConfig
+    --gemma-bf16-experts --gemma-attention, handed to the command as one `kernels` argument
+    (a `KernelConfig`)."""
+    from dlmc.custom_ops.kernel_config import (
+        ATTENTION_BACKENDS,
+        GEMMA_ATTENTION,
+        GEMMA_BF16_EXPERTS,
+        KernelConfig,
+    )
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -157,7 +163,8 @@ def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             attention_backend=kwargs.pop("attention_backend"), pdl=kwargs.pop("pdl"),
             deterministic_compile=kwargs.pop("deterministic_compile"),
             fused_attention_in=kwargs.pop("fused_attention_in"),
-            gemma_bf16_experts=kwargs.pop("gemma_bf16_experts"))
+            gemma_bf16_experts=kwargs.pop("gemma_bf16_experts"),
+            gemma_attention=kwargs.pop("gemma_attention"))
         return fn(*args, **kwargs)
 
     decorators = [
@@ -176,6 +183,10 @@ def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      default="grouped_mm", show_default=True,
                      help="DiffusionGemma's BF16 routed experts: torch._grouped_mm, or triton "
                      "(dlmc::bf16_moe, gelu-tanh; not yet measured on the GPU)."),
+        click.option("--gemma-attention", type=click.Choice(GEMMA_ATTENTION),
+                     default="torch", show_default=True,
+                     help="DiffusionGemma's compiled denoising steps: attention in plain "
+                     "PyTorch (Inductor) or triton (dlmc::paged_attention over the cache)."),
     ]
     for decorator in reversed(decorators):
         wrapper = decorator(wrapper)

@@ -19,12 +19,19 @@ products keep aligned shapes: an odd key count sends cuBLAS to slow unaligned ke
 otherwise it reads the bucket's slots under the window mask. Slots outside the rule (before the
 window, later positions, padding, stale K/V, gathered indices below 0) are masked out, so
 whatever they hold never counts.
+
+With `triton=True` (`KernelConfig.gemma_attention="triton"`) the canvas attends through
+`dlmc::paged_attention` instead: the cache's buffers viewed as in-order pages
+(`GemmaStaticCache.paged`), the window anchored at the canvas start, the FP8 rows dequantized in
+registers; the same rule, in one split and one merge launch per layer.
 """
 
 from __future__ import annotations
 
 import torch
 
+from dlmc.custom_ops.paged_attention import paged_attention
+from dlmc.errors import ConfigError
 from dlmc.kv.gemma_static_cache import GemmaStaticCache
 from dlmc.models.diffusion_gemma_attention import gemma_attention_reference
 
@@ -61,14 +68,20 @@ def _past_slots(cache: GemmaStaticCache, layer_idx: int, key_len: int, first: to
 
 class CanvasRoundAttention:
     """The decoder pass over `cache` (read only): canvas queries see `[cached window ; canvas]`
-    with the cache's device-side length; `key_len` is the full layers' bucket (>= length)."""
+    with the cache's device-side length; `key_len` is the full layers' bucket (>= length).
+    `triton`: through `dlmc::paged_attention` over the cache's buffers viewed as pages (bf16
+    activations; it reads the length on the device, so `key_len` is not used), else the plain
+    PyTorch attention below."""
 
-    def __init__(self, cache: GemmaStaticCache, key_len: int) -> None:
-        self.cache, self.key_len = cache, key_len
+    def __init__(self, cache: GemmaStaticCache, key_len: int, triton: bool = False) -> None:
+        self.cache, self.key_len, self.triton = cache, key_len, triton
+        self._length32: torch.Tensor | None = None
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                window: int | None, scale: float) -> torch.Tensor:
         """q `[C, Hq, D]`, k/v `[C, Hkv, D]` of the canvas -> `[C, Hq, D]`."""
+        if self.triton:
+            return self._paged(layer_idx, q, k, v, window, scale)
         length = self.cache.length
         span = _aligned(window - 1) if window is not None else 0
         gather = window is not None and self.key_len > span
@@ -82,6 +95,18 @@ class CanvasRoundAttention:
         canvas = torch.ones(q.shape[0], dtype=torch.bool, device=q.device)  # [C]
         allowed = torch.cat([valid, canvas])[None, :]  # [1, S + C], the same for every query
         return gemma_attention_reference(q, keys, values, allowed, scale)
+
+    def _paged(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               window: int | None, scale: float) -> torch.Tensor:
+        if q.dtype != torch.bfloat16:
+            raise ConfigError(f"KernelConfig.gemma_attention='triton' needs bfloat16 "
+                              f"activations, got {q.dtype} (use gemma_attention='torch')")
+        if self._length32 is None:  # once per step: the op's int32 device-side prefix length
+            self._length32 = self.cache.length.to(torch.int32).reshape(1)
+        k_pool, v_pool, table, k_scale, v_scale = self.cache.paged(layer_idx)
+        return paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), k_pool, v_pool,
+                               table, self._length32, k_scale=k_scale, v_scale=v_scale,
+                               softmax_scale=scale, window=window)
 
 
 class EncodeRoundAttention:

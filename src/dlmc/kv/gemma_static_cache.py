@@ -61,6 +61,7 @@ class GemmaStaticCache:
         self.k = [torch.zeros(shape, dtype=store, device=self.device) for shape in shapes]
         self.v = [torch.zeros(shape, dtype=store, device=self.device) for shape in shapes]
         self.length = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._paged: tuple[int, torch.Tensor, list[torch.Tensor], list[torch.Tensor]] | None = None
 
     @property
     def num_layers(self) -> int:
@@ -102,6 +103,23 @@ class GemmaStaticCache:
             return k, v
         return ((k.float() * self.k_scales[layer_idx]).to(self.dtype),
                 (v.float() * self.v_scales[layer_idx]).to(self.dtype))
+
+    def paged(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                torch.Tensor, torch.Tensor]:
+        """Layer `layer_idx` as `dlmc::paged_attention` reads a cache: `(k_pool, v_pool,
+        page_table, k_scale, v_scale)`, the buffers viewed as `[pages, page_size, Hkv, D]`
+        pools in order (page `i` holds positions `i * page_size ..`), the scales as 1-element
+        float32 tensors (ones without FP8). Built once per cache, on its device."""
+        if self._paged is None:
+            page = math.gcd(self.max_tokens, 64)
+            table = torch.arange(self.max_tokens // page, dtype=torch.int32, device=self.device)
+            ones = [torch.tensor([s], dtype=torch.float32, device=self.device)
+                    for s in (*self.k_scales, *self.v_scales)]
+            self._paged = (page, table, ones[:self.num_layers], ones[self.num_layers:])
+        page, table, k_scales, v_scales = self._paged
+        k, v = self.k[layer_idx], self.v[layer_idx]
+        shape = (self.max_tokens // page, page, *k.shape[1:])
+        return k.view(shape), v.view(shape), table, k_scales[layer_idx], v_scales[layer_idx]
 
     def nbytes(self) -> int:
         """Bytes of all K/V buffers."""
