@@ -9,10 +9,11 @@
 #                alone, paged attention at 1k / 4k / 16k (and FlashInfer when installed)
 #   sampled      the NVFP4 + FP8 round sampled at temperature 0.7
 #   loop         the BF16 round with whole decodes: the decode loop's host overhead
-#   canvas       dlmc::paged_attention alone at DiffusionGemma's canvas shapes, then
+#   canvas [P]   dlmc::paged_attention alone at DiffusionGemma's canvas shapes, then
 #                DiffusionGemma-26B-A4B's denoising step, canvas 256, prefix 1024, graph mode,
 #                profiled, with dlmc's experts and attention: BF16, then NVFP4 routed experts +
-#                FP8 KV (one process each; a cold compile takes minutes)
+#                FP8 KV (one process each; a cold compile takes minutes; CANVAS_LIMIT seconds
+#                each, 270). P: bf16 or nvfp4 alone.
 #   canvas-experts  DiffusionGemma's BF16 experts alone (dlmc::bf16_moe's launch and block_m
 #                sweeps against torch._grouped_mm), then the BF16 step with them in
 #                torch._grouped_mm and in dlmc::bf16_moe (--gemma-bf16-experts triton), profiled
@@ -22,7 +23,8 @@
 #   list         each test part's files; checks that the parts hold every gpu-marked test file
 #                exactly once (runs nothing, needs no GPU)
 # Output in $OUT: versions.txt, PART.txt (every command and its output), the benches' JSON.
-# Env: OUT (/tmp/dlmc-out), DLMC_CACHE (/tmp/dlmc-cache), TEST_TIMEOUT (560 seconds).
+# Env: OUT (/tmp/dlmc-out), DLMC_CACHE (/tmp/dlmc-cache), TEST_TIMEOUT (560 seconds),
+#      CANVAS_LIMIT (270 seconds).
 set -u
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-/tmp/dlmc-out}
@@ -130,7 +132,9 @@ sampled)
   summary ;;
 canvas)
   setup
-  for kv in bf16 fp8; do  # dlmc::paged_attention alone at the canvas's shapes, prefix 1024
+  for precision in ${2:-bf16 nvfp4}; do
+    kv=$([ "$precision" = bf16 ] && echo bf16 || echo fp8)
+    # dlmc::paged_attention alone at the canvas's shapes, prefix 1024: sliding, then full layers
     step "attention_gemma_sliding_$kv" 60 python3 perf/bench_paged_attention.py --no-flashinfer \
       --prefixes 1024 --layers 25 --num-queries 256 --q-heads 16 --kv-heads 8 --head-dim 256 \
       --kv-dtype "$kv" --out "$OUT/attention_gemma_sliding_$kv.json"
@@ -138,10 +142,12 @@ canvas)
       --prefixes 1024 --layers 5 --num-queries 256 --q-heads 16 --kv-heads 2 --head-dim 512 \
       --kv-dtype "$kv" --out "$OUT/attention_gemma_full_$kv.json"
   done
-  step canvas_bf16 300 "${CANVAS[@]}" --modes graph --precision bf16 --kv-cache-dtype bf16 \
-    "${GEMMA[@]}" --no-loop --profile --out "$OUT/canvas_bf16.json"
-  step canvas_nvfp4_fp8 200 "${CANVAS[@]}" --modes graph "${NVFP4[@]}" "${GEMMA[@]}" \
-    --no-loop --profile --out "$OUT/canvas_nvfp4_fp8.json"
+  for precision in ${2:-bf16 nvfp4}; do
+    kv=$([ "$precision" = bf16 ] && echo bf16 || echo fp8)
+    step "canvas_${precision}_$kv" "${CANVAS_LIMIT:-270}" "${CANVAS[@]}" --modes graph \
+      --precision "$precision" --kv-cache-dtype "$kv" "${GEMMA[@]}" --no-loop --profile \
+      --out "$OUT/canvas_${precision}_$kv.json"
+  done
   summary ;;
 canvas-experts)
   setup
