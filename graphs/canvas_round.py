@@ -134,11 +134,13 @@ def encode_chunk(
     cache: GemmaStaticCache,
     key_len: int,
     length: torch.Tensor,
+    triton_attention: bool = False,
 ) -> None:
     """The encoder (causal) pass of `tokens [T]` at consecutive `positions [T]`: their K/V go to
     `cache`, whose length becomes `length` (int64 `[]`; a chunk padded at its end passes the
     length of its real tokens, so the padding's K/V, written past it, are never attended).
-    `key_len` >= the chunk's last position + 1."""
-    ctx = EncodeRoundAttention(cache, positions, key_len)
+    `key_len` >= the chunk's last position + 1. `triton_attention`: through
+    `dlmc::paged_attention_append` (`EncodeRoundAttention`)."""
+    ctx = EncodeRoundAttention(cache, positions, key_len, triton_attention)
     model(tokens, positions, ctx, compute_logits=False)
     cache.length.copy_(length)

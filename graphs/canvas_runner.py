@@ -82,9 +82,17 @@ class CanvasRunner:
         self._pool: Any = None
         self.compile_s = 0.0
 
+    @property
+    def _triton(self) -> bool:
+        return self.kernels.gemma_attention == "triton"
+
     def key_len(self, end: int) -> int:
         """Cache slots the full layers attend when `end` positions must be visible: the
-        power-of-two bucket at or above `end` (at least `min_bucket`, at most the cache size)."""
+        power-of-two bucket at or above `end` (at least `min_bucket`, at most the cache size);
+        the cache size whatever `end` with `dlmc::paged_attention` (which reads the length on
+        the device only: one compiled step and encoder chunk per size for every length)."""
+        if self._triton:
+            return self.cache.max_tokens
         bucket = self.min_bucket
         while bucket < end:
             bucket *= 2
@@ -119,8 +127,8 @@ class CanvasRunner:
         length.fill_(start + n)
         key_len = self.key_len(start + size)
         fn = encode_chunk if self.mode == "eager" else self._compiled("encode_chunk", encode_chunk)
-        self._run(("encode", size, key_len),
-                  lambda: fn(self.model, ids, positions, self.cache, key_len, length))
+        self._run(("encode", size, key_len), lambda: fn(self.model, ids, positions, self.cache,
+                                                        key_len, length, self._triton))
         self.length = start + n
 
     def _chunk_buffers(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -163,8 +171,7 @@ class CanvasRunner:
     def launch(self, eager: bool = False) -> None:
         """`step` without reading the flag: the step is only queued on the device."""
         key_len, first = self.key_len(self.length), self._first
-        triton = self.kernels.gemma_attention == "triton"
-        args = (self.model, self.canvas, self.cache, key_len, self.settings, first, triton)
+        args = (self.model, self.canvas, self.cache, key_len, self.settings, first, self._triton)
         if eager or self.mode == "eager":
             with torch.no_grad():
                 canvas_round(*args)

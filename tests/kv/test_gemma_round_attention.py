@@ -13,7 +13,12 @@ from dlmc.errors import ConfigError
 from dlmc.kv.gemma_round_attention import ALIGN, CanvasRoundAttention, EncodeRoundAttention
 from dlmc.kv.gemma_static_cache import GemmaStaticCache
 from dlmc.kv.scales import KVScales
-from dlmc.models.diffusion_gemma_attention import CanvasContext, CausalContext, GemmaKVCache
+from dlmc.models.diffusion_gemma_attention import (
+    CanvasContext,
+    CausalContext,
+    GemmaKVCache,
+    gemma_attention_reference,
+)
 from tests.models.gemma_tiny import CANVAS, VOCAB, tiny_model
 
 MAX_TOKENS = 64
@@ -209,3 +214,40 @@ def test_paged_view_is_the_cache_in_order():
     assert k_pool.data_ptr() == cache.k[2].data_ptr() and v_pool.data_ptr() == cache.v[2].data_ptr()
     assert k_pool[2, 5, 0, 0].item() == (2 * 16 + 5) * 32
     assert k_scale.tolist() == [1.0] and v_scale.dtype == torch.float32
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("fp8", [False, True])
+def test_paged_encoder_path_equals_the_torch_path(fp8):
+    """An encoder chunk through `dlmc::paged_attention_append` (chunks of 6, 7 and 9 tokens, so
+    windows of 5 move across chunk and page boundaries; a sliding and a full layer) stores
+    exactly the K/V the torch path stores, and attends the cached rows as stored and its own
+    K/V as computed (in fp32: to bf16 rounding)."""
+    model = tiny_model(10, torch.bfloat16)
+    scales = KVScales(k=(0.5,) * 6, v=(0.25,) * 6) if fp8 else None
+    want, got = (GemmaStaticCache(model.config, MAX_TOKENS, torch.bfloat16, "cpu",
+                                  fp8_scales=scales) for _ in range(2))
+    gen = torch.Generator().manual_seed(10)
+    start = 0
+    for size in (6, 7, 9):
+        positions = torch.arange(start, start + size)
+        for layer in (0, 2):
+            kv_heads, dim = want.k[layer].shape[1:]
+            q = torch.randn(size, 4, dim, generator=gen).bfloat16()
+            k, v = (torch.randn(size, kv_heads, dim, generator=gen).bfloat16() for _ in range(2))
+            window = want.windows[layer]
+            # the op's maths in fp32: the cached rows as stored, the chunk's own K/V as given
+            past_k, past_v = want.read(layer, want.k[layer][:start], want.v[layer][:start])
+            keys, values = torch.cat([past_k, k]).float(), torch.cat([past_v, v]).float()
+            slots, query = torch.arange(start + size), positions[:, None]
+            allowed = (slots <= query) & (slots > query - (window or MAX_TOKENS))
+            expected = gemma_attention_reference(q.float(), keys, values, allowed, 1.0)
+            EncodeRoundAttention(want, positions, MAX_TOKENS).attend(layer, q, k, v, window, 1.0)
+            out = EncodeRoundAttention(got, positions, MAX_TOKENS, True).attend(
+                layer, q, k, v, window, 1.0)
+            assert _rel(out.float(), expected) < 2e-2, (size, layer)
+            assert torch.equal(got.k[layer].view(torch.uint8), want.k[layer].view(torch.uint8))
+            assert torch.equal(got.v[layer].view(torch.uint8), want.v[layer].view(torch.uint8))
+        start += size
+        want.length.fill_(start)
+        got.length.fill_(start)

@@ -23,10 +23,14 @@ whatever they hold never counts.
 With `triton=True` (`KernelConfig.gemma_attention="triton"`) the canvas attends through
 `dlmc::paged_attention` instead: the cache's buffers viewed as in-order pages
 (`GemmaStaticCache.paged`), the window anchored at the canvas start, the FP8 rows dequantized in
-registers; the same rule, in one split and one merge launch per layer.
+registers; the same rule, in one split and one merge launch per layer. Neither reads
+`key_len`: one compiled step serves every cache length. So with an encoder chunk
+(`dlmc::paged_attention_append`, causal, the window moving with each query).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -98,29 +102,46 @@ class CanvasRoundAttention:
 
     def _paged(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                window: int | None, scale: float) -> torch.Tensor:
-        if q.dtype != torch.bfloat16:
-            raise ConfigError(f"KernelConfig.gemma_attention='triton' needs bfloat16 "
-                              f"activations, got {q.dtype} (use gemma_attention='torch')")
         if self._length32 is None:  # once per step: the op's int32 device-side prefix length
             self._length32 = self.cache.length.to(torch.int32).reshape(1)
-        k_pool, v_pool, table, k_scale, v_scale = self.cache.paged(layer_idx)
-        return paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), k_pool, v_pool,
-                               table, self._length32, k_scale=k_scale, v_scale=v_scale,
-                               softmax_scale=scale, window=window)
+        return _paged(self.cache, layer_idx, q, k, v, self._length32, softmax_scale=scale,
+                      window=window)
+
+
+def _paged(cache: GemmaStaticCache, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
+           v: torch.Tensor, prefix_len: torch.Tensor, **options: Any) -> torch.Tensor:
+    """`dlmc::paged_attention` of a block (`q [T, Hq, D]`, its `k`/`v [T, Hkv, D]`) at the
+    cache positions `prefix_len ..` over layer `layer_idx` of `cache` viewed as pages."""
+    if q.dtype != torch.bfloat16:
+        raise ConfigError(f"KernelConfig.gemma_attention='triton' needs bfloat16 activations, "
+                          f"got {q.dtype} (use gemma_attention='torch')")
+    k_pool, v_pool, table, k_scale, v_scale = cache.paged(layer_idx)
+    return paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), k_pool, v_pool,
+                           table, prefix_len, k_scale=k_scale, v_scale=v_scale, **options)
 
 
 class EncodeRoundAttention:
     """The encoder pass of a chunk of tokens at `positions [T]` (device int64, consecutive):
     their K/V are written to `cache`, then each attends causally (within its window on sliding
     layers) to the cache. `key_len` (>= the chunk's last position + 1) is the bucket. The
-    caller moves `cache.length` once the chunk is encoded."""
+    caller moves `cache.length` once the chunk is encoded. `triton`: through
+    `dlmc::paged_attention_append`, which stores the chunk's K/V as it attends them (the chunk
+    attends its own K/V as computed, not as stored: an FP8 cache's rounding is left out)."""
 
-    def __init__(self, cache: GemmaStaticCache, positions: torch.Tensor, key_len: int) -> None:
-        self.cache, self.positions, self.key_len = cache, positions, key_len
+    def __init__(self, cache: GemmaStaticCache, positions: torch.Tensor, key_len: int,
+                 triton: bool = False) -> None:
+        self.cache, self.positions, self.key_len, self.triton = cache, positions, key_len, triton
+        self._start32: torch.Tensor | None = None
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                window: int | None, scale: float) -> torch.Tensor:
         """q `[T, Hq, D]`, k/v `[T, Hkv, D]` of the chunk -> `[T, Hq, D]`."""
+        if self.triton:  # stores K/V at positions[0] .. as it attends (causal, windowed)
+            if self._start32 is None:
+                self._start32 = self.positions[:1].to(torch.int32)
+            return _paged(self.cache, layer_idx, q, k, v, self._start32, softmax_scale=scale,
+                          window=window, causal_block=1, window_per_query=window is not None,
+                          append=True)
         self.cache.write(layer_idx, self.positions, k, v)
         tokens = q.shape[0]
         span = _aligned(window - 1 + tokens) if window is not None else 0
