@@ -9,8 +9,7 @@
 #                alone, paged attention at 1k / 4k / 16k (and FlashInfer when installed)
 #   sampled      the NVFP4 + FP8 round sampled at temperature 0.7
 #   loop         the BF16 round with whole decodes: the decode loop's host overhead
-#   canvas [P]   dlmc::paged_attention alone at DiffusionGemma's canvas shapes, then
-#                DiffusionGemma-26B-A4B's denoising step, canvas 256, prefix 1024, graph mode,
+#   canvas [P]   DiffusionGemma-26B-A4B's denoising step, canvas 256, prefix 1024, graph mode,
 #                profiled, with dlmc's experts and attention: BF16, then NVFP4 routed experts +
 #                FP8 KV (one process each; a cold compile takes minutes; CANVAS_LIMIT seconds
 #                each, 270). P: bf16 or nvfp4 alone.
@@ -132,16 +131,6 @@ sampled)
   summary ;;
 canvas)
   setup
-  for precision in ${2:-bf16 nvfp4}; do
-    kv=$([ "$precision" = bf16 ] && echo bf16 || echo fp8)
-    # dlmc::paged_attention alone at the canvas's shapes, prefix 1024: sliding, then full layers
-    step "attention_gemma_sliding_$kv" 60 python3 perf/bench_paged_attention.py --no-flashinfer \
-      --prefixes 1024 --layers 25 --num-queries 256 --q-heads 16 --kv-heads 8 --head-dim 256 \
-      --kv-dtype "$kv" --out "$OUT/attention_gemma_sliding_$kv.json"
-    step "attention_gemma_full_$kv" 60 python3 perf/bench_paged_attention.py --no-flashinfer \
-      --prefixes 1024 --layers 5 --num-queries 256 --q-heads 16 --kv-heads 2 --head-dim 512 \
-      --kv-dtype "$kv" --out "$OUT/attention_gemma_full_$kv.json"
-  done
   for precision in ${2:-bf16 nvfp4}; do
     kv=$([ "$precision" = bf16 ] && echo bf16 || echo fp8)
     step "canvas_${precision}_$kv" "${CANVAS_LIMIT:-270}" "${CANVAS[@]}" --modes graph \
