@@ -13,6 +13,8 @@
 #                profiled, with dlmc's experts and attention: BF16, then NVFP4 routed experts +
 #                FP8 KV (one process each; a cold compile takes minutes; CANVAS_LIMIT seconds
 #                each, 270). P: bf16 or nvfp4 alone.
+#   canvas-ops   dlmc::paged_attention (split-kernel tiles) and dlmc::nvfp4_moe (NVFP4Tiles)
+#                alone at DiffusionGemma's canvas shapes
 #   canvas-experts  DiffusionGemma's BF16 experts alone (dlmc::bf16_moe's launch and block_m
 #                sweeps against torch._grouped_mm), then the BF16 step with them in
 #                torch._grouped_mm and in dlmc::bf16_moe (--gemma-bf16-experts triton), profiled
@@ -44,6 +46,7 @@ ROUND=(dlmc bench round --shape llada2.1-mini --block-length 32 --prefix 1024 --
        --rounds 60)
 NVFP4=(--precision nvfp4 --kv-cache-dtype fp8)
 GEMMA=(--gemma-bf16-experts triton --gemma-attention triton)
+GEMMA_TILES=(base t64x32w8 t64x64w8 t128x32w8 t128x64w8 t64x32w4 t64x32w8-s3)
 CANVAS=(dlmc bench round --shape diffusiongemma-26b-a4b --canvas 256 --prefix 1024
         --routing uniform --rounds 40 --modes eager,graph)
 
@@ -136,6 +139,23 @@ canvas)
     step "canvas_${precision}_$kv" "${CANVAS_LIMIT:-270}" "${CANVAS[@]}" --modes graph \
       --precision "$precision" --kv-cache-dtype "$kv" "${GEMMA[@]}" --no-loop --profile \
       --out "$OUT/canvas_${precision}_$kv.json"
+  done
+  summary ;;
+canvas-ops)
+  setup
+  for kv in fp8 bf16; do  # dlmc::paged_attention at the canvas's shapes, prefix 1024, tiles
+    step "attention_gemma_sliding_$kv" 90 python3 perf/bench_paged_attention.py --no-flashinfer \
+      --prefixes 1024 --layers 25 --num-queries 256 --q-heads 16 --kv-heads 8 --head-dim 256 \
+      --kv-dtype "$kv" --sweep ${GEMMA_TILES[@]} --out "$OUT/attention_gemma_sliding_$kv.json"
+    step "attention_gemma_full_$kv" 90 python3 perf/bench_paged_attention.py --no-flashinfer \
+      --prefixes 1024 --layers 5 --num-queries 256 --q-heads 16 --kv-heads 2 --head-dim 512 \
+      --kv-dtype "$kv" --sweep ${GEMMA_TILES[@]} --out "$OUT/attention_gemma_full_$kv.json"
+  done
+  for tiles in "" block_m=16 gate_up_warps=8,down_warps=8 num_stages=4 num_stages=2 \
+               down_block_n=64 gate_up_block_n=32; do  # dlmc::nvfp4_moe at the canvas's shapes
+    step "op_gemma_nvfp4${tiles:+_${tiles//[=,]/_}}" 60 python3 perf/bench_nvfp4_moe.py --hidden 2816 \
+      --inter 704 --experts 128 --tokens 256 --activation gelu_tanh --layers 12 \
+      ${tiles:+--tiles "$tiles"}
   done
   summary ;;
 canvas-experts)
