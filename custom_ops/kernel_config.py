@@ -23,8 +23,8 @@ __all__ = ["ATTENTION_BACKENDS", "DEFAULT_KERNELS", "GEMMA_ATTENTION", "GEMMA_BF
 # "auto": the Triton paged attention on CUDA, the plain-PyTorch reference elsewhere.
 ATTENTION_BACKENDS = ("auto", "triton", "reference")
 # DiffusionGemma's BF16 routed experts: two `torch._grouped_mm`, or `dlmc::bf16_moe`.
-GEMMA_BF16_EXPERTS = ("grouped_mm", "triton")
-GEMMA_ATTENTION = ("torch", "triton")
+GEMMA_BF16_EXPERTS = ("auto", "grouped_mm", "triton")
+GEMMA_ATTENTION = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -46,19 +46,20 @@ class KernelConfig:
         gemma_bf16_experts: DiffusionGemma's BF16 routed experts: "grouped_mm" (two
             `torch._grouped_mm` and Inductor's gelu-tanh) or "triton" (`dlmc::bf16_moe` with
             `activation="gelu_tanh"`, the fused gate_up weights read in place; the same maths
-            up to the order of fp32 sums); "grouped_mm" until "triton" is measured on the GPU.
-        gemma_attention: DiffusionGemma's compiled denoising steps attend the static cache with
-            "torch" (plain PyTorch, compiled by Inductor) or "triton" (`dlmc::paged_attention`
-            over the cache viewed as pages; bf16 activations; the same maths up to the order
-            of fp32 sums and P rounded to bf16); "torch" until "triton" is measured.
+            up to the order of fp32 sums); "auto": triton for bf16 on CUDA, else grouped_mm.
+        gemma_attention: DiffusionGemma's compiled denoising steps and encoder chunks attend
+            the static cache with "torch" (plain PyTorch, compiled by Inductor) or "triton"
+            (`dlmc::paged_attention` over the cache viewed as pages; bf16 activations; the
+            same maths up to the order of fp32 sums and P rounded to bf16); "auto": triton
+            for a bf16 cache on CUDA, else torch.
     """
 
     attention_backend: str = "auto"
     pdl: bool = True
     deterministic_compile: bool = False
     fused_attention_in: bool = False
-    gemma_bf16_experts: str = "grouped_mm"
-    gemma_attention: str = "torch"
+    gemma_bf16_experts: str = "auto"
+    gemma_attention: str = "auto"
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -84,7 +84,10 @@ class CanvasRunner:
 
     @property
     def _triton(self) -> bool:
-        return self.kernels.gemma_attention == "triton"
+        """Attention through `dlmc::paged_attention` (`KernelConfig.gemma_attention`)."""
+        kind = self.kernels.gemma_attention
+        return kind == "triton" or (kind == "auto" and self.cache.device.type == "cuda"
+                                    and self.cache.dtype == torch.bfloat16)
 
     def key_len(self, end: int) -> int:
         """Cache slots the full layers attend when `end` positions must be visible: the

@@ -10,7 +10,7 @@
 #   sampled      the NVFP4 + FP8 round sampled at temperature 0.7
 #   loop         the BF16 round with whole decodes: the decode loop's host overhead
 #   canvas [P]   DiffusionGemma-26B-A4B's denoising step, canvas 256, prefix 1024, graph mode,
-#                profiled, with dlmc's experts and attention: BF16, then NVFP4 routed experts +
+#                profiled (default kernels: dlmc's experts and attention): BF16, then NVFP4 +
 #                FP8 KV (one process each; a cold compile takes minutes; CANVAS_LIMIT seconds
 #                each, 270). P: bf16 or nvfp4 alone.
 #   canvas-ops   dlmc::paged_attention (split-kernel tiles) and dlmc::nvfp4_moe (NVFP4Tiles)
@@ -45,7 +45,6 @@ declare -A PATTERN=(
 ROUND=(dlmc bench round --shape llada2.1-mini --block-length 32 --prefix 1024 --routing uniform
        --rounds 60)
 NVFP4=(--precision nvfp4 --kv-cache-dtype fp8)
-GEMMA=(--gemma-bf16-experts triton --gemma-attention triton)
 GEMMA_TILES=(base t64x32w8 t64x64w8 t128x32w8 t128x64w8 t64x32w4 t64x32w8-s3)
 CANVAS=(dlmc bench round --shape diffusiongemma-26b-a4b --canvas 256 --prefix 1024
         --routing uniform --rounds 40 --modes eager,graph)
@@ -137,7 +136,7 @@ canvas)
   for precision in ${2:-bf16 nvfp4}; do
     kv=$([ "$precision" = bf16 ] && echo bf16 || echo fp8)
     step "canvas_${precision}_$kv" "${CANVAS_LIMIT:-270}" "${CANVAS[@]}" --modes graph \
-      --precision "$precision" --kv-cache-dtype "$kv" "${GEMMA[@]}" --no-loop --profile \
+      --precision "$precision" --kv-cache-dtype "$kv" --no-loop --profile \
       --out "$OUT/canvas_${precision}_$kv.json"
   done
   summary ;;

@@ -48,7 +48,7 @@ def test_diffusiongemma_takes_the_loop_option(monkeypatch):
 
 def test_diffusiongemma_takes_the_bf16_experts_and_attention_choices(monkeypatch):
     """--gemma-bf16-experts and --gemma-attention reach the canvas bench's `KernelConfig`
-    (defaults grouped_mm, torch); another value is refused by name."""
+    (defaults auto); another value is refused by name."""
     import dlmc.cli.bench_canvas
 
     chosen = []
@@ -56,11 +56,11 @@ def test_diffusiongemma_takes_the_bf16_experts_and_attention_choices(monkeypatch
     monkeypatch.setattr(dlmc.cli.bench_canvas, "canvas_round",
                         lambda *args, **kwargs: chosen.append(
                             (args[6].gemma_bf16_experts, args[6].gemma_attention)))
-    for flag in ([], ["--gemma-bf16-experts", "triton", "--gemma-attention", "triton"]):
+    for flag in ([], ["--gemma-bf16-experts", "grouped_mm", "--gemma-attention", "torch"]):
         result = CliRunner().invoke(bench, ["round", "--shape", "diffusiongemma-26b-a4b",
                                             *flag])
         assert result.exit_code == 0, result.output
-    assert chosen == [("grouped_mm", "torch"), ("triton", "triton")]
+    assert chosen == [("auto", "auto"), ("grouped_mm", "torch")]
     result = CliRunner().invoke(bench, ["round", "--gemma-bf16-experts", "cutlass"])
     assert result.exit_code == 2
     assert "--gemma-bf16-experts" in result.output and "cutlass" in result.output

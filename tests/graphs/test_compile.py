@@ -40,17 +40,18 @@ def test_kernel_config_is_validated_and_recorded():
     with pytest.raises(ConfigError, match="KernelConfig.fused_attention_in=1"):
         KernelConfig(fused_attention_in=1)  # type: ignore[arg-type]
     with pytest.raises(ConfigError,
-                       match="KernelConfig.gemma_bf16_experts='cutlass'.*grouped_mm, triton"):
+                       match="KernelConfig.gemma_bf16_experts='cutlass'.*auto, grouped_mm, triton"):
         KernelConfig(gemma_bf16_experts="cutlass")
-    with pytest.raises(ConfigError, match="KernelConfig.gemma_attention='sdpa'.*torch, triton"):
+    with pytest.raises(ConfigError,
+                       match="KernelConfig.gemma_attention='sdpa'.*auto, torch, triton"):
         KernelConfig(gemma_attention="sdpa")
     config = KernelConfig(attention_backend="reference", pdl=False)
     assert config.to_dict() == {"attention_backend": "reference", "pdl": False,
                                 "deterministic_compile": False, "fused_attention_in": False,
-                                "gemma_bf16_experts": "grouped_mm", "gemma_attention": "torch"}
+                                "gemma_bf16_experts": "auto", "gemma_attention": "auto"}
     assert config.describe() == ("attention_backend=reference pdl=False "
                                  "deterministic_compile=False fused_attention_in=False "
-                                 "gemma_bf16_experts=grouped_mm gemma_attention=torch")
+                                 "gemma_bf16_experts=auto gemma_attention=auto")
     assert config.cache_tag() == KernelConfig(attention_backend="reference",
                                               pdl=False).cache_tag() != DEFAULT_KERNELS.cache_tag()
     assert KernelConfig(fused_attention_in=True).cache_tag() != DEFAULT_KERNELS.cache_tag()

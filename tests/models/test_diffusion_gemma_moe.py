@@ -49,11 +49,11 @@ def test_apply_kernel_config_sets_every_layer_experts():
     model = tiny_model(3, torch.bfloat16)
     experts = [m for m in model.modules() if isinstance(m, GemmaExperts)]
     assert len(experts) == model.config.num_hidden_layers
-    assert not any(e.use_triton for e in experts)  # built on the grouped_mm path
+    assert all(e.kernel == "auto" for e in experts)  # built with the default
     apply_kernel_config(model, KernelConfig(gemma_bf16_experts="triton"))
-    assert all(e.use_triton for e in experts)
-    apply_kernel_config(model, KernelConfig())
-    assert not any(e.use_triton for e in experts)
+    assert all(e.kernel == "triton" for e in experts)
+    apply_kernel_config(model, KernelConfig(gemma_bf16_experts="grouped_mm"))
+    assert all(e.kernel == "grouped_mm" for e in experts)
 
 
 @torch.inference_mode()
@@ -67,7 +67,8 @@ def test_triton_experts_match_grouped_mm_and_read_gate_up_in_place(monkeypatch):
     calls = _count_calls(monkeypatch)
     out = {}
     try:
-        for kernels in (KernelConfig(), KernelConfig(gemma_bf16_experts="triton")):
+        for kernels in (KernelConfig(gemma_bf16_experts="grouped_mm"),
+                        KernelConfig(gemma_bf16_experts="triton")):
             apply_kernel_config(model, kernels)
             out[kernels.gemma_bf16_experts] = experts(x, ids, w)
     finally:
@@ -85,11 +86,26 @@ def test_triton_experts_match_grouped_mm_and_read_gate_up_in_place(monkeypatch):
 
 
 @torch.inference_mode()
+def test_auto_keeps_the_grouped_path_on_the_cpu(monkeypatch):
+    """"auto" runs `dlmc::bf16_moe` on CUDA only: bf16 on the CPU (even under Triton's
+    interpreter) stays on `grouped_gelu_moe`."""
+    model = tiny_model(3, torch.bfloat16)
+    experts = model.model.decoder.layers[0].experts
+    assert experts.kernel == "auto"
+    x, ids, w = _inputs(6, model.config.num_experts, 2, model.config.hidden_size)
+    calls = _count_calls(monkeypatch)
+    got = experts(x, ids, w)
+    assert calls == []
+    want = gemma_moe.grouped_gelu_moe(x, ids, w, experts.gate_up_proj, experts.down_proj)
+    assert torch.equal(got, want)
+
+
+@torch.inference_mode()
 def test_other_dtypes_keep_the_grouped_path(monkeypatch):
     """fp32 experts (the CPU model's dtype) keep `grouped_gelu_moe` with the switch on."""
     model = tiny_model(3, torch.float32)
     experts = model.model.decoder.layers[0].experts
-    experts.use_triton = True
+    experts.kernel = "triton"
     x, ids, w = _inputs(6, model.config.num_experts, 2, model.config.hidden_size)
     calls = _count_calls(monkeypatch)
     got = experts(x.float(), ids, w)

@@ -180,13 +180,14 @@ def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      help="LLaDA2: input norm, qkv projection, q/k norm + RoPE and K/V store "
                      "in one launch per layer (dlmc::attention_in)."),
         click.option("--gemma-bf16-experts", type=click.Choice(GEMMA_BF16_EXPERTS),
-                     default="grouped_mm", show_default=True,
+                     default="auto", show_default=True,
                      help="DiffusionGemma's BF16 routed experts: torch._grouped_mm, or triton "
-                     "(dlmc::bf16_moe, gelu-tanh; not yet measured on the GPU)."),
+                     "(dlmc::bf16_moe, gelu-tanh); auto: triton on CUDA."),
         click.option("--gemma-attention", type=click.Choice(GEMMA_ATTENTION),
-                     default="torch", show_default=True,
-                     help="DiffusionGemma's compiled denoising steps: attention in plain "
-                     "PyTorch (Inductor) or triton (dlmc::paged_attention over the cache)."),
+                     default="auto", show_default=True,
+                     help="DiffusionGemma's compiled steps: attention in plain PyTorch "
+                     "(Inductor) or triton (dlmc::paged_attention over the cache); auto: triton "
+                     "for a bf16 cache on CUDA."),
     ]
     for decorator in reversed(decorators):
         wrapper = decorator(wrapper)

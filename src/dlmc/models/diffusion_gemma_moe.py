@@ -2,9 +2,9 @@
 
 `GemmaExperts` is the MoE seam of this model, as `BF16Experts` is LLaDA2's: any module with
 `forward(x [T, H], topk_ids [T, K] int64, topk_weights [T, K] fp32) -> [T, H]` can stand in
-(quantized experts chosen at load time). BF16 experts run through `torch._grouped_mm`, or with
-`KernelConfig.gemma_bf16_experts="triton"` through `dlmc::bf16_moe` reading the fused gate_up
-weights in place.
+(quantized experts chosen at load time). BF16 experts on CUDA run through `dlmc::bf16_moe`
+reading the fused gate_up weights in place (`KernelConfig.gemma_bf16_experts`, "auto"), else
+through `torch._grouped_mm`.
 """
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ class GemmaExperts(nn.Module):
     """Checkpoint `experts.gate_up_proj [E, 2I, H]` (rows `:I` gate, `I:` up) and
     `experts.down_proj [E, H, I]`; expert e maps x to `down[e] @ (gelu_tanh(g) * u)`.
 
-    `use_triton` (`KernelConfig.gemma_bf16_experts == "triton"`, set by `apply_kernel_config`):
-    bf16 inputs on CUDA (and on CPU under Triton's interpreter, for tests) run
-    `dlmc::bf16_moe(activation="gelu_tanh")` over the two halves of `gate_up_proj`, the same
-    maths as `grouped_gelu_moe` up to the order of fp32 sums."""
+    `kernel` (`KernelConfig.gemma_bf16_experts`, set by `apply_kernel_config`): with "triton",
+    bf16 inputs on CUDA (and on CPU under Triton's interpreter, for tests), with "auto" bf16
+    inputs on CUDA, run `dlmc::bf16_moe(activation="gelu_tanh")` over the two halves of
+    `gate_up_proj`, the same maths as `grouped_gelu_moe` up to the order of fp32 sums."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -63,13 +63,14 @@ class GemmaExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size,
                                                      hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        self.use_triton = False
+        self.kernel = "auto"
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
                 ) -> torch.Tensor:
         """`[T, H]`: the sum over k of `topk_weights[t, k]` times expert `topk_ids[t, k]`'s
         output for token t."""
-        if self.use_triton and x.dtype == torch.bfloat16 and (x.is_cuda or INTERPRETED):
+        triton = x.is_cuda or (self.kernel == "triton" and INTERPRETED)
+        if self.kernel != "grouped_mm" and x.dtype == torch.bfloat16 and triton:
             inter = self.down_proj.shape[2]
             return bf16_moe(x, topk_ids, topk_weights, self.gate_up_proj[:, :inter],
                             self.gate_up_proj[:, inter:], self.down_proj,
