@@ -91,7 +91,7 @@ step() {  # step NAME LIMIT COMMAND...: COMMAND under a time limit, output into 
 }
 
 summary() {  # the lines of $OUT/PART.txt that hold the figures
-  local figures='│ +(graph|queued|flight)|host overhead|"nvfp4_ms_per_layer"|of_copy|^triton +default'
+  local figures='│ +(graph|queued|flight)|host overhead|"nvfp4_ms_per_layer"|of_copy'
   grep -E "^== [a-z0-9_]+: |$figures|^(triton|flashinfer) +(default|fa2 run) " "$OUT/$PART.txt" \
     | cut -c1-160
 }
@@ -145,10 +145,10 @@ canvas-ops)
   for kv in fp8 bf16; do  # dlmc::paged_attention at the canvas's shapes, prefix 1024, tiles
     step "attention_gemma_sliding_$kv" 90 python3 perf/bench_paged_attention.py --no-flashinfer \
       --prefixes 1024 --layers 25 --num-queries 256 --q-heads 16 --kv-heads 8 --head-dim 256 \
-      --kv-dtype "$kv" --sweep ${GEMMA_TILES[@]} --out "$OUT/attention_gemma_sliding_$kv.json"
+      --kv-dtype "$kv" --sweep "${GEMMA_TILES[@]}" --out "$OUT/attention_gemma_sliding_$kv.json"
     step "attention_gemma_full_$kv" 90 python3 perf/bench_paged_attention.py --no-flashinfer \
       --prefixes 1024 --layers 5 --num-queries 256 --q-heads 16 --kv-heads 2 --head-dim 512 \
-      --kv-dtype "$kv" --sweep ${GEMMA_TILES[@]} --out "$OUT/attention_gemma_full_$kv.json"
+      --kv-dtype "$kv" --sweep "${GEMMA_TILES[@]}" --out "$OUT/attention_gemma_full_$kv.json"
   done
   for tiles in "" block_m=16 gate_up_warps=8,down_warps=8 num_stages=4 num_stages=2 \
                down_block_n=64 gate_up_block_n=32; do  # dlmc::nvfp4_moe at the canvas's shapes

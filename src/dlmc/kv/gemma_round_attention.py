@@ -87,8 +87,8 @@ class CanvasRoundAttention:
         if self.triton:
             return self._paged(layer_idx, q, k, v, window, scale)
         length = self.cache.length
-        span = _aligned(window - 1) if window is not None else 0
-        gather = window is not None and self.key_len > span
+        span = canvas_past_slots(window, self.key_len)
+        gather = span < self.key_len  # a sliding layer's aligned window, gathered
         first = length - span if gather else None
         slots, past_k, past_v = _past_slots(self.cache, layer_idx, self.key_len, first, span)
         valid = (slots < length) & (slots >= 0)  # [S]

@@ -113,9 +113,9 @@ class GemmaStaticCache:
         if self._paged is None:
             page = math.gcd(self.max_tokens, 64)
             table = torch.arange(self.max_tokens // page, dtype=torch.int32, device=self.device)
-            ones = [torch.tensor([s], dtype=torch.float32, device=self.device)
-                    for s in (*self.k_scales, *self.v_scales)]
-            self._paged = (page, table, ones[:self.num_layers], ones[self.num_layers:])
+            scales = [torch.tensor([s], dtype=torch.float32, device=self.device)
+                      for s in (*self.k_scales, *self.v_scales)]
+            self._paged = (page, table, scales[:self.num_layers], scales[self.num_layers:])
         page, table, k_scales, v_scales = self._paged
         k, v = self.k[layer_idx], self.v[layer_idx]
         shape = (self.max_tokens // page, page, *k.shape[1:])
