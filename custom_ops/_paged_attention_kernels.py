@@ -171,5 +171,5 @@ def split_launch_config(head_dim: int) -> tuple[int, int, int]:
     if head_dim <= 128:
         return 64, 64, 4
     if head_dim <= 256:
-        return 64, 32, 8
-    return 32, 32, 8
+        return 64, 32, 4
+    return 64, 32, 8

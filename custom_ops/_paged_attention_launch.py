@@ -132,14 +132,11 @@ SWEEP_VARIANTS: dict[str, PagedAttentionVariant] = {
     # a quarter of the partials: at a 1k prefix (16 tiles of 64 keys) each split's two
     # speculative tiles are all its keys; as fast as ilv16 there, 7.5 µs slower at 4k
     "ilv8": dataclasses.replace(_INTERLEAVED, num_splits=8),
-    # DiffusionGemma's canvas (256 queries, head dims 256 and 512): other split-kernel tiles
-    # (BLOCK_M, BLOCK_N, warps) than `split_launch_config`'s (64, 32, 8) / (32, 32, 8)
+    # DiffusionGemma's canvas (256 queries): `split_launch_config`'s tile at D = 512 (64, 32,
+    # 8 warps) and at D = 256 (4 warps), each the other head dim's alternative; larger tiles,
+    # 3 stages and fewer splits lost at both (docs/paged_attention.md)
     "t64x32w8": PagedAttentionVariant(tile=(64, 32, 8)),
-    "t64x64w8": PagedAttentionVariant(tile=(64, 64, 8)),
-    "t128x32w8": PagedAttentionVariant(tile=(128, 32, 8)),
-    "t128x64w8": PagedAttentionVariant(tile=(128, 64, 8)),
     "t64x32w4": PagedAttentionVariant(tile=(64, 32, 4)),
-    "t64x32w8-s3": PagedAttentionVariant(tile=(64, 32, 8), num_stages=3),
 }
 
 

@@ -45,7 +45,7 @@ declare -A PATTERN=(
 ROUND=(dlmc bench round --shape llada2.1-mini --block-length 32 --prefix 1024 --routing uniform
        --rounds 60)
 NVFP4=(--precision nvfp4 --kv-cache-dtype fp8)
-GEMMA_TILES=(base t64x32w8 t64x64w8 t128x32w8 t128x64w8 t64x32w4 t64x32w8-s3)
+GEMMA_TILES=(base t64x32w8 t64x32w4)
 CANVAS=(dlmc bench round --shape diffusiongemma-26b-a4b --canvas 256 --prefix 1024
         --routing uniform --rounds 40 --modes eager,graph)
 
@@ -171,7 +171,7 @@ canvas-experts)
   summary ;;
 canvas-loop)
   setup
-  step canvas_bf16_loop 560 "${CANVAS[@]}" --precision bf16 --kv-cache-dtype bf16 --loop \
+  step canvas_bf16_loop 420 "${CANVAS[@]}" --precision bf16 --kv-cache-dtype bf16 --loop \
     --profile --out "$OUT/canvas_bf16_loop.json"
   summary ;;
 loop)
