@@ -18,8 +18,10 @@
 #   canvas-experts  DiffusionGemma's BF16 experts alone (dlmc::bf16_moe's launch and block_m
 #                sweeps against torch._grouped_mm), then the BF16 step with them in
 #                torch._grouped_mm and in dlmc::bf16_moe (--gemma-bf16-experts triton), profiled
-#   canvas-loop  the BF16 step with a whole graph-mode decode's host overhead (--loop) and the
-#                kernel profile (--profile)
+#   canvas-loop  a whole graph-mode DiffusionGemma BF16 decode's host overhead (--loop; the
+#                step timed eager only)
+#   rounds-fused the LLaDA2.1-mini NVFP4 + FP8 round without and with dlmc::attention_in
+#                (--fused-attention-in, profiled), then the BF16 round with it
 #   tests-NAME   pytest -m gpu of one test part, NAME one of TEST_PARTS below
 #   list         each test part's files; checks that the parts hold every gpu-marked test file
 #                exactly once (runs nothing, needs no GPU)
@@ -169,10 +171,30 @@ canvas-experts)
       --profile --gemma-bf16-experts "$experts" --out "$OUT/canvas_bf16_$experts.json"
   done
   summary ;;
-canvas-loop)
+canvas-rounds-fused)
   setup
-  step canvas_bf16_loop 420 "${CANVAS[@]}" --precision bf16 --kv-cache-dtype bf16 --loop \
-    --profile --out "$OUT/canvas_bf16_loop.json"
+  step round_nvfp4_fp8 190 "${ROUND[@]}" "${NVFP4[@]}" --modes graph --no-loop \
+    --out "$OUT/round_nvfp4_fp8.json"
+  step round_nvfp4_fp8_fused_in 190 "${ROUND[@]}" "${NVFP4[@]}" --modes graph --no-loop \
+    --profile --fused-attention-in --out "$OUT/round_nvfp4_fp8_fused_in.json"
+  step round_bf16_fused_in 190 "${ROUND[@]}" --precision bf16 --modes graph --no-loop \
+    --fused-attention-in --out "$OUT/round_bf16_fused_in.json"
+  summary ;;
+loop)
+  setup
+  # eager steps only: the loop compiles and captures its own graphs (its cache is longer than
+  # the step bench's, so a graph mode here would be a second cold compile of minutes)
+  step canvas_bf16_loop 560 "${CANVAS[@]}" --modes eager --precision bf16 --kv-cache-dtype bf16 \
+    --loop --out "$OUT/canvas_bf16_loop.json"
+  summary ;;
+rounds-fused)
+  setup
+  step round_nvfp4_fp8 190 "${ROUND[@]}" "${NVFP4[@]}" --modes graph --no-loop \
+    --out "$OUT/round_nvfp4_fp8.json"
+  step round_nvfp4_fp8_fused_in 190 "${ROUND[@]}" "${NVFP4[@]}" --modes graph --no-loop \
+    --profile --fused-attention-in --out "$OUT/round_nvfp4_fp8_fused_in.json"
+  step round_bf16_fused_in 190 "${ROUND[@]}" --precision bf16 --modes graph --no-loop \
+    --fused-attention-in --out "$OUT/round_bf16_fused_in.json"
   summary ;;
 loop)
   setup
@@ -191,7 +213,7 @@ tests-*)
     $workers $files
   grep -E "FAILED|ERROR|passed|failed" "$OUT/$PART.txt" | tail -20 ;;
 *)
-  echo "usage: bash perf/gpu.sh rounds|ops|sampled|loop|canvas|canvas-experts|canvas-loop|list|tests-NAME" \
+  echo "usage: bash perf/gpu.sh rounds|rounds-fused|ops|sampled|loop|canvas|canvas-ops|canvas-experts|canvas-loop|list|tests-NAME" \
     "(NAME: ${TEST_PARTS// /, })" >&2
   exit 2 ;;
 esac

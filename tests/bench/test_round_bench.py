@@ -3,7 +3,7 @@ both refresh modes decode the same tokens' worth of rounds and count their forwa
 
 import pytest
 
-from dlmc.bench.round_bench import RoundBenchConfig, loop_overhead
+from dlmc.bench.round_bench import RoundBenchConfig, launch_line, loop_overhead
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +105,17 @@ def test_in_flight_times_time_rounds_that_ran(tiny_bf16):
     first = launches.index(0, 1)
     assert first in (9, 10) and launches[:first] == list(range(first))
     assert launches.count(0) == 2  # two blocks: 8 or 9 times from the first, the rest after
+
+
+def test_launch_line_counts_the_rows_with_device_time_per_round_and_layer():
+    """Kernel rows (device time of their own) count with their calls; host-side rows (an aten
+    op whose time is its kernels') do not."""
+    from types import SimpleNamespace as Row
+
+    rows = [Row(count=40, self_device_time_total=120.0),  # a kernel, 4 calls per round
+            Row(count=10, self_device_time_total=3.5),  # a memset, 1 per round
+            Row(count=40, self_device_time_total=0.0)]  # aten::mm: host side
+    line = launch_line(rows, rounds=10, layers=2)
+    assert line.startswith("device launches per round: 5 = 2.5 per layer over 2 layers")
+    with pytest.raises(ValueError, match="rounds and layers must be >= 1"):
+        launch_line(rows, rounds=0, layers=2)

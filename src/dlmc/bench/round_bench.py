@@ -304,11 +304,26 @@ def profile_rounds(model: nn.Module, cache: Any, bench: RoundBenchConfig,
         for _ in range(rounds):
             runner.step("joint", key_len)
         torch.cuda.synchronize()
-    kernels = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=60,
-                                        max_name_column_width=70)
+    averages = prof.key_averages()
+    kernels = averages.table(sort_by="self_cuda_time_total", row_limit=60,
+                             max_name_column_width=70)
+    launches = launch_line(averages, rounds, len(model.model.layers))
     # Which matmul is which kernel: the aten calls that launch them, by input shape.
     by_shape = prof.key_averages(group_by_input_shape=True)
     matmuls = [e for e in by_shape if e.key in ("aten::mm", "aten::addmm", "aten::bmm")]
     lines = [f"{e.key} {e.input_shapes} calls={e.count} "
              f"cuda_us_per_call={e.device_time_total / max(e.count, 1):.2f}" for e in matmuls]
-    return f"{kernels}\nmatmuls per {rounds} rounds:\n" + "\n".join(lines)
+    return f"{kernels}\n{launches}\nmatmuls per {rounds} rounds:\n" + "\n".join(lines)
+
+
+def launch_line(averages: Any, rounds: int, layers: int) -> str:
+    """Device launches (kernels, copies, sets: the profiler's rows with device time of their
+    own) per round and per layer, from `key_averages()` rows of `rounds` profiled rounds. The
+    per-layer figure divides the whole round's count, its launches outside the layers (the
+    embedding, the final norm, the lm_head, the decision) included."""
+    if rounds < 1 or layers < 1:
+        raise ValueError(f"launch_line: rounds and layers must be >= 1, got {rounds}, {layers}")
+    total = sum(e.count for e in averages if e.self_device_time_total > 0)
+    per_round = total / rounds
+    return (f"device launches per round: {per_round:.0f} = {per_round / layers:.1f} per layer "
+            f"over {layers} layers (the launches outside the layers included)")
