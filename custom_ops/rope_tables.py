@@ -20,7 +20,7 @@ from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.nvfp4_tiles import round_bf16
 
-__all__ = ["rope_inv_freq", "rope_tables", "rope_tables_reference"]
+__all__ = ["cos_sin_tables", "rope_inv_freq", "rope_tables", "rope_tables_reference"]
 
 
 def rope_inv_freq(rotary_dim: int, theta: float, device: torch.device | str) -> torch.Tensor:
@@ -98,3 +98,14 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor
     if not (positions.is_cuda or _INTERPRETED):
         return rope_tables_reference(positions, inv_freq, torch.bfloat16)
     return _rope_tables_op(positions.contiguous(), inv_freq.contiguous())
+
+
+def cos_sin_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The models' tables in `dtype`: bf16 tables of CUDA positions from one
+    `dlmc::rope_tables` launch (the same bits; as torch ops inside a compiled round, Inductor
+    would recompute them inside every layer's kernels), others from the torch ops of
+    `rope_tables_reference`."""
+    if positions.is_cuda and dtype == torch.bfloat16:
+        return rope_tables(positions, inv_freq)
+    return rope_tables_reference(positions, inv_freq, dtype)

@@ -15,6 +15,9 @@
 #                each, 270). P: bf16 or nvfp4 alone.
 #   canvas-ops   dlmc::paged_attention (split-kernel tiles) and dlmc::nvfp4_moe (NVFP4Tiles)
 #                alone at DiffusionGemma's canvas shapes
+#   canvas-pad   dlmc::nvfp4_moe alone at DiffusionGemma's width (704, kernel v3) and widened
+#                to 768 (kernel v7), then the NVFP4 + FP8 step without and with
+#                --nvfp4-pad-experts (one process each)
 #   canvas-experts  DiffusionGemma's BF16 experts alone (dlmc::bf16_moe's launch and block_m
 #                sweeps against torch._grouped_mm), then the BF16 step with them in
 #                torch._grouped_mm and in dlmc::bf16_moe (--gemma-bf16-experts triton), profiled
@@ -159,6 +162,17 @@ canvas-ops)
       ${tiles:+--tiles "$tiles"}
   done
   summary ;;
+canvas-pad)
+  setup
+  for inter in 704 768; do
+    step "op_gemma_nvfp4_i$inter" 60 python3 perf/bench_nvfp4_moe.py --hidden 2816 \
+      --inter "$inter" --experts 128 --tokens 256 --activation gelu_tanh --layers 12
+  done
+  for pad in "" --nvfp4-pad-experts; do
+    step "canvas_nvfp4_fp8${pad:+_pad}" 230 "${CANVAS[@]}" --modes graph --precision nvfp4 \
+      --kv-cache-dtype fp8 --no-loop $pad --out "$OUT/canvas_nvfp4_fp8${pad:+_pad}.json"
+  done
+  summary ;;
 canvas-experts)
   setup
   step op_gemma_gate_up 80 python3 perf/bench_bf16_moe.py --shape diffusiongemma --grouped-mm \
@@ -213,7 +227,7 @@ tests-*)
     $workers $files
   grep -E "FAILED|ERROR|passed|failed" "$OUT/$PART.txt" | tail -20 ;;
 *)
-  echo "usage: bash perf/gpu.sh rounds|rounds-fused|ops|sampled|loop|canvas|canvas-ops|canvas-experts|canvas-loop|list|tests-NAME" \
+  echo "usage: bash perf/gpu.sh rounds|rounds-fused|ops|sampled|loop|canvas|canvas-ops|canvas-pad|canvas-experts|canvas-loop|list|tests-NAME" \
     "(NAME: ${TEST_PARTS// /, })" >&2
   exit 2 ;;
 esac

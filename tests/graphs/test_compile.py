@@ -48,13 +48,18 @@ def test_kernel_config_is_validated_and_recorded():
     config = KernelConfig(attention_backend="reference", pdl=False)
     assert config.to_dict() == {"attention_backend": "reference", "pdl": False,
                                 "deterministic_compile": False, "fused_attention_in": False,
-                                "gemma_bf16_experts": "auto", "gemma_attention": "auto"}
+                                "gemma_bf16_experts": "auto", "gemma_attention": "auto",
+                                "nvfp4_pad_experts": False}
     assert config.describe() == ("attention_backend=reference pdl=False "
                                  "deterministic_compile=False fused_attention_in=False "
-                                 "gemma_bf16_experts=auto gemma_attention=auto")
+                                 "gemma_bf16_experts=auto gemma_attention=auto "
+                                 "nvfp4_pad_experts=False")
     assert config.cache_tag() == KernelConfig(attention_backend="reference",
                                               pdl=False).cache_tag() != DEFAULT_KERNELS.cache_tag()
     assert KernelConfig(fused_attention_in=True).cache_tag() != DEFAULT_KERNELS.cache_tag()
+    assert KernelConfig(nvfp4_pad_experts=True).cache_tag() != DEFAULT_KERNELS.cache_tag()
+    with pytest.raises(ConfigError, match="KernelConfig.nvfp4_pad_experts='yes'"):
+        KernelConfig(nvfp4_pad_experts="yes")  # type: ignore[arg-type]
     assert (KernelConfig(gemma_bf16_experts="triton").cache_tag()
             != KernelConfig(gemma_attention="triton").cache_tag() != DEFAULT_KERNELS.cache_tag())
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dlmc.custom_ops.rope_tables import rope_tables, rope_tables_reference
+from dlmc.custom_ops.rope_tables import cos_sin_tables
 from dlmc.models.diffusion_gemma_config import RopeParameters
 
 
@@ -45,12 +45,9 @@ def rope_inv_freq(rope: RopeParameters, head_dim: int, device: torch.device) -> 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin `[T, head_dim]` (`cat(angles, angles)`, computed in fp32, cast to `dtype`) for
-    absolute `positions [T]`. Bf16 tables of CUDA positions come from one `dlmc::rope_tables`
-    launch (the same values): as torch ops inside a compiled step, Inductor would recompute
-    them inside every layer's q/k kernels."""
-    if positions.is_cuda and dtype == torch.bfloat16:
-        return rope_tables(positions, inv_freq)
-    return rope_tables_reference(positions, inv_freq, dtype)
+    absolute `positions [T]` (`cos_sin_tables`: one `dlmc::rope_tables` launch for bf16 CUDA
+    positions)."""
+    return cos_sin_tables(positions, inv_freq, dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlmc.custom_ops.qk_norm_rope import apply_partial_rope, rms_norm
-from dlmc.custom_ops.rope_tables import rope_inv_freq, rope_tables, rope_tables_reference
+from dlmc.custom_ops.rope_tables import cos_sin_tables, rope_inv_freq
 from dlmc.custom_ops.split_k_linear import MAX_TOKENS, split_k_linear
 
 __all__ = ["RMSNorm", "SwiGLUMLP", "apply_partial_rope", "fuse_gate_up_projections",
@@ -52,10 +52,7 @@ def rope_cos_sin(
     CUDA positions come from one `dlmc::rope_tables` launch (the same values), others from the
     torch ops of `rope_tables_reference`.
     """
-    inv_freq = rope_inv_freq(rotary_dim, theta, positions.device)
-    if positions.is_cuda and dtype == torch.bfloat16:
-        return rope_tables(positions, inv_freq)
-    return rope_tables_reference(positions, inv_freq, dtype)
+    return cos_sin_tables(positions, rope_inv_freq(rotary_dim, theta, positions.device), dtype)
 
 
 class SwiGLUMLP(nn.Module):

@@ -18,6 +18,7 @@ from dlmc.custom_ops import moe_combine
 from dlmc.custom_ops.kernel_config import KernelConfig
 from dlmc.custom_ops.nvfp4_moe import effective_variant, nvfp4_moe, nvfp4_moe_reference
 from dlmc.custom_ops.nvfp4_moe_tiles import ACTIVATIONS
+from dlmc.custom_ops.nvfp4_words import ROWS as LAYOUT_WIDTH
 from dlmc.custom_ops.nvfp4_words import e4m3_scales, stored_forms, weight_operand
 from dlmc.models.diffusion_gemma_moe import GemmaExperts
 from dlmc.quant.nvfp4_format import GROUP_SIZE, dequantize_nvfp4
@@ -88,6 +89,7 @@ class NVFP4Experts(nn.Module):
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
+        self.checkpoint_intermediate_size = intermediate_size  # (`pad_to_layout` widens I)
         self.activation = activation
         self.use_reference = use_reference
         self.emulate_w4a4 = emulate_w4a4
@@ -124,6 +126,32 @@ class NVFP4Experts(nn.Module):
             w, s = f"{proj}_weight", f"{proj}_weight_scale"
             self._buffers[w], self._buffers[s] = stored_forms(self._buffers[w],
                                                               self._buffers[s], variant)
+        return True
+
+    @torch.no_grad()
+    def pad_to_layout(self) -> bool:
+        """Widen experts whose width I is not a multiple of 128 to the next multiple P with zero
+        codes and zero block scales, then `prepare_for_kernel` (kernel v7's layout instead of
+        v3; `KernelConfig.nvfp4_pad_experts`). gate/up gain P - I zero rows, down P - I zero
+        columns: the padded units are act(0) * 0 = 0 and add nothing to down's sums, so the
+        experts compute the same up to the order of fp32 sums, reading P / I times the bytes.
+        Only on the checkpoint's forms (v3, op path); returns whether it padded."""
+        I, H = self.intermediate_size, self.hidden_size
+        padded = -(-I // LAYOUT_WIDTH) * LAYOUT_WIDTH
+        if (self.use_reference or padded == I or effective_variant(H, I) >= 4
+                or effective_variant(H, padded) < 4):
+            return False
+        for proj, dim in (("gate_proj", 1), ("up_proj", 1), ("down_proj", 2)):
+            for suffix, per in (("weight", 2), ("weight_scale", GROUP_SIZE)):
+                name = f"{proj}_{suffix}"
+                old = self._buffers[name]
+                shape = list(old.shape)
+                shape[dim] = (padded - I) // (1 if dim == 1 else per)
+                zeros = torch.zeros(shape, dtype=old.dtype, device=old.device)
+                self._buffers[name] = torch.cat([old, zeros], dim=dim).contiguous()
+        self.checkpoint_intermediate_size = I
+        self.intermediate_size = padded
+        self.prepare_for_kernel()
         return True
 
     def _op_args(self) -> list[torch.Tensor]:
@@ -206,12 +234,18 @@ class NVFP4Experts(nn.Module):
             for e in range(self.num_experts):  # one expert at a time bounds the fp32 temporaries
                 out[e] = dequantize_nvfp4(packed[e], scale[e], scale_2[e])
             result[proj] = out
+        width = self.checkpoint_intermediate_size  # without `pad_to_layout`'s zero units
+        if width != self.intermediate_size:
+            result = {"gate_proj": result["gate_proj"][:, :width].contiguous(),
+                      "up_proj": result["up_proj"][:, :width].contiguous(),
+                      "down_proj": result["down_proj"][..., :width].contiguous()}
         return result
 
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
-            f"intermediate_size={self.intermediate_size}, activation={self.activation}, "
+            f"intermediate_size={self.intermediate_size} (checkpoint "
+            f"{self.checkpoint_intermediate_size}), activation={self.activation}, "
             f"use_reference={self.use_reference}, "
             f"emulate_w4a4={self.emulate_w4a4}, pdl={self.pdl}, "
             f"shared_expert_id={self.shared_expert_id}"
@@ -225,6 +259,8 @@ def apply_kernel_config(model: nn.Module, kernels: KernelConfig) -> None:
     for module in model.modules():
         if isinstance(module, NVFP4Experts):
             module.pdl = kernels.pdl
+            if kernels.nvfp4_pad_experts:
+                module.pad_to_layout()
         if isinstance(module, GemmaExperts):
             module.kernel = kernels.gemma_bf16_experts
         use_fused_in = getattr(module, "use_fused_in", None)  # (llada2.Attention)
