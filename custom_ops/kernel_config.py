@@ -57,6 +57,10 @@ class KernelConfig:
             they take kernel v7's layout instead of v3 (`NVFP4Experts.pad_to_layout`; the same
             maths up to the order of fp32 sums, 9 % more expert bytes at 704); off until
             measured on the GPU.
+        split_reductions: Inductor splits a reduction over few long rows into partial
+            reductions (its default); off, each row is one program, which lets Inductor use
+            its online softmax (DiffusionGemma's sampler over 256 rows of 262k logits). The
+            same maths up to the order of fp32 sums; on until measured on the GPU.
     """
 
     attention_backend: str = "auto"
@@ -66,6 +70,7 @@ class KernelConfig:
     gemma_bf16_experts: str = "auto"
     gemma_attention: str = "auto"
     nvfp4_pad_experts: bool = False
+    split_reductions: bool = True
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -77,7 +82,8 @@ class KernelConfig:
         if self.gemma_attention not in GEMMA_ATTENTION:
             raise ConfigError(f"KernelConfig.gemma_attention={self.gemma_attention!r}: "
                               f"expected one of {', '.join(GEMMA_ATTENTION)}")
-        for name in ("pdl", "deterministic_compile", "fused_attention_in", "nvfp4_pad_experts"):
+        for name in ("pdl", "deterministic_compile", "fused_attention_in", "nvfp4_pad_experts",
+                     "split_reductions"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"KernelConfig.{name}={getattr(self, name)!r}: expected "
                                   "True or False")

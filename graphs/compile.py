@@ -56,7 +56,7 @@ def compile_options(kernels: KernelConfig = DEFAULT_KERNELS) -> dict[str, Any]:
     """Inductor options of the compile site under `kernels`: `triton.enable_pdl` from
     `kernels.pdl` (torch keeps it to CUDA sm_90+; it shortens queued rounds, which rounds in
     flight are), unless the user set TORCHINDUCTOR_ENABLE_PDL; `deterministic` from
-    `kernels.deterministic_compile`."""
+    `kernels.deterministic_compile`; `split_reductions` False when `kernels` turns it off."""
     options: dict[str, Any] = {}
     if "TORCHINDUCTOR_ENABLE_PDL" not in os.environ:
         options["triton.enable_pdl"] = kernels.pdl
@@ -66,6 +66,8 @@ def compile_options(kernels: KernelConfig = DEFAULT_KERNELS) -> dict[str, Any]:
                               f"has a deterministic mode (2.10 or later; this is "
                               f"{torch.__version__})")
         options["deterministic"] = True
+    if not kernels.split_reductions:
+        options["split_reductions"] = False
     return options
 
 

@@ -18,6 +18,8 @@
 #   canvas-pad   dlmc::nvfp4_moe alone at DiffusionGemma's width (704, kernel v3) and widened
 #                to 768 (kernel v7), then the NVFP4 + FP8 step without and with
 #                --nvfp4-pad-experts (one process each)
+#   canvas-reductions  the BF16 step profiled with Inductor's split reductions and without
+#                (--no-split-reductions: the sampler's rows one program each)
 #   canvas-experts  DiffusionGemma's BF16 experts alone (dlmc::bf16_moe's launch and block_m
 #                sweeps against torch._grouped_mm), then the BF16 step with them in
 #                torch._grouped_mm and in dlmc::bf16_moe (--gemma-bf16-experts triton), profiled
@@ -173,6 +175,13 @@ canvas-pad)
       --kv-cache-dtype fp8 --no-loop $pad --out "$OUT/canvas_nvfp4_fp8${pad:+_pad}.json"
   done
   summary ;;
+canvas-reductions)
+  setup
+  for split in split no-split; do
+    step "canvas_bf16_$split" 280 "${CANVAS[@]}" --modes graph --precision bf16 --no-loop \
+      --profile "--$split-reductions" --out "$OUT/canvas_bf16_$split.json"
+  done
+  summary ;;
 canvas-experts)
   setup
   step op_gemma_gate_up 80 python3 perf/bench_bf16_moe.py --shape diffusiongemma --grouped-mm \
@@ -227,7 +236,7 @@ tests-*)
     $workers $files
   grep -E "FAILED|ERROR|passed|failed" "$OUT/$PART.txt" | tail -20 ;;
 *)
-  echo "usage: bash perf/gpu.sh rounds|rounds-fused|ops|sampled|loop|canvas|canvas-ops|canvas-pad|canvas-experts|canvas-loop|list|tests-NAME" \
+  echo "usage: bash perf/gpu.sh rounds|rounds-fused|ops|sampled|loop|canvas|canvas-ops|canvas-pad|canvas-reductions|canvas-experts|canvas-loop|list|tests-NAME" \
     "(NAME: ${TEST_PARTS// /, })" >&2
   exit 2 ;;
 esac

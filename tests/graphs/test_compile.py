@@ -19,8 +19,9 @@ def test_compile_options_follow_the_kernel_config(monkeypatch):
     monkeypatch.delenv("TORCHINDUCTOR_ENABLE_PDL", raising=False)
     assert compile_options() == {"triton.enable_pdl": True}
     assert compile_options(KernelConfig(pdl=False)) == {"triton.enable_pdl": False}
-    options = compile_options(KernelConfig(deterministic_compile=True))
-    assert options == {"triton.enable_pdl": True, "deterministic": True}
+    options = compile_options(KernelConfig(deterministic_compile=True, split_reductions=False))
+    assert options == {"triton.enable_pdl": True, "deterministic": True,
+                       "split_reductions": False}
     # every option is one this torch's Inductor has (a dotted name: a sub-config's field)
     for name in options:
         config = torch._inductor.config
@@ -49,11 +50,11 @@ def test_kernel_config_is_validated_and_recorded():
     assert config.to_dict() == {"attention_backend": "reference", "pdl": False,
                                 "deterministic_compile": False, "fused_attention_in": False,
                                 "gemma_bf16_experts": "auto", "gemma_attention": "auto",
-                                "nvfp4_pad_experts": False}
+                                "nvfp4_pad_experts": False, "split_reductions": True}
     assert config.describe() == ("attention_backend=reference pdl=False "
                                  "deterministic_compile=False fused_attention_in=False "
                                  "gemma_bf16_experts=auto gemma_attention=auto "
-                                 "nvfp4_pad_experts=False")
+                                 "nvfp4_pad_experts=False split_reductions=True")
     assert config.cache_tag() == KernelConfig(attention_backend="reference",
                                               pdl=False).cache_tag() != DEFAULT_KERNELS.cache_tag()
     assert KernelConfig(fused_attention_in=True).cache_tag() != DEFAULT_KERNELS.cache_tag()

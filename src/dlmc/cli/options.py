@@ -148,8 +148,8 @@ def decode_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """--attention-backend --pdl/--no-pdl --deterministic-compile --fused-attention-in
-    --gemma-bf16-experts --gemma-attention --nvfp4-pad-experts, handed to the command as one
-    `kernels` argument
+    --gemma-bf16-experts --gemma-attention --nvfp4-pad-experts --split-reductions/--no-...,
+    handed to the command as one `kernels` argument
     (a `KernelConfig`)."""
     from dlmc.custom_ops.kernel_config import (
         ATTENTION_BACKENDS,
@@ -166,7 +166,8 @@ def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             fused_attention_in=kwargs.pop("fused_attention_in"),
             gemma_bf16_experts=kwargs.pop("gemma_bf16_experts"),
             gemma_attention=kwargs.pop("gemma_attention"),
-            nvfp4_pad_experts=kwargs.pop("nvfp4_pad_experts"))
+            nvfp4_pad_experts=kwargs.pop("nvfp4_pad_experts"),
+            split_reductions=kwargs.pop("split_reductions"))
         return fn(*args, **kwargs)
 
     decorators = [
@@ -194,6 +195,11 @@ def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      help="NVFP4 experts of a width that is not a multiple of 128 "
                      "(DiffusionGemma's 704) widened with zeros at load, so that they take "
                      "kernel v7's layout instead of v3 (9 % more expert bytes at 704)."),
+        click.option("--split-reductions/--no-split-reductions", default=True,
+                     show_default=True,
+                     help="Inductor's split reductions over few long rows; off: one program "
+                     "per row and its online softmax (DiffusionGemma's vocabulary-wide "
+                     "sampler)."),
     ]
     for decorator in reversed(decorators):
         wrapper = decorator(wrapper)
