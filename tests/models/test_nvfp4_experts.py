@@ -184,8 +184,12 @@ def test_prepare_for_kernel_packs_weight_words() -> None:
     assert torch.equal(experts(x, ids, weights), ref)
 
 
-def test_pad_to_layout_takes_kernel_v7_with_the_same_outputs() -> None:
-    """A width the layout cannot take (H 128, I 80): widened to 128 with zero units, kernel
+@pytest.mark.parametrize(("inter", "activation", "tokens"),
+                         [(80, "gelu_tanh", 7), (16, "silu", 3), (144, "gelu_tanh", 12)])
+def test_pad_to_layout_takes_kernel_v7_with_the_same_outputs(inter: int, activation: str,
+                                                            tokens: int) -> None:
+    """A width the layout cannot take (H 128, I 80 / 16 / 144): widened to the next multiple
+    of 128 with zero units, kernel
     v7's forms, the op's output (gelu-tanh, DiffusionGemma's) and the exact dequantization the
     unpadded module's bit for bit, the reference's up to its fp32 sums; once only; nothing for
     shapes v7 already takes or the reference path; `KernelConfig.nvfp4_pad_experts` applies
@@ -193,23 +197,24 @@ def test_pad_to_layout_takes_kernel_v7_with_the_same_outputs() -> None:
     from dlmc.custom_ops.kernel_config import KernelConfig
     from dlmc.models.nvfp4_experts import apply_kernel_config
 
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(7, 128, generator=gen).bfloat16()
-    ids = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(7)])
-    weights = torch.rand(7, 2, generator=gen)
-    experts, _ = filled_experts(128, 80)
-    experts.activation = "gelu_tanh"
+    gen = torch.Generator().manual_seed(inter)
+    x = torch.randn(tokens, 128, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=gen)
+    experts, _ = filled_experts(128, inter)
+    experts.activation = activation
+    padded = -(-inter // 128) * 128
     v3, deq = experts(x, ids, weights), experts.dequantize_to_bf16()
     experts.use_reference = True
     ref = experts(x, ids, weights)
     assert not experts.pad_to_layout()  # the reference path keeps the checkpoint's forms
     experts.use_reference = False
     apply_kernel_config(torch.nn.ModuleList([experts]), KernelConfig(nvfp4_pad_experts=True))
-    assert (experts.intermediate_size, experts.checkpoint_intermediate_size) == (128, 80)
+    assert (experts.intermediate_size, experts.checkpoint_intermediate_size) == (padded, inter)
     for proj in ("gate_proj", "up_proj", "down_proj"):
         assert getattr(experts, f"{proj}_weight").dtype == torch.int32  # v7's words
-    assert experts.gate_proj_weight.shape == (E, 128, 128 // 8)
-    assert experts.down_proj_weight.shape == (E, 128, 128 // 8)
+    assert experts.gate_proj_weight.shape == (E, padded, 128 // 8)
+    assert experts.down_proj_weight.shape == (E, 128, padded // 8)
     out = experts(x, ids, weights)
     assert torch.equal(out, v3) and out.abs().max() > 0
     for proj, tensor in experts.dequantize_to_bf16().items():
