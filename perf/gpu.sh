@@ -194,16 +194,7 @@ canvas-experts)
       --profile --gemma-bf16-experts "$experts" --out "$OUT/canvas_bf16_$experts.json"
   done
   summary ;;
-canvas-rounds-fused)
-  setup
-  step round_nvfp4_fp8 190 "${ROUND[@]}" "${NVFP4[@]}" --modes graph --no-loop \
-    --out "$OUT/round_nvfp4_fp8.json"
-  step round_nvfp4_fp8_fused_in 190 "${ROUND[@]}" "${NVFP4[@]}" --modes graph --no-loop \
-    --profile --fused-attention-in --out "$OUT/round_nvfp4_fp8_fused_in.json"
-  step round_bf16_fused_in 190 "${ROUND[@]}" --precision bf16 --modes graph --no-loop \
-    --fused-attention-in --out "$OUT/round_bf16_fused_in.json"
-  summary ;;
-loop)
+canvas-loop)
   setup
   # eager steps only: the loop compiles and captures its own graphs (its cache is longer than
   # the step bench's, so a graph mode here would be a second cold compile of minutes)

@@ -138,8 +138,7 @@ class NVFP4Experts(nn.Module):
         Only on the checkpoint's forms (v3, op path); returns whether it padded."""
         I, H = self.intermediate_size, self.hidden_size
         padded = -(-I // LAYOUT_WIDTH) * LAYOUT_WIDTH
-        if (self.use_reference or padded == I or effective_variant(H, I) >= 4
-                or effective_variant(H, padded) < 4):
+        if self.use_reference or padded == I or effective_variant(H, padded) < 4:
             return False
         for proj, dim in (("gate_proj", 1), ("up_proj", 1), ("down_proj", 2)):
             for suffix, per in (("weight", 2), ("weight_scale", GROUP_SIZE)):
