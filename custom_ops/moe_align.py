@@ -1,10 +1,14 @@
 """`dlmc::moe_align`: routing prep for the grouped MoE kernels, one Triton program.
 
 (token, k) pairs are grouped per expert and each expert's segment is padded to `block_m` slots
-(the vLLM `moe_align_block_size` pattern). One program sorts the pair keys `expert * P_PAD + pair`
-(stable by construction), counts the pairs per expert, fills every slot with padding and every
-block with -1 in whole lines, then (after a barrier) scatters every pair and every used block's
-expert over them: static shapes, no host sync, CUDA-graph capturable. The
+(the vLLM `moe_align_block_size` pattern). Up to `PER_EXPERT_PAIRS` pairs one program sorts the
+pair keys `expert * P_PAD + pair` (stable by construction), counts the pairs per expert, fills
+every slot with padding and every block with -1 in whole lines, then (after a barrier) scatters
+every pair and every used block's expert over them. More pairs (DiffusionGemma's 256-token
+canvas: 2048) take one program per expert instead (`align_pairs_of_expert`): each counts all
+pairs, ranks its own by a prefix sum in pair order and writes its own blocks, and one more
+program writes the blocks after the used ones; a sort of thousands of keys in one program costs
+more than the whole grid. Both: static shapes, no host sync, CUDA-graph capturable. The
 maths is `align_pairs_to_blocks_reference` (torch ops only), which also serves CPU runs without
 Triton's interpreter.
 
@@ -33,6 +37,8 @@ __all__ = ["PairRouting", "aligned_blocks", "alignment_buffers", "align_pairs_to
 # torch path.
 MAX_KERNEL_PAIRS = 8192
 MAX_KERNEL_EXPERTS = 512
+# Above this many pairs, one program per expert (`align_pairs_of_expert`) instead of one sort.
+PER_EXPERT_PAIRS = 1024
 
 
 def moe_block_size(num_pairs: int, num_experts: int) -> int:
@@ -143,6 +149,57 @@ def moe_align_kernel(ids_ptr, sorted_pair_ptr, expert_of_block_ptr, num_pairs, t
                 NUM_BLOCKS, BLOCK_M, LOG_PAIRS_PAD, EXPERTS_PAD, SHARED_BLOCKS, FILL)
 
 
+@triton.jit
+def align_pairs_of_expert(ids_ptr, sorted_pair_ptr, expert_of_block_ptr, num_pairs, top_k,
+                          num_experts, NUM_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr,
+                          LOG_PAIRS_PAD: tl.constexpr, EXPERTS_PAD: tl.constexpr,
+                          SHARED_BLOCKS: tl.constexpr, FILL: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    """`align_pairs`' layout from `num_experts + 1` programs. Program `e < num_experts` writes
+    expert e's blocks: its pairs in pair order (rank: a prefix sum of `expert == e`), padding up
+    to its last block's end, its id per block. The last program writes every block after the
+    used ones: the shared expert's `SHARED_BLOCKS` (id `num_experts`) and then unused ones (-1)."""
+    pdl_enter(PDL)
+    PAIRS_PAD: tl.constexpr = 2**LOG_PAIRS_PAD
+    e = tl.program_id(0)
+    pair = tl.arange(0, PAIRS_PAD)
+    is_pair = pair < num_pairs
+    expert = tl.load(ids_ptr + pair, mask=is_pair, other=0).to(tl.int32)  # [P]
+    blocks = (tl.histogram(expert, EXPERTS_PAD, mask=is_pair) + BLOCK_M - 1) // BLOCK_M  # [E]
+    pad = num_pairs  # the pair id of padding slots
+    if SHARED_BLOCKS > 0:  # pair ids of the [T, K+1] routing
+        pad = num_pairs + num_pairs // top_k
+    fill = tl.arange(0, FILL)
+    if e < num_experts:
+        first = tl.sum(tl.where(tl.arange(0, EXPERTS_PAD) < e, blocks, 0), 0)  # its first block
+        mine = is_pair & (expert == e)
+        rank = tl.cumsum(mine.to(tl.int32), 0) - 1  # [P]
+        s_pair = pair
+        if SHARED_BLOCKS > 0:
+            s_pair = pair + pair // top_k
+        tl.store(sorted_pair_ptr + first * BLOCK_M + rank, s_pair, mask=mine)
+        count = tl.sum(mine.to(tl.int32), 0)
+        used = (count + BLOCK_M - 1) // BLOCK_M
+        tail = count + tl.arange(0, BLOCK_M)  # the last block's padding slots
+        tl.store(sorted_pair_ptr + first * BLOCK_M + tail, pad, mask=tail < used * BLOCK_M)
+        for start in range(0, NUM_BLOCKS, FILL):  # (static bounds: whole lines, masked)
+            tl.store(expert_of_block_ptr + first + start + fill, e, mask=start + fill < used)
+    else:
+        used = tl.sum(blocks, 0)  # the routed experts' blocks
+        for start in range(0, NUM_BLOCKS * BLOCK_M, FILL):
+            row = start + fill - used * BLOCK_M  # slots after the routed blocks: row >= 0
+            value = tl.full([FILL], pad, tl.int32)
+            if SHARED_BLOCKS > 0:  # the shared expert's rows t*(K+1) + K in token order
+                value = tl.where(row < num_pairs // top_k, row * (top_k + 1) + top_k, value)
+            tl.store(sorted_pair_ptr + start + fill, value,
+                     mask=(row >= 0) & (start + fill < NUM_BLOCKS * BLOCK_M))
+        for start in range(0, NUM_BLOCKS, FILL):
+            b = start + fill - used
+            value = tl.where(b < SHARED_BLOCKS, num_experts, -1)
+            tl.store(expert_of_block_ptr + start + fill, value,
+                     mask=(b >= 0) & (start + fill < NUM_BLOCKS))
+
+
 def _moe_align_impl(topk_ids: torch.Tensor, num_experts: int, block_m: int,
                     shared_expert: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     return _align(topk_ids, num_experts, block_m, shared_expert, {})
@@ -158,9 +215,14 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int, shared_expert
     if num_pairs == 0:
         return sorted_pair, expert_of_block
     constants, num_warps = align_launch(tokens, top_k, num_experts, block_m, shared_expert)
-    launcher(moe_align_kernel)[(1,)](
-        topk_ids.reshape(-1), sorted_pair, expert_of_block, num_pairs, top_k, num_experts,
-        **constants, num_warps=num_warps, **launch)
+    if num_pairs > PER_EXPERT_PAIRS:
+        launcher(align_pairs_of_expert)[(num_experts + 1,)](
+            topk_ids.reshape(-1), sorted_pair, expert_of_block, num_pairs, top_k, num_experts,
+            **constants, num_warps=4 if num_pairs <= 4096 else 8, **launch)
+    else:
+        launcher(moe_align_kernel)[(1,)](
+            topk_ids.reshape(-1), sorted_pair, expert_of_block, num_pairs, top_k, num_experts,
+            **constants, num_warps=num_warps, **launch)
     return sorted_pair, expert_of_block
 
 

@@ -36,7 +36,7 @@ from dlmc.custom_ops.bf16_moe import _DEFAULT_LAUNCH
 from dlmc.custom_ops.bf16_moe import _down_kernel as bf16_down_kernel
 from dlmc.custom_ops.bf16_moe import _gate_up_kernel as bf16_gate_up_kernel
 from dlmc.custom_ops.kv_append import kv_append_kernel
-from dlmc.custom_ops.moe_align import aligned_blocks, moe_align_kernel
+from dlmc.custom_ops.moe_align import align_pairs_of_expert, aligned_blocks, moe_align_kernel
 
 SM90 = GPUTarget("cuda", 90, 32)
 ROOT = Path(__file__).resolve().parents[2]  # the repository root (`python -m tests....`)
@@ -242,16 +242,20 @@ def resource_usage(compiled: triton.compiler.CompiledKernel) -> dict[str, int]:
 
 
 def check_moe_align(tokens: int, top_k: int, num_experts: int, block_m: int, num_warps: int,
-                    shared_expert: bool = False) -> None:
+                    shared_expert: bool = False, per_expert: bool = False) -> None:
+    """`per_expert`: the kernel of one program per expert (its last argument `num_experts`)."""
     types = {"ids_ptr": "*i64", "sorted_pair_ptr": "*i32", "expert_of_block_ptr": "*i32",
-             "num_pairs": "i32", "top_k": "i32", "shared_expert": "i32"}
+             "num_pairs": "i32", "top_k": "i32", "shared_expert": "i32", "num_experts": "i32"}
+    kernel = align_pairs_of_expert if per_expert else moe_align_kernel
+    types = {name: types[name] for name in kernel.arg_names if name in types}
     log_pairs_pad = max(4, (tokens * top_k - 1).bit_length())
-    compiled = compile_sm90(moe_align_kernel, types, {
+    compiled = compile_sm90(kernel, types, {
         "NUM_BLOCKS": aligned_blocks(tokens, top_k, num_experts, block_m, shared_expert),
         "BLOCK_M": block_m, "LOG_PAIRS_PAD": log_pairs_pad,
         "EXPERTS_PAD": max(16, 1 << (num_experts - 1).bit_length()),
         "SHARED_BLOCKS": -(-tokens // block_m) if shared_expert else 0, "FILL": 1024}, num_warps)
     assert compiled.metadata.shared <= 48 * 1024  # one program, no opt-in shared memory needed
+    assert resource_usage(compiled)["LOCAL"] == 0  # no spills
 
 
 def check_bf16_moe(hidden: int, inter: int, block_m: int) -> None:
@@ -307,5 +311,6 @@ if __name__ == "__main__":
     check_bf16_moe(2816, 704, 16)  # DiffusionGemma's, a 256-token canvas (route_block_m)
     check_moe_align(32, 8, 256, 16, 4)  # a diffusion block
     check_moe_align(32, 8, 256, 16, 4, shared_expert=True)  # ... with the shared expert fused
-    check_moe_align(512, 8, 16, 64, 16)  # a prefill chunk
-    check_moe_align(512, 8, 256, 32, 16, shared_expert=True)
+    check_moe_align(512, 8, 16, 64, 8, per_expert=True)  # a prefill chunk
+    check_moe_align(512, 8, 256, 32, 8, shared_expert=True, per_expert=True)
+    check_moe_align(256, 8, 128, 16, 4, per_expert=True)  # DiffusionGemma's canvas

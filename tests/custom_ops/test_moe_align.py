@@ -1,4 +1,5 @@
-"""dlmc::moe_align (routing prep): the Triton kernel against the torch reference, bit for bit.
+"""dlmc::moe_align (routing prep): the Triton kernels (one sorting program; one program per
+expert above `PER_EXPERT_PAIRS` pairs) against the torch reference, bit for bit.
 
 On CPU the kernel runs under Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py).
 """
@@ -118,6 +119,37 @@ def test_shared_expert_kernel_matches_reference(tokens: int, top_k: int, num_exp
     want = align_pairs_to_blocks_reference(ids, num_experts, block_m, shared_expert=True)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     _check_invariants(ids, num_experts, block_m, *got, shared_expert=True)
+
+
+@settings(max_examples=20, deadline=None)
+@given(tokens=st.integers(1, 96), top_k=st.integers(1, 8), num_experts=st.integers(1, 160),
+       block_m=st.sampled_from([16, 32, 64]), skew=st.sampled_from([0.0, 1.0]),
+       shared=st.booleans(), seed=st.integers(0, 2**16))
+def test_per_expert_programs_match_the_sort(tokens: int, top_k: int, num_experts: int,
+                                            block_m: int, skew: float, shared: bool,
+                                            seed: int) -> None:
+    """Both kernels on the same routings: one program per expert (threshold 0) and one sorting
+    program (threshold above every routing here) each equal the reference."""
+    ids = _routing(tokens, top_k, num_experts, skew, seed)
+    want = align_pairs_to_blocks_reference(ids, num_experts, block_m, shared)
+    for threshold in (0, 8192):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(moe_align, "PER_EXPERT_PAIRS", threshold)
+            got = align_pairs_to_blocks(ids, num_experts, block_m, shared)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), threshold
+
+
+def test_canvas_routing_takes_one_program_per_expert() -> None:
+    """DiffusionGemma's canvas (256 tokens x top-8 of 128, every pair on few experts included):
+    above the threshold, equal to the reference."""
+    for skew in (0.0, 1.0):
+        ids = _routing(256, 8, 128, skew=skew, seed=5)
+        assert ids.numel() > moe_align.PER_EXPERT_PAIRS
+        for shared in (False, True):
+            got = align_pairs_to_blocks(ids, 128, 16, shared)
+            want = align_pairs_to_blocks_reference(ids, 128, 16, shared)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            _check_invariants(ids, 128, 16, *got, shared_expert=shared)
 
 
 @pytest.mark.parametrize(("tokens", "top_k", "num_experts", "block_m"), [
