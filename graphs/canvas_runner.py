@@ -186,7 +186,7 @@ class CanvasRunner:
 
     # -- compile and capture -----------------------------------------------------------------
     def _compiled(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        return compiled(name, fn, self.kernels)
+        return compiled(name, fn, self.kernels, canvas=True)
 
     def _run(self, key: tuple[Any, ...], fn: Callable[[], None]) -> None:
         with torch.no_grad():

@@ -52,11 +52,13 @@ def inductor_cache_dir(kernels: KernelConfig = DEFAULT_KERNELS) -> str:
     return path
 
 
-def compile_options(kernels: KernelConfig = DEFAULT_KERNELS) -> dict[str, Any]:
+def compile_options(kernels: KernelConfig = DEFAULT_KERNELS, canvas: bool = False
+                    ) -> dict[str, Any]:
     """Inductor options of the compile site under `kernels`: `triton.enable_pdl` from
     `kernels.pdl` (torch keeps it to CUDA sm_90+; it shortens queued rounds, which rounds in
     flight are), unless the user set TORCHINDUCTOR_ENABLE_PDL; `deterministic` from
-    `kernels.deterministic_compile`; `split_reductions` False when `kernels` turns it off."""
+    `kernels.deterministic_compile`; `split_reductions` False when `kernels.split_reductions`
+    is "off", or "auto" for a DiffusionGemma compile (`canvas`)."""
     options: dict[str, Any] = {}
     if "TORCHINDUCTOR_ENABLE_PDL" not in os.environ:
         options["triton.enable_pdl"] = kernels.pdl
@@ -66,20 +68,22 @@ def compile_options(kernels: KernelConfig = DEFAULT_KERNELS) -> dict[str, Any]:
                               f"has a deterministic mode (2.10 or later; this is "
                               f"{torch.__version__})")
         options["deterministic"] = True
-    if not kernels.split_reductions:
+    if kernels.split_reductions == "off" or (kernels.split_reductions == "auto" and canvas):
         options["split_reductions"] = False
     return options
 
 
 def compiled(name: str, fn: Callable[..., Any],
-             kernels: KernelConfig = DEFAULT_KERNELS) -> Callable[..., Any]:
-    """`fn` compiled once per (name, kernels) with fullgraph and static shapes (it specialises
-    per key length and algorithm, which are Python values)."""
-    key = (name, kernels)
+             kernels: KernelConfig = DEFAULT_KERNELS, canvas: bool = False
+             ) -> Callable[..., Any]:
+    """`fn` compiled once per (name, kernels, canvas) with fullgraph and static shapes (it
+    specialises per key length and algorithm, which are Python values); `canvas`: a
+    DiffusionGemma step or encoder chunk (`compile_options`)."""
+    key = (name, kernels, canvas)
     if key not in _compiled:
         inductor_cache_dir(kernels)
         torch._inductor.config.fx_graph_cache = True
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         _compiled[key] = torch.compile(fn, fullgraph=True, dynamic=False,
-                                       options=compile_options(kernels))
+                                       options=compile_options(kernels, canvas))
     return _compiled[key]

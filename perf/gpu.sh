@@ -16,17 +16,15 @@
 #   canvas-ops   dlmc::paged_attention (split-kernel tiles) and dlmc::nvfp4_moe (NVFP4Tiles)
 #                alone at DiffusionGemma's canvas shapes
 #   canvas-pad   dlmc::nvfp4_moe alone at DiffusionGemma's width (704, kernel v3) and widened
-#                to 768 (kernel v7), then the NVFP4 + FP8 step without and with
-#                --nvfp4-pad-experts (one process each)
+#                to 768 (kernel v7), then the NVFP4 + FP8 step without and with the
+#                widening (--no-nvfp4-pad-experts, then the default; one process each)
 #   canvas-reductions  the BF16 step profiled with Inductor's split reductions and without
-#                (--no-split-reductions: the sampler's rows one program each)
+#                (--split-reductions on, then off: the sampler's rows one program each)
 #   canvas-experts  DiffusionGemma's BF16 experts alone (dlmc::bf16_moe's launch and block_m
 #                sweeps against torch._grouped_mm), then the BF16 step with them in
 #                torch._grouped_mm and in dlmc::bf16_moe (--gemma-bf16-experts triton), profiled
 #   canvas-loop  a whole graph-mode DiffusionGemma BF16 decode's host overhead (--loop; the
 #                step timed eager only)
-#   rounds-fused the LLaDA2.1-mini NVFP4 + FP8 round without and with dlmc::attention_in
-#                (--fused-attention-in, profiled), then the BF16 round with it
 #   tests-NAME   pytest -m gpu of one test part, NAME one of TEST_PARTS below
 #   list         each test part's files; checks that the parts hold every gpu-marked test file
 #                exactly once (runs nothing, needs no GPU)
@@ -170,16 +168,16 @@ canvas-pad)
     step "op_gemma_nvfp4_i$inter" 60 python3 perf/bench_nvfp4_moe.py --hidden 2816 \
       --inter "$inter" --experts 128 --tokens 256 --activation gelu_tanh --layers 12
   done
-  for pad in "" --nvfp4-pad-experts; do
-    step "canvas_nvfp4_fp8${pad:+_pad}" 230 "${CANVAS[@]}" --modes graph --precision nvfp4 \
-      --kv-cache-dtype fp8 --no-loop $pad --out "$OUT/canvas_nvfp4_fp8${pad:+_pad}.json"
+  for pad in no-nvfp4-pad-experts nvfp4-pad-experts; do
+    step "canvas_nvfp4_fp8_${pad//-/_}" 230 "${CANVAS[@]}" --modes graph --precision nvfp4 \
+      --kv-cache-dtype fp8 --no-loop "--$pad" --out "$OUT/canvas_nvfp4_fp8_${pad//-/_}.json"
   done
   summary ;;
 canvas-reductions)
   setup
-  for split in split no-split; do
-    step "canvas_bf16_$split" 280 "${CANVAS[@]}" --modes graph --precision bf16 --no-loop \
-      --profile "--$split-reductions" --out "$OUT/canvas_bf16_$split.json"
+  for split in on off; do
+    step "canvas_bf16_split_$split" 280 "${CANVAS[@]}" --modes graph --precision bf16 \
+      --no-loop --profile --split-reductions "$split" --out "$OUT/canvas_bf16_split_$split.json"
   done
   summary ;;
 canvas-experts)
@@ -201,15 +199,6 @@ canvas-loop)
   step canvas_bf16_loop 560 "${CANVAS[@]}" --modes eager --precision bf16 --kv-cache-dtype bf16 \
     --loop --out "$OUT/canvas_bf16_loop.json"
   summary ;;
-rounds-fused)
-  setup
-  step round_nvfp4_fp8 190 "${ROUND[@]}" "${NVFP4[@]}" --modes graph --no-loop \
-    --out "$OUT/round_nvfp4_fp8.json"
-  step round_nvfp4_fp8_fused_in 190 "${ROUND[@]}" "${NVFP4[@]}" --modes graph --no-loop \
-    --profile --fused-attention-in --out "$OUT/round_nvfp4_fp8_fused_in.json"
-  step round_bf16_fused_in 190 "${ROUND[@]}" --precision bf16 --modes graph --no-loop \
-    --fused-attention-in --out "$OUT/round_bf16_fused_in.json"
-  summary ;;
 loop)
   setup
   step round_bf16_loop 560 "${ROUND[@]}" --precision bf16 --modes graph --loop \
@@ -227,7 +216,7 @@ tests-*)
     $workers $files
   grep -E "FAILED|ERROR|passed|failed" "$OUT/$PART.txt" | tail -20 ;;
 *)
-  echo "usage: bash perf/gpu.sh rounds|rounds-fused|ops|sampled|loop|canvas|canvas-ops|canvas-pad|canvas-reductions|canvas-experts|canvas-loop|list|tests-NAME" \
+  echo "usage: bash perf/gpu.sh rounds|ops|sampled|loop|canvas|canvas-ops|canvas-pad|canvas-reductions|canvas-experts|canvas-loop|list|tests-NAME" \
     "(NAME: ${TEST_PARTS// /, })" >&2
   exit 2 ;;
 esac

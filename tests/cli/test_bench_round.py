@@ -47,8 +47,8 @@ def test_diffusiongemma_takes_the_loop_option(monkeypatch):
 
 
 def test_diffusiongemma_takes_the_bf16_experts_and_attention_choices(monkeypatch):
-    """--gemma-bf16-experts, --gemma-attention, --nvfp4-pad-experts and --no-split-reductions
-    reach the canvas bench's `KernelConfig` (defaults auto, auto, off, on); another value is
+    """--gemma-bf16-experts, --gemma-attention, --no-nvfp4-pad-experts and --split-reductions
+    reach the canvas bench's `KernelConfig` (defaults auto, auto, on, auto); another value is
     refused by name."""
     import dlmc.cli.bench_canvas
 
@@ -59,11 +59,11 @@ def test_diffusiongemma_takes_the_bf16_experts_and_attention_choices(monkeypatch
                             (args[6].gemma_bf16_experts, args[6].gemma_attention,
                              args[6].nvfp4_pad_experts, args[6].split_reductions)))
     for flag in ([], ["--gemma-bf16-experts", "grouped_mm", "--gemma-attention", "torch",
-                      "--nvfp4-pad-experts", "--no-split-reductions"]):
+                      "--no-nvfp4-pad-experts", "--split-reductions", "off"]):
         result = CliRunner().invoke(bench, ["round", "--shape", "diffusiongemma-26b-a4b",
                                             *flag])
         assert result.exit_code == 0, result.output
-    assert chosen == [("auto", "auto", False, True), ("grouped_mm", "torch", True, False)]
+    assert chosen == [("auto", "auto", True, "auto"), ("grouped_mm", "torch", False, "off")]
     result = CliRunner().invoke(bench, ["round", "--gemma-bf16-experts", "cutlass"])
     assert result.exit_code == 2
     assert "--gemma-bf16-experts" in result.output and "cutlass" in result.output

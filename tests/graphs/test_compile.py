@@ -19,9 +19,14 @@ def test_compile_options_follow_the_kernel_config(monkeypatch):
     monkeypatch.delenv("TORCHINDUCTOR_ENABLE_PDL", raising=False)
     assert compile_options() == {"triton.enable_pdl": True}
     assert compile_options(KernelConfig(pdl=False)) == {"triton.enable_pdl": False}
-    options = compile_options(KernelConfig(deterministic_compile=True, split_reductions=False))
+    options = compile_options(KernelConfig(deterministic_compile=True, split_reductions="off"))
     assert options == {"triton.enable_pdl": True, "deterministic": True,
                        "split_reductions": False}
+    # "auto": off for DiffusionGemma's compiles (`canvas`), Inductor's default elsewhere
+    assert compile_options(canvas=True) == {"triton.enable_pdl": True, "split_reductions": False}
+    assert compile_options(KernelConfig(split_reductions="on"), canvas=True) == {
+        "triton.enable_pdl": True}
+    assert "split_reductions" in compile_options(KernelConfig(split_reductions="off"))
     # every option is one this torch's Inductor has (a dotted name: a sub-config's field)
     for name in options:
         config = torch._inductor.config
@@ -38,8 +43,10 @@ def test_kernel_config_is_validated_and_recorded():
         KernelConfig(attention_backend="flash")
     with pytest.raises(ConfigError, match="KernelConfig.pdl='yes'"):
         KernelConfig(pdl="yes")  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match="KernelConfig.fused_attention_in=1"):
-        KernelConfig(fused_attention_in=1)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="KernelConfig.deterministic_compile=1"):
+        KernelConfig(deterministic_compile=1)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="split_reductions=False: expected one of auto, on"):
+        KernelConfig(split_reductions=False)  # type: ignore[arg-type]
     with pytest.raises(ConfigError,
                        match="KernelConfig.gemma_bf16_experts='cutlass'.*auto, grouped_mm, triton"):
         KernelConfig(gemma_bf16_experts="cutlass")
@@ -48,17 +55,17 @@ def test_kernel_config_is_validated_and_recorded():
         KernelConfig(gemma_attention="sdpa")
     config = KernelConfig(attention_backend="reference", pdl=False)
     assert config.to_dict() == {"attention_backend": "reference", "pdl": False,
-                                "deterministic_compile": False, "fused_attention_in": False,
+                                "deterministic_compile": False,
                                 "gemma_bf16_experts": "auto", "gemma_attention": "auto",
-                                "nvfp4_pad_experts": False, "split_reductions": True}
+                                "nvfp4_pad_experts": True, "split_reductions": "auto"}
     assert config.describe() == ("attention_backend=reference pdl=False "
-                                 "deterministic_compile=False fused_attention_in=False "
+                                 "deterministic_compile=False "
                                  "gemma_bf16_experts=auto gemma_attention=auto "
-                                 "nvfp4_pad_experts=False split_reductions=True")
+                                 "nvfp4_pad_experts=True split_reductions=auto")
     assert config.cache_tag() == KernelConfig(attention_backend="reference",
                                               pdl=False).cache_tag() != DEFAULT_KERNELS.cache_tag()
-    assert KernelConfig(fused_attention_in=True).cache_tag() != DEFAULT_KERNELS.cache_tag()
-    assert KernelConfig(nvfp4_pad_experts=True).cache_tag() != DEFAULT_KERNELS.cache_tag()
+    assert KernelConfig(nvfp4_pad_experts=False).cache_tag() != DEFAULT_KERNELS.cache_tag()
+    assert KernelConfig(split_reductions="on").cache_tag() != DEFAULT_KERNELS.cache_tag()
     with pytest.raises(ConfigError, match="KernelConfig.nvfp4_pad_experts='yes'"):
         KernelConfig(nvfp4_pad_experts="yes")  # type: ignore[arg-type]
     assert (KernelConfig(gemma_bf16_experts="triton").cache_tag()

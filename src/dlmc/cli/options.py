@@ -147,14 +147,15 @@ def decode_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """--attention-backend --pdl/--no-pdl --deterministic-compile --fused-attention-in
-    --gemma-bf16-experts --gemma-attention --nvfp4-pad-experts --split-reductions/--no-...,
+    """--attention-backend --pdl/--no-pdl --deterministic-compile --gemma-bf16-experts
+    --gemma-attention --nvfp4-pad-experts/--no-... --split-reductions,
     handed to the command as one `kernels` argument
     (a `KernelConfig`)."""
     from dlmc.custom_ops.kernel_config import (
         ATTENTION_BACKENDS,
         GEMMA_ATTENTION,
         GEMMA_BF16_EXPERTS,
+        SPLIT_REDUCTIONS,
         KernelConfig,
     )
 
@@ -163,7 +164,6 @@ def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         kwargs["kernels"] = KernelConfig(
             attention_backend=kwargs.pop("attention_backend"), pdl=kwargs.pop("pdl"),
             deterministic_compile=kwargs.pop("deterministic_compile"),
-            fused_attention_in=kwargs.pop("fused_attention_in"),
             gemma_bf16_experts=kwargs.pop("gemma_bf16_experts"),
             gemma_attention=kwargs.pop("gemma_attention"),
             nvfp4_pad_experts=kwargs.pop("nvfp4_pad_experts"),
@@ -179,9 +179,6 @@ def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      help="Programmatic dependent launch of the round's kernels (sm_90+)."),
         click.option("--deterministic-compile", is_flag=True,
                      help="Inductor's deterministic mode (no timing-based kernel choices)."),
-        click.option("--fused-attention-in", is_flag=True,
-                     help="LLaDA2: input norm, qkv projection, q/k norm + RoPE and K/V store "
-                     "in one launch per layer (dlmc::attention_in)."),
         click.option("--gemma-bf16-experts", type=click.Choice(GEMMA_BF16_EXPERTS),
                      default="auto", show_default=True,
                      help="DiffusionGemma's BF16 routed experts: torch._grouped_mm, or triton "
@@ -191,15 +188,16 @@ def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      help="DiffusionGemma's compiled steps: attention in plain PyTorch "
                      "(Inductor) or triton (dlmc::paged_attention over the cache); auto: triton "
                      "for a bf16 cache on CUDA."),
-        click.option("--nvfp4-pad-experts", is_flag=True,
+        click.option("--nvfp4-pad-experts/--no-nvfp4-pad-experts", default=True,
+                     show_default=True,
                      help="NVFP4 experts of a width that is not a multiple of 128 "
                      "(DiffusionGemma's 704) widened with zeros at load, so that they take "
                      "kernel v7's layout instead of v3 (9 % more expert bytes at 704)."),
-        click.option("--split-reductions/--no-split-reductions", default=True,
-                     show_default=True,
+        click.option("--split-reductions", type=click.Choice(SPLIT_REDUCTIONS),
+                     default="auto", show_default=True,
                      help="Inductor's split reductions over few long rows; off: one program "
                      "per row and its online softmax (DiffusionGemma's vocabulary-wide "
-                     "sampler)."),
+                     "sampler); auto: off for DiffusionGemma, on for LLaDA2."),
     ]
     for decorator in reversed(decorators):
         wrapper = decorator(wrapper)

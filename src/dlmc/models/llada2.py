@@ -5,8 +5,6 @@ given and calls `ctx.attend(layer_idx, q, k, v)`; the engine's context object de
 keys they see (the block-causal mask, a KV cache, a paged FP8 cache); a context whose cache can
 take the block's K/V from the norm/rope launch says so through `rope_append_target` (see
 `AttentionContext`). The MoE seam is the `experts` module inside `MoEBlock` (see moe.py).
-With `KernelConfig.fused_attention_in` (`Attention.use_fused_in`) a layer's input norm, qkv
-projection, q/k norm + rope and that K/V store are one `dlmc::attention_in(_append)` launch.
 """
 
 from __future__ import annotations
@@ -18,12 +16,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlmc.custom_ops._registration import INTERPRETED
-from dlmc.custom_ops.attention_in import (
-    attention_in,
-    attention_in_append,
-    counters_for,
-    takes_attention_in,
-)
 from dlmc.custom_ops.qk_norm_rope import kernel_takes_qkv, qk_norm_rope, qk_norm_rope_reference
 from dlmc.custom_ops.qk_norm_rope_append import qk_norm_rope_append
 from dlmc.custom_ops.split_k_linear import split_k_linear
@@ -64,40 +56,6 @@ class Attention(nn.Module):
         self.query_layernorm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.key_layernorm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.dense = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
-        self.fused_in = False  # `use_fused_in`: `dlmc::attention_in` from the layer's input
-
-    def use_fused_in(self, on: bool) -> None:
-        """Whether `DecoderLayer` computes q, k, v with one `dlmc::attention_in(_append)`
-        launch from the residual stream (`KernelConfig.fused_attention_in`); on gives the layer
-        the op's zeroed counters (a non-persistent buffer, on the weights' device)."""
-        self.fused_in = on
-        if on and getattr(self, "in_counters", None) is None:
-            self.register_buffer("in_counters", counters_for(
-                self.num_heads, self.num_kv_heads, self.query_key_value.weight.device),
-                persistent=False)
-
-    def takes_fused_in(self, h: torch.Tensor) -> bool:
-        """Whether the fused input path runs for residual stream `h` (bf16 weights, a bf16
-        block of <= 64 tokens on CUDA or under the interpreter)."""
-        return (self.fused_in and takes_attention_in(h)
-                and self.query_key_value.weight.dtype == torch.bfloat16)
-
-    def forward_fused(self, h: torch.Tensor, norm: RMSNorm, cos: torch.Tensor,
-                      sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        """`forward(norm(h), ...)` with the norm, the qkv projection, the q/k norm + rope and
-        (where the context gives a `rope_append_target`) the K/V store in one launch."""
-        args = (h, norm.weight, self.query_key_value.weight, self.query_layernorm.weight,
-                self.key_layernorm.weight, cos, sin, self.num_heads, self.num_kv_heads,
-                norm.eps, self.query_layernorm.eps, self.in_counters)
-        target = getattr(ctx, "rope_append_target", None)
-        target = target(self.layer_idx) if target is not None else None
-        if target is not None:
-            q, k, v = attention_in_append(*args, *target)
-            out = ctx.attend_appended(self.layer_idx, q, k, v)
-        else:
-            q, k, v = attention_in(*args)
-            out = ctx.attend(self.layer_idx, q, k, v)
-        return split_k_or_linear(out.reshape(h.shape[0], -1), self.dense.weight)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
@@ -146,10 +104,7 @@ class DecoderLayer(nn.Module):
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
-        if self.attention.takes_fused_in(h):
-            h = h + self.attention.forward_fused(h, self.input_layernorm, cos, sin, ctx)
-        else:
-            h = h + self.attention(self.input_layernorm(h), cos, sin, ctx)
+        h = h + self.attention(self.input_layernorm(h), cos, sin, ctx)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -253,8 +253,8 @@ class NVFP4Experts(nn.Module):
 
 def apply_kernel_config(model: nn.Module, kernels: KernelConfig) -> None:
     """Hand `kernels`' op-level choices to every module of `model` that runs an op taking them
-    (the NVFP4 experts' `pdl`; LLaDA2 attention's `use_fused_in`; DiffusionGemma's BF16
-    experts' `kernel`)."""
+    (the NVFP4 experts' `pdl` and `nvfp4_pad_experts`; DiffusionGemma's BF16 experts'
+    `kernel`)."""
     for module in model.modules():
         if isinstance(module, NVFP4Experts):
             module.pdl = kernels.pdl
@@ -262,6 +262,3 @@ def apply_kernel_config(model: nn.Module, kernels: KernelConfig) -> None:
                 module.pad_to_layout()
         if isinstance(module, GemmaExperts):
             module.kernel = kernels.gemma_bf16_experts
-        use_fused_in = getattr(module, "use_fused_in", None)  # (llada2.Attention)
-        if use_fused_in is not None:
-            use_fused_in(kernels.fused_attention_in)
