@@ -1,4 +1,4 @@
-"""`dlmc::moe_align`: routing prep for the grouped MoE kernels, one Triton program.
+"""`dlmc::moe_align`: routing prep for the grouped MoE kernels, one Triton launch.
 
 (token, k) pairs are grouped per expert and each expert's segment is padded to `block_m` slots
 (the vLLM `moe_align_block_size` pattern). Up to `PER_EXPERT_PAIRS` pairs one program sorts the
@@ -214,15 +214,11 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int, shared_expert
                                                      shared_expert)
     if num_pairs == 0:
         return sorted_pair, expert_of_block
-    constants, num_warps = align_launch(tokens, top_k, num_experts, block_m, shared_expert)
-    if num_pairs > PER_EXPERT_PAIRS:
-        launcher(align_pairs_of_expert)[(num_experts + 1,)](
-            topk_ids.reshape(-1), sorted_pair, expert_of_block, num_pairs, top_k, num_experts,
-            **constants, num_warps=4 if num_pairs <= 4096 else 8, **launch)
-    else:
-        launcher(moe_align_kernel)[(1,)](
-            topk_ids.reshape(-1), sorted_pair, expert_of_block, num_pairs, top_k, num_experts,
-            **constants, num_warps=num_warps, **launch)
+    kernel, programs, constants, num_warps = align_launch(tokens, top_k, num_experts, block_m,
+                                                          shared_expert)
+    launcher(kernel)[(programs,)](
+        topk_ids.reshape(-1), sorted_pair, expert_of_block, num_pairs, top_k, num_experts,
+        **constants, num_warps=num_warps, **launch)
     return sorted_pair, expert_of_block
 
 
@@ -235,9 +231,11 @@ def alignment_buffers(topk_ids: torch.Tensor, num_experts: int, block_m: int,
             torch.empty(num_blocks, dtype=torch.int32, device=topk_ids.device))
 
 
-def align_launch(tokens: int, top_k: int, num_experts: int, block_m: int,
-                 shared_expert: bool) -> tuple[dict[str, int], int]:
-    """(`align_pairs`' constexprs, num_warps) for `T*K` routed pairs (at least one)."""
+def align_launch(tokens: int, top_k: int, num_experts: int, block_m: int, shared_expert: bool
+                 ) -> tuple[triton.JITFunction, int, dict[str, int], int]:
+    """(kernel, programs, constexprs, num_warps) for `T*K` routed pairs (at least one): one
+    sorting program (`moe_align_kernel`) up to `PER_EXPERT_PAIRS` pairs, else one program per
+    expert and one more (`align_pairs_of_expert`)."""
     num_pairs = tokens * top_k
     num_blocks = aligned_blocks(tokens, top_k, num_experts, block_m, shared_expert)
     pairs_pad = max(16, triton.next_power_of_2(num_pairs))
@@ -247,7 +245,9 @@ def align_launch(tokens: int, top_k: int, num_experts: int, block_m: int,
                  "LOG_PAIRS_PAD": pairs_pad.bit_length() - 1, "EXPERTS_PAD": experts_pad,
                  "SHARED_BLOCKS": num_blocks - max_blocks(num_pairs, num_experts, block_m),
                  "FILL": 1024}
-    return constants, 4 if work <= 512 else 8 if work <= 2048 else 16
+    if num_pairs > PER_EXPERT_PAIRS:
+        return align_pairs_of_expert, num_experts + 1, constants, 4 if num_pairs <= 4096 else 8
+    return moe_align_kernel, 1, constants, 4 if work <= 512 else 8 if work <= 2048 else 16
 
 
 def _moe_align_fake(topk_ids: torch.Tensor, num_experts: int, block_m: int,

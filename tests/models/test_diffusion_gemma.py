@@ -243,15 +243,15 @@ def test_bf16_grouped_experts_match_the_fp32_gather_path():
 def test_cuda_rope_tables_equal_the_torch_ops_bit_for_bit(kind):
     """On CUDA in bf16 the tables come from `dlmc::rope_tables`: the same bits as the torch
     ops (the full layers' proportional RoPE: a quarter of the pairs rotate, the rest cos 1)."""
-    from dlmc.custom_ops.rope_tables import rope_tables_reference
+    from dlmc.custom_ops.rope_tables import cos_sin_tables, rope_tables_reference
     from dlmc.models.diffusion_gemma_config import RopeParameters
-    from dlmc.models.diffusion_gemma_layers import rope_cos_sin, rope_inv_freq
+    from dlmc.models.diffusion_gemma_layers import rope_inv_freq
 
     rope, dim = ((RopeParameters("default", 10_000.0), 256) if kind == "sliding" else
                  (RopeParameters("proportional", 1_000_000.0, partial_rotary_factor=0.25), 512))
     positions = torch.arange(1000, 1280, device="cuda")
     inv_freq = rope_inv_freq(rope, dim, positions.device)
-    cos, sin = rope_cos_sin(positions, inv_freq, torch.bfloat16)
+    cos, sin = cos_sin_tables(positions, inv_freq, torch.bfloat16)
     want_cos, want_sin = rope_tables_reference(positions, inv_freq, torch.bfloat16)
     assert cos.shape == (280, dim) and cos.dtype == torch.bfloat16
     assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)

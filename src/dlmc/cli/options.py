@@ -170,34 +170,34 @@ def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             split_reductions=kwargs.pop("split_reductions"))
         return fn(*args, **kwargs)
 
+    def auto_choice(flag: str, choices: tuple[str, ...], help: str) -> Callable[..., Any]:
+        return click.option(flag, type=click.Choice(choices), default="auto", show_default=True,
+                            help=help)
+
     decorators = [
-        click.option("--attention-backend", type=click.Choice(ATTENTION_BACKENDS),
-                     default="auto", show_default=True,
-                     help="Paged-cache attention: auto (Triton on CUDA), triton, or reference "
-                     "(plain PyTorch, for debugging)."),
+        auto_choice("--attention-backend", ATTENTION_BACKENDS,
+                    help="Paged-cache attention: auto (Triton on CUDA), triton, or reference "
+                    "(plain PyTorch, for debugging)."),
         click.option("--pdl/--no-pdl", default=True, show_default=True,
                      help="Programmatic dependent launch of the round's kernels (sm_90+)."),
         click.option("--deterministic-compile", is_flag=True,
                      help="Inductor's deterministic mode (no timing-based kernel choices)."),
-        click.option("--gemma-bf16-experts", type=click.Choice(GEMMA_BF16_EXPERTS),
-                     default="auto", show_default=True,
-                     help="DiffusionGemma's BF16 routed experts: torch._grouped_mm, or triton "
-                     "(dlmc::bf16_moe, gelu-tanh); auto: triton on CUDA."),
-        click.option("--gemma-attention", type=click.Choice(GEMMA_ATTENTION),
-                     default="auto", show_default=True,
-                     help="DiffusionGemma's compiled steps: attention in plain PyTorch "
-                     "(Inductor) or triton (dlmc::paged_attention over the cache); auto: triton "
-                     "for a bf16 cache on CUDA."),
+        auto_choice("--gemma-bf16-experts", GEMMA_BF16_EXPERTS,
+                    help="DiffusionGemma's BF16 routed experts: torch._grouped_mm, or triton "
+                    "(dlmc::bf16_moe, gelu-tanh); auto: triton on CUDA."),
+        auto_choice("--gemma-attention", GEMMA_ATTENTION,
+                    help="DiffusionGemma's compiled steps: attention in plain PyTorch "
+                    "(Inductor) or triton (dlmc::paged_attention over the cache); auto: triton "
+                    "for a bf16 cache on CUDA."),
         click.option("--nvfp4-pad-experts/--no-nvfp4-pad-experts", default=True,
                      show_default=True,
                      help="NVFP4 experts of a width that is not a multiple of 128 "
                      "(DiffusionGemma's 704) widened with zeros at load, so that they take "
                      "kernel v7's layout instead of v3 (9 % more expert bytes at 704)."),
-        click.option("--split-reductions", type=click.Choice(SPLIT_REDUCTIONS),
-                     default="auto", show_default=True,
-                     help="Inductor's split reductions over few long rows; off: one program "
-                     "per row and its online softmax (DiffusionGemma's vocabulary-wide "
-                     "sampler); auto: off for DiffusionGemma, on for LLaDA2."),
+        auto_choice("--split-reductions", SPLIT_REDUCTIONS,
+                    help="Inductor's split reductions over few long rows; off: one program "
+                    "per row and its online softmax (DiffusionGemma's vocabulary-wide "
+                    "sampler); auto: off for DiffusionGemma, on for LLaDA2."),
     ]
     for decorator in reversed(decorators):
         wrapper = decorator(wrapper)

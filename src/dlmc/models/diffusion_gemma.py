@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dlmc.custom_ops.rope_tables import cos_sin_tables
 from dlmc.models.diffusion_gemma_config import FULL, SLIDING, DiffusionGemmaConfig
 from dlmc.models.diffusion_gemma_layers import (
     GatedMLP,
@@ -28,7 +29,6 @@ from dlmc.models.diffusion_gemma_layers import (
     ScaledEmbedding,
     SelfConditioning,
     apply_rope,
-    rope_cos_sin,
     rope_inv_freq,
 )
 from dlmc.models.diffusion_gemma_moe import GemmaExperts, GemmaRouter
@@ -162,11 +162,13 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
         return self.model.decoder.embed_tokens.weight
 
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
-        """cos/sin `[T, D]` per layer type (D: that type's head dim) for `positions [T]`."""
+        """cos/sin `[T, D]` per layer type (D: that type's head dim) for `positions [T]`
+        (`cos_sin_tables`: one `dlmc::rope_tables` launch for bf16 CUDA positions)."""
         cfg = self.config
         heads = {SLIDING: (cfg.sliding_rope, cfg.head_dim), FULL: (cfg.full_rope,
                                                                    cfg.global_head_dim)}
-        return {kind: rope_cos_sin(positions, rope_inv_freq(rope, dim, positions.device), dtype)
+        return {kind: cos_sin_tables(positions, rope_inv_freq(rope, dim, positions.device),
+                                     dtype)
                 for kind, (rope, dim) in heads.items() if kind in cfg.layer_types}
 
     def forward(

@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dlmc.custom_ops.rope_tables import cos_sin_tables
 from dlmc.models.diffusion_gemma_config import RopeParameters
 
 
@@ -40,14 +39,6 @@ def rope_inv_freq(rope: RopeParameters, head_dim: int, device: torch.device) -> 
     inv_freq = 1.0 / (rope.rope_theta ** (exponents / head_dim))  # [pairs]
     unrotated = torch.zeros(head_dim // 2 - pairs, dtype=torch.float32, device=device)
     return torch.cat([inv_freq, unrotated]) / rope.factor  # [head_dim / 2]
-
-
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin `[T, head_dim]` (`cat(angles, angles)`, computed in fp32, cast to `dtype`) for
-    absolute `positions [T]` (`cos_sin_tables`: one `dlmc::rope_tables` launch for bf16 CUDA
-    positions)."""
-    return cos_sin_tables(positions, inv_freq, dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
