@@ -18,13 +18,14 @@ from typing import Any
 from dlmc.errors import ConfigError
 
 __all__ = ["ATTENTION_BACKENDS", "DEFAULT_KERNELS", "GEMMA_ATTENTION", "GEMMA_BF16_EXPERTS",
-           "SPLIT_REDUCTIONS", "KernelConfig"]
+           "GEMMA_SAMPLER", "SPLIT_REDUCTIONS", "KernelConfig"]
 
 # "auto": the Triton paged attention on CUDA, the plain-PyTorch reference elsewhere.
 ATTENTION_BACKENDS = ("auto", "triton", "reference")
 # DiffusionGemma's BF16 routed experts: two `torch._grouped_mm`, or `dlmc::bf16_moe`.
 GEMMA_BF16_EXPERTS = ("auto", "grouped_mm", "triton")
 GEMMA_ATTENTION = ("auto", "torch", "triton")
+GEMMA_SAMPLER = ("auto", "torch", "triton")
 # Inductor's split reductions: "auto" is off for DiffusionGemma's canvas compiles, on elsewhere.
 SPLIT_REDUCTIONS = ("auto", "on", "off")
 
@@ -51,6 +52,12 @@ class KernelConfig:
             (`dlmc::paged_attention` over the cache viewed as pages; bf16 activations; the
             same maths up to the order of fp32 sums and P rounded to bf16); "auto": triton
             for a bf16 cache on CUDA, else torch.
+        gemma_sampler: DiffusionGemma's denoising steps (the runner's modes) take their
+            proposal (tempered logits, sample, argmax, entropy, the next self-conditioning
+            input) from "torch" (torch ops; Inductor's reductions when compiled) or "triton"
+            (`dlmc::canvas_propose`: the vocabulary split into chunks, one read of the logits
+            and the noise; the same maths up to the order of fp32 sums); "auto": triton on
+            CUDA, else torch.
         nvfp4_pad_experts: NVFP4 experts whose width is not a multiple of 128 (DiffusionGemma's
             704) widened at load with zero weights and scales to the next multiple, so that
             they take kernel v7's layout instead of v3 (`NVFP4Experts.pad_to_layout`; the same
@@ -69,6 +76,7 @@ class KernelConfig:
     deterministic_compile: bool = False
     gemma_bf16_experts: str = "auto"
     gemma_attention: str = "auto"
+    gemma_sampler: str = "auto"
     nvfp4_pad_experts: bool = True
     split_reductions: str = "auto"
 
@@ -82,6 +90,9 @@ class KernelConfig:
         if self.gemma_attention not in GEMMA_ATTENTION:
             raise ConfigError(f"KernelConfig.gemma_attention={self.gemma_attention!r}: "
                               f"expected one of {', '.join(GEMMA_ATTENTION)}")
+        if self.gemma_sampler not in GEMMA_SAMPLER:
+            raise ConfigError(f"KernelConfig.gemma_sampler={self.gemma_sampler!r}: "
+                              f"expected one of {', '.join(GEMMA_SAMPLER)}")
         if self.split_reductions not in SPLIT_REDUCTIONS:
             raise ConfigError(f"KernelConfig.split_reductions={self.split_reductions!r}: "
                               f"expected one of {', '.join(SPLIT_REDUCTIONS)}")

@@ -17,12 +17,16 @@ from dataclasses import dataclass, fields
 import torch
 
 from dlmc.custom_ops.canvas_noise import canvas_step_noise
+from dlmc.custom_ops.canvas_propose import canvas_propose
 from dlmc.graphs.canvas_rules import (
     CanvasState,
+    Proposal,
     StepNoise,
     canvas_step,
     initial_state,
     self_conditioning_input,
+    settle,
+    temperature,
 )
 from dlmc.graphs.canvas_settings import CanvasSettings
 from dlmc.kv.gemma_round_attention import CanvasRoundAttention, EncodeRoundAttention
@@ -96,11 +100,14 @@ def canvas_round(
     settings: CanvasSettings,
     first: bool,
     triton_attention: bool = False,
+    triton_sampler: bool = False,
 ) -> None:
     """One denoising step of the canvas in `buf` over `cache` (full layers' keys in the bucket
     `[0, key_len)`, key_len >= the cache length). `first`: the canvas's first step, whose
     decoder input has no self-conditioning (a Python bool: one compiled function per value).
     `triton_attention`: attend through `dlmc::paged_attention` (`CanvasRoundAttention`).
+    `triton_sampler`: the proposal from `dlmc::canvas_propose`, which also writes the next
+    self-conditioning input into `buf.sc_logits` (else `canvas_step`'s torch ops).
 
     The step's n is `buf.steps_remaining` (held at 1 once it runs out, so a step run after the
     budget repeats the last temperature); `buf.done` = stopped or no step left after this one.
@@ -112,11 +119,16 @@ def canvas_round(
     noise = StepNoise(*canvas_step_noise(logits))  # ([C, V] fp32, [C] int64)
     n = buf.steps_remaining.clamp(min=1)  # [] int32
     state = CanvasState(buf.tokens, buf.argmax, buf.history, buf.stopped)
-    step = canvas_step(logits, state, n, noise, settings)
-    sc = self_conditioning_input(step.tempered, previous, buf.stopped,
-                                 buf.sc_logits.dtype)  # [C, V]
+    if triton_sampler:  # rows stopped before the step keep their self-conditioning input
+        temp = temperature(n, settings, logits.device)  # []
+        sample, argmax, entropy = canvas_propose(logits, noise.exponential, temp, buf.sc_logits,
+                                                 None if first else buf.stopped)
+        step = settle(Proposal(None, sample, argmax, entropy), state, noise, settings)
+    else:
+        step = canvas_step(logits, state, n, noise, settings)
+        buf.sc_logits.copy_(self_conditioning_input(step.tempered, previous, buf.stopped,
+                                                    buf.sc_logits.dtype))  # [C, V]
     left = n - 1  # [] int32
-    buf.sc_logits.copy_(sc)
     buf.tokens.copy_(step.state.canvas)
     buf.argmax.copy_(step.state.argmax)
     buf.history.copy_(step.state.history)

@@ -88,7 +88,8 @@ class CanvasStep(NamedTuple):
     """One step's result: the next state and the step's tensors the caller may need."""
 
     state: CanvasState
-    tempered: torch.Tensor  # [..., C, V] fp32 logits / T (the next self-conditioning input)
+    tempered: torch.Tensor | None  # [..., C, V] fp32 logits / T (the next self-conditioning
+    #                                 input; None as in `Proposal`)
     entropy: torch.Tensor  # [..., C] fp32 nats of softmax(tempered)
     accepted: torch.Tensor  # [..., C] bool: positions that keep their sample
 
@@ -122,7 +123,8 @@ def token_entropy(tempered: torch.Tensor) -> torch.Tensor:
 class Proposal(NamedTuple):
     """One step's proposal for every canvas position."""
 
-    tempered: torch.Tensor  # [..., C, V] fp32 logits / T
+    tempered: torch.Tensor | None  # [..., C, V] fp32 logits / T (None: `dlmc::canvas_propose`
+    #                                 wrote the self-conditioning input itself)
     sample: torch.Tensor  # [..., C] int64: one categorical sample of softmax(tempered)
     argmax: torch.Tensor  # [..., C] int64: argmax(tempered) = argmax(logits)
     entropy: torch.Tensor  # [..., C] fp32 nats
@@ -239,7 +241,13 @@ def canvas_step(
     had stopped (`self_conditioning_input`).
     """
     temp = temperature(steps_remaining, settings, logits.device)  # []
-    proposal = propose(logits, temp, noise.exponential)
+    return settle(propose(logits, temp, noise.exponential), state, noise, settings)
+
+
+def settle(proposal: Proposal, state: CanvasState, noise: StepNoise, settings: CanvasSettings
+           ) -> CanvasStep:
+    """The rest of `canvas_step` after its proposal: accept by entropy, re-noise, freeze the
+    rows stopped before, stopping test."""
     accepted = accept_mask(proposal.entropy, settings.entropy_bound)  # [..., C]
     canvas = renoise(proposal.sample, accepted, noise.renoise_ids)  # [..., C]
     return _close_step(state, proposal, accepted, canvas, settings)

@@ -89,6 +89,12 @@ class CanvasRunner:
         return kind == "triton" or (kind == "auto" and self.cache.device.type == "cuda"
                                     and self.cache.dtype == torch.bfloat16)
 
+    @property
+    def _triton_sampler(self) -> bool:
+        """The proposal from `dlmc::canvas_propose` (`KernelConfig.gemma_sampler`)."""
+        kind = self.kernels.gemma_sampler
+        return kind == "triton" or (kind == "auto" and self.cache.device.type == "cuda")
+
     def key_len(self, end: int) -> int:
         """Cache slots the full layers attend when `end` positions must be visible: the
         power-of-two bucket at or above `end` (at least `min_bucket`, at most the cache size);
@@ -174,7 +180,8 @@ class CanvasRunner:
     def launch(self, eager: bool = False) -> None:
         """`step` without reading the flag: the step is only queued on the device."""
         key_len, first = self.key_len(self.length), self._first
-        args = (self.model, self.canvas, self.cache, key_len, self.settings, first, self._triton)
+        args = (self.model, self.canvas, self.cache, key_len, self.settings, first, self._triton,
+                self._triton_sampler)
         if eager or self.mode == "eager":
             with torch.no_grad():
                 canvas_round(*args)

@@ -13,6 +13,8 @@
 #                profiled (default kernels: dlmc's experts and attention): BF16, then NVFP4 +
 #                FP8 KV (one process each; a cold compile takes minutes; CANVAS_LIMIT seconds
 #                each, 270). P: bf16 or nvfp4 alone.
+#   canvas-sampler  DiffusionGemma's step proposal alone (256 x 262144): dlmc::canvas_propose
+#                against the torch ops compiled by Inductor, then its gpu-marked tests
 #   canvas-ops   dlmc::paged_attention (split-kernel tiles) and dlmc::nvfp4_moe (NVFP4Tiles)
 #                alone at DiffusionGemma's canvas shapes
 #   canvas-pad   dlmc::nvfp4_moe alone at DiffusionGemma's width (704, kernel v3) and widened
@@ -145,6 +147,12 @@ canvas)
       --out "$OUT/canvas_${precision}_$kv.json"
   done
   summary ;;
+canvas-sampler)
+  setup
+  step sampler 200 python3 perf/bench_canvas_sampler.py --out "$OUT/sampler.json"
+  step sampler_tests 300 python3 -m pytest -q -m gpu tests/custom_ops/test_canvas_propose.py \
+    tests/graphs/test_canvas_round.py
+  grep -E "µs|copy|passed|failed" "$OUT/$PART.txt" | cut -c1-200 ;;
 canvas-ops)
   setup
   for kv in fp8 bf16; do  # dlmc::paged_attention at the canvas's shapes, prefix 1024, tiles

@@ -197,10 +197,12 @@ KEYS = {("encode", 16, 16), ("encode", 16, 32), ("step", True, 16), ("step", Fal
 
 def test_compiled_steps_equal_eager_steps(model):
     """`assert_steps_match` with the self-conditioning logits to 1e-4 (Inductor's own fp32
-    rounding, which this random model amplifies)."""
+    rounding, which this random model amplifies). The compiled steps take their proposal from
+    `dlmc::canvas_propose` (`gemma_sampler="triton"`, the CUDA default; the op mutates the
+    self-conditioning buffer inside the compiled step), the eager ones from torch ops."""
     settings = SETTINGS["default"]
     cache = GemmaStaticCache(model.config, 64, torch.float32, "cpu")
-    compiled = _runner(model, settings, "compile", cache)
+    compiled = _runner(model, settings, "compile", cache, KernelConfig(gemma_sampler="triton"))
     assert_steps_match(_runner(model, settings, "eager", cache), compiled, 2, 1e-4)
     assert compiled.compile_s > 0 and set(compiled._graphs) == KEYS
 
@@ -325,3 +327,16 @@ def test_runner_checks_its_arguments(model):
     runner.encode(torch.arange(30))
     with pytest.raises(ConfigError, match=r"30 \+ 3 tokens > max_tokens=32"):
         runner.encode(torch.arange(3))
+
+
+
+def test_triton_sampler_steps_equal_torch_steps(model):
+    """`gemma_sampler="triton"` (`dlmc::canvas_propose`, under the interpreter here; it writes
+    the self-conditioning input in place, kept for stopped rows): each eager step equals the
+    torch sampler's eager step from the same state, up to fp32 summation order in the
+    entropies (the compiled form: `test_compiled_steps_equal_eager_steps`)."""
+    settings = SETTINGS["default"]
+    cache = GemmaStaticCache(model.config, 64, torch.float32, "cpu")
+    triton = _runner(model, settings, "eager", cache, KernelConfig(gemma_sampler="triton"))
+    assert triton._triton_sampler and not _runner(model, settings, "eager", cache)._triton_sampler
+    assert_steps_match(_runner(model, settings, "eager", cache), triton, 3, 1e-5)

@@ -148,13 +148,14 @@ def decode_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """--attention-backend --pdl/--no-pdl --deterministic-compile --gemma-bf16-experts
-    --gemma-attention --nvfp4-pad-experts/--no-... --split-reductions,
+    --gemma-attention --gemma-sampler --nvfp4-pad-experts/--no-... --split-reductions,
     handed to the command as one `kernels` argument
     (a `KernelConfig`)."""
     from dlmc.custom_ops.kernel_config import (
         ATTENTION_BACKENDS,
         GEMMA_ATTENTION,
         GEMMA_BF16_EXPERTS,
+        GEMMA_SAMPLER,
         SPLIT_REDUCTIONS,
         KernelConfig,
     )
@@ -166,6 +167,7 @@ def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             deterministic_compile=kwargs.pop("deterministic_compile"),
             gemma_bf16_experts=kwargs.pop("gemma_bf16_experts"),
             gemma_attention=kwargs.pop("gemma_attention"),
+            gemma_sampler=kwargs.pop("gemma_sampler"),
             nvfp4_pad_experts=kwargs.pop("nvfp4_pad_experts"),
             split_reductions=kwargs.pop("split_reductions"))
         return fn(*args, **kwargs)
@@ -189,6 +191,10 @@ def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                     help="DiffusionGemma's compiled steps: attention in plain PyTorch "
                     "(Inductor) or triton (dlmc::paged_attention over the cache); auto: triton "
                     "for a bf16 cache on CUDA."),
+        auto_choice("--gemma-sampler", GEMMA_SAMPLER,
+                    help="DiffusionGemma's steps: the proposal over the vocabulary in torch "
+                    "ops (Inductor) or triton (dlmc::canvas_propose, chunked rows); auto: "
+                    "triton on CUDA."),
         click.option("--nvfp4-pad-experts/--no-nvfp4-pad-experts", default=True,
                      show_default=True,
                      help="NVFP4 experts of a width that is not a multiple of 128 "
