@@ -43,7 +43,7 @@ CHUNK = 8192  # vocabulary entries per program of the first launch
 BLOCK = 1024  # entries per iteration of its loop
 NUM_WARPS = 4
 _SC_DTYPES = (torch.bfloat16, torch.float32)
-FLT_MAX: tl.constexpr = 3.4028234663852886e38
+FLT_MAX = tl.constexpr(3.4028234663852886e38)  # the largest finite fp32
 
 
 def canvas_propose_reference(

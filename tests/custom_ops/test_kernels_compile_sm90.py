@@ -279,6 +279,33 @@ def check_bf16_moe(hidden: int, inter: int, block_m: int) -> None:
             assert usage["LOCAL"] == 0
 
 
+def check_canvas_propose() -> None:
+    """`dlmc::canvas_propose`'s two kernels at DiffusionGemma's vocabulary (8192-entry chunks
+    of 1024-entry tiles; bf16 and fp32 self-conditioning output, with and without kept rows):
+    IEEE division for `logits / T`, no spills."""
+    from dlmc.custom_ops.canvas_propose import (
+        BLOCK,
+        CHUNK,
+        NUM_WARPS,
+        propose_chunk_kernel,
+        propose_merge_kernel,
+    )
+
+    for sc_type, keep in (("*bf16", True), ("*fp32", False)):
+        pointers = {"logits_ptr": "*fp32", "noise_ptr": "*fp32", "temp_ptr": "*fp32",
+                    "sc_ptr": sc_type, "keep_ptr": "*i1", "stats_ptr": "*fp32",
+                    "idx_ptr": "*i32"}
+        types = {name: pointers.get(name, "i32") for name in propose_chunk_kernel.arg_names}
+        compiled = compile_sm90(propose_chunk_kernel, types, {
+            "HAS_KEEP": keep, "SC_BF16": sc_type == "*bf16", "CHUNK": CHUNK, "BLOCK": BLOCK,
+            "INTERPRETED": False}, NUM_WARPS)
+        assert "div.rn.f32" in compiled.asm["ptx"]
+        assert resource_usage(compiled)["LOCAL"] == 0
+    types = {"stats_ptr": "*fp32", "idx_ptr": "*i32", "sample_ptr": "*i64", "argmax_ptr": "*i64",
+             "entropy_ptr": "*fp32", "num_chunks": "i32"}
+    compile_sm90(propose_merge_kernel, types, {"CHUNKS_PAD": 32}, 1)
+
+
 def compile_checks_pass(module: str) -> None:
     """Run `module`'s `__main__` (its sm_90 compile checks) with `python -m` from the
     repository root, without `TRITON_INTERPRET`; assert it succeeded."""
@@ -314,3 +341,4 @@ if __name__ == "__main__":
     check_moe_align(512, 8, 16, 64, 8, per_expert=True)  # a prefill chunk
     check_moe_align(512, 8, 256, 32, 8, shared_expert=True, per_expert=True)
     check_moe_align(256, 8, 128, 16, 4, per_expert=True)  # DiffusionGemma's canvas
+    check_canvas_propose()
