@@ -14,7 +14,7 @@
 #                FP8 KV (one process each; a cold compile takes minutes; CANVAS_LIMIT seconds
 #                each, 270). P: bf16 or nvfp4 alone.
 #   canvas-sampler  DiffusionGemma's step proposal alone (256 x 262144): dlmc::canvas_propose
-#                against the torch ops compiled by Inductor, then its gpu-marked tests
+#                against the torch ops compiled by Inductor, then the op's gpu-marked tests
 #   canvas-ops   dlmc::paged_attention (split-kernel tiles) and dlmc::nvfp4_moe (NVFP4Tiles)
 #                alone at DiffusionGemma's canvas shapes
 #   canvas-pad   dlmc::nvfp4_moe alone at DiffusionGemma's width (704, kernel v3) and widened
@@ -150,8 +150,7 @@ canvas)
 canvas-sampler)
   setup
   step sampler 200 python3 perf/bench_canvas_sampler.py --out "$OUT/sampler.json"
-  step sampler_tests 300 python3 -m pytest -q -m gpu tests/custom_ops/test_canvas_propose.py \
-    tests/graphs/test_canvas_round.py
+  step sampler_tests 300 python3 -m pytest -q -m gpu tests/custom_ops/test_canvas_propose.py
   grep -E "µs|copy|passed|failed" "$OUT/$PART.txt" | cut -c1-200 ;;
 canvas-ops)
   setup
@@ -224,7 +223,7 @@ tests-*)
     $workers $files
   grep -E "FAILED|ERROR|passed|failed" "$OUT/$PART.txt" | tail -20 ;;
 *)
-  echo "usage: bash perf/gpu.sh rounds|ops|sampled|loop|canvas|canvas-ops|canvas-pad|canvas-reductions|canvas-experts|canvas-loop|list|tests-NAME" \
+  echo "usage: bash perf/gpu.sh rounds|ops|sampled|loop|canvas|canvas-sampler|canvas-ops|canvas-pad|canvas-reductions|canvas-experts|canvas-loop|list|tests-NAME" \
     "(NAME: ${TEST_PARTS// /, })" >&2
   exit 2 ;;
 esac

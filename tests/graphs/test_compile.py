@@ -53,14 +53,19 @@ def test_kernel_config_is_validated_and_recorded():
     with pytest.raises(ConfigError,
                        match="KernelConfig.gemma_attention='sdpa'.*auto, torch, triton"):
         KernelConfig(gemma_attention="sdpa")
+    with pytest.raises(ConfigError,
+                       match="KernelConfig.gemma_sampler='cuda'.*auto, torch, triton"):
+        KernelConfig(gemma_sampler="cuda")
     config = KernelConfig(attention_backend="reference", pdl=False)
     assert config.to_dict() == {"attention_backend": "reference", "pdl": False,
                                 "deterministic_compile": False,
                                 "gemma_bf16_experts": "auto", "gemma_attention": "auto",
+                                "gemma_sampler": "auto",
                                 "nvfp4_pad_experts": True, "split_reductions": "auto"}
     assert config.describe() == ("attention_backend=reference pdl=False "
                                  "deterministic_compile=False "
                                  "gemma_bf16_experts=auto gemma_attention=auto "
+                                 "gemma_sampler=auto "
                                  "nvfp4_pad_experts=True split_reductions=auto")
     assert config.cache_tag() == KernelConfig(attention_backend="reference",
                                               pdl=False).cache_tag() != DEFAULT_KERNELS.cache_tag()
