@@ -50,8 +50,9 @@ class KernelConfig:
         gemma_attention: DiffusionGemma's compiled denoising steps and encoder chunks attend
             the static cache with "torch" (plain PyTorch, compiled by Inductor) or "triton"
             (`dlmc::paged_attention` over the cache viewed as pages; bf16 activations; the
-            same maths up to the order of fp32 sums and P rounded to bf16); "auto": triton
-            for a bf16 cache on CUDA, else torch.
+            same maths up to the order of fp32 sums and P rounded to bf16; an FP8 cache's
+            rows dequantized in registers); "auto": triton for bf16 activations on CUDA, else
+            torch.
         gemma_sampler: DiffusionGemma's denoising steps (the runner's modes) take their
             proposal (tempered logits, sample, argmax, entropy, the next self-conditioning
             input) from "torch" (torch ops; Inductor's reductions when compiled) or "triton"
