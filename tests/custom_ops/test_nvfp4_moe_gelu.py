@@ -1,9 +1,10 @@
 """`dlmc::nvfp4_moe` with DiffusionGemma's experts: GELU (tanh approximation) instead of SiLU,
-H = 2816, I = 704 (kernel v3), 128 experts, top-8, a 256-token canvas.
+H = 2816, I = 704, 128 experts, top-8, a 256-token canvas; as the model runs them, widened with
+zeros to I = 768 at load (kernel v7, `widen_experts`), and in the checkpoint's width (kernel v3).
 
 On CPU the Triton kernels run under `TRITON_INTERPRET=1` on shapes with I = 704 and a narrow H;
-the gpu-marked fuzz covers DiffusionGemma's full shapes with gelu_tanh (200 examples; perf/gpu.sh
-tests-fuzz-gelu).
+the gpu-marked fuzz covers DiffusionGemma's full shapes with gelu_tanh, widened (200 examples)
+and not (25) (perf/gpu.sh tests-fuzz-gelu).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 from dlmc.custom_ops import _nvfp4_moe_launch as launch
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
 from dlmc.custom_ops.nvfp4_moe_tiles import ACTIVATIONS
+from dlmc.models.nvfp4_experts import widen_experts
 from tests.custom_ops.nvfp4_cases import (
     DEVICE,
     assert_matches_reference,
@@ -106,18 +108,31 @@ def _fuzz_experts(shape: tuple[int, int, int, int], seed: int,
                           scale_2_log2=scale_2_log2)
 
 
+def widened(experts: dict[str, torch.Tensor], padded: int) -> dict[str, torch.Tensor]:
+    """The experts widened with zero codes and scales to width `padded`, as
+    `NVFP4Experts.pad_to_layout` widens them at load."""
+    inter = experts["gate_weight"].shape[1]
+    names = {f"{proj}_proj_{suffix}": f"{proj}_{suffix}" for proj in ("gate", "up", "down")
+             for suffix in ("weight", "weight_scale")}
+    wide = widen_experts({key: experts[name] for key, name in names.items()}, inter, padded)
+    return {**experts, **{name: wide[key] for key, name in names.items()}}
+
+
 def _fuzz_case(seed: int, tokens: int, shape: tuple[int, int, int, int], activation: str,
-               skew: bool, scale_2_log2: tuple[float, float] = (-4.0, 1.0)) -> None:
+               skew: bool, scale_2_log2: tuple[float, float] = (-4.0, 1.0),
+               width: int | None = None) -> None:
     """The op on the experts in the form the model stores them (`stored`: kernel v3's ModelOpt
-    forms at I = 704) against the reference."""
+    forms at I = 704; v7's tiles once widened to `width`) against the reference at the
+    checkpoint's width."""
     hidden, _, num_experts, top_k = shape
-    experts = stored(_fuzz_experts(shape, seed % 2, scale_2_log2))
+    experts = _fuzz_experts(shape, seed % 2, scale_2_log2)
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=gen).bfloat16().to(DEVICE)
     ids, w = random_routing(gen, tokens, num_experts, top_k, skew)
-    args = op_args(x, ids, w, experts)
-    assert_matches_reference(nvfp4_moe(*args, activation=activation),
-                             nvfp4_moe_reference(*args, activation=activation))
+    run = stored(widened(experts, width) if width else experts)
+    assert_matches_reference(nvfp4_moe(*op_args(x, ids, w, run), activation=activation),
+                             nvfp4_moe_reference(*op_args(x, ids, w, experts),
+                                                 activation=activation))
 
 
 @settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
@@ -131,14 +146,37 @@ def test_diffusiongemma_widths_match_reference_cpu(seed: int, tokens: int,
     _fuzz_case(seed, tokens, shape, activation, skew)
 
 
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**31 - 1), tokens=st.sampled_from([1, 5, 17]),
+       shape=st.sampled_from([(128, 80, 4, 2), (128, 704, 16, 8)]),
+       activation=st.sampled_from(ACTIVATIONS), skew=st.booleans())
+def test_widened_experts_match_reference_cpu(seed: int, tokens: int,
+                                             shape: tuple[int, int, int, int],
+                                             activation: str, skew: bool) -> None:
+    """Experts widened with zeros to the next multiple of 128 (kernel v7's tiles at H 128)
+    compute what the checkpoint's width computes (interpreted)."""
+    _fuzz_case(seed, tokens, shape, activation, skew, width=-(-shape[1] // 128) * 128)
+
+
 @pytest.mark.gpu
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 2**31 - 1), tokens=st.integers(1, 256), skew=st.booleans(),
        scale_2_log2=st.sampled_from([(-4.0, 1.0), (-24.0, -20.0), (6.0, 8.0)]))
 def test_diffusiongemma_shapes_match_reference_gpu(seed: int, tokens: int, skew: bool,
                                                    scale_2_log2: tuple[float, float]) -> None:
-    """DiffusionGemma's experts exactly (H 2816, I 704, 128 experts, top-8, gelu_tanh), 1 to
-    256 tokens (a canvas), skewed routing and extreme global scales: 200 examples."""
+    """DiffusionGemma's experts exactly (H 2816, I 704, 128 experts, top-8, gelu_tanh) as the
+    model runs them, widened to 768 (kernel v7), against the reference at 704: 1 to 256
+    tokens (a canvas), skewed routing and extreme global scales, 200 examples."""
+    _fuzz_case(seed, tokens, DIFFUSIONGEMMA, "gelu_tanh", skew, scale_2_log2, width=768)
+
+
+@pytest.mark.gpu
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2**31 - 1), tokens=st.integers(1, 256), skew=st.booleans(),
+       scale_2_log2=st.sampled_from([(-4.0, 1.0), (-24.0, -20.0), (6.0, 8.0)]))
+def test_diffusiongemma_checkpoint_width_matches_reference_gpu(
+        seed: int, tokens: int, skew: bool, scale_2_log2: tuple[float, float]) -> None:
+    """The same experts at the checkpoint's width 704 (kernel v3, `--no-nvfp4-pad-experts`)."""
     _fuzz_case(seed, tokens, DIFFUSIONGEMMA, "gelu_tanh", skew, scale_2_log2)
 
 
@@ -147,8 +185,8 @@ def test_diffusiongemma_shapes_match_reference_gpu(seed: int, tokens: int, skew:
 @given(seed=st.integers(0, 2**31 - 1), tokens=st.integers(1, 256), skew=st.booleans())
 def test_diffusiongemma_shapes_with_silu_match_reference_gpu(seed: int, tokens: int,
                                                              skew: bool) -> None:
-    """The same shapes under SiLU: the activation is the only difference."""
-    _fuzz_case(seed, tokens, DIFFUSIONGEMMA, "silu", skew)
+    """The widened shapes under SiLU: the activation is the only difference."""
+    _fuzz_case(seed, tokens, DIFFUSIONGEMMA, "silu", skew, width=768)
 
 
 def _plan(activation: str, tokens: int = 32, inter: int = 512,

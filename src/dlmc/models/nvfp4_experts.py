@@ -31,6 +31,23 @@ _EXPERT_TENSOR = re.compile(
 )
 
 
+def widen_experts(buffers: dict[str, torch.Tensor], inter: int,
+                  padded: int) -> dict[str, torch.Tensor]:
+    """The packed codes and block scales of experts of width `inter` widened to `padded` with
+    zeros (`<proj>_weight [E, N, K/2]` and `<proj>_weight_scale [E, N, K/16]`, ModelOpt's
+    forms): gate/up gain `padded - inter` rows, down as many columns. Returns the six new
+    tensors; the others in `buffers` are not read."""
+    out = {}
+    for proj, dim in (("gate_proj", 1), ("up_proj", 1), ("down_proj", 2)):
+        for suffix, per in (("weight", 2), ("weight_scale", GROUP_SIZE)):
+            old = buffers[f"{proj}_{suffix}"]
+            shape = list(old.shape)
+            shape[dim] = (padded - inter) // (1 if dim == 1 else per)
+            zeros = torch.zeros(shape, dtype=old.dtype, device=old.device)
+            out[f"{proj}_{suffix}"] = torch.cat([old, zeros], dim=dim).contiguous()
+    return out
+
+
 def expert_buffer_target(tensor_name: str) -> tuple[int, int, str] | None:
     """`model.layers.L.mlp.experts.E.<proj>.<suffix>` -> `(L, E, "<proj>_<suffix>")`, else None.
 
@@ -140,14 +157,7 @@ class NVFP4Experts(nn.Module):
         padded = -(-I // LAYOUT_WIDTH) * LAYOUT_WIDTH
         if self.use_reference or padded == I or effective_variant(H, padded) < 4:
             return False
-        for proj, dim in (("gate_proj", 1), ("up_proj", 1), ("down_proj", 2)):
-            for suffix, per in (("weight", 2), ("weight_scale", GROUP_SIZE)):
-                name = f"{proj}_{suffix}"
-                old = self._buffers[name]
-                shape = list(old.shape)
-                shape[dim] = (padded - I) // (1 if dim == 1 else per)
-                zeros = torch.zeros(shape, dtype=old.dtype, device=old.device)
-                self._buffers[name] = torch.cat([old, zeros], dim=dim).contiguous()
+        self._buffers.update(widen_experts(dict(self._buffers), I, padded))
         self.checkpoint_intermediate_size = I
         self.intermediate_size = padded
         self.prepare_for_kernel()
