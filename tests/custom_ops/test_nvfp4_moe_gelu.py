@@ -118,6 +118,15 @@ def widened(experts: dict[str, torch.Tensor], padded: int) -> dict[str, torch.Te
     return {**experts, **{name: wide[key] for key, name in names.items()}}
 
 
+@functools.lru_cache(maxsize=6)
+def _stored_fuzz_experts(shape: tuple[int, int, int, int], seed: int,
+                         scale_2_log2: tuple[float, float],
+                         width: int | None) -> dict[str, torch.Tensor]:
+    """`_fuzz_experts` as the model stores them, widened to `width` when given."""
+    experts = _fuzz_experts(shape, seed, scale_2_log2)
+    return stored(widened(experts, width) if width else experts)
+
+
 def _fuzz_case(seed: int, tokens: int, shape: tuple[int, int, int, int], activation: str,
                skew: bool, scale_2_log2: tuple[float, float] = (-4.0, 1.0),
                width: int | None = None) -> None:
@@ -129,7 +138,7 @@ def _fuzz_case(seed: int, tokens: int, shape: tuple[int, int, int, int], activat
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=gen).bfloat16().to(DEVICE)
     ids, w = random_routing(gen, tokens, num_experts, top_k, skew)
-    run = stored(widened(experts, width) if width else experts)
+    run = _stored_fuzz_experts(shape, seed % 2, scale_2_log2, width)
     assert_matches_reference(nvfp4_moe(*op_args(x, ids, w, run), activation=activation),
                              nvfp4_moe_reference(*op_args(x, ids, w, experts),
                                                  activation=activation))
