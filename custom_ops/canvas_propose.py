@@ -1,15 +1,17 @@
 """`dlmc::canvas_propose`: a DiffusionGemma denoising step's proposal in two Triton launches.
 
-The proposal (`graphs.canvas_rules.propose`) reads the step's fp32 soft-capped logits `[R, V]`
+The proposal (`graphs.canvas_rules.propose`) reads the step's soft-capped logits `[R, V]`
 and its Exp(1) noise `[R, V]` (R rows = canvas positions, V = 262144 for the real model) and
 returns, per row, the categorical sample `argmax(softmax(t) / noise)`, `argmax(t)` and the
 entropy of `softmax(t)`, with `t = logits / T`; the next step's self-conditioning input is `t`
-in the model dtype. Compiled by Inductor as torch ops, this is one reduction kernel per row
-over 1 MB of logits and 1 MB of noise: 256 programs, too few to stream 0.5 GB at the copy
-speed. Here the first launch splits each row into chunks of `CHUNK` entries (R x V / CHUNK
-programs), reads logits and noise once, writes `t` (in the dtype of `sc_out`) and keeps, per
-chunk, online log-sum-exp statistics and both argmaxes; the second launch merges each row's
-chunks.
+in the model dtype. With `softcap` > 0 the op takes the lm_head's output before the cap (the
+model dtype) and caps it itself, `logits = tanh(x / softcap) * softcap` in fp32, so that the
+capped fp32 logits are never written to memory. Compiled by Inductor as torch ops, the
+proposal is one reduction kernel per row over 1 MB of logits and 1 MB of noise: 256
+programs, too few to stream 0.5 GB at the copy speed. Here the first launch splits each row
+into chunks of `CHUNK` entries (R x V / CHUNK programs), reads logits and noise once, writes
+`t` (in the dtype of `sc_out`) and keeps, per chunk, online log-sum-exp statistics and both
+argmaxes; the second launch merges each row's chunks.
 
 Maths (exact in real arithmetic, the same as the torch form up to fp32 rounding):
 - per chunk, with `m` its largest `t`: `s = sum exp(t - m)`, `w = sum exp(t - m) * (t - m)`;
@@ -18,9 +20,12 @@ Maths (exact in real arithmetic, the same as the torch form up to fp32 rounding)
   row's constant `M + log S`: no second pass over the row.
 - ties go to the lowest index (`torch.argmax`'s rule): inside a tile by `tl.argmax`, across
   tiles and chunks by a strict comparison in index order.
-- `t` is `logits / T` with IEEE division (`div_rn`), so the self-conditioning input and the
-  argmax are eager PyTorch's to the bit; the sample and the entropy may differ from it in
-  the last bits (another summation order), as Inductor's kernels already do.
+- `t` is `logits / T` with IEEE division (`div_rn`), so from capped logits the
+  self-conditioning input and the argmax are eager PyTorch's to the bit; the sample and the
+  entropy may differ from it in the last bits (another summation order), as Inductor's
+  kernels already do. The cap's tanh is CUDA's `tanhf` (libdevice); the interpreter, which has
+  no libdevice, takes it from `exp` in fp64: both within an ulp or two of PyTorch's, so a
+  capped value, and through it `t`, may differ from eager PyTorch's in its last bit.
 `sc_keep` (bool, one per row group): rows whose group is set keep `sc_out` as it is (a canvas
 stopped before the step keeps its previous self-conditioning input). The maths is
 `canvas_propose_reference`.
@@ -31,6 +36,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from dlmc.custom_ops._pdl import launcher
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
@@ -48,11 +54,15 @@ FLT_MAX = tl.constexpr(3.4028234663852886e38)  # the largest finite fp32
 
 def canvas_propose_reference(
     logits: torch.Tensor, exponential: torch.Tensor, temp: torch.Tensor, sc_out: torch.Tensor,
-    sc_keep: torch.Tensor | None,
+    sc_keep: torch.Tensor | None, softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The torch maths: `(sample [...], argmax [...], entropy [...])` for `logits [..., V]`;
-    writes `(logits / temp)` in `sc_out`'s dtype to `sc_out` except in the rows whose entry of
-    `sc_keep` (shape `logits.shape[:-2]`, or None) is set."""
+    """The torch maths: `(sample [...], argmax [...], entropy [...])` for `logits [..., V]`
+    (soft-capped first when `softcap` > 0); writes `(logits / temp)` in `sc_out`'s dtype to
+    `sc_out` except in the rows whose entry of `sc_keep` (shape `logits.shape[:-2]`, or None)
+    is set."""
+    logits = logits.float()
+    if softcap > 0:
+        logits = torch.tanh(logits / softcap) * softcap
     tempered = logits / temp  # [..., V] fp32
     probs = torch.softmax(tempered, dim=-1, dtype=torch.float32)
     sample = torch.argmax(probs / exponential, dim=-1)
@@ -77,10 +87,24 @@ def _merge(m, s, w, m2, s2, w2):
 
 
 @triton.jit
+def _soft_cap(x, softcap, INTERPRETED: tl.constexpr):
+    """`tanh(x / softcap) * softcap` in fp32: CUDA's `tanhf`; under the interpreter (no
+    libdevice) tanh from `exp` in fp64, then rounded to fp32."""
+    z = tl.math.div_rn(x, softcap)
+    if INTERPRETED:
+        e = tl.exp(-2.0 * tl.abs(z.to(tl.float64)))
+        th = (1.0 - e) / (1.0 + e)  # tanh(|z|), no cancellation near 0 in fp64
+        th = tl.where(z < 0, -th, th).to(tl.float32)
+    else:
+        th = libdevice.tanh(z)
+    return th * softcap
+
+
+@triton.jit
 def propose_chunk_kernel(logits_ptr, noise_ptr, temp_ptr, sc_ptr, keep_ptr, stats_ptr, idx_ptr,
-                         vocab, canvas, num_chunks, stride_l, stride_n, stride_sc,
-                         HAS_KEEP: tl.constexpr, SC_BF16: tl.constexpr, CHUNK: tl.constexpr,
-                         BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
+                         vocab, canvas, num_chunks, stride_l, stride_n, stride_sc, softcap,
+                         HAS_KEEP: tl.constexpr, SOFTCAP: tl.constexpr, SC_BF16: tl.constexpr,
+                         CHUNK: tl.constexpr, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
     """Chunk `c` of row `r`: writes `t` to `sc` (unless kept) and the chunk's statistics
     `(m, s, w, max t, max t - log noise)` and the two argmaxes."""
     row = tl.program_id(0).to(tl.int64)
@@ -101,7 +125,9 @@ def propose_chunk_kernel(logits_ptr, noise_ptr, temp_ptr, sc_ptr, keep_ptr, stat
         off = chunk * CHUNK + step
         cols = off + tl.arange(0, BLOCK)
         live = cols < vocab
-        x = tl.load(logits_ptr + row * stride_l + cols, mask=live, other=0.0)
+        x = tl.load(logits_ptr + row * stride_l + cols, mask=live, other=0.0).to(tl.float32)
+        if SOFTCAP:
+            x = _soft_cap(x, softcap, INTERPRETED)
         t = tl.math.div_rn(x, temp)
         if SC_BF16:
             tl.store(sc_ptr + row * stride_sc + cols, round_bf16(t, INTERPRETED),
@@ -161,7 +187,7 @@ def propose_merge_kernel(stats_ptr, idx_ptr, sample_ptr, argmax_ptr, entropy_ptr
 
 def _canvas_propose_impl(
     logits: torch.Tensor, exponential: torch.Tensor, temp: torch.Tensor, sc_out: torch.Tensor,
-    sc_keep: torch.Tensor | None,
+    sc_keep: torch.Tensor | None, softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     vocab = logits.shape[-1]
     rows = logits.numel() // vocab
@@ -179,8 +205,8 @@ def _canvas_propose_impl(
     block = min(BLOCK, triton.next_power_of_2(vocab))
     launcher(propose_chunk_kernel)[(rows, num_chunks)](
         logits, exponential, temp, sc_out, sc_keep if sc_keep is not None else temp, stats, idx,
-        vocab, canvas, num_chunks, vocab, vocab, vocab, HAS_KEEP=sc_keep is not None,
-        SC_BF16=sc_out.dtype == torch.bfloat16, CHUNK=chunk, BLOCK=block,
+        vocab, canvas, num_chunks, vocab, vocab, vocab, softcap, HAS_KEEP=sc_keep is not None,
+        SOFTCAP=softcap > 0, SC_BF16=sc_out.dtype == torch.bfloat16, CHUNK=chunk, BLOCK=block,
         INTERPRETED=_INTERPRETED, num_warps=NUM_WARPS)
     launcher(propose_merge_kernel)[(rows,)](
         stats, idx, sample, argmax, entropy, num_chunks,
@@ -190,7 +216,7 @@ def _canvas_propose_impl(
 
 def _canvas_propose_fake(
     logits: torch.Tensor, exponential: torch.Tensor, temp: torch.Tensor, sc_out: torch.Tensor,
-    sc_keep: torch.Tensor | None,
+    sc_keep: torch.Tensor | None, softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     lead = logits.shape[:-1]
     return (logits.new_empty(lead, dtype=torch.int64), logits.new_empty(lead, dtype=torch.int64),
@@ -203,20 +229,25 @@ _canvas_propose_op = traced_triton_op("dlmc::canvas_propose", _canvas_propose_im
 
 def canvas_propose(
     logits: torch.Tensor, exponential: torch.Tensor, temp: torch.Tensor, sc_out: torch.Tensor,
-    sc_keep: torch.Tensor | None = None,
+    sc_keep: torch.Tensor | None = None, softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One step's proposal (Triton, `dlmc::canvas_propose`); writes the next self-conditioning
     input into `sc_out` in place.
 
-    logits, exponential: fp32 `[..., C, V]` (contiguous); temp: fp32 `[]`; sc_out: bf16 or fp32
-    `[..., C, V]`; sc_keep: bool `[...]` (the leading dims) or None: rows of a set entry keep
-    `sc_out`. All on one device. Returns `(sample, argmax, entropy)`, `[..., C]` int64, int64
-    and fp32. Runs on CUDA and under `TRITON_INTERPRET=1`; elsewhere the reference.
+    logits: fp32 or bf16 `[..., C, V]` (contiguous): the soft-capped logits, or with `softcap`
+    > 0 the values before the cap (`tanh(x / softcap) * softcap` is taken in fp32 inside);
+    exponential: fp32 `[..., C, V]`; temp: fp32 `[]`; sc_out: bf16 or fp32 `[..., C, V]`;
+    sc_keep: bool `[...]` (the leading dims) or None: rows of a set entry keep `sc_out`. All on
+    one device. Returns `(sample, argmax, entropy)`, `[..., C]` int64, int64 and fp32. Runs on
+    CUDA and under `TRITON_INTERPRET=1`; elsewhere the reference.
     """
     shape = tuple(logits.shape)
-    if logits.dim() < 2 or logits.dtype != torch.float32 or not logits.is_contiguous():
-        raise ValueError(f"canvas_propose: logits must be contiguous fp32 [..., C, V], got "
-                         f"{logits.dtype} {shape}")
+    if logits.dim() < 2 or logits.dtype not in _SC_DTYPES or not logits.is_contiguous():
+        raise ValueError(f"canvas_propose: logits must be contiguous fp32 or bf16 [..., C, V], "
+                         f"got {logits.dtype} {shape}")
+    if not (softcap >= 0 and softcap < float("inf")):
+        raise ValueError(f"canvas_propose: softcap must be a finite number >= 0 (0: the logits "
+                         f"are capped already), got {softcap}")
     for name, tensor, dtypes in (("exponential", exponential, (torch.float32,)),
                                  ("sc_out", sc_out, _SC_DTYPES)):
         if tuple(tensor.shape) != shape or tensor.dtype not in dtypes or not (
@@ -236,6 +267,6 @@ def canvas_propose(
         raise ValueError("canvas_propose: every tensor must be on the logits' device "
                          f"({logits.device})")
     if not (logits.is_cuda or _INTERPRETED):
-        return canvas_propose_reference(logits, exponential, temp, sc_out, sc_keep)
+        return canvas_propose_reference(logits, exponential, temp, sc_out, sc_keep, softcap)
     keep = None if sc_keep is None else sc_keep.contiguous()
-    return _canvas_propose_op(logits, exponential, temp, sc_out, keep)
+    return _canvas_propose_op(logits, exponential, temp, sc_out, keep, float(softcap))

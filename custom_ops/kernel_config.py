@@ -102,6 +102,12 @@ class KernelConfig:
                 raise ConfigError(f"KernelConfig.{name}={getattr(self, name)!r}: expected "
                                   "True or False")
 
+    def triton_gemma_sampler(self, device_type: str) -> bool:
+        """Whether DiffusionGemma's steps on a device of this type ("cuda", "cpu") take their
+        proposal from `dlmc::canvas_propose` (`gemma_sampler`)."""
+        return self.gemma_sampler == "triton" or (self.gemma_sampler == "auto"
+                                                  and device_type == "cuda")
+
     def to_dict(self) -> dict[str, Any]:
         """The fields as plain JSON values (recorded by `dlmc bench round`)."""
         return dataclasses.asdict(self)

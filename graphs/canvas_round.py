@@ -107,7 +107,9 @@ def canvas_round(
     decoder input has no self-conditioning (a Python bool: one compiled function per value).
     `triton_attention`: attend through `dlmc::paged_attention` (`CanvasRoundAttention`).
     `triton_sampler`: the proposal from `dlmc::canvas_propose`, which also writes the next
-    self-conditioning input into `buf.sc_logits` (else `canvas_step`'s torch ops).
+    self-conditioning input into `buf.sc_logits` and applies the final soft cap to the
+    lm_head's output itself (else the model's capped fp32 logits and `canvas_step`'s torch
+    ops).
 
     The step's n is `buf.steps_remaining` (held at 1 once it runs out, so a step run after the
     budget repeats the last temperature); `buf.done` = stopped or no step left after this one.
@@ -115,14 +117,16 @@ def canvas_round(
     ctx = CanvasRoundAttention(cache, key_len, triton_attention)
     previous = None if first else buf.sc_logits
     logits = model(buf.tokens, buf.positions, ctx, decoder=True,
-                   self_conditioning_logits=previous)  # [C, V] fp32
+                   self_conditioning_logits=previous,
+                   soft_cap=not triton_sampler)  # [C, V]: fp32, or before the cap
     noise = StepNoise(*canvas_step_noise(logits))  # ([C, V] fp32, [C] int64)
     n = buf.steps_remaining.clamp(min=1)  # [] int32
     state = CanvasState(buf.tokens, buf.argmax, buf.history, buf.stopped)
     if triton_sampler:  # rows stopped before the step keep their self-conditioning input
         temp = temperature(n, settings, logits.device)  # []
-        sample, argmax, entropy = canvas_propose(logits, noise.exponential, temp, buf.sc_logits,
-                                                 None if first else buf.stopped)
+        sample, argmax, entropy = canvas_propose(
+            logits, noise.exponential, temp, buf.sc_logits, None if first else buf.stopped,
+            model.config.final_logit_softcapping)
         step = settle(Proposal(None, sample, argmax, entropy), state, noise, settings)
     else:
         step = canvas_step(logits, state, n, noise, settings)

@@ -92,8 +92,7 @@ class CanvasRunner:
     @property
     def _triton_sampler(self) -> bool:
         """The proposal from `dlmc::canvas_propose` (`KernelConfig.gemma_sampler`)."""
-        kind = self.kernels.gemma_sampler
-        return kind == "triton" or (kind == "auto" and self.cache.device.type == "cuda")
+        return self.kernels.triton_gemma_sampler(self.cache.device.type)
 
     def key_len(self, end: int) -> int:
         """Cache slots the full layers attend when `end` positions must be visible: the

@@ -94,8 +94,11 @@ def test_step_bytes_and_flops_at_the_full_shape():
     assert abs(total_params / 1e9 - 25.2) < 0.1  # "25.2 B parameters in total"
     assert parts["weights"] == 2 * (params + embed + 256 * 2816)
     assert parts["kv"] == 2 * 2 * (25 * 1023 * 8 * 256 + 5 * 1024 * 2 * 512)  # K and V, bf16
-    assert parts["vocab"] == 256 * 262144 * 20
+    assert parts["vocab"] == 256 * 262144 * 20  # logits, noise, self-conditioning input
     assert parts["total"] == sum(v for k, v in parts.items() if k != "total")
+    capped = step_bytes(model, 256, 1024, [128] * 30, capped_by_op=True)  # bf16 logits
+    assert capped["vocab"] == 256 * 262144 * 16
+    assert capped["total"] == parts["total"] - 256 * 262144 * 4
     # multiply-adds per canvas token: projections, dense MLPs, routers, self-conditioning MLP,
     # lm_head and softmax(sc) @ E, 8 experts per layer, q·k and p·v over the attended keys
     linear = (25 * 2816 * 12288 + 5 * 2816 * 17408 + 30 * (3 * 2112 + 128) * 2816

@@ -281,8 +281,9 @@ def check_bf16_moe(hidden: int, inter: int, block_m: int) -> None:
 
 def check_canvas_propose() -> None:
     """`dlmc::canvas_propose`'s two kernels at DiffusionGemma's vocabulary (8192-entry chunks
-    of 1024-entry tiles; bf16 and fp32 self-conditioning output, with and without kept rows):
-    IEEE division for `logits / T`, no spills."""
+    of 1024-entry tiles; bf16 and fp32 self-conditioning output, with and without kept rows;
+    capped fp32 logits, or bf16 values capped inside with libdevice's tanh): IEEE division
+    for `logits / T`, no spills."""
     from dlmc.custom_ops.canvas_propose import (
         BLOCK,
         CHUNK,
@@ -291,14 +292,14 @@ def check_canvas_propose() -> None:
         propose_merge_kernel,
     )
 
-    for sc_type, keep in (("*bf16", True), ("*fp32", False)):
-        pointers = {"logits_ptr": "*fp32", "noise_ptr": "*fp32", "temp_ptr": "*fp32",
+    for sc_type, keep, logits in (("*bf16", True, "*bf16"), ("*fp32", False, "*fp32")):
+        pointers = {"logits_ptr": logits, "noise_ptr": "*fp32", "temp_ptr": "*fp32",
                     "sc_ptr": sc_type, "keep_ptr": "*i1", "stats_ptr": "*fp32",
-                    "idx_ptr": "*i32"}
+                    "idx_ptr": "*i32", "softcap": "fp32"}
         types = {name: pointers.get(name, "i32") for name in propose_chunk_kernel.arg_names}
         compiled = compile_sm90(propose_chunk_kernel, types, {
-            "HAS_KEEP": keep, "SC_BF16": sc_type == "*bf16", "CHUNK": CHUNK, "BLOCK": BLOCK,
-            "INTERPRETED": False}, NUM_WARPS)
+            "HAS_KEEP": keep, "SOFTCAP": logits == "*bf16", "SC_BF16": sc_type == "*bf16",
+            "CHUNK": CHUNK, "BLOCK": BLOCK, "INTERPRETED": False}, NUM_WARPS)
         assert "div.rn.f32" in compiled.asm["ptx"]
         assert resource_usage(compiled)["LOCAL"] == 0
     types = {"stats_ptr": "*fp32", "idx_ptr": "*i32", "sample_ptr": "*i64", "argmax_ptr": "*i64",

@@ -140,7 +140,8 @@ def test_encoder_and_decoder_logits_match_transformers(seed, window):
 def test_bf16_logits_equal_transformers_loaded_in_bf16(tmp_path):
     """transformers' model saved and loaded with `dtype=bfloat16` (its RoPE inverse frequencies
     stay fp32) against dlmc's in bf16 (the bf16 `torch._grouped_mm` experts): the same ops in
-    the same order, so the logits are bitwise equal."""
+    the same order, so the logits are bitwise equal; `soft_cap=False` gives the bf16 values
+    before the cap."""
     reference32 = hf_model(4)
     model = dlmc_model(reference32).to(torch.bfloat16)
     reference32.save_pretrained(tmp_path)
@@ -160,6 +161,11 @@ def test_bf16_logits_equal_transformers_loaded_in_bf16(tmp_path):
         got = model(canvas, canvas_pos, CanvasContext(cache), decoder=True,
                     self_conditioning_logits=sc)
         assert torch.equal(got, want)
+        raw = model(canvas, canvas_pos, CanvasContext(cache), decoder=True,
+                    self_conditioning_logits=sc, soft_cap=False)  # before the cap
+        cap = model.config.final_logit_softcapping
+        assert raw.dtype == torch.bfloat16 and not torch.equal(raw.float(), got)
+        assert torch.equal(torch.tanh(raw.float() / cap) * cap, got)
         sc = (want / 0.8).bfloat16()
 
 

@@ -10,8 +10,10 @@ What a steady step (with self-conditioning) touches, in bytes:
   distinct routed experts (from one forward's routing: 256 tokens x top-8 of 128 touch all);
 - KV: full layers' K and V of the whole prefix, sliding layers' of its last `window - 1`
   positions (the canvas's own K/V are computed, not read);
-- the `[C, V]` tensors the step must move: the fp32 logits written and read back, the fp32
-  Exp(1) noise written and read, the self-conditioning logits read and written.
+- the `[C, V]` tensors the step must move: the logits written and read back (fp32 when torch
+  ops cap them; the lm_head's output dtype when `dlmc::canvas_propose` caps them as it reads
+  them), the fp32 Exp(1) noise written and read, the self-conditioning logits read and
+  written.
 """
 
 from __future__ import annotations
@@ -108,10 +110,12 @@ def expert_counts(model: DiffusionGemmaForBlockDiffusion, cache: GemmaStaticCach
 
 
 def step_bytes(model: DiffusionGemmaForBlockDiffusion, canvas: int, prefix: int,
-               experts_per_layer: list[int], kv_bytes: int | None = None) -> dict[str, int]:
+               experts_per_layer: list[int], kv_bytes: int | None = None,
+               capped_by_op: bool = False) -> dict[str, int]:
     """Bytes one steady step touches (module docstring), by part, and their sum `total`; each
     expert at its stored size (NVFP4: codes and scales), K/V at `kv_bytes` per element (1 for
-    an FP8 cache; default: the embedding's element size)."""
+    an FP8 cache; default: the embedding's element size); the logits in fp32, or with
+    `capped_by_op` (`dlmc::canvas_propose` caps them) in the lm_head's dtype."""
     cfg = model.config
     table = model.lm_head_weight
     weights = 0
@@ -134,7 +138,8 @@ def step_bytes(model: DiffusionGemmaForBlockDiffusion, canvas: int, prefix: int,
         keys = prefix if window is None else min(prefix, window - 1)
         kv += 2 * keys * cfg.layer_kv_heads(i) * cfg.layer_head_dim(i) * (
             kv_bytes or table.element_size())
-    vocab = canvas * cfg.vocab_size * (2 * 4 + 2 * 4 + 2 * table.element_size())
+    logits = table.element_size() if capped_by_op else 4
+    vocab = canvas * cfg.vocab_size * (2 * logits + 2 * 4 + 2 * table.element_size())
     total = weights + experts + kv + vocab
     return {"weights": weights, "experts": experts, "kv": kv, "vocab": vocab, "total": total}
 

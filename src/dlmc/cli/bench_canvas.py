@@ -64,7 +64,8 @@ def canvas_round(shape: str, canvas: int, prefix: int, routing: str, rounds: int
     sc = torch.randn(canvas, vocab, device=device, generator=gen).to(torch.bfloat16)
     counts = expert_counts(model, cache, tokens, torch.arange(prefix, prefix + canvas,
                                                               device=device), sc)
-    parts = step_bytes(model, canvas, prefix, counts, kv_bytes=kv_element_bytes(cache))
+    parts = step_bytes(model, canvas, prefix, counts, kv_bytes=kv_element_bytes(cache),
+                       capped_by_op=bench.kernels.triton_gemma_sampler(cache.device.type))
     nbytes, flops = parts["total"], step_flops(model, canvas, prefix)
     bandwidth = copy_bandwidth_gbps()
     limits = floors(nbytes, flops, bandwidth, bench.tensor_tflops)

@@ -180,9 +180,12 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
         logits_from: int = 0,
         decoder: bool = False,
         self_conditioning_logits: torch.Tensor | None = None,
+        soft_cap: bool = True,
     ) -> torch.Tensor | None:
         """input_ids `[T]` int64, positions `[T]` (absolute, continuing after the cache) ->
         `[T, V]` fp32 (only rows `logits_from:` when set: `[T - logits_from, V]`).
+        `soft_cap=False`: the lm_head's output before the final soft cap, in the model dtype
+        (for a consumer that caps it itself: `dlmc::canvas_propose`'s `softcap`).
 
         `decoder`: the canvas pass, whose input is self-conditioned on
         `self_conditioning_logits [T, V]` (the previous step's processed logits; None on the
@@ -200,6 +203,8 @@ class DiffusionGemmaForBlockDiffusion(nn.Module):
             h = layer(h, *tables[layer.layer_type], ctx)
         if not compute_logits:
             return None
-        logits = F.linear(text.norm(h[logits_from:]), self.lm_head_weight).float()  # [T, V]
+        logits = F.linear(text.norm(h[logits_from:]), self.lm_head_weight)  # [T, V]
+        if not soft_cap:
+            return logits
         cap = self.config.final_logit_softcapping
-        return torch.tanh(logits / cap) * cap
+        return torch.tanh(logits.float() / cap) * cap
