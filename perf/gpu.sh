@@ -15,8 +15,8 @@
 #                each, 270). P: bf16 or nvfp4 alone.
 #   canvas-sampler  DiffusionGemma's step proposal alone (256 x 262144): dlmc::canvas_propose
 #                against the torch ops compiled by Inductor, then the op's gpu-marked tests
-#   canvas-ops   dlmc::paged_attention (split-kernel tiles) and dlmc::nvfp4_moe (NVFP4Tiles)
-#                alone at DiffusionGemma's canvas shapes
+#   canvas-ops   dlmc::paged_attention (split-kernel tiles, flat merges) and dlmc::nvfp4_moe
+#                (NVFP4Tiles) alone at DiffusionGemma's canvas shapes
 #   canvas-pad   dlmc::nvfp4_moe alone at DiffusionGemma's width (704, kernel v3) and widened
 #                to 768 (kernel v7), then the NVFP4 + FP8 step without and with the
 #                widening (--no-nvfp4-pad-experts, then the default; one process each)
@@ -52,7 +52,7 @@ declare -A PATTERN=(
 ROUND=(dlmc bench round --shape llada2.1-mini --block-length 32 --prefix 1024 --routing uniform
        --rounds 60)
 NVFP4=(--precision nvfp4 --kv-cache-dtype fp8)
-GEMMA_TILES=(base t64x32w8 t64x32w4)
+GEMMA_TILES=(base t64x32w8 t64x32w4 merge-spec merge-spec-r4)
 CANVAS=(dlmc bench round --shape diffusiongemma-26b-a4b --canvas 256 --prefix 1024
         --routing uniform --rounds 40 --modes eager,graph)
 
