@@ -59,6 +59,10 @@ class KernelConfig:
             (`dlmc::canvas_propose`: the vocabulary split into chunks, one read of the logits
             and the noise; the same maths up to the order of fp32 sums); "auto": triton on
             CUDA, else torch.
+        gemma_fused_projections: DiffusionGemma's q/k/v projections (full layers: q/k) and its
+            dense MLPs' gate/up as one matrix product each, their weights concatenated at load
+            (the per-projection weights become views into it; the same maths, cuBLAS may sum
+            in another order). Off by default until measured faster.
         nvfp4_pad_experts: NVFP4 experts whose width is not a multiple of 128 (DiffusionGemma's
             704) widened at load with zero weights and scales to the next multiple, so that
             they take kernel v7's layout instead of v3 (`NVFP4Experts.pad_to_layout`; the same
@@ -78,6 +82,7 @@ class KernelConfig:
     gemma_bf16_experts: str = "auto"
     gemma_attention: str = "auto"
     gemma_sampler: str = "auto"
+    gemma_fused_projections: bool = False
     nvfp4_pad_experts: bool = True
     split_reductions: str = "auto"
 
@@ -97,7 +102,8 @@ class KernelConfig:
         if self.split_reductions not in SPLIT_REDUCTIONS:
             raise ConfigError(f"KernelConfig.split_reductions={self.split_reductions!r}: "
                               f"expected one of {', '.join(SPLIT_REDUCTIONS)}")
-        for name in ("pdl", "deterministic_compile", "nvfp4_pad_experts"):
+        for name in ("pdl", "deterministic_compile", "gemma_fused_projections",
+                     "nvfp4_pad_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"KernelConfig.{name}={getattr(self, name)!r}: expected "
                                   "True or False")

@@ -15,6 +15,9 @@
 #                each, 270). P: bf16 or nvfp4 alone.
 #   canvas-sampler  DiffusionGemma's step proposal alone (256 x 262144): dlmc::canvas_propose
 #                against the torch ops compiled by Inductor, then the op's gpu-marked tests
+#   canvas-projections  the proposal alone (bench_canvas_sampler.py: the torch form, the op after
+#                Inductor's cap, the op capping itself), then the BF16 step profiled with
+#                separate and with fused q/k/v and gate/up projections (--gemma-fused-projections)
 #   canvas-ops   dlmc::paged_attention (split-kernel tiles, flat merges) and dlmc::nvfp4_moe
 #                (NVFP4Tiles) alone at DiffusionGemma's canvas shapes
 #   canvas-pad   dlmc::nvfp4_moe alone at DiffusionGemma's width (704, kernel v3) and widened
@@ -152,6 +155,17 @@ canvas-sampler)
   step sampler 200 python3 perf/bench_canvas_sampler.py --out "$OUT/sampler.json"
   step sampler_tests 300 python3 -m pytest -q -m gpu tests/custom_ops/test_canvas_propose.py
   grep -E "µs|copy|passed|failed" "$OUT/$PART.txt" | cut -c1-200 ;;
+canvas-projections)
+  setup
+  step sampler 120 python3 perf/bench_canvas_sampler.py --out "$OUT/sampler.json"
+  for fused in separate fused; do
+    flags=()
+    [ "$fused" = fused ] && flags=(--gemma-fused-projections)
+    step "canvas_bf16_$fused" 230 "${CANVAS[@]}" --modes graph --precision bf16 --no-loop \
+      --profile "${flags[@]}" --out "$OUT/canvas_bf16_$fused.json"
+  done
+  grep -E "µs|copy" "$OUT/$PART.txt" | grep -v "^ " | cut -c1-200
+  summary ;;
 canvas-ops)
   setup
   for kv in fp8 bf16; do  # dlmc::paged_attention at the canvas's shapes, prefix 1024, tiles
@@ -223,7 +237,7 @@ tests-*)
     $workers $files
   grep -E "FAILED|ERROR|passed|failed" "$OUT/$PART.txt" | tail -20 ;;
 *)
-  echo "usage: bash perf/gpu.sh rounds|ops|sampled|loop|canvas|canvas-sampler|canvas-ops|canvas-pad|canvas-reductions|canvas-experts|canvas-loop|list|tests-NAME" \
+  echo "usage: bash perf/gpu.sh rounds|ops|sampled|loop|canvas|canvas-sampler|canvas-projections|canvas-ops|canvas-pad|canvas-reductions|canvas-experts|canvas-loop|list|tests-NAME" \
     "(NAME: ${TEST_PARTS// /, })" >&2
   exit 2 ;;
 esac

@@ -111,6 +111,17 @@ def test_step_bytes_and_flops_at_the_full_shape():
     assert round(flops / 1e12, 2) == 2.53
 
 
+def test_step_bytes_count_fused_weights_once_and_whole():
+    """Fused projections (the per-projection weights views into one storage) touch the same
+    bytes as the separate weights."""
+    model = tiny_model(1)
+    separate = step_bytes(model, CANVAS, PREFIX, [8] * 6)
+    for module in model.modules():
+        if hasattr(module, "fuse_projections"):
+            module.fuse_projections()
+    assert step_bytes(model, CANVAS, PREFIX, [8] * 6) == separate
+
+
 def test_floors_name_the_binding_limit():
     got = floors(nbytes=50 * 10**9, flops=2 * 10**12, copy_gbps=4000.0, tensor_tflops=800.0)
     assert got["bandwidth_floor_ms"] == pytest.approx(12.5)

@@ -9,6 +9,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache  # noqa: E402
 from transformers.models.diffusion_gemma import modeling_diffusion_gemma as hf  # noqa: E402
 
+from dlmc.custom_ops.kernel_config import KernelConfig  # noqa: E402
 from dlmc.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion  # noqa: E402
 from dlmc.models.diffusion_gemma_attention import (  # noqa: E402
     CanvasContext,
@@ -17,6 +18,7 @@ from dlmc.models.diffusion_gemma_attention import (  # noqa: E402
 )
 from dlmc.models.diffusion_gemma_config import DiffusionGemmaConfig  # noqa: E402
 from dlmc.models.diffusion_gemma_moe import GemmaExperts, GemmaRouter  # noqa: E402
+from dlmc.models.nvfp4_experts import apply_kernel_config  # noqa: E402
 
 VOCAB, CANVAS, PROMPT = 128, 8, 13
 TINY_TEXT = {
@@ -262,3 +264,42 @@ def test_cuda_rope_tables_equal_the_torch_ops_bit_for_bit(kind):
     assert cos.shape == (280, dim) and cos.dtype == torch.bfloat16
     assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
     assert not torch.equal(sin, torch.zeros_like(sin))
+
+
+@torch.no_grad()
+def test_fused_projections_compute_what_the_separate_ones_do():
+    """`KernelConfig(gemma_fused_projections=True)` at load: q/k/v (full layers: q/k) and each
+    dense MLP's gate/up become one weight, the checkpoint's weights views into it (names and
+    values kept, memory not doubled); the encoder and decoder logits stay the separate
+    projections' (fp32, CPU); applying it twice changes nothing."""
+    model = dlmc_model(hf_model(6))
+    names = set(model.state_dict())
+    gen = torch.Generator().manual_seed(6)
+    prompt = torch.randint(0, VOCAB, (PROMPT,), generator=gen)
+    canvas = torch.randint(0, VOCAB, (CANVAS,), generator=gen)
+    sc = torch.randn(CANVAS, VOCAB, generator=gen)
+
+    def passes() -> list[torch.Tensor]:
+        cache = GemmaKVCache(model.config.num_hidden_layers)
+        encoded = model(prompt, torch.arange(PROMPT), CausalContext(cache))
+        return [encoded, model(canvas, torch.arange(PROMPT, PROMPT + CANVAS),
+                               CanvasContext(cache), decoder=True, self_conditioning_logits=sc)]
+
+    want = passes()
+    layers = model.model.decoder.layers
+    assert layers[0].self_attn.qkv_weight is None and layers[0].mlp.gate_up_weight is None
+    for _ in range(2):
+        apply_kernel_config(model, KernelConfig(gemma_fused_projections=True))
+    sliding, full, mlp = layers[0].self_attn, layers[2].self_attn, layers[0].mlp
+    assert sliding.qkv_weight.shape == (4 * 16 + 2 * 2 * 16, 64)  # q, k, v
+    assert full.qkv_weight.shape == (4 * 32 + 32, 64)  # q, k (V = K)
+    assert mlp.gate_up_weight.shape == (2 * 96, 64)
+    for fused, parts in ((sliding.qkv_weight, (sliding.q_proj, sliding.k_proj, sliding.v_proj)),
+                         (mlp.gate_up_weight, (mlp.gate_proj, mlp.up_proj))):
+        rows = torch.cat([p.weight for p in parts])
+        assert torch.equal(rows, fused)
+        assert all(p.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+                   for p in parts)
+    assert set(model.state_dict()) == names
+    for got, expected in zip(passes(), want, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)

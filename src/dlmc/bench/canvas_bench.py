@@ -119,13 +119,15 @@ def step_bytes(model: DiffusionGemmaForBlockDiffusion, canvas: int, prefix: int,
     cfg = model.config
     table = model.lm_head_weight
     weights = 0
-    seen: set[int] = set()  # tied or shared storages count once
+    seen: set[int] = set()  # tied, shared or fused storages count once, whole
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        storage = tensor.untyped_storage().data_ptr() or id(tensor)  # (meta tensors: none)
-        if ".experts." in name or storage in seen:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr() or id(tensor)  # (meta tensors: no address)
+        if ".experts." in name or key in seen:
             continue
-        seen.add(storage)
-        weights += tensor.numel() * tensor.element_size()
+        seen.add(key)
+        weights += (storage.nbytes() if storage.data_ptr() else
+                    tensor.numel() * tensor.element_size())
     row = table.shape[1] * table.element_size()
     weights += table.numel() * table.element_size() + canvas * row  # the 2nd pass, the rows
     experts = 0

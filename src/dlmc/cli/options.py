@@ -148,7 +148,8 @@ def decode_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """--attention-backend --pdl/--no-pdl --deterministic-compile --gemma-bf16-experts
-    --gemma-attention --gemma-sampler --nvfp4-pad-experts/--no-... --split-reductions,
+    --gemma-attention --gemma-sampler --gemma-fused-projections --nvfp4-pad-experts/--no-...
+    --split-reductions,
     handed to the command as one `kernels` argument
     (a `KernelConfig`)."""
     from dlmc.custom_ops.kernel_config import (
@@ -168,6 +169,7 @@ def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             gemma_bf16_experts=kwargs.pop("gemma_bf16_experts"),
             gemma_attention=kwargs.pop("gemma_attention"),
             gemma_sampler=kwargs.pop("gemma_sampler"),
+            gemma_fused_projections=kwargs.pop("gemma_fused_projections"),
             nvfp4_pad_experts=kwargs.pop("nvfp4_pad_experts"),
             split_reductions=kwargs.pop("split_reductions"))
         return fn(*args, **kwargs)
@@ -195,6 +197,9 @@ def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                     help="DiffusionGemma's steps: the proposal over the vocabulary in torch "
                     "ops (Inductor) or triton (dlmc::canvas_propose, chunked rows); auto: "
                     "triton on CUDA."),
+        click.option("--gemma-fused-projections", is_flag=True,
+                     help="DiffusionGemma's q/k/v projections and dense gate/up as one matrix "
+                     "product each (weights concatenated at load)."),
         click.option("--nvfp4-pad-experts/--no-nvfp4-pad-experts", default=True,
                      show_default=True,
                      help="NVFP4 experts of a width that is not a multiple of 128 "

@@ -29,6 +29,7 @@ from dlmc.models.diffusion_gemma_layers import (
     ScaledEmbedding,
     SelfConditioning,
     apply_rope,
+    fuse_linears,
     rope_inv_freq,
 )
 from dlmc.models.diffusion_gemma_moe import GemmaExperts, GemmaRouter
@@ -59,7 +60,7 @@ class GemmaAttention(nn.Module):
 
     Sliding layers: `head_dim`, `num_key_value_heads`, V from `v_proj`. Full layers:
     `global_head_dim`, `num_global_key_value_heads`, no `v_proj`: V is the raw `k_proj` output
-    (before k_norm and RoPE).
+    (before k_norm and RoPE). After `fuse_projections`, q, k (and v) are one matrix product.
     """
 
     def __init__(self, config: DiffusionGemmaConfig, layer_idx: int) -> None:
@@ -78,15 +79,36 @@ class GemmaAttention(nn.Module):
         self.q_norm = GemmaRMSNorm(self.head_dim, eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, eps)
         self.v_norm = GemmaRMSNorm(self.head_dim, eps, with_scale=False)
+        self.register_buffer("qkv_weight", None, persistent=False)  # (`fuse_projections`)
+
+    def fuse_projections(self) -> None:
+        """q_proj, k_proj and v_proj (full layers: q_proj and k_proj) as one weight
+        (`fuse_linears`); idempotent."""
+        if self.qkv_weight is None:
+            linears = [self.q_proj, self.k_proj]
+            if self.v_proj is not None:
+                linears.append(self.v_proj)
+            self.qkv_weight = fuse_linears(*linears)
+
+    def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q `[T, Hq, D]`, the raw k and v `[T, Hkv, D]` (v = k on full layers)."""
+        tokens, kv = x.shape[0], self.num_kv_heads * self.head_dim
+        if self.qkv_weight is not None:
+            qkv = F.linear(x, self.qkv_weight)  # [T, Hq*D + Hkv*D (+ Hkv*D)]
+            q, k, *v = qkv.split([self.num_heads * self.head_dim] + [kv] * (
+                1 if self.v_proj is None else 2), dim=-1)
+            v = v[0] if v else k
+        else:
+            q, k = self.q_proj(x), self.k_proj(x)
+            v = k if self.v_proj is None else self.v_proj(x)
+        shape = (tokens, self.num_kv_heads, self.head_dim)
+        return q.view(tokens, self.num_heads, self.head_dim), k.view(shape), v.view(shape)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 ctx: GemmaAttentionContext) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+        q, k_raw, v = self._projections(x)  # [T, Hq, D], [T, Hkv, D] x 2
         q = apply_rope(self.q_norm(q), cos, sin)
-        k_raw = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = k_raw if self.v_proj is None else self.v_proj(x).view(
-            tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         k = apply_rope(self.k_norm(k_raw), cos, sin)
         v = self.v_norm(v)
         out = ctx.attend(self.layer_idx, q, k, v, window=self.window, scale=1.0)  # [T, Hq, D]

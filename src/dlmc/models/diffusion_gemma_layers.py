@@ -52,17 +52,39 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+@torch.no_grad()
+def fuse_linears(*linears: nn.Linear) -> torch.Tensor:
+    """One `[sum N_i, K]` weight for bias-free linears of the same input width (concatenated in
+    the given order); each linear's weight becomes a view into it (the checkpoint names and the
+    values stay, the memory is not doubled). `F.linear(x, fused).split(N_i, -1)` is then the
+    linears' outputs in one matrix product."""
+    fused = torch.cat([linear.weight for linear in linears], dim=0)
+    for linear, part in zip(linears, fused.split([lin.out_features for lin in linears]),
+                            strict=True):
+        linear.weight = nn.Parameter(part, requires_grad=linear.weight.requires_grad)
+    return fused
+
+
 class GatedMLP(nn.Module):
     """`down(gelu_tanh(gate(x)) * up(x))` with checkpoint names gate_proj / up_proj /
-    down_proj."""
+    down_proj. After `fuse_projections`, gate and up are one matrix product."""
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.register_buffer("gate_up_weight", None, persistent=False)  # (`fuse_projections`)
+
+    def fuse_projections(self) -> None:
+        """gate_proj and up_proj as one `[2I, H]` weight (`fuse_linears`); idempotent."""
+        if self.gate_up_weight is None:
+            self.gate_up_weight = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is not None:
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)  # [T, I] each
+            return self.down_proj(gelu_tanh(gate) * up)  # [T, H]
         return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))  # [T, H]
 
 

@@ -20,6 +20,8 @@ from dlmc.custom_ops.nvfp4_moe import effective_variant, nvfp4_moe, nvfp4_moe_re
 from dlmc.custom_ops.nvfp4_moe_tiles import ACTIVATIONS
 from dlmc.custom_ops.nvfp4_words import ROWS as LAYOUT_WIDTH
 from dlmc.custom_ops.nvfp4_words import e4m3_scales, stored_forms, weight_operand
+from dlmc.models.diffusion_gemma import GemmaAttention
+from dlmc.models.diffusion_gemma_layers import GatedMLP
 from dlmc.models.diffusion_gemma_moe import GemmaExperts
 from dlmc.quant.nvfp4_format import GROUP_SIZE, dequantize_nvfp4
 
@@ -264,8 +266,11 @@ class NVFP4Experts(nn.Module):
 def apply_kernel_config(model: nn.Module, kernels: KernelConfig) -> None:
     """Hand `kernels`' op-level choices to every module of `model` that runs an op taking them
     (the NVFP4 experts' `pdl` and `nvfp4_pad_experts`; DiffusionGemma's BF16 experts'
-    `kernel`)."""
+    `kernel`, and with `gemma_fused_projections` its attention's and dense MLPs' fused
+    weights)."""
     for module in model.modules():
+        if kernels.gemma_fused_projections and isinstance(module, GemmaAttention | GatedMLP):
+            module.fuse_projections()
         if isinstance(module, NVFP4Experts):
             module.pdl = kernels.pdl
             if kernels.nvfp4_pad_experts:
