@@ -29,10 +29,10 @@ from dlmc.models.diffusion_gemma_layers import (
     ScaledEmbedding,
     SelfConditioning,
     apply_rope,
-    fuse_linears,
     rope_inv_freq,
 )
 from dlmc.models.diffusion_gemma_moe import GemmaExperts, GemmaRouter
+from dlmc.models.layers import fuse_linears
 
 RopeTables = dict[str, tuple[torch.Tensor, torch.Tensor]]
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlmc.models.diffusion_gemma_config import RopeParameters
+from dlmc.models.layers import fuse_linears
 
 
 class GemmaRMSNorm(nn.Module):
@@ -50,19 +51,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
-
-
-@torch.no_grad()
-def fuse_linears(*linears: nn.Linear) -> torch.Tensor:
-    """One `[sum N_i, K]` weight for bias-free linears of the same input width (concatenated in
-    the given order); each linear's weight becomes a view into it (the checkpoint names and the
-    values stay, the memory is not doubled). `F.linear(x, fused).split(N_i, -1)` is then the
-    linears' outputs in one matrix product."""
-    fused = torch.cat([linear.weight for linear in linears], dim=0)
-    for linear, part in zip(linears, fused.split([lin.out_features for lin in linears]),
-                            strict=True):
-        linear.weight = nn.Parameter(part, requires_grad=linear.weight.requires_grad)
-    return fused
 
 
 class GatedMLP(nn.Module):

@@ -10,11 +10,11 @@ through `torch._grouped_mm`.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dlmc.custom_ops._registration import INTERPRETED
 from dlmc.custom_ops.bf16_moe import bf16_moe
+from dlmc.custom_ops.gemma_route import gemma_route, gemma_route_reference
 from dlmc.models.diffusion_gemma_config import DiffusionGemmaConfig
 from dlmc.models.diffusion_gemma_layers import GemmaRMSNorm, gelu_tanh
 
@@ -24,8 +24,9 @@ class GemmaRouter(nn.Module):
 
     `z = rmsnorm_noscale(h) * scale * hidden^-0.5`, `p = softmax(proj(z))` over all experts in
     fp32, the top k renormalised to sum to 1, then each multiplied by `per_expert_scale` of its
-    expert. The projection runs in the activation dtype, as transformers runs it (near-ties in
-    the top k depend on it).
+    expert (`gemma_route_reference`; on CUDA `dlmc::gemma_route`, one launch). The projection
+    runs in the activation dtype, as transformers runs it (near-ties in the top k depend on
+    it).
     """
 
     def __init__(self, config: DiffusionGemmaConfig) -> None:
@@ -41,11 +42,8 @@ class GemmaRouter(nn.Module):
         """The un-normed residual `h [T, H]` -> `(topk_ids [T, K] int64, topk_weights [T, K]
         fp32)`."""
         z = self.norm(h) * self.scale * self.root_size  # [T, H]
-        probs = F.softmax(self.proj(z), dim=-1, dtype=torch.float32)  # [T, E]
-        weights, ids = torch.topk(probs, k=self.top_k, dim=-1)  # [T, K]
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights * self.per_expert_scale[ids]  # [T, K]
-        return ids, weights.float()
+        route = gemma_route if h.is_cuda else gemma_route_reference  # one launch on the GPU
+        return route(self.proj(z), self.per_expert_scale, self.top_k)  # [T, K] each
 
 
 class GemmaExperts(nn.Module):

@@ -11,7 +11,7 @@ from dlmc.custom_ops.rope_tables import cos_sin_tables, rope_inv_freq
 from dlmc.custom_ops.split_k_linear import MAX_TOKENS, split_k_linear
 
 __all__ = ["RMSNorm", "SwiGLUMLP", "apply_partial_rope", "fuse_gate_up_projections",
-           "rms_norm", "rope_cos_sin", "split_k_or_linear", "takes_split_k"]
+           "fuse_linears", "rms_norm", "rope_cos_sin", "split_k_or_linear", "takes_split_k"]
 
 
 def takes_split_k(x: torch.Tensor) -> bool:
@@ -29,6 +29,19 @@ def split_k_or_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if takes_split_k(x):
         return split_k_linear(x, weight).sum(0).to(torch.bfloat16)
     return F.linear(x, weight)
+
+
+@torch.no_grad()
+def fuse_linears(*linears: nn.Linear) -> torch.Tensor:
+    """One `[sum N_i, K]` weight for bias-free linears of the same input width (concatenated in
+    the given order); each linear's weight becomes a view into it (the checkpoint names and the
+    values stay, the memory is not doubled). `F.linear(x, fused).split(N_i, -1)` is then the
+    linears' outputs in one matrix product."""
+    fused = torch.cat([linear.weight for linear in linears], dim=0)
+    for linear, part in zip(linears, fused.split([lin.out_features for lin in linears]),
+                            strict=True):
+        linear.weight = nn.Parameter(part, requires_grad=linear.weight.requires_grad)
+    return fused
 
 
 class RMSNorm(nn.Module):
@@ -78,17 +91,12 @@ class SwiGLUMLP(nn.Module):
             up = F.linear(x, self.up_proj.weight)
         return split_k_or_linear(F.silu(gate) * up, self.down_proj.weight)
 
-    @torch.no_grad()
     def fuse_gate_up(self) -> None:
-        """Concatenate the gate and up weights into `gate_up_weight` (call after loading)."""
-        if self.gate_up_weight is not None:
-            return
-        inter = self.gate_proj.weight.shape[0]
-        fused = torch.cat([self.gate_proj.weight, self.up_proj.weight])  # [2I, H]
-        del self.gate_proj.weight, self.up_proj.weight
-        self.gate_up_weight = nn.Parameter(fused, requires_grad=False)
-        self.gate_proj.weight = nn.Parameter(fused[:inter], requires_grad=False)  # views
-        self.up_proj.weight = nn.Parameter(fused[inter:], requires_grad=False)
+        """Concatenate the gate and up weights into `gate_up_weight` (`fuse_linears`; call
+        after loading)."""
+        if self.gate_up_weight is None:
+            self.gate_up_weight = nn.Parameter(fuse_linears(self.gate_proj, self.up_proj),
+                                               requires_grad=False)
 
 
 def fuse_gate_up_projections(model: nn.Module) -> int:
