@@ -127,7 +127,7 @@ def propose_chunk_kernel(logits_ptr, noise_ptr, temp_ptr, sc_ptr, keep_ptr, stat
         live = cols < vocab
         x = tl.load(logits_ptr + row * stride_l + cols, mask=live, other=0.0).to(tl.float32)
         if SOFTCAP:
-            x = _soft_cap(x, softcap, INTERPRETED)
+            x = _soft_cap(x, softcap.to(tl.float32), INTERPRETED)  # (Inductor: an fp64)
         t = tl.math.div_rn(x, temp)
         if SC_BF16:
             tl.store(sc_ptr + row * stride_sc + cols, round_bf16(t, INTERPRETED),

@@ -282,7 +282,8 @@ def check_bf16_moe(hidden: int, inter: int, block_m: int) -> None:
 def check_canvas_propose() -> None:
     """`dlmc::canvas_propose`'s two kernels at DiffusionGemma's vocabulary (8192-entry chunks
     of 1024-entry tiles; bf16 and fp32 self-conditioning output, with and without kept rows;
-    capped fp32 logits, or bf16 values capped inside with libdevice's tanh): IEEE division
+    capped fp32 logits, or bf16 values capped inside with libdevice's tanh, the cap an fp64 as
+    Inductor passes a Python float): IEEE division
     for `logits / T`, no spills."""
     from dlmc.custom_ops.canvas_propose import (
         BLOCK,
@@ -295,7 +296,7 @@ def check_canvas_propose() -> None:
     for sc_type, keep, logits in (("*bf16", True, "*bf16"), ("*fp32", False, "*fp32")):
         pointers = {"logits_ptr": logits, "noise_ptr": "*fp32", "temp_ptr": "*fp32",
                     "sc_ptr": sc_type, "keep_ptr": "*i1", "stats_ptr": "*fp32",
-                    "idx_ptr": "*i32", "softcap": "fp32"}
+                    "idx_ptr": "*i32", "softcap": "fp64" if keep else "fp32"}  # Inductor: fp64
         types = {name: pointers.get(name, "i32") for name in propose_chunk_kernel.arg_names}
         compiled = compile_sm90(propose_chunk_kernel, types, {
             "HAS_KEEP": keep, "SOFTCAP": logits == "*bf16", "SC_BF16": sc_type == "*bf16",
