@@ -89,7 +89,10 @@ def _merge(m, s, w, m2, s2, w2):
 @triton.jit
 def _soft_cap(x, softcap, INTERPRETED: tl.constexpr):
     """`tanh(x / softcap) * softcap` in fp32: CUDA's `tanhf`; under the interpreter (no
-    libdevice) tanh from `exp` in fp64, then rounded to fp32."""
+    libdevice) tanh from `exp` in fp64, then rounded to fp32. `softcap`: a scalar of any float
+    type (Inductor passes a Python float as fp64; the interpreter as a Python float)."""
+    if not INTERPRETED:
+        softcap = softcap.to(tl.float32)
     z = tl.math.div_rn(x, softcap)
     if INTERPRETED:
         e = tl.exp(-2.0 * tl.abs(z.to(tl.float64)))
@@ -127,7 +130,7 @@ def propose_chunk_kernel(logits_ptr, noise_ptr, temp_ptr, sc_ptr, keep_ptr, stat
         live = cols < vocab
         x = tl.load(logits_ptr + row * stride_l + cols, mask=live, other=0.0).to(tl.float32)
         if SOFTCAP:
-            x = _soft_cap(x, softcap.to(tl.float32), INTERPRETED)  # (Inductor: an fp64)
+            x = _soft_cap(x, softcap, INTERPRETED)
         t = tl.math.div_rn(x, temp)
         if SC_BF16:
             tl.store(sc_ptr + row * stride_sc + cols, round_bf16(t, INTERPRETED),
