@@ -94,9 +94,8 @@ class GemmaAttention(nn.Module):
         """q `[T, Hq, D]`, the raw k and v `[T, Hkv, D]` (v = k on full layers)."""
         tokens, kv = x.shape[0], self.num_kv_heads * self.head_dim
         if self.qkv_weight is not None:
-            qkv = F.linear(x, self.qkv_weight)  # [T, Hq*D + Hkv*D (+ Hkv*D)]
-            q, k, *v = qkv.split([self.num_heads * self.head_dim] + [kv] * (
-                1 if self.v_proj is None else 2), dim=-1)
+            sizes = [self.num_heads * self.head_dim, kv] + ([] if self.v_proj is None else [kv])
+            q, k, *v = F.linear(x, self.qkv_weight).split(sizes, dim=-1)  # [T, Hq*D], [T, Hkv*D]
             v = v[0] if v else k
         else:
             q, k = self.q_proj(x), self.k_proj(x)
