@@ -90,9 +90,10 @@ def _merge(m, s, w, m2, s2, w2):
 def _soft_cap(x, softcap, INTERPRETED: tl.constexpr):
     """`tanh(x / softcap) * softcap` in fp32: CUDA's `tanhf`; under the interpreter (no
     libdevice) tanh from `exp` in fp64, then rounded to fp32. `softcap`: a scalar of any float
-    type (Inductor passes a Python float as fp64; the interpreter as a Python float)."""
+    type (Inductor passes a Python float as fp64, its analysis of the kernel's writes as a
+    constant; the interpreter as a Python float)."""
     if not INTERPRETED:
-        softcap = softcap.to(tl.float32)
+        softcap = tl.cast(softcap, tl.float32)
     z = tl.math.div_rn(x, softcap)
     if INTERPRETED:
         e = tl.exp(-2.0 * tl.abs(z.to(tl.float64)))

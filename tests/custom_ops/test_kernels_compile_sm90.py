@@ -283,7 +283,8 @@ def check_canvas_propose() -> None:
     """`dlmc::canvas_propose`'s two kernels at DiffusionGemma's vocabulary (8192-entry chunks
     of 1024-entry tiles; bf16 and fp32 self-conditioning output, with and without kept rows;
     capped fp32 logits, or bf16 values capped inside with libdevice's tanh, the cap an fp64 as
-    Inductor passes a Python float): IEEE division
+    Inductor passes a Python float, or a float constant as Inductor's mutation analysis passes
+    it): IEEE division
     for `logits / T`, no spills."""
     from dlmc.custom_ops.canvas_propose import (
         BLOCK,
@@ -303,6 +304,11 @@ def check_canvas_propose() -> None:
             "CHUNK": CHUNK, "BLOCK": BLOCK, "INTERPRETED": False}, NUM_WARPS)
         assert "div.rn.f32" in compiled.asm["ptx"]
         assert resource_usage(compiled)["LOCAL"] == 0
+    # Inductor's analysis of which tensors the kernel writes compiles it with the cap as a
+    # Python float constant; a failure there makes Inductor treat every input as written
+    compile_sm90(propose_chunk_kernel, types, {
+        "HAS_KEEP": False, "SOFTCAP": True, "SC_BF16": False, "CHUNK": CHUNK, "BLOCK": BLOCK,
+        "INTERPRETED": False, "softcap": 30.0}, NUM_WARPS)
     types = {"stats_ptr": "*fp32", "idx_ptr": "*i32", "sample_ptr": "*i64", "argmax_ptr": "*i64",
              "entropy_ptr": "*fp32", "num_chunks": "i32"}
     compile_sm90(propose_merge_kernel, types, {"CHUNKS_PAD": 32}, 1)
