@@ -9,6 +9,9 @@
 #                alone, paged attention at 1k / 4k / 16k (and FlashInfer when installed)
 #   sampled      the NVFP4 + FP8 round sampled at temperature 0.7
 #   loop         the BF16 round with whole decodes: the decode loop's host overhead
+#   post-attention  the NVFP4 + FP8 round profiled with dlmc::linear_residual and
+#                dlmc::norm_router_gemm (the default) and without (--no-fused-post-attention-norm;
+#                one process each), then those ops' GPU tests and the LLaDA2 rounds' on CUDA
 #   canvas [P]   DiffusionGemma-26B-A4B's denoising step, canvas 256, prefix 1024, graph mode,
 #                profiled (default kernels: dlmc's experts and attention): BF16, then NVFP4 +
 #                FP8 KV (one process each; a cold compile takes minutes; CANVAS_LIMIT seconds
@@ -141,6 +144,20 @@ sampled)
   step round_nvfp4_fp8_temperature 300 "${ROUND[@]}" "${NVFP4[@]}" --modes graph --no-loop \
     --temperature 0.7 --out "$OUT/round_nvfp4_fp8_temperature.json"
   summary ;;
+post-attention)
+  setup
+  for fused in fused no-fused; do
+    step "round_nvfp4_fp8_${fused//-/_}" 200 "${ROUND[@]}" "${NVFP4[@]}" --modes graph --no-loop \
+      --profile "--$fused-post-attention-norm" --out "$OUT/round_nvfp4_fp8_${fused//-/_}.json"
+  done
+  workers=""
+  python3 -c "import xdist" 2> /dev/null && workers="-n 4"
+  # shellcheck disable=SC2086  # the workers option
+  step post_attention_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider $workers \
+    tests/custom_ops/test_linear_residual.py tests/custom_ops/test_norm_router_gemm.py \
+    tests/graphs/test_runner.py tests/engine/test_gpu_decoding.py tests/engine/test_fp8_kv.py
+  grep -E "device launches|passed|failed" "$OUT/$PART.txt" | cut -c1-200
+  summary ;;
 canvas)
   setup
   for precision in ${2:-bf16 nvfp4}; do
@@ -237,7 +254,7 @@ tests-*)
     $workers $files
   grep -E "FAILED|ERROR|passed|failed" "$OUT/$PART.txt" | tail -20 ;;
 *)
-  echo "usage: bash perf/gpu.sh rounds|ops|sampled|loop|canvas|canvas-sampler|canvas-projections|canvas-ops|canvas-pad|canvas-reductions|canvas-experts|canvas-loop|list|tests-NAME" \
+  echo "usage: bash perf/gpu.sh rounds|ops|sampled|loop|post-attention|canvas|canvas-sampler|canvas-projections|canvas-ops|canvas-pad|canvas-reductions|canvas-experts|canvas-loop|list|tests-NAME" \
     "(NAME: ${TEST_PARTS// /, })" >&2
   exit 2 ;;
 esac

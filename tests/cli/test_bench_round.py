@@ -49,7 +49,7 @@ def test_diffusiongemma_takes_the_loop_option(monkeypatch):
 def test_diffusiongemma_takes_the_bf16_experts_and_attention_choices(monkeypatch):
     """--gemma-bf16-experts, --gemma-attention, --no-nvfp4-pad-experts, --split-reductions and
     --gemma-fused-projections reach the canvas bench's `KernelConfig` (defaults auto, auto,
-    on, auto, off); another value is refused by name."""
+    on, auto, on); another value is refused by name."""
     import dlmc.cli.bench_canvas
 
     chosen = []
@@ -61,12 +61,34 @@ def test_diffusiongemma_takes_the_bf16_experts_and_attention_choices(monkeypatch
                              args[6].gemma_fused_projections)))
     for flag in ([], ["--gemma-bf16-experts", "grouped_mm", "--gemma-attention", "torch",
                       "--no-nvfp4-pad-experts", "--split-reductions", "off",
-                      "--gemma-fused-projections"]):
+                      "--no-gemma-fused-projections"]):
         result = CliRunner().invoke(bench, ["round", "--shape", "diffusiongemma-26b-a4b",
                                             *flag])
         assert result.exit_code == 0, result.output
-    assert chosen == [("auto", "auto", True, "auto", False),
-                      ("grouped_mm", "torch", False, "off", True)]
+    assert chosen == [("auto", "auto", True, "auto", True),
+                      ("grouped_mm", "torch", False, "off", False)]
     result = CliRunner().invoke(bench, ["round", "--gemma-bf16-experts", "cutlass"])
     assert result.exit_code == 2
     assert "--gemma-bf16-experts" in result.output and "cutlass" in result.output
+
+
+def test_llada2_takes_the_post_attention_fusion_choice(monkeypatch):
+    """--fused-post-attention-norm (the default) and --no-fused-post-attention-norm reach the
+    LLaDA2 round's `KernelConfig`, which the bench's model is built with."""
+    import dlmc.cli.bench_round
+
+    class Built(Exception):
+        pass
+
+    chosen = []
+
+    def build(model, shape, device, precision, kernels):
+        chosen.append(kernels.fused_post_attention_norm)
+        raise Built
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(dlmc.cli.bench_round, "_build", build)
+    for flag in ([], ["--no-fused-post-attention-norm"], ["--fused-post-attention-norm"]):
+        result = CliRunner().invoke(bench, ["round", *flag])
+        assert isinstance(result.exception, Built), result.output
+    assert chosen == [True, False, True]

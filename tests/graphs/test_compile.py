@@ -60,13 +60,15 @@ def test_kernel_config_is_validated_and_recorded():
     assert config.to_dict() == {"attention_backend": "reference", "pdl": False,
                                 "deterministic_compile": False,
                                 "gemma_bf16_experts": "auto", "gemma_attention": "auto",
-                                "gemma_sampler": "auto", "gemma_fused_projections": False,
+                                "gemma_sampler": "auto", "gemma_fused_projections": True,
+                                "fused_post_attention_norm": True,
                                 "nvfp4_pad_experts": True, "split_reductions": "auto"}
     assert config.describe() == ("attention_backend=reference pdl=False "
                                  "deterministic_compile=False "
                                  "gemma_bf16_experts=auto gemma_attention=auto "
-                                 "gemma_sampler=auto gemma_fused_projections=False "
-                                 "nvfp4_pad_experts=True split_reductions=auto")
+                                 "gemma_sampler=auto gemma_fused_projections=True "
+                                 "fused_post_attention_norm=True nvfp4_pad_experts=True "
+                                 "split_reductions=auto")
     assert config.cache_tag() == KernelConfig(attention_backend="reference",
                                               pdl=False).cache_tag() != DEFAULT_KERNELS.cache_tag()
     assert KernelConfig(nvfp4_pad_experts=False).cache_tag() != DEFAULT_KERNELS.cache_tag()

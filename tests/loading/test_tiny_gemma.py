@@ -44,6 +44,8 @@ def test_chat_template_is_the_gemma4_format(tiny):
 
 @torch.no_grad()
 def test_transformers_loads_it_and_agrees_with_dlmc(tiny):
+    """transformers' encoder logits equal dlmc's, loaded with the default kernels (q/k/v and
+    the dense gate/up fused into one weight each)."""
     transformers = pytest.importorskip("transformers")
     from dlmc.loading.loader import load_model
     from dlmc.models.diffusion_gemma_attention import CausalContext
@@ -51,6 +53,8 @@ def test_transformers_loads_it_and_agrees_with_dlmc(tiny):
     reference = transformers.DiffusionGemmaForBlockDiffusion.from_pretrained(
         str(tiny), dtype=torch.float32).eval()
     loaded = load_model(tiny, torch.device("cpu"), torch.float32)
+    layer = loaded.model.model.decoder.layers[0]
+    assert layer.self_attn.qkv_weight is not None and layer.mlp.gate_up_weight is not None
     ids = torch.tensor([BOS_ID, TURN_OPEN_ID, 300, 301, 302, TURN_CLOSE_ID])
     hidden = reference.model.encoder(input_ids=ids[None]).last_hidden_state
     want = torch.tanh(reference.lm_head(hidden)[0] / 30.0) * 30.0

@@ -161,3 +161,41 @@ def test_qkv_split_k_partials_reach_the_norm_rope(tiny_dir, monkeypatch):
                  cfg.hidden_size)
     assert calls == [qkv_shape] * cfg.num_hidden_layers
     assert (got - want).float().norm() / want.float().norm() < 2e-2
+
+
+def test_post_attention_fusion_matches_the_split_k_layers(tiny_dir, monkeypatch):
+    """A block on the split-K path: each MoE layer's o_proj + residual + post-attention norm +
+    router run as `linear_residual` + `norm_router_gemm` (the Triton interpreter on CPU), the
+    dense layers as before; bf16 logits within a few bf16 steps of the same block without
+    the fusion (`KernelConfig(fused_post_attention_norm=False)`), and with it off no fused op
+    runs."""  # (the residual stream is bit for bit the same; the norm's mean may differ by
+    # the order of its fp32 sum)
+    import dlmc.models.layers as layers
+    import dlmc.models.llada2 as llada2
+    from dlmc.custom_ops.kernel_config import KernelConfig
+    from dlmc.loading.loader import load_model
+    from dlmc.models.nvfp4_experts import apply_kernel_config
+
+    ids = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(6))
+    pos = torch.arange(24)
+    mask = block_causal_mask(pos, pos, 16, torch.bfloat16)
+    loaded = load_model(tiny_dir, torch.device("cpu"), torch.bfloat16)
+    cfg = loaded.config
+    calls = []
+    for module, name in ((llada2, "linear_residual"), (llada2, "norm_router_gemm")):
+        op = getattr(module, name)
+        monkeypatch.setattr(module, name,
+                            lambda *a, op=op, name=name: calls.append(name) or op(*a))
+    monkeypatch.setattr(llada2, "takes_split_k", lambda x: True)  # as for CUDA x
+    monkeypatch.setattr(layers, "takes_split_k", lambda x: True)
+    outputs = {}
+    for fused in (False, True):
+        apply_kernel_config(loaded.model, KernelConfig(fused_post_attention_norm=fused))
+        with torch.inference_mode():
+            outputs[fused] = loaded.model(ids, pos, MaskedAttention(mask)).float()
+        moe_layers = (cfg.num_hidden_layers - cfg.first_k_dense_replace) * fused
+        assert calls == ["linear_residual", "norm_router_gemm"] * moe_layers
+        calls.clear()
+    want, got = outputs[False], outputs[True]
+    assert (got - want).norm() / want.norm() < 5e-3
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95

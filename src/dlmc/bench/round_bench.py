@@ -74,6 +74,18 @@ class UniformRoutingMoE(nn.Module):
         out = self.block(x)  # [T, H]
         return out + 0.0 * real[:1, :1].to(out.dtype)
 
+    @property
+    def router_weight(self) -> torch.Tensor:
+        """The model router's weight (`MoEBlock.router_weight`)."""
+        return self.block.gate.router.weight
+
+    def routed(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """`forward` with the model router's logits computed by the caller
+        (`MoEBlock.routed`): the model's routing runs on them, the fixed routing is used."""
+        real = self.block.gate.router.route(logits, x.is_cuda)[1]  # [T, K]
+        out = self.block.routed_by(x, *self.block.gate(x))  # [T, H]
+        return out + 0.0 * real[:1, :1].to(out.dtype)
+
 
 def use_uniform_routing(model: nn.Module, max_tokens: int, seed: int) -> None:
     """Every MoE block's router becomes a `FixedRouter` (uniform routing); the block is wrapped

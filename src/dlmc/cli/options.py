@@ -148,10 +148,9 @@ def decode_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """--attention-backend --pdl/--no-pdl --deterministic-compile --gemma-bf16-experts
-    --gemma-attention --gemma-sampler --gemma-fused-projections --nvfp4-pad-experts/--no-...
-    --split-reductions,
-    handed to the command as one `kernels` argument
-    (a `KernelConfig`)."""
+    --gemma-attention --gemma-sampler --gemma-fused-projections/--no-...
+    --fused-post-attention-norm/--no-... --nvfp4-pad-experts/--no-... --split-reductions,
+    handed to the command as one `kernels` argument (a `KernelConfig`)."""
     from dlmc.custom_ops.kernel_config import (
         ATTENTION_BACKENDS,
         GEMMA_ATTENTION,
@@ -170,6 +169,7 @@ def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             gemma_attention=kwargs.pop("gemma_attention"),
             gemma_sampler=kwargs.pop("gemma_sampler"),
             gemma_fused_projections=kwargs.pop("gemma_fused_projections"),
+            fused_post_attention_norm=kwargs.pop("fused_post_attention_norm"),
             nvfp4_pad_experts=kwargs.pop("nvfp4_pad_experts"),
             split_reductions=kwargs.pop("split_reductions"))
         return fn(*args, **kwargs)
@@ -197,9 +197,14 @@ def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                     help="DiffusionGemma's steps: the proposal over the vocabulary in torch "
                     "ops (Inductor) or triton (dlmc::canvas_propose, chunked rows); auto: "
                     "triton on CUDA."),
-        click.option("--gemma-fused-projections", is_flag=True,
+        click.option("--gemma-fused-projections/--no-gemma-fused-projections", default=True,
+                     show_default=True,
                      help="DiffusionGemma's q/k/v projections and dense gate/up as one matrix "
                      "product each (weights concatenated at load)."),
+        click.option("--fused-post-attention-norm/--no-fused-post-attention-norm",
+                     default=True, show_default=True,
+                     help="LLaDA2's o_proj, residual, post-attention norm and router GEMM in "
+                     "two launches (dlmc::linear_residual, dlmc::norm_router_gemm)."),
         click.option("--nvfp4-pad-experts/--no-nvfp4-pad-experts", default=True,
                      show_default=True,
                      help="NVFP4 experts of a width that is not a multiple of 128 "

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlmc.custom_ops._registration import INTERPRETED
+from dlmc.custom_ops.linear_residual import linear_residual
+from dlmc.custom_ops.norm_router_gemm import norm_router_gemm
 from dlmc.custom_ops.qk_norm_rope import kernel_takes_qkv, qk_norm_rope, qk_norm_rope_reference
 from dlmc.custom_ops.qk_norm_rope_append import qk_norm_rope_append
 from dlmc.custom_ops.split_k_linear import split_k_linear
@@ -60,6 +62,13 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
+        out = self.context(x, cos, sin, ctx)  # [T, Hq*D]
+        return split_k_or_linear(out, self.dense.weight)
+
+    def context(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        """The attention output `[T, Hq*D]` before the output projection `dense`."""
         tokens = x.shape[0]
         if takes_split_k(x):  # fp32 partials, summed and rounded by the norm/rope kernel
             qkv = split_k_linear(x, self.query_key_value.weight)  # fp32 [S, T, (Hq+2Hkv)*D]
@@ -76,7 +85,7 @@ class Attention(nn.Module):
                 qk_norm_rope_reference)  # one Triton launch on the GPU; eager maths elsewhere
             q, k, v = norm_rope(*args)
             out = ctx.attend(self.layer_idx, q, k, v)  # q [T, Hq, D], k/v [T, Hkv, D]
-        return split_k_or_linear(out.reshape(tokens, -1), self.dense.weight)
+        return out.reshape(tokens, -1)
 
     def _rope_append_target(self, qkv: torch.Tensor, ctx: AttentionContext
                             ) -> tuple[torch.Tensor, ...] | None:
@@ -90,8 +99,23 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Attention and MLP, each behind an RMSNorm and added to the residual stream.
+
+    On a MoE layer (an `mlp` with `router_weight` and `routed`, as `MoEBlock`) on the split-K
+    path (a bf16 CUDA block of at most 64 tokens) with `fuse_post_attention`
+    (`KernelConfig.fused_post_attention_norm`, set by `apply_kernel_config`), o_proj +
+    residual + the post-attention RMSNorm + the router GEMM run as two launches,
+    `dlmc::linear_residual` (the residual stream and its tile sums of squares) and
+    `dlmc::norm_router_gemm` (the norm applied on the way into the router, the normalised rows
+    kept for the experts), instead of three (`split_k_linear`, an Inductor norm kernel,
+    `router_gemm`); the same maths up to the order of the norm's fp32 sum.
+    `pdl`: those two ops' programmatic dependent launches (`KernelConfig.pdl`).
+    """
+
     def __init__(self, config: LLaDA2Config, layer_idx: int) -> None:
         super().__init__()
+        self.fuse_post_attention = True
+        self.pdl = True
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attention = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -104,7 +128,15 @@ class DecoderLayer(nn.Module):
     def forward(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
-        h = h + self.attention(self.input_layernorm(h), cos, sin, ctx)
+        x = self.input_layernorm(h)
+        if self.fuse_post_attention and hasattr(self.mlp, "routed") and takes_split_k(x):
+            norm = self.post_attention_layernorm
+            out = self.attention.context(x, cos, sin, ctx)  # [T, Hq*D]
+            h, sumsq = linear_residual(out, self.attention.dense.weight, h, self.pdl)
+            xn, logits = norm_router_gemm(h, sumsq, norm.weight, norm.eps,
+                                          self.mlp.router_weight, self.pdl)  # [S, T, E] partials
+            return h + self.mlp.routed(xn, logits)
+        h = h + self.attention(x, cos, sin, ctx)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

@@ -61,10 +61,15 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Route `x [T, H]` to `(topk_ids [T, K] int64, topk_weights [T, K] fp32)`."""
+        return self.route(self._logits(x), _kernel_path(x))
+
+    def route(self, logits: torch.Tensor, kernel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(topk_ids, topk_weights)` from the router logits `[T, E]` or their split-K partials
+        `[S, T, E]`: one Triton launch (`dlmc::moe_route`) with `kernel`, else the torch maths
+        (on CPU the op would interpret the kernel)."""
         cfg = self.config
-        # One Triton launch on CUDA; on CPU the torch maths (the op would interpret the kernel).
-        route = moe_route if _kernel_path(x) else moe_route_reference
-        return route(self._logits(x), self.expert_bias.float(), cfg.n_group, cfg.topk_group,
+        route = moe_route if kernel else moe_route_reference
+        return route(logits, self.expert_bias.float(), cfg.n_group, cfg.topk_group,
                      cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.routed_scaling_factor)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -174,10 +179,24 @@ class MoEBlock(nn.Module):
         self.shared_expert_id: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.routed_by(x, *self.gate(x))
+
+    @property
+    def router_weight(self) -> torch.Tensor:
+        """The router's fp32 `[E, H]` weight, for a caller that computes the logits itself
+        (LLaDA2's fused post-attention path, which then calls `routed`)."""
+        return self.gate.weight
+
+    def routed(self, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """`forward(x)` with the router's logits (or split-K partials) already computed."""
+        return self.routed_by(x, *self.gate.route(logits, _kernel_path(x)))
+
+    def routed_by(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+                  ) -> torch.Tensor:
+        """The experts (and the shared expert) on `x` with the given routing `[T, K]`."""
         expert_kwargs: dict[str, object] = {}
         if self.shared_expert_id is not None:  # the last expert, every token with weight 1.0
             expert_kwargs["shared_expert"] = True
-        topk_ids, topk_weights = self.gate(x)  # [T, K]
         routed = self.experts(x, topk_ids, topk_weights, **expert_kwargs)
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
 

@@ -267,8 +267,11 @@ def apply_kernel_config(model: nn.Module, kernels: KernelConfig) -> None:
     """Hand `kernels`' op-level choices to every module of `model` that runs an op taking them
     (the NVFP4 experts' `pdl` and `nvfp4_pad_experts`; DiffusionGemma's BF16 experts'
     `kernel`, and with `gemma_fused_projections` its attention's and dense MLPs' fused
-    weights)."""
+    weights; LLaDA2's decoder layers' `fuse_post_attention` and `pdl`)."""
     for module in model.modules():
+        if hasattr(module, "fuse_post_attention"):  # LLaDA2's DecoderLayer
+            module.fuse_post_attention = kernels.fused_post_attention_norm
+            module.pdl = kernels.pdl
         if kernels.gemma_fused_projections and isinstance(module, GemmaAttention | GatedMLP):
             module.fuse_projections()
         if isinstance(module, NVFP4Experts):
