@@ -14,7 +14,9 @@ for the MoE router), which finishes the mean from the tiles' sums.
 
 The counters are one int32 buffer per device, zero between launches (each launch leaves them
 as it found them); launches on a stream are ordered (PDL waits for the previous kernel before
-any counter is touched), so every call shares it. The maths is `linear_residual_reference`.
+any counter is touched), so every call shares it. Two launches running at once on one device
+(two streams) would race on it: dlmc runs one round at a time per device (one engine thread,
+graphs replayed on one stream). The maths is `linear_residual_reference`.
 """
 
 from __future__ import annotations
