@@ -29,16 +29,16 @@ from dlmc.custom_ops._pdl import PDL_LAUNCH, device_has_pdl, launcher, pdl_enter
 from dlmc.custom_ops._registration import INTERPRETED as _INTERPRETED
 from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.nvfp4_tiles import round_bf16
-from dlmc.custom_ops.router_gemm import check_small_m_operands
-from dlmc.custom_ops.split_k_linear import linear_splits, split_k_linear_reference
+from dlmc.custom_ops.router_gemm import check_small_m_operands, split_k_partial
+from dlmc.custom_ops.split_k_linear import _CONFIG as _SPLIT_K_CONFIG
+from dlmc.custom_ops.split_k_linear import MAX_TOKENS, linear_splits, split_k_linear_reference
 
 __all__ = ["BLOCK_N", "MAX_TOKENS", "linear_residual", "linear_residual_reference",
            "tile_sums_of_squares"]
 
-MAX_TOKENS = 64  # one [BLOCK_T, BLOCK_K] tile of tokens per program
-BLOCK_N = 32  # the columns of a tile: one row of `sumsq` per tile
-# (BLOCK_K, num_warps, num_stages), the K splits `dlmc::split_k_linear`'s (`linear_splits`)
-_CONFIG = (128, 4, 4)
+# `dlmc::split_k_linear`'s launch (tiles, K splits, warps, stages), so the partials are its own;
+# BLOCK_N: the columns of a tile, one row of `sumsq` per tile
+BLOCK_N, _, _BLOCK_K, _NUM_WARPS, _NUM_STAGES = _SPLIT_K_CONFIG
 _TICKETS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -54,18 +54,8 @@ def linear_residual_kernel(x_ptr, w_ptr, res_ptr, part_ptr, h_ptr, ss_ptr, ticke
     split = tl.program_id(1)
     t = tl.arange(0, BLOCK_T)
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K_PER_SPLIT, BLOCK_K):
-        kk = split * K_PER_SPLIT + k0 + k
-        x = tl.load(x_ptr + t[:, None] * stride_x + kk[None, :],
-                    mask=(t[:, None] < tokens) & (kk[None, :] < K), other=0.0)  # [BT, BK]
-        w = tl.load(w_ptr + n[None, :].to(tl.int64) * K + kk[:, None],
-                    mask=(n[None, :] < N) & (kk[:, None] < K), other=0.0)  # [BK, BN]
-        if INTERPRETED:  # the interpreter's bf16 dot is wrong: widen (exact products)
-            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w, acc)
+    acc = split_k_partial(x_ptr, w_ptr, tokens, stride_x, t, n, split, N, K, K_PER_SPLIT,
+                          BLOCK_T, BLOCK_N, BLOCK_K, INTERPRETED, True)  # split_k_linear's
     mask = (t[:, None] < tokens) & (n[None, :] < N)
     rows = t[:, None].to(tl.int64) * N + n[None, :]
     # every program loads the residual tile (2 KB), so the last one has it before its ticket
@@ -109,7 +99,6 @@ def _linear_residual_impl(x: torch.Tensor, weight: torch.Tensor, residual: torch
     tokens, (features, inner) = x.shape[0], weight.shape
     if not tokens:
         return h, sumsq
-    block_k, num_warps, num_stages = _CONFIG
     splits, per_split = linear_splits(inner)
     partial = torch.empty((splits, tokens, features), dtype=torch.float32, device=x.device)
     tiles = triton.cdiv(features, BLOCK_N)
@@ -117,8 +106,8 @@ def _linear_residual_impl(x: torch.Tensor, weight: torch.Tensor, residual: torch
     launcher(linear_residual_kernel)[(tiles, splits)](
         x, weight, residual, partial, h, sumsq, _tickets(x.device, tiles), tokens, x.stride(0),
         residual.stride(0), N=features, K=inner, K_PER_SPLIT=per_split, SPLITS=splits,
-        BLOCK_T=max(16, triton.next_power_of_2(tokens)), BLOCK_N=BLOCK_N, BLOCK_K=block_k,
-        INTERPRETED=_INTERPRETED, num_warps=num_warps, num_stages=num_stages, **launch)
+        BLOCK_T=max(16, triton.next_power_of_2(tokens)), BLOCK_N=BLOCK_N, BLOCK_K=_BLOCK_K,
+        INTERPRETED=_INTERPRETED, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, **launch)
     return h, sumsq
 
 

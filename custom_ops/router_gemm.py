@@ -38,7 +38,7 @@ from dlmc.custom_ops._registration import traced_triton_op
 from dlmc.custom_ops.nvfp4_tiles import round_bf16
 
 __all__ = ["MAX_TOKENS", "check_small_m_operands", "k_splits", "launch_split_k", "router_gemm",
-           "router_gemm_reference", "router_splits", "split_k_fake"]
+           "router_gemm_reference", "router_splits", "split_k_fake", "split_k_partial"]
 
 MAX_TOKENS = 64  # one [BLOCK_T, BLOCK_K] tile of tokens per program
 # (BLOCK_N, SPLITS, BLOCK_K, num_warps, num_stages): 256 experts in 16 N tiles x 16 K splits =
@@ -66,17 +66,12 @@ def _split_dot(acc, x, w, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def router_gemm_kernel(x_ptr, w_ptr, part_ptr, tokens, stride_x, N: tl.constexpr,
-                       K: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_T: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       INTERPRETED: tl.constexpr, PDL: tl.constexpr = False,
-                       BF16_WEIGHT: tl.constexpr = False):
-    """part[split, t, n] = sum over k in split's K range of x[t, k] * w[n, k]: fp32 w through
-    the exact three-way split, or (`BF16_WEIGHT`, `dlmc::split_k_linear`) bf16 w in one dot."""
-    pdl_enter(PDL)
-    split = tl.program_id(1)
-    t = tl.arange(0, BLOCK_T)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def split_k_partial(x_ptr, w_ptr, tokens, stride_x, t, n, split, N: tl.constexpr,
+                    K: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_T: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+                    BF16_WEIGHT: tl.constexpr):
+    """fp32 `[BLOCK_T, BLOCK_N]`: sum over k in split's K range of x[t, k] * w[n, k], fp32 w
+    through the exact three-way split or (`BF16_WEIGHT`) bf16 w in one dot."""
     k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     k_start = split * K_PER_SPLIT
@@ -92,6 +87,23 @@ def router_gemm_kernel(x_ptr, w_ptr, part_ptr, tokens, stride_x, N: tl.constexpr
             acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(x, w, acc)
+    return acc
+
+
+@triton.jit
+def router_gemm_kernel(x_ptr, w_ptr, part_ptr, tokens, stride_x, N: tl.constexpr,
+                       K: tl.constexpr, K_PER_SPLIT: tl.constexpr, BLOCK_T: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       INTERPRETED: tl.constexpr, PDL: tl.constexpr = False,
+                       BF16_WEIGHT: tl.constexpr = False):
+    """part[split, t, n] = `split_k_partial` of program (n_tile, split): fp32 w, or
+    (`BF16_WEIGHT`, `dlmc::split_k_linear`) bf16 w."""
+    pdl_enter(PDL)
+    split = tl.program_id(1)
+    t = tl.arange(0, BLOCK_T)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = split_k_partial(x_ptr, w_ptr, tokens, stride_x, t, n, split, N, K, K_PER_SPLIT,
+                          BLOCK_T, BLOCK_N, BLOCK_K, INTERPRETED, BF16_WEIGHT)
     out = part_ptr + (split * tokens + t[:, None]).to(tl.int64) * N + n[None, :]
     tl.store(out, acc, mask=(t[:, None] < tokens) & (n[None, :] < N))
 

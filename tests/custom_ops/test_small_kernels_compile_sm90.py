@@ -1,12 +1,16 @@
 """The small round kernels compile for sm_90 (H200) on any machine, GPU or not: the q/k norm +
 rope (bf16 qkv and split-K partials) with and without the KV append, the rope tables, the
-routing kernels, the router and small-M GEMMs. As `test_kernels_compile_sm90.py` (whose
-`compile_sm90` this uses), in a subprocess without `TRITON_INTERPRET`.
+routing kernels, the router and small-M GEMMs, the fused post-attention ops. As
+`test_kernels_compile_sm90.py` (whose `compile_sm90` this uses), in a subprocess without
+`TRITON_INTERPRET`.
 """
 
 from __future__ import annotations
 
+from dlmc.custom_ops.linear_residual import BLOCK_N as SUM_TILE
+from dlmc.custom_ops.linear_residual import linear_residual_kernel
 from dlmc.custom_ops.moe_route import moe_route_kernel
+from dlmc.custom_ops.norm_router_gemm import norm_router_gemm_kernel
 from dlmc.custom_ops.qk_norm_rope import _qk_norm_rope_kernel
 from dlmc.custom_ops.qk_norm_rope_append import qk_norm_rope_append_kernel
 from dlmc.custom_ops.rope_tables import rope_tables_kernel
@@ -89,6 +93,31 @@ def check_router_gemm() -> None:
     assert "mma" in ptx and "cvt.rn.bf16" not in ptx
 
 
+def check_post_attention() -> None:
+    """`dlmc::linear_residual` (split_k_linear's dot, then the tile's ticket: a gpu-scope
+    atomic) and `dlmc::norm_router_gemm` (the norm, then the router's split dots) at
+    LLaDA2.1-mini's shapes, launched with PDL."""
+    block_n, _, block_k, num_warps, num_stages = SPLIT_K_LINEAR_CONFIG
+    types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "res_ptr": "*bf16", "part_ptr": "*fp32",
+             "h_ptr": "*bf16", "ss_ptr": "*fp32", "ticket_ptr": "*i32", "tokens": "i32",
+             "stride_x": "i32", "stride_r": "i32"}
+    splits, per_split = linear_splits(2048)
+    ptx = compile_sm90(linear_residual_kernel, types, {
+        "N": 2048, "K": 2048, "K_PER_SPLIT": per_split, "SPLITS": splits, "BLOCK_T": 32,
+        "BLOCK_N": block_n, "BLOCK_K": block_k, "INTERPRETED": False},
+        num_warps, num_stages=num_stages).asm["ptx"]
+    assert "mma" in ptx and "atom.global.gpu.acq_rel.add" in ptx
+    block_n, _, block_k, num_warps, _ = ROUTER_GEMM_CONFIG
+    types = {"h_ptr": "*bf16", "ss_ptr": "*fp32", "nw_ptr": "*bf16", "w_ptr": "*fp32",
+             "xn_ptr": "*bf16", "part_ptr": "*fp32", "tokens": "i32", "eps": "fp32",
+             "stride_h": "i32"}
+    ptx = compile_sm90(norm_router_gemm_kernel, types, {
+        "N": 256, "K": 2048, "K_PER_SPLIT": router_splits(2048)[1], "TILES": 2048 // SUM_TILE,
+        "BLOCK_TILES": 2048 // SUM_TILE, "BLOCK_T": 32, "BLOCK_N": block_n,
+        "BLOCK_K": block_k, "INTERPRETED": False}, num_warps).asm["ptx"]
+    assert "mma" in ptx and "cvt.rn.bf16" in ptx and "tf32" not in ptx
+
+
 def test_small_kernels_compile_for_sm90() -> None:
     compile_checks_pass(__name__)
 
@@ -104,3 +133,4 @@ if __name__ == "__main__":
     check_moe_route("fp64", 1)
     check_moe_route("fp32", 8)  # router_gemm's split-K partials
     check_router_gemm()
+    check_post_attention()
