@@ -18,7 +18,7 @@ from typing import Any
 from dlmc.errors import ConfigError
 
 __all__ = ["ATTENTION_BACKENDS", "DEFAULT_KERNELS", "GEMMA_ATTENTION", "GEMMA_BF16_EXPERTS",
-           "GEMMA_SAMPLER", "SPLIT_REDUCTIONS", "KernelConfig"]
+           "GEMMA_SAMPLER", "GEMM_AUTOTUNE", "SPLIT_REDUCTIONS", "KernelConfig"]
 
 # "auto": the Triton paged attention on CUDA, the plain-PyTorch reference elsewhere.
 ATTENTION_BACKENDS = ("auto", "triton", "reference")
@@ -28,6 +28,8 @@ GEMMA_ATTENTION = ("auto", "torch", "triton")
 GEMMA_SAMPLER = ("auto", "torch", "triton")
 # Inductor's split reductions: "auto" is off for DiffusionGemma's canvas compiles, on elsewhere.
 SPLIT_REDUCTIONS = ("auto", "on", "off")
+# Inductor's autotuning of the compiled matrix products: "auto" is off everywhere for now.
+GEMM_AUTOTUNE = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,11 @@ class KernelConfig:
             BF16 canvas step measured 3.4 % faster). The same maths up to the order of fp32
             sums. "auto": off for DiffusionGemma's compiled steps and encoder chunks, on for
             LLaDA2's rounds (not measured off).
+        gemm_autotune: "on": Inductor times its Triton matrix-product templates against cuBLAS
+            for each dense product of the compiled function and keeps the fastest (its
+            `max_autotune_gemm`; the first compile of a shape takes longer, the choice is
+            cached with the compiled code); "off": cuBLAS, Inductor's default. The same maths
+            up to the order of fp32 sums. "auto": off.
     """
 
     attention_backend: str = "auto"
@@ -91,6 +98,7 @@ class KernelConfig:
     fused_post_attention_norm: bool = True
     nvfp4_pad_experts: bool = True
     split_reductions: str = "auto"
+    gemm_autotune: str = "auto"
 
     def __post_init__(self) -> None:
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -108,6 +116,9 @@ class KernelConfig:
         if self.split_reductions not in SPLIT_REDUCTIONS:
             raise ConfigError(f"KernelConfig.split_reductions={self.split_reductions!r}: "
                               f"expected one of {', '.join(SPLIT_REDUCTIONS)}")
+        if self.gemm_autotune not in GEMM_AUTOTUNE:
+            raise ConfigError(f"KernelConfig.gemm_autotune={self.gemm_autotune!r}: "
+                              f"expected one of {', '.join(GEMM_AUTOTUNE)}")
         for name in ("pdl", "deterministic_compile", "gemma_fused_projections",
                      "fused_post_attention_norm", "nvfp4_pad_experts"):
             if not isinstance(getattr(self, name), bool):
