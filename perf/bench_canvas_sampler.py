@@ -6,7 +6,8 @@ self-conditioning input. Three forms, each compiled at the one compile site (as 
 `canvas=True`) and replayed as a CUDA graph (median of `--iters` replays, CUDA events):
 - `torch`: the soft cap, `canvas_rules.propose` and `self_conditioning_input` as torch ops;
 - `triton_capped`: the soft cap by Inductor (fp32 logits written and read), then the op;
-- `triton`: the op capping the bf16 values itself (`softcap`), what the step runs.
+- `triton`: the op capping the bf16 values itself (`softcap`), what the step runs; with
+  `--tiles`, also once per named work split of its first launch (`ProposeTiles`).
 `bytes` is what each form must move (the bf16 values read, the fp32 logits written and read
 where a form writes them, the noise read, the input written), `of_copy` that traffic's time at
 the copy bandwidth measured in the same run over the measured time. The outputs are compared
@@ -14,11 +15,13 @@ with the torch form's (argmax and sample equal, entropy to 1e-5, the input's ele
 differ: the cap's tanh may differ in the last bit).
 
     python perf/bench_canvas_sampler.py --out /tmp/sampler.json
+    python perf/bench_canvas_sampler.py --tiles 8192,1024,4,1 16384,2048,8,1
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 from collections.abc import Callable
@@ -26,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from dlmc.bench.timing import copy_bandwidth_gbps, cuda_times
-from dlmc.custom_ops.canvas_propose import canvas_propose
+from dlmc.custom_ops.canvas_propose import DEFAULT_TILES, ProposeTiles, canvas_propose
 from dlmc.custom_ops.kernel_config import DEFAULT_KERNELS
 from dlmc.graphs.canvas_rules import propose, self_conditioning_input
 from dlmc.graphs.compile import compiled
@@ -37,8 +40,24 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--canvas", type=int, default=256)
     p.add_argument("--vocab", type=int, default=262144)
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--tiles", nargs="*", default=[], type=parse_tiles,
+                   help="work splits of the op to time too: CHUNK,BLOCK,WARPS,LANE_STATS(0/1)")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     return p.parse_args()
+
+
+def parse_tiles(text: str) -> ProposeTiles:
+    try:
+        chunk, block, warps, lanes = (int(v) for v in text.split(","))
+        return ProposeTiles(chunk, block, warps, bool(lanes))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--tiles {text!r}: expected CHUNK,BLOCK,WARPS,0|1 "
+                                         f"({exc})") from None
+
+
+def tiles_name(tiles: ProposeTiles) -> str:
+    return (f"triton_{tiles.chunk}_{tiles.block}_w{tiles.num_warps}"
+            f"{'_lanes' if tiles.lane_stats else ''}")
 
 
 CAP = 30.0  # DiffusionGemma's final_logit_softcapping
@@ -58,8 +77,9 @@ def triton_capped_form(raw, noise, temp, sc, stopped) -> tuple[torch.Tensor, ...
     return canvas_propose(capped(raw), noise, temp, sc, stopped)
 
 
-def triton_form(raw, noise, temp, sc, stopped) -> tuple[torch.Tensor, ...]:
-    return canvas_propose(raw, noise, temp, sc, stopped, CAP)
+def triton_form(raw, noise, temp, sc, stopped, tiles: ProposeTiles = DEFAULT_TILES
+                ) -> tuple[torch.Tensor, ...]:
+    return canvas_propose(raw, noise, temp, sc, stopped, CAP, tiles)
 
 
 # bytes per logit each form must move: bf16 in, fp32 logits out and in, fp32 noise, bf16 input
@@ -94,7 +114,9 @@ def main() -> None:
     stopped = torch.zeros((), dtype=torch.bool, device="cuda")
     copy = copy_bandwidth_gbps()
     rows, outs = {}, {}
-    for name, fn, per_logit in FORMS:
+    forms = list(FORMS) + [(tiles_name(t), functools.partial(triton_form, tiles=t), 2 + 4 + 2)
+                           for t in args.tiles]
+    for name, fn, per_logit in forms:
         sc = torch.zeros(shape, dtype=torch.bfloat16, device="cuda")
         graph, out = captured(fn, f"bench_sampler_{name}", (raw, noise, temp, sc, stopped))
         us = statistics.median(cuda_times(graph.replay, args.iters, warmup=3)) * 1e3
@@ -107,7 +129,7 @@ def main() -> None:
               f"  {100 * rows[name]['of_copy']:5.1f} % of copy")
     ts, ta, te, tsc = outs["torch"]
     checks = {}
-    for name in ("triton_capped", "triton"):
+    for name in [n for n in rows if n != "torch"]:
         gs, ga, ge, gsc = outs[name]
         checks[name] = {"argmax_equal": bool(torch.equal(ta, ga)),
                         "sample_equal": bool(torch.equal(ts, gs)),

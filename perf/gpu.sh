@@ -16,8 +16,12 @@
 #                profiled (default kernels: dlmc's experts and attention): BF16, then NVFP4 +
 #                FP8 KV (one process each; a cold compile takes minutes; CANVAS_LIMIT seconds
 #                each, 270). P: bf16 or nvfp4 alone.
+#   canvas-autotune  the canvas part's BF16 step, the same with Inductor's gemm autotuning
+#                (--gemm-autotune on), then the NVFP4 + FP8 step (one process each)
 #   canvas-sampler  DiffusionGemma's step proposal alone (256 x 262144): dlmc::canvas_propose
-#                against the torch ops compiled by Inductor, then the op's gpu-marked tests
+#                against the torch ops compiled by Inductor, and the op's work splits
+#                (ProposeTiles: chunk, block, warps, per-lane statistics), then the op's
+#                gpu-marked tests
 #   canvas-projections  the proposal alone (bench_canvas_sampler.py: the torch form, the op after
 #                Inductor's cap, the op capping itself), then the BF16 step profiled with
 #                separate and with fused q/k/v and gate/up projections (--gemma-fused-projections)
@@ -167,9 +171,20 @@ canvas)
       --out "$OUT/canvas_${precision}_$kv.json"
   done
   summary ;;
+canvas-autotune)
+  setup
+  for run in bf16:bf16:auto:175 bf16:bf16:on:235 nvfp4:fp8:auto:175; do
+    IFS=: read -r precision kv tune limit <<< "$run"
+    step "canvas_${precision}_${kv}_autotune_$tune" "$limit" "${CANVAS[@]}" --modes graph \
+      --precision "$precision" --kv-cache-dtype "$kv" --no-loop --profile --gemm-autotune "$tune" \
+      --out "$OUT/canvas_${precision}_${kv}_autotune_$tune.json"
+  done
+  summary ;;
 canvas-sampler)
   setup
-  step sampler 200 python3 perf/bench_canvas_sampler.py --out "$OUT/sampler.json"
+  step sampler 200 python3 perf/bench_canvas_sampler.py --out "$OUT/sampler.json" \
+    --tiles 8192,1024,4,1 8192,2048,8,1 16384,2048,8,1 8192,1024,8,0 4096,1024,4,1 \
+    8192,512,4,1 16384,1024,4,1
   step sampler_tests 300 python3 -m pytest -q -m gpu tests/custom_ops/test_canvas_propose.py
   grep -E "µs|copy|passed|failed" "$OUT/$PART.txt" | cut -c1-200 ;;
 canvas-projections)

@@ -16,7 +16,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlmc.custom_ops.canvas_propose import CHUNK, canvas_propose, canvas_propose_reference
+from dlmc.custom_ops.canvas_propose import (
+    CHUNK,
+    DEFAULT_TILES,
+    ProposeTiles,
+    canvas_propose,
+    canvas_propose_reference,
+)
 
 from .graph_capture import compile_and_capture
 
@@ -35,11 +41,18 @@ def make_case(lead: tuple[int, ...], vocab: int, seed: int, cap: float = 30.0,
     return logits, noise, temp
 
 
-def run_both(logits, noise, temp, sc_dtype, keep, seed: int, softcap: float = 0.0):
+# the default split, the per-lane statistics, and smaller chunks and tiles of each form
+TILES = [DEFAULT_TILES, ProposeTiles(lane_stats=True),
+         ProposeTiles(chunk=2048, block=512, num_warps=8, lane_stats=True),
+         ProposeTiles(chunk=4096, block=256, num_warps=2)]
+
+
+def run_both(logits, noise, temp, sc_dtype, keep, seed: int, softcap: float = 0.0,
+             tiles: ProposeTiles = DEFAULT_TILES):
     sc = torch.randn(logits.shape, generator=torch.Generator().manual_seed(seed)).to(
         device=DEVICE, dtype=sc_dtype)
     want_sc = sc.clone()
-    got = canvas_propose(logits, noise, temp, sc, keep, softcap)
+    got = canvas_propose(logits, noise, temp, sc, keep, softcap, tiles)
     want = canvas_propose_reference(logits, noise, temp, want_sc, keep, softcap)
     return got, want, sc, want_sc
 
@@ -63,10 +76,11 @@ def assert_proposal(got, want, sc, want_sc, exact_sc: bool = True) -> None:
        vocab=st.sampled_from([7, 1000, CHUNK, CHUNK + 1, 2 * CHUNK + 300]),
        sc_dtype=st.sampled_from([torch.bfloat16, torch.float32]),
        keep=st.sampled_from(["none", "all", "some"]),
-       raw=st.sampled_from([None, torch.bfloat16, torch.float32]), seed=st.integers(0, 2**16))
-def test_matches_reference(lead, vocab, sc_dtype, keep, raw, seed) -> None:
+       raw=st.sampled_from([None, torch.bfloat16, torch.float32]), tiles=st.sampled_from(TILES),
+       seed=st.integers(0, 2**16))
+def test_matches_reference(lead, vocab, sc_dtype, keep, raw, tiles, seed) -> None:
     """Capped fp32 logits, or the values before the cap (bf16 as the model's lm_head gives
-    them, or fp32) capped by the op at 30."""
+    them, or fp32) capped by the op at 30; every work split."""
     logits, noise, temp = make_case(lead, vocab, seed, raw=raw)
     groups = lead[:-1]
     keep_mask = {"none": None, "all": torch.ones(groups, dtype=torch.bool),
@@ -75,7 +89,7 @@ def test_matches_reference(lead, vocab, sc_dtype, keep, raw, seed) -> None:
     if keep_mask is not None:
         keep_mask = keep_mask.to(DEVICE)
     assert_proposal(*run_both(logits, noise, temp, sc_dtype, keep_mask, seed,
-                              30.0 if raw else 0.0), exact_sc=raw is None)
+                              30.0 if raw else 0.0, tiles), exact_sc=raw is None)
 
 
 def test_soft_cap_values() -> None:
@@ -103,18 +117,34 @@ def test_kept_rows_and_written_rows() -> None:
     assert torch.equal(sc[1], logits[1] / temp)
 
 
-def test_ties_go_to_the_lowest_index_across_chunks() -> None:
+@pytest.mark.parametrize("tiles", TILES)
+def test_ties_go_to_the_lowest_index_across_chunks(tiles: ProposeTiles) -> None:
     """Equal logits everywhere: the argmax is 0; equal maxima of the sample's key in two chunks
-    (noise 1 except two equal small draws): the first of them."""
+    (noise 1 except two equal small draws): the first of them; equal maxima in one tile's
+    lanes and in two tiles of one chunk: the first of them."""
     vocab = 2 * CHUNK + 5
     logits = torch.zeros(1, vocab, device=DEVICE)
     noise = torch.ones(1, vocab, device=DEVICE)
     noise[0, CHUNK + 3] = noise[0, 2 * CHUNK + 1] = 0.25
     sc = torch.empty(1, vocab, device=DEVICE)
-    sample, argmax, entropy = canvas_propose(logits, noise, torch.tensor(0.5, device=DEVICE), sc)
+    temp = torch.tensor(0.5, device=DEVICE)
+    sample, argmax, entropy = canvas_propose(logits, noise, temp, sc, tiles=tiles)
     assert int(argmax[0]) == 0 and int(sample[0]) == CHUNK + 3
     assert entropy[0].item() == pytest.approx(torch.log(torch.tensor(float(vocab))).item(),
                                               rel=1e-6)
+    logits[0, [tiles.block + 7, tiles.block + 3, 2 * tiles.block + 1]] = 2.0
+    noise[0, [tiles.block + 9, tiles.block + 5, 5]] = 1e-6  # lanes 9, 5 and 5 of two tiles
+    sample, argmax, _ = canvas_propose(logits, noise, temp, sc, tiles=tiles)
+    assert int(argmax[0]) == tiles.block + 3 and int(sample[0]) == 5
+
+
+def test_tiles_are_validated() -> None:
+    with pytest.raises(ValueError, match="ProposeTiles.block=1000: expected a power of two"):
+        ProposeTiles(block=1000)
+    with pytest.raises(ValueError, match="block 4096 exceeds chunk 2048"):
+        ProposeTiles(chunk=2048, block=4096)
+    with pytest.raises(ValueError, match="ProposeTiles.lane_stats=1: expected a bool"):
+        ProposeTiles(lane_stats=1)  # type: ignore[arg-type]
 
 
 def test_a_peaked_row_has_the_reference_entropy() -> None:
@@ -149,7 +179,7 @@ def test_opcheck() -> None:
     for softcap in (0.0, 30.0):
         torch.library.opcheck(torch.ops.dlmc.canvas_propose.default,
                               (logits, noise, temp, sc, torch.tensor([True, False], device=DEVICE),
-                               softcap),
+                               softcap, 64, 16, 2, softcap > 0),
                               test_utils=("test_schema", "test_faketensor"))
 
 
