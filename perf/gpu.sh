@@ -16,9 +16,10 @@
 #                profiled (default kernels: dlmc's experts and attention): BF16, then NVFP4 +
 #                FP8 KV (one process each; a cold compile takes minutes; CANVAS_LIMIT seconds
 #                each, 270). P: bf16 or nvfp4 alone.
-#   canvas-autotune [R]  the canvas part's BF16 step, the same with Inductor's gemm
-#                autotuning (--gemm-autotune on), then the NVFP4 + FP8 step (one process
-#                each); R: the runs, "PRECISION:KV:AUTOTUNE:SECONDS ..." instead
+#   canvas-autotune [R]  the canvas part's BF16 step with Inductor's gemm autotuning
+#                (--gemm-autotune on: a compile of minutes, each product shape timed), then
+#                without (one process each); R: other runs, "PRECISION:KV:AUTOTUNE:SECONDS
+#                ...", e.g. "nvfp4:fp8:on:420 nvfp4:fp8:auto:170"
 #   canvas-sampler  DiffusionGemma's step proposal alone (256 x 262144): dlmc::canvas_propose
 #                against the torch ops compiled by Inductor, and the op's work splits
 #                (ProposeTiles: chunk, block, warps, per-lane statistics), then the op's
@@ -174,7 +175,7 @@ canvas)
   summary ;;
 canvas-autotune)
   setup
-  for run in ${2:-bf16:bf16:auto:175 bf16:bf16:on:235 nvfp4:fp8:auto:175}; do
+  for run in ${2:-bf16:bf16:on:420 bf16:bf16:auto:170}; do
     IFS=: read -r precision kv tune limit <<< "$run"
     step "canvas_${precision}_${kv}_autotune_$tune" "$limit" "${CANVAS[@]}" --modes graph \
       --precision "$precision" --kv-cache-dtype "$kv" --no-loop --profile --gemm-autotune "$tune" \
