@@ -19,7 +19,7 @@
 #   canvas-autotune [R]  the canvas part's BF16 step with Inductor's gemm autotuning
 #                (--gemm-autotune on: a compile of minutes, each product shape timed), then
 #                without (one process each); R: other runs, "PRECISION:KV:AUTOTUNE:SECONDS
-#                ...", e.g. "nvfp4:fp8:on:420 nvfp4:fp8:auto:170"
+#                ...", e.g. "nvfp4:fp8:on:400 nvfp4:fp8:auto:160"
 #   canvas-sampler  DiffusionGemma's step proposal alone (256 x 262144): dlmc::canvas_propose
 #                against the torch ops compiled by Inductor, and the op's work splits
 #                (ProposeTiles: chunk, block, warps, per-lane statistics), then the op's
@@ -175,7 +175,7 @@ canvas)
   summary ;;
 canvas-autotune)
   setup
-  for run in ${2:-bf16:bf16:on:420 bf16:bf16:auto:170}; do
+  for run in ${2:-bf16:bf16:on:400 bf16:bf16:auto:160}; do
     IFS=: read -r precision kv tune limit <<< "$run"
     step "canvas_${precision}_${kv}_autotune_$tune" "$limit" "${CANVAS[@]}" --modes graph \
       --precision "$precision" --kv-cache-dtype "$kv" --no-loop --profile --gemm-autotune "$tune" \
