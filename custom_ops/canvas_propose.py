@@ -49,7 +49,6 @@ __all__ = ["CHUNK", "DEFAULT_TILES", "ProposeTiles", "canvas_propose",
            "canvas_propose_reference"]
 
 
-
 @dataclass(frozen=True)
 class ProposeTiles:
     """The first launch's work split (the results do not depend on it, up to the order of the
@@ -140,7 +139,8 @@ def propose_chunk_kernel(logits_ptr, noise_ptr, temp_ptr, sc_ptr, keep_ptr, stat
                          CHUNK: tl.constexpr, BLOCK: tl.constexpr, LANE_STATS: tl.constexpr,
                          INTERPRETED: tl.constexpr):
     """Chunk `c` of row `r`: writes `t` to `sc` (unless kept) and the chunk's statistics
-    `(m, s, w, max t, max t - log noise)` and the two argmaxes."""
+    `(m, s, w, max t, max t - log noise)` and the two argmaxes. LANE_STATS: per-lane sums and
+    argmaxes reduced once per chunk (`ProposeTiles.lane_stats`)."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     temp = tl.load(temp_ptr)
