@@ -101,24 +101,15 @@ class KernelConfig:
     gemm_autotune: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ConfigError(f"KernelConfig.attention_backend={self.attention_backend!r}: "
-                              f"expected one of {', '.join(ATTENTION_BACKENDS)}")
-        if self.gemma_bf16_experts not in GEMMA_BF16_EXPERTS:
-            raise ConfigError(f"KernelConfig.gemma_bf16_experts={self.gemma_bf16_experts!r}: "
-                              f"expected one of {', '.join(GEMMA_BF16_EXPERTS)}")
-        if self.gemma_attention not in GEMMA_ATTENTION:
-            raise ConfigError(f"KernelConfig.gemma_attention={self.gemma_attention!r}: "
-                              f"expected one of {', '.join(GEMMA_ATTENTION)}")
-        if self.gemma_sampler not in GEMMA_SAMPLER:
-            raise ConfigError(f"KernelConfig.gemma_sampler={self.gemma_sampler!r}: "
-                              f"expected one of {', '.join(GEMMA_SAMPLER)}")
-        if self.split_reductions not in SPLIT_REDUCTIONS:
-            raise ConfigError(f"KernelConfig.split_reductions={self.split_reductions!r}: "
-                              f"expected one of {', '.join(SPLIT_REDUCTIONS)}")
-        if self.gemm_autotune not in GEMM_AUTOTUNE:
-            raise ConfigError(f"KernelConfig.gemm_autotune={self.gemm_autotune!r}: "
-                              f"expected one of {', '.join(GEMM_AUTOTUNE)}")
+        for name, choices in (("attention_backend", ATTENTION_BACKENDS),
+                              ("gemma_bf16_experts", GEMMA_BF16_EXPERTS),
+                              ("gemma_attention", GEMMA_ATTENTION),
+                              ("gemma_sampler", GEMMA_SAMPLER),
+                              ("split_reductions", SPLIT_REDUCTIONS),
+                              ("gemm_autotune", GEMM_AUTOTUNE)):
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"KernelConfig.{name}={getattr(self, name)!r}: "
+                                  f"expected one of {', '.join(choices)}")
         for name in ("pdl", "deterministic_compile", "gemma_fused_projections",
                      "fused_post_attention_norm", "nvfp4_pad_experts"):
             if not isinstance(getattr(self, name), bool):
