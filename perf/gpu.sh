@@ -31,9 +31,11 @@
 #                (NVFP4Tiles) alone at DiffusionGemma's canvas shapes
 #   canvas-pad   dlmc::nvfp4_moe alone at DiffusionGemma's width (704, kernel v3) and widened
 #                to 768 (kernel v7), then the NVFP4 + FP8 step without and with the
-#                widening (--no-nvfp4-pad-experts, then the default; one process each)
+#                widening (--no-nvfp4-pad-experts, then the default; one process each;
+#                proposal in torch ops, --gemma-sampler torch, as perf/README's row)
 #   canvas-reductions  the BF16 step profiled with Inductor's split reductions and without
-#                (--split-reductions on, then off: the sampler's rows one program each)
+#                (--split-reductions on, then off: the torch-op sampler's rows, --gemma-sampler
+#                torch, one program each)
 #   canvas-experts  DiffusionGemma's BF16 experts alone (dlmc::bf16_moe's launch and block_m
 #                sweeps against torch._grouped_mm), then the BF16 step with them in
 #                torch._grouped_mm and in dlmc::bf16_moe (--gemma-bf16-experts triton), profiled
@@ -225,14 +227,14 @@ canvas-pad)
   done
   for pad in no-nvfp4-pad-experts nvfp4-pad-experts; do
     step "canvas_nvfp4_fp8_${pad//-/_}" 230 "${CANVAS[@]}" --modes graph --precision nvfp4 \
-      --kv-cache-dtype fp8 --no-loop "--$pad" --out "$OUT/canvas_nvfp4_fp8_${pad//-/_}.json"
+      --kv-cache-dtype fp8 --gemma-sampler torch --no-loop "--$pad" --out "$OUT/canvas_nvfp4_fp8_${pad//-/_}.json"
   done
   summary ;;
 canvas-reductions)
   setup
   for split in on off; do
     step "canvas_bf16_split_$split" 280 "${CANVAS[@]}" --modes graph --precision bf16 \
-      --no-loop --profile --split-reductions "$split" --out "$OUT/canvas_bf16_split_$split.json"
+      --gemma-sampler torch --no-loop --profile --split-reductions "$split" --out "$OUT/canvas_bf16_split_$split.json"
   done
   summary ;;
 canvas-experts)
