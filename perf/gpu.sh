@@ -20,6 +20,9 @@
 #                (--gemm-autotune on: a compile of minutes, each product shape timed), then
 #                without (one process each); R: other runs, "PRECISION:KV:AUTOTUNE:SECONDS
 #                ...", e.g. "nvfp4:fp8:on:400 nvfp4:fp8:auto:160"
+#   rounds-autotune [R]  the LLaDA2 NVFP4 + FP8 round with Inductor's gemm autotuning, then
+#                without (one process each); R as for canvas-autotune, default
+#                "nvfp4:fp8:on:330 nvfp4:fp8:auto:200"
 #   canvas-sampler  DiffusionGemma's step proposal alone (256 x 262144): dlmc::canvas_propose
 #                against the torch ops compiled by Inductor, and the op's work splits
 #                (ProposeTiles: chunk, block, warps, per-lane statistics), then the op's
@@ -111,6 +114,17 @@ step() {  # step NAME LIMIT COMMAND...: COMMAND under a time limit, output into 
   echo "== $name rc=$rc" | tee -a "$OUT/$PART.txt"
 }
 
+autotune_runs() {  # autotune_runs NAME RUNS COMMAND...: COMMAND once per PRECISION:KV:TUNE:LIMIT
+  local name=$1 runs=$2 run precision kv tune limit
+  shift 2
+  for run in $runs; do
+    IFS=: read -r precision kv tune limit <<< "$run"
+    step "${name}_${precision}_${kv}_autotune_$tune" "$limit" "$@" --modes graph \
+      --precision "$precision" --kv-cache-dtype "$kv" --no-loop --profile --gemm-autotune "$tune" \
+      --out "$OUT/${name}_${precision}_${kv}_autotune_$tune.json"
+  done
+}
+
 summary() {  # the lines of $OUT/PART.txt that hold the figures
   local figures='│ +(graph|queued|flight)|host overhead|"nvfp4_ms_per_layer"|of_copy'
   grep -E "^== [a-z0-9_]+: |$figures|^(triton|flashinfer) +(default|fa2 run) " "$OUT/$PART.txt" \
@@ -177,12 +191,11 @@ canvas)
   summary ;;
 canvas-autotune)
   setup
-  for run in ${2:-bf16:bf16:on:400 bf16:bf16:auto:160}; do
-    IFS=: read -r precision kv tune limit <<< "$run"
-    step "canvas_${precision}_${kv}_autotune_$tune" "$limit" "${CANVAS[@]}" --modes graph \
-      --precision "$precision" --kv-cache-dtype "$kv" --no-loop --profile --gemm-autotune "$tune" \
-      --out "$OUT/canvas_${precision}_${kv}_autotune_$tune.json"
-  done
+  autotune_runs canvas "${2:-bf16:bf16:on:400 bf16:bf16:auto:160}" "${CANVAS[@]}"
+  summary ;;
+rounds-autotune)
+  setup
+  autotune_runs round "${2:-nvfp4:fp8:on:330 nvfp4:fp8:auto:200}" "${ROUND[@]}"
   summary ;;
 canvas-sampler)
   setup
