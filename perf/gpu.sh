@@ -23,6 +23,8 @@
 #   rounds-autotune [R]  the LLaDA2 NVFP4 + FP8 round with Inductor's gemm autotuning, then
 #                without (one process each); R as for canvas-autotune, default
 #                "nvfp4:fp8:on:330 nvfp4:fp8:auto:200"
+#   canvas-dense  DiffusionGemma's dense products alone at 256 rows (bench_dense.py): aten with
+#                cuBLAS and with cuBLASLt, and each product compiled with gemm autotuning
 #   canvas-sampler  DiffusionGemma's step proposal alone (256 x 262144): dlmc::canvas_propose
 #                against the torch ops compiled by Inductor, and the op's work splits
 #                (ProposeTiles: chunk, block, warps, per-lane statistics), then the op's
@@ -197,6 +199,10 @@ rounds-autotune)
   setup
   autotune_runs round "${2:-nvfp4:fp8:on:330 nvfp4:fp8:auto:200}" "${ROUND[@]}"
   summary ;;
+canvas-dense)
+  setup
+  step dense 400 python3 perf/bench_dense.py --autotune --out "$OUT/dense.json"
+  grep -E "µs|rc=" "$OUT/$PART.txt" | cut -c1-200 ;;
 canvas-sampler)
   setup
   step sampler 200 python3 perf/bench_canvas_sampler.py --out "$OUT/sampler.json" \

@@ -1,0 +1,127 @@
+"""Benchmark DiffusionGemma's dense matrix products alone at the canvas's 256 rows.
+
+Each product of the denoising step outside the experts and attention (q/k/v fused, o_proj,
+the dense MLP's fused gate/up and down, the router, the self-conditioning MLP, the lm_head
+and the self-conditioning product over the vocabulary), on as many distinct bf16 weights as
+the step has layers of it (so they stream from memory as in the step), captured in one CUDA
+graph; µs per product = replay median / copies. Each product runs:
+- through aten with each BLAS library named by `--blas` (torch's
+  `torch.backends.cuda.preferred_blas_library`: "cublas", "cublaslt");
+- with `--autotune`, compiled at dlmc's compile site with `KernelConfig(gemm_autotune="on")`
+  (Inductor times its Triton templates against cuBLAS and keeps the fastest; a compile of
+  seconds per product).
+Outputs are compared with the first form's (max abs difference relative to the largest value).
+
+    python perf/bench_dense.py --out /tmp/dense.json
+    python perf/bench_dense.py --blas cublas --autotune
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+
+import torch
+
+from dlmc.bench.timing import copy_bandwidth_gbps, graph_us
+from dlmc.custom_ops.kernel_config import KernelConfig
+from dlmc.graphs.compile import compiled
+from dlmc.models.diffusion_gemma_config import FULL, SLIDING
+from dlmc.models.shapes import DIFFUSIONGEMMA_26B_A4B as CONFIG
+
+BLAS = ("cublas", "cublaslt")
+
+
+def products(canvas: int) -> list[tuple[str, int, int, int, bool]]:
+    """(name, K, N, copies, transposed) of each product of the step: `x[canvas, K] @ W.T`
+    with W [N, K] where `transposed` (nn.Linear), else `x @ W` with W [K, N]."""
+    c, h = CONFIG, CONFIG.hidden_size
+    sliding, full = c.layer_types.count(SLIDING), c.layer_types.count(FULL)
+    q_s, kv_s = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    q_f, k_f = c.num_attention_heads * c.global_head_dim, (c.num_global_key_value_heads
+                                                           * c.global_head_dim)
+    layers, inter, vocab = c.num_hidden_layers, c.intermediate_size, c.vocab_size
+    return [("qkv_sliding", h, q_s + 2 * kv_s, sliding, True),
+            ("qkv_full", h, q_f + k_f, full, True),
+            ("o_sliding", q_s, h, sliding, True), ("o_full", q_f, h, full, True),
+            ("mlp_gate_up", h, 2 * inter, layers, True), ("mlp_down", inter, h, layers, True),
+            ("router", h, c.num_experts, layers, True),
+            ("self_cond_gate", h, inter, 2, True), ("self_cond_down", inter, h, 1, True),
+            ("lm_head", h, vocab, 1, True), ("self_cond_vocab", vocab, h, 1, False)]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--canvas", type=int, default=CONFIG.canvas_length)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--blas", nargs="*", default=list(BLAS), choices=BLAS)
+    p.add_argument("--autotune", action="store_true",
+                   help="also time each product compiled with gemm autotuning")
+    p.add_argument("--only", nargs="*", default=None, help="product names to time")
+    p.add_argument("--out", default=None, help="write the figures as JSON here")
+    return p.parse_args()
+
+
+def product(transposed: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x @ (w.t() if transposed else w)
+    return mm
+
+
+def time_form(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
+              weights: list[torch.Tensor], iters: int) -> tuple[float, torch.Tensor]:
+    outs: list[torch.Tensor] = [torch.empty(0)] * len(weights)
+
+    def call(i: int) -> None:
+        outs[i] = fn(x, weights[i])
+    us = graph_us(call, len(weights), iters)
+    return us, outs[0]
+
+
+def main() -> None:
+    args = parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_dense: needs a CUDA GPU")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    copy = copy_bandwidth_gbps()
+    x_rows = args.canvas
+    results = {}
+    for name, k, n, copies, transposed in products(args.canvas):
+        if args.only is not None and name not in args.only:
+            continue
+        x = torch.randn(x_rows, k, device="cuda", generator=gen).bfloat16()
+        shape = (n, k) if transposed else (k, n)
+        weights = [(torch.randn(shape, device="cuda", generator=gen) * k ** -0.5).bfloat16()
+                   for _ in range(copies)]
+        nbytes = 2 * (n * k + x_rows * (k + n))
+        flops = 2 * x_rows * k * n
+        row, first = {}, None
+        forms: list[tuple[str, Callable]] = []
+        for lib in args.blas:
+            forms.append((lib, product(transposed)))
+        if args.autotune:
+            forms.append(("autotune", compiled(f"bench_dense_{name}", product(transposed),
+                                               KernelConfig(gemm_autotune="on"))))
+        for form, fn in forms:
+            if form in BLAS:
+                torch.backends.cuda.preferred_blas_library(form)
+            us, out = time_form(fn, x, weights, args.iters)
+            torch.backends.cuda.preferred_blas_library("cublas")
+            first = out if first is None else first
+            diff = float((out.float() - first.float()).abs().max() / first.float().abs().max())
+            row[form] = {"us": us, "tflops": flops / us / 1e6,
+                         "of_copy": nbytes / (copy * 1e3) / us, "rel_diff": diff}
+            print(f"{name:16s} {k:6d}->{n:6d} x{copies:2d} {form:9s} {us:8.1f} µs "
+                  f"{flops / us / 1e6:6.0f} TFLOP/s {100 * row[form]['of_copy']:5.1f} % of copy"
+                  f"  diff {diff:.1e}")
+        results[name] = {"k": k, "n": n, "copies": copies, "bytes": nbytes, "flops": flops, **row}
+        del weights
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"canvas": args.canvas, "copy_gbps": copy, "products": results,
+                       "device": torch.cuda.get_device_name()}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
