@@ -201,7 +201,7 @@ rounds-autotune)
   summary ;;
 canvas-dense)
   setup
-  step dense 400 python3 perf/bench_dense.py --autotune --out "$OUT/dense.json"
+  step dense 280 python3 perf/bench_dense.py --autotune --out "$OUT/dense.json"
   grep -E "µs|rc=" "$OUT/$PART.txt" | cut -c1-200 ;;
 canvas-sampler)
   setup
