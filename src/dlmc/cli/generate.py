@@ -71,7 +71,7 @@ def generate(
         }
     )
     kwargs = decode_kwargs(decode)
-    notice = first_rounds_notice(llm.mode, llm.device.type)
+    notice = first_rounds_notice(llm.mode, llm.device.type, llm.kernels.gemm_autotune == "on")
     if notice:
         err.print(f"[dim]{notice}[/dim]")
     out = Console()
@@ -88,16 +88,20 @@ def generate(
         click.echo(stats_line(result), err=True)
 
 
-def first_rounds_notice(mode: str, device_type: str) -> str | None:
+def first_rounds_notice(mode: str, device_type: str, autotune: bool = False) -> str | None:
     """What the first rounds of `mode` spend time on, or None where they run as they are (eager
-    and reference rounds)."""
+    and reference rounds); `autotune`: Inductor times each matrix product's Triton templates
+    (`--gemm-autotune on`), which makes a first compile minutes longer."""
+    tuning = ("; --gemm-autotune on times each matrix product's kernels on a first start: "
+              "several minutes more" if autotune and mode in ("graph", "compile") else "")
     if mode == "graph":
         return ("first rounds compile (Inductor) and capture CUDA graphs: about a minute for a "
-                "full-size model on a first start; compiled kernels are cached for the next one")
+                "full-size model on a first start; compiled kernels are cached for the next "
+                f"one{tuning}")
     if mode == "compile":
         target = "CUDA kernels" if device_type == "cuda" else "C++ kernels for the CPU"
         return (f"first rounds compile (Inductor, {target}; no graph capture): up to a few "
-                "minutes on a first start; compiled kernels are cached for the next one")
+                f"minutes on a first start; compiled kernels are cached for the next one{tuning}")
     return None
 
 
