@@ -33,9 +33,10 @@ from dlmc.models.shapes import DIFFUSIONGEMMA_26B_A4B as CONFIG
 BLAS = ("cublas", "cublaslt")
 
 
-def products(canvas: int) -> list[tuple[str, int, int, int, bool]]:
+def products() -> list[tuple[str, int, int, int, bool]]:
     """(name, K, N, copies, transposed) of each product of the step: `x[canvas, K] @ W.T`
-    with W [N, K] where `transposed` (nn.Linear), else `x @ W` with W [K, N]."""
+    with W [N, K] where `transposed` (nn.Linear), else `x @ W` with W [K, N]; `copies`: how
+    many the step runs (one per layer; the self-conditioning MLP's gate and up: two)."""
     c, h = CONFIG, CONFIG.hidden_size
     sliding, full = c.layer_types.count(SLIDING), c.layer_types.count(FULL)
     q_s, kv_s = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
@@ -47,7 +48,7 @@ def products(canvas: int) -> list[tuple[str, int, int, int, bool]]:
             ("o_sliding", q_s, h, sliding, True), ("o_full", q_f, h, full, True),
             ("mlp_gate_up", h, 2 * inter, layers, True), ("mlp_down", inter, h, layers, True),
             ("router", h, c.num_experts, layers, True),
-            ("self_cond_gate", h, inter, 2, True), ("self_cond_down", inter, h, 1, True),
+            ("self_cond_gate_up", h, inter, 2, True), ("self_cond_down", inter, h, 1, True),
             ("lm_head", h, vocab, 1, True), ("self_cond_vocab", vocab, h, 1, False)]
 
 
@@ -87,7 +88,7 @@ def main() -> None:
     copy = copy_bandwidth_gbps()
     x_rows = args.canvas
     results = {}
-    for name, k, n, copies, transposed in products(args.canvas):
+    for name, k, n, copies, transposed in products():
         if args.only is not None and name not in args.only:
             continue
         x = torch.randn(x_rows, k, device="cuda", generator=gen).bfloat16()
