@@ -118,7 +118,9 @@ def decode_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             type=int,
             default=None,
             help="Answer length limit (default: the checkpoint's paper_decoding.json, else "
-            "the role's: orl 4096, llada2.1 and llada2.0 2048).",
+            "the role's: orl 4096, llada2.1 and llada2.0 2048; DiffusionGemma: its "
+            "generation_config.json, else 256, and its answers grow by whole canvases, so "
+            "they may pass the limit by up to a canvas less one token, as in transformers).",
         ),
         click.option("--block-length", type=int, default=None,
                      help="Block size (default: the checkpoint's paper_decoding.json, else 32)."),
