@@ -86,17 +86,16 @@ def main() -> None:
         raise SystemExit("bench_dense: needs a CUDA GPU")
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy = copy_bandwidth_gbps()
-    x_rows = args.canvas
-    results = {}
+    results, default_blas = {}, torch.backends.cuda.preferred_blas_library()
     for name, k, n, copies, transposed in products():
         if args.only is not None and name not in args.only:
             continue
-        x = torch.randn(x_rows, k, device="cuda", generator=gen).bfloat16()
+        x = torch.randn(args.canvas, k, device="cuda", generator=gen).bfloat16()
         shape = (n, k) if transposed else (k, n)
         weights = [(torch.randn(shape, device="cuda", generator=gen) * k ** -0.5).bfloat16()
                    for _ in range(copies)]
-        nbytes = 2 * (n * k + x_rows * (k + n))
-        flops = 2 * x_rows * k * n
+        nbytes = 2 * (n * k + args.canvas * (k + n))
+        flops = 2 * args.canvas * k * n
         row, first = {}, None
         forms: list[tuple[str, Callable]] = []
         for lib in args.blas:
@@ -108,7 +107,7 @@ def main() -> None:
             if form in BLAS:
                 torch.backends.cuda.preferred_blas_library(form)
             us, out = time_form(fn, x, weights, args.iters)
-            torch.backends.cuda.preferred_blas_library("cublas")
+            torch.backends.cuda.preferred_blas_library(default_blas)
             first = out if first is None else first
             diff = float((out.float() - first.float()).abs().max() / first.float().abs().max())
             row[form] = {"us": us, "tflops": flops / us / 1e6,

@@ -246,14 +246,16 @@ canvas-pad)
   done
   for pad in no-nvfp4-pad-experts nvfp4-pad-experts; do
     step "canvas_nvfp4_fp8_${pad//-/_}" 230 "${CANVAS[@]}" --modes graph --precision nvfp4 \
-      --kv-cache-dtype fp8 --gemma-sampler torch --no-loop "--$pad" --out "$OUT/canvas_nvfp4_fp8_${pad//-/_}.json"
+      --kv-cache-dtype fp8 --gemma-sampler torch --no-loop "--$pad" \
+      --out "$OUT/canvas_nvfp4_fp8_${pad//-/_}.json"
   done
   summary ;;
 canvas-reductions)
   setup
   for split in on off; do
     step "canvas_bf16_split_$split" 280 "${CANVAS[@]}" --modes graph --precision bf16 \
-      --gemma-sampler torch --no-loop --profile --split-reductions "$split" --out "$OUT/canvas_bf16_split_$split.json"
+      --gemma-sampler torch --no-loop --profile --split-reductions "$split" \
+      --out "$OUT/canvas_bf16_split_$split.json"
   done
   summary ;;
 canvas-experts)
@@ -292,7 +294,7 @@ tests-*)
     $workers $files
   grep -E "FAILED|ERROR|passed|failed" "$OUT/$PART.txt" | tail -20 ;;
 *)
-  echo "usage: bash perf/gpu.sh rounds|ops|sampled|loop|post-attention|canvas|canvas-sampler|canvas-projections|canvas-ops|canvas-pad|canvas-reductions|canvas-experts|canvas-loop|list|tests-NAME" \
+  echo "usage: bash perf/gpu.sh rounds|ops|sampled|loop|post-attention|canvas|canvas-sampler|canvas-projections|canvas-ops|canvas-pad|canvas-reductions|canvas-autotune|rounds-autotune|canvas-dense|canvas-experts|canvas-loop|list|tests-NAME" \
     "(NAME: ${TEST_PARTS// /, })" >&2
   exit 2 ;;
 esac

@@ -71,9 +71,7 @@ def generate(
         }
     )
     kwargs = decode_kwargs(decode)
-    notice = first_rounds_notice(llm.mode, llm.device.type, llm.kernels.gemm_autotune == "on")
-    if notice:
-        err.print(f"[dim]{notice}[/dim]")
+    print_first_rounds_notice(err, llm)
     out = Console()
     live = out.is_terminal and not no_live and not as_json
     result = _run_live(llm, request, kwargs, out) if live else llm.generate(**request, **kwargs)
@@ -93,7 +91,7 @@ def first_rounds_notice(mode: str, device_type: str, autotune: bool = False) -> 
     and reference rounds); `autotune`: Inductor times each matrix product's Triton templates
     (`--gemm-autotune on`), which makes a first compile minutes longer."""
     tuning = ("; --gemm-autotune on times each matrix product's kernels on a first start: "
-              "several minutes more" if autotune and mode in ("graph", "compile") else "")
+              "several minutes more" if autotune else "")
     if mode == "graph":
         return ("first rounds compile (Inductor) and capture CUDA graphs: about a minute for a "
                 "full-size model on a first start; compiled kernels are cached for the next "
@@ -103,6 +101,13 @@ def first_rounds_notice(mode: str, device_type: str, autotune: bool = False) -> 
         return (f"first rounds compile (Inductor, {target}; no graph capture): up to a few "
                 f"minutes on a first start; compiled kernels are cached for the next one{tuning}")
     return None
+
+
+def print_first_rounds_notice(console: Any, llm: Any) -> None:
+    """`first_rounds_notice` of `llm`'s mode, device and kernel config, dimmed on `console`."""
+    notice = first_rounds_notice(llm.mode, llm.device.type, llm.kernels.gemm_autotune == "on")
+    if notice:
+        console.print(f"[dim]{notice}[/dim]")
 
 
 def _run_live(llm: Any, request: dict[str, Any], kwargs: dict[str, Any], console: Any) -> Any:

@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from dlmc.cli.generate import print_first_rounds_notice
 from dlmc.cli.options import (
     decode_kwargs,
     decode_options,
@@ -90,11 +91,7 @@ def serve(
         decode_defaults=decode_kwargs(decode),
     )
     app = create_app(llm, settings)
-    from dlmc.cli.generate import first_rounds_notice
-
-    notice = first_rounds_notice(llm.mode, llm.device.type, llm.kernels.gemm_autotune == "on")
-    if notice:
-        err.print(f"[dim]{notice}[/dim]")
+    print_first_rounds_notice(err, llm)
     with err.status("warming up…", spinner="dots"):
         warm_up(llm, app.state.dlmc.preparer.defaults)
     err.print(f"dlmc serving {model} on http://{host}:{port} (Ctrl-C to stop)", style="bold")
