@@ -18,7 +18,7 @@ from typing import Any
 from dlmc.errors import ConfigError
 
 __all__ = ["ATTENTION_BACKENDS", "DEFAULT_KERNELS", "GEMMA_ATTENTION", "GEMMA_BF16_EXPERTS",
-           "GEMMA_SAMPLER", "GEMM_AUTOTUNE", "SPLIT_REDUCTIONS", "KernelConfig"]
+           "GEMMA_SAMPLER", "SPLIT_REDUCTIONS", "KernelConfig"]
 
 # "auto": the Triton paged attention on CUDA, the plain-PyTorch reference elsewhere.
 ATTENTION_BACKENDS = ("auto", "triton", "reference")
@@ -28,8 +28,6 @@ GEMMA_ATTENTION = ("auto", "torch", "triton")
 GEMMA_SAMPLER = ("auto", "torch", "triton")
 # Inductor's split reductions: "auto" is off for DiffusionGemma's canvas compiles, on elsewhere.
 SPLIT_REDUCTIONS = ("auto", "on", "off")
-# Inductor's autotuning of the compiled matrix products: "auto" is off everywhere for now.
-GEMM_AUTOTUNE = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -81,11 +79,6 @@ class KernelConfig:
             BF16 canvas step measured 3.4 % faster). The same maths up to the order of fp32
             sums. "auto": off for DiffusionGemma's compiled steps and encoder chunks, on for
             LLaDA2's rounds (not measured off).
-        gemm_autotune: "on": Inductor times its Triton matrix-product templates against cuBLAS
-            for each dense product of the compiled function and keeps the fastest (its
-            `max_autotune_gemm`; the first compile of a shape takes longer, the choice is
-            cached with the compiled code); "off": cuBLAS, Inductor's default. The same maths
-            up to the order of fp32 sums. "auto": off.
     """
 
     attention_backend: str = "auto"
@@ -98,15 +91,13 @@ class KernelConfig:
     fused_post_attention_norm: bool = True
     nvfp4_pad_experts: bool = True
     split_reductions: str = "auto"
-    gemm_autotune: str = "auto"
 
     def __post_init__(self) -> None:
         for name, choices in (("attention_backend", ATTENTION_BACKENDS),
                               ("gemma_bf16_experts", GEMMA_BF16_EXPERTS),
                               ("gemma_attention", GEMMA_ATTENTION),
                               ("gemma_sampler", GEMMA_SAMPLER),
-                              ("split_reductions", SPLIT_REDUCTIONS),
-                              ("gemm_autotune", GEMM_AUTOTUNE)):
+                              ("split_reductions", SPLIT_REDUCTIONS)):
             if getattr(self, name) not in choices:
                 raise ConfigError(f"KernelConfig.{name}={getattr(self, name)!r}: "
                                   f"expected one of {', '.join(choices)}")

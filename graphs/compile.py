@@ -58,8 +58,7 @@ def compile_options(kernels: KernelConfig = DEFAULT_KERNELS, canvas: bool = Fals
     `kernels.pdl` (torch keeps it to CUDA sm_90+; it shortens queued rounds, which rounds in
     flight are), unless the user set TORCHINDUCTOR_ENABLE_PDL; `deterministic` from
     `kernels.deterministic_compile`; `split_reductions` False when `kernels.split_reductions`
-    is "off", or "auto" for a DiffusionGemma compile (`canvas`); `max_autotune_gemm` (cuBLAS
-    against Inductor's Triton templates) when `kernels.gemm_autotune` is "on"."""
+    is "off", or "auto" for a DiffusionGemma compile (`canvas`)."""
     options: dict[str, Any] = {}
     if "TORCHINDUCTOR_ENABLE_PDL" not in os.environ:
         options["triton.enable_pdl"] = kernels.pdl
@@ -71,9 +70,6 @@ def compile_options(kernels: KernelConfig = DEFAULT_KERNELS, canvas: bool = Fals
         options["deterministic"] = True
     if kernels.split_reductions == "off" or (kernels.split_reductions == "auto" and canvas):
         options["split_reductions"] = False
-    if kernels.gemm_autotune == "on":
-        options["max_autotune_gemm"] = True
-        options["max_autotune_gemm_backends"] = "ATEN,TRITON"
     return options
 
 

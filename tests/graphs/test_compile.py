@@ -27,13 +27,6 @@ def test_compile_options_follow_the_kernel_config(monkeypatch):
     assert compile_options(KernelConfig(split_reductions="on"), canvas=True) == {
         "triton.enable_pdl": True}
     assert "split_reductions" in compile_options(KernelConfig(split_reductions="off"))
-    # Inductor's gemm autotuning only when asked for ("auto" is off)
-    assert compile_options(KernelConfig(gemm_autotune="auto"), canvas=True) == compile_options(
-        canvas=True)
-    tuned = compile_options(KernelConfig(gemm_autotune="on"))
-    assert tuned == {"triton.enable_pdl": True, "max_autotune_gemm": True,
-                     "max_autotune_gemm_backends": "ATEN,TRITON"}
-    options = {**options, **tuned}
     # every option is one this torch's Inductor has (a dotted name: a sub-config's field)
     for name in options:
         config = torch._inductor.config
@@ -69,21 +62,17 @@ def test_kernel_config_is_validated_and_recorded():
                                 "gemma_bf16_experts": "auto", "gemma_attention": "auto",
                                 "gemma_sampler": "auto", "gemma_fused_projections": True,
                                 "fused_post_attention_norm": True,
-                                "nvfp4_pad_experts": True, "split_reductions": "auto",
-                                "gemm_autotune": "auto"}
+                                "nvfp4_pad_experts": True, "split_reductions": "auto"}
     assert config.describe() == ("attention_backend=reference pdl=False "
                                  "deterministic_compile=False "
                                  "gemma_bf16_experts=auto gemma_attention=auto "
                                  "gemma_sampler=auto gemma_fused_projections=True "
                                  "fused_post_attention_norm=True nvfp4_pad_experts=True "
-                                 "split_reductions=auto gemm_autotune=auto")
+                                 "split_reductions=auto")
     assert config.cache_tag() == KernelConfig(attention_backend="reference",
                                               pdl=False).cache_tag() != DEFAULT_KERNELS.cache_tag()
     assert KernelConfig(nvfp4_pad_experts=False).cache_tag() != DEFAULT_KERNELS.cache_tag()
     assert KernelConfig(split_reductions="on").cache_tag() != DEFAULT_KERNELS.cache_tag()
-    assert KernelConfig(gemm_autotune="on").cache_tag() != DEFAULT_KERNELS.cache_tag()
-    with pytest.raises(ConfigError, match="gemm_autotune=True: expected one of auto, on, off"):
-        KernelConfig(gemm_autotune=True)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="KernelConfig.gemma_fused_projections='yes'"):
         KernelConfig(gemma_fused_projections="yes")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="KernelConfig.nvfp4_pad_experts='yes'"):

@@ -86,26 +86,23 @@ def generate(
         click.echo(stats_line(result), err=True)
 
 
-def first_rounds_notice(mode: str, device_type: str, autotune: bool = False) -> str | None:
+def first_rounds_notice(mode: str, device_type: str) -> str | None:
     """What the first rounds of `mode` spend time on, or None where they run as they are (eager
-    and reference rounds); `autotune`: Inductor times each matrix product's Triton templates
-    (`--gemm-autotune on`), which makes a first compile minutes longer."""
-    tuning = ("; --gemm-autotune on times each matrix product's kernels on a first start: "
-              "several minutes more" if autotune else "")
+    and reference rounds)."""
     if mode == "graph":
         return ("first rounds compile (Inductor) and capture CUDA graphs: about a minute for a "
                 "full-size model on a first start; compiled kernels are cached for the next "
-                f"one{tuning}")
+                "one")
     if mode == "compile":
         target = "CUDA kernels" if device_type == "cuda" else "C++ kernels for the CPU"
         return (f"first rounds compile (Inductor, {target}; no graph capture): up to a few "
-                f"minutes on a first start; compiled kernels are cached for the next one{tuning}")
+                "minutes on a first start; compiled kernels are cached for the next one")
     return None
 
 
 def print_first_rounds_notice(console: Any, llm: Any) -> None:
-    """`first_rounds_notice` of `llm`'s mode, device and kernel config, dimmed on `console`."""
-    notice = first_rounds_notice(llm.mode, llm.device.type, llm.kernels.gemm_autotune == "on")
+    """`first_rounds_notice` of `llm`'s mode and device, dimmed on `console`."""
+    notice = first_rounds_notice(llm.mode, llm.device.type)
     if notice:
         console.print(f"[dim]{notice}[/dim]")
 

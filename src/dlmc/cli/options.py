@@ -151,11 +151,10 @@ def decode_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """--attention-backend --pdl/--no-pdl --deterministic-compile --gemma-bf16-experts
     --gemma-attention --gemma-sampler --gemma-fused-projections/--no-...
-    --fused-post-attention-norm/--no-... --nvfp4-pad-experts/--no-... --split-reductions
-    --gemm-autotune, handed to the command as one `kernels` argument (a `KernelConfig`)."""
+    --fused-post-attention-norm/--no-... --nvfp4-pad-experts/--no-... --split-reductions,
+    handed to the command as one `kernels` argument (a `KernelConfig`)."""
     from dlmc.custom_ops.kernel_config import (
         ATTENTION_BACKENDS,
-        GEMM_AUTOTUNE,
         GEMMA_ATTENTION,
         GEMMA_BF16_EXPERTS,
         GEMMA_SAMPLER,
@@ -174,8 +173,7 @@ def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             gemma_fused_projections=kwargs.pop("gemma_fused_projections"),
             fused_post_attention_norm=kwargs.pop("fused_post_attention_norm"),
             nvfp4_pad_experts=kwargs.pop("nvfp4_pad_experts"),
-            split_reductions=kwargs.pop("split_reductions"),
-            gemm_autotune=kwargs.pop("gemm_autotune"))
+            split_reductions=kwargs.pop("split_reductions"))
         return fn(*args, **kwargs)
 
     def auto_choice(flag: str, choices: tuple[str, ...], help: str) -> Callable[..., Any]:
@@ -218,10 +216,6 @@ def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                     help="Inductor's split reductions over few long rows; off: one program "
                     "per row and its online softmax (DiffusionGemma's vocabulary-wide "
                     "sampler); auto: off for DiffusionGemma, on for LLaDA2."),
-        auto_choice("--gemm-autotune", GEMM_AUTOTUNE,
-                    help="Inductor times its Triton matrix-product templates against cuBLAS "
-                    "for each dense product and keeps the fastest (a longer first compile); "
-                    "auto: off."),
     ]
     for decorator in reversed(decorators):
         wrapper = decorator(wrapper)
