@@ -53,15 +53,11 @@ __all__ = ["CHUNK", "DEFAULT_TILES", "ProposeTiles", "canvas_propose",
 class ProposeTiles:
     """The first launch's work split (the results do not depend on it, up to the order of the
     entropy's fp32 sums): `chunk` vocabulary entries per program, `block` entries per iteration
-    of its loop (powers of two, block <= chunk), `num_warps` per program; `lane_stats`: each
-    lane keeps its own sums and argmaxes over the chunk's tiles and the program reduces them
-    once, after the loop (one cross-warp max per tile, for the tile's shift), instead of
-    reducing every statistic of every tile."""
+    of its loop (powers of two, block <= chunk), `num_warps` per program."""
 
     chunk: int = 8192
     block: int = 1024
     num_warps: int = 4
-    lane_stats: bool = False
 
     def __post_init__(self) -> None:
         for name in ("chunk", "block", "num_warps"):
@@ -70,8 +66,6 @@ class ProposeTiles:
                 raise ValueError(f"ProposeTiles.{name}={value!r}: expected a power of two")
         if self.block > self.chunk:
             raise ValueError(f"ProposeTiles: block {self.block} exceeds chunk {self.chunk}")
-        if not isinstance(self.lane_stats, bool):
-            raise ValueError(f"ProposeTiles.lane_stats={self.lane_stats!r}: expected a bool")
 
 
 DEFAULT_TILES = ProposeTiles()
@@ -136,11 +130,9 @@ def _soft_cap(x, softcap, INTERPRETED: tl.constexpr):
 def propose_chunk_kernel(logits_ptr, noise_ptr, temp_ptr, sc_ptr, keep_ptr, stats_ptr, idx_ptr,
                          vocab, canvas, num_chunks, stride_l, stride_n, stride_sc, softcap,
                          HAS_KEEP: tl.constexpr, SOFTCAP: tl.constexpr, SC_BF16: tl.constexpr,
-                         CHUNK: tl.constexpr, BLOCK: tl.constexpr, LANE_STATS: tl.constexpr,
-                         INTERPRETED: tl.constexpr):
+                         CHUNK: tl.constexpr, BLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
     """Chunk `c` of row `r`: writes `t` to `sc` (unless kept) and the chunk's statistics
-    `(m, s, w, max t, max t - log noise)` and the two argmaxes. LANE_STATS: per-lane sums and
-    argmaxes reduced once per chunk (`ProposeTiles.lane_stats`)."""
+    `(m, s, w, max t, max t - log noise)` and the two argmaxes."""
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     temp = tl.load(temp_ptr)
@@ -155,13 +147,6 @@ def propose_chunk_kernel(logits_ptr, noise_ptr, temp_ptr, sc_ptr, keep_ptr, stat
     best_t_idx = tl.zeros((), tl.int32)
     best_g = tl.full((), -float("inf"), tl.float32)
     best_g_idx = tl.zeros((), tl.int32)
-    if LANE_STATS:  # per lane: sums against the running max, argmaxes by strict comparison
-        lane_s = tl.zeros((BLOCK,), tl.float32)
-        lane_w = tl.zeros((BLOCK,), tl.float32)
-        lane_t = tl.full((BLOCK,), -float("inf"), tl.float32)
-        lane_t_idx = tl.zeros((BLOCK,), tl.int32)
-        lane_g = tl.full((BLOCK,), -float("inf"), tl.float32)
-        lane_g_idx = tl.zeros((BLOCK,), tl.int32)
     for step in tl.static_range(0, CHUNK, BLOCK):  # tiles past the vocabulary: all masked
         off = chunk * CHUNK + step
         cols = off + tl.arange(0, BLOCK)
@@ -178,40 +163,18 @@ def propose_chunk_kernel(logits_ptr, noise_ptr, temp_ptr, sc_ptr, keep_ptr, stat
         noise = tl.load(noise_ptr + row * stride_n + cols, mask=live, other=1.0)
         t_live = tl.where(live, t, -FLT_MAX)  # (a finite floor: an all-masked tile merges as 0)
         g = tl.where(live, t - tl.log(noise), -float("inf"))
-        if LANE_STATS:
-            m_new = tl.maximum(m, tl.max(t_live, axis=0))
-            a = tl.exp(m - m_new)
-            centred = t_live - m_new
-            e = tl.where(live, tl.exp(centred), 0.0)
-            lane_w = a * (lane_w + lane_s * (m - m_new)) + e * tl.where(live, centred, 0.0)
-            lane_s = lane_s * a + e
-            m = m_new
-            better = live & (t > lane_t)
-            lane_t_idx = tl.where(better, cols, lane_t_idx)
-            lane_t = tl.where(better, t, lane_t)
-            better = g > lane_g
-            lane_g_idx = tl.where(better, cols, lane_g_idx)
-            lane_g = tl.where(better, g, lane_g)
-        else:
-            tile_max, tile_idx = tl.max(t_live, axis=0, return_indices=True)
-            centred = t_live - tile_max
-            e = tl.where(live, tl.exp(centred), 0.0)
-            tile_w = tl.sum(e * tl.where(live, centred, 0.0), axis=0)
-            m, s, w = _merge(m, s, w, tile_max, tl.sum(e, axis=0), tile_w)
-            better = tile_max > best_t
-            best_t_idx = tl.where(better, off + tile_idx, best_t_idx)
-            best_t = tl.where(better, tile_max, best_t)
-            tile_g, tile_g_idx = tl.max(g, axis=0, return_indices=True)
-            better = tile_g > best_g
-            best_g_idx = tl.where(better, off + tile_g_idx, best_g_idx)
-            best_g = tl.where(better, tile_g, best_g)
-    if LANE_STATS:  # the lanes reduced once; ties to the lowest index
-        s = tl.sum(lane_s, axis=0)
-        w = tl.sum(lane_w, axis=0)
-        best_t = tl.max(lane_t, axis=0)
-        best_t_idx = tl.min(tl.where(lane_t == best_t, lane_t_idx, 2147483647), axis=0)
-        best_g = tl.max(lane_g, axis=0)
-        best_g_idx = tl.min(tl.where(lane_g == best_g, lane_g_idx, 2147483647), axis=0)
+        tile_max, tile_idx = tl.max(t_live, axis=0, return_indices=True)
+        centred = t_live - tile_max
+        e = tl.where(live, tl.exp(centred), 0.0)
+        tile_w = tl.sum(e * tl.where(live, centred, 0.0), axis=0)
+        m, s, w = _merge(m, s, w, tile_max, tl.sum(e, axis=0), tile_w)
+        better = tile_max > best_t
+        best_t_idx = tl.where(better, off + tile_idx, best_t_idx)
+        best_t = tl.where(better, tile_max, best_t)
+        tile_g, tile_g_idx = tl.max(g, axis=0, return_indices=True)
+        better = tile_g > best_g
+        best_g_idx = tl.where(better, off + tile_g_idx, best_g_idx)
+        best_g = tl.where(better, tile_g, best_g)
     out = (row * num_chunks + chunk) * 5
     tl.store(stats_ptr + out, m)
     tl.store(stats_ptr + out + 1, s)
@@ -251,7 +214,6 @@ def propose_merge_kernel(stats_ptr, idx_ptr, sample_ptr, argmax_ptr, entropy_ptr
 def _canvas_propose_impl(
     logits: torch.Tensor, exponential: torch.Tensor, temp: torch.Tensor, sc_out: torch.Tensor,
     sc_keep: torch.Tensor | None, softcap: float, chunk: int, block: int, num_warps: int,
-    lane_stats: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     vocab = logits.shape[-1]
     rows = logits.numel() // vocab
@@ -271,7 +233,7 @@ def _canvas_propose_impl(
         logits, exponential, temp, sc_out, sc_keep if sc_keep is not None else temp, stats, idx,
         vocab, canvas, num_chunks, vocab, vocab, vocab, softcap, HAS_KEEP=sc_keep is not None,
         SOFTCAP=softcap > 0, SC_BF16=sc_out.dtype == torch.bfloat16, CHUNK=chunk, BLOCK=block,
-        LANE_STATS=lane_stats, INTERPRETED=_INTERPRETED, num_warps=num_warps)
+        INTERPRETED=_INTERPRETED, num_warps=num_warps)
     launcher(propose_merge_kernel)[(rows,)](
         stats, idx, sample, argmax, entropy, num_chunks,
         CHUNKS_PAD=triton.next_power_of_2(num_chunks), num_warps=1)
@@ -281,7 +243,6 @@ def _canvas_propose_impl(
 def _canvas_propose_fake(
     logits: torch.Tensor, exponential: torch.Tensor, temp: torch.Tensor, sc_out: torch.Tensor,
     sc_keep: torch.Tensor | None, softcap: float, chunk: int, block: int, num_warps: int,
-    lane_stats: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     lead = logits.shape[:-1]
     return (logits.new_empty(lead, dtype=torch.int64), logits.new_empty(lead, dtype=torch.int64),
@@ -337,4 +298,4 @@ def canvas_propose(
         return canvas_propose_reference(logits, exponential, temp, sc_out, sc_keep, softcap)
     keep = None if sc_keep is None else sc_keep.contiguous()
     return _canvas_propose_op(logits, exponential, temp, sc_out, keep, float(softcap),
-                              tiles.chunk, tiles.block, tiles.num_warps, tiles.lane_stats)
+                              tiles.chunk, tiles.block, tiles.num_warps)

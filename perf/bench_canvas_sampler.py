@@ -15,7 +15,7 @@ with the torch form's (argmax and sample equal, entropy to 1e-5, the input's ele
 differ: the cap's tanh may differ in the last bit).
 
     python perf/bench_canvas_sampler.py --out /tmp/sampler.json
-    python perf/bench_canvas_sampler.py --tiles 8192,1024,4,1 16384,2048,8,1
+    python perf/bench_canvas_sampler.py --tiles 8192,1024,8 16384,2048,8
 """
 
 from __future__ import annotations
@@ -41,23 +41,22 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=262144)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--tiles", nargs="*", default=[], type=parse_tiles,
-                   help="work splits of the op to time too: CHUNK,BLOCK,WARPS,LANE_STATS(0/1)")
+                   help="work splits of the op to time too: CHUNK,BLOCK,WARPS")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     return p.parse_args()
 
 
 def parse_tiles(text: str) -> ProposeTiles:
     try:
-        chunk, block, warps, lanes = (int(v) for v in text.split(","))
-        return ProposeTiles(chunk, block, warps, bool(lanes))
+        chunk, block, warps = (int(v) for v in text.split(","))
+        return ProposeTiles(chunk, block, warps)
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"--tiles {text!r}: expected CHUNK,BLOCK,WARPS,0|1 "
+        raise argparse.ArgumentTypeError(f"--tiles {text!r}: expected CHUNK,BLOCK,WARPS "
                                          f"({exc})") from None
 
 
 def tiles_name(tiles: ProposeTiles) -> str:
-    return (f"triton_{tiles.chunk}_{tiles.block}_w{tiles.num_warps}"
-            f"{'_lanes' if tiles.lane_stats else ''}")
+    return f"triton_{tiles.chunk}_{tiles.block}_w{tiles.num_warps}"
 
 
 CAP = 30.0  # DiffusionGemma's final_logit_softcapping

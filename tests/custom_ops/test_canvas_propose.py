@@ -41,9 +41,8 @@ def make_case(lead: tuple[int, ...], vocab: int, seed: int, cap: float = 30.0,
     return logits, noise, temp
 
 
-# the default split, the per-lane statistics, and smaller chunks and tiles of each form
-TILES = [DEFAULT_TILES, ProposeTiles(lane_stats=True),
-         ProposeTiles(chunk=2048, block=512, num_warps=8, lane_stats=True),
+# the default split, and smaller chunks and tiles
+TILES = [DEFAULT_TILES, ProposeTiles(chunk=2048, block=512, num_warps=8),
          ProposeTiles(chunk=4096, block=256, num_warps=2)]
 
 
@@ -120,8 +119,8 @@ def test_kept_rows_and_written_rows() -> None:
 @pytest.mark.parametrize("tiles", TILES)
 def test_ties_go_to_the_lowest_index_across_chunks(tiles: ProposeTiles) -> None:
     """Equal logits everywhere: the argmax is 0; equal maxima of the sample's key in two chunks
-    (noise 1 except two equal small draws): the first of them; equal maxima in one tile's
-    lanes and in two tiles of one chunk: the first of them."""
+    (noise 1 except two equal small draws): the first of them; equal maxima in one tile and
+    in two tiles of one chunk: the first of them."""
     vocab = 2 * CHUNK + 5
     logits = torch.zeros(1, vocab, device=DEVICE)
     noise = torch.ones(1, vocab, device=DEVICE)
@@ -133,7 +132,7 @@ def test_ties_go_to_the_lowest_index_across_chunks(tiles: ProposeTiles) -> None:
     assert entropy[0].item() == pytest.approx(torch.log(torch.tensor(float(vocab))).item(),
                                               rel=1e-6)
     logits[0, [tiles.block + 7, tiles.block + 3, 2 * tiles.block + 1]] = 2.0
-    noise[0, [tiles.block + 9, tiles.block + 5, 5]] = 1e-6  # lanes 9, 5 and 5 of two tiles
+    noise[0, [tiles.block + 9, tiles.block + 5, 5]] = 1e-6  # entries 9, 5 and 5 of two tiles
     sample, argmax, _ = canvas_propose(logits, noise, temp, sc, tiles=tiles)
     assert int(argmax[0]) == tiles.block + 3 and int(sample[0]) == 5
 
@@ -143,8 +142,6 @@ def test_tiles_are_validated() -> None:
         ProposeTiles(block=1000)
     with pytest.raises(ValueError, match="block 4096 exceeds chunk 2048"):
         ProposeTiles(chunk=2048, block=4096)
-    with pytest.raises(ValueError, match="ProposeTiles.lane_stats=1: expected a bool"):
-        ProposeTiles(lane_stats=1)  # type: ignore[arg-type]
 
 
 def test_a_peaked_row_has_the_reference_entropy() -> None:
@@ -179,7 +176,7 @@ def test_opcheck() -> None:
     for softcap in (0.0, 30.0):
         torch.library.opcheck(torch.ops.dlmc.canvas_propose.default,
                               (logits, noise, temp, sc, torch.tensor([True, False], device=DEVICE),
-                               softcap, 64, 16, 2, softcap > 0),
+                               softcap, 64, 16, 2),
                               test_utils=("test_schema", "test_faketensor"))
 
 

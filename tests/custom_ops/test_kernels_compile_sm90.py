@@ -284,7 +284,7 @@ def check_canvas_propose() -> None:
     of 1024-entry tiles; bf16 and fp32 self-conditioning output, with and without kept rows;
     capped fp32 logits, or bf16 values capped inside with libdevice's tanh, the cap an fp64 as
     Inductor passes a Python float, or a float constant as Inductor's mutation analysis passes
-    it; the default tiles and the per-lane statistics): IEEE division for `logits / T`, no
+    it; the default tiles): IEEE division for `logits / T`, no
     spills."""
     from dlmc.custom_ops.canvas_propose import (
         DEFAULT_TILES,
@@ -293,23 +293,21 @@ def check_canvas_propose() -> None:
     )
 
     chunk, block, warps = DEFAULT_TILES.chunk, DEFAULT_TILES.block, DEFAULT_TILES.num_warps
-    for sc_type, keep, logits, lanes in (("*bf16", True, "*bf16", False),
-                                         ("*fp32", False, "*fp32", False),
-                                         ("*bf16", False, "*bf16", True)):
+    for sc_type, keep, logits in (("*bf16", True, "*bf16"), ("*fp32", False, "*fp32")):
         pointers = {"logits_ptr": logits, "noise_ptr": "*fp32", "temp_ptr": "*fp32",
                     "sc_ptr": sc_type, "keep_ptr": "*i1", "stats_ptr": "*fp32",
                     "idx_ptr": "*i32", "softcap": "fp64" if keep else "fp32"}  # Inductor: fp64
         types = {name: pointers.get(name, "i32") for name in propose_chunk_kernel.arg_names}
         compiled = compile_sm90(propose_chunk_kernel, types, {
             "HAS_KEEP": keep, "SOFTCAP": logits == "*bf16", "SC_BF16": sc_type == "*bf16",
-            "CHUNK": chunk, "BLOCK": block, "LANE_STATS": lanes, "INTERPRETED": False}, warps)
+            "CHUNK": chunk, "BLOCK": block, "INTERPRETED": False}, warps)
         assert "div.rn.f32" in compiled.asm["ptx"]
         assert resource_usage(compiled)["LOCAL"] == 0
     # Inductor's analysis of which tensors the kernel writes compiles it with the cap as a
     # Python float constant; a failure there makes Inductor treat every input as written
     compile_sm90(propose_chunk_kernel, types, {
         "HAS_KEEP": False, "SOFTCAP": True, "SC_BF16": False, "CHUNK": chunk, "BLOCK": block,
-        "LANE_STATS": False, "INTERPRETED": False, "softcap": 30.0}, warps)
+        "INTERPRETED": False, "softcap": 30.0}, warps)
     types = {"stats_ptr": "*fp32", "idx_ptr": "*i32", "sample_ptr": "*i64", "argmax_ptr": "*i64",
              "entropy_ptr": "*fp32", "num_chunks": "i32"}
     compile_sm90(propose_merge_kernel, types, {"CHUNKS_PAD": 32}, 1)
