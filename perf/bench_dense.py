@@ -4,16 +4,11 @@ Each product of the denoising step outside the experts and attention (q/k/v fuse
 the dense MLP's fused gate/up and down, the router, the self-conditioning MLP, the lm_head
 and the self-conditioning product over the vocabulary), on as many distinct bf16 weights as
 the step has layers of it (so they stream from memory as in the step), captured in one CUDA
-graph; µs per product = replay median / copies. Each product runs:
-- through aten with each BLAS library named by `--blas` (torch's
-  `torch.backends.cuda.preferred_blas_library`: "cublas", "cublaslt");
-- with `--autotune`, compiled at dlmc's compile site with `KernelConfig(gemm_autotune="on")`
-  (Inductor times its Triton templates against cuBLAS and keeps the fastest; a compile of
-  seconds per product).
-Outputs are compared with the first form's (max abs difference relative to the largest value).
+graph; µs per product = replay median / copies, through aten (cuBLAS, as the step runs
+them). The last line sums the products as the step runs them (µs x copies).
 
     python perf/bench_dense.py --out /tmp/dense.json
-    python perf/bench_dense.py --blas cublas --autotune
+    python perf/bench_dense.py --only qkv_sliding lm_head
 """
 
 from __future__ import annotations
@@ -25,12 +20,8 @@ from collections.abc import Callable
 import torch
 
 from dlmc.bench.timing import copy_bandwidth_gbps, graph_us
-from dlmc.custom_ops.kernel_config import KernelConfig
-from dlmc.graphs.compile import compiled
 from dlmc.models.diffusion_gemma_config import FULL, SLIDING
 from dlmc.models.shapes import DIFFUSIONGEMMA_26B_A4B as CONFIG
-
-BLAS = ("cublas", "cublaslt")
 
 
 def products() -> list[tuple[str, int, int, int, bool]]:
@@ -56,9 +47,6 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--canvas", type=int, default=CONFIG.canvas_length)
     p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--blas", nargs="*", default=list(BLAS), choices=BLAS)
-    p.add_argument("--autotune", action="store_true",
-                   help="also time each product compiled with gemm autotuning")
     p.add_argument("--only", nargs="*", default=None, help="product names to time")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     return p.parse_args()
@@ -71,13 +59,9 @@ def product(transposed: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Te
 
 
 def time_form(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
-              weights: list[torch.Tensor], iters: int) -> tuple[float, torch.Tensor]:
-    outs: list[torch.Tensor] = [torch.empty(0)] * len(weights)
-
-    def call(i: int) -> None:
-        outs[i] = fn(x, weights[i])
-    us = graph_us(call, len(weights), iters)
-    return us, outs[0]
+              weights: list[torch.Tensor], iters: int) -> float:
+    """µs per product: `fn` over every weight in one CUDA graph, replay median / copies."""
+    return graph_us(lambda i: fn(x, weights[i]), len(weights), iters)
 
 
 def main() -> None:
@@ -86,7 +70,7 @@ def main() -> None:
         raise SystemExit("bench_dense: needs a CUDA GPU")
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy = copy_bandwidth_gbps()
-    results, default_blas = {}, torch.backends.cuda.preferred_blas_library()
+    results, step_us = {}, 0.0
     for name, k, n, copies, transposed in products():
         if args.only is not None and name not in args.only:
             continue
@@ -96,30 +80,19 @@ def main() -> None:
                    for _ in range(copies)]
         nbytes = 2 * (n * k + args.canvas * (k + n))
         flops = 2 * args.canvas * k * n
-        row, first = {}, None
-        forms: list[tuple[str, Callable]] = []
-        for lib in args.blas:
-            forms.append((lib, product(transposed)))
-        if args.autotune:
-            forms.append(("autotune", compiled(f"bench_dense_{name}", product(transposed),
-                                               KernelConfig(gemm_autotune="on"))))
-        for form, fn in forms:
-            if form in BLAS:
-                torch.backends.cuda.preferred_blas_library(form)
-            us, out = time_form(fn, x, weights, args.iters)
-            torch.backends.cuda.preferred_blas_library(default_blas)
-            first = out if first is None else first
-            diff = float((out.float() - first.float()).abs().max() / first.float().abs().max())
-            row[form] = {"us": us, "tflops": flops / us / 1e6,
-                         "of_copy": nbytes / (copy * 1e3) / us, "rel_diff": diff}
-            print(f"{name:16s} {k:6d}->{n:6d} x{copies:2d} {form:9s} {us:8.1f} µs "
-                  f"{flops / us / 1e6:6.0f} TFLOP/s {100 * row[form]['of_copy']:5.1f} % of copy"
-                  f"  diff {diff:.1e}")
-        results[name] = {"k": k, "n": n, "copies": copies, "bytes": nbytes, "flops": flops, **row}
+        us = time_form(product(transposed), x, weights, args.iters)
+        step_us += us * copies
+        results[name] = {"k": k, "n": n, "copies": copies, "bytes": nbytes, "flops": flops,
+                         "us": us, "tflops": flops / us / 1e6,
+                         "of_copy": nbytes / (copy * 1e3) / us}
+        print(f"{name:17s} {k:6d}->{n:6d} x{copies:2d} {us:8.1f} µs "
+              f"{flops / us / 1e6:6.0f} TFLOP/s {100 * results[name]['of_copy']:5.1f} % of copy")
         del weights
+    print(f"all products as the step runs them: {step_us:.1f} µs per step")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"canvas": args.canvas, "copy_gbps": copy, "products": results,
+                       "step_us": step_us,
                        "device": torch.cuda.get_device_name()}, f, indent=2)
 
 

@@ -16,19 +16,10 @@
 #                profiled (default kernels: dlmc's experts and attention): BF16, then NVFP4 +
 #                FP8 KV (one process each; a cold compile takes minutes; CANVAS_LIMIT seconds
 #                each, 270). P: bf16 or nvfp4 alone.
-#   canvas-autotune [R]  the canvas part's BF16 step with Inductor's gemm autotuning
-#                (--gemm-autotune on: a compile of minutes, each product shape timed), then
-#                without (one process each); R: other runs, "PRECISION:KV:AUTOTUNE:SECONDS
-#                ...", e.g. "nvfp4:fp8:on:400 nvfp4:fp8:auto:160"
-#   rounds-autotune [R]  the LLaDA2 NVFP4 + FP8 round with Inductor's gemm autotuning, then
-#                without (one process each); R as for canvas-autotune, default
-#                "nvfp4:fp8:on:330 nvfp4:fp8:auto:200"
-#   canvas-dense  DiffusionGemma's dense products alone at 256 rows (bench_dense.py): aten with
-#                cuBLAS and with cuBLASLt, and each product compiled with gemm autotuning
+#   canvas-dense  DiffusionGemma's dense products alone at 256 rows (bench_dense.py, cuBLAS)
 #   canvas-sampler  DiffusionGemma's step proposal alone (256 x 262144): dlmc::canvas_propose
 #                against the torch ops compiled by Inductor, and the op's work splits
-#                (ProposeTiles: chunk, block, warps, per-lane statistics), then the op's
-#                gpu-marked tests
+#                (ProposeTiles: chunk, block, warps), then the op's gpu-marked tests
 #   canvas-projections  the proposal alone (bench_canvas_sampler.py: the torch form, the op after
 #                Inductor's cap, the op capping itself), then the BF16 step profiled with
 #                separate and with fused q/k/v and gate/up projections (--gemma-fused-projections)
@@ -116,17 +107,6 @@ step() {  # step NAME LIMIT COMMAND...: COMMAND under a time limit, output into 
   echo "== $name rc=$rc" | tee -a "$OUT/$PART.txt"
 }
 
-autotune_runs() {  # autotune_runs NAME RUNS COMMAND...: COMMAND once per PRECISION:KV:TUNE:LIMIT
-  local name=$1 runs=$2 run precision kv tune limit
-  shift 2
-  for run in $runs; do
-    IFS=: read -r precision kv tune limit <<< "$run"
-    step "${name}_${precision}_${kv}_autotune_$tune" "$limit" "$@" --modes graph \
-      --precision "$precision" --kv-cache-dtype "$kv" --no-loop --profile --gemm-autotune "$tune" \
-      --out "$OUT/${name}_${precision}_${kv}_autotune_$tune.json"
-  done
-}
-
 summary() {  # the lines of $OUT/PART.txt that hold the figures
   local figures='│ +(graph|queued|flight)|host overhead|"nvfp4_ms_per_layer"|of_copy'
   grep -E "^== [a-z0-9_]+: |$figures|^(triton|flashinfer) +(default|fa2 run) " "$OUT/$PART.txt" \
@@ -191,23 +171,14 @@ canvas)
       --out "$OUT/canvas_${precision}_$kv.json"
   done
   summary ;;
-canvas-autotune)
-  setup
-  autotune_runs canvas "${2:-bf16:bf16:on:400 bf16:bf16:auto:160}" "${CANVAS[@]}"
-  summary ;;
-rounds-autotune)
-  setup
-  autotune_runs round "${2:-nvfp4:fp8:on:330 nvfp4:fp8:auto:200}" "${ROUND[@]}"
-  summary ;;
 canvas-dense)
   setup
-  step dense 280 python3 perf/bench_dense.py --autotune --out "$OUT/dense.json"
+  step dense 150 python3 perf/bench_dense.py --out "$OUT/dense.json"
   grep -E "µs|rc=" "$OUT/$PART.txt" | cut -c1-200 ;;
 canvas-sampler)
   setup
   step sampler 200 python3 perf/bench_canvas_sampler.py --out "$OUT/sampler.json" \
-    --tiles 8192,1024,4,1 8192,2048,8,1 16384,2048,8,1 8192,1024,8,0 4096,1024,4,1 \
-    8192,512,4,1 16384,1024,4,1
+    --tiles 8192,1024,8 4096,1024,4 16384,1024,4 8192,2048,8
   step sampler_tests 300 python3 -m pytest -q -m gpu tests/custom_ops/test_canvas_propose.py
   grep -E "µs|copy|passed|failed" "$OUT/$PART.txt" | cut -c1-200 ;;
 canvas-projections)
@@ -294,7 +265,7 @@ tests-*)
     $workers $files
   grep -E "FAILED|ERROR|passed|failed" "$OUT/$PART.txt" | tail -20 ;;
 *)
-  echo "usage: bash perf/gpu.sh rounds|ops|sampled|loop|post-attention|canvas|canvas-sampler|canvas-projections|canvas-ops|canvas-pad|canvas-reductions|canvas-autotune|rounds-autotune|canvas-dense|canvas-experts|canvas-loop|list|tests-NAME" \
+  echo "usage: bash perf/gpu.sh rounds|ops|sampled|loop|post-attention|canvas|canvas-sampler|canvas-projections|canvas-ops|canvas-pad|canvas-reductions|canvas-dense|canvas-experts|canvas-loop|list|tests-NAME" \
     "(NAME: ${TEST_PARTS// /, })" >&2
   exit 2 ;;
 esac
