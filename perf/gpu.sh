@@ -23,8 +23,10 @@
 #   canvas-projections  the proposal alone (bench_canvas_sampler.py: the torch form, the op after
 #                Inductor's cap, the op capping itself), then the BF16 step profiled with
 #                separate and with fused q/k/v and gate/up projections (--gemma-fused-projections)
-#   canvas-ops   dlmc::paged_attention (split-kernel tiles, flat merges) and dlmc::nvfp4_moe
-#                (NVFP4Tiles) alone at DiffusionGemma's canvas shapes
+#   canvas-ops [A] dlmc::paged_attention's launch variants (split-kernel tiles, flat merges, V's
+#                head dim split across programs) alone at DiffusionGemma's canvas shapes, FP8
+#                and BF16 caches; A: "attention" for those alone, else dlmc::nvfp4_moe's
+#                NVFP4Tiles at the canvas shapes follow
 #   canvas-pad   dlmc::nvfp4_moe alone at DiffusionGemma's width (704, kernel v3) and widened
 #                to 768 (kernel v7), then the NVFP4 + FP8 step without and with the
 #                widening (--no-nvfp4-pad-experts, then the default; one process each;
@@ -62,7 +64,8 @@ declare -A PATTERN=(
 ROUND=(dlmc bench round --shape llada2.1-mini --block-length 32 --prefix 1024 --routing uniform
        --rounds 60)
 NVFP4=(--precision nvfp4 --kv-cache-dtype fp8)
-GEMMA_TILES=(base t64x32w8 t64x32w4 merge-spec merge-spec-r4)
+GEMMA_TILES=(base t64x32w8 t64x32w4 merge-spec merge-spec-r4 d2 d2-t128x32w8 d2-t128x64w8
+             d4-t64x32w4 d4-t128x32w8)
 CANVAS=(dlmc bench round --shape diffusiongemma-26b-a4b --canvas 256 --prefix 1024
         --routing uniform --rounds 40 --modes eager,graph)
 
@@ -195,13 +198,14 @@ canvas-projections)
 canvas-ops)
   setup
   for kv in fp8 bf16; do  # dlmc::paged_attention at the canvas's shapes, prefix 1024, tiles
-    step "attention_gemma_sliding_$kv" 90 python3 perf/bench_paged_attention.py --no-flashinfer \
+    step "attention_gemma_sliding_$kv" 140 python3 perf/bench_paged_attention.py --no-flashinfer \
       --prefixes 1024 --layers 25 --num-queries 256 --q-heads 16 --kv-heads 8 --head-dim 256 \
       --kv-dtype "$kv" --sweep "${GEMMA_TILES[@]}" --out "$OUT/attention_gemma_sliding_$kv.json"
-    step "attention_gemma_full_$kv" 90 python3 perf/bench_paged_attention.py --no-flashinfer \
+    step "attention_gemma_full_$kv" 140 python3 perf/bench_paged_attention.py --no-flashinfer \
       --prefixes 1024 --layers 5 --num-queries 256 --q-heads 16 --kv-heads 2 --head-dim 512 \
       --kv-dtype "$kv" --sweep "${GEMMA_TILES[@]}" --out "$OUT/attention_gemma_full_$kv.json"
   done
+  [ "${2:-}" = attention ] && { summary; exit 0; }
   for tiles in "" block_m=16 gate_up_warps=8,down_warps=8 num_stages=4 num_stages=2 \
                down_block_n=64 gate_up_block_n=32; do  # dlmc::nvfp4_moe at the canvas's shapes
     step "op_gemma_nvfp4${tiles:+_${tiles//[=,]/_}}" 60 python3 perf/bench_nvfp4_moe.py --hidden 2816 \
