@@ -72,14 +72,8 @@ def paged_attention_split_kernel(
     if PDL:
         gdc_wait()  # whatever wrote q, k/v, the cache or the prefix has finished
         gdc_launch_dependents()
-    if D_SPLITS > 1:
-        pid_m = tl.program_id(0) // D_SPLITS
-        v_col = (tl.program_id(0) % D_SPLITS) * (HEAD_DIM // D_SPLITS)
-        v_dim: tl.constexpr = HEAD_DIM // D_SPLITS
-    else:
-        pid_m = tl.program_id(0)
-        v_col = 0
-        v_dim: tl.constexpr = 0  # the whole head dim
+    pid_m = tl.program_id(0) // D_SPLITS
+    v_col = (tl.program_id(0) % D_SPLITS) * (HEAD_DIM // D_SPLITS)  # this program's V columns
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_kv_heads = tl.num_programs(1)
@@ -127,7 +121,7 @@ def paged_attention_split_kernel(
                             q, j, hi, kv_head, page_table_ptr, k_cache_ptr, v_cache_ptr,
                             stride_cp, stride_cs, stride_ch, scale_log2_k, m_i, l_i, acc,
                             HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_FP32, False, row_lo,
-                            WINDOW_PER_QUERY, v_col, v_dim)
+                            WINDOW_PER_QUERY, v_col, HEAD_DIM // D_SPLITS)
                         j += BLOCK_N
                 else:
                     for j in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
@@ -135,7 +129,7 @@ def paged_attention_split_kernel(
                             q, j, hi, kv_head, page_table_ptr, k_cache_ptr, v_cache_ptr,
                             stride_cp, stride_cs, stride_ch, scale_log2_k, m_i, l_i, acc,
                             HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_FP32, False, row_lo,
-                            WINDOW_PER_QUERY, v_col, v_dim)
+                            WINDOW_PER_QUERY, v_col, HEAD_DIM // D_SPLITS)
                 acc = acc * tl.load(v_scale_ptr)
     else:
         # The block's own keys (BF16, not in the cache): bidirectional, or block-causal.
@@ -148,21 +142,21 @@ def paged_attention_split_kernel(
                 m_i, l_i, acc = new_tile(
                     q, j, rows, pos, kv_head, k_new_ptr, v_new_ptr, stride_nt, stride_nh,
                     num_queries, scale_log2, m_i, l_i, acc, HEAD_DIM, CAUSAL_BLOCK, BLOCK_N,
-                    DOT_FP32, window, WINDOW_PER_QUERY, v_col, v_dim)
+                    DOT_FP32, window, WINDOW_PER_QUERY, v_col, HEAD_DIM // D_SPLITS)
                 j += BLOCK_N
         else:
             for j in tl.range(0, num_queries, BLOCK_N, num_stages=OWN_STAGES):
                 m_i, l_i, acc = new_tile(
                     q, j, rows, pos, kv_head, k_new_ptr, v_new_ptr, stride_nt, stride_nh,
                     num_queries, scale_log2, m_i, l_i, acc, HEAD_DIM, CAUSAL_BLOCK, BLOCK_N,
-                    DOT_FP32, window, WINDOW_PER_QUERY, v_col, v_dim)
+                    DOT_FP32, window, WINDOW_PER_QUERY, v_col, HEAD_DIM // D_SPLITS)
 
     if nonempty:  # empty splits write nothing: the merge reads only the live ones
         safe_l = tl.where(l_i > 0.0, l_i, 1.0)
         lse = m_i + tl.log2(safe_l)  # [BM]
         part = split * num_kv_heads + kv_head
         tl.store(lse_part_ptr + part * num_rows + rows, lse, mask=row_mask & (v_col == 0))
-        o_dims = v_col + tl.arange(0, HEAD_DIM // D_SPLITS)  # this program's columns
+        o_dims = v_col + tl.arange(0, HEAD_DIM // D_SPLITS)
         o_ptrs = o_part_ptr + (part * num_rows + rows[:, None]) * HEAD_DIM + o_dims[None, :]
         tl.store(o_ptrs, (acc / safe_l[:, None]).to(o_part_ptr.dtype.element_ty),
                  mask=row_mask[:, None])

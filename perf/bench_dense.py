@@ -58,12 +58,6 @@ def product(transposed: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Te
     return mm
 
 
-def time_product(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
-              weights: list[torch.Tensor], iters: int) -> float:
-    """µs per product: `fn` over every weight in one CUDA graph, replay median / copies."""
-    return graph_us(lambda i: fn(x, weights[i]), len(weights), iters)
-
-
 def main() -> None:
     args = parse_args()
     if not torch.cuda.is_available():
@@ -80,7 +74,8 @@ def main() -> None:
                    for _ in range(copies)]
         nbytes = 2 * (n * k + args.canvas * (k + n))
         flops = 2 * args.canvas * k * n
-        us = time_product(product(transposed), x, weights, args.iters)
+        mm = product(transposed)
+        us = graph_us(lambda i, mm=mm, x=x, w=weights: mm(x, w[i]), copies, args.iters)
         step_us += us * copies
         results[name] = {"k": k, "n": n, "copies": copies, "bytes": nbytes, "flops": flops,
                          "us": us, "tflops": flops / us / 1e6,

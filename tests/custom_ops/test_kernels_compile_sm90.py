@@ -288,8 +288,7 @@ def check_canvas_propose() -> None:
     of 1024-entry tiles; bf16 and fp32 self-conditioning output, with and without kept rows;
     capped fp32 logits, or bf16 values capped inside with libdevice's tanh, the cap an fp64 as
     Inductor passes a Python float, or a float constant as Inductor's mutation analysis passes
-    it; the default tiles): IEEE division for `logits / T`, no
-    spills."""
+    it; the default tiles): IEEE division for `logits / T`, no spills."""
     from dlmc.custom_ops.canvas_propose import (
         DEFAULT_TILES,
         propose_chunk_kernel,
