@@ -43,7 +43,6 @@ def paged_attention_split_kernel(
     INTERLEAVED: tl.constexpr, DOT_F16: tl.constexpr, PDL: tl.constexpr,
     OWN_STAGES: tl.constexpr, SPEC_TILES: tl.constexpr, APPEND: tl.constexpr,
     APPEND_T: tl.constexpr, EMULATE_FP8: tl.constexpr, WINDOW_PER_QUERY: tl.constexpr = False,
-    D_SPLITS: tl.constexpr = 1,
 ):
     """One program per (row block, KV head, split); see the module docstring.
 
@@ -64,16 +63,11 @@ def paged_attention_split_kernel(
     A separate pass, not the attention loop's tiles: storing those raised the registers from
     161-168 to 250-255 at D=128 (spilling). Cache splits read only keys below `prefix_len`
     (interleaved speculative tiles mask what they read past it), so the output is unchanged.
-    D_SPLITS > 1 (contiguous splits only): axis 0 also cuts V's head dim into D_SPLITS column
-    ranges; each program takes the scores over the whole head dim and accumulates P @ V over
-    its own columns (a `[BLOCK_M, HEAD_DIM / D_SPLITS]` accumulator), and writes those columns
-    of the partial output; the first column range's program writes the LSE and appends.
     """
     if PDL:
         gdc_wait()  # whatever wrote q, k/v, the cache or the prefix has finished
         gdc_launch_dependents()
-    pid_m = tl.program_id(0) // D_SPLITS
-    v_col = (tl.program_id(0) % D_SPLITS) * (HEAD_DIM // D_SPLITS)  # this program's V columns
+    pid_m = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_kv_heads = tl.num_programs(1)
@@ -87,7 +81,7 @@ def paged_attention_split_kernel(
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM // D_SPLITS], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     if split < NUM_SPLITS:
         if INTERLEAVED:
             raw_prefix = tl.load(prefix_len_ptr)  # issued first, waited for after the K/V loads
@@ -121,7 +115,7 @@ def paged_attention_split_kernel(
                             q, j, hi, kv_head, page_table_ptr, k_cache_ptr, v_cache_ptr,
                             stride_cp, stride_cs, stride_ch, scale_log2_k, m_i, l_i, acc,
                             HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_FP32, False, row_lo,
-                            WINDOW_PER_QUERY, v_col, HEAD_DIM // D_SPLITS)
+                            WINDOW_PER_QUERY)
                         j += BLOCK_N
                 else:
                     for j in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
@@ -129,7 +123,7 @@ def paged_attention_split_kernel(
                             q, j, hi, kv_head, page_table_ptr, k_cache_ptr, v_cache_ptr,
                             stride_cp, stride_cs, stride_ch, scale_log2_k, m_i, l_i, acc,
                             HEAD_DIM, PAGE_SIZE, BLOCK_N, DOT_FP32, False, row_lo,
-                            WINDOW_PER_QUERY, v_col, HEAD_DIM // D_SPLITS)
+                            WINDOW_PER_QUERY)
                 acc = acc * tl.load(v_scale_ptr)
     else:
         # The block's own keys (BF16, not in the cache): bidirectional, or block-causal.
@@ -142,26 +136,25 @@ def paged_attention_split_kernel(
                 m_i, l_i, acc = new_tile(
                     q, j, rows, pos, kv_head, k_new_ptr, v_new_ptr, stride_nt, stride_nh,
                     num_queries, scale_log2, m_i, l_i, acc, HEAD_DIM, CAUSAL_BLOCK, BLOCK_N,
-                    DOT_FP32, window, WINDOW_PER_QUERY, v_col, HEAD_DIM // D_SPLITS)
+                    DOT_FP32, window, WINDOW_PER_QUERY)
                 j += BLOCK_N
         else:
             for j in tl.range(0, num_queries, BLOCK_N, num_stages=OWN_STAGES):
                 m_i, l_i, acc = new_tile(
                     q, j, rows, pos, kv_head, k_new_ptr, v_new_ptr, stride_nt, stride_nh,
                     num_queries, scale_log2, m_i, l_i, acc, HEAD_DIM, CAUSAL_BLOCK, BLOCK_N,
-                    DOT_FP32, window, WINDOW_PER_QUERY, v_col, HEAD_DIM // D_SPLITS)
+                    DOT_FP32, window, WINDOW_PER_QUERY)
 
     if nonempty:  # empty splits write nothing: the merge reads only the live ones
         safe_l = tl.where(l_i > 0.0, l_i, 1.0)
         lse = m_i + tl.log2(safe_l)  # [BM]
         part = split * num_kv_heads + kv_head
-        tl.store(lse_part_ptr + part * num_rows + rows, lse, mask=row_mask & (v_col == 0))
-        o_dims = v_col + tl.arange(0, HEAD_DIM // D_SPLITS)
-        o_ptrs = o_part_ptr + (part * num_rows + rows[:, None]) * HEAD_DIM + o_dims[None, :]
+        tl.store(lse_part_ptr + part * num_rows + rows, lse, mask=row_mask)
+        o_ptrs = o_part_ptr + (part * num_rows + rows[:, None]) * HEAD_DIM + dims[None, :]
         tl.store(o_ptrs, (acc / safe_l[:, None]).to(o_part_ptr.dtype.element_ty),
                  mask=row_mask[:, None])
     if APPEND:  # noqa: SIM102 (static, around a runtime test)
-        if (split == NUM_SPLITS) & (pid_m == 0) & (v_col == 0):  # one per KV head stores it
+        if (split == NUM_SPLITS) & (pid_m == 0):  # one program per KV head stores the block
             t = tl.full([], 0, tl.int32)
             while t < num_queries:
                 append_tokens(

@@ -63,12 +63,6 @@ class PagedAttentionVariant:
             each may start while the kernel before it finishes and waits for it on the
             device (griddepcontrol), hiding launch gaps. Eager or graph-captured launches
             only, not under torch.compile (Inductor drops launch_pdl); off in the interpreter.
-        head_dim_splits: programs per row block and split that share V's head dim (1, 2 or
-            4; contiguous splits): each takes the scores over the whole head dim and
-            accumulates P @ V over its share of the columns, so its fp32 accumulator is
-            `[BLOCK_M, D / head_dim_splits]` (the register bound of D = 256 and 512) at the
-            price of the scores taken once per share. `D / head_dim_splits` must be at
-            least 16.
     """
 
     num_splits: int = 0
@@ -83,7 +77,6 @@ class PagedAttentionVariant:
     partial_dtype: torch.dtype = torch.float32
     fp8_dot_f16: bool = False
     pdl: bool = False
-    head_dim_splits: int = 1
 
     def __post_init__(self) -> None:
         def check(cond: bool, message: str) -> None:
@@ -111,10 +104,6 @@ class PagedAttentionVariant:
               f"merge_rows must be a power of two from 1 to 16, got {self.merge_rows}")
         check(self.partial_dtype in (torch.float32, torch.bfloat16),
               f"partial_dtype must be torch.float32 or torch.bfloat16, got {self.partial_dtype}")
-        check(self.head_dim_splits in (1, 2, 4),
-              f"head_dim_splits must be 1, 2 or 4, got {self.head_dim_splits}")
-        check(self.head_dim_splits == 1 or self.split_order == "contiguous",
-              "head_dim_splits > 1 needs split_order='contiguous'")
 
 
 DEFAULT_VARIANT = PagedAttentionVariant()
@@ -148,14 +137,6 @@ SWEEP_VARIANTS: dict[str, PagedAttentionVariant] = {
     # 3 stages and fewer splits lost at both (docs/paged_attention.md)
     "t64x32w8": PagedAttentionVariant(tile=(64, 32, 8)),
     "t64x32w4": PagedAttentionVariant(tile=(64, 32, 4)),
-    # the canvas with V's head dim split across programs: its 64 x D fp32 accumulator bounds
-    # the tiles above (registers at 250-255 of 255 on sm_90); in two, the default tiles
-    # compile to 176 (D 256) and 210 (D 512) registers, so larger tiles fit without spills
-    "d2": PagedAttentionVariant(head_dim_splits=2),
-    "d2-t128x32w8": PagedAttentionVariant(tile=(128, 32, 8), head_dim_splits=2),
-    "d2-t128x64w8": PagedAttentionVariant(tile=(128, 64, 8), head_dim_splits=2),
-    "d4-t64x32w4": PagedAttentionVariant(tile=(64, 32, 4), head_dim_splits=4),
-    "d4-t128x32w8": PagedAttentionVariant(tile=(128, 32, 8), head_dim_splits=4),
 }
 
 
@@ -171,16 +152,15 @@ def default_variant(kv_dtype: torch.dtype, head_dim: int,
 
 
 def default_num_splits(num_rows: int, num_kv_heads: int, block_m: int,
-                       device: torch.device, head_dim_splits: int = 1) -> int:
-    """Key splits of the cached prefix: about two waves of programs on the GPU, 4 on CPU
-    (`head_dim_splits` programs per row block and KV head).
+                       device: torch.device) -> int:
+    """Key splits of the cached prefix: about two waves of programs on the GPU, 4 on CPU.
 
     Depends only on shapes and the device, never on the prefix length (graph safety); splits
     that find no keys exit at once.
     """
     if device.type != "cuda":
         return 4
-    programs = math.ceil(num_rows / block_m) * num_kv_heads * head_dim_splits
+    programs = math.ceil(num_rows / block_m) * num_kv_heads
     return max(1, min(math.ceil(2 * _sm_count(device.index) / programs), 64))
 
 
@@ -216,12 +196,8 @@ def launch_paged_attention(
     num_rows = num_queries * group
     capacity = min(num_pages, page_table.numel()) * page_size
     block_m, block_n, num_warps = variant.tile or split_launch_config(head_dim)
-    d_splits = variant.head_dim_splits
-    if head_dim % d_splits or head_dim // d_splits < 16:
-        raise ConfigError(f"PagedAttentionVariant: head_dim_splits={d_splits} needs a head dim "
-                          f"that splits into parts of at least 16, got {head_dim}")
     num_splits = (num_splits or variant.num_splits
-                  or default_num_splits(num_rows, num_kv_heads, block_m, q.device, d_splits))
+                  or default_num_splits(num_rows, num_kv_heads, block_m, q.device))
     min_split_keys = max(block_n, math.ceil((variant.min_split_keys or DEFAULT_MIN_SPLIT_KEYS)
                                             / block_n) * block_n)
     num_stages = variant.num_stages or (3 if head_dim <= 128 else 2)
@@ -237,7 +213,7 @@ def launch_paged_attention(
     lse_part = torch.empty((parts, num_kv_heads, num_rows), device=q.device,
                            dtype=torch.float32)  # [S+1, Hkv, M]
     out = torch.empty_like(q)  # [Tq, Hq, D]
-    grid = (triton.cdiv(num_rows, block_m) * d_splits, num_kv_heads, parts)
+    grid = (triton.cdiv(num_rows, block_m), num_kv_heads, parts)
     launch = {"launch_pdl": True} if pdl else {}
     launcher(paged_attention_split_kernel)[grid](
         q, k_new, v_new, k_cache, v_cache, page_table, prefix_len, k_scale, v_scale,
@@ -253,7 +229,7 @@ def launch_paged_attention(
         OWN_STAGES=variant.own_stages or num_stages, SPEC_TILES=variant.speculative_tiles,
         APPEND=append, APPEND_T=append_tile_tokens(head_dim),
         EMULATE_FP8=INTERPRETED and k_cache.dtype == torch.float8_e4m3fn,
-        WINDOW_PER_QUERY=window_per_query, D_SPLITS=d_splits, num_warps=num_warps, **launch,
+        WINDOW_PER_QUERY=window_per_query, num_warps=num_warps, **launch,
     )
     merge_args = (o_part, lse_part, out, prefix_len, out.stride(0), out.stride(1), num_rows,
                   capacity, window)

@@ -83,19 +83,16 @@ def cache_tile(
     q, j, hi, kv_head, page_table_ptr, k_cache_ptr, v_cache_ptr, stride_cp, stride_cs,
     stride_ch, scale_log2_k, m_i, l_i, acc, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, DOT_F16: tl.constexpr, row_lo=0,
-    PER_QUERY: tl.constexpr = False, v_col=0, V_DIM: tl.constexpr = 0,
+    PER_QUERY: tl.constexpr = False,
 ):
     """Attend cached keys `j .. j+BLOCK_N-1` (those below `hi`; PER_QUERY: those from each
-    row's `row_lo` on) through the page table. V_DIM > 0: only V's columns `v_col ..
-    v_col+V_DIM-1` (`acc` is `[BM, V_DIM]`), else all of them."""
+    row's `row_lo` on) through the page table."""
     keys = j + tl.arange(0, BLOCK_N)  # [BN]
     key_valid = keys < hi
     kv_off = cache_slots(page_table_ptr, keys, key_valid, kv_head, stride_cp, stride_cs,
                          stride_ch, PAGE_SIZE)  # [BN]
     kv_ptrs = kv_off[:, None] + tl.arange(0, HEAD_DIM)[None, :]  # [BN, D]
     k = tl.load(k_cache_ptr + kv_ptrs, mask=key_valid[:, None], other=0.0)
-    if V_DIM > 0:
-        kv_ptrs = kv_off[:, None] + v_col + tl.arange(0, V_DIM)[None, :]  # [BN, V_DIM]
     v = tl.load(v_cache_ptr + kv_ptrs, mask=key_valid[:, None], other=0.0)
     return attend_tile(q, _to_dot(k, DOT_F16), _to_dot(v, DOT_F16),
                         row_window(key_valid[None, :], keys, row_lo, PER_QUERY), scale_log2_k,
@@ -107,18 +104,13 @@ def new_tile(
     q, j, rows, pos, kv_head, k_new_ptr, v_new_ptr, stride_nt, stride_nh, num_queries,
     scale_log2, m_i, l_i, acc, HEAD_DIM: tl.constexpr, CAUSAL_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, window=0, PER_QUERY: tl.constexpr = False,
-    v_col=0, V_DIM: tl.constexpr = 0,
 ):
     """Attend the block's own keys `j .. j+BLOCK_N-1` (BF16; block-causal if CAUSAL_BLOCK;
-    PER_QUERY: key `s` visible to the query at `t` only if `s >= t - (window - 1)`; V_DIM as
-    in `cache_tile`)."""
+    PER_QUERY: key `s` visible to the query at `t` only if `s >= t - (window - 1)`)."""
     keys = j + tl.arange(0, BLOCK_N)  # [BN]
     key_valid = keys < num_queries
-    row_off = keys[:, None] * stride_nt + kv_head * stride_nh  # [BN, 1]
-    kv_ptrs = row_off + tl.arange(0, HEAD_DIM)[None, :]
+    kv_ptrs = keys[:, None] * stride_nt + kv_head * stride_nh + tl.arange(0, HEAD_DIM)[None, :]
     k = tl.load(k_new_ptr + kv_ptrs, mask=key_valid[:, None], other=0.0)
-    if V_DIM > 0:
-        kv_ptrs = row_off + v_col + tl.arange(0, V_DIM)[None, :]  # [BN, V_DIM]
     v = tl.load(v_new_ptr + kv_ptrs, mask=key_valid[:, None], other=0.0)
     key_mask = key_valid[None, :] & (rows[:, None] >= 0)  # [BM, BN]
     if CAUSAL_BLOCK > 0:

@@ -2,9 +2,9 @@
 
 Every named variant that perf/bench_paged_attention.py --sweep times, and a fuzz over each
 variant option (interleaved splits with speculative tiles, flat merges, merge rows, BF16
-partials, FP16 dots, own-loop stages, PDL, head-dim splits), on CPU through Triton's
-interpreter and on the GPU in a CUDA graph. PDL is a no-op in the interpreter; its code path
-compiles for sm_90 in test_kernels_compile_sm90.py.
+partials, FP16 dots, own-loop stages, PDL), on CPU through Triton's interpreter and on the GPU
+in a CUDA graph. PDL is a no-op in the interpreter; its code path compiles for sm_90 in
+test_kernels_compile_sm90.py.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def test_sweep_variant_matches_reference(name: str) -> None:
 
 @pytest.mark.parametrize("name", list(SWEEP_VARIANTS))
 def test_sweep_variant_clamps_prefix_to_capacity(name: str) -> None:
-    case = make_case(num_queries=2, num_q_heads=2, num_kv_heads=1, head_dim=64, page_size=4,
+    case = make_case(num_queries=2, num_q_heads=2, num_kv_heads=1, head_dim=32, page_size=4,
                      prefix=70, spare_pages=0)
     case["prefix_len"].fill_(1000)  # past the table's 72 slots: reads stop at capacity
     assert_matches_reference(case, SWEEP_VARIANTS[name], softmax_scale=0.2, num_splits=2)
@@ -66,8 +66,7 @@ def test_speculative_tiles_ignore_stale_page_ids(name: str) -> None:
 
 @st.composite
 def variants(draw: st.DrawFn) -> PagedAttentionVariant:
-    """Any valid combination of the variant options (interleaving needs a flat merge; head-dim
-    splits need contiguous splits)."""
+    """Any valid combination of the variant options (interleaving needs a flat merge)."""
     merge = draw(st.sampled_from(["chunked", "masked", "speculative"]))
     flat = merge != "chunked"
     interleaved = flat and draw(st.booleans())
@@ -77,8 +76,7 @@ def variants(draw: st.DrawFn) -> PagedAttentionVariant:
         merge_rows=draw(st.sampled_from([1, 2, 4, 16])) if flat else 1,
         partial_dtype=draw(st.sampled_from([torch.float32, BF16])),
         fp8_dot_f16=draw(st.booleans()), own_stages=draw(st.sampled_from([0, 1])),
-        pdl=flat and draw(st.booleans()),
-        head_dim_splits=1 if interleaved else draw(st.sampled_from([1, 2, 4])))
+        pdl=flat and draw(st.booleans()))
 
 
 @settings(max_examples=25 if DEVICE == "cpu" else 5, deadline=None)
@@ -113,9 +111,6 @@ def test_fuzz_variants_against_reference(
         ({"merge": "masked", "merge_rows": 3}, "merge_rows must be a power of two"),
         ({"speculative_tiles": 2, "merge": "masked"}, "speculative_tiles=2 needs"),
         ({"partial_dtype": torch.float16}, "partial_dtype must be"),
-        ({"head_dim_splits": 3}, "head_dim_splits must be 1, 2 or 4, got 3"),
-        ({"head_dim_splits": 2, "split_order": "interleaved", "merge": "masked"},
-         "head_dim_splits > 1 needs split_order='contiguous'"),
     ],
 )
 def test_variant_errors_name_the_option(options: dict[str, object], message: str) -> None:
@@ -140,15 +135,6 @@ def test_sweep_variant_in_cuda_graph(name: str) -> None:
         ref = paged_attention_reference(**case, softmax_scale=128**-0.5).float()
         bound = ref.abs().max().item()
         torch.testing.assert_close(out.float(), ref, atol=0.02 * bound, rtol=0.02)
-
-
-def test_head_dim_splits_need_parts_of_16() -> None:
-    case = make_case(num_queries=2, num_q_heads=2, num_kv_heads=1, head_dim=32, page_size=4,
-                     prefix=8)
-    with pytest.raises(ConfigError, match="head_dim_splits=4 needs a head dim that splits into "
-                       "parts of at least 16, got 32"):
-        launch_paged_attention(*case.values(), 0.2, 0, 0, 0,
-                               PagedAttentionVariant(head_dim_splits=4))
 
 
 def test_default_variant_by_cache_type() -> None:
