@@ -23,8 +23,8 @@
 #   canvas-projections  the proposal alone (bench_canvas_sampler.py: the torch form, the op after
 #                Inductor's cap, the op capping itself), then the BF16 step profiled with
 #                separate and with fused q/k/v and gate/up projections (--gemma-fused-projections)
-#   canvas-ops [A [KV]]  dlmc::paged_attention's launch variants (split-kernel tiles, flat
-#                merges, V's head dim split across programs) alone at DiffusionGemma's canvas
+#   canvas-ops [A [KV]]  dlmc::paged_attention's launch variants (the chunked and the
+#                speculative merge, split-kernel tiles) alone at DiffusionGemma's canvas
 #                shapes, FP8 and BF16 caches (KV: fp8 or bf16 alone); A: "attention" for those
 #                alone, else dlmc::nvfp4_moe's NVFP4Tiles at the canvas shapes follow
 #   canvas-pad   dlmc::nvfp4_moe alone at DiffusionGemma's width (704, kernel v3) and widened
@@ -64,7 +64,7 @@ declare -A PATTERN=(
 ROUND=(dlmc bench round --shape llada2.1-mini --block-length 32 --prefix 1024 --routing uniform
        --rounds 60)
 NVFP4=(--precision nvfp4 --kv-cache-dtype fp8)
-GEMMA_TILES=(base merge-spec d2 d2-t128x32w8 d2-t128x64w8 d4-t64x32w4 d4-t128x32w8)
+GEMMA_TILES=(base merge-spec t64x32w8 t64x32w4)
 CANVAS=(dlmc bench round --shape diffusiongemma-26b-a4b --canvas 256 --prefix 1024
         --routing uniform --rounds 40 --modes eager,graph)
 

@@ -139,14 +139,20 @@ def test_sweep_variant_in_cuda_graph(name: str) -> None:
 
 def test_default_variant_by_cache_type() -> None:
     """FP8 caches at head dim 128 on CUDA launch the interleaved splits (faster at 4k and 16k on
-    the H200); BF16 caches, other head dims and the CPU keep the contiguous splits."""
+    the H200); head dims 256 and 512 on CUDA the contiguous splits with the speculative merge
+    (faster at DiffusionGemma's canvas with either cache); BF16 caches at 128 and the CPU the
+    contiguous splits with the chunked merge."""
     from dlmc.custom_ops._paged_attention_launch import DEFAULT_VARIANT, default_variant
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert default_variant(FP8, 128, cuda) == SWEEP_VARIANTS["ilv32"]
     assert default_variant(FP8, 128, cuda).split_order == "interleaved"
-    for dtype, head_dim, device in ((BF16, 128, cuda), (FP8, 256, cuda), (FP8, 512, cuda),
-                                    (FP8, 128, cpu)):
+    for dtype, head_dim in ((FP8, 256), (BF16, 256), (FP8, 512), (BF16, 512)):
+        variant = default_variant(dtype, head_dim, cuda)
+        assert variant == SWEEP_VARIANTS["merge-spec"], (dtype, head_dim)
+        assert (variant.split_order, variant.merge) == ("contiguous", "speculative")
+    for dtype, head_dim, device in ((BF16, 128, cuda), (FP8, 128, cpu), (FP8, 256, cpu),
+                                    (BF16, 512, cpu)):
         assert default_variant(dtype, head_dim, device) == DEFAULT_VARIANT
-        assert DEFAULT_VARIANT.split_order == "contiguous"
+    assert (DEFAULT_VARIANT.split_order, DEFAULT_VARIANT.merge) == ("contiguous", "chunked")
 
