@@ -185,8 +185,9 @@ def check_diffusiongemma_attention() -> None:
     `default_num_splits` for 132 SMs): the canvas of the decoder (256 queries, bidirectional;
     sliding layers windowed: D 256, 2 query heads per KV head; full layers: D 512, 8 per KV
     head) and an encoder chunk (causal; sliding layers with the per-query window), FP8 and BF16
-    caches, the encoder's BF16 forms also appending. Registers and spills are printed for the
-    record (not checked: these forms have no measured baseline yet)."""
+    caches, the encoder's BF16 forms also appending; then both merges, the flat speculative
+    one (the default at these head dims) without spills. The split kernel's registers and
+    spills are printed for the record (not checked: no measured baseline yet)."""
     for layer, head_dim, group, kv_heads in (("sliding", 256, 2, 8), ("full", 512, 8, 2)):
         block_m, block_n, num_warps = split_launch_config(head_dim)
         splits = math.ceil(2 * 132 / (math.ceil(256 * group / block_m) * kv_heads))
@@ -216,6 +217,19 @@ def check_diffusiongemma_attention() -> None:
                      {"GROUP": group, "HEAD_DIM": head_dim, "NUM_SPLITS": splits,
                       "MIN_SPLIT_KEYS": 128, "BLOCK_N": block_n, "CHUNK": merge_chunk(splits),
                       "LOOP_WHILE": False}, 4 if head_dim <= 256 else 8)
+        # the default merge at these head dims: flat, speculative, over contiguous splits
+        chunk, merge_warps = flat_merge_config(splits, 1, head_dim)
+        names = paged_attention_merge_flat_kernel.arg_names
+        compiled = compile_sm90(paged_attention_merge_flat_kernel,
+                                {n: merge_types.get(n, "i32") for n in names},
+                                {"GROUP": group, "HEAD_DIM": head_dim, "NUM_SPLITS": splits,
+                                 "MIN_SPLIT_KEYS": 128, "BLOCK_N": block_n,
+                                 "INTERLEAVED": False, "SPECULATIVE": True, "ROWS": 1,
+                                 "CHUNK": chunk, "PDL": False}, merge_warps)
+        registers, spills = ptxas_usage(compiled)
+        print(f"paged_attention DiffusionGemma {layer} flat merge: {registers} registers, "
+              f"{spills} bytes spilled")
+        assert spills == 0, (layer, registers, spills)
 
 
 def check_kv_append() -> None:
