@@ -85,6 +85,27 @@ def split_types(kv_type: str, part_type: str, float_type: str) -> dict[str, str]
     return {name: pointers.get(name, "i32") for name in SPLIT_ARGS}
 
 
+def merge_types(kernel: triton.JITFunction, partial: str = "*fp32") -> dict[str, str]:
+    """A merge kernel's argument types: `partial` outputs, fp32 LSEs, a BF16 output."""
+    pointers = {"o_part_ptr": partial, "lse_part_ptr": "*fp32", "out_ptr": "*bf16",
+                "prefix_len_ptr": "*i32"}
+    return {name: pointers.get(name, "i32") for name in kernel.arg_names}
+
+
+def compile_flat_merge(head_dim: int, group: int, splits: int, block_n: int, partial: str,
+                       interleaved: bool, speculative: bool, rows: int,
+                       pdl: bool) -> triton.compiler.CompiledKernel:
+    """The flat merge as `launch_paged_attention` launches it (`flat_merge_config`'s warps)."""
+    chunk, merge_warps = flat_merge_config(splits, rows, head_dim)
+    return compile_sm90(paged_attention_merge_flat_kernel,
+                        merge_types(paged_attention_merge_flat_kernel, partial), {
+                            "GROUP": group, "HEAD_DIM": head_dim, "NUM_SPLITS": splits,
+                            "MIN_SPLIT_KEYS": 128, "BLOCK_N": block_n,
+                            "INTERLEAVED": interleaved, "SPECULATIVE": speculative,
+                            "ROWS": rows, "CHUNK": chunk, "PDL": pdl},
+                        merge_warps, **({"launch_pdl": True} if pdl else {}))
+
+
 def check_split_and_merge(float_type: str, head_dim: int, kv_type: str,
                           causal_block: int) -> None:
     block_m, block_n, num_warps = split_launch_config(head_dim)
@@ -98,11 +119,7 @@ def check_split_and_merge(float_type: str, head_dim: int, kv_type: str,
         "SPEC_TILES": 1, "APPEND": False, "APPEND_T": 1, "EMULATE_FP8": False}
     compiled = compile_sm90(paged_attention_split_kernel, types, default, num_warps)
     assert "cp.async" in compiled.asm["ptx"]  # the key loop is software-pipelined
-    merge_types = {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "out_ptr": "*bf16",
-                   "prefix_len_ptr": "*i32"}
-    types = {name: merge_types.get(name, "i32")
-             for name in paged_attention_merge_kernel.arg_names}
-    compile_sm90(paged_attention_merge_kernel, types, {
+    compile_sm90(paged_attention_merge_kernel, merge_types(paged_attention_merge_kernel), {
         "GROUP": 4, "HEAD_DIM": head_dim, "NUM_SPLITS": 33, "MIN_SPLIT_KEYS": 128,
         "BLOCK_N": block_n, "CHUNK": 32, "LOOP_WHILE": False}, 4)
 
@@ -123,16 +140,9 @@ def check_variants(head_dim: int, kv_type: str, windowed: bool) -> None:
     assert "cp.async" in ptx
     if head_dim == 128:  # one own-loop stage: 64 KB of shared memory, 3 programs per SM
         assert compiled.metadata.shared <= 66 * 1024, compiled.metadata.shared
-    merge_types = {"o_part_ptr": "*bf16", "lse_part_ptr": "*fp32", "out_ptr": "*bf16",
-                   "prefix_len_ptr": "*i32"}
-    names = paged_attention_merge_flat_kernel.arg_names
-    types = {name: merge_types.get(name, "i32") for name in names}
     for speculative, rows in ((False, 1), (True, 4)):
-        chunk, merge_warps = flat_merge_config(32, rows, head_dim)
-        compiled = compile_sm90(paged_attention_merge_flat_kernel, types, {
-            "GROUP": 4, "HEAD_DIM": head_dim, "NUM_SPLITS": 32, "MIN_SPLIT_KEYS": 128,
-            "BLOCK_N": block_n, "INTERLEAVED": True, "SPECULATIVE": speculative, "ROWS": rows,
-            "CHUNK": chunk, "PDL": True}, merge_warps, launch_pdl=True)
+        compiled = compile_flat_merge(head_dim, 4, 32, block_n, "*bf16", interleaved=True,
+                                      speculative=speculative, rows=rows, pdl=True)
         assert "griddepcontrol.wait" in compiled.asm["ptx"]
         assert "griddepcontrol.launch_dependents" in compiled.asm["ptx"]
 
@@ -210,22 +220,13 @@ def check_diffusiongemma_attention() -> None:
                 print(f"paged_attention DiffusionGemma {form}: {registers} registers, "
                       f"{spills} bytes spilled, smem {compiled.metadata.shared}")
                 assert "cp.async" in compiled.asm["ptx"], form  # the key loop is pipelined
-        merge_types = {"o_part_ptr": "*fp32", "lse_part_ptr": "*fp32", "out_ptr": "*bf16",
-                       "prefix_len_ptr": "*i32"}
-        compile_sm90(paged_attention_merge_kernel,
-                     {n: merge_types.get(n, "i32") for n in paged_attention_merge_kernel.arg_names},
+        compile_sm90(paged_attention_merge_kernel, merge_types(paged_attention_merge_kernel),
                      {"GROUP": group, "HEAD_DIM": head_dim, "NUM_SPLITS": splits,
                       "MIN_SPLIT_KEYS": 128, "BLOCK_N": block_n, "CHUNK": merge_chunk(splits),
                       "LOOP_WHILE": False}, 4 if head_dim <= 256 else 8)
         # the default merge at these head dims: flat, speculative, over contiguous splits
-        chunk, merge_warps = flat_merge_config(splits, 1, head_dim)
-        names = paged_attention_merge_flat_kernel.arg_names
-        compiled = compile_sm90(paged_attention_merge_flat_kernel,
-                                {n: merge_types.get(n, "i32") for n in names},
-                                {"GROUP": group, "HEAD_DIM": head_dim, "NUM_SPLITS": splits,
-                                 "MIN_SPLIT_KEYS": 128, "BLOCK_N": block_n,
-                                 "INTERLEAVED": False, "SPECULATIVE": True, "ROWS": 1,
-                                 "CHUNK": chunk, "PDL": False}, merge_warps)
+        compiled = compile_flat_merge(head_dim, group, splits, block_n, "*fp32",
+                                      interleaved=False, speculative=True, rows=1, pdl=False)
         registers, spills = ptxas_usage(compiled)
         print(f"paged_attention DiffusionGemma {layer} flat merge: {registers} registers, "
               f"{spills} bytes spilled")
