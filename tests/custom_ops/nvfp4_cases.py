@@ -12,23 +12,34 @@ import torch
 
 from dlmc.custom_ops import _nvfp4_moe_launch as launch
 from dlmc.custom_ops import moe_overlap
+from dlmc.custom_ops._nvfp4_moe_launch import effective_variant
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
+from dlmc.custom_ops.nvfp4_moe_tiles import NVFP4Tiles, default_tiles
 from dlmc.custom_ops.nvfp4_words import can_pack, stored_forms
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
+def _v7_tiles(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
+              variant: int, shared_in_routing: bool = False) -> NVFP4Tiles:
+    """The tiles the op gives the shape's own kernel (v7's where the tiled layout takes it),
+    whatever `variant` runs: v3's own choice (`block_m_for_many_pairs`, 64-wide gate/up
+    N-tiles) would run other MMA and dot shapes, whose fp32 sums may round differently."""
+    own = effective_variant(hidden, inter)  # (the function, not the patched attribute)
+    return default_tiles(tokens, top_k, num_experts, hidden, inter, own, shared_in_routing)
+
+
 @contextlib.contextmanager
 def kernel_v3() -> Iterator[None]:
-    """Kernel v3 on every shape (the op runs v7 where the tiled layout takes the shape): the
-    baseline v7 equals bit for bit."""
-    previous = launch.effective_variant
-    launch.effective_variant = lambda hidden, inter: 3
+    """Kernel v3 on every shape (the op runs v7 where the tiled layout takes the shape), with
+    the tiles v7 would take: the baseline v7 equals bit for bit."""
+    previous = launch.effective_variant, launch.default_tiles
+    launch.effective_variant, launch.default_tiles = (lambda hidden, inter: 3), _v7_tiles
     try:
         yield
     finally:
-        launch.effective_variant = previous
+        launch.effective_variant, launch.default_tiles = previous
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from dlmc.custom_ops import _nvfp4_moe_launch as launch
 from dlmc.custom_ops.nvfp4_moe import nvfp4_moe, nvfp4_moe_reference
 from tests.custom_ops.nvfp4_cases import (
     DEVICE,
@@ -71,6 +72,7 @@ FUZZ = given(  # 128 x 128 and 256 x 128 take the tiled layout, the others fall 
 
 @settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
 @FUZZ
+@example(seed=15919, tokens=3, num_experts=2, top_k=1, hidden=256, inter=128, skew=False)
 def test_v7_equals_v3_cpu(seed: int, tokens: int, num_experts: int, top_k: int, hidden: int,
                           inter: int, skew: bool) -> None:
     """Every E4M3 code (±0, subnormals, negatives, 448 and the NaN codes, which v3 and v7 both
@@ -94,6 +96,21 @@ def test_v7_zero_token_experts_w4a4_and_negative_scales() -> None:
     ids = torch.tensor([[5, 2], [2, 5], [5, 7]], dtype=torch.int32, device=DEVICE)
     empty = op_args(x[:0], ids[:0], torch.zeros(0, 2, device=DEVICE), experts)
     assert nvfp4_moe(*empty).shape == (0, 128)
+
+
+def test_v3_baseline_takes_v7s_tiles() -> None:
+    """62 tokens x top-7 of 21 experts (about 21 pairs per expert): v3's own choice is one
+    64-slot block per expert and 64-wide gate/up N-tiles, v7's 32 slots and 128; the baseline
+    runs v3 with v7's."""
+    ids = torch.zeros(62, 7, dtype=torch.int32)
+    x = torch.zeros(62, 128, dtype=torch.bfloat16)
+    v7 = launch._plan(x, ids, 21, 128, False, False, True)
+    v3_own = launch._plan(x, ids, 21, 704, False, False, True)
+    with kernel_v3():
+        baseline = launch._plan(x, ids, 21, 128, False, False, True)
+    assert (v7.variant, v7.tiles.block_m, v7.tiles.gate_up_block_n) == (7, 32, 128)
+    assert (v3_own.variant, v3_own.tiles.block_m, v3_own.tiles.gate_up_block_n) == (3, 64, 64)
+    assert baseline.variant == 3 and baseline.tiles == v7.tiles
 
 
 def test_words_run_under_both_kernels_and_the_reference() -> None:
@@ -154,6 +171,8 @@ GPU_FUZZ = given(  # shapes the tiled layout takes (others run v3 itself: nothin
 @pytest.mark.gpu
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 @GPU_FUZZ
+@example(seed=0, tokens=62, num_experts=21, top_k=7, hidden=128, inter=128, skew=False,
+         scale_2_log2=(-4.0, 1.0))  # in v3's own tiles: a bf16 ulp off v7's
 def test_v7_equals_v3_gpu(seed: int, tokens: int, num_experts: int, top_k: int, hidden: int,
                           inter: int, skew: bool, scale_2_log2: tuple[float, float]) -> None:
     """The compiled asm paths: bit for bit v3, every E4M3 and E2M1 code."""
