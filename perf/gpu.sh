@@ -25,8 +25,9 @@
 #                separate and with fused q/k/v and gate/up projections (--gemma-fused-projections)
 #   canvas-ops [A [KV]]  dlmc::paged_attention's launch variants (the chunked and the
 #                speculative merge, split-kernel tiles) alone at DiffusionGemma's canvas
-#                shapes, FP8 and BF16 caches (KV: fp8 or bf16 alone); A: "attention" for those
-#                alone, else dlmc::nvfp4_moe's NVFP4Tiles at the canvas shapes follow
+#                shapes, FP8 and BF16 caches (KV: fp8 or bf16 alone), then dlmc::nvfp4_moe at
+#                the canvas shapes (width 768, as loaded): the op's choice and NVFP4Tiles.
+#                A: "attention" or "experts" for one half alone
 #   canvas-pad   dlmc::nvfp4_moe alone at DiffusionGemma's width (704, kernel v3) and widened
 #                to 768 (kernel v7), then the NVFP4 + FP8 step without and with the
 #                widening (--no-nvfp4-pad-experts, then the default; one process each;
@@ -196,7 +197,8 @@ canvas-projections)
   summary ;;
 canvas-ops)
   setup
-  for kv in ${3:-fp8 bf16}; do  # dlmc::paged_attention at the canvas's shapes, prefix 1024, tiles
+  [ "${2:-}" = experts ] && kvs="" || kvs=${3:-fp8 bf16}
+  for kv in $kvs; do  # dlmc::paged_attention at the canvas's shapes, prefix 1024, tiles
     step "attention_gemma_sliding_$kv" 140 python3 perf/bench_paged_attention.py --no-flashinfer \
       --prefixes 1024 --layers 25 --num-queries 256 --q-heads 16 --kv-heads 8 --head-dim 256 \
       --kv-dtype "$kv" --sweep "${GEMMA_TILES[@]}" --out "$OUT/attention_gemma_sliding_$kv.json"
@@ -205,10 +207,11 @@ canvas-ops)
       --kv-dtype "$kv" --sweep "${GEMMA_TILES[@]}" --out "$OUT/attention_gemma_full_$kv.json"
   done
   [ "${2:-}" = attention ] && { summary; exit 0; }
-  for tiles in "" block_m=16 gate_up_warps=8,down_warps=8 num_stages=4 num_stages=2 \
-               down_block_n=64 gate_up_block_n=32; do  # dlmc::nvfp4_moe at the canvas's shapes
+  # dlmc::nvfp4_moe at the canvas's shapes, experts widened to 768 as loaded (kernel v7): the
+  # op's choice (Triton gate/up, Gluon down), then NVFP4Tiles (both projections in Triton)
+  for tiles in "" block_m=16 block_m=32 block_m=64 gate_up_warps=8,down_warps=8 num_stages=4; do
     step "op_gemma_nvfp4${tiles:+_${tiles//[=,]/_}}" 60 python3 perf/bench_nvfp4_moe.py --hidden 2816 \
-      --inter 704 --experts 128 --tokens 256 --activation gelu_tanh --layers 12 \
+      --inter 768 --experts 128 --tokens 256 --activation gelu_tanh --layers 12 \
       ${tiles:+--tiles "$tiles"}
   done
   summary ;;
