@@ -15,6 +15,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from dlmc.custom_ops.nvfp4_moe_tiles import NVFP4Tiles
 from dlmc.errors import ConfigError
 
 __all__ = ["ATTENTION_BACKENDS", "DEFAULT_KERNELS", "GEMMA_ATTENTION", "GEMMA_BF16_EXPERTS",
@@ -28,6 +29,7 @@ GEMMA_ATTENTION = ("auto", "torch", "triton")
 GEMMA_SAMPLER = ("auto", "torch", "triton")
 # Inductor's split reductions: "auto" is off for DiffusionGemma's canvas compiles, on elsewhere.
 SPLIT_REDUCTIONS = ("auto", "on", "off")
+_ANY_TILES = NVFP4Tiles(16, 128, 128, 128, 128)  # a base for checking `nvfp4_tiles` alone
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,10 @@ class KernelConfig:
             they take kernel v7's layout instead of v3 (`NVFP4Experts.pad_to_layout`; the same
             maths up to the order of fp32 sums, 9 % more expert bytes at 704); on by default
             (the NVFP4 + FP8 canvas step measured 4.5 % faster with it).
+        nvfp4_tiles: the NVFP4 experts' `NVFP4Tiles` as changes to the op's own choice for
+            each call's shape ("block_m=32,down_warps=8"; `NVFP4Tiles.parse`): both projections
+            then run in the Triton kernels with them (no Gluon kernel). Empty (the default): the
+            op's choice. The same maths up to the order of fp32 sums.
         split_reductions: "on": Inductor splits a reduction over few long rows into partial
             reductions (its default); "off": each row is one program, which lets Inductor use
             its online softmax (DiffusionGemma's sampler over 256 rows of 262k logits; the
@@ -90,6 +96,7 @@ class KernelConfig:
     gemma_fused_projections: bool = True
     fused_post_attention_norm: bool = True
     nvfp4_pad_experts: bool = True
+    nvfp4_tiles: str = ""
     split_reductions: str = "auto"
 
     def __post_init__(self) -> None:
@@ -106,6 +113,13 @@ class KernelConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"KernelConfig.{name}={getattr(self, name)!r}: expected "
                                   "True or False")
+        if not isinstance(self.nvfp4_tiles, str):
+            raise ConfigError(f"KernelConfig.nvfp4_tiles={self.nvfp4_tiles!r}: expected a "
+                              "string of name=value changes")
+        try:
+            NVFP4Tiles.parse(self.nvfp4_tiles, _ANY_TILES)
+        except ValueError as err:
+            raise ConfigError(f"KernelConfig.nvfp4_tiles={self.nvfp4_tiles!r}: {err}") from None
 
     def triton_gemma_sampler(self, device_type: str) -> bool:
         """Whether DiffusionGemma's steps on a device of this type ("cuda", "cpu") take their

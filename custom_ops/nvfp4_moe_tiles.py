@@ -58,21 +58,21 @@ class NVFP4Tiles:
 
     def as_list(self) -> list[int]:
         """The fields in order (how the registered op takes them)."""
-        return [getattr(self, f.name) for f in dataclasses.fields(self)]
+        return [getattr(self, name) for name in _FIELDS]
 
     @classmethod
     def from_list(cls, values: list[int]) -> NVFP4Tiles:
         """Inverse of `as_list`."""
-        names = [f.name for f in dataclasses.fields(cls)]
-        if len(values) != len(names):
-            raise ValueError(f"NVFP4Tiles: expected {len(names)} values ({', '.join(names)}), "
-                             f"got {list(values)}")
-        return cls(**dict(zip(names, (int(v) for v in values), strict=True)))
+        if len(values) != len(_FIELDS):
+            raise ValueError(f"NVFP4Tiles: expected {len(_FIELDS)} values "
+                             f"({', '.join(_FIELDS)}), got {list(values)}")
+        return cls(**dict(zip(_FIELDS, (int(v) for v in values), strict=True)))
 
     @classmethod
     def parse(cls, text: str, base: NVFP4Tiles) -> NVFP4Tiles:
-        """`base` with the fields `text` names changed: "block_m=32,down_block_k=64"."""
-        names = {f.name for f in dataclasses.fields(cls)}
+        """`base` with the fields `text` names changed: "block_m=32,down_block_k=64".
+        (Plain Python over `_FIELDS`: it also runs inside a compiled model's forward.)"""
+        names = set(_FIELDS)
         changes = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             name, sep, value = item.partition("=")
@@ -80,7 +80,7 @@ class NVFP4Tiles:
                 raise ValueError(f"NVFP4Tiles: {item!r} is not name=integer with a name among "
                                  f"{', '.join(sorted(names))}")
             changes[name.strip()] = int(value)
-        return dataclasses.replace(base, **changes)
+        return cls(**{name: changes.get(name, getattr(base, name)) for name in _FIELDS})
 
     def check_shape(self, variant: int) -> None:
         """Kernel v7's tiled layout is read in 128-wide K-steps (`nvfp4_tiles`)."""
@@ -91,7 +91,10 @@ class NVFP4Tiles:
 
     def describe(self) -> str:
         """`name=value` of every field (the text `parse` reads)."""
-        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+        return ",".join(f"{name}={getattr(self, name)}" for name in _FIELDS)
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(NVFP4Tiles))  # in order
 
 
 def _block_n(dim: int, widest: int) -> int:

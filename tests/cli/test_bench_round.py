@@ -47,9 +47,9 @@ def test_diffusiongemma_takes_the_loop_option(monkeypatch):
 
 
 def test_diffusiongemma_takes_the_bf16_experts_and_attention_choices(monkeypatch):
-    """--gemma-bf16-experts, --gemma-attention, --no-nvfp4-pad-experts, --split-reductions
-    and --gemma-fused-projections reach the canvas bench's `KernelConfig`
-    (defaults auto, auto, on, auto, on); another value is refused by name."""
+    """--gemma-bf16-experts, --gemma-attention, --no-nvfp4-pad-experts, --split-reductions,
+    --gemma-fused-projections and --nvfp4-tiles reach the canvas bench's `KernelConfig`
+    (defaults auto, auto, on, auto, on, the op's tiles); another value is refused by name."""
     import dlmc.cli.bench_canvas
 
     chosen = []
@@ -58,18 +58,21 @@ def test_diffusiongemma_takes_the_bf16_experts_and_attention_choices(monkeypatch
                         lambda *args, **kwargs: chosen.append(
                             (args[6].gemma_bf16_experts, args[6].gemma_attention,
                              args[6].nvfp4_pad_experts, args[6].split_reductions,
-                             args[6].gemma_fused_projections)))
+                             args[6].gemma_fused_projections, args[6].nvfp4_tiles)))
     for flag in ([], ["--gemma-bf16-experts", "grouped_mm", "--gemma-attention", "torch",
                       "--no-nvfp4-pad-experts", "--split-reductions", "off",
-                      "--no-gemma-fused-projections"]):
+                      "--no-gemma-fused-projections", "--nvfp4-tiles", "block_m=32"]):
         result = CliRunner().invoke(bench, ["round", "--shape", "diffusiongemma-26b-a4b",
                                             *flag])
         assert result.exit_code == 0, result.output
-    assert chosen == [("auto", "auto", True, "auto", True),
-                      ("grouped_mm", "torch", False, "off", False)]
+    assert chosen == [("auto", "auto", True, "auto", True, ""),
+                      ("grouped_mm", "torch", False, "off", False, "block_m=32")]
     result = CliRunner().invoke(bench, ["round", "--gemma-bf16-experts", "cutlass"])
     assert result.exit_code == 2
     assert "--gemma-bf16-experts" in result.output and "cutlass" in result.output
+    result = CliRunner().invoke(bench, ["round", "--nvfp4-tiles", "block_m=48"])
+    assert result.exit_code == 2
+    assert "'--nvfp4-tiles'" in result.output and "block_m=48" in result.output
 
 
 def test_llada2_takes_the_post_attention_fusion_choice(monkeypatch):

@@ -62,13 +62,14 @@ def test_kernel_config_is_validated_and_recorded():
                                 "gemma_bf16_experts": "auto", "gemma_attention": "auto",
                                 "gemma_sampler": "auto", "gemma_fused_projections": True,
                                 "fused_post_attention_norm": True,
-                                "nvfp4_pad_experts": True, "split_reductions": "auto"}
+                                "nvfp4_pad_experts": True, "nvfp4_tiles": "",
+                                "split_reductions": "auto"}
     assert config.describe() == ("attention_backend=reference pdl=False "
                                  "deterministic_compile=False "
                                  "gemma_bf16_experts=auto gemma_attention=auto "
                                  "gemma_sampler=auto gemma_fused_projections=True "
                                  "fused_post_attention_norm=True nvfp4_pad_experts=True "
-                                 "split_reductions=auto")
+                                 "nvfp4_tiles= split_reductions=auto")
     assert config.cache_tag() == KernelConfig(attention_backend="reference",
                                               pdl=False).cache_tag() != DEFAULT_KERNELS.cache_tag()
     assert KernelConfig(nvfp4_pad_experts=False).cache_tag() != DEFAULT_KERNELS.cache_tag()
@@ -77,6 +78,11 @@ def test_kernel_config_is_validated_and_recorded():
         KernelConfig(gemma_fused_projections="yes")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="KernelConfig.nvfp4_pad_experts='yes'"):
         KernelConfig(nvfp4_pad_experts="yes")  # type: ignore[arg-type]
+    assert KernelConfig(nvfp4_tiles="block_m=32").cache_tag() != DEFAULT_KERNELS.cache_tag()
+    with pytest.raises(ConfigError, match=r"nvfp4_tiles='block_m=48': NVFP4Tiles.block_m=48"):
+        KernelConfig(nvfp4_tiles="block_m=48")
+    with pytest.raises(ConfigError, match="nvfp4_tiles='rows=32'.*name among block_m"):
+        KernelConfig(nvfp4_tiles="rows=32")
     assert (KernelConfig(gemma_bf16_experts="triton").cache_tag()
             != KernelConfig(gemma_attention="triton").cache_tag() != DEFAULT_KERNELS.cache_tag())
 

@@ -226,3 +226,39 @@ def test_pad_to_layout_takes_kernel_v7_with_the_same_outputs(inter: int, activat
                                atol=2**-7 * scale)
     square, _ = filled_experts(128, 128)
     assert not square.pad_to_layout()  # v7 already
+
+
+def test_kernel_config_tiles_reach_the_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`KernelConfig.nvfp4_tiles` changes the op's own tiles for each call's shape (here v7's
+    at 128 x 128: 16-slot blocks, 128-wide tiles) and the op runs with them: the reference's
+    output up to its fp32 sums, eager and compiled alike; empty passes no tiles."""
+    import dlmc.models.nvfp4_experts as module
+    from dlmc.custom_ops.kernel_config import KernelConfig
+    from dlmc.custom_ops.nvfp4_moe_tiles import NVFP4Tiles
+    from dlmc.models.nvfp4_experts import apply_kernel_config
+
+    experts, _ = filled_experts(128, 128)
+    assert experts.prepare_for_kernel()
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 128, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(5)])
+    weights = torch.rand(5, 2, generator=gen)
+    seen = []
+    op = module.nvfp4_moe
+    monkeypatch.setattr(module, "nvfp4_moe",
+                        lambda *a, **kw: seen.append(kw.get("tiles")) or op(*a, **kw))
+    default = experts(x, ids, weights)
+    apply_kernel_config(torch.nn.ModuleList([experts]),
+                        KernelConfig(nvfp4_tiles="block_m=32,gate_up_warps=8"))
+    assert experts.tiles == "block_m=32,gate_up_warps=8"
+    tiled = experts(x, ids, weights)
+    assert seen == [None, NVFP4Tiles(block_m=32, gate_up_block_n=128, gate_up_block_k=128,
+                                     down_block_n=128, down_block_k=128, gate_up_warps=8)]
+    torch._dynamo.reset()
+    compiled = torch.compile(experts, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(x, ids, weights), tiled)
+    experts.use_reference = True
+    ref = experts(x, ids, weights)
+    scale = float(ref.float().abs().max())
+    for out in (default, tiled):
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=2**-7 * scale)

@@ -148,10 +148,22 @@ def decode_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
+def _checked_tiles(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """--nvfp4-tiles as `KernelConfig` checks it, refused as a bad value of the option."""
+    from dlmc.custom_ops.kernel_config import KernelConfig
+
+    try:
+        KernelConfig(nvfp4_tiles=value)
+    except DlmcError as exc:
+        raise click.BadParameter(error_line(exc).split(": ", 1)[-1]) from None
+    return value
+
+
 def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """--attention-backend --pdl/--no-pdl --deterministic-compile --gemma-bf16-experts
     --gemma-attention --gemma-sampler --gemma-fused-projections/--no-...
-    --fused-post-attention-norm/--no-... --nvfp4-pad-experts/--no-... --split-reductions,
+    --fused-post-attention-norm/--no-... --nvfp4-pad-experts/--no-... --nvfp4-tiles
+    --split-reductions,
     handed to the command as one `kernels` argument (a `KernelConfig`)."""
     from dlmc.custom_ops.kernel_config import (
         ATTENTION_BACKENDS,
@@ -173,6 +185,7 @@ def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             gemma_fused_projections=kwargs.pop("gemma_fused_projections"),
             fused_post_attention_norm=kwargs.pop("fused_post_attention_norm"),
             nvfp4_pad_experts=kwargs.pop("nvfp4_pad_experts"),
+            nvfp4_tiles=kwargs.pop("nvfp4_tiles"),
             split_reductions=kwargs.pop("split_reductions"))
         return fn(*args, **kwargs)
 
@@ -212,6 +225,11 @@ def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      help="NVFP4 experts of a width that is not a multiple of 128 "
                      "(DiffusionGemma's 704) widened with zeros at load, so that they take "
                      "kernel v7's layout instead of v3 (9 % more expert bytes at 704)."),
+        click.option("--nvfp4-tiles", default="", metavar="NAME=VALUE,...",
+                     callback=_checked_tiles,
+                     help="NVFP4 experts: changes to the op's tiles for each shape, e.g. "
+                     "block_m=32,down_warps=8 (both projections in the Triton kernels); "
+                     "empty: the op's choice."),
         auto_choice("--split-reductions", SPLIT_REDUCTIONS,
                     help="Inductor's split reductions over few long rows; off: one program "
                     "per row and its online softmax (DiffusionGemma's vocabulary-wide "

@@ -17,7 +17,7 @@ from torch import nn
 from dlmc.custom_ops import moe_combine
 from dlmc.custom_ops.kernel_config import KernelConfig
 from dlmc.custom_ops.nvfp4_moe import effective_variant, nvfp4_moe, nvfp4_moe_reference
-from dlmc.custom_ops.nvfp4_moe_tiles import ACTIVATIONS
+from dlmc.custom_ops.nvfp4_moe_tiles import ACTIVATIONS, NVFP4Tiles, default_tiles
 from dlmc.custom_ops.nvfp4_words import ROWS as LAYOUT_WIDTH
 from dlmc.custom_ops.nvfp4_words import e4m3_scales, stored_forms, weight_operand
 from dlmc.models.diffusion_gemma import GemmaAttention
@@ -83,7 +83,8 @@ class NVFP4Experts(nn.Module):
     `use_reference=True` runs `nvfp4_moe_reference` (plain PyTorch, any device) instead of the
     Triton op; `emulate_w4a4=True` fake-quantizes activations with the input scales (Blackwell-like
     numerics). `pdl`: the op's programmatic dependent launches (`KernelConfig.pdl`, set by
-    `apply_kernel_config`).
+    `apply_kernel_config`); `tiles`: changes to the op's tiles (`KernelConfig.nvfp4_tiles`,
+    likewise; empty: the op's choice).
     """
 
     def __init__(
@@ -113,6 +114,7 @@ class NVFP4Experts(nn.Module):
         self.use_reference = use_reference
         self.emulate_w4a4 = emulate_w4a4
         self.pdl = pdl
+        self.tiles = ""
         E, H, I = num_experts, hidden_size, intermediate_size
         for proj, (out_f, in_f) in zip(PROJECTIONS, ((I, H), (I, H), (H, I)), strict=True):
             self.register_buffer(
@@ -215,6 +217,12 @@ class NVFP4Experts(nn.Module):
                 raise ValueError("NVFP4Experts: shared_expert=True needs set_shared_expert first")
             kwargs |= {f"shared_{p}": getattr(self, f"shared_{p}_proj_weight")
                        for p in ("gate", "up", "down")}
+        if self.tiles and not self.use_reference:
+            T, K = topk_ids.shape
+            H, I = self.hidden_size, self.intermediate_size
+            own = default_tiles(T, K, self.num_experts, H, I, effective_variant(H, I),
+                                shared_expert)
+            kwargs["tiles"] = NVFP4Tiles.parse(self.tiles, own)
         if not self.use_reference and torch.compiler.is_compiling():
             # The pair rows, summed by pointwise ops that Inductor fuses into their consumer
             # (eager runs keep the one combine launch instead of 2K+1 pointwise ones).
@@ -265,7 +273,7 @@ class NVFP4Experts(nn.Module):
 
 def apply_kernel_config(model: nn.Module, kernels: KernelConfig) -> None:
     """Hand `kernels`' op-level choices to every module of `model` that runs an op taking them
-    (the NVFP4 experts' `pdl` and `nvfp4_pad_experts`; DiffusionGemma's BF16 experts'
+    (the NVFP4 experts' `pdl`, `nvfp4_tiles` and `nvfp4_pad_experts`; DiffusionGemma's BF16 experts'
     `kernel`, and with `gemma_fused_projections` its attention's and dense MLPs' fused
     weights; LLaDA2's decoder layers' `fuse_post_attention` and `pdl`)."""
     for module in model.modules():
@@ -275,7 +283,7 @@ def apply_kernel_config(model: nn.Module, kernels: KernelConfig) -> None:
         if kernels.gemma_fused_projections and isinstance(module, GemmaAttention | GatedMLP):
             module.fuse_projections()
         if isinstance(module, NVFP4Experts):
-            module.pdl = kernels.pdl
+            module.pdl, module.tiles = kernels.pdl, kernels.nvfp4_tiles
             if kernels.nvfp4_pad_experts:
                 module.pad_to_layout()
         if isinstance(module, GemmaExperts):
