@@ -32,6 +32,9 @@
 #                to 768 (kernel v7), then the NVFP4 + FP8 step without and with the
 #                widening (--no-nvfp4-pad-experts, then the default; one process each;
 #                proposal in torch ops, --gemma-sampler torch, as perf/README's row)
+#   canvas-tiles [T]  the NVFP4 + FP8 step profiled with the op's tiles, then with
+#                --nvfp4-tiles T (block_m=32: one routing block per expert, both projections
+#                in Triton; one process each)
 #   canvas-reductions  the BF16 step profiled with Inductor's split reductions and without
 #                (--split-reductions on, then off: the torch-op sampler's rows, --gemma-sampler
 #                torch, one program each)
@@ -215,6 +218,14 @@ canvas-ops)
       ${tiles:+--tiles "$tiles"}
   done
   summary ;;
+canvas-tiles)
+  setup
+  for tiles in "" "${2:-block_m=32}"; do
+    step "canvas_nvfp4_fp8${tiles:+_${tiles//[=,]/_}}" 270 "${CANVAS[@]}" --modes graph \
+      --precision nvfp4 --kv-cache-dtype fp8 --no-loop --profile --nvfp4-tiles "$tiles" \
+      --out "$OUT/canvas_nvfp4_fp8${tiles:+_${tiles//[=,]/_}}.json"
+  done
+  summary ;;
 canvas-pad)
   setup
   for inter in 704 768; do
@@ -271,7 +282,7 @@ tests-*)
     $workers $files
   grep -E "FAILED|ERROR|passed|failed" "$OUT/$PART.txt" | tail -20 ;;
 *)
-  echo "usage: bash perf/gpu.sh rounds|ops|sampled|loop|post-attention|canvas|canvas-sampler|canvas-projections|canvas-ops|canvas-pad|canvas-reductions|canvas-dense|canvas-experts|canvas-loop|list|tests-NAME" \
+  echo "usage: bash perf/gpu.sh rounds|ops|sampled|loop|post-attention|canvas|canvas-sampler|canvas-projections|canvas-ops|canvas-tiles|canvas-pad|canvas-reductions|canvas-dense|canvas-experts|canvas-loop|list|tests-NAME" \
     "(NAME: ${TEST_PARTS// /, })" >&2
   exit 2 ;;
 esac
