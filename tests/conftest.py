@@ -32,9 +32,14 @@ if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402 (after the cache directories are set)
-from hypothesis import settings  # noqa: E402
+from hypothesis import Phase, settings  # noqa: E402
 
-settings.register_profile("dlmc", database=None)  # no .hypothesis/ folder in the checkout
+# No .hypothesis/ folder in the checkout. On a GPU a failing example is reported as found, not
+# shrunk: shrinking reruns the kernels for up to minutes, which a GPU test part's time limit
+# would spend before the example is printed.
+_SKIPPED_PHASES = (Phase.shrink, Phase.explain) if _HAS_CUDA else ()
+settings.register_profile("dlmc", database=None,
+                          phases=tuple(p for p in Phase if p not in _SKIPPED_PHASES))
 settings.load_profile("dlmc")
 
 
