@@ -25,11 +25,7 @@ from dlmc.custom_ops._nvfp4_moe_kernels import _down_kernel, _gate_up_kernel
 from dlmc.custom_ops._nvfp4_self_route import self_route_fits
 from dlmc.custom_ops._nvfp4_shared_items import shared_items_apply
 from dlmc.custom_ops._pdl import INTERPRETED, PDL_LAUNCH, launcher
-from dlmc.custom_ops.moe_align import (
-    align_pairs_to_blocks,
-    alignment_buffers,
-    route_block_m,
-)
+from dlmc.custom_ops.moe_align import align_pairs_to_blocks, alignment_buffers
 from dlmc.custom_ops.moe_combine import combine_pairs
 from dlmc.custom_ops.moe_overlap import counters, overlap_active, overlap_pdl
 from dlmc.custom_ops.moe_shared_parts import shared_block_k, shared_parts, shared_split
@@ -81,7 +77,8 @@ def _plan(x: torch.Tensor, topk_ids: torch.Tensor, E: int, I: int, has_shared: b
     # whether the routed experts alone (no shared expert in the routing) take the Gluon
     # kernels without an alignment: the gate/up programs route themselves, launched first
     routed_alone = (gluon_gate_up and launch_pdl
-                    and down_gluon_applies(x.device, variant, route_block_m(T, K, E))
+                    and down_gluon_applies(x.device, variant,
+                                           default_tiles(T, K, E, H, I, variant).block_m)
                     and self_route_fits(T * K, E))
     gate_up_w4a4 = w4a4 if gate_up_w4a4 is None else gate_up_w4a4
     items = has_shared and not gate_up_w4a4 and shared_items_apply(T, H, I) and routed_alone

@@ -124,20 +124,23 @@ def default_tiles(tokens: int, top_k: int, num_experts: int, hidden: int, inter:
     """The op's tiles for a call (`shared_in_routing`: the shared expert's pairs join the
     routing, `moe_align.route_block_m`).
 
-    Kernel v7's shapes (H, I multiples of 128: LLaDA2) keep the measured choice
-    (docs/nvfp4.md §3.9): `route_block_m`'s 16 slots (what the Gluon kernels take) to 64.
-    Kernel v3's shapes (DiffusionGemma's I = 704) run only the Triton kernels, whose programs
-    cost mostly the decode of their weight tile (v3: two `prmt` and three integer ops per
-    bf16x2 pair), the same for 16 slots as for 32: `block_m_for_many_pairs` gives each expert
-    one block, so each weight is decoded once per N-tile; the padding slots it adds cost MMA
-    rows only. Both: N-tiles as wide as the variant's widest, K-steps of 128 (32 for K < 128),
-    4 warps and 3 stages per program (Triton's defaults).
+    The Triton kernels' programs cost mostly the decode of their weight tile, the same for 16
+    slots as for 32, and the Gluon down kernel (sm_90, 16-slot blocks) decodes it once per
+    8-slot part. So wherever `route_block_m`'s 16 slots would leave many experts a second
+    block, `block_m_for_many_pairs` gives each expert one block (32 slots: the Triton down
+    kernel then runs, each weight decoded once per N-tile; the padding slots cost MMA rows
+    only): DiffusionGemma's canvas, ~16 pairs per expert, whether widened to v7 or not
+    (docs/nvfp4.md §3.9). Otherwise kernel v7's shapes (H, I multiples of 128: LLaDA2) keep
+    the measured choice, `route_block_m`'s 16 slots (what the Gluon kernels take) to 64, and
+    kernel v3's (DiffusionGemma's I = 704: only the Triton kernels) take
+    `block_m_for_many_pairs`. Both: N-tiles as wide as the variant's widest, K-steps of 128
+    (32 for K < 128), 4 warps and 3 stages per program (Triton's defaults).
     """
     shared = int(shared_in_routing)
+    block_m = block_m_for_many_pairs(tokens * (top_k + shared), num_experts + shared)
     if variant == 7:
-        block_m = route_block_m(tokens, top_k, num_experts, shared_in_routing)
-    else:
-        block_m = block_m_for_many_pairs(tokens * (top_k + shared), num_experts + shared)
+        routed = route_block_m(tokens, top_k, num_experts, shared_in_routing)
+        block_m = 32 if routed == 16 and block_m == 32 else routed
     return NVFP4Tiles(
         block_m=block_m, gate_up_block_n=_block_n(inter, _GATE_UP_BLOCK_N[variant]),
         gate_up_block_k=128 if hidden >= 128 else 32,

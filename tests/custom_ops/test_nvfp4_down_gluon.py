@@ -116,13 +116,14 @@ def test_wiring_with_a_torch_down_matches_the_reference(monkeypatch, with_shared
     """The Triton gate/up kernel (I = 128: no Gluon gate/up) stores even-odd h rows (reordered
     in registers in its 128-column N-tiles), read back by the stand-in, the shared expert's
     down parts run in the Triton kernel (`PARTS_ONLY`), and the output is the reference's;
-    skewed routing puts 20 tokens on two experts (two 16-slot blocks each). Every routed block
-    was signalled by all its gate/up programs, and the counters are zero afterwards."""
+    skewed routing puts 20 tokens on two of eight experts (two 16-slot blocks each). Every
+    routed block was signalled by all its gate/up programs, and the counters are zero
+    afterwards."""
     gluon_on_cpu(monkeypatch)
     gen = torch.Generator().manual_seed(3)
-    experts = random_experts(gen, 4, 128, 128)
+    experts = random_experts(gen, 8, 128, 128)
     x = torch.randn(20, 128, generator=gen).bfloat16().to(DEVICE)
-    ids, w = random_routing(gen, 20, 4, 2, skew=True)
+    ids, w = random_routing(gen, 20, 8, 2, skew=True)
     args = op_args(x, ids, w, experts)
     shared = shared_expert(gen, x, nvfp4_moe_reference(*args), 128, 128) if with_shared else {}
     calls: list[int] = []
@@ -148,7 +149,7 @@ def test_gluon_down_equals_triton_down_gpu(case: str) -> None:
     Triton gate/up before the Gluon down kernel); the counters zero again afterwards."""
     gen = torch.Generator().manual_seed(4)
     E, H, I, T = {"llada": (256, 2048, 512, 32), "shared": (256, 2048, 512, 40),
-                  "i384": (256, 2048, 384, 32)}.get(case, (8, 256, 128, 16))
+                  "i384": (256, 2048, 384, 32)}.get(case, (64, 256, 128, 16))
     T = 1 if case == "one_token" else T
     experts = {k: v.to(DEVICE) for k, v in random_experts(gen, E, H, I).items()}
     x = torch.randn(T, H, generator=gen).bfloat16().to(DEVICE)

@@ -48,6 +48,10 @@ PLANS = {
                   (7, True, True, False, False, 16, True, True, False)),
     "i384_shared": ((32, 2048, 384, 256, True, True, False),
                     (7, True, True, False, True, 16, True, False, False)),
+    "256_tokens": ((256, 2048, 512, 256, False, True, False),
+                   (7, True, True, False, False, 32, False, False, False)),
+    "canvas": ((256, 2816, 768, 128, False, True, False),
+               (7, True, True, False, False, 32, False, False, False)),
     "prompt": ((1024, 2048, 512, 256, True, True, False),
                (7, True, True, False, True, 32, False, False, False)),
     "v3": ((32, 2048, 80, 256, True, True, False),
@@ -62,7 +66,8 @@ PLANS = {
 @pytest.mark.parametrize("case", PLANS)
 def test_the_plan_of_each_call(monkeypatch, case: str) -> None:
     """The Gluon kernels with `pdl` on sm_90 for 16-slot blocks of v7 (the gate/up one for I a
-    multiple of 256, without the shared expert in the routing); no alignment where the
+    multiple of 256, without the shared expert in the routing), not where experts take many
+    pairs (8 and more per expert: 32-slot blocks, the Triton kernels); no alignment where the
     gate/up programs route themselves (at most 512 pairs); the shared expert as their items
     for at most 32 tokens; the counters with `pdl` (not with W4A4 emulation)."""
     (T, H, I, E, shared, pdl, w4a4), expected = PLANS[case]
@@ -119,17 +124,17 @@ def test_wiring_of_the_gluon_gate_up_matches_the_reference(monkeypatch, small: b
     """A routing the gate/up programs cannot route themselves (here: made so): the alignment,
     then no Triton expert kernel, the Gluon gate/up right after it, then the Gluon down kernel
     waiting for `I / 128` counts per 8-slot part; the output is the reference's and the
-    counters are zero afterwards. Skewed routing puts 20 tokens on two experts (16-slot
+    counters are zero afterwards. Skewed routing puts 20 tokens on two of eight experts (16-slot
     blocks, some with an empty part). The launches run as their references from their own
     arguments; with `small` weights the gate's pre-activations are O(1), where SiLU is not
     linear, so a gate or up global scale passed to the wrong projection changes the output."""
     gluon_on_cpu(monkeypatch)
     monkeypatch.setattr(launch, "self_route_fits", lambda pairs, experts: False)
     gen = torch.Generator().manual_seed(7)
-    experts = (random_experts(gen, 4, 128, 256, scale_2_log2=(-6.0, -5.0), max_scale_byte=0x38)
-               if small else random_experts(gen, 4, 128, 256))
+    experts = (random_experts(gen, 8, 128, 256, scale_2_log2=(-6.0, -5.0), max_scale_byte=0x38)
+               if small else random_experts(gen, 8, 128, 256))
     x = torch.randn(20, 128, generator=gen).bfloat16().to(DEVICE)
-    ids, w = random_routing(gen, 20, 4, 2, skew=True)
+    ids, w = random_routing(gen, 20, 8, 2, skew=True)
     args = op_args(x, ids, w, experts)
     calls: list[tuple[bool, bool]] = []
     down_calls: list[int] = []
@@ -174,7 +179,7 @@ def test_gluon_gate_up_equals_the_triton_kernels_gpu(monkeypatch, case: str) -> 
     gen = torch.Generator().manual_seed(4)
     E, H, I, T = {"llada": (256, 2048, 512, 32), "two_blocks": (64, 256, 256, 32),
                   "64_tokens": (256, 2048, 512, 64), "128_tokens": (256, 2048, 512, 128),
-                  }.get(case, (8, 256, 256, 16))
+                  }.get(case, (64, 256, 256, 16))
     T = 1 if case == "one_token" else T
     experts = {k: v.to(DEVICE) for k, v in random_experts(gen, E, H, I).items()}
     x = torch.randn(T, H, generator=gen).bfloat16().to(DEVICE)

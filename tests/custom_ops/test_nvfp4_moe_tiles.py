@@ -1,8 +1,8 @@
 """`NVFP4Tiles` and `default_tiles`: the tiles of `dlmc::nvfp4_moe`'s Triton kernels.
 
-LLaDA2's shapes keep the op's measured choice; DiffusionGemma's canvas (kernel v3, ~16 pairs
-per expert) takes one routing block per expert; any valid configuration computes the
-reference's result (CPU: Triton's interpreter).
+LLaDA2's shapes keep the op's measured choice where experts take few pairs; DiffusionGemma's
+canvas (~16 pairs per expert, kernel v3 or v7) takes one routing block per expert; any valid
+configuration computes the reference's result (CPU: Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -44,17 +44,27 @@ CANVAS = NVFP4Tiles(block_m=32, gate_up_block_n=64, gate_up_block_k=128, down_bl
 @pytest.mark.parametrize("shared", [False, True])
 def test_llada2_shapes_keep_the_measured_tiles(tokens: int, shared: bool) -> None:
     """LLaDA2.1-mini (H 2048, I 512, 256 experts, top-8: kernel v7): blocks of 16 slots up to
-    16 pairs per expert, 32 up to 48, then 64 (with the shared expert's pairs and expert in
-    the routing); N-tiles and K-steps of 128; 4 warps, 3 stages."""
+    ~7 pairs per expert (the Gluon kernels'), 32 from there up to 48, then 64 (with the shared
+    expert's pairs and expert in the routing); N-tiles and K-steps of 128; 4 warps, 3
+    stages."""
     tiles = default_tiles(tokens, 8, 256, 2048, 512, 7, shared)
-    assert tiles.block_m == moe_block_size(tokens * (8 + shared), 256 + shared)
+    pairs, experts = tokens * (8 + shared), 256 + shared
+    want = moe_block_size(pairs, experts)
+    if pairs / experts + 3 * math.sqrt(pairs / experts) > 16:
+        want = max(want, 32)
+    assert tiles.block_m == want
+    assert tiles.block_m == {1: 16, 32: 16, 33: 16, 64: 16, 128: 16, 256: 32, 512: 32,
+                             1024: 32, 4096: 64}[tokens]
     assert tiles == dataclasses.replace(CANVAS, block_m=tiles.block_m, gate_up_block_n=128)
 
 
 def test_diffusiongemma_canvas_takes_one_block_per_expert() -> None:
     """256 tokens x top-8 over 128 experts (16 pairs per expert), H 2816, I 704 (kernel v3):
-    32-slot blocks, v3's 64-column gate/up tiles, K-steps of 128."""
+    32-slot blocks, v3's 64-column gate/up tiles, K-steps of 128; widened to I 768 (kernel
+    v7): 32-slot blocks too (not the Gluon kernels' 16), v7's 128-column gate/up tiles."""
     assert default_tiles(256, 8, 128, 2816, 704, 3) == CANVAS
+    assert default_tiles(256, 8, 128, 2816, 768, 7) == dataclasses.replace(
+        CANVAS, gate_up_block_n=128)
     assert default_tiles(32, 8, 128, 2816, 704, 3).block_m == 16  # 2 pairs per expert
     assert default_tiles(1024, 8, 128, 2816, 704, 3).block_m == 64  # a prompt chunk
 

@@ -82,13 +82,13 @@ def test_wiring_of_the_shared_items_matches_the_reference(monkeypatch) -> None:
     `pair // K`, the shared items with their h rows after the routed blocks' and the counter
     slot after theirs), then the Gluon down kernel (self-routed, `pair_gap` K, the shared
     items on that slot, for the T tokens); the output is the reference's (skewed routing: 20
-    tokens on two of four experts, I = 256)."""
+    tokens on two of eight experts, I = 256)."""
     gluon_on_cpu(monkeypatch)
     gen = torch.Generator().manual_seed(7)
     T, H, I, K = 20, 128, 256, 2
-    experts = random_experts(gen, 4, H, I)
+    experts = random_experts(gen, 8, H, I)
     x = torch.randn(T, H, generator=gen).bfloat16().to(DEVICE)
-    ids, w = random_routing(gen, T, 4, K, skew=True)
+    ids, w = random_routing(gen, T, 8, K, skew=True)
     args = op_args(x, ids, w, experts)
     shared = shared_expert(gen, x, nvfp4_moe_reference(*args), H, I)
     calls: list[tuple] = []
@@ -99,8 +99,8 @@ def test_wiring_of_the_shared_items_matches_the_reference(monkeypatch) -> None:
                         lambda *a, **k: pytest.fail("aligned"))
     monkeypatch.setattr(launch, "launcher", lambda kernel: pytest.fail(kernel.fn.__name__))
     out = nvfp4_moe(*args, **shared)
-    blocks = alignment_buffers(ids, 4, route_block_m(T, K, 4))[1].numel()
-    slots = blocks + -(-T // route_block_m(T, K, 4))
+    blocks = alignment_buffers(ids, 8, route_block_m(T, K, 8))[1].numel()
+    slots = blocks + -(-T // route_block_m(T, K, 8))
     assert calls == [("gate_up", True, T * K, K, True),
                      ("down", T * K, slots, K, True, True, True)]
     assert_matches_reference(out, nvfp4_moe_reference(*args, **shared))
@@ -145,7 +145,7 @@ def test_shared_items_equal_the_triton_kernels_gpu(monkeypatch, case: str) -> No
     calls = spy_items(monkeypatch)
     gen = torch.Generator().manual_seed(4)
     E, H, I, T = {"llada": (256, 2048, 512, 32),
-                  "64_tokens": (256, 2048, 512, 64)}.get(case, (8, 256, 256, 16))
+                  "64_tokens": (256, 2048, 512, 64)}.get(case, (64, 256, 256, 16))
     T = 1 if case == "one_token" else T
     experts = {k: v.to(DEVICE) for k, v in random_experts(gen, E, H, I).items()}
     x = torch.randn(T, H, generator=gen).bfloat16().to(DEVICE)
