@@ -76,14 +76,15 @@ def _plan(x: torch.Tensor, topk_ids: torch.Tensor, E: int, I: int, has_shared: b
     gluon_gate_up = gluon and activation == "silu" and gate_up_gluon_applies(I, E)
     # whether the routed experts alone (no shared expert in the routing) take the Gluon
     # kernels without an alignment: the gate/up programs route themselves, launched first
+    routed_tiles = default_tiles(T, K, E, H, I, variant)
     routed_alone = (gluon_gate_up and launch_pdl
-                    and down_gluon_applies(x.device, variant,
-                                           default_tiles(T, K, E, H, I, variant).block_m)
+                    and down_gluon_applies(x.device, variant, routed_tiles.block_m)
                     and self_route_fits(T * K, E))
     gate_up_w4a4 = w4a4 if gate_up_w4a4 is None else gate_up_w4a4
     items = has_shared and not gate_up_w4a4 and shared_items_apply(T, H, I) and routed_alone
     in_routing = has_shared and not items
-    tiles = tiles or default_tiles(T, K, E, H, I, variant, in_routing)
+    tiles = tiles or (default_tiles(T, K, E, H, I, variant, True) if in_routing
+                      else routed_tiles)
     tiles.check_shape(variant)
     gluon_down = gluon and launch_pdl and down_gluon_applies(x.device, variant, tiles.block_m)
     return _Plan(variant, overlap_active(x.device, pdl) and not w4a4, launch_pdl, items,

@@ -138,9 +138,9 @@ def default_tiles(tokens: int, top_k: int, num_experts: int, hidden: int, inter:
     """
     shared = int(shared_in_routing)
     block_m = block_m_for_many_pairs(tokens * (top_k + shared), num_experts + shared)
-    if variant == 7:
+    if variant == 7:  # (where `route_block_m` gives 16, the line above gives 16 or 32)
         routed = route_block_m(tokens, top_k, num_experts, shared_in_routing)
-        block_m = 32 if routed == 16 and block_m == 32 else routed
+        block_m = block_m if routed == 16 else routed
     return NVFP4Tiles(
         block_m=block_m, gate_up_block_n=_block_n(inter, _GATE_UP_BLOCK_N[variant]),
         gate_up_block_k=128 if hidden >= 128 else 32,
