@@ -5,7 +5,8 @@ Per call, from the shapes, the device and `pdl` (design: docs/nvfp4.md §3.2):
 - the routed pairs aligned into blocks of 16-64 slots (`moe_align`), unless the Gluon kernels
   route their items themselves (no alignment launch);
 - gate/up, then down: the Triton kernels (`_nvfp4_moe_kernels`), or on sm_90 with PDL for
-  16-slot blocks the Gluon kernels (`_nvfp4_gate_up_gluon`, `_nvfp4_down_gluon`);
+  16-slot blocks of few pairs per expert (`gluon_fits`) the Gluon kernels
+  (`_nvfp4_gate_up_gluon`, `_nvfp4_down_gluon`);
 - the BF16 shared expert: extra programs of the Triton launches (`moe_shared_parts`), or for at
   most 32 tokens items of the two Gluon launches (`_nvfp4_shared_items`);
 - `moe_overlap`'s per-slot counters and PDL between the launches;
@@ -29,7 +30,12 @@ from dlmc.custom_ops.moe_align import align_pairs_to_blocks, alignment_buffers
 from dlmc.custom_ops.moe_combine import combine_pairs
 from dlmc.custom_ops.moe_overlap import counters, overlap_active, overlap_pdl
 from dlmc.custom_ops.moe_shared_parts import shared_block_k, shared_parts, shared_split
-from dlmc.custom_ops.nvfp4_moe_tiles import ACTIVATIONS, NVFP4Tiles, default_tiles
+from dlmc.custom_ops.nvfp4_moe_tiles import (
+    ACTIVATIONS,
+    NVFP4Tiles,
+    default_tiles,
+    gluon_fits,
+)
 from dlmc.custom_ops.nvfp4_words import can_pack
 from dlmc.quant.nvfp4_format import fake_quantize_activation
 
@@ -77,7 +83,7 @@ def _plan(x: torch.Tensor, topk_ids: torch.Tensor, E: int, I: int, has_shared: b
     # whether the routed experts alone (no shared expert in the routing) take the Gluon
     # kernels without an alignment: the gate/up programs route themselves, launched first
     routed_tiles = default_tiles(T, K, E, H, I, variant)
-    routed_alone = (gluon_gate_up and launch_pdl
+    routed_alone = (gluon_gate_up and launch_pdl and gluon_fits(T, K, E)
                     and down_gluon_applies(x.device, variant, routed_tiles.block_m)
                     and self_route_fits(T * K, E))
     gate_up_w4a4 = w4a4 if gate_up_w4a4 is None else gate_up_w4a4
@@ -86,7 +92,8 @@ def _plan(x: torch.Tensor, topk_ids: torch.Tensor, E: int, I: int, has_shared: b
     tiles = tiles or (default_tiles(T, K, E, H, I, variant, True) if in_routing
                       else routed_tiles)
     tiles.check_shape(variant)
-    gluon_down = gluon and launch_pdl and down_gluon_applies(x.device, variant, tiles.block_m)
+    gluon_down = (gluon and launch_pdl and gluon_fits(T, K, E, in_routing)
+                  and down_gluon_applies(x.device, variant, tiles.block_m))
     return _Plan(variant, overlap_active(x.device, pdl) and not w4a4, launch_pdl, items,
                  in_routing, tiles, gluon_down, gluon_down and not in_routing and gluon_gate_up,
                  routed_alone and not in_routing)

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from dlmc.custom_ops.moe_align import route_block_m
 
-__all__ = ["ACTIVATIONS", "NVFP4Tiles", "block_m_for_many_pairs", "default_tiles"]
+__all__ = ["ACTIVATIONS", "NVFP4Tiles", "block_m_for_many_pairs", "default_tiles",
+           "gluon_fits"]
 
 # The gated activations of the experts: `down(act(gate(x)) * up(x))`. "silu": SwiGLU (LLaDA2);
 # "gelu_tanh": GeGLU with PyTorch's tanh approximation (DiffusionGemma's `gelu_pytorch_tanh`).
@@ -119,28 +120,34 @@ def block_m_for_many_pairs(num_pairs: int, num_experts: int) -> int:
     return 64
 
 
+def gluon_fits(tokens: int, top_k: int, num_experts: int,
+               shared_in_routing: bool = False) -> bool:
+    """Whether an expert's pairs fit one 16-slot routing block (`block_m_for_many_pairs`
+    gives 16), where the op's default runs the Gluon kernels: they decode each weight tile
+    once per 8-slot part, so with more pairs per expert (~7.3 and up: LLaDA2's prompt
+    chunks, DiffusionGemma's canvas) the Triton kernels, one decode per block, run instead."""
+    shared = int(shared_in_routing)
+    return block_m_for_many_pairs(tokens * (top_k + shared), num_experts + shared) == 16
+
+
 def default_tiles(tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
                   variant: int, shared_in_routing: bool = False) -> NVFP4Tiles:
     """The op's tiles for a call (`shared_in_routing`: the shared expert's pairs join the
     routing, `moe_align.route_block_m`).
 
-    The Triton kernels' programs cost mostly the decode of their weight tile, the same for 16
-    slots as for 32, and the Gluon down kernel (sm_90, 16-slot blocks) decodes it once per
-    8-slot part. So wherever `route_block_m`'s 16 slots would leave many experts a second
-    block, `block_m_for_many_pairs` gives each expert one block (32 slots: the Triton down
-    kernel then runs, each weight decoded once per N-tile; the padding slots cost MMA rows
-    only): DiffusionGemma's canvas, ~16 pairs per expert, whether widened to v7 or not
-    (docs/nvfp4.md §3.9). Otherwise kernel v7's shapes (H, I multiples of 128: LLaDA2) keep
-    the measured choice, `route_block_m`'s 16 slots (what the Gluon kernels take) to 64, and
-    kernel v3's (DiffusionGemma's I = 704: only the Triton kernels) take
+    Kernel v7's shapes (H, I multiples of 128: LLaDA2, DiffusionGemma widened to 768) take
+    `route_block_m`'s blocks, 16 slots up to 16 pairs per expert, then 32 and 64: where the
+    Gluon kernels do not run (`gluon_fits`), the Triton kernels at 16 slots measured faster
+    than at 32 even where some experts take a second block (docs/nvfp4.md §3.4, §3.9).
+    Kernel v3's (DiffusionGemma's I = 704: only the Triton kernels) take
     `block_m_for_many_pairs`. Both: N-tiles as wide as the variant's widest, K-steps of 128
     (32 for K < 128), 4 warps and 3 stages per program (Triton's defaults).
     """
-    shared = int(shared_in_routing)
-    block_m = block_m_for_many_pairs(tokens * (top_k + shared), num_experts + shared)
-    if variant == 7:  # (where `route_block_m` gives 16, the line above gives 16 or 32)
-        routed = route_block_m(tokens, top_k, num_experts, shared_in_routing)
-        block_m = block_m if routed == 16 else routed
+    if variant == 7:
+        block_m = route_block_m(tokens, top_k, num_experts, shared_in_routing)
+    else:
+        shared = int(shared_in_routing)
+        block_m = block_m_for_many_pairs(tokens * (top_k + shared), num_experts + shared)
     return NVFP4Tiles(
         block_m=block_m, gate_up_block_n=_block_n(inter, _GATE_UP_BLOCK_N[variant]),
         gate_up_block_k=128 if hidden >= 128 else 32,

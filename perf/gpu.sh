@@ -33,8 +33,8 @@
 #                widening (--no-nvfp4-pad-experts, then the default; one process each;
 #                proposal in torch ops, --gemma-sampler torch, as perf/README's row)
 #   canvas-tiles [T]  the NVFP4 + FP8 step profiled with the op's tiles, then with
-#                --nvfp4-tiles T (block_m=16: the Triton kernels at 16-slot routing blocks, two
-#                per expert for many; one process each)
+#                --nvfp4-tiles T (block_m=32: one routing block per expert; one process
+#                each)
 #   canvas-reductions  the BF16 step profiled with Inductor's split reductions and without
 #                (--split-reductions on, then off: the torch-op sampler's rows, --gemma-sampler
 #                torch, one program each)
@@ -211,8 +211,8 @@ canvas-ops)
   done
   [ "${2:-}" = attention ] && { summary; exit 0; }
   # dlmc::nvfp4_moe at the canvas's shapes, experts widened to 768 as loaded (kernel v7): the
-  # op's choice (32-slot blocks, the Triton kernels), then changes to it (NVFP4Tiles)
-  for tiles in "" block_m=16 block_m=64 gate_up_warps=8,down_warps=8 num_stages=4; do
+  # op's choice (16-slot blocks, the Triton kernels), then changes to it (NVFP4Tiles)
+  for tiles in "" block_m=32 block_m=64 gate_up_warps=8,down_warps=8 num_stages=4; do
     step "op_gemma_nvfp4${tiles:+_${tiles//[=,]/_}}" 60 python3 perf/bench_nvfp4_moe.py --hidden 2816 \
       --inter 768 --experts 128 --tokens 256 --activation gelu_tanh --layers 12 \
       ${tiles:+--tiles "$tiles"}
@@ -220,7 +220,7 @@ canvas-ops)
   summary ;;
 canvas-tiles)
   setup
-  for tiles in "" "${2:-block_m=16}"; do
+  for tiles in "" "${2:-block_m=32}"; do
     step "canvas_nvfp4_fp8${tiles:+_${tiles//[=,]/_}}" 270 "${CANVAS[@]}" --modes graph \
       --precision nvfp4 --kv-cache-dtype fp8 --no-loop --profile --nvfp4-tiles "$tiles" \
       --out "$OUT/canvas_nvfp4_fp8${tiles:+_${tiles//[=,]/_}}.json"

@@ -49,9 +49,9 @@ PLANS = {
     "i384_shared": ((32, 2048, 384, 256, True, True, False),
                     (7, True, True, False, True, 16, True, False, False)),
     "256_tokens": ((256, 2048, 512, 256, False, True, False),
-                   (7, True, True, False, False, 32, False, False, False)),
+                   (7, True, True, False, False, 16, False, False, False)),
     "canvas": ((256, 2816, 768, 128, False, True, False),
-               (7, True, True, False, False, 32, False, False, False)),
+               (7, True, True, False, False, 16, False, False, False)),
     "prompt": ((1024, 2048, 512, 256, True, True, False),
                (7, True, True, False, True, 32, False, False, False)),
     "v3": ((32, 2048, 80, 256, True, True, False),
@@ -63,22 +63,40 @@ PLANS = {
 }
 
 
-@pytest.mark.parametrize("case", PLANS)
-def test_the_plan_of_each_call(monkeypatch, case: str) -> None:
-    """The Gluon kernels with `pdl` on sm_90 for 16-slot blocks of v7 (the gate/up one for I a
-    multiple of 256, without the shared expert in the routing), not where experts take many
-    pairs (8 and more per expert: 32-slot blocks, the Triton kernels); no alignment where the
-    gate/up programs route themselves (at most 512 pairs); the shared expert as their items
-    for at most 32 tokens; the counters with `pdl` (not with W4A4 emulation)."""
-    (T, H, I, E, shared, pdl, w4a4), expected = PLANS[case]
+@pytest.fixture
+def h200_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_plan` as on an H200 (sm_90, PDL), on any machine."""
     monkeypatch.setattr(launch, "overlap_active", lambda device, pdl: pdl)
     monkeypatch.setattr(launch, "overlap_pdl", lambda device, pdl: pdl)
     monkeypatch.setattr(launch, "down_gluon_applies",
                         lambda device, variant, block_m: variant == 7 and block_m == 16)
+
+
+@pytest.mark.usefixtures("h200_plans")
+@pytest.mark.parametrize("case", PLANS)
+def test_the_plan_of_each_call(case: str) -> None:
+    """The Gluon kernels with `pdl` on sm_90 for 16-slot blocks of v7 (the gate/up one for I a
+    multiple of 256, without the shared expert in the routing), not where experts take many
+    pairs (8 and more per expert: the Triton kernels, at 16-slot blocks too); no alignment
+    where the gate/up programs route themselves (at most 512 pairs); the shared expert as items
+    for at most 32 tokens; the counters with `pdl` (not with W4A4 emulation)."""
+    (T, H, I, E, shared, pdl, w4a4), expected = PLANS[case]
     x = torch.empty(T, H, dtype=torch.bfloat16)
     plan = launch._plan(x, torch.zeros(T, 8, dtype=torch.int32), E, I, shared, w4a4, pdl)
     assert (*plan[:5], plan.tiles.block_m, *plan[6:]) == expected
 
+
+@pytest.mark.usefixtures("h200_plans")
+@pytest.mark.parametrize("case", ["256_tokens", "canvas", "prompt"])
+def test_many_pairs_plan_the_ops_tiles_as_if_passed(case: str) -> None:
+    """Where experts take many pairs, the op's own choice is the plan of its tiles passed
+    explicitly (`--nvfp4-tiles`, e.g. block_m=16 at the canvas): the Triton kernels at the
+    same blocks, no Gluon launch."""
+    (T, H, I, E, shared, pdl, w4a4), _ = PLANS[case]
+    x = torch.empty(T, H, dtype=torch.bfloat16)
+    ids = torch.zeros(T, 8, dtype=torch.int32)
+    chosen = launch._plan(x, ids, E, I, shared, w4a4, pdl)
+    assert chosen == launch._plan(x, ids, E, I, shared, w4a4, pdl, tiles=chosen.tiles)
 
 def test_self_routing_limits() -> None:
     """The gate/up programs route themselves for 1..512 pairs over at most 512 experts."""

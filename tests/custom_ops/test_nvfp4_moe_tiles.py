@@ -1,8 +1,9 @@
 """`NVFP4Tiles` and `default_tiles`: the tiles of `dlmc::nvfp4_moe`'s Triton kernels.
 
-LLaDA2's shapes keep the op's measured choice where experts take few pairs; DiffusionGemma's
-canvas (~16 pairs per expert, kernel v3 or v7) takes one routing block per expert; any valid
-configuration computes the reference's result (CPU: Triton's interpreter).
+Kernel v7's shapes (LLaDA2, DiffusionGemma widened) keep the routing's block sizes, and the
+Gluon kernels only where an expert's pairs fit one 16-slot block; DiffusionGemma's canvas at
+kernel v3 (~16 pairs per expert) takes one routing block per expert; any valid configuration
+computes the reference's result (CPU: Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dlmc.custom_ops.nvfp4_moe_tiles import (
     NVFP4Tiles,
     block_m_for_many_pairs,
     default_tiles,
+    gluon_fits,
 )
 from tests.custom_ops.nvfp4_cases import (
     DEVICE,
@@ -41,24 +43,27 @@ CANVAS = NVFP4Tiles(block_m=32, gate_up_block_n=64, gate_up_block_k=128, down_bl
 
 @pytest.mark.parametrize("tokens", [1, 32, 33, 64, 128, 256, 512, 1024, 4096])
 @pytest.mark.parametrize("shared", [False, True])
-def test_llada2_shapes_keep_the_measured_tiles(tokens: int, shared: bool) -> None:
+def test_llada2_shapes_keep_the_routing_blocks(tokens: int, shared: bool) -> None:
     """LLaDA2.1-mini (H 2048, I 512, 256 experts, top-8: kernel v7): blocks of 16 slots up to
-    ~7 pairs per expert (the Gluon kernels'), 32 from there up to 48, then 64 (with the shared
-    expert's pairs and expert in the routing); N-tiles and K-steps of 128; 4 warps, 3
-    stages."""
+    16 pairs per expert, 32 up to 48, then 64 (with the shared expert's pairs and expert in
+    the routing: 512 tokens are 17.9 pairs per expert); the Gluon kernels' few pairs up to 128
+    tokens; N-tiles and K-steps of 128; 4 warps, 3 stages."""
     tiles = default_tiles(tokens, 8, 256, 2048, 512, 7, shared)
-    assert tiles.block_m == {1: 16, 32: 16, 33: 16, 64: 16, 128: 16, 256: 32, 512: 32,
-                             1024: 32, 4096: 64}[tokens]
+    assert tiles.block_m == {1: 16, 32: 16, 33: 16, 64: 16, 128: 16, 256: 16,
+                             512: 32 if shared else 16, 1024: 32, 4096: 64}[tokens]
     assert tiles == dataclasses.replace(CANVAS, block_m=tiles.block_m, gate_up_block_n=128)
+    assert gluon_fits(tokens, 8, 256, shared) == (tokens <= 128)
 
 
-def test_diffusiongemma_canvas_takes_one_block_per_expert() -> None:
-    """256 tokens x top-8 over 128 experts (16 pairs per expert), H 2816, I 704 (kernel v3):
-    32-slot blocks, v3's 64-column gate/up tiles, K-steps of 128; widened to I 768 (kernel
-    v7): 32-slot blocks too (not the Gluon kernels' 16), v7's 128-column gate/up tiles."""
+def test_diffusiongemma_canvas_tiles() -> None:
+    """256 tokens x top-8 over 128 experts (16 pairs per expert), H 2816: at I 704 (kernel v3)
+    one 32-slot block per expert and v3's 64-column gate/up tiles; widened to I 768 (kernel
+    v7) the routing's 16-slot blocks (the Triton kernels: too many pairs for the Gluon ones)
+    and v7's 128-column gate/up tiles; K-steps of 128."""
     assert default_tiles(256, 8, 128, 2816, 704, 3) == CANVAS
     assert default_tiles(256, 8, 128, 2816, 768, 7) == dataclasses.replace(
-        CANVAS, gate_up_block_n=128)
+        CANVAS, block_m=16, gate_up_block_n=128)
+    assert not gluon_fits(256, 8, 128)
     assert default_tiles(32, 8, 128, 2816, 704, 3).block_m == 16  # 2 pairs per expert
     assert default_tiles(1024, 8, 128, 2816, 704, 3).block_m == 64  # a prompt chunk
 
