@@ -34,7 +34,7 @@
 #                proposal in torch ops, --gemma-sampler torch, as perf/README's row)
 #   canvas-tiles [T]  the NVFP4 + FP8 step profiled with the op's tiles, then with
 #                --nvfp4-tiles T (block_m=32: one routing block per expert; one process
-#                each)
+#                each, CANVAS_LIMIT seconds each)
 #   canvas-reductions  the BF16 step profiled with Inductor's split reductions and without
 #                (--split-reductions on, then off: the torch-op sampler's rows, --gemma-sampler
 #                torch, one program each)
@@ -221,8 +221,8 @@ canvas-ops)
 canvas-tiles)
   setup
   for tiles in "" "${2:-block_m=32}"; do
-    step "canvas_nvfp4_fp8${tiles:+_${tiles//[=,]/_}}" 270 "${CANVAS[@]}" --modes graph \
-      --precision nvfp4 --kv-cache-dtype fp8 --no-loop --profile --nvfp4-tiles "$tiles" \
+    step "canvas_nvfp4_fp8${tiles:+_${tiles//[=,]/_}}" "${CANVAS_LIMIT:-270}" "${CANVAS[@]}" \
+      --modes graph --precision nvfp4 --kv-cache-dtype fp8 --no-loop --profile --nvfp4-tiles "$tiles" \
       --out "$OUT/canvas_nvfp4_fp8${tiles:+_${tiles//[=,]/_}}.json"
   done
   summary ;;
