@@ -222,8 +222,8 @@ canvas-tiles)
   setup
   for tiles in "" "${2:-block_m=32}"; do
     step "canvas_nvfp4_fp8${tiles:+_${tiles//[=,]/_}}" "${CANVAS_LIMIT:-270}" "${CANVAS[@]}" \
-      --modes graph --precision nvfp4 --kv-cache-dtype fp8 --no-loop --profile --nvfp4-tiles "$tiles" \
-      --out "$OUT/canvas_nvfp4_fp8${tiles:+_${tiles//[=,]/_}}.json"
+      --modes graph --precision nvfp4 --kv-cache-dtype fp8 --no-loop --profile \
+      --nvfp4-tiles "$tiles" --out "$OUT/canvas_nvfp4_fp8${tiles:+_${tiles//[=,]/_}}.json"
   done
   summary ;;
 canvas-pad)

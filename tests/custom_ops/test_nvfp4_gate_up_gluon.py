@@ -98,6 +98,7 @@ def test_many_pairs_plan_the_ops_tiles_as_if_passed(case: str) -> None:
     chosen = launch._plan(x, ids, E, I, shared, w4a4, pdl)
     assert chosen == launch._plan(x, ids, E, I, shared, w4a4, pdl, tiles=chosen.tiles)
 
+
 def test_self_routing_limits() -> None:
     """The gate/up programs route themselves for 1..512 pairs over at most 512 experts."""
     fits = _nvfp4_self_route.self_route_fits
