@@ -45,8 +45,9 @@ def test_chat_completions(gemma_client: httpx.Client, tiny_gemma_llm: Any):
 @pytest.mark.parametrize(("body", "param", "message"), [
     ({"messages": CHAT, "threshold": 0.9}, "threshold", "a LLaDA2 setting"),
     ({"messages": CHAT, "temperature": 0.7}, "temperature", "a LLaDA2 setting"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
-     "messages[0].content", ""),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"},
+                                                {"type": "image_url", "image_url": "x"}]}]},
+     "messages[0].content[1]", "a 'image_url' part; only text parts are supported"),
 ])
 def test_what_does_not_apply_is_a_400(gemma_client: httpx.Client, body, param, message):
     response = gemma_client.post("/generate", json={**body, "stream": False})

@@ -78,7 +78,8 @@ def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             default="auto",
             show_default=True,
             help="KV cache storage (auto: FP8 when the checkpoint declares an FP8 KV cache and "
-            "activations are bf16; fp8 needs bf16 activations, the default with it).",
+            "activations are bf16; LLaDA2's fp8 needs bf16 activations, the default with it; "
+            "DiffusionGemma's FP8 cache reads back in the activation dtype).",
         ),
     ]
     for decorator in reversed(decorators):

@@ -84,7 +84,7 @@ def parse_device(device: str | torch.device | None) -> torch.device:
 
 def parse_dtype(dtype: str | torch.dtype | None, device: torch.device,
                 kv_cache_dtype: str = "auto") -> torch.dtype:
-    """None -> bf16 on CUDA or with an FP8 KV cache (which needs bf16 activations), else fp32;
+    """None -> bf16 on CUDA or with an FP8 KV cache (LLaDA2's needs bf16 activations), else fp32;
     else a torch dtype or one of DTYPES' names."""
     if dtype is None:
         fp8 = kv_cache_dtype == "fp8"

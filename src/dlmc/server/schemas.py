@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 
 class ApiError(Exception):
@@ -50,6 +51,18 @@ class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """A part other than text (an image, audio) is refused by its index and type."""
+        for index, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise PydanticCustomError(
+                    "unsupported_part", "a '{kind}' part; only text parts are supported "
+                    "(dlmc runs the models' text path)", {"index": index, "kind": kind})
+        return content
 
     def as_engine_message(self) -> dict[str, str]:
         text = (
@@ -162,6 +175,9 @@ def _as_api_error(exc: ValidationError, model: type[BaseModel]) -> ApiError:
     if kind == "extra_forbidden":
         known = f" (known fields: {', '.join(model.model_fields)})" if len(loc) == 1 else ""
         return ApiError(400, f"{param}: unknown field{known}", param=param)
+    if kind == "unsupported_part":
+        param = f"{param}[{first['ctx']['index']}]"
+        return ApiError(400, f"{param}: {msg}", param=param)
     if kind == "missing":
         return ApiError(400, f"{param}: required field is missing", param=param)
     if kind in ("too_short", "string_too_short") and first.get("ctx", {}).get("min_length") == 1:
