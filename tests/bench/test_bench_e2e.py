@@ -44,11 +44,12 @@ def test_tiny_llada2_suite_completes_writes_files_and_resumes(
 
 
 def test_tiny_diffusiongemma_suite_runs_through_llm(tiny_gemma_dir: Path, tmp_path: Path) -> None:
-    """The suite drives DiffusionGemma through the same `LLM` (its defaults: no LLaDA2 option
-    given, temperature 0.0 meaning "not given"), and records the canvas sampler's settings."""
+    """The suite drives DiffusionGemma through the same `LLM` (no LLaDA2 option given,
+    temperature 0.0 meaning "not given"), passes its sampler's options, and records them."""
     out = tmp_path / "gemma"
     args = ["bench", "suite", "--model", str(tiny_gemma_dir), "--max-new-tokens", "32",
-            "--limit", "1", "--problems", "gsm8k", "--out", str(out)]
+            "--max-denoising-steps", "5", "--t-min", "0.3", "--limit", "1", "--problems",
+            "gsm8k", "--out", str(out)]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     summary = json.loads((out / "summary.json").read_text())
@@ -56,5 +57,9 @@ def test_tiny_diffusiongemma_suite_runs_through_llm(tiny_gemma_dir: Path, tmp_pa
     engine = summary["engine_settings"]
     assert engine["model_type"] == "diffusion_gemma" and engine["max_new_tokens"] == 32
     assert engine["seed"] == 0 and engine["sources"]["max_new_tokens"] == "argument"
+    assert (engine["max_denoising_steps"], engine["t_min"]) == (5, 0.3)
+    assert engine["sources"]["t_min"] == "argument" and engine["t_max"] == 0.8
+    assert summary["run"]["max_denoising_steps"] == 5 and summary["run"]["entropy_bound"] is None
     record = json.loads((out / "gsm8k.jsonl").read_text().splitlines()[0])
-    assert 0 < record["tokens"] <= 32 and 1 <= record["forwards"] <= 48
+    # canvases of 32 tokens (tiny-diffusiongemma's), at most 5 decoder steps each
+    assert 0 < record["tokens"] <= 32 and 1 <= record["forwards"] <= 5

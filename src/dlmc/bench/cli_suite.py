@@ -21,6 +21,7 @@ from dlmc.bench.records import BenchmarkSummary, ProblemRecord
 from dlmc.bench.report import describe_device, render_report
 from dlmc.bench.scorers.math_verify_pool import MathVerifier
 from dlmc.bench.suite import (
+    CANVAS_KEYS,
     SuiteSettings,
     check_run_file,
     run_benchmark,
@@ -36,6 +37,7 @@ def run_suite(options: dict[str, Any], load_llm: Callable[..., Any]) -> list[Ben
         max_new_tokens=options["max_new_tokens"], threshold=options["threshold"],
         edit_threshold=options["edit_threshold"], block_length=options["block_length"],
         max_refine_steps=options["max_refine_steps"], seed=options["seed"],
+        **{key: options[key] for key in CANVAS_KEYS},
         prompt_style=options["prompt_style"], few_shot=options["few_shot"],
         code_timeout_s=options["code_timeout"], code_memory_mb=options["code_memory_mb"],
         math_timeout_s=options["math_timeout"],

@@ -23,6 +23,10 @@ from dlmc.bench.scorers import ScoreResult, score_gsm8k, score_humaneval, score_
 from dlmc.bench.scorers.math_verify_pool import MathVerifier
 from dlmc.errors import ConfigError
 
+# DiffusionGemma's sampler options of the suite and the CLI (LLM.generate refuses them for
+# LLaDA2, so they are passed on only when given)
+CANVAS_KEYS = ("max_denoising_steps", "t_min", "t_max", "entropy_bound", "confidence_threshold")
+
 
 class GenerateFn(Protocol):
     """The part of `dlmc.LLM` the runner uses."""
@@ -39,6 +43,12 @@ class SuiteSettings:
     edit_threshold: float | None = None
     block_length: int | None = None
     max_refine_steps: int | None = None
+    # DiffusionGemma's sampler (CANVAS_KEYS)
+    max_denoising_steps: int | None = None
+    t_min: float | None = None
+    t_max: float | None = None
+    entropy_bound: float | None = None
+    confidence_threshold: float | None = None
     seed: int | None = 0
     prompt_style: PromptStyle = "chat"
     few_shot: bool = False
@@ -62,7 +72,8 @@ class SuiteSettings:
         """Keyword arguments for ``LLM.generate`` (unset options are left to the engine)."""
         kwargs: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "temperature": 0.0,
                                   "seed": self.seed}
-        for name in ("threshold", "edit_threshold", "block_length", "max_refine_steps"):
+        for name in ("threshold", "edit_threshold", "block_length", "max_refine_steps",
+                     *CANVAS_KEYS):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
         return kwargs

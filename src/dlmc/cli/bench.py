@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from dlmc.cli.bench_round import round_cmd
-from dlmc.cli.options import error_line
+from dlmc.cli.options import canvas_options, error_line
 from dlmc.errors import DlmcError
 
 
@@ -24,8 +24,11 @@ bench.add_command(round_cmd)  # compiled-rounds timing, in its own module
     "suite", short_help="Accuracy + speed on GSM8K, MATH-500, HumanEval, MBPP (papers' scorers)."
 )
 @click.option("--model", "-m", required=True, help="Model id or local checkpoint directory.")
-@click.option("--role", default="orl", show_default=True, help="Model role (see `dlmc generate`).")
-@click.option("--precision", default="auto", show_default=True, help="Weight/KV precision.")
+@click.option("--role", type=click.Choice(["orl", "llada2.1", "llada2.0"]), default="orl",
+              show_default=True, help="Decoder and its default settings (see `dlmc generate`).")
+@click.option("--precision", type=click.Choice(["auto", "bf16", "nvfp4"]), default="auto",
+              show_default=True,
+              help="Routed-expert precision (auto: nvfp4 for NVFP4 checkpoints on GPU).")
 @click.option("--device", default=None, help="torch device (default: the engine's choice).")
 @click.option("--kv-cache-dtype", type=click.Choice(["auto", "bf16", "fp8"]), default="auto",
               show_default=True, help="KV cache storage (auto: FP8 if the checkpoint says so).")
@@ -34,6 +37,7 @@ bench.add_command(round_cmd)  # compiled-rounds timing, in its own module
 @click.option("--block-length", type=int, default=None, help="Diffusion block length.")
 @click.option("--max-refine-steps", type=int, default=None, help="Refinement steps cap.")
 @click.option("--max-new-tokens", type=int, default=4096, show_default=True)
+@canvas_options
 @click.option("--problems", "-p", "problem_specs", multiple=True, metavar="NAME|FILE|NAME=FILE",
               help="Problem sets (more may follow as arguments): the names gsm8k, math500, "
                    "humaneval, mbpp use the files shipped with dlmc; a JSONL file's benchmark is "

@@ -8,10 +8,8 @@ from typing import Any
 
 import click
 
+from dlmc.bench.suite import CANVAS_KEYS
 from dlmc.errors import DlmcError, TokenizerError
-
-# DiffusionGemma's sampler options: LLM.stream refuses them for LLaDA2, so only given ones pass
-CANVAS_KEYS = ("max_denoising_steps", "t_min", "t_max", "entropy_bound", "confidence_threshold")
 
 
 class EditThreshold(click.ParamType):
@@ -89,8 +87,7 @@ def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def decode_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """--threshold --edit-threshold --max-refine-steps --max-new-tokens --block-length ... and
-    DiffusionGemma's --max-denoising-steps --t-min --t-max --entropy-bound
-    --confidence-threshold (passed on only when given)."""
+    DiffusionGemma's options (`canvas_options`)."""
     decorators = [
         click.option(
             "--threshold",
@@ -131,6 +128,17 @@ def decode_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--top-k", type=int, default=None),
         click.option("--top-p", type=float, default=None),
         click.option("--seed", type=int, default=None, help="Seed for sampling."),
+    ]
+    fn = canvas_options(fn)  # listed after the options above
+    for decorator in reversed(decorators):
+        fn = decorator(fn)
+    return fn
+
+
+def canvas_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """DiffusionGemma's --max-denoising-steps --t-min --t-max --entropy-bound
+    --confidence-threshold (CANVAS_KEYS; None when not given, and passed on only when given)."""
+    decorators = [
         click.option("--max-denoising-steps", type=int, default=None,
                      help="DiffusionGemma: steps per canvas at most (default: the checkpoint's "
                      "generation_config.json, 48)."),
