@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from dlmc.errors import ConfigError
 from dlmc.results import BlockChunk, Done, RoundEvent
@@ -45,6 +46,41 @@ def test_bad_requests_are_named(tiny_llm):
         tiny_llm.generate(prompt_token_ids=[1, 2], max_new_tokens=5000)
     with pytest.raises(ConfigError, match="`max_new_tokens`"):
         tiny_llm.generate(prompt="a", max_new_tokens=0)
+    with pytest.raises(ConfigError, match=r"prompt_token_ids: token ids are integers, got 1\.7"):
+        tiny_llm.generate(prompt_token_ids=[1, 1.7])
+    with pytest.raises(ConfigError, match="prompt: expected a string, got int"):
+        tiny_llm.generate(5)
+    with pytest.raises(ConfigError, match="a non-empty list of strings"):
+        tiny_llm.generate(["a", 1])
+
+
+@pytest.mark.parametrize(("token_ids", "message"), [
+    ([], "expected at least one token id"),
+    ([[1, 2]], r"token ids are integers, got \[1, 2\]"),
+    ([3, True], "token ids are integers, got True"),
+    ("abc", "expected a list of token ids, got str"),
+    (torch.ones(2), "expected a 1-D integer tensor, got 1-D float32"),
+    (torch.ones(1, 2, dtype=torch.long), "expected a 1-D integer tensor, got 2-D int64"),
+    ([1, 99999], "id 99999 is outside the vocabulary"),
+])
+def test_logits_name_bad_token_ids(tiny_llm, token_ids, message):
+    with pytest.raises(ConfigError, match="token_ids: " + message):
+        tiny_llm.logits(token_ids)
+
+
+def test_logits_take_a_list_a_tensor_or_an_array_alike(tiny_llm):
+    want = tiny_llm.logits([70, 71, 72])
+    assert want.shape == (3, tiny_llm.config.vocab_size)
+    assert torch.equal(tiny_llm.logits(torch.tensor([70, 71, 72])), want)
+    assert torch.equal(tiny_llm.logits(range(70, 73)), want)
+
+
+def test_a_list_of_prompts_gives_a_list_of_results(tiny_llm):
+    kwargs = dict(max_new_tokens=8, seed=3)
+    results = tiny_llm.generate(["1+1=", "Name a colour."], **kwargs)
+    assert [r.text for r in results] == [tiny_llm.generate(p, **kwargs).text
+                                         for p in ("1+1=", "Name a colour.")]
+    assert results[0].prompt_token_ids != results[1].prompt_token_ids
 
 
 def test_checkpoint_without_tokenizer_works_from_ids(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import operator
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -172,14 +173,11 @@ class LLM:
         if sum(given) != 1:
             raise ConfigError("give exactly one of prompt, messages or prompt_token_ids")
         if prompt_token_ids is not None:
-            ids = [int(t) for t in prompt_token_ids]
-            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise ConfigError(
-                    f"prompt_token_ids: id {bad[0]} is outside the vocabulary "
-                    f"0..{self.config.vocab_size - 1}"
-                )
-            return ids
+            return _token_ids(prompt_token_ids, "prompt_token_ids", self.config.vocab_size,
+                              allow_empty=True)
+        if prompt is not None and not isinstance(prompt, str):
+            raise ConfigError(f"prompt: expected a string, got {type(prompt).__name__} (a list "
+                              "of prompts goes to generate, which returns a list)")
         if messages is not None:
             if not messages or not all(
                 isinstance(m, dict) and "role" in m and "content" in m for m in messages
@@ -300,8 +298,15 @@ class LLM:
             )
         )
 
-    def generate(self, prompt: str | None = None, **kwargs: Any) -> GenerateResult:
-        """Decode one request to the end; same arguments as `stream` (without `rounds`)."""
+    def generate(self, prompt: str | list[str] | None = None,
+                 **kwargs: Any) -> GenerateResult | list[GenerateResult]:
+        """Decode one request to the end; same arguments as `stream` (without `rounds`). A
+        list of prompts gives a list of results, decoded one after another with the same
+        arguments."""
+        if isinstance(prompt, list | tuple):
+            if not prompt or not all(isinstance(p, str) for p in prompt):
+                raise ConfigError("prompt: expected a string or a non-empty list of strings")
+            return [self.generate(p, **kwargs) for p in prompt]
         known = [name for name, param in inspect.signature(LLM.stream).parameters.items()
                  if param.kind is not inspect.Parameter.VAR_KEYWORD] + list(CANVAS_OPTIONS)
         unknown = [key for key in kwargs if key not in known]
@@ -345,7 +350,8 @@ class LLM:
         encoder's causal pass (no canvas, no self-conditioning; sliding windows applied), the
         soft-capped logits; row i scores the token after position i, as a causal LM's do.
         """
-        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device).reshape(-1)
+        ids = torch.tensor(_token_ids(token_ids, "token_ids", self.config.vocab_size),
+                           dtype=torch.long, device=self.device)
         if self._canvas is not None:
             if block_length is not None:
                 raise ConfigError("block_length: a LLaDA2 option; DiffusionGemma's logits "
@@ -355,3 +361,29 @@ class LLM:
         pos = torch.arange(ids.shape[0], device=self.device)
         mask = block_causal_mask(pos, pos, bl, self.dtype)
         return self.model(ids, pos, MaskedAttention(mask))
+
+
+def _token_ids(values: Any, name: str, vocab_size: int, allow_empty: bool = False) -> list[int]:
+    """A sequence of token ids (ints, or a 1-D integer tensor) inside the vocabulary, as a
+    list (empty only with `allow_empty`); anything else is a ConfigError naming the argument."""
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1 or values.dtype.is_floating_point or values.dtype == torch.bool:
+            raise ConfigError(f"{name}: expected a 1-D integer tensor, got {values.dim()}-D "
+                              f"{str(values.dtype).removeprefix('torch.')}")
+        values = values.tolist()
+    if isinstance(values, str | bytes) or not hasattr(values, "__len__"):
+        raise ConfigError(f"{name}: expected a list of token ids, got {type(values).__name__}")
+    if not len(values) and not allow_empty:
+        raise ConfigError(f"{name}: expected at least one token id, got none")
+    ids = []
+    for value in values:
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            ids.append(operator.index(value))
+        except TypeError:
+            raise ConfigError(f"{name}: token ids are integers, got {value!r}") from None
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ConfigError(f"{name}: id {bad[0]} is outside the vocabulary 0..{vocab_size - 1}")
+    return ids
