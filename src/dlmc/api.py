@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import operator
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +19,7 @@ from dlmc.engine.canvas_decoder import CanvasDecoder
 from dlmc.engine.canvas_runtime import CanvasRuntime
 from dlmc.engine.decode_config import DecodeConfig, resolve_decode_config, role_defaults
 from dlmc.engine.events import BlockEvent, CanvasRoundEvent, DecodeOutput, RoundEvent
+from dlmc.engine.request_checks import checked_max_context, checked_token_ids
 from dlmc.errors import ConfigError, DlmcError, TokenizerError
 from dlmc.kv.attention import MaskedAttention, block_causal_mask
 from dlmc.kv.layout import paged_cache_problem
@@ -62,6 +62,8 @@ class LLM:
     of the last round's flags while the block still has masks (a round that may end the block
     is read first), so the GPU does not idle between rounds; the same rounds and tokens as
     without (default True).
+    `max_context`: positions a request's prompt and answer may take in all (default and at
+    most: the config's max_position_embeddings).
     `kernels`: the kernel choices (`KernelConfig`: attention backend, programmatic dependent
     launch, deterministic compilation); the defaults are the fastest measured.
     """
@@ -102,6 +104,7 @@ class LLM:
                             self.kernels)
         self.config, self.model, self.precision = loaded.config, loaded.model, loaded.precision
         self.kv_scales = loaded.kv_scales
+        max_context = checked_max_context(max_context, self.config.max_position_embeddings)
         self._tokenizer: Any = None
         self._canvas: CanvasRuntime | None = None
         self._decoder: BlockDecoder | CanvasDecoder
@@ -127,7 +130,7 @@ class LLM:
             log.info("%s has no self-conditioning weights: decoding without self-conditioning",
                      self.model_dir)
         self.special_ids = resolve_special_ids(self.model_dir, self._tokenizer_special_ids)
-        self.max_context = max_context or self.config.max_position_embeddings
+        self.max_context = max_context
         self._decoder = BlockDecoder(
             self.model, self.special_ids.mask_token_id, self.special_ids.eos_token_id,
             self.max_context, self.device, self.dtype, mode=self.mode,
@@ -173,8 +176,8 @@ class LLM:
         if sum(given) != 1:
             raise ConfigError("give exactly one of prompt, messages or prompt_token_ids")
         if prompt_token_ids is not None:
-            return _token_ids(prompt_token_ids, "prompt_token_ids", self.config.vocab_size,
-                              allow_empty=True)
+            return checked_token_ids(prompt_token_ids, "prompt_token_ids",
+                                     self.config.vocab_size, allow_empty=True)
         if prompt is not None and not isinstance(prompt, str):
             raise ConfigError(f"prompt: expected a string, got {type(prompt).__name__} (a list "
                               "of prompts goes to generate, which returns a list)")
@@ -350,7 +353,7 @@ class LLM:
         encoder's causal pass (no canvas, no self-conditioning; sliding windows applied), the
         soft-capped logits; row i scores the token after position i, as a causal LM's do.
         """
-        ids = torch.tensor(_token_ids(token_ids, "token_ids", self.config.vocab_size),
+        ids = torch.tensor(checked_token_ids(token_ids, "token_ids", self.config.vocab_size),
                            dtype=torch.long, device=self.device)
         if self._canvas is not None:
             if block_length is not None:
@@ -362,28 +365,3 @@ class LLM:
         mask = block_causal_mask(pos, pos, bl, self.dtype)
         return self.model(ids, pos, MaskedAttention(mask))
 
-
-def _token_ids(values: Any, name: str, vocab_size: int, allow_empty: bool = False) -> list[int]:
-    """A sequence of token ids (ints, or a 1-D integer tensor) inside the vocabulary, as a
-    list (empty only with `allow_empty`); anything else is a ConfigError naming the argument."""
-    if isinstance(values, torch.Tensor):
-        if values.dim() != 1 or values.dtype.is_floating_point or values.dtype == torch.bool:
-            raise ConfigError(f"{name}: expected a 1-D integer tensor, got {values.dim()}-D "
-                              f"{str(values.dtype).removeprefix('torch.')}")
-        values = values.tolist()
-    if isinstance(values, str | bytes) or not hasattr(values, "__len__"):
-        raise ConfigError(f"{name}: expected a list of token ids, got {type(values).__name__}")
-    if not len(values) and not allow_empty:
-        raise ConfigError(f"{name}: expected at least one token id, got none")
-    ids = []
-    for value in values:
-        try:
-            if isinstance(value, bool):
-                raise TypeError
-            ids.append(operator.index(value))
-        except TypeError:
-            raise ConfigError(f"{name}: token ids are integers, got {value!r}") from None
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ConfigError(f"{name}: id {bad[0]} is outside the vocabulary 0..{vocab_size - 1}")
-    return ids

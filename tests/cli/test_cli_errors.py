@@ -118,3 +118,12 @@ def test_a_checkpoint_without_tokenizer_gets_command_line_advice(tmp_path):
         _one_line_error(res, f"{directory}: no usable tokenizer", "tokenizer.json",
                         "--raw skips only the chat template")
         assert "prompt_token_ids" not in res.output
+
+
+def test_max_context_bounds_a_request_and_the_model_bounds_it(tiny_dir):
+    runner = CliRunner()
+    args = ["generate", "--model", str(tiny_dir), "--device", "cpu", "--raw", "hi"]
+    res = runner.invoke(main, [*args[:-1], "--max-context", "40", "--max-new-tokens", "64", "hi"])
+    _one_line_error(res, "max_new_tokens (64)", "exceeds the model's context of 40")
+    res = runner.invoke(main, [*args[:-1], "--max-context", "5000", "hi"])
+    _one_line_error(res, "max_context=5000", "max_position_embeddings (4096)")

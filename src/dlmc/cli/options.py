@@ -29,8 +29,8 @@ class EditThreshold(click.ParamType):
 
 
 def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """--model --role --precision --device --dtype --mode --kv-cache-dtype (the last two reach
-    the command in **kwargs; pass them on with `engine_kwargs`)."""
+    """--model --role --precision --device --dtype --max-context --mode --kv-cache-dtype (the
+    last three reach the command in **kwargs; pass them on with `engine_kwargs`)."""
     decorators = [
         click.option(
             "--model",
@@ -63,6 +63,13 @@ def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             default=None,
             help="Activation dtype (default: bf16 on CUDA or with --kv-cache-dtype fp8, else "
             "fp32).",
+        ),
+        click.option(
+            "--max-context",
+            type=click.IntRange(min=1),
+            default=None,
+            help="Positions a request's prompt and answer may take in all (default and at "
+            "most: the model's max_position_embeddings).",
         ),
         click.option(
             "--mode",
@@ -250,9 +257,9 @@ def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def engine_kwargs(params: dict[str, Any]) -> dict[str, Any]:
-    """The LLM constructor's --mode / --kv-cache-dtype (and `kernels`, from `kernel_options`)
-    among a command's parameters."""
-    kwargs = {"mode": params.get("mode"),
+    """The LLM constructor's --max-context / --mode / --kv-cache-dtype (and `kernels`, from
+    `kernel_options`) among a command's parameters."""
+    kwargs = {"max_context": params.get("max_context"), "mode": params.get("mode"),
               "kv_cache_dtype": params.get("kv_cache_dtype") or "auto"}
     if params.get("kernels") is not None:
         kwargs["kernels"] = params["kernels"]
