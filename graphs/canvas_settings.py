@@ -29,6 +29,10 @@ HF_DEFAULTS: dict[str, Any] = {
     "confidence_threshold": 0.005,
 }
 SAMPLER_CLASS = "EntropyBoundSamplerConfig"
+# The sampler settings a request may set besides max_new_tokens (LLM.generate's keywords, the
+# CLI's and the server's options of the same names; LLaDA2's decoder refuses them by name).
+CANVAS_KEYS = ("max_denoising_steps", "t_min", "t_max", "entropy_bound", "stability_threshold",
+               "confidence_threshold")
 
 
 def _is_int(value: Any) -> bool:

@@ -100,7 +100,8 @@ def test_bad_options_are_named(tiny_gemma_llm, kwargs, message):
 
 
 def test_llada2_refuses_the_canvas_options(tiny_llm):
-    with pytest.raises(ConfigError, match="unknown decoding option"):
+    with pytest.raises(ConfigError, match="decoding option `t_min`: a DiffusionGemma setting; "
+                       "LLaDA2's decoder takes max_new_tokens, threshold"):
         tiny_llm.generate(prompt_token_ids=[1, 2], max_new_tokens=4, t_min=0.3)
 
 

@@ -209,6 +209,11 @@ class LLM:
         given = {k: v for k, v in overrides.items() if v is not _UNSET}
         if self._canvas is not None:
             return self._canvas.decode_settings(given)
+        canvas = [key for key in given if key in CANVAS_OPTIONS and key != "max_new_tokens"]
+        if canvas:
+            raise ConfigError(f"decoding option `{canvas[0]}`: a DiffusionGemma setting; "
+                              "LLaDA2's decoder takes max_new_tokens, threshold, edit_threshold, "
+                              "max_refine_steps, block_length, temperature, top_k, top_p and seed")
         return resolve_decode_config(self.role, self.model_dir, given)
 
     def stream(

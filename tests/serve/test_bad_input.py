@@ -28,6 +28,10 @@ CASES = [
     ("/generate", {"prompt": "a", "temperature": -1}, "temperature"),
     ("/generate", {"prompt": "a", "top_p": 0}, "top_p"),
     ("/generate", {"prompt": "a", "seed": -1}, "seed"),
+    ("/generate", {"prompt": "a", "t_min": 0.3}, "t_min"),  # DiffusionGemma's, not LLaDA2's
+    ("/generate", {"prompt": "a", "max_denoising_steps": 0}, "max_denoising_steps"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages[0].content[0]"),
     ("/generate", {"messages": []}, "messages"),
     ("/generate", {"prompt": ""}, "prompt"),
     ("/generate", {"messages": [{"role": "user"}]}, "messages[0].content"),

@@ -42,6 +42,18 @@ def test_chat_completions(gemma_client: httpx.Client, tiny_gemma_llm: Any):
     assert response.json()["choices"][0]["message"]["content"] == want.text
 
 
+def test_a_requests_sampler_settings_win(gemma_client: httpx.Client, tiny_gemma_llm: Any):
+    body = {"prompt": "Hi", "max_new_tokens": 32, "seed": 5, "max_denoising_steps": 2,
+            "t_min": 0.2, "t_max": 0.6, "entropy_bound": 0.3, "stability_threshold": 0,
+            "confidence_threshold": 0.01, "stream": False}
+    got = gemma_client.post("/generate", json=body).json()
+    kwargs = {k: v for k, v in body.items() if k not in ("prompt", "stream")}
+    want = tiny_gemma_llm.generate(prompt="Hi", **kwargs)
+    assert got["text"] == want.text and got["forwards"] == want.num_forwards <= 2
+    settings = tiny_gemma_llm.decode_settings(**kwargs).settings
+    assert (settings.t_min, settings.entropy_bound, settings.stability_threshold) == (0.2, 0.3, 0)
+
+
 @pytest.mark.parametrize(("body", "param", "message"), [
     ({"messages": CHAT, "threshold": 0.9}, "threshold", "a LLaDA2 setting"),
     ({"messages": CHAT, "temperature": 0.7}, "temperature", "a LLaDA2 setting"),

@@ -21,7 +21,6 @@ from dlmc.bench.records import BenchmarkSummary, ProblemRecord
 from dlmc.bench.report import describe_device, render_report
 from dlmc.bench.scorers.math_verify_pool import MathVerifier
 from dlmc.bench.suite import (
-    CANVAS_KEYS,
     SuiteSettings,
     check_run_file,
     run_benchmark,
@@ -29,6 +28,7 @@ from dlmc.bench.suite import (
     write_summary,
 )
 from dlmc.errors import ConfigError
+from dlmc.graphs.canvas_settings import CANVAS_KEYS
 
 
 def run_suite(options: dict[str, Any], load_llm: Callable[..., Any]) -> list[BenchmarkSummary]:

@@ -22,10 +22,7 @@ from dlmc.bench.records import (
 from dlmc.bench.scorers import ScoreResult, score_gsm8k, score_humaneval, score_math, score_mbpp
 from dlmc.bench.scorers.math_verify_pool import MathVerifier
 from dlmc.errors import ConfigError
-
-# DiffusionGemma's sampler options of the suite and the CLI (LLM.generate refuses them for
-# LLaDA2, so they are passed on only when given)
-CANVAS_KEYS = ("max_denoising_steps", "t_min", "t_max", "entropy_bound", "confidence_threshold")
+from dlmc.graphs.canvas_settings import CANVAS_KEYS
 
 
 class GenerateFn(Protocol):
@@ -48,6 +45,7 @@ class SuiteSettings:
     t_min: float | None = None
     t_max: float | None = None
     entropy_bound: float | None = None
+    stability_threshold: int | None = None
     confidence_threshold: float | None = None
     seed: int | None = 0
     prompt_style: PromptStyle = "chat"

@@ -8,8 +8,8 @@ from typing import Any
 
 import click
 
-from dlmc.bench.suite import CANVAS_KEYS
 from dlmc.errors import DlmcError, TokenizerError
+from dlmc.graphs.canvas_settings import CANVAS_KEYS
 
 
 class EditThreshold(click.ParamType):
@@ -144,7 +144,8 @@ def decode_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def canvas_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """DiffusionGemma's --max-denoising-steps --t-min --t-max --entropy-bound
-    --confidence-threshold (CANVAS_KEYS; None when not given, and passed on only when given)."""
+    --stability-threshold --confidence-threshold (CANVAS_KEYS; None when not given, and passed
+    on only when given)."""
     decorators = [
         click.option("--max-denoising-steps", type=int, default=None,
                      help="DiffusionGemma: steps per canvas at most (default: the checkpoint's "
@@ -155,6 +156,9 @@ def canvas_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      help="DiffusionGemma: temperature at the first step (default 0.8)."),
         click.option("--entropy-bound", type=float, default=None,
                      help="DiffusionGemma: acceptance budget in nats per step (default 0.1)."),
+        click.option("--stability-threshold", type=int, default=None,
+                     help="DiffusionGemma: steps the argmax canvas must stay unchanged before "
+                     "a canvas may stop (default 1)."),
         click.option("--confidence-threshold", type=float, default=None,
                      help="DiffusionGemma: a canvas stops once stable with a mean entropy "
                      "below this (default 0.005)."),

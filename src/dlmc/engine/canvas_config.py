@@ -22,7 +22,7 @@ from typing import Any
 from dlmc.engine.paper_decoding import ALIASES as LLADA2_ALIASES
 from dlmc.engine.paper_decoding import KNOWN_ELSEWHERE, read_flat
 from dlmc.errors import ConfigError
-from dlmc.graphs.canvas_settings import HF_DEFAULTS, CanvasSettings
+from dlmc.graphs.canvas_settings import CANVAS_KEYS, HF_DEFAULTS, CanvasSettings
 from dlmc.graphs.canvas_settings import canvas_settings_from_generation_config as from_file
 from dlmc.models.diffusion_gemma_config import DiffusionGemmaConfig
 
@@ -31,8 +31,7 @@ log = logging.getLogger(__name__)
 CANVAS_ROLES = ("orl",)
 # The sampler settings a request may give (CanvasSettings fields; canvas_length, the EOS and
 # pad ids are the checkpoint's).
-CANVAS_OPTIONS = ("max_new_tokens", "max_denoising_steps", "t_min", "t_max", "entropy_bound",
-                  "stability_threshold", "confidence_threshold")
+CANVAS_OPTIONS = ("max_new_tokens", *CANVAS_KEYS)
 LLADA2_OPTIONS = ("threshold", "edit_threshold", "max_refine_steps", "block_length", "top_k",
                   "top_p", "temperature")
 # paper_decoding.json keys read for this sampler. `confidence_threshold` is not among them:

@@ -125,9 +125,11 @@ class RequestPreparer:
 
 
 def _input_error(exc: DlmcError) -> ApiError:
-    """A 400 naming the field the engine's message names (`option` or `field: ...`)."""
+    """A 400 naming the field the engine's message names (`option` or `field: ...`); the
+    engine's "decoding option `x`: ..." reads "x: ..." as the other field errors do."""
     text = str(exc)
     named = re.search(r"`(\w+)`", text) or re.match(r"(\w+):", text)
+    text = re.sub(r"^decoding option `(\w+)`: ", r"\1: ", text)
     return ApiError(400, text, param=named.group(1) if named else None)
 
 

@@ -12,6 +12,8 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
+from dlmc.graphs.canvas_settings import CANVAS_KEYS
+
 
 class ApiError(Exception):
     """An HTTP error with an OpenAI-style body; `param` names the request field at fault."""
@@ -83,12 +85,19 @@ class DecodeFields(_Strict):
     top_k: int | None = Field(default=None, ge=1)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    # DiffusionGemma's sampler (a LLaDA2 model refuses them by name)
+    max_denoising_steps: int | None = Field(default=None, ge=1)
+    t_min: float | None = Field(default=None, ge=0.0, le=100.0)
+    t_max: float | None = Field(default=None, ge=0.0, le=100.0)
+    entropy_bound: float | None = Field(default=None, gt=0.0)
+    stability_threshold: int | None = Field(default=None, ge=0)
+    confidence_threshold: float | None = Field(default=None, ge=0.0)
 
     def decode_overrides(self) -> dict[str, Any]:
         """The decoding fields the request gave (`edit_threshold: null` kept: no edits)."""
         given = {
             k: getattr(self, k)
-            for k in ("threshold", "temperature", "top_k", "top_p", "seed")
+            for k in ("threshold", "temperature", "top_k", "top_p", "seed", *CANVAS_KEYS)
             if getattr(self, k) is not None
         }
         if "edit_threshold" in self.model_fields_set:
