@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from click.testing import CliRunner
 
@@ -19,6 +20,24 @@ def test_without_a_gpu_the_command_says_so(monkeypatch):
     result = CliRunner().invoke(bench, ["round", "--temperature", "0.7"])
     assert result.exit_code != 0
     assert "needs a CUDA GPU" in result.output
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--shape", "llada3"], "--shape 'llada3': expected one of llada2.1-mini, diffusiongemma"),
+    (["--modes", "eager,fast"], "--modes 'eager,fast': expected a comma-separated list"),
+    (["--rounds", "0"], "--rounds 0: expected an integer >= 1"),
+    (["--prefix", "-1"], "--prefix -1: expected an integer >= 0"),
+    (["--canvas", "128"], "--canvas: not an option of LLaDA2's round"),
+    (["--shape", "diffusiongemma-26b-a4b", "--block-length", "32"],
+     "--block-length: not an option of diffusiongemma-26b-a4b's round (its canvas is --canvas)"),
+    (["--shape", "diffusiongemma-26b-a4b", "--no-fuse-shared-expert"],
+     "--fuse-shared-expert: not an option of diffusiongemma-26b-a4b's round"),
+])
+def test_bad_options_are_refused_before_the_gpu_check(monkeypatch, args, message):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = CliRunner().invoke(bench, ["round", *args])
+    assert result.exit_code == 1
+    assert message in " ".join(result.output.split()) and "CUDA" not in result.output
 
 
 def test_diffusiongemma_options_the_canvas_step_does_not_take_are_refused(monkeypatch):

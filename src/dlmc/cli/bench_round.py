@@ -73,16 +73,21 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
     )
     from dlmc.errors import ConfigError
 
-    if not torch.cuda.is_available():
-        raise ConfigError("dlmc bench round needs a CUDA GPU")
-    if model is None and shape.startswith("diffusiongemma"):  # --fuse-*: LLaDA2 only
+    canvas_shape = model is None and shape.startswith("diffusiongemma")
+    problem = _option_problem(model, shape, canvas_shape, modes, rounds, prefix, block_length,
+                              canvas)
+    if canvas_shape and not problem:
         from dlmc.bench.canvas_precision import canvas_option_problem
-        from dlmc.cli.bench_canvas import canvas_round
 
         problem = canvas_option_problem(shape, precision, kv_cache_dtype, kv_layout,
                                         temperature)
-        if problem:
-            raise ConfigError(problem)
+    if problem:  # before the GPU check and before minutes of building the model
+        raise ConfigError(problem)
+    if not torch.cuda.is_available():
+        raise ConfigError("dlmc bench round needs a CUDA GPU")
+    if canvas_shape:
+        from dlmc.cli.bench_canvas import canvas_round
+
         canvas_round(shape, canvas, prefix, routing, rounds, tuple(modes.split(",")), kernels,
                      out, precision=precision, kv_cache_dtype=kv_cache_dtype, loop=loop,
                      profile=profile)
@@ -190,6 +195,34 @@ def round_cmd(model: str | None, shape: str, precision: str, block_length: int, 
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2))
+
+
+def _option_problem(model: str | None, shape: str, canvas_shape: bool, modes: str,
+                    rounds: int, prefix: int, block_length: int, canvas: int) -> str | None:
+    """Why these options cannot be timed (one line naming the option), or None. An option
+    given on the command line that the chosen model does not take is refused too."""
+    from click.core import ParameterSource
+
+    from dlmc.models.shapes import SHAPES
+
+    if model is None and shape not in SHAPES:
+        return f"--shape {shape!r}: expected one of {', '.join(SHAPES)}"
+    wrong = [m for m in modes.split(",") if m not in ("eager", "compile", "graph")]
+    if wrong or not modes:
+        return f"--modes {modes!r}: expected a comma-separated list of eager, compile, graph"
+    for name, value, least in (("--rounds", rounds, 1), ("--prefix", prefix, 0),
+                               ("--block-length", block_length, 1), ("--canvas", canvas, 1)):
+        if value < least:
+            return f"{name} {value}: expected an integer >= {least}"
+    given = click.get_current_context().get_parameter_source
+    foreign = (("block_length", "fuse_shared_expert", "fuse_gate_up") if canvas_shape
+               else ("canvas",))
+    for name in foreign:
+        if given(name) == ParameterSource.COMMANDLINE:
+            option = "--" + name.replace("_", "-")
+            return (f"{option}: not an option of {shape if canvas_shape else 'LLaDA2'}'s round"
+                    + (" (its canvas is --canvas)" if name == "block_length" else ""))
+    return None
 
 
 def _build(model: str | None, shape: str, device: Any, precision: str, kernels: Any) -> Any:
