@@ -114,3 +114,13 @@ def test_llada2_takes_the_post_attention_fusion_choice(monkeypatch):
         result = CliRunner().invoke(bench, ["round", *flag])
         assert isinstance(result.exception, Built), result.output
     assert chosen == [True, False, True]
+
+
+def test_a_diffusiongemma_checkpoint_is_sent_to_its_shape(tiny_gemma_dir):
+    """--model takes a LLaDA2 checkpoint; DiffusionGemma's step is timed with its --shape."""
+    from dlmc.cli.bench_round import _build
+    from dlmc.custom_ops.kernel_config import KernelConfig
+    from dlmc.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"a DiffusionGemma checkpoint; .* --shape diffusion"):
+        _build(str(tiny_gemma_dir), "llada2.1-mini", torch.device("cpu"), "bf16", KernelConfig())

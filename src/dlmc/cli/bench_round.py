@@ -234,9 +234,14 @@ def _build(model: str | None, shape: str, device: Any, precision: str, kernels: 
 
     if model:
         from dlmc.api import LLM
+        from dlmc.models.diffusion_gemma_config import DiffusionGemmaConfig
 
-        return LLM(model, device=device, dtype="bf16", mode="eager", precision=precision,
-                   kernels=kernels).model
+        llm = LLM(model, device=device, dtype="bf16", mode="eager", precision=precision,
+                  kernels=kernels)
+        if isinstance(llm.config, DiffusionGemmaConfig):
+            raise ConfigError(f"--model {model}: a DiffusionGemma checkpoint; its denoising step "
+                              "is timed at full size with --shape diffusiongemma-26b-a4b")
+        return llm.model
     if shape not in SHAPES:
         raise ConfigError(f"--shape {shape!r}: expected one of {', '.join(SHAPES)}")
     net = build_random_model(SHAPES[shape], device, torch.bfloat16, seed=0)
