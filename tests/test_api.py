@@ -59,6 +59,9 @@ def test_logits_name_bad_token_ids(tiny_llm):
         tiny_llm.logits([])
     with pytest.raises(ConfigError, match="token_ids: id 99999 is outside the vocabulary"):
         tiny_llm.logits([1, 99999])
+    with pytest.raises(ConfigError, match="token_ids: 4097 tokens exceed the model's context "
+                       "of 4096"):
+        tiny_llm.logits([1] * 4097)
 
 
 def test_max_context_is_checked_against_the_model(tiny_dir):

@@ -360,6 +360,9 @@ class LLM:
         """
         ids = torch.tensor(checked_token_ids(token_ids, "token_ids", self.config.vocab_size),
                            dtype=torch.long, device=self.device)
+        if ids.shape[0] > self.max_context:
+            raise ConfigError(f"token_ids: {ids.shape[0]} tokens exceed the model's context of "
+                              f"{self.max_context}")
         if self._canvas is not None:
             if block_length is not None:
                 raise ConfigError("block_length: a LLaDA2 option; DiffusionGemma's logits "
@@ -369,4 +372,3 @@ class LLM:
         pos = torch.arange(ids.shape[0], device=self.device)
         mask = block_causal_mask(pos, pos, bl, self.dtype)
         return self.model(ids, pos, MaskedAttention(mask))
-
