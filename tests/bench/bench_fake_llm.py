@@ -44,6 +44,12 @@ class FakeLLM:
     calls: list[dict[str, Any]] = field(default_factory=list)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     model_id: str = "fake"
+    checked: list[dict[str, Any]] = field(default_factory=list)
+
+    def decode_settings(self, **overrides: Any) -> dict[str, Any]:
+        """Records the settings the suite checks before its first problem."""
+        self.checked.append(overrides)
+        return overrides
 
     def generate(
         self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,

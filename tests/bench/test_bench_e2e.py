@@ -63,3 +63,9 @@ def test_tiny_diffusiongemma_suite_runs_through_llm(tiny_gemma_dir: Path, tmp_pa
     record = json.loads((out / "gsm8k.jsonl").read_text().splitlines()[0])
     # canvases of 32 tokens (tiny-diffusiongemma's), at most 5 decoder steps each
     assert 0 < record["tokens"] <= 32 and 1 <= record["forwards"] <= 5
+    # an option of the other model is refused before the first problem, with no record written
+    other = tmp_path / "gemma-threshold"
+    result = CliRunner().invoke(main, [*args[:-2], "--threshold", "0.9", "--out", str(other)])
+    assert result.exit_code == 1 and "decoding option `threshold`: a LLaDA2 setting" in " ".join(
+        result.output.split())
+    assert "gsm8k" not in result.output and not (other / "gsm8k.jsonl").exists()

@@ -79,6 +79,9 @@ def test_cli_runs_the_four_packaged_sets_by_name_and_resumes(
     first = CliRunner().invoke(main, args)
     assert first.exit_code == 0, first.output
     assert len(llm.calls) == 12 and "dlmc bench suite" in first.output
+    assert llm.checked[0] == {k: llm.calls[0][k] for k in ("max_new_tokens", "threshold",
+                                                              "edit_threshold", "seed")} | {
+        "temperature": 0.0}  # the settings are checked once, before the first problem
     summary = json.loads((out / "summary.json").read_text())
     scores = {b["name"]: (b["problems"], b["correct"]) for b in summary["benchmarks"]}
     assert scores == {"gsm8k": (3, 3), "math500": (3, 2), "humaneval": (3, 3), "mbpp": (3, 2)}

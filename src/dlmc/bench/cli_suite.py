@@ -62,6 +62,7 @@ def run_suite(options: dict[str, Any], load_llm: Callable[..., Any]) -> list[Ben
     console = Console()
     llm = load_llm(options["model"], options["role"], options["precision"], options["device"],
                    options.get("kv_cache_dtype") or "auto")
+    llm.decode_settings(**settings.generate_kwargs())  # what the model refuses fails here
     device = describe_device(llm)
     engine_settings: dict[str, Any] | None = None
 
