@@ -42,6 +42,32 @@ def test_chat_completions(gemma_client: httpx.Client, tiny_gemma_llm: Any):
     assert response.json()["choices"][0]["message"]["content"] == want.text
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_max_tokens_is_a_hard_cap(gemma_client: httpx.Client, tiny_gemma_llm: Any,
+                                         stream: bool):
+    """40 tokens: the engine decodes two 32-token canvases (64 tokens, as transformers does);
+    the OpenAI endpoint sends the first 40 and says "length"."""
+    body = {"messages": CHAT, "max_tokens": 40, "seed": 4, "stream": stream,
+            "stream_options": {"include_usage": True} if stream else None}
+    want = tiny_gemma_llm.generate(messages=CHAT, max_new_tokens=40, seed=4, **DEFAULTS)
+    assert len(want.token_ids) == 64  # the canvases pass the limit (no EOS in them)
+    text = tiny_gemma_llm.decode_text(want.token_ids[:40])
+    if stream:
+        with gemma_client.stream("POST", "/v1/chat/completions", json=body) as response:
+            chunks = [c for c in sse_data(response) if c != "[DONE]"]
+        sent = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks
+                       if c["choices"])
+        finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]
+        usage = chunks[-1]["usage"]
+    else:
+        answer = gemma_client.post("/v1/chat/completions", json=body).json()
+        sent, usage = answer["choices"][0]["message"]["content"], answer["usage"]
+        finish = answer["choices"][0]["finish_reason"]
+    assert sent == text and finish == "length"
+    assert usage["completion_tokens"] == 40
+    assert usage["total_tokens"] == 40 + len(want.prompt_token_ids)
+
+
 def test_a_requests_sampler_settings_win(gemma_client: httpx.Client, tiny_gemma_llm: Any):
     body = {"prompt": "Hi", "max_new_tokens": 32, "seed": 5, "max_denoising_steps": 2,
             "t_min": 0.2, "t_max": 0.6, "entropy_bound": 0.3, "stability_threshold": 0,

@@ -74,3 +74,15 @@ def test_models_lists_the_served_model(client: httpx.Client) -> None:
     assert [(m["id"], m["object"], m["owned_by"]) for m in data["data"]] == [
         ("tiny-llada2", "model", "dlmc")
     ]
+
+
+def test_the_cap_cuts_the_block_that_crosses_the_limit_and_drops_the_rest():
+    from dlmc.server.openai_compat import _Cap
+
+    def decode(ids):
+        return "".join(chr(ord("a") + i) for i in ids)
+
+    cap = _Cap(decode, limit=5)
+    assert [cap.add(ids, decode(ids)) for ids in ([0, 1, 2], [3, 4, 5, 6], [7, 8])] == \
+        ["abc", "de", ""]
+    assert cap.ids == [0, 1, 2, 3, 4] and cap.text == "abcde"

@@ -7,13 +7,18 @@ chunk with `delta.role`, then one chunk per finished block, then a chunk with
 `finish_reason` and `usage` (and, with `stream_options.include_usage`, a chunk with empty
 `choices` and `usage`, as OpenAI sends it) — and ends with `data: [DONE]`. An error after the
 stream started is sent as `data: {"error": {...}}` before `[DONE]`.
+
+`max_tokens` is a hard cap, as OpenAI's is: DiffusionGemma's answers grow by whole canvases
+and may pass the limit (as in transformers' `generate`), so these endpoints cut the answer at
+the limit (`finish_reason` "length"; `usage` counts the tokens sent). LLaDA2's answers never
+pass it.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -60,9 +65,10 @@ async def _complete(ctx: ServerContext, request: Request, chat: bool) -> Respons
         body, prepared = await off_loop(_prepare, ctx, raw, chat)
         job = ctx.worker.submit(prepared)
         head = _Head(ctx.model_name, chat)
+        cap = _Cap(ctx.llm.decode_text, prepared.settings["max_new_tokens"])
         if not body.stream:
             done = await run_to_end(ctx.worker, job, request)
-            return JSONResponse(head.whole(done.result))
+            return JSONResponse(head.whole(done.result, cap))
     except Exception as exc:
         return error_response(exc)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -73,14 +79,15 @@ async def _complete(ctx: ServerContext, request: Request, chat: bool) -> Respons
                 yield sse(head.chunk({"role": "assistant", "content": ""}))
             async for event in ctx.worker.events(job):
                 if isinstance(event, BlockChunk):
-                    if event.text:
-                        yield sse(head.chunk({"content": event.text} if chat else event.text))
+                    text = cap.add(event.token_ids, event.text)
+                    if text:
+                        yield sse(head.chunk({"content": text} if chat else text))
                     continue
                 result = event.result
-                last = head.chunk({} if chat else "", finish_reason=_finish(result))
-                yield sse({**last, "usage": _usage(result)})
+                last = head.chunk({} if chat else "", finish_reason=cap.finish(result))
+                yield sse({**last, "usage": cap.usage(result)})
                 if include_usage:
-                    yield sse({**head.chunk(None), "choices": [], "usage": _usage(result)})
+                    yield sse({**head.chunk(None), "choices": [], "usage": cap.usage(result)})
         except Exception as exc:
             yield sse(api_error(exc).body())
         yield sse("[DONE]")
@@ -117,20 +124,22 @@ class _Head:
         self.model, self.chat, self.created = model, chat, int(time.time())
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 
-    def whole(self, result: GenerateResult) -> dict[str, Any]:
-        """The non-streaming answer."""
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": _finish(result)}
+    def whole(self, result: GenerateResult, cap: _Cap) -> dict[str, Any]:
+        """The non-streaming answer, cut at the token limit."""
+        choice: dict[str, Any] = {"index": 0, "logprobs": None,
+                                  "finish_reason": cap.finish(result)}
+        text = cap.text_of(result)
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": result.text}
+            choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = result.text
+            choice["text"] = text
         return {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
             "model": self.model,
             "choices": [choice],
-            "usage": _usage(result),
+            "usage": cap.usage(result),
         }
 
     def chunk(self, delta: Any, finish_reason: str | None = None) -> dict[str, Any]:
@@ -146,14 +155,40 @@ class _Head:
         }
 
 
-def _finish(result: GenerateResult) -> str:
-    return "length" if result.finish_reason == "length" else "stop"
 
+class _Cap:
+    """An answer held to `limit` tokens: the text of the ids within it, the finish reason and
+    the usage of what was sent. `decode(ids)` is the engine's text of answer ids."""
 
-def _usage(result: GenerateResult) -> dict[str, int]:
-    prompt, completion = len(result.prompt_token_ids), len(result.token_ids)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
+    def __init__(self, decode: Callable[[list[int]], str], limit: int) -> None:
+        self.decode, self.limit = decode, limit
+        self.ids: list[int] = []
+        self.text = ""
+
+    def add(self, token_ids: Sequence[int], text: str) -> str:
+        """The text a finished block adds within the limit (its own `text` when it fits)."""
+        room = self.limit - len(self.ids)
+        if len(token_ids) <= room:
+            self.ids.extend(token_ids)
+            self.text += text
+            return text
+        if room <= 0:
+            return ""
+        self.ids.extend(token_ids[:room])
+        cut = self.decode(self.ids).rstrip("\ufffd")  # no half character at the cut
+        added, self.text = cut[len(self.text):], cut
+        return added
+
+    def text_of(self, result: GenerateResult) -> str:
+        if len(result.token_ids) <= self.limit:
+            return result.text
+        return self.decode(list(result.token_ids[: self.limit])).rstrip("\ufffd")
+
+    def finish(self, result: GenerateResult) -> str:
+        cut = len(result.token_ids) > self.limit
+        return "length" if cut or result.finish_reason == "length" else "stop"
+
+    def usage(self, result: GenerateResult) -> dict[str, int]:
+        prompt, completion = len(result.prompt_token_ids), min(len(result.token_ids), self.limit)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
