@@ -21,6 +21,7 @@ from dlmc.engine.decode_config import DecodeConfig, resolve_decode_config, role_
 from dlmc.engine.events import BlockEvent, CanvasRoundEvent, DecodeOutput, RoundEvent
 from dlmc.engine.request_checks import checked_max_context, checked_token_ids
 from dlmc.errors import ConfigError, DlmcError, TokenizerError
+from dlmc.graphs.canvas_settings import CANVAS_KEYS
 from dlmc.kv.attention import MaskedAttention, block_causal_mask
 from dlmc.kv.layout import paged_cache_problem
 from dlmc.kv.scales import resolve_kv_cache_dtype
@@ -209,7 +210,7 @@ class LLM:
         given = {k: v for k, v in overrides.items() if v is not _UNSET}
         if self._canvas is not None:
             return self._canvas.decode_settings(given)
-        canvas = [key for key in given if key in CANVAS_OPTIONS and key != "max_new_tokens"]
+        canvas = [key for key in given if key in CANVAS_KEYS]
         if canvas:
             raise ConfigError(f"decoding option `{canvas[0]}`: a DiffusionGemma setting; "
                               "LLaDA2's decoder takes max_new_tokens, threshold, edit_threshold, "

@@ -203,13 +203,13 @@ def _option_problem(model: str | None, shape: str, canvas_shape: bool, modes: st
     given on the command line that the chosen model does not take is refused too."""
     from click.core import ParameterSource
 
+    from dlmc.graphs.runner import MODES
     from dlmc.models.shapes import SHAPES
 
     if model is None and shape not in SHAPES:
         return f"--shape {shape!r}: expected one of {', '.join(SHAPES)}"
-    wrong = [m for m in modes.split(",") if m not in ("eager", "compile", "graph")]
-    if wrong or not modes:
-        return f"--modes {modes!r}: expected a comma-separated list of eager, compile, graph"
+    if not modes or any(m not in MODES for m in modes.split(",")):
+        return f"--modes {modes!r}: expected a comma-separated list of {', '.join(MODES)}"
     for name, value, least in (("--rounds", rounds, 1), ("--prefix", prefix, 0),
                                ("--block-length", block_length, 1), ("--canvas", canvas, 1)):
         if value < least:
