@@ -151,3 +151,23 @@ def test_settings_left_out_take_the_checkpoint_file_under_any_role(tiny_dir, tmp
     res = llm.generate(prompt_token_ids=[70, 71, 72], temperature=0.0, threshold=0.95)
     assert (res.settings["temperature"], res.settings["threshold"]) == (0.0, 0.95)
     assert llm.decode_settings() == llm.decode_settings(temperature=0.5)
+
+
+def test_a_stop_sequence_ends_the_answer_before_it(tiny_llm):
+    kwargs = dict(prompt_token_ids=list(range(65, 90)), max_new_tokens=96)
+    full = tiny_llm.generate(**kwargs)
+    stop = full.text[40:43]  # in the second of three blocks of 32
+    at = full.text.find(stop)
+    events = list(tiny_llm.stream(**kwargs, stop=[stop, "never in it \x00"]))
+    chunks, res = [e for e in events if isinstance(e, BlockChunk)], events[-1].result
+    assert res.finish_reason == "stop" and res.stop_reason == stop
+    assert res.text == full.text[:at] == "".join(c.text for c in chunks)
+    assert res.token_ids == full.token_ids[: len(res.token_ids)]
+    assert sum((list(c.token_ids) for c in chunks), []) == res.token_ids
+    assert stop in tiny_llm.decode_text(res.token_ids)  # the last id completes it
+    assert stop not in tiny_llm.decode_text(res.token_ids[:-1])
+    assert res.blocks == len(chunks) < full.blocks and res.num_forwards < full.num_forwards
+    assert res.settings["stop"] == [stop, "never in it \x00"]
+    assert tiny_llm.generate(**kwargs, stop="\x00\x01").text == full.text  # none appears
+    with pytest.raises(ConfigError, match="stop: a stop sequence must not be empty"):
+        tiny_llm.generate(**kwargs, stop=[""])

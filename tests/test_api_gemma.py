@@ -175,3 +175,20 @@ def test_fp8_kv_cache(tiny_gemma_dir, tmp_path):
     assert LLM(export, device="cpu").kv_cache_dtype == "float32"  # fp32 activations
     assert LLM(export, device="cpu", dtype="bf16", kv_cache_dtype="bf16").kv_cache_dtype == (
         "bfloat16")
+
+
+def test_a_stop_sequence_ends_the_canvases(tiny_gemma_llm):
+    kwargs = dict(prompt_token_ids=[BOS_ID, 300, 301, 302], max_new_tokens=96, seed=3,
+                  max_denoising_steps=5)
+    events = list(tiny_gemma_llm.stream(**kwargs, rounds=True))
+    full = events[-1].result
+    first = next(e for e in events if isinstance(e, BlockChunk))
+    steps = sum(isinstance(e, CanvasRoundEvent) and e.canvas_index == 0 for e in events)
+    assert full.blocks == 3 and len(first.text) >= 4
+    stop = first.text[len(first.text) // 2 :][:2]
+    at = full.text.find(stop)
+    res = tiny_gemma_llm.generate(**kwargs, stop=stop)
+    assert (res.finish_reason, res.stop_reason, res.text) == ("stop", stop, full.text[:at])
+    assert res.token_ids == full.token_ids[: len(res.token_ids)] and len(res.token_ids) <= 32
+    assert res.blocks == 1 and res.num_forwards == steps
+    assert res.total_forwards == steps + 1  # the prompt; the first canvas is never encoded

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import os
@@ -20,6 +21,7 @@ from dlmc.engine.canvas_runtime import CanvasRuntime
 from dlmc.engine.decode_config import DecodeConfig, resolve_decode_config, role_defaults
 from dlmc.engine.events import BlockEvent, CanvasRoundEvent, DecodeOutput, RoundEvent
 from dlmc.engine.request_checks import checked_max_context, checked_token_ids
+from dlmc.engine.stop_sequences import AnswerText, checked_stops
 from dlmc.errors import ConfigError, DlmcError, TokenizerError
 from dlmc.graphs.canvas_settings import CANVAS_KEYS
 from dlmc.kv.attention import MaskedAttention, block_causal_mask
@@ -232,6 +234,7 @@ class LLM:
         top_k: int | None = None,
         top_p: float | None = None,
         seed: int | None = None,
+        stop: str | list[str] | None = None,
         rounds: bool = False,
         use_cache: bool = True,
         cancel: Callable[[], bool] | None = None,
@@ -240,7 +243,10 @@ class LLM:
         """Yield a BlockChunk per finished block (and a RoundEvent per round if `rounds`),
         then Done(result). `cancel()` is polled every round. A decoding setting left None
         (`edit_threshold`: left out) takes the checkpoint's paper_decoding.json, else the
-        role's default (`decode_settings`).
+        role's default (`decode_settings`). `stop`: stop sequences; the answer ends before
+        the first one that appears (finish_reason "stop", `stop_reason` names it; text that
+        may begin one is held back, and a last BlockChunk without ids sends what was held if
+        none appears).
 
         DiffusionGemma: a BlockChunk per appended canvas and, with `rounds`, a
         CanvasRoundEvent per denoising step; `sampler` takes its settings (max_denoising_steps,
@@ -264,46 +270,56 @@ class LLM:
         if edit_threshold is not _UNSET:
             overrides["edit_threshold"] = edit_threshold
         cfg = self.decode_settings(**overrides, **sampler)
-        settings = self._record(cfg)
+        stops = checked_stops(stop)
+        settings = self._record(cfg) | ({"stop": list(stops)} if stops else {})
+        text = AnswerText(self.decode_text, stops)
+
+        def halt() -> bool:  # a stop sequence ends the decode as a cancel does
+            return text.stop is not None or (cancel is not None and cancel())
+
         started = time.perf_counter()
         steps = self._decoder.decode(ids, cfg, use_cache=use_cache, rounds=rounds,
-                                     cancel=cancel)
-        answer: list[int] = []
-        text = ""
+                                     cancel=halt if stops or cancel is not None else None)
+        index, blocks = -1, 0
         while True:
             try:
                 event = next(steps)
-            except StopIteration as stop:
-                out: DecodeOutput = stop.value
+            except StopIteration as end:
+                out: DecodeOutput = end.value
                 break
             if isinstance(event, BlockEvent):
-                answer.extend(event.answer_ids)
-                full = self.decode_text(answer)
-                stable = full.rstrip("\ufffd")  # hold back an incomplete UTF-8 sequence
-                yield BlockChunk(event.block_index, event.answer_ids, stable[len(text) :])
-                text = stable
+                kept, sent = text.add(event.answer_ids)
+                index, blocks = event.block_index, blocks + 1
+                yield BlockChunk(index, kept, sent)
             else:
                 yield event
+        held = text.flush()
+        if held:
+            yield BlockChunk(index, (), held)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - started
-        n = len(out.answer_ids)
-        tpf = out.tokens_per_forward
+        answer, finish, tpf = list(out.answer_ids), out.finish_reason, out.tokens_per_forward
+        if text.stop is not None:
+            answer, finish, tpf = text.ids, "stop", None
+            out = dataclasses.replace(out, blocks=blocks)
+        n = len(answer)
         if tpf is None:
             tpf = n / out.num_forwards if out.num_forwards else 0.0
         yield Done(
             GenerateResult(
-                text=self.decode_text(out.answer_ids),
-                token_ids=list(out.answer_ids),
+                text=text.text if text.stop is not None else self.decode_text(answer),
+                token_ids=answer,
                 prompt_token_ids=ids,
                 num_forwards=out.num_forwards,
                 total_forwards=out.total_forwards,
                 tokens_per_forward=tpf,
                 request_tps=n / elapsed if elapsed > 0 else 0.0,
                 elapsed_s=elapsed,
-                finish_reason=out.finish_reason,
+                finish_reason=finish,
                 blocks=out.blocks,
                 settings=settings,
+                stop_reason=text.stop,
             )
         )
 

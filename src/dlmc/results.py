@@ -22,9 +22,10 @@ class GenerateResult:
     tokens_per_forward: float  # len(token_ids) / num_forwards (DiffusionGemma: non-pad ids)
     request_tps: float  # len(token_ids) / elapsed_s
     elapsed_s: float
-    finish_reason: str  # "stop" (EOS), "length" (max_new_tokens) or "cancelled"
+    finish_reason: str  # "stop" (EOS or a stop sequence), "length" (max_new_tokens), "cancelled"
     blocks: int
     settings: dict[str, Any] = field(default_factory=dict)  # effective decode settings
+    stop_reason: str | None = None  # the stop sequence that ended the answer (not in `text`)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -33,7 +34,8 @@ class GenerateResult:
 @dataclass(frozen=True)
 class BlockChunk:
     """A block (DiffusionGemma: an appended canvas) became final: its answer ids and the text
-    they add."""
+    they add. With stop sequences, text that may begin one waits for the next block, and a
+    last chunk without ids carries it when the answer ends without one."""
 
     block_index: int
     token_ids: tuple[int, ...]

@@ -33,6 +33,12 @@ def test_generate_json_matches_the_api(tiny_dir, tiny_llm):
     data = json.loads(result.output)
     want = tiny_llm.generate(messages=[{"role": "user", "content": "Hello"}], max_new_tokens=24)
     assert data["token_ids"] == want.token_ids and data["finish_reason"] == "length"
+    stops = [want.text[12:14], want.text[5:7]]  # the second appears first
+    result = CliRunner().invoke(main, [*args, "--stop", stops[0], "--stop", stops[1]])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["text"] == want.text[: want.text.find(stops[1])]
+    assert (data["finish_reason"], data["stop_reason"]) == ("stop", stops[1])
 
 
 def test_generate_options_and_errors(tiny_dir, tmp_path):

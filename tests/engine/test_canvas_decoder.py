@@ -150,14 +150,22 @@ def test_prompt_chunking_does_not_change_the_tokens(pair):
 def test_cancel_keeps_only_finished_canvases(pair):
     _, model = pair
     cfg = CanvasDecodeConfig(dataclasses.replace(SETTINGS, eos_token_ids=()), 1)
-    full, _ = run(CanvasDecoder(model, CPU, "eager"), cfg)
-    polls = iter(range(100))
-    first = full.num_forwards - 1  # cancelled before the last canvas's last step
-
-    out, events = run(CanvasDecoder(model, CPU, "eager"), cfg,
-                      cancel=lambda: next(polls) >= first)
-    assert out.finish_reason == "cancelled" and out.num_forwards == first
-    assert list(out.answer_ids) == list(full.answer_ids[:(full.blocks - 1) * CANVAS])
+    full, events = run(CanvasDecoder(model, CPU, "eager"), cfg)
+    assert full.blocks >= 2
+    first_canvas = sum(e.canvas_index == 0 for e in events if isinstance(e, CanvasRoundEvent))
+    # polled before each step and before each canvas's encoder pass: cancelled before the
+    # last canvas's last step, then at the first canvas boundary (before its encoder pass)
+    for polls_allowed, forwards, canvases in (
+        (full.num_forwards - 1 + full.blocks - 1, full.num_forwards - 1, full.blocks - 1),
+        (first_canvas, first_canvas, 1),
+    ):
+        polls = iter(range(100))
+        out, _ = run(CanvasDecoder(model, CPU, "eager"), cfg,
+                     cancel=lambda polls=polls, n=polls_allowed: next(polls) >= n)
+        assert out.finish_reason == "cancelled" and out.num_forwards == forwards
+        assert out.blocks == canvases
+        assert list(out.answer_ids) == list(full.answer_ids[: canvases * CANVAS])
+    assert out.total_forwards == first_canvas + 1  # the prompt's pass; no canvas encoded
 
 
 def test_bad_prompts_are_named(pair):

@@ -28,6 +28,8 @@ from dlmc.cli.options import (
 @click.option("--raw", is_flag=True, help="Use the prompt as is (no chat template).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as one JSON object.")
 @click.option("--no-live", is_flag=True, help="No live view; print the text when done.")
+@click.option("--stop", multiple=True, metavar="TEXT",
+              help="A stop sequence (repeatable): the answer ends before the first that appears.")
 @user_errors
 def generate(
     prompt: str | None,
@@ -40,6 +42,7 @@ def generate(
     raw: bool,
     as_json: bool,
     no_live: bool,
+    stop: tuple[str, ...],
     **decode: Any,
 ) -> None:
     """Generate an answer to PROMPT (read from stdin if omitted or `-`)."""
@@ -70,7 +73,7 @@ def generate(
             + [{"role": "user", "content": prompt}]
         }
     )
-    kwargs = decode_kwargs(decode)
+    kwargs = decode_kwargs(decode) | ({"stop": list(stop)} if stop else {})
     print_first_rounds_notice(err, llm)
     out = Console()
     live = out.is_terminal and not no_live and not as_json

@@ -107,6 +107,9 @@ class CanvasDecoder:
             for canvas_index in range(s.canvas_count):
                 start = plen + canvas_index * length
                 if appended is not None:  # the last canvas is never encoded
+                    if cancel is not None and cancel():  # before the encoder's pass
+                        finish = "cancelled"
+                        break
                     total += self._encode(stepper, appended, start - length)
                 drawn = draw_initial_canvas((1, length), self.model.config.vocab_size,
                                             generator, self.device)  # [1, C]
