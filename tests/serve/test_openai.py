@@ -86,3 +86,51 @@ def test_the_cap_cuts_the_block_that_crosses_the_limit_and_drops_the_rest():
     assert [cap.add(ids, decode(ids)) for ids in ([0, 1, 2], [3, 4, 5, 6], [7, 8])] == \
         ["abc", "de", ""]
     assert cap.ids == [0, 1, 2, 3, 4] and cap.text == "abcde"
+
+
+def test_stop_sequences_end_the_answer(client: httpx.Client, tiny_llm: Any) -> None:
+    full = tiny_llm.generate(messages=CHAT, max_new_tokens=80)
+    stop = full.text[45:48]
+    want = tiny_llm.generate(messages=CHAT, max_new_tokens=80, stop=stop)
+    assert want.text == full.text[: full.text.find(stop)] and want.stop_reason == stop
+    body = {"messages": CHAT, "max_tokens": 80, "stop": [stop]}
+    (choice,) = client.post("/v1/chat/completions", json=body).json()["choices"]
+    assert choice["message"]["content"] == want.text
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
+    with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+        chunks = list(sse_data(response))[:-1]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == want.text
+    assert chunks[-1]["choices"][0]["stop_reason"] == stop
+    assert chunks[-1]["usage"]["completion_tokens"] == len(want.token_ids)
+    done = client.post("/generate", json={"messages": CHAT, "max_new_tokens": 80, "stop": stop,
+                                          "stream": False}).json()
+    assert (done["text"], done["finish_reason"], done["stop_reason"]) == (want.text, "stop", stop)
+    # a cap below the stop: cut at max_tokens, finish "length", no stop_reason
+    capped = {"messages": CHAT, "max_tokens": 8, "stop": stop}
+    (choice,) = client.post("/v1/chat/completions", json=capped).json()["choices"]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("length", None)
+
+
+def test_a_list_of_prompts_is_answered_one_choice_each(
+    client: httpx.Client, tiny_llm: Any
+) -> None:
+    prompts = ["Once upon a time", "The sky is"]
+    want = [tiny_llm.generate(prompt=p, max_new_tokens=24) for p in prompts]
+    body = {"prompt": prompts, "max_tokens": 24}
+    data = client.post("/v1/completions", json=body).json()
+    assert [(c["index"], c["text"]) for c in data["choices"]] == [(0, want[0].text),
+                                                                    (1, want[1].text)]
+    n_prompt = sum(len(w.prompt_token_ids) for w in want)
+    assert data["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 48,
+                             "total_tokens": n_prompt + 48}
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        chunks = list(sse_data(response))[:-1]
+    for index, w in enumerate(want):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and
+                c["choices"][0]["index"] == index]
+        assert "".join(c["text"] for c in mine) == w.text
+        assert [c["finish_reason"] for c in mine][-1] == "length"
+    indexes = [c["choices"][0]["index"] for c in chunks if c["choices"]]
+    assert indexes == sorted(indexes)  # one prompt after the other
+    assert chunks[-1]["usage"]["completion_tokens"] == 48

@@ -71,6 +71,19 @@ def test_a_client_that_disconnects_frees_the_engine(client: httpx.Client) -> Non
     assert events[-1]["tokens"] == 16
 
 
+def test_leaving_a_list_of_prompts_cancels_the_one_decoding_and_the_rest(
+    client: httpx.Client,
+) -> None:
+    state = health(client)["requests"]
+    body = {"prompt": ["x", "y", "z"], "max_tokens": LONG, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        assert next(sse_data(response))["choices"][0]["index"] == 0
+    wait_for(client, lambda s: s["requests"]["cancelled"] == state["cancelled"] + 1
+             and s["queue"]["running"] == 0, timeout_s=10)
+    after = health(client)["requests"]
+    assert after["completed"] == state["completed"]  # "y" and "z" never ran
+
+
 def test_a_non_streaming_client_that_leaves_cancels_too(base_url: str) -> None:
     with httpx.Client(base_url=base_url, timeout=60) as client:
         before = health(client)["requests"]["cancelled"]

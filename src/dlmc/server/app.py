@@ -179,6 +179,7 @@ def _prepare_generate(ctx: ServerContext, raw: bytes) -> tuple[GenerateRequest, 
         messages=messages,
         max_new_tokens=body.max_new_tokens,
         overrides=body.decode_overrides(),
+        stop=body.stop,
         prompt_field=prompt_field,
     )
     return body, prepared
@@ -206,4 +207,5 @@ def done_event(result: GenerateResult) -> dict[str, Any]:
         "elapsed_s": result.elapsed_s,
         "blocks": result.blocks,
         "finish_reason": result.finish_reason,
+        "stop_reason": result.stop_reason,
     }

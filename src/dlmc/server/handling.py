@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.types import Receive, Scope, Send
 
+from dlmc.engine.stop_sequences import checked_stops
 from dlmc.errors import ConfigError, DlmcError
 from dlmc.results import Done
 from dlmc.server.engine_worker import (
@@ -82,6 +83,7 @@ class RequestPreparer:
         messages: list[dict[str, str]] | None = None,
         max_new_tokens: int | None = None,
         overrides: Mapping[str, Any],
+        stop: str | list[str] | None = None,
         prompt_field: str = "prompt",
         length_field: str = "max_new_tokens",
     ) -> Prepared:
@@ -89,6 +91,10 @@ class RequestPreparer:
         answer into the model's context. `*_field` are the request's names for the prompt
         and the length limit, used in error messages."""
         ids = self._encode(prompt, messages, prompt_field)
+        try:
+            stops = checked_stops(stop)
+        except ConfigError as exc:
+            raise _input_error(exc) from None
         given = {**self.defaults, **overrides}
         if max_new_tokens is not None:
             given["max_new_tokens"] = max_new_tokens
@@ -112,7 +118,8 @@ class RequestPreparer:
                 param=length_field,
             )
         limit = min(cfg.max_new_tokens, fits)  # a default limit shrinks to what fits
-        return Prepared(ids, {**given, "max_new_tokens": limit})
+        settings = {**given, "max_new_tokens": limit}
+        return Prepared(ids, settings | ({"stop": list(stops)} if stops else {}))
 
     def _encode(self, prompt: str | None, messages: Any, prompt_field: str) -> list[int]:
         try:

@@ -6,12 +6,15 @@ Streaming (`"stream": true`) sends server-sent events `data: <chunk json>` — f
 chunk with `delta.role`, then one chunk per finished block, then a chunk with
 `finish_reason` and `usage` (and, with `stream_options.include_usage`, a chunk with empty
 `choices` and `usage`, as OpenAI sends it) — and ends with `data: [DONE]`. An error after the
-stream started is sent as `data: {"error": {...}}` before `[DONE]`.
+stream started is sent as `data: {"error": {...}}` before `[DONE]`. A list of prompts on
+/v1/completions is answered prompt after prompt (one choice each, `index` its place in the
+list; streamed, each choice's chunks in turn), each waiting its turn in the queue.
 
-`max_tokens` is a hard cap, as OpenAI's is: DiffusionGemma's answers grow by whole canvases
-and may pass the limit (as in transformers' `generate`), so these endpoints cut the answer at
-the limit (`finish_reason` "length"; `usage` counts the tokens sent). LLaDA2's answers never
-pass it.
+`stop` (a string or a list) ends the answer before the first stop sequence that appears;
+`stop_reason` names it (as vLLM does). `max_tokens` is a hard cap, as OpenAI's is:
+DiffusionGemma's answers grow by whole canvases and may pass the limit (as in transformers'
+`generate`), so these endpoints cut the answer at the limit (`finish_reason` "length"; `usage`
+counts the tokens sent). LLaDA2's answers never pass it.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from fastapi.responses import JSONResponse, Response
 
 from dlmc.results import BlockChunk, GenerateResult
 from dlmc.server.context import ServerContext
-from dlmc.server.engine_worker import Prepared
+from dlmc.server.engine_worker import EngineWorker, Job, Prepared, RequestCancelled
 from dlmc.server.handling import (
     EventStream,
     api_error,
@@ -55,7 +58,7 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:
-        """OpenAI text completion of one raw prompt (no chat template)."""
+        """OpenAI text completion of a raw prompt, or of a list of them (no chat template)."""
         return await _complete(ctx, request, chat=False)
 
 
@@ -63,12 +66,15 @@ async def _complete(ctx: ServerContext, request: Request, chat: bool) -> Respons
     try:
         raw = await read_body(request, ctx.max_body_bytes)
         body, prepared = await off_loop(_prepare, ctx, raw, chat)
-        job = ctx.worker.submit(prepared)
+        jobs = _Jobs(ctx.worker, prepared)
+        first = jobs.next()  # a full queue is a 503 before anything is sent
         head = _Head(ctx.model_name, chat)
-        cap = _Cap(ctx.llm.decode_text, prepared.settings["max_new_tokens"])
+        caps = [_Cap(ctx.llm.decode_text, p.settings["max_new_tokens"]) for p in prepared]
         if not body.stream:
-            done = await run_to_end(ctx.worker, job, request)
-            return JSONResponse(head.whole(done.result, cap))
+            results = [(await run_to_end(ctx.worker, first, request)).result]
+            for _ in prepared[1:]:
+                results.append((await run_to_end(ctx.worker, jobs.next(), request)).result)
+            return JSONResponse(head.whole(results, caps))
     except Exception as exc:
         return error_response(exc)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -77,44 +83,78 @@ async def _complete(ctx: ServerContext, request: Request, chat: bool) -> Respons
         try:
             if chat:
                 yield sse(head.chunk({"role": "assistant", "content": ""}))
-            async for event in ctx.worker.events(job):
-                if isinstance(event, BlockChunk):
-                    text = cap.add(event.token_ids, event.text)
-                    if text:
-                        yield sse(head.chunk({"content": text} if chat else text))
-                    continue
-                result = event.result
-                last = head.chunk({} if chat else "", finish_reason=cap.finish(result))
-                yield sse({**last, "usage": cap.usage(result)})
-                if include_usage:
-                    yield sse({**head.chunk(None), "choices": [], "usage": cap.usage(result)})
+            usage: list[dict[str, int]] = []
+            for index, cap in enumerate(caps):
+                job = first if index == 0 else jobs.next()
+                async for event in ctx.worker.events(job):
+                    if isinstance(event, BlockChunk):
+                        text = cap.add(event.token_ids, event.text)
+                        if text:
+                            yield sse(head.chunk({"content": text} if chat else text, index))
+                        continue
+                    result = event.result
+                    usage.append(cap.usage(result))
+                    last = head.chunk({} if chat else "", index, cap.finish(result),
+                                      cap.stop_reason(result))
+                    yield sse({**last, "usage": usage[-1]})
+            if include_usage:
+                yield sse({**head.chunk(None), "choices": [], "usage": _total(usage)})
         except Exception as exc:
             yield sse(api_error(exc).body())
         yield sse("[DONE]")
 
-    return EventStream(chunks(), on_close=job.cancel)
+    return EventStream(chunks(), on_close=jobs.cancel)
 
 
 def _prepare(
     ctx: ServerContext, raw: bytes, chat: bool
-) -> tuple[ChatCompletionRequest | CompletionRequest, Prepared]:
-    """Parse and check a /v1 body and encode its prompt (on the handlers' pool)."""
+) -> tuple[ChatCompletionRequest | CompletionRequest, list[Prepared]]:
+    """Parse and check a /v1 body and encode its prompts (on the handlers' pool)."""
     body: ChatCompletionRequest | CompletionRequest
     if chat:
         body = parse_body(ChatCompletionRequest, raw)
-        where: dict[str, Any] = {"messages": [m.as_engine_message() for m in body.messages]}
+        prompts: list[tuple[dict[str, Any], str]] = [
+            ({"messages": [m.as_engine_message() for m in body.messages]}, "messages")]
     else:
         body = parse_body(CompletionRequest, raw)
-        where = {"prompt": body.prompt_text()}
+        prompts = [({"prompt": text}, field) for text, field in body.prompt_texts()]
     length, length_field = body.max_new_tokens()
-    prepared = ctx.preparer.prepare(
-        **where,
-        max_new_tokens=length,
-        overrides=body.decode_overrides(),
-        prompt_field="messages" if chat else "prompt",
-        length_field=length_field,
-    )
-    return body, prepared
+    return body, [
+        ctx.preparer.prepare(
+            **where,
+            max_new_tokens=length,
+            overrides=body.decode_overrides(),
+            stop=body.stop,
+            prompt_field=field,
+            length_field=length_field,
+        )
+        for where, field in prompts
+    ]
+
+
+class _Jobs:
+    """A request's prompts, submitted one after another: each waits its turn in the queue
+    as a request of its own would. `cancel` stops the one decoding and submits no more."""
+
+    def __init__(self, worker: EngineWorker, prepared: list[Prepared]) -> None:
+        self.worker, self.waiting = worker, list(prepared)
+        self.current: Job | None = None
+        self.cancelled = False
+
+    def next(self) -> Job:
+        if self.cancelled:
+            raise RequestCancelled("the request was cancelled")
+        self.current = self.worker.submit(self.waiting.pop(0))
+        return self.current
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.current is not None:
+            self.current.cancel()
+
+
+def _total(usages: list[dict[str, int]]) -> dict[str, int]:
+    return {key: sum(u[key] for u in usages) for key in usages[0]} if usages else {}
 
 
 class _Head:
@@ -124,27 +164,34 @@ class _Head:
         self.model, self.chat, self.created = model, chat, int(time.time())
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 
-    def whole(self, result: GenerateResult, cap: _Cap) -> dict[str, Any]:
-        """The non-streaming answer, cut at the token limit."""
-        choice: dict[str, Any] = {"index": 0, "logprobs": None,
-                                  "finish_reason": cap.finish(result)}
-        text = cap.text_of(result)
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
+    def whole(self, results: list[GenerateResult], caps: list[_Cap]) -> dict[str, Any]:
+        """The non-streaming answer, one choice per prompt, each cut at the token limit."""
+        choices = []
+        for index, (result, cap) in enumerate(zip(results, caps, strict=True)):
+            choice: dict[str, Any] = {"index": index, "logprobs": None,
+                                      "finish_reason": cap.finish(result),
+                                      "stop_reason": cap.stop_reason(result)}
+            text = cap.text_of(result)
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choices.append(choice)
         return {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
-            "usage": cap.usage(result),
+            "choices": choices,
+            "usage": _total([cap.usage(r) for r, cap in zip(results, caps, strict=True)]),
         }
 
-    def chunk(self, delta: Any, finish_reason: str | None = None) -> dict[str, Any]:
-        """A streaming chunk: `delta` is a chat delta dict or completion text."""
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+    def chunk(self, delta: Any, index: int = 0, finish_reason: str | None = None,
+              stop_reason: str | None = None) -> dict[str, Any]:
+        """A streaming chunk of choice `index`: `delta` is a chat delta dict or completion
+        text."""
+        choice: dict[str, Any] = {"index": index, "logprobs": None,
+                                  "finish_reason": finish_reason, "stop_reason": stop_reason}
         choice["delta" if self.chat else "text"] = delta
         return {
             "id": self.id,
@@ -187,6 +234,10 @@ class _Cap:
     def finish(self, result: GenerateResult) -> str:
         cut = len(result.token_ids) > self.limit
         return "length" if cut or result.finish_reason == "length" else "stop"
+
+    def stop_reason(self, result: GenerateResult) -> str | None:
+        """The stop sequence that ended the answer (vLLM's field), unless the cap cut it."""
+        return result.stop_reason if self.finish(result) == "stop" else None
 
     def usage(self, result: GenerateResult) -> dict[str, int]:
         prompt, completion = len(result.prompt_token_ids), min(len(result.token_ids), self.limit)

@@ -92,6 +92,8 @@ class DecodeFields(_Strict):
     entropy_bound: float | None = Field(default=None, gt=0.0)
     stability_threshold: int | None = Field(default=None, ge=0)
     confidence_threshold: float | None = Field(default=None, ge=0.0)
+    # stop sequences: the answer ends before the first that appears
+    stop: str | list[str] | None = None
 
     def decode_overrides(self) -> dict[str, Any]:
         """The decoding fields the request gave (`edit_threshold: null` kept: no edits)."""
@@ -120,7 +122,7 @@ class StreamOptions(_Strict):
 
 class _OpenAIFields(DecodeFields):
     """Fields shared by the OpenAI endpoints. `model` is accepted and ignored (the server
-    serves one model; responses name it); `n` must be 1; `stop` sequences are not supported."""
+    serves one model; responses name it); `n` must be 1."""
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -128,7 +130,6 @@ class _OpenAIFields(DecodeFields):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
-    stop: None = None
     user: str | None = None
 
     def max_new_tokens(self) -> tuple[int | None, str]:
@@ -145,18 +146,16 @@ class ChatCompletionRequest(_OpenAIFields):
 
 
 class CompletionRequest(_OpenAIFields):
-    """`POST /v1/completions`: one prompt (a string, or a list holding one string)."""
+    """`POST /v1/completions`: a prompt, or a list of prompts (answered one after another,
+    one choice each)."""
 
     prompt: str | list[str] = Field(min_length=1)
 
-    def prompt_text(self) -> str:
+    def prompt_texts(self) -> list[tuple[str, str]]:
+        """(prompt, the field that names it in errors) for each prompt."""
         if isinstance(self.prompt, str):
-            return self.prompt
-        if len(self.prompt) != 1:
-            raise ApiError(
-                400, "prompt: give one prompt (batches are not supported)", param="prompt"
-            )
-        return self.prompt[0]
+            return [(self.prompt, "prompt")]
+        return [(text, f"prompt[{i}]") for i, text in enumerate(self.prompt)]
 
 
 Request = TypeVar("Request", bound=BaseModel)
@@ -191,8 +190,9 @@ def _as_api_error(exc: ValidationError, model: type[BaseModel]) -> ApiError:
         return ApiError(400, f"{param}: required field is missing", param=param)
     if kind in ("too_short", "string_too_short") and first.get("ctx", {}).get("min_length") == 1:
         return ApiError(400, f"{param}: must not be empty", param=param)
-    if param == "stop":
-        return ApiError(400, "stop: stop sequences are not supported", param=param)
+    if param == "stop":  # a union: pydantic's message names one branch
+        text = f"stop: expected a string or a list of strings (got {first.get('input')!r})"
+        return ApiError(400, text, param="stop")
     got = first.get("input")
     shown = repr(got) if isinstance(got, str | int | float | bool) or got is None else type(got)
     if isinstance(shown, type):
