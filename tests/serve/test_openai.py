@@ -134,3 +134,20 @@ def test_a_list_of_prompts_is_answered_one_choice_each(
     indexes = [c["choices"][0]["index"] for c in chunks if c["choices"]]
     assert indexes == sorted(indexes)  # one prompt after the other
     assert chunks[-1]["usage"]["completion_tokens"] == 48
+
+
+def test_n_choices_with_a_seed_are_each_reproducible(client: httpx.Client, tiny_llm: Any) -> None:
+    sampled = {"temperature": 0.9, "seed": 7}
+    want = [tiny_llm.generate(messages=CHAT, max_new_tokens=16, **{**sampled, "seed": 7 + i})
+            for i in range(2)]
+    assert want[0].token_ids != want[1].token_ids
+    body = {"messages": CHAT, "max_tokens": 16, "n": 2, **sampled}
+    data = client.post("/v1/chat/completions", json=body).json()
+    assert [c["message"]["content"] for c in data["choices"]] == [w.text for w in want]
+    assert [c["index"] for c in data["choices"]] == [0, 1]
+    assert data["usage"]["completion_tokens"] == 32
+    body = {"prompt": ["a", "b"], "max_tokens": 8, "n": 2, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        chunks = list(sse_data(response))[:-1]
+    ends = [c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"]]
+    assert ends == [0, 1, 2, 3]

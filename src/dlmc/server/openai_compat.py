@@ -8,7 +8,8 @@ chunk with `delta.role`, then one chunk per finished block, then a chunk with
 `choices` and `usage`, as OpenAI sends it) — and ends with `data: [DONE]`. An error after the
 stream started is sent as `data: {"error": {...}}` before `[DONE]`. A list of prompts on
 /v1/completions is answered prompt after prompt (one choice each, `index` its place in the
-list; streamed, each choice's chunks in turn), each waiting its turn in the queue.
+list; streamed, each choice's chunks in turn), each waiting its turn in the queue; `n` > 1
+gives n choices per prompt the same way (prompt p's choice i is index p * n + i).
 
 `stop` (a string or a list) ends the answer before the first stop sequence that appears;
 `stop_reason` names it (as vLLM does). `max_tokens` is a hard cap, as OpenAI's is:
@@ -119,7 +120,7 @@ def _prepare(
         body = parse_body(CompletionRequest, raw)
         prompts = [({"prompt": text}, field) for text, field in body.prompt_texts()]
     length, length_field = body.max_new_tokens()
-    return body, [
+    prepared = [
         ctx.preparer.prepare(
             **where,
             max_new_tokens=length,
@@ -130,6 +131,15 @@ def _prepare(
         )
         for where, field in prompts
     ]
+    return body, [_choice(p, i, body.n) for p in prepared for i in range(body.n)]
+
+
+def _choice(prepared: Prepared, i: int, n: int) -> Prepared:
+    """Choice `i` of `n` for a prompt: with a seed, its own (seed + i)."""
+    seed = prepared.settings.get("seed")
+    if n == 1 or seed is None:
+        return prepared
+    return Prepared(prepared.prompt_token_ids, {**prepared.settings, "seed": (seed + i) % 2**63})
 
 
 class _Jobs:

@@ -122,14 +122,16 @@ class StreamOptions(_Strict):
 
 class _OpenAIFields(DecodeFields):
     """Fields shared by the OpenAI endpoints. `model` is accepted and ignored (the server
-    serves one model; responses name it); `n` must be 1."""
+    serves one model; responses name it). `n` choices per prompt decode one after another;
+    with a `seed`, choice i uses seed + i, so sampled choices differ and each is
+    reproducible."""
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: int = Field(default=1, ge=1, le=128)  # choices per prompt, decoded one after another
     user: str | None = None
 
     def max_new_tokens(self) -> tuple[int | None, str]:
