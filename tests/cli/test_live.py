@@ -1,8 +1,11 @@
 """The live views: a LLaDA2 block (masks, commits, edits) and a DiffusionGemma canvas
 (accepted samples apart from re-noised positions)."""
 
-from dlmc.cli.live import MASK_GLYPH, render_block, render_canvas
+import dataclasses
+
+from dlmc.cli.live import MASK_GLYPH, render_block, render_canvas, stats_line
 from dlmc.engine.events import CanvasRoundEvent, RoundEvent
+from dlmc.results import GenerateResult
 
 
 def _styles(text) -> dict[str, str]:
@@ -35,3 +38,13 @@ def test_block_view_marks_masks_commits_and_edits():
     assert out.plain.startswith(f"xy{MASK_GLYPH}\n[block 0 · round 2 · 1 masked")
     styles = _styles(out)
     assert styles["x"] == "bold green" and styles["y"] == "bold yellow underline"
+
+
+def test_the_stats_line_names_the_finish_and_the_stop_sequence():
+    result = GenerateResult(text="4", token_ids=[52, 10], prompt_token_ids=[1], num_forwards=4,
+                            total_forwards=5, tokens_per_forward=0.5, request_tps=20.0,
+                            elapsed_s=0.1, finish_reason="stop", blocks=1, stop_reason="\n")
+    assert stats_line(result) == ("2 tokens · 4 forwards · TPF 0.50 · 20.0 tokens/s · 0.10 s · "
+                                  "finish: stop at '\\n'")
+    eos = dataclasses.replace(result, stop_reason=None)
+    assert stats_line(eos).endswith("finish: stop")

@@ -73,4 +73,5 @@ def stats_line(result: GenerateResult) -> str:
         f"{len(result.token_ids)} tokens · {result.num_forwards} forwards · "
         f"TPF {result.tokens_per_forward:.2f} · {result.request_tps:.1f} tokens/s · "
         f"{result.elapsed_s:.2f} s · finish: {result.finish_reason}"
+        + (f" at {result.stop_reason!r}" if result.stop_reason is not None else "")
     )
