@@ -151,3 +151,17 @@ def test_n_choices_with_a_seed_are_each_reproducible(client: httpx.Client, tiny_
         chunks = list(sse_data(response))[:-1]
     ends = [c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"]]
     assert ends == [0, 1, 2, 3]
+
+
+def test_the_neutral_values_clients_send_are_accepted(client: httpx.Client, tiny_llm: Any) -> None:
+    want = tiny_llm.generate(messages=CHAT, max_new_tokens=8)
+    neutral = {"frequency_penalty": 0, "presence_penalty": 0.0, "logprobs": False,
+               "top_logprobs": 0, "logit_bias": {}, "response_format": {"type": "text"}}
+    body = {"messages": CHAT, "max_tokens": 8, **neutral}
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == want.text
+    body = {"prompt": "a", "max_tokens": 8, "echo": False, "best_of": 1, "logprobs": None}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    error = client.post("/v1/completions", json={**body, "best_of": 3}).json()["error"]
+    assert error["message"] == "best_of: only 1: use n for several choices (got 3)"

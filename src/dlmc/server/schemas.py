@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from dlmc.graphs.canvas_settings import CANVAS_KEYS
@@ -120,6 +127,20 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+# OpenAI fields that clients send at their neutral value: that value (or null) is accepted,
+# any other is a 400 that says why
+NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
+    "frequency_penalty": ((0, 0.0), "only 0: dlmc's decoders have no repetition penalties"),
+    "presence_penalty": ((0, 0.0), "only 0: dlmc's decoders have no repetition penalties"),
+    "logprobs": ((False, 0), "only false or 0: log probabilities are not returned"),
+    "top_logprobs": ((0,), "only 0: log probabilities are not returned"),
+    "echo": ((False,), "only false: the prompt is not echoed"),
+    "best_of": ((1,), "only 1: use n for several choices"),
+    "logit_bias": (({},), "only {}: logit biases are not supported"),
+    "response_format": (({"type": "text"},), 'only {"type": "text"}: output is not constrained'),
+}
+
+
 class _OpenAIFields(DecodeFields):
     """Fields shared by the OpenAI endpoints. `model` is accepted and ignored (the server
     serves one model; responses name it). `n` choices per prompt decode one after another;
@@ -133,6 +154,22 @@ class _OpenAIFields(DecodeFields):
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=128)  # choices per prompt, decoded one after another
     user: str | None = None
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    echo: Any = None
+    best_of: Any = None
+    logit_bias: Any = None
+    response_format: Any = None
+
+    @field_validator(*NEUTRAL, mode="before")
+    @classmethod
+    def _neutral_only(cls, value: Any, info: ValidationInfo) -> Any:
+        allowed, why = NEUTRAL[str(info.field_name)]
+        if value is None or any(value == a and type(value) is type(a) for a in allowed):
+            return value
+        raise PydanticCustomError("unsupported_value", why + " (got {value})", {"value": value})
 
     def max_new_tokens(self) -> tuple[int | None, str]:
         """The answer length limit and the name of the field that gave it."""
@@ -185,6 +222,8 @@ def _as_api_error(exc: ValidationError, model: type[BaseModel]) -> ApiError:
     if kind == "extra_forbidden":
         known = f" (known fields: {', '.join(model.model_fields)})" if len(loc) == 1 else ""
         return ApiError(400, f"{param}: unknown field{known}", param=param)
+    if kind == "unsupported_value":
+        return ApiError(400, f"{param}: {msg}", param=param)
     if kind == "unsupported_part":
         param = f"{param}[{first['ctx']['index']}]"
         return ApiError(400, f"{param}: {msg}", param=param)
