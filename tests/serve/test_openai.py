@@ -74,6 +74,7 @@ def test_models_lists_the_served_model(client: httpx.Client) -> None:
     assert [(m["id"], m["object"], m["owned_by"]) for m in data["data"]] == [
         ("tiny-llada2", "model", "dlmc")
     ]
+    assert data["data"][0]["max_model_len"] == 4096  # the context, as vLLM reports it
 
 
 def test_the_cap_cuts_the_block_that_crosses_the_limit_and_drops_the_rest():

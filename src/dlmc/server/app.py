@@ -1,7 +1,8 @@
 """The HTTP server: `create_app(llm, settings)` builds the FastAPI app.
 
 Endpoints: `POST /generate` (dlmc's own, streaming by default), the OpenAI-compatible
-`POST /v1/chat/completions`, `POST /v1/completions` and `GET /v1/models`, and `GET /health`.
+`POST /v1/chat/completions`, `POST /v1/completions` and `GET /v1/models`, `POST /tokenize`
+and `POST /detokenize`, and `GET /health`.
 Requests decode one at a time on one engine thread (see engine_worker.py); each is read (at
 most `max_body_bytes`), parsed and encoded by its handler off the event loop before it is queued.
 """
@@ -37,6 +38,7 @@ from dlmc.server.handling import (
 )
 from dlmc.server.openai_compat import add_openai_routes
 from dlmc.server.schemas import ApiError, GenerateRequest, parse_body
+from dlmc.server.tokens import add_token_routes
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +95,7 @@ def create_app(llm: Any, settings: ServerSettings | None = None) -> FastAPI:
     _add_error_handlers(app)
     _add_dlmc_routes(app, ctx)
     add_openai_routes(app, ctx)
+    add_token_routes(app, ctx)
     return app
 
 
@@ -131,7 +134,8 @@ def _add_dlmc_routes(app: FastAPI, ctx: ServerContext) -> None:
     async def generate(request: Request) -> Response:
         """Generate from `{"messages": [...]}` or `{"prompt": "..."}`; optional
         `max_new_tokens`, `threshold`, `edit_threshold` (null: no edits), `temperature`,
-        `top_k`, `top_p`, `seed`, `stream` (default true).
+        `top_k`, `top_p`, `seed`, `stop` (a string or a list), `stream` (default true), and
+        DiffusionGemma's sampler settings.
 
         Streamed as server-sent events (`text/event-stream`), one `data: <json>` line and a
         blank line per event, in order:
@@ -139,7 +143,9 @@ def _add_dlmc_routes(app: FastAPI, ctx: ServerContext) -> None:
         a block is final (text is what that block adds), then
         `{"type": "done", "text": full, "tokens": n, "prompt_tokens": n, "forwards": n,
         "total_forwards": n, "tokens_per_forward": x, "tokens_per_second": y,
-        "elapsed_s": s, "blocks": n, "finish_reason": "stop"|"length"}`.
+        "elapsed_s": s, "blocks": n, "finish_reason": "stop"|"length", "stop_reason": the
+        stop sequence or null}`. With stop sequences, a last `block` event without token ids
+        may carry text held back while it could have begun one.
         A failure after the stream has started (e.g. the request timeout) ends it with
         `{"type": "error", "error": {"message", "type", "param", "code"}}`.
         With `"stream": false` the answer is the `done` object alone.

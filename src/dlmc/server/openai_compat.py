@@ -49,7 +49,8 @@ def add_openai_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         """The one model this server serves."""
-        card = {"id": ctx.model_name, "object": "model", "created": ctx.created}
+        card = {"id": ctx.model_name, "object": "model", "created": ctx.created,
+                "max_model_len": ctx.llm.max_context}
         return {"object": "list", "data": [{**card, "owned_by": "dlmc"}]}
 
     @app.post("/v1/chat/completions", response_model=None)

@@ -197,6 +197,20 @@ class CompletionRequest(_OpenAIFields):
         return [(text, f"prompt[{i}]") for i, text in enumerate(self.prompt)]
 
 
+class TokenizeRequest(_Strict):
+    """`POST /tokenize`: exactly one of `prompt` (raw text) or `messages` (rendered with the
+    chat template)."""
+
+    prompt: str | None = Field(default=None, min_length=1)
+    messages: list[Message] | None = Field(default=None, min_length=1)
+
+
+class DetokenizeRequest(_Strict):
+    """`POST /detokenize`."""
+
+    tokens: list[int] = Field(min_length=1)
+
+
 Request = TypeVar("Request", bound=BaseModel)
 
 
