@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 import os
@@ -300,9 +299,10 @@ class LLM:
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - started
         answer, finish, tpf = list(out.answer_ids), out.finish_reason, out.tokens_per_forward
-        if text.stop is not None:
+        if text.stop is not None:  # the decoder saw a cancel: the stop's counts are ours
             answer, finish, tpf = text.ids, "stop", None
-            out = dataclasses.replace(out, blocks=blocks)
+        else:
+            blocks = out.blocks
         n = len(answer)
         if tpf is None:
             tpf = n / out.num_forwards if out.num_forwards else 0.0
@@ -317,7 +317,7 @@ class LLM:
                 request_tps=n / elapsed if elapsed > 0 else 0.0,
                 elapsed_s=elapsed,
                 finish_reason=finish,
-                blocks=out.blocks,
+                blocks=blocks,
                 settings=settings,
                 stop_reason=text.stop,
             )

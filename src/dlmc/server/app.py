@@ -176,12 +176,9 @@ def _add_dlmc_routes(app: FastAPI, ctx: ServerContext) -> None:
 def _prepare_generate(ctx: ServerContext, raw: bytes) -> tuple[GenerateRequest, Prepared]:
     """Parse and check a /generate body and encode its prompt (on the handlers' pool)."""
     body = parse_body(GenerateRequest, raw)
-    if (body.messages is None) == (body.prompt is None):
-        raise ApiError(400, "messages: give exactly one of messages or prompt", param="messages")
-    prompt_field = "messages" if body.messages is not None else "prompt"
-    messages = [m.as_engine_message() for m in body.messages or []] or None
+    prompt, messages, prompt_field = body.engine_prompt()
     prepared = ctx.preparer.prepare(
-        prompt=body.prompt,
+        prompt=prompt,
         messages=messages,
         max_new_tokens=body.max_new_tokens,
         overrides=body.decode_overrides(),

@@ -90,7 +90,7 @@ class RequestPreparer:
         """Encode the prompt, resolve the settings (server defaults < request), and fit the
         answer into the model's context. `*_field` are the request's names for the prompt
         and the length limit, used in error messages."""
-        ids = self._encode(prompt, messages, prompt_field)
+        ids = self.encode(prompt, messages, prompt_field)
         try:
             stops = checked_stops(stop)
         except ConfigError as exc:
@@ -121,7 +121,9 @@ class RequestPreparer:
         settings = {**given, "max_new_tokens": limit}
         return Prepared(ids, settings | ({"stop": list(stops)} if stops else {}))
 
-    def _encode(self, prompt: str | None, messages: Any, prompt_field: str) -> list[int]:
+    def encode(self, prompt: str | None, messages: Any, prompt_field: str) -> list[int]:
+        """The request's prompt ids; a prompt the tokenizer refuses or that encodes to no
+        tokens is a 400 naming `prompt_field`."""
         try:
             ids = self.llm.encode_prompt(prompt, messages)
         except DlmcError as exc:

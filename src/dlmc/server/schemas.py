@@ -114,11 +114,25 @@ class DecodeFields(_Strict):
         return given
 
 
-class GenerateRequest(DecodeFields):
-    """`POST /generate`: exactly one of `messages` or `prompt`."""
+class PromptFields(_Strict):
+    """Exactly one of `messages` (rendered with the chat template) or `prompt` (raw text)."""
 
     messages: list[Message] | None = Field(default=None, min_length=1)
     prompt: str | None = Field(default=None, min_length=1)
+
+    def engine_prompt(self) -> tuple[str | None, list[dict[str, str]] | None, str]:
+        """(prompt, messages, the field that names the prompt in errors)."""
+        if (self.messages is None) == (self.prompt is None):
+            raise ApiError(400, "messages: give exactly one of messages or prompt",
+                           param="messages")
+        if self.messages is not None:
+            return None, [m.as_engine_message() for m in self.messages], "messages"
+        return self.prompt, None, "prompt"
+
+
+class GenerateRequest(DecodeFields, PromptFields):
+    """`POST /generate`: exactly one of `messages` or `prompt`."""
+
     max_new_tokens: int | None = Field(default=None, ge=1)
     stream: bool = True
 
@@ -197,12 +211,8 @@ class CompletionRequest(_OpenAIFields):
         return [(text, f"prompt[{i}]") for i, text in enumerate(self.prompt)]
 
 
-class TokenizeRequest(_Strict):
-    """`POST /tokenize`: exactly one of `prompt` (raw text) or `messages` (rendered with the
-    chat template)."""
-
-    prompt: str | None = Field(default=None, min_length=1)
-    messages: list[Message] | None = Field(default=None, min_length=1)
+class TokenizeRequest(PromptFields):
+    """`POST /tokenize`."""
 
 
 class DetokenizeRequest(_Strict):

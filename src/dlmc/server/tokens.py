@@ -41,14 +41,7 @@ def add_token_routes(app: FastAPI, ctx: ServerContext) -> None:
 
 def _tokenize(ctx: ServerContext, raw: bytes) -> dict[str, Any]:
     body = parse_body(TokenizeRequest, raw)
-    if (body.messages is None) == (body.prompt is None):
-        raise ApiError(400, "messages: give exactly one of messages or prompt", param="messages")
-    field = "prompt" if body.prompt is not None else "messages"
-    messages = [m.as_engine_message() for m in body.messages] if body.messages else None
-    try:
-        ids = ctx.llm.encode_prompt(body.prompt, messages)
-    except DlmcError as exc:
-        raise ApiError(400, f"{field}: {exc}", param=field) from None
+    ids = ctx.preparer.encode(*body.engine_prompt())
     return {"tokens": ids, "count": len(ids), "max_model_len": ctx.llm.max_context}
 
 
