@@ -43,12 +43,15 @@
 #                torch._grouped_mm and in dlmc::bf16_moe (--gemma-bf16-experts triton), profiled
 #   canvas-loop  a whole graph-mode DiffusionGemma BF16 decode's host overhead (--loop; the
 #                step timed eager only)
+#   hf-gemma     dlmc's BF16 DiffusionGemma step (graph), then transformers' own step at the
+#                same shape (bench_hf_gemma.py: eager, then its compiled static-cache path;
+#                one process each) and the ratio
 #   tests-NAME   pytest -m gpu of one test part, NAME one of TEST_PARTS below
 #   list         each test part's files; checks that the parts hold every gpu-marked test file
 #                exactly once (runs nothing, needs no GPU)
 # Output in $OUT: versions.txt, PART.txt (every command and its output), the benches' JSON.
 # Env: OUT (/tmp/dlmc-out), DLMC_CACHE (/tmp/dlmc-cache), TEST_TIMEOUT (560 seconds),
-#      CANVAS_LIMIT (270 seconds).
+#      CANVAS_LIMIT (270 seconds), HF_LIMIT (330 seconds).
 set -u
 cd "$(dirname "$0")/.." || exit 2
 OUT=${OUT:-/tmp/dlmc-out}
@@ -265,6 +268,14 @@ canvas-loop)
   step canvas_bf16_loop 560 "${CANVAS[@]}" --modes eager --precision bf16 --kv-cache-dtype bf16 \
     --loop --out "$OUT/canvas_bf16_loop.json"
   summary ;;
+hf-gemma)
+  setup
+  step canvas_bf16_bf16 230 "${CANVAS[@]}" --modes graph --precision bf16 --kv-cache-dtype bf16 \
+    --no-loop --out "$OUT/canvas_bf16_bf16.json"
+  step hf_gemma "${HF_LIMIT:-330}" python3 perf/bench_hf_gemma.py --prefix 1024 \
+    --against "$OUT/canvas_bf16_bf16.json" --out "$OUT/hf_gemma.json"
+  summary
+  grep -E "^(built|transformers) " "$OUT/$PART.txt" | cut -c1-200 ;;
 loop)
   setup
   step round_bf16_loop 560 "${ROUND[@]}" --precision bf16 --modes graph --loop \
@@ -282,7 +293,7 @@ tests-*)
     $workers $files
   grep -E "FAILED|ERROR|passed|failed" "$OUT/$PART.txt" | tail -20 ;;
 *)
-  echo "usage: bash perf/gpu.sh rounds|ops|sampled|loop|post-attention|canvas|canvas-sampler|canvas-projections|canvas-ops|canvas-tiles|canvas-pad|canvas-reductions|canvas-dense|canvas-experts|canvas-loop|list|tests-NAME" \
+  echo "usage: bash perf/gpu.sh rounds|ops|sampled|loop|post-attention|canvas|canvas-sampler|canvas-projections|canvas-ops|canvas-tiles|canvas-pad|canvas-reductions|canvas-dense|canvas-experts|canvas-loop|hf-gemma|list|tests-NAME" \
     "(NAME: ${TEST_PARTS// /, })" >&2
   exit 2 ;;
 esac

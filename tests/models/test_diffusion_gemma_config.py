@@ -4,9 +4,10 @@ import copy
 import json
 
 import pytest
+import torch
 
 from dlmc.errors import CheckpointError
-from dlmc.models.diffusion_gemma_config import DiffusionGemmaConfig
+from dlmc.models.diffusion_gemma_config import DEFAULT_ROPE, DiffusionGemmaConfig
 
 PATTERN = ["sliding_attention"] * 5 + ["full_attention"]
 # The released google/diffusiongemma-26B-A4B-it config.json, text-relevant keys.
@@ -67,6 +68,42 @@ def test_transformers_saved_form_equals_the_released_form():
                                 for i in (5, 11, 17, 23, 29)}
     saved = {**RELEASED, "text_config": text}
     assert DiffusionGemmaConfig.from_dict(saved) == DiffusionGemmaConfig.from_dict(RELEASED)
+
+
+@pytest.mark.parametrize("raw", [RELEASED, _with(
+    {"rope_parameters": {"full_attention": {"rope_type": "proportional", "rope_theta": 5e5,
+                                            "partial_rotary_factor": 0.5, "factor": 2.0}}},
+    image_token_id=7, boi_token_id=8, eoi_token_id=9, canvas_length=64)])
+def test_to_dict_reads_back_to_an_equal_config(raw):
+    cfg = DiffusionGemmaConfig.from_dict(raw)
+    written = cfg.to_dict()
+    assert DiffusionGemmaConfig.from_dict(json.loads(json.dumps(written))) == cfg
+    assert written["text_config"]["rope_parameters"] == {
+        k: {**DEFAULT_ROPE[k], **v} for k, v in raw["text_config"]["rope_parameters"].items()} | {
+        k: v for k, v in DEFAULT_ROPE.items() if k not in raw["text_config"]["rope_parameters"]}
+
+
+def test_to_dict_builds_transformers_model_of_the_same_parameter_shapes():
+    """transformers' text model from `to_dict()` has dlmc's parameter names and shapes at full
+    size (both built on the meta device)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.diffusion_gemma import modeling_diffusion_gemma as hf
+
+    from dlmc.models.diffusion_gemma import DiffusionGemmaForBlockDiffusion
+    from dlmc.models.shapes import DIFFUSIONGEMMA_26B_A4B as FULL_SIZE
+
+    vision = {"model_type": "gemma4_vision", "hidden_size": 16, "intermediate_size": 32,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
+              "head_dim": 8, "global_head_dim": 8}
+    config = transformers.DiffusionGemmaConfig(**{**FULL_SIZE.to_dict(),
+                                                  "vision_config": vision})
+    with torch.device("meta"):
+        theirs = hf.DiffusionGemmaForBlockDiffusion(config)
+        ours = DiffusionGemmaForBlockDiffusion(FULL_SIZE)
+    want = {k: tuple(v.shape) for k, v in ours.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in theirs.state_dict().items() if k in want}
+    assert got == want
+    assert sum(v.numel() for v in ours.parameters()) > 25e9
 
 
 def test_defaults_follow_transformers():

@@ -269,6 +269,24 @@ class DiffusionGemmaConfig:
     def from_file(cls, path: Path) -> DiffusionGemmaConfig:
         return cls.from_dict(read_json_object(path), source=str(path))
 
+    def to_dict(self) -> dict[str, Any]:
+        """The config.json of this architecture (text model and decoder; no `vision_config`):
+        `from_dict` reads it back to an equal config, and transformers'
+        `DiffusionGemmaConfig(**d)` builds the same text model from it."""
+        text: dict[str, Any] = {k: getattr(self, k) for k in (
+            *REQUIRED_TEXT_KEYS, *TEXT_KEYS_WITH_DEFAULTS, "global_head_dim",
+            "num_global_key_value_heads") if k != "eos_token_id"}
+        text["layer_types"] = list(self.layer_types)
+        text["rope_parameters"] = {kind: _rope_dict(rope) for kind, rope in (
+            (SLIDING, self.sliding_rope), (FULL, self.full_rope))}
+        raw: dict[str, Any] = {
+            "architectures": ["DiffusionGemmaForBlockDiffusion"], "model_type": MODEL_TYPE,
+            "canvas_length": self.canvas_length, "tie_word_embeddings": self.tie_word_embeddings,
+            "eos_token_id": list(self.eos_token_ids), "text_config": text}
+        # The ids in `from_dict`'s key order (the config keeps which of them, not their keys).
+        raw.update(zip(IMAGE_ID_KEYS, self.image_token_ids, strict=False))
+        return raw
+
 
 TOP_LEVEL_FIELDS = {"canvas_length", "tie_word_embeddings", "eos_token_ids"}
 
@@ -308,6 +326,16 @@ def _global_attention(text: dict[str, Any], layer_types: list[Any], source: str
         )
     return (values[0].get("head_dim", text["head_dim"]),
             values[0].get("num_key_value_heads", text["num_key_value_heads"]))
+
+
+def _rope_dict(rope: RopeParameters) -> dict[str, Any]:
+    """One layer type's `rope_parameters` entry as config.json writes it."""
+    entry: dict[str, Any] = {"rope_type": rope.rope_type, "rope_theta": rope.rope_theta}
+    if rope.rope_type != "default":
+        entry["partial_rotary_factor"] = rope.partial_rotary_factor
+    if rope.factor != 1:
+        entry["factor"] = rope.factor
+    return entry
 
 
 def _rope(rope: Any, layer_type: str, source: str) -> RopeParameters:
