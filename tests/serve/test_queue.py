@@ -177,3 +177,40 @@ def test_the_engine_is_free_when_a_handler_sees_done() -> None:
     finally:
         worker.stop()
     assert (state["running"], state["waiting"], state["completed"]) == (0, 0, 1)
+
+
+def test_a_later_part_of_an_admitted_request_is_not_refused() -> None:
+    """With the queue full, a new request is refused, while the next choice or prompt of a
+    request already admitted queues behind the others; the list handler submits its parts so."""
+    import asyncio
+
+    from dlmc.server.engine_worker import EngineWorker, Prepared, QueueFull
+    from dlmc.server.openai_compat import _Jobs
+
+    worker = EngineWorker(_SlowToCloseLLM(), queue_size=1, request_timeout_s=10.0)  # not started
+
+    async def submit_all() -> tuple[dict[str, Any], list[bool]]:
+        worker.submit(Prepared([0], {}))
+        worker.submit(Prepared([1], {}))  # queue_size + 1 admitted: full
+        with pytest.raises(QueueFull):
+            worker.submit(Prepared([2], {}))
+        later = worker.submit(Prepared([3], {}), admitted=True)
+        assert later.request.prompt_token_ids == [3]
+        seen: list[bool] = []
+
+        class Recording:
+            def submit(self, request: Prepared, admitted: bool = False) -> Any:
+                seen.append(admitted)
+                return worker.submit(request, admitted=admitted)
+
+        jobs = _Jobs(Recording(), [Prepared([4], {}), Prepared([5], {})])  # type: ignore[arg-type]
+        with pytest.raises(QueueFull):  # its first part is a new request
+            jobs.next()
+        jobs = _Jobs(Recording(), [Prepared([4], {}), Prepared([5], {})])  # type: ignore[arg-type]
+        jobs.current = later  # its first part was admitted
+        jobs.next()
+        return worker.snapshot(), seen
+
+    state, seen = asyncio.run(submit_all())
+    assert seen == [False, True]
+    assert (state["waiting"], state["rejected"]) == (4, 2)

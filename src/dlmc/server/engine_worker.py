@@ -4,9 +4,11 @@ The engine is not thread-safe, so every request decodes on a single worker threa
 time. The worker takes only `Prepared` requests (prompt encoded, settings resolved, answer fitted
 to the context by the handlers, on other threads), so a slow or bad request never holds it.
 Requests are admitted while fewer than `queue_size` wait (plus the one decoding);
-beyond that `submit` raises `QueueFull`. Each request's events (a `BlockChunk` per finished
-block, then `Done`) travel back to the asyncio handler that submitted it through that
-handler's own `asyncio.Queue` (`loop.call_soon_threadsafe`).
+beyond that `submit` raises `QueueFull`. A request of several parts (choices, prompts) is
+admitted whole: its later parts queue behind the others without being refused. Each
+request's events (a `BlockChunk` per finished block, then `Done`) travel back to the asyncio
+handler that submitted it through that handler's own `asyncio.Queue`
+(`loop.call_soon_threadsafe`).
 
 Cancellation: `Job.cancel()` sets a flag that the engine polls before every round, so a
 client that disconnects (or times out) frees the engine within one round; a cancelled job
@@ -144,13 +146,15 @@ class EngineWorker:
             }
 
     # -- handler side (event loop thread) --------------------------------------------------
-    def submit(self, request: Prepared) -> Job:
-        """Queue a request; raises QueueFull when `queue_size` requests already wait."""
+    def submit(self, request: Prepared, admitted: bool = False) -> Job:
+        """Queue a request; raises QueueFull when `queue_size` requests already wait, unless
+        `admitted`: a later part (choice or prompt) of a request whose first part was
+        admitted, which queues behind the others without being refused."""
         job = Job(request, asyncio.get_running_loop(), time.monotonic() + self.request_timeout_s)
         with self._lock:
             if self._stopping:
                 raise RequestCancelled("the server is shutting down")
-            if self._admitted >= self.queue_size + 1:
+            if not admitted and self._admitted >= self.queue_size + 1:
                 self.counts.rejected += 1
                 raise QueueFull(
                     f"the server is busy: {self.queue_size} requests are already waiting; "

@@ -145,7 +145,8 @@ def _choice(prepared: Prepared, i: int, n: int) -> Prepared:
 
 class _Jobs:
     """A request's prompts, submitted one after another: each waits its turn in the queue
-    as a request of its own would. `cancel` stops the one decoding and submits no more."""
+    as a request of its own would, and only the first can find the queue full. `cancel`
+    stops the one decoding and submits no more."""
 
     def __init__(self, worker: EngineWorker, prepared: list[Prepared]) -> None:
         self.worker, self.waiting = worker, list(prepared)
@@ -155,7 +156,8 @@ class _Jobs:
     def next(self) -> Job:
         if self.cancelled:
             raise RequestCancelled("the request was cancelled")
-        self.current = self.worker.submit(self.waiting.pop(0))
+        # Only the first part can be refused: an admitted request is answered whole.
+        self.current = self.worker.submit(self.waiting.pop(0), admitted=self.current is not None)
         return self.current
 
     def cancel(self) -> None:
