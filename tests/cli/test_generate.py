@@ -12,6 +12,9 @@ def test_generate_plain_text_and_stats(tiny_dir):
     assert result.exit_code == 0, result.output
     lines = result.output.strip().splitlines()
     assert "20 tokens" in lines[-1] and "forwards" in lines[-1] and "TPF" in lines[-1]
+    short = CliRunner().invoke(main, ["generate", "-m", str(tiny_dir), "Hello",
+                                      "--max-new-tokens", "20"])  # -m as in `bench suite`
+    assert short.exit_code == 0 and short.output.splitlines()[:-1] == lines[:-1]
 
 
 def test_generate_json_matches_the_api(tiny_dir, tiny_llm):

@@ -34,6 +34,7 @@ def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     decorators = [
         click.option(
             "--model",
+            "-m",
             required=True,
             metavar="DIR|REPO|tiny-llada2",
             help="Checkpoint directory, Hugging Face repo id, or a built-in "
