@@ -47,6 +47,20 @@ from dlmc.cli.options import (
     help="Largest request body accepted, in bytes; larger ones are answered 413.",
 )
 @click.option(
+    "--served-model-name",
+    default=None,
+    metavar="NAME",
+    help="The model id that /v1/models, /health and the answers report (default: --model).",
+)
+@click.option(
+    "--api-key",
+    envvar="DLMC_API_KEY",
+    default=None,
+    metavar="KEY",
+    help="Refuse requests (401) without the header 'Authorization: Bearer KEY'; /health stays "
+    "open. Also read from DLMC_API_KEY.",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["critical", "error", "warning", "info", "debug"]),
     default="info",
@@ -64,17 +78,27 @@ def serve(
     queue_size: int,
     request_timeout: float,
     max_body_bytes: int,
+    served_model_name: str | None,
+    api_key: str | None,
     log_level: str,
     **decode: Any,
 ) -> None:
     """Serve a model: POST /generate (streaming), POST /v1/chat/completions,
-    POST /v1/completions, GET /v1/models, GET /health.
+    POST /v1/completions, GET /v1/models, POST /tokenize and /detokenize, GET /health.
 
     The decoding options are the defaults of every request (a request's own fields win)."""
     from rich.console import Console
 
     from dlmc.server import ServerSettings, create_app
 
+    settings = ServerSettings(  # checked before the model loads
+        model_name=served_model_name or model,
+        queue_size=queue_size,
+        request_timeout_s=request_timeout,
+        max_body_bytes=max_body_bytes,
+        decode_defaults=decode_kwargs(decode),
+        api_key=api_key,
+    )
     err = Console(stderr=True)
     with err.status(f"loading {model}…", spinner="dots"):
         from dlmc.api import LLM
@@ -83,18 +107,13 @@ def serve(
             model, role=role, precision=precision, device=device, dtype=dtype, show_progress=True,
             **engine_kwargs(decode),
         )
-    settings = ServerSettings(
-        model_name=model,
-        queue_size=queue_size,
-        request_timeout_s=request_timeout,
-        max_body_bytes=max_body_bytes,
-        decode_defaults=decode_kwargs(decode),
-    )
     app = create_app(llm, settings)
     print_first_rounds_notice(err, llm)
     with err.status("warming up…", spinner="dots"):
         warm_up(llm, app.state.dlmc.preparer.defaults)
-    err.print(f"dlmc serving {model} on http://{host}:{port} (Ctrl-C to stop)", style="bold")
+    key_note = ", API key required" if api_key is not None else ""
+    err.print(f"dlmc serving {settings.model_name} on http://{host}:{port}{key_note} "
+              "(Ctrl-C to stop)", style="bold")
     run_server(app, host, port, log_level)
 
 

@@ -2,7 +2,8 @@
 
 Endpoints: `POST /generate` (dlmc's own, streaming by default), the OpenAI-compatible
 `POST /v1/chat/completions`, `POST /v1/completions` and `GET /v1/models`, `POST /tokenize`
-and `POST /detokenize`, and `GET /health`.
+and `POST /detokenize`, and `GET /health`; with an API key, every route but `/health` wants
+it (auth.py).
 Requests decode one at a time on one engine thread (see engine_worker.py); each is read (at
 most `max_body_bytes`), parsed and encoded by its handler off the event loop before it is queued.
 """
@@ -23,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dlmc.errors import ConfigError
 from dlmc.results import BlockChunk, GenerateResult
+from dlmc.server.auth import ApiKeyCheck
 from dlmc.server.context import ServerContext
 from dlmc.server.engine_worker import EngineWorker, Prepared
 from dlmc.server.handling import (
@@ -53,8 +55,13 @@ class ServerSettings:
     request_timeout_s: float = 600.0  # per request, waiting in the queue included
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies are answered 413
     decode_defaults: Mapping[str, Any] = field(default_factory=dict)
+    api_key: str | None = field(default=None, repr=False)  # every route but /health wants it
 
     def __post_init__(self) -> None:
+        key = self.api_key
+        if key is not None and (not isinstance(key, str) or not key or key != key.strip()
+                                or not key.isprintable() or not key.isascii()):
+            raise ConfigError("api_key: expected printable ASCII without surrounding spaces")
         if not isinstance(self.queue_size, int) or self.queue_size < 0:
             raise ConfigError(f"queue_size: expected an integer >= 0, got {self.queue_size!r}")
         if not self.request_timeout_s > 0:
@@ -92,6 +99,8 @@ def create_app(llm: Any, settings: ServerSettings | None = None) -> FastAPI:
 
     app = FastAPI(title="dlmc", summary="diffusion LM server", lifespan=lifespan)
     app.state.dlmc = ctx
+    if settings.api_key is not None:
+        app.add_middleware(ApiKeyCheck, key=settings.api_key)
     _add_error_handlers(app)
     _add_dlmc_routes(app, ctx)
     add_openai_routes(app, ctx)
