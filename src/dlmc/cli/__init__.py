@@ -1,4 +1,4 @@
-"""`dlmc` command line: `generate`, `bench`, `serve`."""
+"""`dlmc` command line: `generate`, `chat`, `bench`, `serve`."""
 
 from __future__ import annotations
 
@@ -14,12 +14,14 @@ def main() -> None:
 
 
 def _register() -> None:
-    """Subcommands live in their own modules (generate.py, bench.py, serve.py)."""
+    """Subcommands live in their own modules (generate.py, chat.py, bench.py, serve.py)."""
     from dlmc.cli.bench import bench
+    from dlmc.cli.chat import chat
     from dlmc.cli.generate import generate
     from dlmc.cli.serve import serve
 
     main.add_command(generate)
+    main.add_command(chat)
     main.add_command(bench)
     main.add_command(serve)
 

@@ -77,7 +77,7 @@ def generate(
     print_first_rounds_notice(err, llm)
     out = Console()
     live = out.is_terminal and not no_live and not as_json
-    result = _run_live(llm, request, kwargs, out) if live else llm.generate(**request, **kwargs)
+    result = run_live(llm, request, kwargs, out) if live else llm.generate(**request, **kwargs)
     from dlmc.cli.live import stats_line
 
     if as_json:
@@ -110,7 +110,8 @@ def print_first_rounds_notice(console: Any, llm: Any) -> None:
         console.print(f"[dim]{notice}[/dim]")
 
 
-def _run_live(llm: Any, request: dict[str, Any], kwargs: dict[str, Any], console: Any) -> Any:
+def run_live(llm: Any, request: dict[str, Any], kwargs: dict[str, Any], console: Any) -> Any:
+    """Decode `request` with a live view of each block (canvas) on `console`; the result."""
     from rich.live import Live
 
     from dlmc.cli.live import render_block, render_canvas
