@@ -68,6 +68,7 @@ class LLM:
     most: the config's max_position_embeddings).
     `kernels`: the kernel choices (`KernelConfig`: attention backend, programmatic dependent
     launch, deterministic compilation); the defaults are the fastest measured.
+    `revision`: a branch, tag or commit of a Hub repo `model` (default: its main branch).
     """
 
     def __init__(
@@ -84,6 +85,7 @@ class LLM:
         refresh: str = "fused",
         lookahead: bool = True,
         kernels: KernelConfig | None = None,
+        revision: str | None = None,
     ) -> None:
         role_defaults(role)  # validates the role
         self.device = parse_device(device)  # before any download
@@ -97,7 +99,7 @@ class LLM:
             raise ConfigError(f"mode 'graph' (CUDA graphs) needs a CUDA device, got device "
                               f"{str(self.device)!r}; use mode 'eager' (--mode eager) or 'compile'")
         self.model_id = os.fspath(model)
-        self.model_dir: Path = resolve_model(model)
+        self.model_dir: Path = resolve_model(model, revision)
         self.role = role
         if kernels is not None and not isinstance(kernels, KernelConfig):
             raise ConfigError(f"kernels={kernels!r}: expected a dlmc.KernelConfig")

@@ -99,6 +99,21 @@ def test_cli_runs_the_four_packaged_sets_by_name_and_resumes(
 
     other = CliRunner().invoke(main, [*args[:-2], "--seed", "7", "--out", str(out)])
     assert other.exit_code != 0 and "seed=0" in other.output
+    pinned = CliRunner().invoke(main, [*args[:-2], "--revision", "v1", "--out", str(out)])
+    assert pinned.exit_code != 0 and "revision=None" in pinned.output  # another checkpoint
+
+
+def test_cli_revision_reaches_the_engine_and_the_run_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gsm8k_rows: list[dict[str, Any]],
+) -> None:
+    llm, loads = FakeLLM(gsm8k_rows[:1]), []
+    monkeypatch.setattr("dlmc.cli.bench._load_llm", lambda *args: loads.append(args) or llm)
+    out = tmp_path / "run"
+    result = CliRunner().invoke(main, ["bench", "suite", "-m", "acme/dlm", "--revision", "v1",
+                                       "--limit", "1", "-p", "gsm8k", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert loads == [("acme/dlm", "orl", "auto", None, "auto", "v1")]
+    assert json.loads((out / "run.json").read_text())["revision"] == "v1"
 
 
 def test_cli_reports_an_unknown_file_format(tmp_path: Path) -> None:

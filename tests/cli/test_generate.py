@@ -15,6 +15,8 @@ def test_generate_plain_text_and_stats(tiny_dir):
     short = CliRunner().invoke(main, ["generate", "-m", str(tiny_dir), "Hello",
                                       "--max-new-tokens", "20"])  # -m as in `bench suite`
     assert short.exit_code == 0 and short.output.splitlines()[:-1] == lines[:-1]
+    pinned = CliRunner().invoke(main, ["generate", "-m", str(tiny_dir), "--revision", "v1", "Hi"])
+    assert pinned.exit_code == 1 and "--revision v1: only a Hugging Face repo id" in pinned.output
 
 
 def test_generate_json_matches_the_api(tiny_dir, tiny_llm):

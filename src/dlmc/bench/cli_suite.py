@@ -56,12 +56,13 @@ def run_suite(options: dict[str, Any], load_llm: Callable[..., Any]) -> list[Ben
         plan, shots = plan_prompts(problems, settings.prompt_style, settings.few_shot, rows, source)
         plans.append((problems, plan, shots))
     out_dir: Path = options["out_dir"]
-    run = run_info(options["model"], options["role"], options["precision"], settings)
+    run = run_info(options["model"], options["role"], options["precision"], settings,
+                   revision=options.get("revision"))
     check_run_file(out_dir, run)
 
     console = Console()
     llm = load_llm(options["model"], options["role"], options["precision"], options["device"],
-                   options.get("kv_cache_dtype") or "auto")
+                   options.get("kv_cache_dtype") or "auto", options.get("revision"))
     llm.decode_settings(**settings.generate_kwargs())  # what the model refuses fails here
     device = describe_device(llm)
     engine_settings: dict[str, Any] | None = None

@@ -182,10 +182,11 @@ def check_run_file(out_dir: Path, run_info: dict[str, Any]) -> None:
     path.write_text(json.dumps(run_info, indent=2) + "\n", encoding="utf-8")
 
 
-def run_info(model: str, role: str, precision: str, settings: SuiteSettings) -> dict[str, Any]:
+def run_info(model: str, role: str, precision: str, settings: SuiteSettings,
+             revision: str | None = None) -> dict[str, Any]:
     """What must match for a rerun to resume (everything that changes outputs or scores)."""
     data = asdict(settings)
-    return {"model": model, "role": role, "precision": precision, **data}
+    return {"model": model, "revision": revision, "role": role, "precision": precision, **data}
 
 
 def write_summary(

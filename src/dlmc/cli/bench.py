@@ -24,6 +24,8 @@ bench.add_command(round_cmd)  # compiled-rounds timing, in its own module
     "suite", short_help="Accuracy + speed on GSM8K, MATH-500, HumanEval, MBPP (papers' scorers)."
 )
 @click.option("--model", "-m", required=True, help="Model id or local checkpoint directory.")
+@click.option("--revision", default=None, metavar="REF",
+              help="Branch, tag or commit of a Hub repo --model (default: its main branch).")
 @click.option("--role", type=click.Choice(["orl", "llada2.1", "llada2.0"]), default="orl",
               show_default=True, help="Decoder and its default settings (see `dlmc generate`).")
 @click.option("--precision", type=click.Choice(["auto", "bf16", "nvfp4"]), default="auto",
@@ -79,10 +81,10 @@ def suite(**options: Any) -> None:
 
 
 def _load_llm(model: str, role: str, precision: str, device: str | None,
-              kv_cache_dtype: str = "auto") -> Any:
+              kv_cache_dtype: str = "auto", revision: str | None = None) -> Any:
     """Load the engine (tests replace this with a fake)."""
     from dlmc.api import LLM
 
     return LLM(model, role=role, precision=precision, device=device,
-               kv_cache_dtype=kv_cache_dtype)
+               kv_cache_dtype=kv_cache_dtype, revision=revision)
 

@@ -29,8 +29,9 @@ class EditThreshold(click.ParamType):
 
 
 def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """--model --role --precision --device --dtype --max-context --mode --kv-cache-dtype (the
-    last three reach the command in **kwargs; pass them on with `engine_kwargs`)."""
+    """--model --revision --role --precision --device --dtype --max-context --mode
+    --kv-cache-dtype (--revision and the last three reach the command in **kwargs; pass them
+    on with `engine_kwargs`)."""
     decorators = [
         click.option(
             "--model",
@@ -39,6 +40,12 @@ def model_options(fn: Callable[..., Any]) -> Callable[..., Any]:
             metavar="DIR|REPO|tiny-llada2",
             help="Checkpoint directory, Hugging Face repo id, or a built-in "
             "`tiny-llada2` / `tiny-diffusiongemma` (random weights: gibberish output).",
+        ),
+        click.option(
+            "--revision",
+            default=None,
+            metavar="REF",
+            help="Branch, tag or commit of a Hub repo --model (default: its main branch).",
         ),
         click.option(
             "--role",
@@ -262,10 +269,11 @@ def kernel_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def engine_kwargs(params: dict[str, Any]) -> dict[str, Any]:
-    """The LLM constructor's --max-context / --mode / --kv-cache-dtype (and `kernels`, from
-    `kernel_options`) among a command's parameters."""
+    """The LLM constructor's --max-context / --mode / --kv-cache-dtype / --revision (and
+    `kernels`, from `kernel_options`) among a command's parameters."""
     kwargs = {"max_context": params.get("max_context"), "mode": params.get("mode"),
-              "kv_cache_dtype": params.get("kv_cache_dtype") or "auto"}
+              "kv_cache_dtype": params.get("kv_cache_dtype") or "auto",
+              "revision": params.get("revision")}
     if params.get("kernels") is not None:
         kwargs["kernels"] = params["kernels"]
     return kwargs
