@@ -10,11 +10,12 @@ threshold is out of reach). A step's time is the slope between two step counts:
 prompt and the set-up of each call cancel out; what remains is transformers' whole step
 (decoder forward, temperature, sampling, acceptance, re-noise, stopping check, host work).
 
-Paths: `eager` (`disable_compile=True`, transformers' dynamic cache) and `compiled` (a static
-cache, with which transformers' generate compiles the encoder, the decoder forward and the
-sampler with mode="reduce-overhead", i.e. CUDA graphs). The routing is the random model's own
-(all experts are touched at 256 tokens x top-8 of 128). With `--against`, the JSON of
-`dlmc bench round --shape diffusiongemma-26b-a4b --out ...` from the same call gives the ratio.
+Paths: `eager` (transformers' default dynamic cache, which its generate does not compile) and
+`compiled` (a static cache, with which transformers' generate compiles the encoder, the decoder
+forward and the sampler with mode="reduce-overhead", i.e. CUDA graphs). The routing is the
+random model's own (all experts are touched at 256 tokens x top-8 of 128). With `--against`,
+the JSON of `dlmc bench round --shape diffusiongemma-26b-a4b --out ...` from the same call
+gives the ratio.
 
     python perf/bench_hf_gemma.py --out /tmp/hf_gemma.json --against /tmp/canvas_bf16_bf16.json
     python perf/bench_hf_gemma.py --tiny --paths eager   # a tiny model on the CPU: a smoke run
@@ -80,8 +81,8 @@ def hf_model(config: DiffusionGemmaConfig, device: torch.device, experts: str | 
 def generate_seconds(model: Any, prompt: torch.Tensor, canvas: int, steps: int, path: str,
                      ) -> float:
     """Wall time of one `generate` of one canvas in exactly `steps` denoising steps."""
-    options: dict[str, Any] = (
-        {"disable_compile": True} if path == "eager" else {"cache_implementation": "static"})
+    # transformers compiles its step only with a compileable (static) cache
+    options: dict[str, Any] = {} if path == "eager" else {"cache_implementation": "static"}
     sync = torch.cuda.synchronize if prompt.is_cuda else (lambda: None)
     sync()
     started = time.perf_counter()
@@ -120,10 +121,12 @@ def main() -> None:
     canvas = config.canvas_length
     started = time.perf_counter()
     model = hf_model(config, device, args.experts)
+    text_config = model.config.get_text_config()
+    kernels = {name: getattr(text_config, f"_{name}_implementation", None)
+               for name in ("attn", "experts")}
     print(f"built transformers' model ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}"
           f"B parameters) in {time.perf_counter() - started:.1f} s; attention "
-          f"{model.config.get_text_config()._attn_implementation}, experts "
-          f"{model.config.get_text_config()._experts_implementation}", flush=True)
+          f"{kernels['attn']}, experts {kernels['experts']}", flush=True)
     gen = torch.Generator(device=device).manual_seed(1)
     # Prompt ids away from the special tokens (0-3 and the turn markers near 100).
     prompt = torch.randint(200, config.vocab_size, (args.prefix,), device=device, generator=gen)
@@ -145,7 +148,8 @@ def main() -> None:
 
     report = {"shape": "tiny" if args.tiny else "diffusiongemma-26b-a4b", "canvas": canvas,
               "prefix": args.prefix, "steps": list(args.steps), "repeats": args.repeats,
-              "results": results, "transformers": transformers.__version__,
+              "results": results, "implementations": kernels,
+              "transformers": transformers.__version__,
               "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "python": platform.python_version()}
     if args.out:
