@@ -1,6 +1,6 @@
 """`dlmc serve --api-key`: every route but /health wants `Authorization: Bearer <key>`; a
 request without it or with another key is a 401; streams and their cancellation work through
-the check. `--served-model-name` names the model in the answers."""
+the check. `--served-model-name` names the model in the answers; `--allowed-origin` adds CORS."""
 
 from __future__ import annotations
 
@@ -74,14 +74,16 @@ def test_bad_api_keys_are_refused_by_name(key: str) -> None:
 
 
 def test_serve_options_reach_the_app(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`--served-model-name` and the key from DLMC_API_KEY reach the app `dlmc serve` runs."""
+    """`--served-model-name`, `--allowed-origin` and the key from DLMC_API_KEY reach the app
+    `dlmc serve` runs."""
     import dlmc.cli.serve as serve_module
 
     apps: list[Any] = []
     monkeypatch.setattr(serve_module, "run_server", lambda app, *args: apps.append(app))
     monkeypatch.setattr(serve_module, "warm_up", lambda *args: None)
     monkeypatch.setenv("DLMC_API_KEY", KEY)
-    args = ["serve", "-m", "tiny-llada2", "--device", "cpu", "--served-model-name", "my-dlm"]
+    args = ["serve", "-m", "tiny-llada2", "--device", "cpu", "--served-model-name", "my-dlm",
+            "--allowed-origin", "http://localhost:3000"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     from starlette.testclient import TestClient
@@ -90,7 +92,37 @@ def test_serve_options_reach_the_app(monkeypatch: pytest.MonkeyPatch) -> None:
         _refused(client.get("/v1/models"), "no Authorization header")
         models = client.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()
         assert [m["id"] for m in models["data"]] == ["my-dlm"]
-        assert client.get("/health").json()["model"] == "my-dlm"
+        probe = client.get("/health", headers={"Origin": "http://localhost:3000"})
+        assert probe.json()["model"] == "my-dlm"
+        assert probe.headers["access-control-allow-origin"] == "http://localhost:3000"
     monkeypatch.setenv("DLMC_API_KEY", " x")
     result = CliRunner().invoke(main, args)
     assert result.exit_code != 0 and "api_key" in result.output and len(apps) == 1
+
+
+def test_allowed_origins_get_cors_headers_and_preflights_need_no_key(flaky_llm: FlakyLLM) -> None:
+    page = "http://localhost:3000"
+    good = {"Authorization": f"Bearer {KEY}"}
+    with running_server(flaky_llm, api_key=KEY, allowed_origins=(page,)) as url, httpx.Client(
+            base_url=url, timeout=60) as client:
+        preflight = client.options("/v1/chat/completions", headers={
+            "Origin": page, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == page
+        assert "POST" in preflight.headers["access-control-allow-methods"]
+        answer = client.get("/v1/models", headers={**good, "Origin": page})
+        assert answer.status_code == 200 and answer.headers["access-control-allow-origin"] == page
+        other = client.get("/v1/models", headers={**good, "Origin": "http://evil.example"})
+        assert "access-control-allow-origin" not in other.headers
+        refused = client.get("/v1/models", headers={"Origin": page})  # the key still counts
+        assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == page
+    with running_server(flaky_llm) as url:  # by default no origin is answered
+        response = httpx.get(f"{url}/v1/models", headers={"Origin": page})
+        assert response.status_code == 200 and "access-control-allow-origin" not in response.headers
+
+
+@pytest.mark.parametrize("origin", ["localhost:3000", "http://x.example/app", "ftp://x", ""])
+def test_bad_origins_are_refused_by_name(origin: str) -> None:
+    with pytest.raises(ConfigError, match="allowed_origins"):
+        ServerSettings(allowed_origins=(origin,))

@@ -61,6 +61,14 @@ from dlmc.cli.options import (
     "open. Also read from DLMC_API_KEY.",
 )
 @click.option(
+    "--allowed-origin",
+    "allowed_origins",
+    multiple=True,
+    metavar="ORIGIN",
+    help="A browser origin (e.g. http://localhost:3000, or *) whose pages may call the server "
+    "(CORS); repeatable. Default: none.",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["critical", "error", "warning", "info", "debug"]),
     default="info",
@@ -80,6 +88,7 @@ def serve(
     max_body_bytes: int,
     served_model_name: str | None,
     api_key: str | None,
+    allowed_origins: tuple[str, ...],
     log_level: str,
     **decode: Any,
 ) -> None:
@@ -98,6 +107,7 @@ def serve(
         max_body_bytes=max_body_bytes,
         decode_defaults=decode_kwargs(decode),
         api_key=api_key,
+        allowed_origins=allowed_origins,
     )
     err = Console(stderr=True)
     with err.status(f"loading {model}…", spinner="dots"):

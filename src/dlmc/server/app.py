@@ -19,6 +19,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -56,12 +57,18 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies are answered 413
     decode_defaults: Mapping[str, Any] = field(default_factory=dict)
     api_key: str | None = field(default=None, repr=False)  # every route but /health wants it
+    allowed_origins: tuple[str, ...] = ()  # browser origins answered with CORS headers ("*": any)
 
     def __post_init__(self) -> None:
         key = self.api_key
         if key is not None and (not isinstance(key, str) or not key or key != key.strip()
                                 or not key.isprintable() or not key.isascii()):
             raise ConfigError("api_key: expected printable ASCII without surrounding spaces")
+        for origin in self.allowed_origins:
+            if origin != "*" and not (origin.startswith(("http://", "https://"))
+                                      and "/" not in origin.split("://", 1)[1]):
+                raise ConfigError(f"allowed_origins: {origin!r} is not an origin such as "
+                                  "'http://localhost:3000' (scheme and host, no path) or '*'")
         if not isinstance(self.queue_size, int) or self.queue_size < 0:
             raise ConfigError(f"queue_size: expected an integer >= 0, got {self.queue_size!r}")
         if not self.request_timeout_s > 0:
@@ -101,6 +108,9 @@ def create_app(llm: Any, settings: ServerSettings | None = None) -> FastAPI:
     app.state.dlmc = ctx
     if settings.api_key is not None:
         app.add_middleware(ApiKeyCheck, key=settings.api_key)
+    if settings.allowed_origins:  # added last: outermost, so preflights need no key
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["*"])
     _add_error_handlers(app)
     _add_dlmc_routes(app, ctx)
     add_openai_routes(app, ctx)
