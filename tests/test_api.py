@@ -153,6 +153,17 @@ def test_settings_left_out_take_the_checkpoint_file_under_any_role(tiny_dir, tmp
     assert llm.decode_settings() == llm.decode_settings(temperature=0.5)
 
 
+@pytest.mark.parametrize("temperature", [1e-302, 1e-6])
+def test_a_temperature_too_small_to_divide_by_decodes_greedily(tiny_llm, temperature):
+    """Logits / 1e-302 overflow: below 1e-5 (vLLM's epsilon) the decode is greedy, and the
+    settings say so."""
+    kwargs = dict(prompt_token_ids=list(range(65, 90)), max_new_tokens=32)
+    greedy = tiny_llm.generate(**kwargs)
+    tiny = tiny_llm.generate(**kwargs, temperature=temperature, seed=3)
+    assert tiny.token_ids == greedy.token_ids and tiny.settings["temperature"] == 0.0
+    assert tiny_llm.generate(**kwargs, temperature=1e-5, seed=3).settings["temperature"] == 1e-5
+
+
 def test_a_stop_sequence_ends_the_answer_before_it(tiny_llm):
     kwargs = dict(prompt_token_ids=list(range(65, 90)), max_new_tokens=96)
     full = tiny_llm.generate(**kwargs)

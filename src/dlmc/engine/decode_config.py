@@ -17,6 +17,11 @@ ROLES = ("orl", "llada2.1", "llada2.0")
 JOINT_ONLY = ("edit_threshold", "max_refine_steps")
 
 
+# Temperatures below this decode greedily (vLLM's sampling epsilon): dividing logits by less
+# overflows fp32 and sampling is argmax to within rounding anyway.
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     """How one request is decoded.
@@ -71,6 +76,8 @@ class DecodeConfig:
             self.max_new_tokens,
         )
         _check(self.temperature >= 0.0, "temperature", "a number >= 0", self.temperature)
+        if self.temperature < MIN_TEMPERATURE:  # logits / 1e-300 overflow: greedy, as vLLM
+            object.__setattr__(self, "temperature", 0.0)
         if self.top_k is not None:
             _check(_is_int(self.top_k) and self.top_k >= 1, "top_k", "an integer >= 1", self.top_k)
         if self.top_p is not None:
