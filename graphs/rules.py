@@ -83,6 +83,7 @@ def top_k_top_p_filter(
         sorted_logits, order = logits.sort(dim=-1, descending=True)  # [bl, V]
         sorted_probs = sorted_logits.softmax(-1)  # [bl, V]
         drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p  # mass before >= p
+        drop_sorted[:, 0] = False  # the most probable stays, whatever p rounds to in fp32
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 
@@ -151,6 +153,23 @@ def test_settings_left_out_take_the_checkpoint_file_under_any_role(tiny_dir, tmp
     res = llm.generate(prompt_token_ids=[70, 71, 72], temperature=0.0, threshold=0.95)
     assert (res.settings["temperature"], res.settings["threshold"]) == (0.0, 0.95)
     assert llm.decode_settings() == llm.decode_settings(temperature=0.5)
+
+
+@pytest.mark.parametrize(("option", "value", "expected"), [
+    ("temperature", float("inf"), "a number in [0, 100]"),
+    ("temperature", 1e300, "a number in [0, 100]"),
+    ("temperature", True, "a number in [0, 100]"),
+    ("temperature", "hot", "a number in [0, 100]"),
+    ("threshold", True, "a number in [0, 1]"),
+    ("seed", 2**70, "an integer in [0, 2**63 - 1]"),
+    ("seed", 1.5, "an integer in [0, 2**63 - 1]"),
+    ("seed", -5, "an integer in [0, 2**63 - 1]"),
+])
+def test_decoding_options_out_of_range_are_refused_by_name(tiny_llm, option, value, expected):
+    """Values that a sampler would turn into NaN probabilities or a generator would refuse."""
+    with pytest.raises(ConfigError, match=re.escape(f"`{option}`: expected {expected}")):
+        tiny_llm.generate(prompt_token_ids=[65, 66], max_new_tokens=4,
+                          **{"temperature": 0.5, option: value})
 
 
 @pytest.mark.parametrize("temperature", [1e-302, 1e-6])

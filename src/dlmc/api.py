@@ -262,7 +262,7 @@ class LLM:
             threshold=threshold,
             max_refine_steps=max_refine_steps,
             block_length=block_length,
-            temperature=None if temperature is None else float(temperature),
+            temperature=float(temperature) if type(temperature) is int else temperature,
             top_k=top_k,
             top_p=top_p,
             seed=seed,

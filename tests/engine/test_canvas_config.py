@@ -78,7 +78,7 @@ def test_paper_decoding_applies_its_sampler_keys_only(tmp_path, caplog):
     ({"t_min": -1.0}, r"decoding option `t_min`: .*must be a number >= 0, got -1.0"),
     ({"t_min": 0.9}, r"decoding option `t_max`: .*must be a number > t_min \(0.9\)"),
     ({"max_new_tokens": 0}, r"decoding option `max_new_tokens`"),
-    ({"seed": -3}, r"decoding option `seed`: expected an integer >= 0"),
+    ({"seed": -3}, r"decoding option `seed`: expected an integer in \[0, 2\*\*63 - 1\]"),
 ])
 def test_bad_arguments_are_named(tmp_path, given, message):
     path = checkpoint(tmp_path, RELEASED)

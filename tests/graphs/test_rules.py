@@ -204,7 +204,8 @@ def test_a_probability_exactly_on_the_edit_threshold_is_not_an_edit():
 @st.composite
 def _filter_cases(draw):
     """Rows of logits with ties (small integers) or spread values (floats), some -inf, at
-    least one finite per row; a top-k (or None) and a top-p in (0, 1]."""
+    least one finite per row; a top-k (or None) and a top-p in (0, 1] (some below fp32's
+    smallest number)."""
     rows, width = draw(st.integers(1, 4)), draw(st.integers(1, 24))
     tied = draw(st.booleans())
     value = (st.integers(-3, 3).map(float) if tied
@@ -217,7 +218,9 @@ def _filter_cases(draw):
     dropped[:, 0] = False
     logits = logits.masked_fill(dropped, float("-inf"))
     top_k = draw(st.one_of(st.none(), st.integers(1, width + 2)))
-    top_p = draw(st.one_of(st.none(), st.floats(0.01, 1.0)))
+    # and values that round to 0 in fp32: the most probable token still stays
+    top_p = draw(st.one_of(st.none(), st.floats(0.01, 1.0),
+                           st.sampled_from([5e-324, 1e-300, 1e-46])))
     return logits, top_k, top_p
 
 

@@ -138,11 +138,12 @@ def decode_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--block-length", type=int, default=None,
                      help="Block size (default: the checkpoint's paper_decoding.json, else 32)."),
         click.option("--temperature", type=float, default=None,
-                     help="Sampling temperature (default: the checkpoint's "
-                     "paper_decoding.json, else 0: greedy)."),
+                     help="Sampling temperature in [0, 100]; below 1e-5 greedy (default: the "
+                     "checkpoint's paper_decoding.json, else 0: greedy)."),
         click.option("--top-k", type=int, default=None),
         click.option("--top-p", type=float, default=None),
-        click.option("--seed", type=int, default=None, help="Seed for sampling."),
+        click.option("--seed", type=int, default=None,
+                     help="Seed for sampling, in [0, 2**63 - 1]."),
     ]
     fn = canvas_options(fn)  # listed after the options above
     for decorator in reversed(decorators):

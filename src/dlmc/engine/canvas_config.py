@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dlmc.engine.decode_config import check_seed
 from dlmc.engine.paper_decoding import ALIASES as LLADA2_ALIASES
 from dlmc.engine.paper_decoding import KNOWN_ELSEWHERE, read_flat
 from dlmc.errors import ConfigError
@@ -58,10 +59,7 @@ class CanvasDecodeConfig:
     sources: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(
-                self.seed, bool) or self.seed < 0):
-            raise ConfigError(f"decoding option `seed`: expected an integer >= 0, got "
-                              f"{self.seed!r}")
+        check_seed(self.seed)
 
     @property
     def max_new_tokens(self) -> int:

@@ -20,6 +20,7 @@ JOINT_ONLY = ("edit_threshold", "max_refine_steps")
 # Temperatures below this decode greedily (vLLM's sampling epsilon): dividing logits by less
 # overflows fp32 and sampling is argmax to within rounding anyway.
 MIN_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 100.0  # as the server's; far past it every token is equally likely
 
 
 @dataclass(frozen=True)
@@ -48,10 +49,11 @@ class DecodeConfig:
     def __post_init__(self) -> None:
         if self.algorithm not in ("joint", "threshold"):
             raise ConfigError(f"algorithm must be 'joint' or 'threshold', got {self.algorithm!r}")
-        _check(0.0 <= self.threshold <= 1.0, "threshold", "a number in [0, 1]", self.threshold)
+        _check(_is_number(self.threshold) and 0.0 <= self.threshold <= 1.0, "threshold",
+               "a number in [0, 1]", self.threshold)
         if self.edit_threshold is not None:
             _check(
-                0.0 <= self.edit_threshold <= 1.0,
+                _is_number(self.edit_threshold) and 0.0 <= self.edit_threshold <= 1.0,
                 "edit_threshold",
                 "a number in [0, 1] or None (no edits)",
                 self.edit_threshold,
@@ -75,13 +77,16 @@ class DecodeConfig:
             "an integer >= 1",
             self.max_new_tokens,
         )
-        _check(self.temperature >= 0.0, "temperature", "a number >= 0", self.temperature)
+        _check(_is_number(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE,
+               "temperature", f"a number in [0, {MAX_TEMPERATURE:g}]", self.temperature)
         if self.temperature < MIN_TEMPERATURE:  # logits / 1e-300 overflow: greedy, as vLLM
             object.__setattr__(self, "temperature", 0.0)
         if self.top_k is not None:
             _check(_is_int(self.top_k) and self.top_k >= 1, "top_k", "an integer >= 1", self.top_k)
         if self.top_p is not None:
-            _check(0.0 < self.top_p <= 1.0, "top_p", "a number in (0, 1]", self.top_p)
+            _check(_is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p",
+                   "a number in (0, 1]", self.top_p)
+        check_seed(self.seed)
         _check(
             _is_int(self.num_to_transfer) and self.num_to_transfer >= 1,
             "num_to_transfer",
@@ -99,6 +104,17 @@ class DecodeConfig:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_seed(seed: Any) -> None:
+    """A request's seed: None, or an integer a torch generator takes (0 .. 2**63 - 1)."""
+    if seed is not None:
+        _check(_is_int(seed) and 0 <= seed < 2**63, "seed", "an integer in [0, 2**63 - 1]",
+               seed)
 
 
 def _check(ok: bool, field: str, expected: str, value: Any) -> None:
