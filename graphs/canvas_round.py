@@ -53,7 +53,7 @@ class CanvasBuffers:
     @classmethod
     def allocate(cls, settings: CanvasSettings, vocab_size: int, dtype: torch.dtype,
                  device: torch.device) -> CanvasBuffers:
-        c, s = settings.canvas_length, settings.stability_threshold
+        c, s = settings.canvas_length, settings.history_depth
         long, b = torch.int64, torch.bool
         return cls(
             tokens=torch.zeros(c, dtype=long, device=device),

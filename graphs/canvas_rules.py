@@ -171,14 +171,14 @@ def stop_test(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(stop [...] bool, history [S, ..., C])` after a step with argmax canvas `argmax [..., C]`.
 
-    Stable: `argmax` equals each of the last S = `stability_threshold` argmax canvases in
+    Stable: `argmax` equals each of the last S = `history_depth` argmax canvases in
     `history` (S = 0: always; the history starts at -1, so the first step never is).
     Confident: the mean over the canvas of `entropy [..., C]` (tempered logits) is below
     `confidence_threshold`. The new history drops the oldest canvas and appends `argmax`.
     """
     stable = (history == argmax[None]).all(dim=-1).all(dim=0)  # [...]
     confident = entropy.mean(dim=-1) < settings.confidence_threshold  # [...]
-    if settings.stability_threshold > 0:
+    if settings.history_depth > 0:
         history = torch.cat([history[1:], argmax[None]])  # [S, ..., C]
     return stable & confident, history
 
@@ -186,7 +186,7 @@ def stop_test(
 def initial_state(canvas: torch.Tensor, settings: CanvasSettings) -> CanvasState:
     """The state before step 1 of a canvas that starts as `canvas [..., C]` int64."""
     history = torch.full(
-        (settings.stability_threshold, *canvas.shape), -1, dtype=canvas.dtype, device=canvas.device
+        (settings.history_depth, *canvas.shape), -1, dtype=canvas.dtype, device=canvas.device
     )  # [S, ..., C]
     stopped = torch.zeros(canvas.shape[:-1], dtype=torch.bool, device=canvas.device)  # [...]
     return CanvasState(canvas, canvas, history, stopped)

@@ -76,8 +76,8 @@ class CanvasSettings:
             "canvas_length", "an integer >= 1", self.canvas_length,
         )
         _check(
-            _is_int(self.max_denoising_steps) and self.max_denoising_steps >= 1,
-            "max_denoising_steps", "an integer >= 1", self.max_denoising_steps,
+            _is_int(self.max_denoising_steps) and 1 <= self.max_denoising_steps < 2**31,
+            "max_denoising_steps", "an integer in [1, 2**31 - 1]", self.max_denoising_steps,
         )
         _check(_is_number(self.t_min) and self.t_min >= 0, "t_min", "a number >= 0", self.t_min)
         _check(
@@ -89,8 +89,8 @@ class CanvasSettings:
             "entropy_bound", "a number > 0 (nats)", self.entropy_bound,
         )
         _check(
-            _is_int(self.stability_threshold) and self.stability_threshold >= 0,
-            "stability_threshold", "an integer >= 0", self.stability_threshold,
+            _is_int(self.stability_threshold) and 0 <= self.stability_threshold < 2**31,
+            "stability_threshold", "an integer in [0, 2**31 - 1]", self.stability_threshold,
         )
         _check(
             _is_number(self.confidence_threshold) and self.confidence_threshold > 0,
@@ -113,6 +113,13 @@ class CanvasSettings:
             _is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
             "max_new_tokens", "an integer >= 1", self.max_new_tokens,
         )
+
+    @property
+    def history_depth(self) -> int:
+        """Argmax canvases the stopping rule keeps: `stability_threshold`, or the step budget
+        when that is smaller (a canvas takes at most `max_denoising_steps` steps, so a
+        threshold past it is never met either way, and its history need not be kept)."""
+        return min(self.stability_threshold, self.max_denoising_steps)
 
     @property
     def canvas_count(self) -> int:

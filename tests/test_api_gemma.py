@@ -39,6 +39,20 @@ def test_generate_result_and_settings(tiny_gemma_llm):
     assert s["model_type"] == "diffusion_gemma" and s["mode"] == "eager" and s["role"] == "orl"
 
 
+def test_a_stability_threshold_past_the_step_budget_is_never_met(tiny_gemma_llm):
+    """Past `max_denoising_steps` a threshold cannot be met, whatever its size: every canvas
+    takes all its steps, and a huge one decodes as one just past the budget (its history is
+    kept at the budget's depth, not allocated at the threshold's)."""
+    kwargs = dict(messages=CHAT, seed=0, max_new_tokens=64, max_denoising_steps=3,
+                  confidence_threshold=1e9)  # confident at once: only stability can stop
+    just_past = tiny_gemma_llm.generate(**kwargs, stability_threshold=4)
+    huge = tiny_gemma_llm.generate(**kwargs, stability_threshold=2**31 - 1)
+    assert huge.token_ids == just_past.token_ids
+    assert huge.num_forwards == just_past.num_forwards == 3 * huge.blocks
+    stops = tiny_gemma_llm.generate(**kwargs, stability_threshold=0)
+    assert stops.num_forwards == stops.blocks  # the same settings can stop at once
+
+
 def test_stream_yields_canvas_rounds_chunks_and_the_same_result(tiny_gemma_llm):
     kwargs = dict(prompt_token_ids=[BOS_ID, 300, 301, 302], max_new_tokens=96, seed=3,
                   max_denoising_steps=5)
