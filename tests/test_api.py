@@ -2,6 +2,8 @@ import re
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dlmc.errors import ConfigError
 from dlmc.results import BlockChunk, Done, RoundEvent
@@ -201,3 +203,25 @@ def test_a_stop_sequence_ends_the_answer_before_it(tiny_llm):
     assert tiny_llm.generate(**kwargs, stop="\x00\x01").text == full.text  # none appears
     with pytest.raises(ConfigError, match="stop: a stop sequence must not be empty"):
         tiny_llm.generate(**kwargs, stop=[""])
+
+
+NUMBERS = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-2, 2**70),
+                    st.booleans(), st.none(), st.text(max_size=3))
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(options=st.fixed_dictionaries({}, optional={
+    "temperature": NUMBERS, "top_k": NUMBERS, "top_p": NUMBERS, "threshold": NUMBERS,
+    "edit_threshold": NUMBERS, "seed": NUMBERS, "block_length": st.one_of(
+        st.integers(-1, 40), NUMBERS),
+    # small: the random tiny model's edits need not converge, so refine steps all run
+    "max_refine_steps": st.one_of(st.integers(-1, 3), st.sampled_from([2.5, True, None]))}))
+def test_any_decoding_options_decode_or_are_refused_by_name(tiny_llm, options):
+    """Whatever the values, `generate` decodes, or raises ConfigError naming the option."""
+    try:
+        res = tiny_llm.generate(prompt_token_ids=[65, 66, 67], max_new_tokens=4, **options)
+    except ConfigError as exc:
+        assert any(f"`{name}`" in str(exc) for name in options), str(exc)
+        return
+    assert len(res.token_ids) <= 4 + res.settings["block_length"] and res.token_ids

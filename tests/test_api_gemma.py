@@ -6,6 +6,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dlmc.errors import ConfigError
 from dlmc.loading.tiny_gemma_tokenizer import BOS_ID, IMAGE_ID, TURN_OPEN_ID
@@ -206,3 +208,22 @@ def test_a_stop_sequence_ends_the_canvases(tiny_gemma_llm):
     assert res.token_ids == full.token_ids[: len(res.token_ids)] and len(res.token_ids) <= 32
     assert res.blocks == 1 and res.num_forwards == steps
     assert res.total_forwards == steps + 1  # the prompt; the first canvas is never encoded
+
+
+NUMBERS = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-2, 2**70),
+                    st.booleans(), st.none(), st.text(max_size=3))
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(options=st.fixed_dictionaries({"max_denoising_steps": st.integers(1, 3)}, optional={
+    "t_min": NUMBERS, "t_max": NUMBERS, "entropy_bound": NUMBERS, "confidence_threshold": NUMBERS,
+    "stability_threshold": NUMBERS, "seed": NUMBERS, "temperature": NUMBERS}))
+def test_any_sampler_options_decode_or_are_refused_by_name(tiny_gemma_llm, options):
+    """Whatever the values, `generate` decodes, or raises ConfigError naming the option."""
+    try:
+        res = tiny_gemma_llm.generate(messages=CHAT, max_new_tokens=8, **options)
+    except ConfigError as exc:
+        assert any(f"`{name}`" in str(exc) for name in options), str(exc)
+        return
+    assert res.token_ids and res.num_forwards <= 3 * res.blocks

@@ -159,6 +159,11 @@ def resolve_canvas_config(
     except ConfigError as exc:  # name the argument at fault, as the other options do
         named = re.search(r"CanvasSettings\.(\w+)", str(exc))
         name = named.group(1) if named else ", ".join(given)
-        raise ConfigError(f"decoding option `{name}`: {exc}") from None
+        where = sources.get(name, "default")
+        where = "transformers' default" if where == "default" else f"from {where}"
+        origin = "" if name in given or not given else (
+            f" ({name} is {where}; the arguments {', '.join(f'`{k}`' for k in given)} do "
+            "not fit it)")
+        raise ConfigError(f"decoding option `{name}`: {exc}{origin}") from None
     sources.update({k: "argument" for k in given})
     return CanvasDecodeConfig(settings, seed, sources)
