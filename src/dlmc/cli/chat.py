@@ -11,7 +11,6 @@ import click
 from dlmc.cli.options import (
     decode_kwargs,
     decode_options,
-    engine_kwargs,
     error_line,
     kernel_options,
     model_options,
@@ -50,16 +49,10 @@ def chat(
     from rich.console import Console
     from rich.markup import escape
 
-    from dlmc.cli.generate import print_first_rounds_notice
+    from dlmc.cli.generate import load_engine, print_first_rounds_notice
 
     err = Console(stderr=True)
-    with err.status(f"loading {model}…", spinner="dots"):
-        from dlmc.api import LLM
-
-        llm = LLM(
-            model, role=role, precision=precision, device=device, dtype=dtype, show_progress=True,
-            **engine_kwargs(decode),
-        )
+    llm = load_engine(err, model, role, precision, device, dtype, decode)
     llm.tokenizer  # noqa: B018 - a checkpoint without a chat template stops here
     kwargs = decode_kwargs(decode) | ({"stop": list(stop)} if stop else {})
     print_first_rounds_notice(err, llm)

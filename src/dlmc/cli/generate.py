@@ -57,13 +57,7 @@ def generate(
     if raw and system:
         raise click.UsageError("--system needs the chat template: drop --raw")
     err = Console(stderr=True)
-    with err.status(f"loading {model}…", spinner="dots"):
-        from dlmc.api import LLM
-
-        llm = LLM(
-            model, role=role, precision=precision, device=device, dtype=dtype, show_progress=True,
-            **engine_kwargs(decode),
-        )
+    llm = load_engine(err, model, role, precision, device, dtype, decode)
     llm.tokenizer  # noqa: B018 - a checkpoint without one stops here, before any output
     request: dict[str, Any] = (
         {"prompt": prompt}
@@ -87,6 +81,17 @@ def generate(
     else:
         click.echo(result.text)
         click.echo(stats_line(result), err=True)
+
+
+def load_engine(console: Any, model: str, role: str, precision: str, device: str | None,
+                dtype: str | None, params: dict[str, Any]) -> Any:
+    """The `LLM` of a command's model options (`params`: its other parameters), loaded under
+    a spinner on `console` (generate, chat and serve)."""
+    with console.status(f"loading {model}…", spinner="dots"):
+        from dlmc.api import LLM
+
+        return LLM(model, role=role, precision=precision, device=device, dtype=dtype,
+                   show_progress=True, **engine_kwargs(params))
 
 
 def first_rounds_notice(mode: str, device_type: str) -> str | None:

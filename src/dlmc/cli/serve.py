@@ -8,11 +8,10 @@ from typing import Any
 
 import click
 
-from dlmc.cli.generate import print_first_rounds_notice
+from dlmc.cli.generate import load_engine, print_first_rounds_notice
 from dlmc.cli.options import (
     decode_kwargs,
     decode_options,
-    engine_kwargs,
     kernel_options,
     model_options,
     user_errors,
@@ -110,13 +109,7 @@ def serve(
         allowed_origins=allowed_origins,
     )
     err = Console(stderr=True)
-    with err.status(f"loading {model}…", spinner="dots"):
-        from dlmc.api import LLM
-
-        llm = LLM(
-            model, role=role, precision=precision, device=device, dtype=dtype, show_progress=True,
-            **engine_kwargs(decode),
-        )
+    llm = load_engine(err, model, role, precision, device, dtype, decode)
     app = create_app(llm, settings)
     print_first_rounds_notice(err, llm)
     with err.status("warming up…", spinner="dots"):
