@@ -40,7 +40,13 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite int or float that a float holds (10**400 does not)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _check(ok: bool, name: str, expected: str, value: Any) -> None:
@@ -113,6 +119,9 @@ class CanvasSettings:
             _is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
             "max_new_tokens", "an integer >= 1", self.max_new_tokens,
         )
+        # The rule compares tensors with these: as floats, 2**64 is a bound like any other.
+        for name in ("t_min", "t_max", "entropy_bound", "confidence_threshold"):
+            object.__setattr__(self, name, float(getattr(self, name)))
 
     @property
     def history_depth(self) -> int:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from dlmc.errors import ConfigError
@@ -219,6 +219,7 @@ NUMBERS = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(
 @given(options=st.fixed_dictionaries({"max_denoising_steps": st.integers(1, 3)}, optional={
     "t_min": NUMBERS, "t_max": NUMBERS, "entropy_bound": NUMBERS, "confidence_threshold": NUMBERS,
     "stability_threshold": NUMBERS, "seed": NUMBERS, "temperature": NUMBERS}))
+@example(options={"max_denoising_steps": 1, "entropy_bound": 2**64})  # once overflowed a tensor
 def test_any_sampler_options_decode_or_are_refused_by_name(tiny_gemma_llm, options):
     """Whatever the values, `generate` decodes, or raises ConfigError naming the option."""
     try:

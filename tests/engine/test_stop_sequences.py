@@ -50,9 +50,17 @@ def test_text_that_may_begin_a_stop_waits_for_the_next_block() -> None:
     assert answer.stop is None
 
 
-def test_the_earliest_stop_wins_and_a_split_character_is_whole() -> None:
+def test_the_stop_complete_first_wins_and_a_split_character_is_whole() -> None:
     answer, _ = run(["b then a"], ("a", "b"))
     assert answer.stop == "b" and answer.text == ""
+    # "a" is complete before "\naa", which began earlier: the cut is the same however the
+    # text falls into blocks
+    for blocks in (["\naa"], ["\na", "a"], ["\n", "aa"]):
+        answer, sent = run(blocks, ("a", "\naa"))
+        assert answer.stop == "a" and answer.text == "\n", blocks
+        assert "".join(text for _, text in sent) == "\n" and answer.ids == ids_of("\na")
+    answer, _ = run(["xab"], ("b", "ab"))  # two ending together: the longer
+    assert answer.stop == "ab" and answer.text == "x"
     ids = ids_of("café!")  # é is two bytes; the block boundary splits it
     answer = AnswerText(decode, ("é",))
     assert answer.add(ids[:4]) == (tuple(ids[:4]), "caf")
@@ -72,15 +80,15 @@ def test_matches_the_plain_definition(text: str, cuts: list[int], stops: list[st
     answer = AnswerText(decode, checked_stops(stops))
     sent = "".join(answer.add(ids[a:b])[1] for a, b in zip(bounds, bounds[1:], strict=False))
     sent += answer.flush()
-    hits = [(text.find(s), s) for s in stops if s in text]
+    # the plain definition: the stop whose first occurrence ends first; of two, the longer
+    hits = [(text.find(s) + len(s), -len(s), s) for s in stops if s in text]
     if not hits:
         assert answer.stop is None and sent == text and answer.ids == ids
         return
-    at, stop = min(hits, key=lambda hit: hit[0])
-    assert sent == text[:at] == answer.text
-    assert text.find(answer.stop) == at
-    end = at + len(answer.stop)
-    assert answer.ids == ids_of(text[:end]) and stop in stops  # the fewest ids through it
+    end, _, stop = min(hits)
+    assert answer.stop == stop
+    assert sent == text[: end - len(stop)] == answer.text
+    assert answer.ids == ids_of(text[:end])  # the fewest ids through it
 
 
 def test_bad_stop_values_are_named() -> None:

@@ -1,7 +1,12 @@
 """Stop sequences (OpenAI's and vLLM's `stop`): an answer's text as its blocks finish, cut
 where a stop sequence appears. The sequence is not part of the text; the answer's ids end with
 the id that completes it. Text that may begin a stop sequence is held back until a later block
-shows whether it does, so no text past a stop is ever sent."""
+shows whether it does, so no text past a stop is ever sent.
+
+The stop that ends the answer is the one complete first in the text (the earliest end; of two
+ending at the same character, the longer), as when text is checked token by token. So the cut
+does not depend on how the text falls into blocks: a stop found in one block is final, since
+one still incomplete at the block's end would end later."""
 
 from __future__ import annotations
 
@@ -26,7 +31,8 @@ def checked_stops(stop: Any) -> tuple[str, ...]:
 class AnswerText:
     """The text of an answer's ids as blocks are added. `decode(ids)` is the tokenizer's text
     of answer ids. With `stops`, `add` returns only text that cannot begin a stop sequence and
-    ends the answer at the first one found (`stop`, `text`, `ids` then hold the cut answer)."""
+    ends the answer at the first one complete (`stop`, `text`, `ids` then hold the cut
+    answer)."""
 
     def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str] = ()) -> None:
         self.decode, self.stops = decode, tuple(stops)
@@ -61,10 +67,11 @@ class AnswerText:
         return out
 
     def _first_stop(self) -> tuple[int, str] | None:
-        """(index, sequence) of the earliest stop sequence in the text not yet sent (none
-        can begin in text already sent: `_held` keeps every possible start back)."""
+        """(index, sequence) of the stop sequence complete first in the text not yet sent
+        (none can begin in text already sent: `_held` keeps every possible start back); of
+        two that end together, the longer."""
         hits = [(at, s) for s in self.stops if (at := self.text.find(s, self.sent)) >= 0]
-        return min(hits, key=lambda hit: hit[0]) if hits else None
+        return min(hits, key=lambda hit: (hit[0] + len(hit[1]), hit[0])) if hits else None
 
     def _held(self) -> int:
         """Characters at the end of the text that are the start of some stop sequence."""
