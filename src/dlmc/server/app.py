@@ -2,8 +2,8 @@
 
 Endpoints: `POST /generate` (dlmc's own, streaming by default), the OpenAI-compatible
 `POST /v1/chat/completions`, `POST /v1/completions` and `GET /v1/models`, `POST /tokenize`
-and `POST /detokenize`, and `GET /health`; with an API key, every route but `/health` wants
-it (auth.py).
+and `POST /detokenize`, `GET /health`, `GET /metrics` (Prometheus, metrics.py) and
+`GET /version`; with an API key, every route but `/health` and `/metrics` wants it (auth.py).
 Requests decode one at a time on one engine thread (see engine_worker.py); each is read (at
 most `max_body_bytes`), parsed and encoded by its handler off the event loop before it is queued.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from importlib.metadata import PackageNotFoundError, version
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from dlmc.server.handling import (
     run_to_end,
     sse,
 )
+from dlmc.server.metrics import CONTENT_TYPE, ServerMetrics
 from dlmc.server.openai_compat import add_openai_routes
 from dlmc.server.schemas import ApiError, GenerateRequest, parse_body
 from dlmc.server.tokens import add_token_routes
@@ -87,11 +89,15 @@ def create_app(llm: Any, settings: ServerSettings | None = None) -> FastAPI:
     preparer = RequestPreparer(llm, settings.decode_defaults)
     llm.decode_settings(**preparer.defaults)  # bad defaults fail here, not per request
     preparer.load_tokenizer()
+    model_name = settings.model_name or str(llm.model_id)
+    worker = EngineWorker(llm, settings.queue_size, settings.request_timeout_s)
+    metrics = ServerMetrics(model_name, worker.snapshot)
+    worker.on_finished = metrics.observe_finished
     ctx = ServerContext(
         llm=llm,
-        worker=EngineWorker(llm, settings.queue_size, settings.request_timeout_s),
+        worker=worker,
         preparer=preparer,
-        model_name=settings.model_name or str(llm.model_id),
+        model_name=model_name,
         created=int(time.time()),
         max_body_bytes=settings.max_body_bytes,
     )
@@ -113,6 +119,7 @@ def create_app(llm: Any, settings: ServerSettings | None = None) -> FastAPI:
                            allow_methods=["GET", "POST"], allow_headers=["*"])
     _add_error_handlers(app)
     _add_dlmc_routes(app, ctx)
+    _add_monitoring_routes(app, metrics)
     add_openai_routes(app, ctx)
     add_token_routes(app, ctx)
     return app
@@ -190,6 +197,24 @@ def _add_dlmc_routes(app: FastAPI, ctx: ServerContext) -> None:
                 yield sse({"type": "error", **api_error(exc).body()})
 
         return EventStream(events(), on_close=job.cancel)
+
+
+def _add_monitoring_routes(app: FastAPI, metrics: ServerMetrics) -> None:
+    @app.get("/metrics", response_model=None)
+    async def prometheus_metrics() -> Response:
+        """Prometheus metrics (text format): queue gauges, request outcomes, tokens, forwards,
+        latency histograms (see dlmc.server.metrics)."""
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    try:
+        installed = version("dlmc")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        installed = "unknown"
+
+    @app.get("/version")
+    async def dlmc_version() -> dict[str, str]:
+        """`{"version": the installed dlmc's version}`."""
+        return {"version": installed}
 
 
 def _prepare_generate(ctx: ServerContext, raw: bytes) -> tuple[GenerateRequest, Prepared]:

@@ -1,6 +1,7 @@
-"""The API key check of `dlmc serve --api-key`: every route but `/health` wants the header
-`Authorization: Bearer <key>`, as OpenAI clients send it (`api_key=`); a request without it,
-or with another key, is answered 401 before its body is read.
+"""The API key check of `dlmc serve --api-key`: every route but `/health` and `/metrics` wants
+the header `Authorization: Bearer <key>`, as OpenAI clients send it (`api_key=`); a request
+without it, or with another key, is answered 401 before its body is read. /metrics stays open,
+as in vLLM, for Prometheus scrapers; it shows counts and timings, never prompts or answers.
 
 A plain ASGI middleware, so streamed answers and the disconnect checks of the routes pass
 through untouched.
@@ -13,7 +14,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-OPEN_PATHS = frozenset({"/health"})  # for load balancers and probes
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # for load balancers, probes and scrapers
 
 
 class ApiKeyCheck:

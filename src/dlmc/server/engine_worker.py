@@ -22,11 +22,12 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from dlmc.results import BlockChunk, Done
+from dlmc.server.metrics import FinishedRequest
 
 
 class QueueFull(Exception):
@@ -73,6 +74,7 @@ class Job:
     request: Prepared
     loop: asyncio.AbstractEventLoop
     deadline: float  # time.monotonic() after which the request has timed out
+    admitted_at: float = field(default_factory=time.monotonic)
     events: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -104,8 +106,12 @@ class WorkerCounts:
 class EngineWorker:
     """Runs `llm.stream` for submitted jobs on one thread, one job at a time."""
 
-    def __init__(self, llm: Any, queue_size: int, request_timeout_s: float) -> None:
+    def __init__(self, llm: Any, queue_size: int, request_timeout_s: float,
+                 on_finished: Callable[[FinishedRequest], None] | None = None) -> None:
+        """`on_finished` is told of every job that decodes to its end (on the engine thread):
+        the server's metrics."""
         self.llm, self.queue_size, self.request_timeout_s = llm, queue_size, request_timeout_s
+        self.on_finished = on_finished
         self.counts = WorkerCounts()
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -221,12 +227,17 @@ class EngineWorker:
         if job.should_stop():  # the client left (or timed out) while it waited
             self._count("cancelled")
             return None
+        started, first_block = time.monotonic(), None
         try:
             for event in self.llm.stream(**job.request.stream_kwargs(), cancel=job.should_stop):
                 if isinstance(event, Done):  # the stream's last event
                     cancelled = event.result.finish_reason == "cancelled"
                     self._count("cancelled" if cancelled else "completed")
+                    if not cancelled and self.on_finished is not None:
+                        self.on_finished(_finished(job, started, first_block, event))
                     return event
+                if first_block is None and isinstance(event, BlockChunk):
+                    first_block = time.monotonic()
                 job.emit(event)
         except Exception as exc:  # one bad request must not take the server down;
             self._count("failed")  # the handler reports it (a DlmcError 400, else 500)
@@ -236,3 +247,17 @@ class EngineWorker:
     def _count(self, outcome: str) -> None:
         with self._lock:
             setattr(self.counts, outcome, getattr(self.counts, outcome) + 1)
+
+
+def _finished(job: Job, started: float, first_block: float | None, done: Done) -> FinishedRequest:
+    """The metrics' record of a job that decoded to its end."""
+    r, t0 = done.result, job.admitted_at
+    return FinishedRequest(
+        queued_s=started - t0,
+        first_block_s=None if first_block is None else first_block - t0,
+        total_s=time.monotonic() - t0,
+        prompt_tokens=len(r.prompt_token_ids),
+        generated_tokens=len(r.token_ids),
+        forwards=r.num_forwards,
+        finish_reason=r.finish_reason,
+    )
