@@ -92,7 +92,8 @@ def serve(
     **decode: Any,
 ) -> None:
     """Serve a model: POST /generate (streaming), POST /v1/chat/completions,
-    POST /v1/completions, GET /v1/models, POST /tokenize and /detokenize, GET /health.
+    POST /v1/completions, GET /v1/models, POST /tokenize and /detokenize, GET /health,
+    GET /metrics (Prometheus) and GET /version.
 
     The decoding options are the defaults of every request (a request's own fields win)."""
     from rich.console import Console
