@@ -111,3 +111,16 @@ def test_a_finished_request_without_blocks_or_forwards() -> None:
     assert get("dlmc_e2e_request_latency_seconds_sum") == 0.75
     assert get("dlmc_time_to_first_block_seconds_count") == 0
     assert get("dlmc_tokens_per_forward_count") == 0
+
+
+def test_a_failure_to_record_metrics_is_not_the_requests(flaky_llm: FlakyLLM, monkeypatch) -> None:
+    def broken(self: ServerMetrics, record: FinishedRequest) -> None:
+        raise RuntimeError("metrics are broken")
+
+    monkeypatch.setattr(ServerMetrics, "observe_finished", broken)
+    with running_server(flaky_llm) as url, httpx.Client(base_url=url, timeout=60) as client:
+        body = {"prompt": "x", "max_new_tokens": 8, "stream": False}
+        response = client.post("/generate", json=body)
+        assert response.status_code == 200 and response.json()["tokens"] == 8
+        state = wait_for(client, lambda s: s["queue"]["running"] == 0)
+    assert state["requests"]["completed"] == 1 and state["requests"]["failed"] == 0

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import logging
 import time
-from importlib.metadata import PackageNotFoundError, version
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from fastapi import FastAPI, Request

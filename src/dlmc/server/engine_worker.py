@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import queue
 import threading
 import time
@@ -28,6 +29,8 @@ from typing import Any
 
 from dlmc.results import BlockChunk, Done
 from dlmc.server.metrics import FinishedRequest
+
+log = logging.getLogger(__name__)
 
 
 class QueueFull(Exception):
@@ -233,8 +236,8 @@ class EngineWorker:
                 if isinstance(event, Done):  # the stream's last event
                     cancelled = event.result.finish_reason == "cancelled"
                     self._count("cancelled" if cancelled else "completed")
-                    if not cancelled and self.on_finished is not None:
-                        self.on_finished(_finished(job, started, first_block, event))
+                    if not cancelled:
+                        self._observe(_finished(job, started, first_block, event))
                     return event
                 if first_block is None and isinstance(event, BlockChunk):
                     first_block = time.monotonic()
@@ -243,6 +246,16 @@ class EngineWorker:
             self._count("failed")  # the handler reports it (a DlmcError 400, else 500)
             return _Failure(exc)
         return None
+
+    def _observe(self, record: FinishedRequest) -> None:
+        """Hand a finished request to `on_finished`; a failure there is logged, never the
+        request's."""
+        if self.on_finished is None:
+            return
+        try:
+            self.on_finished(record)
+        except Exception:
+            log.exception("recording a finished request's metrics failed")
 
     def _count(self, outcome: str) -> None:
         with self._lock:
