@@ -62,6 +62,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--capacity", type=int, default=0,
                    help="cached tokens the page pool holds (0: the prefix + the block + a page)")
     p.add_argument("--no-flashinfer", action="store_true", help="skip FlashInfer (JIT ~18 s)")
+    p.add_argument("--torch-sdpa", action="store_true",
+                   help="also time torch's scaled_dot_product_attention (flash, cuDNN and "
+                   "memory-efficient backends, GQA) over the same keys laid out contiguously in "
+                   "BF16: what a dense library kernel does at the shape, without the cost of "
+                   "gathering and dequantizing the pages")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="JSON output path")
     return p.parse_args()
@@ -186,9 +191,46 @@ def bench_prefix(args: argparse.Namespace, prefix: int, env: dict[str, object],
         record("flashinfer", "fa2 append+run", prefix, time_graph(
             [lambda i=i: (fi_append(i), fi_run(i)) for i in range(args.layers)],
             args.iters), err)
+    if args.torch_sdpa:
+        bench_torch_sdpa(args, t, prefix, scale, rel_err, record)
     record("reference", "eager (syncs)", prefix, time_events(
         lambda: [paged_attention_reference(**layer_args(t, i), **opts)
                  for i in range(args.layers)], max(args.iters // 2, 50), args.layers), 0.0)
+
+
+def bench_torch_sdpa(args: argparse.Namespace, t: dict[str, torch.Tensor], prefix: int,
+                     scale: float, rel_err: Callable[[torch.Tensor], float],
+                     record: Callable[[str, str, int, list[float], float], None]) -> None:
+    """torch SDPA over each layer's cached prefix (dequantized) and own keys, contiguous BF16,
+    bidirectional: `[1, H, T, D]` queries against `[1, Hkv, prefix + T, D]` keys."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def dense(cache: torch.Tensor, new: torch.Tensor, kv_scale: torch.Tensor) -> torch.Tensor:
+        cached = cache.flatten(0, 1)[:prefix].float() * kv_scale  # pages in table order
+        return torch.cat([cached.bfloat16(), new]).transpose(0, 1)[None].contiguous()
+
+    layers = [(t["q"][i].transpose(0, 1)[None].contiguous(),
+               dense(t["k_cache"][i], t["k_new"][i], t["k_scale"]),
+               dense(t["v_cache"][i], t["v_new"][i], t["v_scale"])) for i in range(args.layers)]
+    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    for name, backend in backends.items():
+        def run(i: int, backend: SDPBackend = backend) -> torch.Tensor:
+            q, k, v = layers[i]
+            with sdpa_kernel([backend]):
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, scale=scale, enable_gqa=True)
+            return out[0].transpose(0, 1)  # [T, H, D]
+
+        try:
+            err = rel_err(run(0))
+            record("torch-sdpa", name, prefix,
+                   time_graph([lambda i=i, f=run: f(i) for i in range(args.layers)],
+                              args.iters), err)
+        except Exception as e:  # a backend that refuses the shape (head dim, GQA)
+            print(f"torch-sdpa {name:28s} prefix={prefix:6d} FAILED {type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:200] if str(e) else ''}", flush=True)
+            torch.cuda.synchronize()
 
 
 def main() -> None:

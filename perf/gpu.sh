@@ -25,7 +25,8 @@
 #                separate and with fused q/k/v and gate/up projections (--gemma-fused-projections)
 #   canvas-ops [A [KV]]  dlmc::paged_attention's launch variants (the chunked and the
 #                speculative merge, split-kernel tiles) alone at DiffusionGemma's canvas
-#                shapes, FP8 and BF16 caches (KV: fp8 or bf16 alone), then dlmc::nvfp4_moe at
+#                shapes, FP8 and BF16 caches (KV: fp8 or bf16 alone), against torch's SDPA
+#                over the same keys laid out contiguously in BF16, then dlmc::nvfp4_moe at
 #                the canvas shapes (width 768, as loaded): the op's choice and NVFP4Tiles.
 #                A: "attention" or "experts" for one half alone
 #   canvas-pad   dlmc::nvfp4_moe alone at DiffusionGemma's width (704, kernel v3) and widened
@@ -118,7 +119,7 @@ step() {  # step NAME LIMIT COMMAND...: COMMAND under a time limit, output into 
 
 summary() {  # the lines of $OUT/PART.txt that hold the figures
   local figures='│ +(graph|queued|flight)|host overhead|"nvfp4_ms_per_layer"|of_copy'
-  grep -E "^== [a-z0-9_]+: |$figures|^(triton|flashinfer) +(default|fa2 run) " "$OUT/$PART.txt" \
+  grep -E "^== [a-z0-9_]+: |$figures|^(triton|flashinfer|torch-sdpa) +(default|fa2 run|flash|cudnn|efficient) " "$OUT/$PART.txt" \
     | cut -c1-160
 }
 
@@ -207,10 +208,12 @@ canvas-ops)
   for kv in $kvs; do  # dlmc::paged_attention at the canvas's shapes, prefix 1024, tiles
     step "attention_gemma_sliding_$kv" 140 python3 perf/bench_paged_attention.py --no-flashinfer \
       --prefixes 1024 --layers 25 --num-queries 256 --q-heads 16 --kv-heads 8 --head-dim 256 \
-      --kv-dtype "$kv" --sweep "${GEMMA_TILES[@]}" --out "$OUT/attention_gemma_sliding_$kv.json"
+      --kv-dtype "$kv" --sweep "${GEMMA_TILES[@]}" --torch-sdpa \
+      --out "$OUT/attention_gemma_sliding_$kv.json"
     step "attention_gemma_full_$kv" 140 python3 perf/bench_paged_attention.py --no-flashinfer \
       --prefixes 1024 --layers 5 --num-queries 256 --q-heads 16 --kv-heads 2 --head-dim 512 \
-      --kv-dtype "$kv" --sweep "${GEMMA_TILES[@]}" --out "$OUT/attention_gemma_full_$kv.json"
+      --kv-dtype "$kv" --sweep "${GEMMA_TILES[@]}" --torch-sdpa \
+      --out "$OUT/attention_gemma_full_$kv.json"
   done
   [ "${2:-}" = attention ] && { summary; exit 0; }
   # dlmc::nvfp4_moe at the canvas's shapes, experts widened to 768 as loaded (kernel v7): the
