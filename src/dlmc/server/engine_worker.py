@@ -109,12 +109,11 @@ class WorkerCounts:
 class EngineWorker:
     """Runs `llm.stream` for submitted jobs on one thread, one job at a time."""
 
-    def __init__(self, llm: Any, queue_size: int, request_timeout_s: float,
-                 on_finished: Callable[[FinishedRequest], None] | None = None) -> None:
-        """`on_finished` is told of every job that decodes to its end (on the engine thread):
-        the server's metrics."""
+    def __init__(self, llm: Any, queue_size: int, request_timeout_s: float) -> None:
         self.llm, self.queue_size, self.request_timeout_s = llm, queue_size, request_timeout_s
-        self.on_finished = on_finished
+        # Told of every job that decodes to its end, on the engine thread: the app sets it to
+        # its metrics' recorder (which reads `snapshot`, so it is made after the worker).
+        self.on_finished: Callable[[FinishedRequest], None] | None = None
         self.counts = WorkerCounts()
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._lock = threading.Lock()
